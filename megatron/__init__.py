@@ -1,0 +1,1 @@
+"""Megatron-style training core whose gradients do not depend on the parallel layout."""

@@ -1,0 +1,209 @@
+"""DistributedDataParallel: gradients accumulate in contiguous buffers and are reduced over
+the data-parallel x context-parallel group in buckets."""
+
+import contextlib
+from typing import Dict, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.distributed.distributed_data_parallel_config import (
+    DistributedDataParallelConfig,
+)
+from megatron.core.distributed.param_and_grad_buffer import (
+    GradBucket,
+    GradBuffer,
+    reduce_bucket,
+    wait_bucket,
+)
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Wraps a model chunk; each parameter's gradient is added into ``param.main_grad`` (a
+    view of one contiguous buffer per dtype) and freed.
+
+    After ``finish_grad_sync`` every ``main_grad`` holds ``(1/(D*C)) * sum over dp_cp`` of
+    the local gradients (SUM of pre-scaled grads, or AVG with ``average_in_collective``),
+    or the plain sum in per-token mode (``config.calculate_per_token_loss``), where
+    ``finalize_model_grads`` divides by the token count. Group: ``pg_collection.dp_cp``, else
+    ``parallel_state``'s dp x cp group (MPU fallback), else none (one process).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        ddp_config: DistributedDataParallelConfig,
+        module: torch.nn.Module,
+        disable_bucketing: bool = False,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ) -> None:
+        super().__init__()
+        self.config, self.ddp_config, self.module = config, ddp_config, module
+        _reject_unsupported(ddp_config)
+        self.dp_cp_group = _dp_cp_group(pg_collection)
+        dp_cp_size = 1 if self.dp_cp_group is None else self.dp_cp_group.size()
+        if config.calculate_per_token_loss and ddp_config.average_in_collective:
+            raise ValueError(
+                "average_in_collective=True cannot be combined with calculate_per_token_loss="
+                "True: per-token mode sums gradients and divides by the global token count"
+            )
+        self.average = ddp_config.average_in_collective
+        per_token_or_avg = config.calculate_per_token_loss or self.average
+        self.pre_scale = 1.0 if per_token_or_avg else 1.0 / dp_cp_size
+        bucket_size = ddp_config.bucket_size
+        if bucket_size is None:
+            bucket_size = max(40_000_000, 1_000_000 * dp_cp_size)
+        if disable_bucketing or not ddp_config.overlap_grad_reduce:
+            bucket_size = None
+        self.buffers = _make_buffers(module, ddp_config.grad_reduce_in_fp32, bucket_size)
+        self.param_to_bucket: Dict[torch.nn.Parameter, GradBucket] = {}
+        for buffer in self.buffers:
+            self.param_to_bucket.update(buffer.param_to_bucket)
+        self.param_names = {p: n for n, p in module.named_parameters()}
+        self.is_last_microbatch = True
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad) for p in self.param_to_bucket
+        ]
+
+    def forward(self, *args, **kwargs):
+        """Run the wrapped module."""
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without reducing them (all but the last microbatch)."""
+        self.is_last_microbatch = False
+        try:
+            yield
+        finally:
+            self.is_last_microbatch = True
+
+    def start_grad_sync(self, *unused) -> None:
+        """Launch the reduction of every bucket not launched yet (asynchronous with
+        ``overlap_grad_reduce``)."""
+        for bucket in self.param_to_bucket.values():
+            if not bucket.launched:
+                self._launch(bucket)
+
+    def finish_grad_sync(self, force_all_reduce: Optional[bool] = False) -> None:
+        """Finish the reduction of all buckets; afterwards ``main_grad`` is reduced."""
+        for bucket in self._buckets():
+            if not bucket.launched:
+                self._launch(bucket)
+            wait_bucket(bucket)
+            bucket.reset()
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        """Multiply every ``main_grad`` by ``scaling_factor``."""
+        for buffer in self.buffers:
+            buffer.data.mul_(scaling_factor)
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every ``main_grad`` and forget bucket state (start of an iteration)."""
+        for buffer in self.buffers:
+            buffer.data.zero_()
+        for bucket in self._buckets():
+            bucket.reset()
+        for param in self.param_to_bucket:
+            param.grad = None
+
+    def broadcast_params(self) -> None:
+        """Copy parameters from the first rank of the dp x cp group to the others."""
+        if self.dp_cp_group is None or self.dp_cp_group.size() == 1:
+            return
+        src = dist.get_global_rank(self.dp_cp_group, 0)
+        for param in self.module.parameters():
+            dist.broadcast(param.data, src=src, group=self.dp_cp_group)
+
+    def state_dict(self, *args, **kwargs):
+        """The wrapped module's state dict."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        """Load into the wrapped module."""
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        """Move a fresh ``param.grad`` into ``main_grad``; with overlap, launch a bucket's
+        reduction once all its parameters have their last-microbatch gradient."""
+        if param.grad is not None:
+            param.main_grad.add_(param.grad)
+            param.grad = None
+        if self.ddp_config.overlap_grad_reduce and self.is_last_microbatch:
+            bucket = self.param_to_bucket[param]
+            bucket.ready.add(param)
+            if len(bucket.ready) == len(bucket.params) and not bucket.launched:
+                self._launch(bucket)
+
+    def _launch(self, bucket: GradBucket) -> None:
+        """Check (optionally) and start reducing one bucket."""
+        if self.ddp_config.check_for_nan_in_grad:
+            self._check_finite(bucket)
+        reduce_bucket(
+            bucket,
+            self.dp_cp_group,
+            self.pre_scale,
+            self.average,
+            async_op=self.ddp_config.overlap_grad_reduce,
+        )
+
+    def _check_finite(self, bucket: GradBucket) -> None:
+        """Raise naming the first parameter whose local gradient has a NaN or inf."""
+        if bool(torch.isfinite(bucket.grad_data).all()):
+            return
+        for param in bucket.params:
+            if not bool(torch.isfinite(param.main_grad).all()):
+                kind = "NaN" if bool(torch.isnan(param.main_grad).any()) else "inf"
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                raise RuntimeError(
+                    f"Rank {rank}: found {kind} in the local gradient of parameter "
+                    f"{self.param_names.get(param, '<unnamed>')!r} (shape "
+                    f"{tuple(param.shape)}) before the data-parallel reduction "
+                    "(check_for_nan_in_grad=True)"
+                )
+
+    def _buckets(self) -> List[GradBucket]:
+        """All buckets of all buffers."""
+        return [bucket for buffer in self.buffers for bucket in buffer.buckets]
+
+
+def _make_buffers(module, grad_reduce_in_fp32: bool, bucket_size) -> List[GradBuffer]:
+    """One buffer per gradient dtype (fp32 when ``grad_reduce_in_fp32``)."""
+    by_dtype: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
+    for param in module.parameters():
+        if param.requires_grad:
+            dtype = torch.float32 if grad_reduce_in_fp32 else param.dtype
+            by_dtype.setdefault(dtype, []).append(param)
+    return [GradBuffer(params, dtype, bucket_size) for dtype, params in by_dtype.items()]
+
+
+def _dp_cp_group(pg_collection: Optional[ProcessGroupCollection]):
+    """The gradient-reduction group: explicit, else MPU fallback, else None."""
+    if pg_collection is not None:
+        if pg_collection.dp_cp is None:
+            raise ValueError(
+                "DistributedDataParallel: pg_collection has no dp_cp group; expected the "
+                f"data-parallel x context-parallel group, got {pg_collection!r}"
+            )
+        return pg_collection.dp_cp
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(
+            "DistributedDataParallel: torch.distributed has several ranks but neither "
+            "pg_collection nor parallel_state gives the data-parallel group"
+        )
+    return None
+
+
+def _reject_unsupported(ddp_config: DistributedDataParallelConfig) -> None:
+    """Fail loudly for features this core does not implement."""
+    if ddp_config.use_distributed_optimizer:
+        raise NotImplementedError(
+            "use_distributed_optimizer=True is not supported by this core; use False"
+        )
+    if ddp_config.num_distributed_optimizer_instances != 1:
+        raise NotImplementedError("num_distributed_optimizer_instances must be 1")

@@ -1,0 +1,100 @@
+"""finalize_model_grads: what must happen to gradients between the last backward and the
+optimizer step."""
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.device import comm_device
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.utils import get_attr_wrapped_model
+
+
+def finalize_model_grads(
+    model: List[torch.nn.Module],
+    num_tokens: Optional[torch.Tensor] = None,
+    pg_collection: Optional[ProcessGroupCollection] = None,
+    force_all_reduce: Optional[bool] = False,
+) -> None:
+    """Finish the dp x cp reduction of every chunk, sum tied word-embedding gradients over
+    the embedding group and position-embedding gradients over theirs, and in per-token mode
+    scale all gradients by ``1 / max(N, 1)``, N = the step's valid tokens over all ranks.
+
+    ``num_tokens`` (per-token mode): this rank's count; the last pipeline stage's value is
+    broadcast over pp and summed over dp_cp. Groups: ``pg_collection``, else
+    ``parallel_state`` (MPU fallback), else none (one process).
+    """
+    groups = _groups(pg_collection)
+    for chunk in model:
+        chunk.finish_grad_sync(force_all_reduce=force_all_reduce)
+    if groups is not None:
+        _allreduce_word_embedding_grads(model, groups)
+        _allreduce_position_embedding_grads(model, groups)
+    if num_tokens is not None:
+        total = _global_token_count(num_tokens, groups)
+        scale = 1.0 / torch.clamp(total, min=1.0)
+        for chunk in model:
+            chunk.scale_gradients(scale)
+
+
+def _global_token_count(num_tokens: torch.Tensor, groups) -> torch.Tensor:
+    """N = sum over dp_cp of the last pipeline stage's count (a float64 clone)."""
+    total = num_tokens.detach().clone().to(device=comm_device(), dtype=torch.float64)
+    if groups is None:
+        return total
+    pp = groups.pp
+    if pp is not None and pp.size() > 1:
+        dist.broadcast(total, src=dist.get_global_rank(pp, pp.size() - 1), group=pp)
+    if groups.dp_cp is None:
+        raise ValueError("finalize_model_grads: per-token mode needs pg_collection.dp_cp")
+    dist.all_reduce(total, group=groups.dp_cp)
+    return total
+
+
+def _allreduce_word_embedding_grads(model: List[torch.nn.Module], groups) -> None:
+    """Sum the tied word-embedding/output-weight gradient over the first and last stage."""
+    embd, pp = groups.embd, groups.pp
+    if embd is None or embd.size() == 1 or pp is None or embd.rank() < 0:
+        return
+    chunk = model[0] if pp.rank() == 0 else model[-1]
+    owner = _find(chunk, "share_embeddings_and_output_weights")
+    if owner is None or not owner.share_embeddings_and_output_weights:
+        return
+    weight = owner.shared_embedding_or_output_weight()
+    dist.all_reduce(_grad_of(weight), group=embd)
+
+
+def _allreduce_position_embedding_grads(model: List[torch.nn.Module], groups) -> None:
+    """Sum position-embedding gradients over the position-embedding group (if > 1 rank)."""
+    pos, pp = groups.pos_embd, groups.pp
+    if pos is None or pos.size() == 1 or pos.rank() < 0:
+        return
+    owner = _find(model[0] if pp is None or pp.rank() == 0 else model[-1], "embedding")
+    weight = getattr(getattr(owner, "embedding", None), "position_embeddings", None)
+    if weight is not None:
+        dist.all_reduce(_grad_of(weight.weight), group=pos)
+
+
+def _grad_of(param: torch.nn.Parameter) -> torch.Tensor:
+    """The gradient DDP keeps (``main_grad``), else ``.grad``."""
+    grad = getattr(param, "main_grad", None)
+    return grad if grad is not None else param.grad
+
+
+def _find(chunk: torch.nn.Module, attr: str):
+    """The (unwrapped) module that has ``attr``, or None."""
+    try:
+        return get_attr_wrapped_model(chunk, attr, return_model_obj=True)
+    except RuntimeError:
+        return None
+
+
+def _groups(pg_collection: Optional[ProcessGroupCollection]):
+    """Explicit groups, else parallel_state's, else None."""
+    if pg_collection is not None:
+        return pg_collection
+    if parallel_state.model_parallel_is_initialized():
+        return ProcessGroupCollection.use_mpu_process_groups()
+    return None

@@ -1,0 +1,55 @@
+"""Parallelism and pipeline-schedule settings shared by models, schedules and DDP."""
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+
+@dataclass
+class ModelParallelConfig:
+    """The fields of megatron-core's ModelParallelConfig that this core reads.
+
+    ``microbatch_group_size_per_vp_stage`` defaults to the pipeline size (depth-first order).
+    """
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    sequence_parallel: bool = False
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
+    perform_initialization: bool = True
+    use_cpu_initialization: bool = False
+    fp16: bool = False
+    bf16: bool = False
+    params_dtype: torch.dtype = torch.float32
+    timers: Optional[Callable] = None
+    finalize_model_grads_func: Optional[Callable] = None
+    grad_scale_func: Optional[Callable] = None
+    no_sync_func: Optional[Callable] = None
+    grad_sync_func: Optional[Callable] = None
+    param_sync_func: Optional[Callable] = None
+    enable_autocast: bool = False
+    autocast_dtype: Optional[torch.dtype] = None
+    num_microbatches_with_partial_activation_checkpoints: Optional[int] = None
+    gradient_accumulation_fusion: bool = False
+    pipeline_dtype: torch.dtype = None
+    variable_seq_lengths: bool = False
+    overlap_p2p_comm: bool = False
+    batch_p2p_comm: bool = True
+    batch_p2p_sync: bool = True
+    deallocate_pipeline_outputs: bool = False
+    microbatch_group_size_per_vp_stage: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        """Fill derived defaults and reject settings this core does not implement."""
+        if self.sequence_parallel and self.tensor_model_parallel_size <= 1:
+            raise ValueError("sequence_parallel=True requires tensor_model_parallel_size > 1")
+        if self.overlap_p2p_comm and self.batch_p2p_comm:
+            raise ValueError("Can not use both overlap_p2p_comm and batch_p2p_comm")
+        if self.autocast_dtype is None:
+            self.autocast_dtype = self.params_dtype
+        if self.microbatch_group_size_per_vp_stage is None:
+            self.microbatch_group_size_per_vp_stage = self.pipeline_model_parallel_size
