@@ -371,7 +371,7 @@ def _group(name: str, check_initialized: bool = True) -> Optional[dist.ProcessGr
                 "initialize_model_parallel first (or pass the group explicitly)"
             )
         return None
-    return _STATE.groups[name]
+    return _STATE.groups.get(name)
 
 
 def _ranks(name: str, check_initialized: bool) -> Optional[List[int]]:
@@ -379,7 +379,7 @@ def _ranks(name: str, check_initialized: bool) -> Optional[List[int]]:
     if _STATE is None:
         _group(name, check_initialized)
         return None
-    return list(_STATE.ranks[name])
+    return list(_STATE.ranks.get(name, []))
 
 
 def _size(name: str) -> int:

@@ -289,10 +289,13 @@ class P2PCommunicator:
 
 
 def _ops(group: dist.ProcessGroup, *entries) -> List[dist.P2POp]:
-    """P2POps over ``group`` for ``(tensor, peer, tag, is_send)`` entries with a tensor."""
+    """P2POps over ``group`` for ``(tensor, peer, tag, is_send)`` entries with a tensor
+    (a non-contiguous tensor is sent from a contiguous copy)."""
     ops = []
     for tensor, peer, tag, is_send in entries:
         if tensor is not None:
+            if is_send and not tensor.is_contiguous():
+                tensor = tensor.contiguous()
             ops.append(
                 dist.P2POp(dist.isend if is_send else dist.irecv, tensor, peer, group, tag=tag)
             )

@@ -147,7 +147,8 @@ def forward_backward_pipelining_without_interleaving(
         input_tensor = p2p.recv_forward(recv_shapes, first)
         output = run.forward(0, microbatch, input_tensor, is_last_stage=last)
         p2p.send_forward(output, last)
-        run.keep(pending, input_tensor, output, sent=not last)
+        run.keep(pending, input_tensor, output)
+        run.release(None if last else output)
 
     input_tensor = p2p.recv_forward(recv_shapes, first) if warmup < M else None
     for microbatch in range(warmup, M):
@@ -158,7 +159,8 @@ def forward_backward_pipelining_without_interleaving(
             input_tensor = None if final else p2p.recv_forward(recv_shapes, first)
             continue
         output_grad = p2p.send_forward_recv_backward(output, send_shapes, last)
-        run.keep(pending, input_tensor, output, sent=not last)
+        run.keep(pending, input_tensor, output)
+        run.release(None if last else output)
         if warmup == 0 and final:
             run.grad_sync.enable()
         input_grad = run.backward(*pending.pop(0), output_grad)
@@ -236,7 +238,7 @@ def forward_backward_pipelining_with_interleaving(
     def forward(k: int, input_tensor):
         microbatch, chunk = table[k]
         output = run.forward(chunk, microbatch, input_tensor, last_stage(chunk), vp_stage=chunk)
-        run.keep(inflight[chunk], input_tensor, output, sent=not last_stage(chunk))
+        run.keep(inflight[chunk], input_tensor, output)
         return None if last_stage(chunk) else output
 
     def backward(k: int, output_grad):
@@ -267,6 +269,7 @@ def forward_backward_pipelining_with_interleaving(
             )
         else:
             input_tensor = p2p.send_forward_recv_forward(output, recv_prev_for(k + 1), shape)
+        run.release(output)
     if not forward_only and warmup == total:
         output_grad = p2p.recv_backward(shape, not recv_next_for(0))
 
@@ -277,6 +280,7 @@ def forward_backward_pipelining_with_interleaving(
         input_tensor, output_grad = p2p.send_forward_backward_recv_forward_backward(
             output, input_grad, recv_prev_for(k + 1), recv_next_for(b + 1), shape
         )
+        run.release(output)
 
     if not forward_only:
         for b in range(total - warmup, total):
@@ -657,14 +661,17 @@ class _Run:
             self.num_tokens = self.num_tokens + num_tokens.detach().to(self.num_tokens)
         return output
 
-    def keep(self, queue: list, input_tensor, output, sent: bool) -> None:
-        """Remember a microbatch for its backward; free the sent activation's storage."""
-        if self.forward_only:
+    def keep(self, queue: list, input_tensor, output) -> None:
+        """Remember a microbatch for its backward (training only)."""
+        if not self.forward_only:
+            queue.append((input_tensor, output))
+
+    def release(self, sent_output) -> None:
+        """Free the storage of an activation once sent (``deallocate_pipeline_outputs``)."""
+        if self.forward_only or sent_output is None:
             return
-        queue.append((input_tensor, output))
-        if sent:
-            for tensor in output if isinstance(output, list) else [output]:
-                deallocate_output_tensor(tensor, self.config.deallocate_pipeline_outputs)
+        for tensor in sent_output if isinstance(sent_output, list) else [sent_output]:
+            deallocate_output_tensor(tensor, self.config.deallocate_pipeline_outputs)
 
     def backward(self, input_tensor, output, output_grad):
         """``backward_step`` for one microbatch."""

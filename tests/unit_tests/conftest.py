@@ -1,0 +1,48 @@
+"""Test-session setup shared by every bucket.
+
+Under torchrun (WORLD_SIZE set) one gloo process group is created per session. Tests marked
+``@pytest.mark.world(4, 8)`` run only in launches of those sizes; other launches deselect
+them and say so in the summary, so nothing is skipped silently.
+"""
+
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
+
+if "WORLD_SIZE" in os.environ and not dist.is_initialized():
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "world(*sizes): run only under torchrun with one of these world sizes"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    keep, dropped = [], []
+    for item in items:
+        marker = item.get_closest_marker("world")
+        if marker is not None and WORLD_SIZE not in marker.args:
+            dropped.append(item)
+        else:
+            keep.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+        config._world_deselected = len(dropped)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    count = getattr(config, "_world_deselected", 0)
+    if count:
+        terminalreporter.write_line(
+            f"world size {WORLD_SIZE}: deselected {count} tests written for other world sizes "
+            "(the README test command runs them under torchrun with 4 and 8 ranks)"
+        )

@@ -1,0 +1,93 @@
+"""Helpers for distributed tests: layouts, shared failure reports, relative errors."""
+
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+
+WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout: context, pipeline, virtual-pipeline and data-parallel sizes."""
+
+    cp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None
+    dp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.cp * self.pp * self.dp
+
+    @property
+    def id(self) -> str:
+        vpp = f"-vpp{self.vpp}" if self.vpp else ""
+        return f"cp{self.cp}-pp{self.pp}{vpp}-dp{self.dp}"
+
+
+_CURRENT: List[Optional[Layout]] = [None]
+
+
+def use_layout(layout: Layout) -> None:
+    """Make ``layout`` the parallel_state layout (no-op when it already is)."""
+    if layout.world != WORLD_SIZE:
+        raise ValueError(f"layout {layout.id} needs {layout.world} ranks, world is {WORLD_SIZE}")
+    if _CURRENT[0] == layout and parallel_state.model_parallel_is_initialized():
+        return
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        parallel_state.initialize_model_parallel(
+            pipeline_model_parallel_size=layout.pp,
+            virtual_pipeline_model_parallel_size=layout.vpp,
+            context_parallel_size=layout.cp,
+        )
+    _CURRENT[0] = layout
+
+
+def reset_layout() -> None:
+    """Forget the parallel_state layout (for tests that need none)."""
+    parallel_state.destroy_model_parallel()
+    _CURRENT[0] = None
+
+
+def gather_failures(failures: List[str]) -> List[str]:
+    """Every rank's failure messages, on every rank (prefixed with the rank)."""
+    if not dist.is_initialized():
+        return list(failures)
+    everyone: List[Optional[List[str]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, list(failures))
+    return [f"rank {r}: {msg}" for r, msgs in enumerate(everyone) for msg in msgs]
+
+
+def assert_no_failures(failures: List[str]) -> None:
+    """Fail on every rank if any rank found a failure (keeps ranks in step)."""
+    everyone = gather_failures(failures)
+    assert not everyone, "\n".join(everyone[:40])
+
+
+def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| in float64 (absolute norm when expected is 0)."""
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    denom = e.norm().item()
+    diff = (a - e).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+def compare_tensors(
+    actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], tol: float, what: str
+) -> List[str]:
+    """Failure messages for entries of ``actual`` farther than ``tol`` from ``expected``."""
+    failures = []
+    for name, value in actual.items():
+        err = rel_error(value, expected[name])
+        if not err <= tol:
+            failures.append(f"{what} {name}: relative error {err:.3e} > {tol:.0e}")
+    return failures
