@@ -8,7 +8,6 @@ them and say so in the summary, so nothing is skipped silently.
 import os
 from datetime import timedelta
 
-import pytest
 import torch
 import torch.distributed as dist
 

@@ -5,8 +5,8 @@ on this launch's ranks and compares every parameter's ``main_grad``, the paramet
 one SGD step, the returned local counts and the aliased reported tensors with a dense
 float64 single-process reference (``tests/unit_tests/parity.py``).
 
-Run: ``torchrun --nproc-per-node 4 -m pytest tests/unit_tests/pipeline_parallel/test_cp_loss_normalization.py``
-and with 8 ranks; a plain ``pytest`` run covers the one-process cases.
+Run: ``torchrun --nproc-per-node 4 -m pytest <this file>`` and with 8 ranks; a plain
+``pytest`` run covers the one-process cases.
 """
 
 import itertools
