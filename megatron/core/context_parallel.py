@@ -1,0 +1,144 @@
+"""How a sequence is split across context-parallel (CP) ranks, and how it is put back.
+
+With C ranks the sequence is cut into 2C equal chunks and rank r holds chunks r and 2C-1-r,
+in that order: under a causal mask every rank then does the same amount of attention work.
+Attention gathers keys and values from all ranks with ``gather_from_context_parallel_region``,
+whose backward hands each rank the gradient of its own shard summed over the ranks.
+"""
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.device import comm_device
+
+
+def cp_shard_positions(seq_length: int, cp_size: int, cp_rank: int) -> torch.LongTensor:
+    """Global positions held by CP rank ``cp_rank`` of ``cp_size`` (load-balanced split).
+
+    With chunk length k = seq_length / (2C): positions [r*k, (r+1)*k) then
+    [(2C-1-r)*k, (2C-r)*k). C = 1 holds the whole sequence (any length).
+    """
+    if not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"cp_shard_positions: cp_size must be an int >= 1, got {cp_size!r}")
+    if not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
+        raise ValueError(
+            f"cp_shard_positions: cp_rank must be an int in [0, {cp_size}), got {cp_rank!r}"
+        )
+    if cp_size == 1:
+        return torch.arange(seq_length, dtype=torch.long)
+    num_chunks = 2 * cp_size
+    if seq_length % num_chunks != 0:
+        raise ValueError(
+            f"cp_shard_positions: seq_length ({seq_length}) must be divisible by "
+            f"2 * context_parallel_size ({num_chunks}) for the load-balanced CP split"
+        )
+    chunk = seq_length // num_chunks
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, dtype=torch.long)
+    mirror = num_chunks - 1 - cp_rank
+    second = torch.arange(mirror * chunk, (mirror + 1) * chunk, dtype=torch.long)
+    return torch.cat([first, second])
+
+
+def cp_gathered_positions(seq_length: int, cp_size: int) -> torch.LongTensor:
+    """Global positions of a tensor gathered over the CP group, in gather (rank) order.
+
+    The concatenation of ``cp_shard_positions(seq_length, cp_size, r)`` for r = 0 .. C-1.
+    """
+    return torch.cat([cp_shard_positions(seq_length, cp_size, r) for r in range(cp_size)])
+
+
+def get_batch_on_this_cp_rank(
+    batch: Dict[str, Any], cp_group: Optional[dist.ProcessGroup] = None
+) -> Dict[str, Any]:
+    """A new dict holding this CP rank's shard of every [b, s, ...] tensor of ``batch``.
+
+    Tensors with ndim >= 2 (tokens, labels, loss_mask, position_ids) are sliced along dim 1
+    to ``cp_shard_positions``; an ``attention_mask`` [b, 1, s, s] along dim 2 (its queries),
+    as megatron-core does; other entries pass through. The input dict is never modified.
+    ``cp_group=None`` is the MPU fallback: ``parallel_state.get_context_parallel_group()``
+    when model parallelism is initialized, else C = 1 (the batch is returned unchanged).
+    """
+    if cp_group is None:
+        cp_group = mpu_context_parallel_group()
+    cp_size, cp_rank = cp_size_and_rank(cp_group)
+    return slice_batch_for_cp_rank(batch, cp_size, cp_rank)
+
+
+def slice_batch_for_cp_rank(batch: Dict[str, Any], cp_size: int, cp_rank: int) -> Dict[str, Any]:
+    """``get_batch_on_this_cp_rank`` for an explicit CP size and rank (no group needed).
+
+    Returns a new dict; entry ``x`` with ndim >= 2 becomes ``x.index_select(dim, positions)``.
+    """
+    sliced = {}
+    for key, value in batch.items():
+        if cp_size == 1 or not isinstance(value, torch.Tensor) or value.dim() < 2:
+            sliced[key] = value
+            continue
+        seq_dim = 2 if key == "attention_mask" and value.dim() >= 3 else 1
+        positions = cp_shard_positions(value.shape[seq_dim], cp_size, cp_rank)
+        sliced[key] = value.index_select(seq_dim, positions.to(value.device))
+    return sliced
+
+
+def gather_from_context_parallel_region(
+    tensor: torch.Tensor, cp_group: Optional[dist.ProcessGroup]
+) -> torch.Tensor:
+    """All-gather a [s_local, ...] tensor over ``cp_group`` along dim 0, differentiably.
+
+    Forward: y = cat_r x_r (rank order). Backward: dL/dx_r = sum over ranks q of the
+    gradient rank q holds for block r of y. No group, or a group of one, is the identity.
+    """
+    if cp_size_and_rank(cp_group)[0] == 1:
+        return tensor
+    return _GatherFromContextParallelRegion.apply(tensor, cp_group)
+
+
+def mpu_context_parallel_group() -> Optional[dist.ProcessGroup]:
+    """The MPU fallback: ``parallel_state``'s CP group when initialized, else None (C = 1)."""
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_context_parallel_group()
+    return None
+
+
+def cp_size_and_rank(cp_group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
+    """(C, this rank's index in the group); (1, 0) for no group."""
+    if cp_group is None:
+        return 1, 0
+    return dist.get_world_size(group=cp_group), dist.get_rank(group=cp_group)
+
+
+class _GatherFromContextParallelRegion(torch.autograd.Function):
+    """Autograd wrapper of the CP all-gather along dim 0.
+
+    The backward is a reduce-scatter: sum the full gradient over ranks, keep block r.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        """y = cat over ranks of x_r along dim 0."""
+        ctx.group = group
+        device = comm_device(group)
+        local = tensor.detach().to(device).contiguous()
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group=group))]
+        dist.all_gather(parts, local, group=group)
+        return torch.cat(parts, dim=0).to(tensor.device)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        """dL/dx_r = block r of sum over ranks of dL/dy."""
+        group = ctx.group
+        world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+        device = comm_device(group)
+        if device.type == "cpu":
+            # gloo has no reduce-scatter: all-reduce a private copy, keep our block.
+            full = grad_output.to(device, copy=True).contiguous()
+            dist.all_reduce(full, group=group)
+            grad_input = full.chunk(world, dim=0)[rank]
+        else:
+            full = grad_output.to(device).contiguous()
+            grad_input = full.new_empty((full.shape[0] // world,) + tuple(full.shape[1:]))
+            dist.reduce_scatter_tensor(grad_input, full, group=group)
+        return grad_input.to(grad_output.device), None

@@ -1,0 +1,1 @@
+"""Models built on megatron.core: a small GPT (``megatron.core.models.gpt``)."""
