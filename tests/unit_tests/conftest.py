@@ -43,5 +43,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if count:
         terminalreporter.write_line(
             f"world size {WORLD_SIZE}: deselected {count} tests written for other world sizes "
-            "(the README test command runs them under torchrun with 4 and 8 ranks)"
+            "(the README test command runs them under torchrun with 2, 4 and 8 ranks)"
         )

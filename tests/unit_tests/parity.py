@@ -31,7 +31,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 
-NUM_LAYERS, HIDDEN, VOCAB, SEQ, MICRO_BATCH = 4, 8, 13, 16, 2
+NUM_LAYERS, HIDDEN, VOCAB, SEQ, MICRO_BATCH = 8, 8, 13, 16, 2
 LR = 0.1
 MASKS = ("full", "uneven", "single", "empty", "varying")
 MODES = ("averaged", "per-token", "legacy")
@@ -237,6 +237,7 @@ class StepResult:
     reported: List[dict] = field(default_factory=list)
     produced: List[Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     finalize_tokens: Optional[torch.Tensor] = None
+    finalize_calls: int = 0
     local_counts: List[float] = field(default_factory=list)
     local_sums: List[float] = field(default_factory=list)
     microbatch_ids: List[int] = field(default_factory=list)
@@ -253,6 +254,9 @@ def run_step(
     pg_collection: Optional[ProcessGroupCollection] = None,
     dp_rank: Optional[int] = None,
     cp_group: Optional[dist.ProcessGroup] = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    configure: Optional[Callable] = None,
 ) -> StepResult:
     """One training step of ``case`` on this rank with our schedule, DDP and finalize.
 
@@ -293,6 +297,8 @@ def run_step(
         bucket_size=case.bucket_size,
     )
     init = initial_params(case.tie)
+    if NUM_LAYERS % (pp_size * vpp):
+        raise ValueError(f"{NUM_LAYERS} layers do not split into {pp_size * vpp} chunks")
     per_chunk = NUM_LAYERS // (pp_size * vpp)
     chunks = []
     for v in range(vpp):
@@ -330,10 +336,13 @@ def run_step(
         return model(mb["tokens"], mb["labels"]), functools.partial(loss_fn, mb["loss_mask"])
 
     def capture_finalize(model, num_tokens=None, **kwargs):
+        result.finalize_calls += 1
         result.finalize_tokens = None if num_tokens is None else num_tokens.clone()
         finalize_model_grads(model, num_tokens, **kwargs)
 
     config.finalize_model_grads_func = capture_finalize
+    if configure is not None:
+        configure(config)
     for c in chunks:
         c.zero_grad_buffer()
     iterators = [iter(microbatches) for _ in chunks]
@@ -346,6 +355,8 @@ def run_step(
         seq_length=SEQ,
         micro_batch_size=MICRO_BATCH,
         pg_collection=pg_collection,
+        forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data,
     )
     result.reported = store
     for c in chunks:
@@ -412,13 +423,17 @@ def _loss_function(case: Case, cp_group, result: StepResult) -> Callable:
     """The user's loss callback for the case's mode (three values, or legacy two)."""
     count_dtype = torch.float32 if case.mask == "varying" else torch.int64
 
-    def three_values(mask, output):
+    def three_values(mask, output, non_loss_data=False):
+        if non_loss_data:
+            return {"per_token_loss": output.detach()}
         loss_sum = (output * mask).sum()
         num_tokens = mask.sum().to(count_dtype)
         result.produced.append((loss_sum.detach().clone(), num_tokens.clone()))
         return loss_sum, num_tokens, {"lm loss": [loss_sum.detach(), num_tokens]}
 
-    def legacy(mask, output):
+    def legacy(mask, output, non_loss_data=False):
+        if non_loss_data:
+            return {"per_token_loss": output.detach()}
         local = (output * mask).sum()
         totals = torch.stack([local.detach(), mask.sum()])
         if cp_group is not None:
