@@ -28,6 +28,7 @@ from megatron.core.distributed import (
     finalize_model_grads,
 )
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.loss_reporting import reduce_reported_losses
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 
@@ -238,6 +239,7 @@ class StepResult:
     produced: List[Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     finalize_tokens: Optional[torch.Tensor] = None
     finalize_calls: int = 0
+    logged: Dict[str, float] = field(default_factory=dict)
     local_counts: List[float] = field(default_factory=list)
     local_sums: List[float] = field(default_factory=list)
     microbatch_ids: List[int] = field(default_factory=list)
@@ -359,6 +361,15 @@ def run_step(
         collect_non_loss_data=collect_non_loss_data,
     )
     result.reported = store
+    if case.mode != "legacy":
+        dp_cp = None
+        if dist.is_initialized():
+            dp_cp = (
+                pg_collection.dp_cp
+                if pg_collection is not None
+                else parallel_state.get_data_parallel_group(with_context_parallel=True)
+            )
+        result.logged = reduce_reported_losses(store, dp_cp)
     for c in chunks:
         for name, param in c.module.global_names().items():
             result.grads[name] = param.main_grad.detach().clone()
@@ -409,6 +420,13 @@ def _check_reports(case: Case, result: StepResult, losses: torch.Tensor) -> List
                 failures.append(
                     f"microbatch {i}: loss sum {loss_value.item()} != {local_sum.item()}"
                 )
+    if case.mode != "legacy":
+        mask = batch["loss_mask"].double()
+        total = mask.sum().item()
+        expected_loss = (losses * mask).sum().item() / total if total else 0.0
+        logged = result.logged.get("lm loss")
+        if logged is None or abs(logged - expected_loss) > 1e-5 * max(1.0, abs(expected_loss)):
+            failures.append(f"logged loss {logged} != global sum/count {expected_loss}")
     if case.mode == "per-token":
         expected = sum(
             batch["loss_mask"][g][:, result.positions].sum().item() for g in result.microbatch_ids
