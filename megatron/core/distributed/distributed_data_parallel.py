@@ -206,4 +206,8 @@ def _reject_unsupported(ddp_config: DistributedDataParallelConfig) -> None:
             "use_distributed_optimizer=True is not supported by this core; use False"
         )
     if ddp_config.num_distributed_optimizer_instances != 1:
-        raise NotImplementedError("num_distributed_optimizer_instances must be 1")
+        raise NotImplementedError(
+            "num_distributed_optimizer_instances="
+            f"{ddp_config.num_distributed_optimizer_instances} is not supported by this core; "
+            "expected 1"
+        )

@@ -27,6 +27,11 @@ def finalize_model_grads(
     ``parallel_state`` (MPU fallback), else none (one process).
     """
     groups = _groups(pg_collection)
+    if num_tokens is not None and groups is not None and groups.dp_cp is None:
+        raise ValueError(
+            "finalize_model_grads: num_tokens is given (per-token mode) but pg_collection has "
+            f"no dp_cp group to sum it over; got {pg_collection!r}"
+        )
     for chunk in model:
         chunk.finish_grad_sync(force_all_reduce=force_all_reduce)
     if groups is not None:
@@ -47,8 +52,6 @@ def _global_token_count(num_tokens: torch.Tensor, groups) -> torch.Tensor:
     pp = groups.pp
     if pp is not None and pp.size() > 1:
         dist.broadcast(total, src=dist.get_global_rank(pp, pp.size() - 1), group=pp)
-    if groups.dp_cp is None:
-        raise ValueError("finalize_model_grads: per-token mode needs pg_collection.dp_cp")
     dist.all_reduce(total, group=groups.dp_cp)
     return total
 

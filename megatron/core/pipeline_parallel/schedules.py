@@ -218,6 +218,7 @@ def forward_backward_pipelining_with_interleaving(
         pipelined=True,
         p2p_communicator=p2p_communicator,
     )
+    _check_vpp(run.models, run.config, pipelined=True, interleaved=True)
     V, PP, p = len(run.models), run.pp_size, run.pp_rank
     table = interleaved_schedule_table(
         num_microbatches, V, run.config.microbatch_group_size_per_vp_stage, PP
@@ -370,6 +371,7 @@ def forward_step(
             model,
             checkpoint_activations_microbatch,
             current_microbatch,
+            num_microbatches,
         )
     output_tensor, num_tokens = forward_step_calc_loss(
         model,
@@ -708,7 +710,9 @@ class _Run:
             param_sync(self.models[chunk].parameters())
 
 
-def _call_forward_step_func(func, data_iterator, model, checkpoint_microbatch, microbatch):
+def _call_forward_step_func(
+    func, data_iterator, model, checkpoint_microbatch, microbatch, num_microbatches=None
+):
     """Call ``forward_step_func`` and check it returned ``(output_tensor, loss_func)``."""
     try:
         if checkpoint_microbatch is None:
@@ -718,8 +722,8 @@ def _call_forward_step_func(func, data_iterator, model, checkpoint_microbatch, m
     except StopIteration as exc:
         raise RuntimeError(
             f"data_iterator ran out (StopIteration in forward_step_func) at microbatch "
-            f"{microbatch}: it must yield one batch per microbatch (num_microbatches) for "
-            "every model chunk that reads it"
+            f"{microbatch} of num_microbatches={num_microbatches}: it must yield one batch "
+            "per microbatch for every model chunk that reads it"
         ) from exc
     if not (isinstance(result, (tuple, list)) and len(result) == 2):
         raise TypeError(
@@ -745,14 +749,14 @@ def _unpack_loss_outputs(outputs):
             "loss_func returned a loss that is not a scalar tensor: got "
             f"{_describe(loss)}; expected a one-element tensor (sum the per-token losses)"
         )
-    if num_tokens is not None:
+    if len(outputs) == 3:
         _check_num_tokens(num_tokens)
     return loss, num_tokens, outputs[-1]
 
 
 def _check_num_tokens(num_tokens) -> None:
-    """``num_tokens`` must be a one-element, non-negative, real-valued tensor."""
-    expected = "expected a scalar tensor (integer or float) >= 0"
+    """``num_tokens`` must be a one-element, finite, non-negative, real-valued tensor."""
+    expected = "expected a finite scalar tensor (integer or float) >= 0"
     if not isinstance(num_tokens, torch.Tensor):
         raise TypeError(
             f"loss_func returned num_tokens={num_tokens!r} "
@@ -764,7 +768,7 @@ def _check_num_tokens(num_tokens) -> None:
         )
     if num_tokens.dtype == torch.bool or num_tokens.is_complex():
         raise TypeError(f"loss_func returned num_tokens of dtype {num_tokens.dtype}; {expected}")
-    if bool(num_tokens.detach() < 0) or bool(torch.isnan(num_tokens.detach())):
+    if bool(num_tokens.detach() < 0) or not bool(torch.isfinite(num_tokens.detach())):
         raise ValueError(f"loss_func returned num_tokens={num_tokens.item()}; {expected}")
 
 
@@ -814,12 +818,15 @@ def _check_num_microbatches(num_microbatches) -> None:
         raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}")
 
 
-def _check_vpp(models: Sequence[torch.nn.Module], config, pipelined: bool) -> None:
-    """With virtual pipelining the model list holds exactly one chunk per virtual stage."""
+def _check_vpp(
+    models: Sequence[torch.nn.Module], config, pipelined: bool, interleaved: bool = False
+) -> None:
+    """With virtual pipelining the model list holds exactly one chunk per virtual stage
+    (the interleaved schedule checks a list of one chunk too)."""
     vpp = config.virtual_pipeline_model_parallel_size
     if vpp is None and parallel_state.model_parallel_is_initialized():
         vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    if len(models) > 1 and vpp is not None and len(models) != vpp:
+    if (len(models) > 1 or interleaved) and vpp is not None and len(models) != vpp:
         raise ValueError(
             f"model is a list of {len(models)} chunks but virtual_pipeline_model_parallel_size "
             f"is {vpp}; pass one chunk per virtual pipeline stage"
