@@ -19,6 +19,10 @@ if "WORLD_SIZE" in os.environ and not dist.is_initialized():
 
 
 def pytest_configure(config):
+    xmlpath = getattr(config.option, "xmlpath", None)
+    if xmlpath and "RANK" in os.environ:  # one JUnit report per rank
+        stem = xmlpath[:-4] if xmlpath.endswith(".xml") else xmlpath
+        config.option.xmlpath = f"{stem}-rank{os.environ['RANK']}.xml"
     config.addinivalue_line(
         "markers", "world(*sizes): run only under torchrun with one of these world sizes"
     )

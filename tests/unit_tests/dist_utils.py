@@ -31,14 +31,11 @@ class Layout:
         return f"cp{self.cp}-pp{self.pp}{vpp}-dp{self.dp}"
 
 
-_CURRENT: List[Optional[Layout]] = [None]
-
-
 def use_layout(layout: Layout) -> None:
-    """Make ``layout`` the parallel_state layout (no-op when it already is)."""
+    """Make ``layout`` the parallel_state layout (no-op when parallel_state already has it)."""
     if layout.world != WORLD_SIZE:
         raise ValueError(f"layout {layout.id} needs {layout.world} ranks, world is {WORLD_SIZE}")
-    if _CURRENT[0] == layout and parallel_state.model_parallel_is_initialized():
+    if current_layout() == layout:
         return
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
@@ -47,13 +44,25 @@ def use_layout(layout: Layout) -> None:
             virtual_pipeline_model_parallel_size=layout.vpp,
             context_parallel_size=layout.cp,
         )
-    _CURRENT[0] = layout
+
+
+def current_layout() -> Optional[Layout]:
+    """The layout parallel_state holds now (None when not initialized)."""
+    if not (dist.is_initialized() and parallel_state.model_parallel_is_initialized()):
+        return None
+    if parallel_state.get_tensor_model_parallel_world_size() != 1:
+        return None
+    return Layout(
+        cp=parallel_state.get_context_parallel_world_size(),
+        pp=parallel_state.get_pipeline_model_parallel_world_size(),
+        vpp=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+        dp=parallel_state.get_data_parallel_world_size(),
+    )
 
 
 def reset_layout() -> None:
     """Forget the parallel_state layout (for tests that need none)."""
     parallel_state.destroy_model_parallel()
-    _CURRENT[0] = None
 
 
 def gather_failures(failures: List[str]) -> List[str]:

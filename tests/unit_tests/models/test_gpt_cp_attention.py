@@ -222,6 +222,7 @@ def test_model_rejects_unsupported_layouts():
 # ----------------------------------------------------------------------------- distributed
 
 
+@pytest.mark.world(4)
 def test_gather_backward_sums_gradients_over_ranks(dist_world):
     """y = cat_r x_r; with loss_q = <w_q, y> on rank q, dL/dx_r = block r of sum_q w_q."""
     rank, world = dist.get_rank(), dist_world
@@ -236,6 +237,7 @@ def test_gather_backward_sums_gradients_over_ranks(dist_world):
     assert torch.equal(x.grad, expected_grad)
 
 
+@pytest.mark.world(4)
 @pytest.mark.parametrize("source", ["explicit", "mpu"])
 def test_get_batch_on_this_cp_rank_uses_the_group(model_parallel, source):
     """The explicit group and the MPU fallback both slice to this CP rank's positions."""
@@ -260,6 +262,7 @@ CP_CASES = [
 ]
 
 
+@pytest.mark.world(4)
 @pytest.mark.parametrize("cp_size, source, dtype, stages, tied", CP_CASES)
 def test_cp_attention_matches_full_sequence(model_parallel, cp_size, source, dtype, stages, tied):
     """Sharded losses equal the unsharded float64 model's on this rank's positions; parameter

@@ -1,0 +1,19 @@
+"""pytest plugin for the negative control: the old per-shard normalization, from outside.
+
+``pytest -p tests.tools.per_shard_normalization ...`` replaces
+``megatron.core.pipeline_parallel.schedules.reduce_loss_across_cp`` at import with the
+behaviour megatron-core had (each CP shard divides its loss by its own count), so the parity
+bucket must fail on uneven masks.
+"""
+
+import torch
+
+from megatron.core.pipeline_parallel import schedules
+
+
+def per_shard_normalization(loss_sum, num_tokens, cp_group):
+    """S_c / max(N_c, 1): the count is never reduced over the CP group."""
+    return loss_sum / torch.clamp(num_tokens, min=1)
+
+
+schedules.reduce_loss_across_cp = per_shard_normalization
