@@ -13,9 +13,14 @@ import torch.distributed as dist
 
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
 
+# gloo on CPU by default; TEST_BACKEND=nccl runs the same tests on one GPU per rank.
+BACKEND = os.environ.get("TEST_BACKEND", "gloo")
+
 if "WORLD_SIZE" in os.environ and not dist.is_initialized():
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    if BACKEND == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(BACKEND, timeout=timedelta(seconds=120))
 
 
 def pytest_configure(config):

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state
 from megatron.core.context_parallel import slice_batch_for_cp_rank
+from megatron.core.device import comm_device
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -181,7 +182,10 @@ class TokenwiseChunk(torch.nn.Module):
         self.config, self.layer_ids = config, list(layer_ids)
         self.pre_process, self.post_process = pre_process, post_process
         self.share_embeddings_and_output_weights = tie
-        as_param = lambda name: torch.nn.Parameter(init[name].float().clone())  # noqa: E731
+        device = comm_device()  # CPU with gloo, the current GPU with nccl
+        as_param = lambda name: torch.nn.Parameter(  # noqa: E731
+            init[name].to(device=device, dtype=torch.float32)
+        )
         if pre_process:
             self.embedding = as_param("embedding")
         self.weights = torch.nn.ParameterList([as_param(f"layer{i}.weight") for i in layer_ids])
@@ -327,9 +331,8 @@ def run_step(
     microbatches = []
     for m in range(case.microbatches):
         g = dp_rank * case.microbatches + m
-        microbatches.append(
-            slice_batch_for_cp_rank({k: v[g] for k, v in batch.items()}, cp_size, cp_rank)
-        )
+        shard = slice_batch_for_cp_rank({k: v[g] for k, v in batch.items()}, cp_size, cp_rank)
+        microbatches.append({k: v.to(comm_device()) for k, v in shard.items()})
         result.microbatch_ids.append(g)
     loss_fn = _loss_function(case, cp_group, result)
 
@@ -416,7 +419,9 @@ def _check_reports(case: Case, result: StepResult, losses: torch.Tensor) -> List
                 failures.append(
                     f"microbatch {i}: count {count_value.item()} != local {local_count}"
                 )
-            if abs(loss_value.double() - local_sum).item() > 1e-5 * max(1.0, abs(local_sum.item())):
+            if abs(loss_value.double().cpu() - local_sum).item() > 1e-5 * max(
+                1.0, abs(local_sum.item())
+            ):
                 failures.append(
                     f"microbatch {i}: loss sum {loss_value.item()} != {local_sum.item()}"
                 )

@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
+from megatron.core.device import comm_device
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.transformer import TransformerConfig
 from tests.unit_tests.dist_utils import WORLD_SIZE, Layout, assert_no_failures, use_layout
@@ -28,7 +29,8 @@ def _p2p(pp: int, batch: bool = True, variable: bool = False) -> P2PCommunicator
 
 def _tag(stage: int, kind: float, shape=SHAPE) -> torch.Tensor:
     """A tensor whose values say who sent it and what it is."""
-    return torch.full(shape, 100.0 * dist.get_rank() + 10.0 * stage + kind)
+    value = 100.0 * dist.get_rank() + 10.0 * stage + kind
+    return torch.full(shape, value, device=comm_device())
 
 
 def _expected(rank: int, stage: int, kind: float) -> float:
