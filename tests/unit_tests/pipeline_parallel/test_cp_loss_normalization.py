@@ -30,6 +30,7 @@ from tests.unit_tests.parity import MASKS, MODES, Case, check_step, run_step
 
 LAYOUTS = {
     1: [Layout()],
+    2: [Layout(cp=2), Layout(pp=2, vpp=2)],
     4: [
         Layout(cp=4),
         Layout(cp=2, pp=2),
