@@ -90,6 +90,10 @@ class GPTModel(nn.Module):
         self._initialize_parameters(seed)
         if share_embeddings_and_output_weights and (pre_process or post_process):
             self.shared_embedding_or_output_weight().shared_embedding = True
+        if self.output_layer is not None and share_embeddings_and_output_weights:
+            # The last stage's copy of the tied weight: counted once (on the first stage)
+            # by gradient-norm and weight-decay bookkeeping, as megatron-core marks it.
+            self.output_layer.weight.shared = True
 
     def set_input_tensor(self, input_tensor: Union[torch.Tensor, List[torch.Tensor], None]) -> None:
         """Hidden states [s_local, b, h] from the previous stage (a tensor or a list of one)."""

@@ -1,0 +1,310 @@
+"""The main job's settings: one dataclass, its command line, and the layout it implies.
+
+Every default (model size, batch sizes, sequence length, iterations) is independent of the
+parallel layout, so two runs that differ only in ``--cp/--pp/--vpp/--nproc-per-node`` train
+on the same data with the same objective. ``validate_config`` rejects impossible layouts
+with a message naming the flag, the value and what was expected; it runs before any process
+group exists, identically on every rank.
+"""
+
+import argparse
+from dataclasses import dataclass, fields
+from typing import List, Optional, Sequence
+
+from megatron.core.pipeline_parallel.schedules import interleaved_schedule_table
+
+
+@dataclass
+class TrainingConfig:
+    """Settings of one run (CLI flag ``--foo-bar`` is field ``foo_bar``)."""
+
+    # Layout. DP = world / (CP * PP).
+    nproc_per_node: Optional[int] = None
+    context_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    distributed_backend: str = "auto"
+    # Data and batches.
+    micro_batch_size: int = 2
+    global_batch_size: int = 8
+    seq_length: int = 32
+    vocab_size: int = 64
+    # Model.
+    num_layers: int = 4
+    hidden_size: int = 32
+    num_attention_heads: int = 4
+    init_method_std: float = 0.02
+    untie_embeddings_and_output_weights: bool = False
+    # Optimization.
+    train_iters: int = 20
+    lr: float = 3e-3
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    calculate_per_token_loss: bool = False
+    overlap_grad_reduce: bool = False
+    seed: int = 1234
+    # Output and checks.
+    save_metrics: Optional[str] = None
+    compare_single_process: bool = False
+    compare_tolerance: float = 1e-4
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A run's parallel layout: world = CP * PP * DP; M microbatches per replica per step."""
+
+    world_size: int
+    context_parallel_size: int
+    pipeline_model_parallel_size: int
+    virtual_pipeline_model_parallel_size: Optional[int]
+    data_parallel_size: int
+    num_microbatches: int
+
+    @property
+    def name(self) -> str:
+        """Short name, e.g. ``cp2-pp2-vpp2-dp1``."""
+        vpp = self.virtual_pipeline_model_parallel_size
+        return (
+            f"cp{self.context_parallel_size}-pp{self.pipeline_model_parallel_size}"
+            f"{f'-vpp{vpp}' if vpp else ''}-dp{self.data_parallel_size}"
+        )
+
+
+def validate_config(config: TrainingConfig, world_size: int) -> Layout:
+    """The layout of ``config`` on ``world_size`` processes, or ValueError saying why not.
+
+    DP = world / (CP * PP); M = GBS / (micro batch * DP). Checks: positive sizes; world
+    divisible by CP * PP; seq_length divisible by 2 * CP (load-balanced CP split); layers
+    divisible by PP * VPP; GBS divisible by micro batch * DP; VPP only with PP >= 2 and a
+    microbatch count the interleaved schedule can run.
+    """
+    c = config
+    for flag, value in [
+        ("--nproc-per-node", world_size),
+        ("--cp", c.context_parallel_size),
+        ("--pp", c.pipeline_model_parallel_size),
+        ("--micro-batch-size", c.micro_batch_size),
+        ("--global-batch-size", c.global_batch_size),
+        ("--num-layers", c.num_layers),
+        ("--hidden-size", c.hidden_size),
+        ("--num-attention-heads", c.num_attention_heads),
+        ("--train-iters", c.train_iters),
+    ]:
+        _require(
+            isinstance(value, int) and value >= 1, f"{flag} must be an integer >= 1, got {value}"
+        )
+    cp, pp, vpp = (
+        c.context_parallel_size,
+        c.pipeline_model_parallel_size,
+        c.virtual_pipeline_model_parallel_size,
+    )
+    _require(
+        world_size % (cp * pp) == 0,
+        f"world size {world_size} is not divisible by --cp {cp} x --pp {pp} = {cp * pp}; "
+        f"use a multiple of {cp * pp} processes",
+    )
+    dp = world_size // (cp * pp)
+    _require(
+        c.seq_length >= 4 and c.seq_length % (2 * cp) == 0,
+        f"--seq-length {c.seq_length} must be >= 4 and divisible by 2 x --cp = {2 * cp} "
+        f"(context parallelism splits each sequence into 2C equal chunks)",
+    )
+    if vpp is not None:
+        _require(isinstance(vpp, int) and vpp >= 1, f"--vpp must be an integer >= 1, got {vpp}")
+        _require(pp >= 2, f"--vpp {vpp} needs pipeline parallelism: --pp must be >= 2, got {pp}")
+    chunks = pp * (vpp or 1)
+    _require(
+        c.num_layers % chunks == 0,
+        f"--num-layers {c.num_layers} is not divisible among {chunks} pipeline chunks "
+        f"(--pp {pp} x --vpp {vpp or 1}); use a multiple of {chunks} layers",
+    )
+    _require(
+        c.hidden_size % c.num_attention_heads == 0,
+        f"--hidden-size {c.hidden_size} is not divisible by --num-attention-heads "
+        f"{c.num_attention_heads}",
+    )
+    _require(c.vocab_size >= 5, f"--vocab-size must be >= 5, got {c.vocab_size}")
+    per_step = c.micro_batch_size * dp
+    _require(
+        c.global_batch_size % per_step == 0,
+        f"--global-batch-size {c.global_batch_size} is not divisible by --micro-batch-size "
+        f"{c.micro_batch_size} x data-parallel size {dp} = {per_step}",
+    )
+    num_microbatches = c.global_batch_size // per_step
+    if vpp is not None:
+        try:
+            interleaved_schedule_table(num_microbatches, vpp, pp, pp)
+        except ValueError as exc:
+            raise ValueError(
+                f"--vpp {vpp}: {num_microbatches} microbatches per data-parallel replica "
+                f"(--global-batch-size {c.global_batch_size} / (--micro-batch-size "
+                f"{c.micro_batch_size} x DP {dp})) cannot be interleaved: {exc}"
+            ) from None
+    _require(c.lr > 0, f"--lr must be > 0, got {c.lr}")
+    _require(c.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables), got {c.clip_grad}")
+    _require(
+        c.distributed_backend in ("auto", "gloo", "nccl"),
+        f"--distributed-backend must be auto, gloo or nccl, got {c.distributed_backend!r}",
+    )
+    return Layout(world_size, cp, pp, vpp, dp, num_microbatches)
+
+
+def single_process_config(config: TrainingConfig) -> TrainingConfig:
+    """The same run on one process: CP = PP = 1, no VPP, no comparison, no metrics."""
+    changes = {f.name: getattr(config, f.name) for f in fields(config)}
+    changes.update(
+        nproc_per_node=1,
+        context_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None,
+        compare_single_process=False,
+        save_metrics=None,
+    )
+    return TrainingConfig(**changes)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m megatron.training`` / ``megatron-train`` command line."""
+    d = TrainingConfig()
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron.training",
+        description=(
+            "Supervised fine-tuning of a small GPT on generated prompt/response pairs "
+            "(prompt tokens masked out of the loss), under any context/pipeline/virtual-"
+            "pipeline/data-parallel layout. CPU (gloo) by default, NCCL when every process "
+            "has a GPU. The logged loss is the same for every layout."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    layout = parser.add_argument_group("layout")
+    layout.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=d.nproc_per_node,
+        help="processes to launch (with torch.distributed.run) when not already under "
+        "torchrun; default 1. Under torchrun it must match the launch, or be left out",
+    )
+    layout.add_argument(
+        "--cp",
+        "--context-parallel-size",
+        dest="context_parallel_size",
+        type=int,
+        default=d.context_parallel_size,
+        help="context-parallel size C (each sequence split into 2C chunks)",
+    )
+    layout.add_argument(
+        "--pp",
+        "--pipeline-model-parallel-size",
+        dest="pipeline_model_parallel_size",
+        type=int,
+        default=d.pipeline_model_parallel_size,
+        help="pipeline-parallel size",
+    )
+    layout.add_argument(
+        "--vpp",
+        "--num-virtual-stages-per-pipeline-rank",
+        dest="virtual_pipeline_model_parallel_size",
+        type=int,
+        default=d.virtual_pipeline_model_parallel_size,
+        help="model chunks per pipeline rank (interleaved schedule); default none",
+    )
+    layout.add_argument(
+        "--distributed-backend",
+        choices=["auto", "gloo", "nccl"],
+        default=d.distributed_backend,
+        help="auto: nccl when every local process has a GPU, else gloo",
+    )
+    data = parser.add_argument_group("data and batches")
+    _add(data, "--micro-batch-size", int, d.micro_batch_size, "sequences per microbatch")
+    _add(
+        data,
+        "--global-batch-size",
+        int,
+        d.global_batch_size,
+        "sequences per step, over all data-parallel replicas and microbatches",
+    )
+    _add(data, "--seq-length", int, d.seq_length, "tokens per sequence")
+    _add(data, "--vocab-size", int, d.vocab_size, "vocabulary size (4 special tokens)")
+    model = parser.add_argument_group("model")
+    _add(model, "--num-layers", int, d.num_layers, "transformer layers")
+    _add(model, "--hidden-size", int, d.hidden_size, "hidden size")
+    _add(model, "--num-attention-heads", int, d.num_attention_heads, "attention heads")
+    _add(model, "--init-method-std", float, d.init_method_std, "std of initial weights")
+    model.add_argument(
+        "--untie-embeddings-and-output-weights",
+        action="store_true",
+        help="separate output layer (default: tied to the word embeddings)",
+    )
+    optim = parser.add_argument_group("optimization")
+    _add(optim, "--train-iters", int, d.train_iters, "training iterations")
+    _add(optim, "--lr", float, d.lr, "Adam learning rate (constant)")
+    _add(optim, "--adam-beta1", float, d.adam_beta1, "Adam beta1")
+    _add(optim, "--adam-beta2", float, d.adam_beta2, "Adam beta2")
+    _add(optim, "--adam-eps", float, d.adam_eps, "Adam epsilon")
+    _add(optim, "--weight-decay", float, d.weight_decay, "decoupled weight decay (AdamW)")
+    _add(optim, "--clip-grad", float, d.clip_grad, "gradient-norm clipping threshold, 0: off")
+    optim.add_argument(
+        "--calculate-per-token-loss",
+        action="store_true",
+        help="train sum(loss)/sum(tokens) over the global batch instead of the mean over "
+        "microbatches of each microbatch's token mean",
+    )
+    optim.add_argument(
+        "--overlap-grad-reduce",
+        action="store_true",
+        help="reduce gradient buckets asynchronously during the backward",
+    )
+    _add(optim, "--seed", int, d.seed, "seed of the weights and of the generated data")
+    out = parser.add_argument_group("output and checks")
+    out.add_argument(
+        "--save-metrics",
+        metavar="DIR",
+        default=d.save_metrics,
+        help="write DIR/metrics.jsonl (one line per iteration) and DIR/loss.png",
+    )
+    out.add_argument(
+        "--compare-single-process",
+        action="store_true",
+        help="also train on one process and compare the losses per iteration; exit 1 when "
+        "they differ by more than --compare-tolerance",
+    )
+    _add(
+        out,
+        "--compare-tolerance",
+        float,
+        d.compare_tolerance,
+        "largest accepted |loss difference| per iteration",
+    )
+    out.add_argument("--no-progress", dest="progress", action="store_false", help="no bar")
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> TrainingConfig:
+    """Parse the command line into a ``TrainingConfig`` (no layout checks)."""
+    args = build_parser().parse_args(argv)
+    return TrainingConfig(**vars(args))
+
+
+def _add(group, flag: str, kind: type, default, help_text: str) -> None:
+    """Add a plain ``--flag VALUE`` option."""
+    group.add_argument(flag, type=kind, default=default, help=help_text)
+
+
+def _require(condition: bool, message: str) -> None:
+    """Raise ValueError(message) unless ``condition``."""
+    if not condition:
+        raise ValueError(message)
+
+
+__all__: List[str] = [
+    "TrainingConfig",
+    "Layout",
+    "validate_config",
+    "single_process_config",
+    "build_parser",
+    "parse_args",
+]

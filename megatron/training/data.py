@@ -1,0 +1,99 @@
+"""The embedded supervised fine-tuning (SFT) data set: generated prompt/response pairs.
+
+Sample i is ``[BOS] p_1 .. p_L [SEP] p_L .. p_1 [EOS] [PAD] ..`` (the response is the prompt
+reversed), cut to ``seq_length + 1`` tokens; ``tokens = x[:-1]``, ``labels = x[1:]``. The loss
+mask keeps only the response and EOS labels, so the prompt (of random length L) and the
+padding are masked out and the valid tokens fall unevenly on context-parallel shards. Every
+sample is drawn from its own generator seeded by (seed, i): the data never depends on the
+parallel layout, only on ``--seed``.
+"""
+
+import hashlib
+from typing import Dict, List
+
+import torch
+
+PAD, BOS, SEP, EOS = 0, 1, 2, 3
+FIRST_SYMBOL = 4
+MAX_SYMBOLS = 16  # prompt alphabet: tokens FIRST_SYMBOL .. FIRST_SYMBOL + num_symbols - 1
+
+Batch = Dict[str, torch.Tensor]
+
+
+class SFTDataset:
+    """An endless, deterministic stream of prompt-masked SFT samples.
+
+    ``dataset[i]`` is a dict of [seq_length] tensors ``tokens``, ``labels``, ``loss_mask``
+    (float, 1 on response labels) and ``position_ids``.
+    """
+
+    def __init__(self, seq_length: int, vocab_size: int, seed: int) -> None:
+        if seq_length < 4:
+            raise ValueError(f"SFTDataset: seq_length must be >= 4, got {seq_length}")
+        if vocab_size <= FIRST_SYMBOL:
+            raise ValueError(
+                f"SFTDataset: vocab_size must be > {FIRST_SYMBOL} (4 special tokens), "
+                f"got {vocab_size}"
+            )
+        self.seq_length, self.vocab_size, self.seed = seq_length, vocab_size, seed
+        self.num_symbols = min(MAX_SYMBOLS, vocab_size - FIRST_SYMBOL)
+        # BOS + L prompt tokens + SEP + L response tokens + EOS fit in seq_length + 1.
+        self.max_prompt_length = (seq_length - 2) // 2
+
+    def __getitem__(self, index: int) -> Batch:
+        """Sample ``index``: a prompt of length L ~ U{1..max_prompt_length}, its reversal."""
+        generator = torch.Generator().manual_seed(_sample_seed(self.seed, index))
+        length = int(torch.randint(1, self.max_prompt_length + 1, (1,), generator=generator))
+        prompt = torch.randint(
+            FIRST_SYMBOL, FIRST_SYMBOL + self.num_symbols, (length,), generator=generator
+        )
+        sequence = torch.full((self.seq_length + 1,), PAD, dtype=torch.long)
+        body = torch.cat(
+            [
+                torch.tensor([BOS]),
+                prompt,
+                torch.tensor([SEP]),
+                prompt.flip(0),
+                torch.tensor([EOS]),
+            ]
+        )
+        sequence[: body.numel()] = body
+        # Label t is x[t + 1]; the response and EOS occupy x[L + 2 .. 2L + 2].
+        positions = torch.arange(self.seq_length)
+        loss_mask = ((positions >= length + 1) & (positions <= 2 * length + 1)).float()
+        return {
+            "tokens": sequence[:-1].clone(),
+            "labels": sequence[1:].clone(),
+            "loss_mask": loss_mask,
+            "position_ids": positions,
+        }
+
+    def global_batch(self, iteration: int, global_batch_size: int) -> Batch:
+        """The ``iteration``-th global batch (0-based): samples [i * GBS, (i + 1) * GBS),
+        stacked to [GBS, seq_length] tensors."""
+        start = iteration * global_batch_size
+        samples = [self[start + i] for i in range(global_batch_size)]
+        return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+
+
+def microbatches_for_rank(
+    global_batch: Batch, micro_batch_size: int, num_microbatches: int, dp_rank: int
+) -> List[Batch]:
+    """The M microbatches of data-parallel replica d: microbatch (d, m) holds samples
+    [g * b, (g + 1) * b) of the global batch, g = d * M + m.
+
+    The grouping of samples into microbatches is the same for every layout with the same
+    micro batch size b, so every layout trains the same objective.
+    """
+    microbatches = []
+    for m in range(num_microbatches):
+        g = dp_rank * num_microbatches + m
+        rows = slice(g * micro_batch_size, (g + 1) * micro_batch_size)
+        microbatches.append({key: value[rows] for key, value in global_batch.items()})
+    return microbatches
+
+
+def _sample_seed(seed: int, index: int) -> int:
+    """A 63-bit generator seed for sample ``index`` of the stream of ``seed``."""
+    digest = hashlib.sha256(f"sft/{seed}/{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)

@@ -1,0 +1,86 @@
+"""This rank's model: one GPT chunk per virtual pipeline stage, each wrapped in DDP, with
+the schedule hooks set as megatron's training loop sets them.
+
+Chunk v of pipeline rank p is virtual stage s = v * PP + p; it embeds tokens when s = 0 and
+computes the loss when s = PP * V - 1. Weights are seeded per parameter (GPTModel), so every
+layout starts from the same model.
+"""
+
+from typing import List, Optional
+
+import torch
+
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.models.gpt import GPTModel
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer import TransformerConfig
+from megatron.training.arguments import Layout, TrainingConfig
+
+
+def build_model(
+    config: TrainingConfig, layout: Layout, pg_collection: Optional[ProcessGroupCollection]
+) -> List[DistributedDataParallel]:
+    """The DDP-wrapped GPT chunks of this rank, in virtual-stage order.
+
+    Hooks on the shared TransformerConfig: ``no_sync_func`` (per chunk with VPP),
+    ``grad_sync_func`` with ``--overlap-grad-reduce``, and ``finalize_model_grads_func``.
+    """
+    transformer_config = transformer_config_from(config, layout)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=config.overlap_grad_reduce
+    )
+    pp, vpp = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size
+    pp_rank = 0 if pg_collection is None else pg_collection.pp.rank()
+    last_stage = pp * (vpp or 1) - 1
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage * pp + pp_rank
+        gpt = GPTModel(
+            config=transformer_config,
+            vocab_size=config.vocab_size,
+            max_sequence_length=config.seq_length,
+            pre_process=stage == 0,
+            post_process=stage == last_stage,
+            share_embeddings_and_output_weights=not config.untie_embeddings_and_output_weights,
+            vp_stage=vp_stage if vpp else None,
+            pg_collection=pg_collection,
+            seed=config.seed,
+            pp_rank=pp_rank,
+        )
+        chunks.append(
+            DistributedDataParallel(
+                config=transformer_config,
+                ddp_config=ddp_config,
+                module=gpt,
+                pg_collection=pg_collection,
+            )
+        )
+    one_or_list = (lambda fns: fns) if vpp else (lambda fns: fns[0])
+    transformer_config.no_sync_func = one_or_list([c.no_sync for c in chunks])
+    if config.overlap_grad_reduce:
+        transformer_config.grad_sync_func = one_or_list([c.start_grad_sync for c in chunks])
+    transformer_config.finalize_model_grads_func = finalize_model_grads
+    return chunks
+
+
+def transformer_config_from(config: TrainingConfig, layout: Layout) -> TransformerConfig:
+    """The TransformerConfig of a run: float32, no dropout, the layout's parallel sizes."""
+    return TransformerConfig(
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=config.init_method_std,
+        context_parallel_size=layout.context_parallel_size,
+        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        calculate_per_token_loss=config.calculate_per_token_loss,
+        deallocate_pipeline_outputs=True,
+    )

@@ -1,0 +1,274 @@
+"""The main job: supervised fine-tuning of the small GPT under any CP/PP/VPP/DP layout.
+
+``pretrain`` runs a whole job (groups, training, optional one-process comparison, metrics);
+``train`` is the loop. Each iteration: zero the gradient buffers, run the layout's schedule
+over this replica's M microbatches (this CP rank's shard of each), step Adam, and log
+
+    loss = sum of masked token losses / number of valid tokens, over the global batch,
+
+reduced over dp x cp on the last pipeline stage and broadcast over the pipeline group; it
+does not depend on the layout. The gradient trains the SPEC section 4 objective: the mean
+over the global batch's microbatches of S / max(N, 1), or sum S / sum N with
+``--calculate-per-token-loss``.
+"""
+
+import functools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from megatron.core import parallel_state
+from megatron.core.context_parallel import get_batch_on_this_cp_rank
+from megatron.core.device import comm_device
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.loss_reporting import reduce_reported_losses
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.training.arguments import (
+    Layout,
+    TrainingConfig,
+    single_process_config,
+    validate_config,
+)
+from megatron.training.compare import Comparison, compare_losses, format_comparison
+from megatron.training.data import SFTDataset, microbatches_for_rank
+from megatron.training.initialize import (
+    initialize_distributed,
+    initialize_model_parallel_groups,
+    is_rank_zero,
+    launched_world_size,
+    single_process_groups,
+)
+from megatron.training.metrics import save_metrics
+from megatron.training.model import build_model
+from megatron.training.optimizer import FP32AdamOptimizer
+
+LOSS_KEY = "lm loss"
+
+
+@dataclass
+class TrainingResult:
+    """What a job produced. ``records`` (one dict per iteration) exist on every rank;
+    ``reference`` and ``comparison`` on rank 0 when compared; ``passed`` everywhere."""
+
+    layout: Layout
+    records: List[dict]
+    reference: Optional[List[dict]] = None
+    comparison: Optional[Comparison] = None
+    passed: bool = True
+    metrics_files: List[Path] = field(default_factory=list)
+
+
+def pretrain(config: TrainingConfig) -> TrainingResult:
+    """Run the job on this process: one process without torchrun, else this rank's part.
+
+    Validates the layout before any collective, starts torch.distributed when launched by
+    torchrun (reusing an existing default group), trains, compares with the one-process run
+    when asked (``--compare-single-process``), writes metrics on rank 0, and tears down the
+    model-parallel state (and the default group if it created it).
+    """
+    world_size = launched_world_size()
+    layout = validate_config(config, world_size or 1)
+    created_group = world_size is not None and initialize_distributed(config, layout)
+    try:
+        groups = initialize_model_parallel_groups(layout) if dist.is_initialized() else None
+        label = f"{layout.name} ({_processes(layout.world_size)})"
+        _print_header(config, layout)
+        started = time.perf_counter()
+        records = train(config, layout, groups, desc=label)
+        result = TrainingResult(layout, records)
+        _print(_summary(records, layout, time.perf_counter() - started))
+        if config.compare_single_process:
+            result.reference = train_single_process(config)
+            if is_rank_zero():
+                result.comparison = compare_losses(
+                    records, result.reference, config.compare_tolerance
+                )
+                _print(format_comparison(result.comparison, label, "1 process"))
+            result.passed = _agree_on_rank_zero(
+                result.comparison is None or result.comparison.passed
+            )
+        if config.save_metrics and is_rank_zero():
+            result.metrics_files = save_metrics(
+                config.save_metrics, records, label, result.reference
+            )
+            _print(f"metrics written to {', '.join(str(p) for p in result.metrics_files)}")
+        return result
+    finally:
+        parallel_state.destroy_model_parallel()
+        if created_group:
+            dist.destroy_process_group()
+
+
+def train(
+    config: TrainingConfig,
+    layout: Layout,
+    pg_collection: Optional[ProcessGroupCollection],
+    desc: str = "train",
+) -> List[dict]:
+    """``config.train_iters`` iterations on this rank's chunks; returns one record per
+    iteration: ``iteration, loss, grad_norm, lr, tokens_per_s, valid_tokens,
+    iteration_time_s``. ``pg_collection=None``: one process without torch.distributed.
+
+    Rank 0 shows a progress bar with the loss and tokens/s (``config.progress``).
+    """
+    model = build_model(config, layout, pg_collection)
+    optimizer = FP32AdamOptimizer(
+        model,
+        lr=config.lr,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_eps,
+        weight_decay=config.weight_decay,
+        clip_grad=config.clip_grad,
+        pp_group=None if pg_collection is None else pg_collection.pp,
+    )
+    dataset = SFTDataset(config.seq_length, config.vocab_size, config.seed)
+    vpp = layout.virtual_pipeline_model_parallel_size
+    forward_backward_func = get_forward_backward_func(layout.pipeline_model_parallel_size, vpp)
+    dp_rank = 0 if pg_collection is None else pg_collection.dp.rank()
+    tokens_per_iteration = config.global_batch_size * config.seq_length
+    bar = tqdm(
+        total=config.train_iters,
+        desc=desc,
+        unit="it",
+        disable=not (config.progress and is_rank_zero()),
+        dynamic_ncols=True,
+    )
+    records = []
+    for iteration in range(1, config.train_iters + 1):
+        start = time.perf_counter()
+        global_batch = dataset.global_batch(iteration - 1, config.global_batch_size)
+        microbatches = [
+            _on_this_cp_rank(microbatch, pg_collection)
+            for microbatch in microbatches_for_rank(
+                global_batch, config.micro_batch_size, layout.num_microbatches, dp_rank
+            )
+        ]
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        reported = forward_backward_func(
+            forward_step_func=forward_step,
+            data_iterator=[iter(microbatches) for _ in model] if vpp else iter(microbatches),
+            model=model if vpp else model[0],
+            num_microbatches=layout.num_microbatches,
+            seq_length=config.seq_length,
+            micro_batch_size=config.micro_batch_size,
+            pg_collection=pg_collection,
+            forward_only=False,
+        )
+        grad_norm = optimizer.step()
+        loss = logged_loss(reported, pg_collection)
+        seconds = time.perf_counter() - start
+        records.append(
+            {
+                "iteration": iteration,
+                "loss": loss,
+                "grad_norm": grad_norm,
+                "lr": config.lr,
+                "tokens_per_s": tokens_per_iteration / seconds,
+                "valid_tokens": int(global_batch["loss_mask"].sum().item()),
+                "iteration_time_s": seconds,
+            }
+        )
+        bar.set_postfix(loss=f"{loss:.4f}", tokens_per_s=f"{tokens_per_iteration / seconds:.0f}")
+        bar.update()
+    bar.close()
+    return records
+
+
+def train_single_process(config: TrainingConfig) -> Optional[List[dict]]:
+    """The same training on one process: here when there is no torch.distributed, else on
+    global rank 0 with groups of its own while the other ranks wait. Returns the records
+    on the process that trained, None elsewhere."""
+    reference_config = single_process_config(config)
+    layout = validate_config(reference_config, 1)
+    groups = single_process_groups(rank=0)
+    records = None
+    if is_rank_zero():
+        records = train(reference_config, layout, groups, desc="1 process")
+    if dist.is_initialized():
+        dist.barrier()
+    return records
+
+
+def forward_step(data_iterator, model):
+    """Run one microbatch through one chunk; the loss function gets the loss mask."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+    return output, functools.partial(loss_func, batch["loss_mask"])
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Three values (SPEC section 4) for this CP shard: S_c = sum(mask * loss_t),
+    N_c = sum(mask), and ``{"lm loss": [S_c, N_c]}`` for the logged loss."""
+    loss_sum = (output_tensor * loss_mask.to(output_tensor.dtype)).sum()
+    num_tokens = loss_mask.sum().to(torch.int)
+    return loss_sum, num_tokens, {LOSS_KEY: [loss_sum.detach(), num_tokens]}
+
+
+def logged_loss(reported: List[dict], pg_collection: Optional[ProcessGroupCollection]) -> float:
+    """Global sum(S) / sum(N) of the step: reduced over dp x cp on the last pipeline stage,
+    then broadcast from it over the pipeline group (every rank returns the value)."""
+    dp_cp = None if pg_collection is None else pg_collection.dp_cp
+    losses = reduce_reported_losses(reported, dp_cp)
+    value = torch.tensor(losses.get(LOSS_KEY, 0.0), dtype=torch.float64, device=comm_device())
+    pp = None if pg_collection is None else pg_collection.pp
+    if pp is not None and pp.size() > 1:
+        dist.broadcast(value, src=dist.get_global_rank(pp, pp.size() - 1), group=pp)
+    return value.item()
+
+
+def _on_this_cp_rank(
+    microbatch: Dict[str, torch.Tensor], pg_collection: Optional[ProcessGroupCollection]
+) -> Dict[str, torch.Tensor]:
+    """This CP rank's shard (2C chunks, rank r keeps r and 2C-1-r) on the compute device."""
+    if pg_collection is not None:
+        microbatch = get_batch_on_this_cp_rank(microbatch, pg_collection.cp)
+    device = comm_device()
+    return {key: value.to(device) for key, value in microbatch.items()}
+
+
+def _agree_on_rank_zero(passed: bool) -> bool:
+    """Rank 0's verdict, on every rank."""
+    if not dist.is_initialized():
+        return passed
+    flag = torch.tensor([1 if passed else 0], device=comm_device())
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
+def _summary(records: List[dict], layout: Layout, seconds: float) -> str:
+    """One line: loss at the first and last iteration, time."""
+    first, last = records[0]["loss"], records[-1]["loss"]
+    trend = "falls" if last < first else "does not fall"
+    return (
+        f"{layout.name}: loss {first:.4f} -> {last:.4f} over {len(records)} iterations "
+        f"({trend}), {seconds:.1f} s"
+    )
+
+
+def _processes(count: int) -> str:
+    """``1 process``, ``4 processes``."""
+    return f"{count} process{'es' if count > 1 else ''}"
+
+
+def _print_header(config: TrainingConfig, layout: Layout) -> None:
+    """What is being trained, how, on rank 0."""
+    backend = dist.get_backend() if dist.is_initialized() else "no torch.distributed"
+    _print(
+        f"SFT of a GPT ({config.num_layers} layers, hidden {config.hidden_size}, "
+        f"{config.num_attention_heads} heads, vocab {config.vocab_size}) on generated "
+        f"prompt/response pairs; layout {layout.name} on {_processes(layout.world_size)} "
+        f"({backend}); {layout.num_microbatches} microbatch(es) of {config.micro_batch_size} "
+        f"x {config.seq_length} tokens per replica, global batch {config.global_batch_size}"
+    )
+
+
+def _print(message: str) -> None:
+    """Print on rank 0 only."""
+    if is_rank_zero():
+        print(message, flush=True)
