@@ -44,6 +44,7 @@ class TrainingConfig:
     weight_decay: float = 0.0
     clip_grad: float = 1.0
     calculate_per_token_loss: bool = False
+    per_shard_loss_normalization: bool = False
     overlap_grad_reduce: bool = False
     seed: int = 1234
     # Output and checks.
@@ -144,6 +145,11 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
                 f"(--global-batch-size {c.global_batch_size} / (--micro-batch-size "
                 f"{c.micro_batch_size} x DP {dp})) cannot be interleaved: {exc}"
             ) from None
+    _require(
+        not (c.per_shard_loss_normalization and c.calculate_per_token_loss),
+        "--per-shard-loss-normalization emulates the averaged mode; it cannot be combined "
+        "with --calculate-per-token-loss",
+    )
     _require(c.lr > 0, f"--lr must be > 0, got {c.lr}")
     _require(c.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables), got {c.clip_grad}")
     _require(
@@ -252,6 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="train sum(loss)/sum(tokens) over the global batch instead of the mean over "
         "microbatches of each microbatch's token mean",
+    )
+    optim.add_argument(
+        "--per-shard-loss-normalization",
+        action="store_true",
+        help="negative control: train megatron-core 0.16.1's objective, each CP shard's "
+        "loss divided by its own valid-token count and averaged over shards; with --cp > 1 "
+        "on prompt-masked data it drifts from the one-process run",
     )
     optim.add_argument(
         "--overlap-grad-reduce",

@@ -3,17 +3,22 @@ here (one process, or one rank under torchrun) or launch ``--nproc-per-node`` pr
 
 Self-launch: without torchrun's WORLD_SIZE and with N > 1 processes, the same command line
 is re-run as ``python -m torch.distributed.run --standalone --nproc-per-node N -m
-megatron.training ...``; the launcher exits with the launch's status.
+megatron.training ...``. The workers then end with status 0 after a failed comparison and
+rank 0 leaves the verdict in a file for the launcher, which exits 1: a failed comparison
+reads as a verdict, not as a crashed launch.
 """
 
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 from typing import List, Optional, Sequence
 
 from megatron.training.arguments import build_parser, parse_args, validate_config
 
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+VERDICT_FILE_VARIABLE = "MEGATRON_TRAINING_VERDICT_FILE"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -32,21 +37,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from megatron.training.training import pretrain  # torch and the model: only when running
 
-    return 0 if pretrain(config).passed else 1
+    passed = pretrain(config).passed
+    verdict_file = os.environ.get(VERDICT_FILE_VARIABLE)
+    if verdict_file:  # self-launched: the launcher turns the verdict into its status
+        if os.environ.get("RANK", "0") == "0":
+            Path(verdict_file).write_text("passed" if passed else "failed")
+        return 0
+    return 0 if passed else 1
 
 
 def launch(argv: Sequence[str], nproc: int) -> int:
-    """Run ``argv`` on ``nproc`` local processes with torch.distributed.run; its status.
+    """Run ``argv`` on ``nproc`` local processes with torch.distributed.run.
 
-    Each process gets ``OMP_NUM_THREADS = cpu_count // nproc`` (at least 1) unless set.
+    Returns the launch's status, or 1 when it succeeded but rank 0 reported a failed
+    comparison. Each process gets ``OMP_NUM_THREADS = cpu_count // nproc`` (at least 1)
+    unless set.
     """
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    command = launch_command(argv, nproc)
-    try:
-        return subprocess.call(command, env=env)
-    except KeyboardInterrupt:
-        return 130
+    with tempfile.TemporaryDirectory(prefix="megatron-train-") as scratch:
+        verdict = Path(scratch) / "verdict"
+        env[VERDICT_FILE_VARIABLE] = str(verdict)
+        try:
+            status = subprocess.call(launch_command(argv, nproc), env=env)
+        except KeyboardInterrupt:
+            return 130
+        if status == 0 and verdict.exists() and verdict.read_text() == "failed":
+            return 1
+        return status
 
 
 def launch_command(argv: Sequence[str], nproc: int) -> List[str]:

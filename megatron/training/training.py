@@ -131,6 +131,8 @@ def train(
     forward_backward_func = get_forward_backward_func(layout.pipeline_model_parallel_size, vpp)
     dp_rank = 0 if pg_collection is None else pg_collection.dp.rank()
     tokens_per_iteration = config.global_batch_size * config.seq_length
+    per_shard = layout.context_parallel_size if config.per_shard_loss_normalization else None
+    forward_step_func = functools.partial(forward_step, per_shard_cp_size=per_shard)
     bar = tqdm(
         total=config.train_iters,
         desc=desc,
@@ -151,7 +153,7 @@ def train(
         for chunk in model:
             chunk.zero_grad_buffer()
         reported = forward_backward_func(
-            forward_step_func=forward_step,
+            forward_step_func=forward_step_func,
             data_iterator=[iter(microbatches) for _ in model] if vpp else iter(microbatches),
             model=model if vpp else model[0],
             num_microbatches=layout.num_microbatches,
@@ -195,19 +197,33 @@ def train_single_process(config: TrainingConfig) -> Optional[List[dict]]:
     return records
 
 
-def forward_step(data_iterator, model):
-    """Run one microbatch through one chunk; the loss function gets the loss mask."""
+def forward_step(data_iterator, model, per_shard_cp_size: Optional[int] = None):
+    """Run one microbatch through one chunk; the loss function gets the loss mask.
+
+    ``per_shard_cp_size``: see ``loss_func`` (None: the exact objective).
+    """
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
-    return output, functools.partial(loss_func, batch["loss_mask"])
+    return output, functools.partial(loss_func, batch["loss_mask"], per_shard_cp_size)
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+def loss_func(
+    loss_mask: torch.Tensor, per_shard_cp_size: Optional[int], output_tensor: torch.Tensor
+):
     """Three values (SPEC section 4) for this CP shard: S_c = sum(mask * loss_t),
-    N_c = sum(mask), and ``{"lm loss": [S_c, N_c]}`` for the logged loss."""
+    N_c = sum(mask), and ``{"lm loss": [S_c, N_c]}`` for the logged loss.
+
+    With ``per_shard_cp_size`` = C it returns instead the legacy two values
+    ``(S_c / max(N_c, 1) / C, reported)``: the schedule scales them by C / M and DDP
+    averages over dp x cp, so the step trains megatron-core 0.16.1's per-shard objective
+    mean_c S_c / N_c, which differs from S / N when masks are uneven across shards.
+    """
     loss_sum = (output_tensor * loss_mask.to(output_tensor.dtype)).sum()
     num_tokens = loss_mask.sum().to(torch.int)
-    return loss_sum, num_tokens, {LOSS_KEY: [loss_sum.detach(), num_tokens]}
+    reported = {LOSS_KEY: [loss_sum.detach(), num_tokens]}
+    if per_shard_cp_size is not None:
+        return loss_sum / num_tokens.clamp(min=1) / per_shard_cp_size, reported
+    return loss_sum, num_tokens, reported
 
 
 def logged_loss(reported: List[dict], pg_collection: Optional[ProcessGroupCollection]) -> float:
