@@ -50,12 +50,14 @@ def plot_loss_curves(path: Path, curves: Dict[str, List[dict]]) -> Path:
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     figure, axes = plt.subplots(figsize=(6, 4), dpi=100)
     styles = [dict(linestyle="-", marker="o"), dict(linestyle="--", marker="x")]
     for i, (label, records) in enumerate(curves.items()):
         iterations = [r["iteration"] for r in records]
         axes.plot(iterations, [r["loss"] for r in records], label=label, **styles[i % 2])
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_xlabel("iteration")
     axes.set_ylabel("loss (masked token mean over the global batch)")
     axes.set_title("SFT loss")
