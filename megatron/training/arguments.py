@@ -9,7 +9,7 @@ group exists, identically on every rank.
 
 import argparse
 from dataclasses import dataclass, fields
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 from megatron.core.pipeline_parallel.schedules import interleaved_schedule_table
 
@@ -184,21 +184,23 @@ def build_parser() -> argparse.ArgumentParser:
             "pipeline/data-parallel layout. CPU (gloo) by default, NCCL when every process "
             "has a GPU. The logged loss is the same for every layout."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     layout = parser.add_argument_group("layout")
     layout.add_argument(
         "--nproc-per-node",
         type=int,
+        metavar="N",
         default=d.nproc_per_node,
         help="processes to launch (with torch.distributed.run) when not already under "
-        "torchrun; default 1. Under torchrun it must match the launch, or be left out",
+        "torchrun; default: 1. Under torchrun it must match the launch, or be left out",
     )
     layout.add_argument(
         "--cp",
         "--context-parallel-size",
         dest="context_parallel_size",
         type=int,
+        metavar="C",
         default=d.context_parallel_size,
         help="context-parallel size C (each sequence split into 2C chunks)",
     )
@@ -207,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--pipeline-model-parallel-size",
         dest="pipeline_model_parallel_size",
         type=int,
+        metavar="P",
         default=d.pipeline_model_parallel_size,
         help="pipeline-parallel size",
     )
@@ -215,8 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-virtual-stages-per-pipeline-rank",
         dest="virtual_pipeline_model_parallel_size",
         type=int,
+        metavar="V",
         default=d.virtual_pipeline_model_parallel_size,
-        help="model chunks per pipeline rank (interleaved schedule); default none",
+        help="model chunks per pipeline rank (interleaved schedule); default: none",
     )
     layout.add_argument(
         "--distributed-backend",
@@ -292,7 +296,12 @@ def build_parser() -> argparse.ArgumentParser:
         d.compare_tolerance,
         "largest accepted |loss difference| per iteration",
     )
-    out.add_argument("--no-progress", dest="progress", action="store_false", help="no bar")
+    out.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="hide the progress bar (rank 0 shows one by default)",
+    )
     return parser
 
 
@@ -300,6 +309,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> TrainingConfig:
     """Parse the command line into a ``TrainingConfig`` (no layout checks)."""
     args = build_parser().parse_args(argv)
     return TrainingConfig(**vars(args))
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show the default of options that take a value (not of switches, not of None)."""
+
+    def _get_help_string(self, action):
+        if action.nargs == 0 or action.default is None:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _add(group, flag: str, kind: type, default, help_text: str) -> None:
@@ -311,13 +329,3 @@ def _require(condition: bool, message: str) -> None:
     """Raise ValueError(message) unless ``condition``."""
     if not condition:
         raise ValueError(message)
-
-
-__all__: List[str] = [
-    "TrainingConfig",
-    "Layout",
-    "validate_config",
-    "single_process_config",
-    "build_parser",
-    "parse_args",
-]
