@@ -11,8 +11,6 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Optional, Sequence
 
-from megatron.core.pipeline_parallel.schedules import interleaved_schedule_table
-
 
 @dataclass
 class TrainingConfig:
@@ -137,6 +135,9 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
     )
     num_microbatches = c.global_batch_size // per_step
     if vpp is not None:
+        # Imported here: the self-launching process checks layouts without importing torch.
+        from megatron.core.pipeline_parallel.schedules import interleaved_schedule_table
+
         try:
             interleaved_schedule_table(num_microbatches, vpp, pp, pp)
         except ValueError as exc:
