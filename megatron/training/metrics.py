@@ -2,6 +2,7 @@
 ``loss.png`` (the loss curve, and the one-process curve when compared)."""
 
 import json
+import warnings
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -18,7 +19,10 @@ def save_metrics(
     reference_label: str = "1 process",
 ) -> List[Path]:
     """Write ``metrics.jsonl``, the reference's ``metrics_single_process.jsonl`` (if any)
-    and ``loss.png`` under ``directory`` (created); returns the paths written."""
+    and ``loss.png`` under ``directory`` (created); returns the paths written.
+
+    Without matplotlib (the ``plot`` extra) the picture is skipped with a warning.
+    """
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     written = [write_jsonl(out / METRICS_FILE, records)]
@@ -26,7 +30,10 @@ def save_metrics(
     if reference is not None:
         written.append(write_jsonl(out / SINGLE_PROCESS_METRICS_FILE, reference))
         curves[reference_label] = reference
-    written.append(plot_loss_curves(out / LOSS_PLOT_FILE, curves))
+    try:
+        written.append(plot_loss_curves(out / LOSS_PLOT_FILE, curves))
+    except ImportError as exc:
+        warnings.warn(f"{LOSS_PLOT_FILE} not written: {exc} (pip install matplotlib)", stacklevel=2)
     return written
 
 
