@@ -18,6 +18,7 @@ dp_cp group (summed in per-token mode), so each shard's loss is scaled as
 """
 
 import contextlib
+import math
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
 
 import torch
@@ -659,7 +660,11 @@ class _Run:
             cp_group=self.cp_group,
         )
         self._microbatches_run[chunk] += 1
-        if is_last_stage and not self.collect_non_loss_data:
+        if (
+            is_last_stage
+            and self.config.calculate_per_token_loss
+            and not self.collect_non_loss_data
+        ):
             self.num_tokens = self.num_tokens + num_tokens.detach().to(self.num_tokens)
         return output
 
@@ -768,8 +773,9 @@ def _check_num_tokens(num_tokens) -> None:
         )
     if num_tokens.dtype == torch.bool or num_tokens.is_complex():
         raise TypeError(f"loss_func returned num_tokens of dtype {num_tokens.dtype}; {expected}")
-    if bool(num_tokens.detach() < 0) or not bool(torch.isfinite(num_tokens.detach())):
-        raise ValueError(f"loss_func returned num_tokens={num_tokens.item()}; {expected}")
+    value = num_tokens.item()  # one host read: one device sync for a CUDA count
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"loss_func returned num_tokens={value}; {expected}")
 
 
 def _count_denominator(count: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
