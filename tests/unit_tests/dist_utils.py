@@ -65,6 +65,17 @@ def reset_layout() -> None:
     parallel_state.destroy_model_parallel()
 
 
+class StubChunk(torch.nn.Module):
+    """The least a schedule needs of a model chunk: ``config`` and ``set_input_tensor``."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+
+    def set_input_tensor(self, tensor) -> None:
+        pass
+
+
 def gather_failures(failures: List[str]) -> List[str]:
     """Every rank's failure messages, on every rank (prefixed with the rank)."""
     if not dist.is_initialized():

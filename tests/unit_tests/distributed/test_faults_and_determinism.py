@@ -23,6 +23,7 @@ from tests.unit_tests import parity
 from tests.unit_tests.dist_utils import (
     WORLD_SIZE,
     Layout,
+    StubChunk,
     assert_no_failures,
     rel_error,
     use_layout,
@@ -139,15 +140,6 @@ def test_negative_count_on_every_cp_rank_raises_everywhere_before_the_all_reduce
     assert_no_failures(failures)
 
 
-class _Chunk(torch.nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.config = config
-
-    def set_input_tensor(self, tensor):
-        pass
-
-
 _PAIRS: list = []
 
 
@@ -179,7 +171,7 @@ def test_negative_count_on_one_rank_raises_there_before_the_all_reduce(monkeypat
             out, _ = schedules.forward_step(
                 lambda it, model: (torch.zeros(()), lambda _: (loss_sum, count, {})),
                 None,
-                _Chunk(config),
+                StubChunk(config),
                 2,
                 None,
                 [],

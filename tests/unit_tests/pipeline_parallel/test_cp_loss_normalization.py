@@ -19,9 +19,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.process_groups_config import ProcessGroupCollection
+from tests.tools.per_shard_normalization import per_shard_normalization
 from tests.unit_tests.dist_utils import (
     WORLD_SIZE,
     Layout,
+    StubChunk,
     assert_no_failures,
     gather_failures,
     use_layout,
@@ -83,17 +85,14 @@ def test_gradients_match_dense_reference(case: Case):
     assert_no_failures(check_step(case, run_step(case)))
 
 
+def _case(layout: Layout, **fields) -> Case:
+    """A case on ``layout`` with its largest microbatch count."""
+    m = _microbatch_counts(layout)[-1]
+    return Case(cp=layout.cp, pp=layout.pp, vpp=layout.vpp, dp=layout.dp, microbatches=m, **fields)
+
+
 FALLBACK = [
-    Case(
-        cp=lay.cp,
-        pp=lay.pp,
-        vpp=lay.vpp,
-        dp=lay.dp,
-        microbatches=_microbatch_counts(lay)[-1],
-        mask=mask,
-        mode="averaged",
-        groups="mpu",
-    )
+    _case(lay, mask=mask, mode="averaged", groups="mpu")
     for lay in LAYOUTS.get(WORLD_SIZE, [])[:3]
     for mask in ("uneven", "single")
 ]
@@ -146,21 +145,8 @@ def test_count_never_mixes_data_parallel_replicas():
     assert failures, "a count mixed across data-parallel replicas went unnoticed"
 
 
-def _per_shard(loss_sum, num_tokens, cp_group):
-    """The old behaviour: each shard divides by its own count."""
-    return loss_sum / torch.clamp(num_tokens, min=1)
-
-
 NEGATIVE = [
-    Case(
-        cp=lay.cp,
-        pp=lay.pp,
-        vpp=lay.vpp,
-        dp=lay.dp,
-        microbatches=_microbatch_counts(lay)[-1],
-        mask=mask,
-        mode="averaged",
-    )
+    _case(lay, mask=mask, mode="averaged")
     for lay in LAYOUTS.get(WORLD_SIZE, [])
     if lay.cp > 1
     for mask in ("uneven", "single", "empty")
@@ -173,7 +159,7 @@ def test_negative_control_per_shard_normalization_fails(case: Case):
     """With reduce_loss_across_cp swapped for per-shard normalization the bucket fails."""
     use_layout(Layout(case.cp, case.pp, case.vpp, case.dp))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(schedules, "reduce_loss_across_cp", _per_shard)
+        patch.setattr(schedules, "reduce_loss_across_cp", per_shard_normalization)
         failures = gather_failures(check_step(case, run_step(case)))
     assert any("main_grad" in f for f in failures), f"per-shard normalization passed {case.id}"
 
@@ -190,7 +176,7 @@ def test_forward_step_without_cp_group_uses_parallel_state():
     out, returned = schedules.forward_step(
         lambda it, model: (torch.zeros(()), lambda _: (loss_sum, count, {"n": count})),
         None,
-        _Chunk(config),
+        StubChunk(config),
         2,
         None,
         store,
@@ -209,15 +195,6 @@ def test_reduce_loss_across_cp_without_group_runs_no_collective():
     assert schedules.reduce_loss_across_cp(loss_sum, count, None).item() == 2.0
     assert loss_sum.item() == 6.0 and count.item() == 3
     assert schedules.reduce_loss_across_cp(torch.tensor(0.0), torch.tensor(0), None).item() == 0
-
-
-class _Chunk(torch.nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.config = config
-
-    def set_input_tensor(self, tensor):
-        pass
 
 
 def _config():
