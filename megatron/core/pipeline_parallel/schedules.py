@@ -540,11 +540,14 @@ def custom_backward(output, grad_output):
 def resolve_cp_group(
     cp_group: Optional[dist.ProcessGroup], cp_group_size: Optional[int] = None
 ) -> Optional[dist.ProcessGroup]:
-    """The CP group of the loss normalization: ``cp_group`` if given; else (MPU fallback)
-    ``parallel_state``'s when initialized; else None (C = 1).
+    """The CP group of the loss normalization: ``cp_group`` if given; None (C = 1) when the
+    caller says ``cp_group_size`` is 1; else (MPU fallback) ``parallel_state``'s group when
+    initialized; else None (C = 1).
 
     Raises ValueError when ``cp_group_size`` contradicts the group found.
     """
+    if cp_group is None and cp_group_size == 1:
+        return None
     if cp_group is None and parallel_state.model_parallel_is_initialized():
         cp_group = parallel_state.get_context_parallel_group()
     size = _group_size(cp_group)

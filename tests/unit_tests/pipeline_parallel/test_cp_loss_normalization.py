@@ -221,3 +221,30 @@ def _mpu_fields() -> dict:
     """parallel_state's pp/embedding/tp groups as keyword arguments."""
     mpu = ProcessGroupCollection.use_mpu_process_groups()
     return {name: getattr(mpu, name) for name in ("tp", "pp", "mp", "embd", "pos_embd")}
+
+
+@pytest.mark.world(4, 8)
+def test_explicit_collection_without_cp_means_one_rank_not_parallel_state():
+    """parallel_state has C=2, but the step's pg_collection has no cp group and the config
+    says C=1: the count is not reduced behind the caller's back (explicit groups win)."""
+    use_layout(Layout(cp=2, dp=WORLD_SIZE // 2))
+    groups = ProcessGroupCollection(
+        **_mpu_fields(), dp_cp=parallel_state.get_data_parallel_group(with_context_parallel=True)
+    )
+    calls = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dist, "all_reduce", lambda *a, **k: calls.append(k.get("group")))
+        store: list = []
+        out, _ = schedules.forward_step(
+            lambda it, model: (torch.zeros(()), lambda _: (torch.tensor(4.0), torch.tensor(2), {})),
+            None,
+            StubChunk(_config()),
+            1,
+            None,
+            store,
+            _config(),
+            1,
+            is_last_stage=True,
+            cp_group=groups.cp,
+        )
+    assert calls == [] and out.item() == 2.0
