@@ -417,15 +417,14 @@ def forward_step_calc_loss(
             if parallel_state.model_parallel_is_initialized()
             else True
         )
-    num_tokens = torch.zeros((), dtype=torch.int)
     if not is_last_stage:
-        return output_tensor, num_tokens
+        return output_tensor, _no_tokens()
     if loss_func is None:
         forward_data_store.append(output_tensor)
-        return output_tensor, num_tokens
+        return output_tensor, _no_tokens()
     if collect_non_loss_data:
         forward_data_store.append(loss_func(output_tensor, non_loss_data=True))
-        return output_tensor, num_tokens
+        return output_tensor, _no_tokens()
     outputs = loss_func(output_tensor)
     cp_group = resolve_cp_group(cp_group, cp_group_size)
     loss, num_tokens, reported = _unpack_loss_outputs(outputs)
@@ -433,7 +432,12 @@ def forward_step_calc_loss(
         loss, num_tokens, cp_group, num_microbatches, config.calculate_per_token_loss
     )
     forward_data_store.append(reported)
-    return loss, (num_tokens if num_tokens is not None else torch.zeros((), dtype=torch.int))
+    return loss, (num_tokens if num_tokens is not None else _no_tokens())
+
+
+def _no_tokens() -> torch.Tensor:
+    """The count returned where no three-value loss was computed: 0 (int32, CPU)."""
+    return torch.zeros((), dtype=torch.int)
 
 
 def normalize_microbatch_loss(
@@ -613,6 +617,7 @@ class _Run:
         self.forward_only, self.collect_non_loss_data = forward_only, collect_non_loss_data
         self.pg_collection = _resolve_pg_collection(pg_collection, self.config, pipelined)
         self.cp_group = self.pg_collection.cp if self.pg_collection is not None else None
+        self.cp_size = _group_size(self.cp_group)
         self.pp_size, self.pp_rank, self.p2p = 1, 0, None
         if pipelined:
             self.p2p = p2p_communicator or P2PCommunicator(self.pg_collection.pp, self.config)
@@ -631,7 +636,7 @@ class _Run:
 
     def tensor_shape(self, seq_length: int, micro_batch_size: int) -> List[int]:
         """Pipeline message shape ``(seq_length // C, micro_batch_size, hidden_size)``."""
-        cp = _group_size(self.cp_group)
+        cp = self.cp_size
         if seq_length % cp and not self.config.variable_seq_lengths:
             raise ValueError(
                 f"seq_length={seq_length} is not divisible by the context-parallel size {cp}"
@@ -654,7 +659,7 @@ class _Run:
             input_tensor,
             self.store,
             self.config,
-            _group_size(self.cp_group),
+            self.cp_size,
             self.collect_non_loss_data,
             is_first_microbatch=self._microbatches_run[chunk] == 0,
             current_microbatch=microbatch,
