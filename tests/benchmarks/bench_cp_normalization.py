@@ -310,6 +310,7 @@ def main() -> None:
     if args.json and dist.get_rank() == 0:
         with open(args.json, "w") as handle:
             json.dump({"args": vars(args), "machine": machine(), "layouts": results}, handle)
+    dist.barrier()  # every rank done before any tears its groups down
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 

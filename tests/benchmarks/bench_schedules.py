@@ -33,6 +33,7 @@ Two measurements:
 
 import argparse
 import gc
+import sys
 import time
 from typing import Dict, List
 
@@ -191,13 +192,36 @@ def time_variants(args, pp: int, vpp) -> Dict[str, Dict[str, float]]:
         per_mb = 1e6 / args.microbatches
         walls = [w * per_mb for w, _ in maxed]
         cpus = [c * per_mb for _, c in maxed]
+        calls = all_max(count_calls(variants[name]))
         results[name] = {
             "wall_us": median(walls),
             "wall_q": quartiles(walls),
             "cpu_us": median(cpus),
             "cpu_q": quartiles(cpus),
+            "py_calls": calls[0] / args.microbatches,
+            "c_calls": calls[1] / args.microbatches,
         }
     return results
+
+
+def count_calls(fn) -> List[float]:
+    """[Python function calls, C function calls made from Python] during ``fn()``: the
+    framework's interpreted work, counted exactly (no timing noise)."""
+    counts = [0, 0]
+
+    def profiler(frame, event, arg):
+        if event == "call":
+            counts[0] += 1
+        elif event == "c_call":
+            counts[1] += 1
+
+    dist.barrier()
+    sys.setprofile(profiler)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return [float(c) for c in counts]
 
 
 def measure_memory(args, pp: int, vpp) -> Dict[str, List[float]]:
@@ -257,11 +281,21 @@ def main() -> None:
                 f"{r['wall_q'][0]:.0f}-{r['wall_q'][1]:.0f}",
                 f"{r['cpu_us']:.0f}",
                 f"{r['cpu_q'][0]:.0f}-{r['cpu_q'][1]:.0f}",
+                f"{r['py_calls']:.1f}",
+                f"{r['c_calls']:.1f}",
             ]
         )
     say(
         table(
-            ["variant", "wall us/mb/stage", "wall IQR", "CPU us/mb/stage", "CPU IQR"],
+            [
+                "variant",
+                "wall us/mb/stage",
+                "wall IQR",
+                "CPU us/mb/stage",
+                "CPU IQR",
+                "Python calls/mb",
+                "C calls/mb",
+            ],
             rows,
         )
     )
@@ -290,6 +324,7 @@ def main() -> None:
             "memory_mib": memory,
         },
     )
+    dist.barrier()  # every rank done before any tears its groups down
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 

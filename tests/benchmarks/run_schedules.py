@@ -41,11 +41,25 @@ def launch(python: str, pp: int, vpp, args, json_path: str, memory: bool) -> Non
         command.append("--no-memory")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("PYTHONPATH", None)  # megatron comes from the interpreter's own packages
-    result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=HERE)
+    before = _lines(json_path)
+    for attempt in range(2):  # one retry: a rare abort at process teardown (see the docs)
+        result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=HERE)
+        if result.returncode == 0:
+            break
+        print(f"# launch failed (rc={result.returncode}), attempt {attempt + 1}", flush=True)
+        with open(json_path, "w") as handle:  # drop what the failed launch wrote
+            handle.writelines(before)
     if result.returncode != 0:
         sys.stderr.write(result.stdout[-4000:] + result.stderr[-4000:])
         raise SystemExit(f"failed: {' '.join(command)}")
     print("\n".join(line for line in result.stdout.splitlines() if line.startswith("|")))
+
+
+def _lines(path: str) -> list:
+    if not os.path.exists(path):
+        return []
+    with open(path) as handle:
+        return handle.readlines()
 
 
 def main() -> None:
@@ -56,9 +70,14 @@ def main() -> None:
     parser.add_argument("--ours-python", default=sys.executable)
     parser.add_argument("--mcore-python", default="/opt/mcore/bin/python")
     parser.add_argument("--json", default=None, help="keep every launch's JSON lines here")
+    parser.add_argument("--summarize", default=None, help="only summarize this JSON-lines file")
     args = parser.parse_args()
+    if args.summarize:
+        with open(args.summarize) as handle:
+            print(summarize([json.loads(line) for line in handle]))
+        return
 
-    json_path = args.json or tempfile.mktemp(suffix=".jsonl")
+    json_path = os.path.abspath(args.json or tempfile.mktemp(suffix=".jsonl"))
     pythons = {"ours": args.ours_python, "megatron-core": args.mcore_python}
     for pp, vpp in LAYOUTS:
         for repeat in range(args.repeats):
@@ -87,6 +106,11 @@ def summarize(records) -> str:
                 cpus = [r["times"][variant]["cpu_us"] for r in runs if variant in r["times"]]
                 if walls:
                     cells[fw, variant] = (statistics.median(walls), statistics.median(cpus))
+                    calls = runs[0]["times"][variant]
+                    if "py_calls" in calls:
+                        text = f"{calls['py_calls']:.0f}+{calls['c_calls']:.0f}"
+                        previous = cells.get(("calls", variant))
+                        cells["calls", variant] = f"{previous} / {text}" if previous else text
                     # framework cost over the bare loop, launch by launch (same process)
                     if variant != "bare" and "bare" in runs[0]["times"]:
                         over = [
@@ -111,6 +135,7 @@ def summarize(records) -> str:
             over_o = cells.get(("ours", variant, "over"))
             over_m = cells.get(("megatron-core", variant, "over"))
             row.append(f"{over_o:.0f} / {over_m:.0f}" if over_o is not None else "-")
+            row.append(cells.get(("calls", variant), "-"))
             rows.append(row)
     from bench_common import table  # noqa: E402  (no torch.distributed needed here)
 
@@ -125,9 +150,10 @@ def summarize(records) -> str:
             "mcore CPU",
             "CPU ours/mcore",
             "CPU over bare (ours / mcore)",
+            "Python+C calls/mb (ours / mcore)",
         ],
         rows,
-        align="lll" + "r" * 6,
+        align="lll" + "r" * 7,
     )
     text += "\n\nus per microbatch per stage (medians over launches of per-launch medians)\n\n"
     width = max(len(r) for r in memory_rows) - 3 if memory_rows else 0
