@@ -38,6 +38,7 @@ class P2PCommunicator:
         self.next_rank = dist.get_global_rank(pp_group, (self.pp_rank + 1) % self.pp_size)
         self.prev_rank = dist.get_global_rank(pp_group, (self.pp_rank - 1) % self.pp_size)
         self.virtual_pipeline_model_parallel_size = config.virtual_pipeline_model_parallel_size
+        self.device = comm_device(pp_group)  # where messages live (CPU for gloo, GPU for nccl)
 
     # ------------------------------------------------------------------ 1F1B operations
 
@@ -202,7 +203,7 @@ class P2PCommunicator:
 
     def _communicate_shapes(self, send_next, send_prev, recv_prev, recv_next):
         """Exchange the shapes of the tensors about to travel (``variable_seq_lengths``)."""
-        device = comm_device(self.pp_group)
+        device = self.device
 
         def shape_of(t):
             return None if t is None else torch.tensor(t.shape, dtype=torch.int64, device=device)
@@ -234,9 +235,8 @@ class P2PCommunicator:
         for work in works:
             work.wait()
         if self.config.batch_p2p_comm and self.config.batch_p2p_sync:
-            device = comm_device(self.pp_group)
-            if device.type != "cpu":
-                torch.cuda.synchronize(device)
+            if self.device.type != "cpu":
+                torch.cuda.synchronize(self.device)
 
     def _empty(self, shape: Optional[Shape]) -> torch.Tensor:
         """A receive buffer of ``shape`` in ``pipeline_dtype`` on the backend's device."""
@@ -250,7 +250,7 @@ class P2PCommunicator:
         return torch.empty(
             tuple(shape),
             dtype=self.config.pipeline_dtype,
-            device=comm_device(self.pp_group),
+            device=self.device,
             requires_grad=True,
         )
 
@@ -317,9 +317,12 @@ def _as_list(tensors) -> list:
 
 def _is_shape_list(shapes) -> bool:
     """True for a list of shapes, False for one shape (a sequence of ints)."""
-    return isinstance(shapes, list) and any(
-        s is None or isinstance(s, (list, tuple, torch.Size)) for s in shapes
-    )
+    if not isinstance(shapes, list):
+        return False
+    for shape in shapes:  # a loop, not any(<generator>): this runs for every message
+        if shape is None or isinstance(shape, (list, tuple, torch.Size)):
+            return True
+    return False
 
 
 def _reject_overlap(overlap_p2p_comm: bool) -> None:
