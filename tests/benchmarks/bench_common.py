@@ -198,3 +198,17 @@ def append_json(path: Optional[str], record: dict) -> None:
     if path and rank0():
         with open(path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
+
+
+def gpt_forward_step(data_iterator, model):
+    """GPT training callback of the benchmarks: three values (S_c, N_c, reported)."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["positions"], labels=batch["labels"])
+
+    def loss_func(output_tensor):
+        mask = batch["loss_mask"]
+        loss_sum = (output_tensor * mask).sum()
+        num_tokens = mask.sum().to(torch.int)
+        return loss_sum, num_tokens, {"lm loss": [loss_sum.detach(), num_tokens]}
+
+    return output, loss_func

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from bench_common import (
     all_max,
+    gpt_forward_step,
     init_distributed,
     machine,
     median,
@@ -124,19 +125,6 @@ def microbatches(args, groups) -> List[Dict[str, torch.Tensor]]:
     return batches
 
 
-def forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["positions"], labels=batch["labels"])
-
-    def loss_func(output_tensor):
-        mask = batch["loss_mask"]
-        loss_sum = (output_tensor * mask).sum()
-        num_tokens = mask.sum().to(torch.int)
-        return loss_sum, num_tokens, {"lm loss": [loss_sum.detach(), num_tokens]}
-
-    return output, loss_func
-
-
 def train_step(args, model, data) -> float:
     """One step (zero grads, schedule, finalize, SGD); returns this rank's seconds."""
     schedule = get_forward_backward_func()
@@ -146,7 +134,7 @@ def train_step(args, model, data) -> float:
     start = time.perf_counter()
     model.zero_grad_buffer()
     schedule(
-        forward_step_func=forward_step,
+        forward_step_func=gpt_forward_step,
         data_iterator=iter(data),
         model=model,
         num_microbatches=args.microbatches,

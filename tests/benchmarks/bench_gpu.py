@@ -42,7 +42,7 @@ from typing import Callable, Dict, List
 
 import torch
 import torch.distributed as dist
-from bench_common import init_distributed, machine, median, say, table
+from bench_common import gpt_forward_step, init_distributed, machine, median, say, table
 
 from megatron.core import parallel_state
 from megatron.core.device import comm_device
@@ -74,20 +74,6 @@ def make_data(args, device) -> List[Dict[str, torch.Tensor]]:
         }
         data.append({k: v.to(device) for k, v in batch.items()})
     return data
-
-
-def forward_step(data_iterator, model):
-    """Our schedule's callback: three values (S, N, reported)."""
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["positions"], labels=batch["labels"])
-
-    def loss_func(output_tensor):
-        mask = batch["loss_mask"]
-        loss_sum = (output_tensor * mask).sum()
-        num_tokens = mask.sum().to(torch.int)
-        return loss_sum, num_tokens, {"lm loss": [loss_sum.detach(), num_tokens]}
-
-    return output, loss_func
 
 
 def bare_step(model, data) -> None:
@@ -150,7 +136,7 @@ class Ours:
         try:
             self.ddp.zero_grad_buffer()
             get_forward_backward_func()(
-                forward_step_func=forward_step,
+                forward_step_func=gpt_forward_step,
                 data_iterator=iter(data),
                 model=self.ddp,
                 num_microbatches=len(data),

@@ -24,6 +24,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.attention import attention
+from tests.unit_tests.models.naming import reference_names
 
 VOCAB, HIDDEN, HEADS, SEQ, LAYERS, BATCH = 32, 16, 2, 16, 4, 2
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -400,18 +401,9 @@ def global_params(chunks: List[GPTModel]) -> Dict[str, torch.Tensor]:
 
 
 def global_named_parameters(chunks: List[GPTModel]):
-    """(name in the one-chunk model, parameter) for every parameter of every chunk.
-
-    Layers are renamed by global layer number; a tied output weight is the word embeddings.
-    """
+    """(name in the one-chunk model, parameter) for every parameter of every chunk."""
     for chunk in chunks:
-        for name, param in chunk.named_parameters():
-            parts = name.split(".")
-            if parts[:2] == ["decoder", "layers"]:
-                parts[2] = str(chunk.decoder.layers[int(parts[2])].layer_number - 1)
-            if name == "output_layer.weight" and chunk.share_embeddings_and_output_weights:
-                parts = ["embedding", "word_embeddings", "weight"]
-            yield ".".join(parts), param
+        yield from reference_names(chunk)
 
 
 def all_reduce_sum(tensors: Dict[str, torch.Tensor], group) -> Dict[str, torch.Tensor]:

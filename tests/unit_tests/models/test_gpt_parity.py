@@ -35,6 +35,7 @@ from megatron.core.pipeline_parallel.loss_reporting import reduce_reported_losse
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 from tests.unit_tests.dist_utils import Layout, assert_no_failures, rel_error, use_layout
+from tests.unit_tests.models.naming import reference_names
 
 VOCAB, HIDDEN, HEADS, LAYERS, SEQ, MICRO_BATCH = 32, 16, 2, 4, 16, 2
 GLOBAL_MICROBATCHES = 4  # G = D * M, the same for every layout
@@ -240,15 +241,3 @@ def make_config(layout: Layout, mode: str) -> TransformerConfig:
         pipeline_dtype=torch.float32,
         calculate_per_token_loss=mode == "per-token",
     )
-
-
-def reference_names(chunk: GPTModel):
-    """(name in the one-chunk model, parameter): layers renumbered globally, the last
-    stage's copy of a tied output weight named as the word embeddings."""
-    for name, param in chunk.named_parameters():
-        parts = name.split(".")
-        if parts[:2] == ["decoder", "layers"]:
-            parts[2] = str(chunk.decoder.layers[int(parts[2])].layer_number - 1)
-        if name == "output_layer.weight" and chunk.share_embeddings_and_output_weights:
-            parts = ["embedding", "word_embeddings", "weight"]
-        yield ".".join(parts), param

@@ -106,18 +106,23 @@ def test_get_forward_backward_func_picks_the_schedule():
 LOSS_LAYOUTS = LAYOUTS.get(WORLD_SIZE, [])[:3]
 
 
-@pytest.mark.parametrize("layout", LOSS_LAYOUTS, ids=[lay.id for lay in LOSS_LAYOUTS])
-def test_forward_only_reports_losses_and_leaves_gradients(layout: Layout):
-    """forward_only: the last stage reports every microbatch; no gradient is produced."""
-    use_layout(layout)
-    case = Case(
+def _case(layout: Layout, **fields) -> Case:
+    """A case on ``layout`` with 2*PP microbatches."""
+    return Case(
         cp=layout.cp,
         pp=layout.pp,
         vpp=layout.vpp,
         dp=layout.dp,
         microbatches=2 * layout.pp,
-        mask="uneven",
+        **fields,
     )
+
+
+@pytest.mark.parametrize("layout", LOSS_LAYOUTS, ids=[lay.id for lay in LOSS_LAYOUTS])
+def test_forward_only_reports_losses_and_leaves_gradients(layout: Layout):
+    """forward_only: the last stage reports every microbatch; no gradient is produced."""
+    use_layout(layout)
+    case = _case(layout, mask="uneven")
     result = run_step(case, forward_only=True)
     failures = [f"{n}: gradient {g.abs().max().item()}" for n, g in result.grads.items() if g.any()]
     _, _, losses = parity.reference_step(case)
@@ -139,14 +144,7 @@ def test_hooks_are_honoured(layout: Layout):
     """grad_scale_func scales the loss before backward; no_sync, grad_sync, param_sync and
     finalize hooks are called."""
     use_layout(layout)
-    case = Case(
-        cp=layout.cp,
-        pp=layout.pp,
-        vpp=layout.vpp,
-        dp=layout.dp,
-        microbatches=2 * layout.pp,
-        mask="uneven",
-    )
+    case = _case(layout, mask="uneven")
     calls = {"param_sync": 0, "grad_sync": 0}
 
     def hooks(config):
