@@ -9,7 +9,9 @@ whose site-packages hold it; run the script by path so the repository root is no
 
 import json
 import os
+import random
 import statistics
+import subprocess
 import sys
 import warnings
 from datetime import timedelta
@@ -123,6 +125,36 @@ def quartiles(values: Sequence[float]) -> tuple:
         return values[0], values[0]
     q = statistics.quantiles(values, n=4, method="inclusive")
     return q[0], q[2]
+
+
+def ratio_interval(
+    a: Sequence[float], b: Sequence[float], resamples: int = 2000, seed: int = 0
+) -> tuple:
+    """Bootstrap 95% interval of ``median(a) / median(b)`` (a and b resampled apart).
+
+    Percentiles 2.5 and 97.5 of the ratio over ``resamples`` draws with replacement.
+    """
+    gen = random.Random(seed)
+    ratios = sorted(
+        median(gen.choices(a, k=len(a))) / median(gen.choices(b, k=len(b)))
+        for _ in range(resamples)
+    )
+    return ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
+
+
+def git_commit() -> str:
+    """The repository's HEAD commit (short), or "unknown" outside a git checkout."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(
+            ["git", "-C", root, "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence], align: Optional[str] = None) -> str:
