@@ -18,7 +18,6 @@ dp_cp group (summed in per-token mode), so each shard's loss is scaled as
 """
 
 import contextlib
-import math
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
 
 import torch
@@ -29,6 +28,8 @@ from megatron.core import parallel_state
 from megatron.core.device import comm_device
 from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.pipeline_parallel.token_counts import DeferredCountChecks
+from megatron.core.pipeline_parallel.token_counts import check_num_tokens as _check_num_tokens
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
@@ -630,6 +631,7 @@ class _Run:
         self.grad_sync = _GradSync(self.config.no_sync_func)
         self.store: List[Any] = []
         self.num_tokens = torch.zeros((), dtype=torch.float64, device=comm_device())
+        self.count_checks = DeferredCountChecks()
         self._microbatches_run = [0] * len(self.models)
         if self.config.timers is not None:
             self.config.timers("forward-backward", log_level=1).start()
@@ -651,22 +653,23 @@ class _Run:
             self._sync_params(chunk)
         if vp_stage is not None:
             parallel_state.set_virtual_pipeline_model_parallel_rank(vp_stage)
-        output, num_tokens = forward_step(
-            self.forward_step_func,
-            self.iterators[chunk],
-            self.models[chunk],
-            self.num_microbatches,
-            input_tensor,
-            self.store,
-            self.config,
-            self.cp_size,
-            self.collect_non_loss_data,
-            is_first_microbatch=self._microbatches_run[chunk] == 0,
-            current_microbatch=microbatch,
-            vp_stage=vp_stage,
-            is_last_stage=is_last_stage,
-            cp_group=self.cp_group,
-        )
+        with self.count_checks.collecting():
+            output, num_tokens = forward_step(
+                self.forward_step_func,
+                self.iterators[chunk],
+                self.models[chunk],
+                self.num_microbatches,
+                input_tensor,
+                self.store,
+                self.config,
+                self.cp_size,
+                self.collect_non_loss_data,
+                is_first_microbatch=self._microbatches_run[chunk] == 0,
+                current_microbatch=microbatch,
+                vp_stage=vp_stage,
+                is_last_stage=is_last_stage,
+                cp_group=self.cp_group,
+            )
         self._microbatches_run[chunk] += 1
         if (
             is_last_stage
@@ -695,7 +698,9 @@ class _Run:
         )
 
     def finish(self, force_all_reduce) -> List[Any]:
-        """Restore gradient sync, run ``grad_sync_func`` and ``finalize_model_grads_func``."""
+        """Check the step's accelerator counts, restore gradient sync, run ``grad_sync_func``
+        and ``finalize_model_grads_func``."""
+        self.count_checks.verify()
         config = self.config
         if not self.forward_only:
             self.grad_sync.enable()
@@ -765,25 +770,6 @@ def _unpack_loss_outputs(outputs):
     if len(outputs) == 3:
         _check_num_tokens(num_tokens)
     return loss, num_tokens, outputs[-1]
-
-
-def _check_num_tokens(num_tokens) -> None:
-    """``num_tokens`` must be a one-element, finite, non-negative, real-valued tensor."""
-    expected = "expected a finite scalar tensor (integer or float) >= 0"
-    if not isinstance(num_tokens, torch.Tensor):
-        raise TypeError(
-            f"loss_func returned num_tokens={num_tokens!r} "
-            f"({type(num_tokens).__name__}); {expected}"
-        )
-    if num_tokens.numel() != 1:
-        raise ValueError(
-            f"loss_func returned num_tokens of shape {tuple(num_tokens.shape)}; {expected}"
-        )
-    if num_tokens.dtype == torch.bool or num_tokens.is_complex():
-        raise TypeError(f"loss_func returned num_tokens of dtype {num_tokens.dtype}; {expected}")
-    value = num_tokens.item()  # one host read: one device sync for a CUDA count
-    if not (value >= 0 and math.isfinite(value)):
-        raise ValueError(f"loss_func returned num_tokens={value}; {expected}")
 
 
 def _count_denominator(count: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
