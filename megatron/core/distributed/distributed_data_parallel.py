@@ -127,9 +127,13 @@ class DistributedDataParallel(torch.nn.Module):
         return self.module.load_state_dict(state_dict, strict=strict)
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
-        """Move a fresh ``param.grad`` into ``main_grad``; with overlap, launch a bucket's
-        reduction once all its parameters have their last-microbatch gradient."""
-        if param.grad is not None:
+        """Move a fresh ``param.grad`` into ``main_grad`` (unless a fused GEMM already added
+        it); with overlap, launch a bucket's reduction once all its parameters have their
+        last-microbatch gradient."""
+        if getattr(param, "grad_added_to_main_grad", False):  # gradient_accumulation_fusion
+            param.grad_added_to_main_grad = False
+            param.grad = None  # a placeholder: the GEMM already added into main_grad
+        elif param.grad is not None:
             param.main_grad.add_(param.grad)
             param.grad = None
         if self.ddp_config.overlap_grad_reduce and self.is_last_microbatch:

@@ -39,8 +39,10 @@ class SelfAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.head_dim = config.kv_channels
         inner = self.num_heads * self.head_dim
-        self.linear_qkv = NoInitLinear(config.hidden_size, 3 * inner, device=device, dtype=dtype)
-        self.linear_proj = NoInitLinear(inner, config.hidden_size, device=device, dtype=dtype)
+        fusion = config.gradient_accumulation_fusion
+        linear = dict(device=device, dtype=dtype, gradient_accumulation_fusion=fusion)
+        self.linear_qkv = NoInitLinear(config.hidden_size, 3 * inner, **linear)
+        self.linear_proj = NoInitLinear(inner, config.hidden_size, **linear)
 
     def forward(
         self, hidden_states: torch.Tensor, cp_group: Optional[dist.ProcessGroup] = None

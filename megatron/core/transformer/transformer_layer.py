@@ -58,8 +58,10 @@ class MLP(nn.Module):
     ) -> None:
         super().__init__()
         hidden, ffn = config.hidden_size, config.ffn_hidden_size
-        self.linear_fc1 = NoInitLinear(hidden, ffn, device=device, dtype=dtype)
-        self.linear_fc2 = NoInitLinear(ffn, hidden, device=device, dtype=dtype)
+        fusion = config.gradient_accumulation_fusion
+        linear = dict(device=device, dtype=dtype, gradient_accumulation_fusion=fusion)
+        self.linear_fc1 = NoInitLinear(hidden, ffn, **linear)
+        self.linear_fc2 = NoInitLinear(ffn, hidden, **linear)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """gelu MLP on the last dimension."""

@@ -43,11 +43,15 @@ SEED = 11
 TOLERANCE = 1e-5
 
 
-def _case(layout: Layout, mode: str, tied: bool = True):
-    world = layout.world
-    tag = "tied" if tied else "untied"
+def _case(layout: Layout, mode: str, tied: bool = True, fused: bool = False):
+    tag = ("tied" if tied else "untied") + ("-fused" if fused else "")
     return pytest.param(
-        layout, mode, tied, marks=pytest.mark.world(world), id=f"{layout.id}-{mode}-{tag}"
+        layout,
+        mode,
+        tied,
+        fused,
+        marks=pytest.mark.world(layout.world),
+        id=f"{layout.id}-{mode}-{tag}",
     )
 
 
@@ -61,15 +65,19 @@ CASES = [
     _case(Layout(cp=2, pp=2, vpp=2, dp=2), "per-token"),
     _case(Layout(cp=4, pp=2), "averaged"),
     _case(Layout(cp=4, pp=2), "per-token"),
+    # gradient_accumulation_fusion: weight gradients added into main_grad by the GEMM
+    _case(Layout(cp=2, pp=2), "per-token", fused=True),
+    _case(Layout(cp=2, pp=2, vpp=2), "averaged", tied=False, fused=True),
+    _case(Layout(cp=2, pp=2, vpp=2, dp=2), "averaged", fused=True),
 ]
 
 
-@pytest.mark.parametrize("layout, mode, tied", CASES)
-def test_gpt_main_grads_equal_dense_reference(layout: Layout, mode: str, tied: bool):
+@pytest.mark.parametrize("layout, mode, tied, fused", CASES)
+def test_gpt_main_grads_equal_dense_reference(layout: Layout, mode: str, tied: bool, fused: bool):
     """Every main_grad on every rank, and the logged loss, match the float64 reference."""
     use_layout(layout)
     groups = ProcessGroupCollection.use_mpu_process_groups()
-    grads, logged = distributed_step(layout, mode, tied, groups)
+    grads, logged = distributed_step(layout, mode, tied, groups, fused)
     reference_grads, reference_loss = dense_reference(mode, tied)
 
     failures = []
@@ -155,13 +163,19 @@ def dense_reference(mode: str, tied: bool) -> Tuple[Dict[str, torch.Tensor], flo
 
 
 def distributed_step(
-    layout: Layout, mode: str, tied: bool, groups: ProcessGroupCollection
+    layout: Layout,
+    mode: str,
+    tied: bool,
+    groups: ProcessGroupCollection,
+    fused: bool = False,
 ) -> Tuple[Dict[str, torch.Tensor], Optional[float]]:
-    """One step of this rank's chunks with the schedule, DDP and finalize_model_grads.
+    """One step of this rank's chunks with the schedule, DDP and finalize_model_grads
+    (``fused``: with ``gradient_accumulation_fusion``).
 
     Returns {reference name: main_grad} and, on the last pipeline stage, the logged loss.
     """
     config = make_config(layout, mode)
+    config.gradient_accumulation_fusion = fused
     pp_rank, vpp = groups.pp.rank(), layout.vpp
     stages = layout.pp * (vpp or 1)
     chunks = []

@@ -83,7 +83,14 @@ class GPTModel(nn.Module):
             share_embeddings_and_output_weights and pre_process
         )
         self.output_layer = (
-            NoInitLinear(config.hidden_size, vocab_size, bias=False, device=device, dtype=dtype)
+            NoInitLinear(
+                config.hidden_size,
+                vocab_size,
+                bias=False,
+                device=device,
+                dtype=dtype,
+                gradient_accumulation_fusion=config.gradient_accumulation_fusion,
+            )
             if owns_output_weight
             else None
         )

@@ -1,0 +1,102 @@
+"""``gradient_accumulation_fusion``: weight gradients added by the GEMM into ``main_grad``.
+
+One process: a fused linear layer inside our DDP gives the same ``main_grad`` as the
+unfused layer over several microbatches (and the fp32 accumulation of bf16 inputs matches
+a float64 reference to fp32 rounding); without DDP it names what is missing. The
+distributed GPT parity matrix (test_gpt_parity.py, ``-fused`` cases) checks the fused model
+against the dense reference under CP, PP, VPP and DP.
+"""
+
+import pytest
+import torch
+
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.grad_accumulation_fusion import (
+    accumulate_weight_grad,
+    linear_with_grad_accumulation_fusion,
+)
+from megatron.core.transformer.no_init import NoInitLinear
+
+pytestmark = [pytest.mark.world(1), pytest.mark.timeout(60)]
+
+MICROBATCHES, TOKENS, IN, OUT = 3, 5, 6, 4
+
+
+def _layer(fusion: bool, bias: bool = True) -> NoInitLinear:
+    """A seeded [IN -> OUT] layer, the same weights whatever ``fusion``."""
+    layer = NoInitLinear(IN, OUT, bias=bias, gradient_accumulation_fusion=fusion)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen))
+    return layer
+
+
+def _train(layer: NoInitLinear, overlap: bool = False) -> DistributedDataParallel:
+    """M microbatches of forward/backward through our DDP (one process, no groups)."""
+    config = TransformerConfig(num_layers=1, hidden_size=IN, num_attention_heads=1)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap
+    )
+    ddp = DistributedDataParallel(config, ddp_config, layer)
+    ddp.zero_grad_buffer()
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(MICROBATCHES):
+        x = torch.randn(2, TOKENS, IN, generator=gen)
+        (ddp(x) ** 2).sum().backward()
+    return ddp
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_fused_main_grads_equal_the_unfused_ones(overlap: bool, bias: bool):
+    fused, plain = _train(_layer(True, bias), overlap), _train(_layer(False, bias), overlap)
+    for (name, f), p in zip(fused.module.named_parameters(), plain.module.parameters()):
+        torch.testing.assert_close(f.main_grad, p.main_grad, rtol=1e-5, atol=1e-5, msg=name)
+        assert f.grad is None, f"{name}: the placeholder gradient was left in .grad"
+    assert fused.module.weight.main_grad.abs().sum() > 0
+
+
+def test_fusion_accumulates_into_main_grad_not_grad():
+    """The weight's gradient never passes through ``.grad``: main_grad changes during the
+    backward, before DDP's hook could add anything."""
+    layer = _layer(True)
+    layer.weight.main_grad = torch.zeros(OUT, IN)
+    x = torch.randn(TOKENS, IN)
+    layer(x).sum().backward()
+    expected = torch.ones(TOKENS, OUT).t() @ x
+    torch.testing.assert_close(layer.weight.main_grad, expected)
+    assert layer.weight.grad_added_to_main_grad
+
+
+def test_bf16_inputs_accumulate_in_fp32():
+    """main_grad (fp32) += g^T x for bf16 g, x: equal to the float64 product of the same
+    bf16 values, to fp32 rounding (not to bf16 rounding)."""
+    gen = torch.Generator().manual_seed(2)
+    grad = torch.randn(64, OUT, generator=gen).bfloat16()
+    x = torch.randn(64, IN, generator=gen).bfloat16()
+    main_grad = torch.full((OUT, IN), 0.25)
+    accumulate_weight_grad(main_grad, grad, x)
+    expected = 0.25 + grad.double().t() @ x.double()
+    torch.testing.assert_close(main_grad.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_fusion_without_main_grad_names_what_is_missing():
+    layer = _layer(True)
+    with pytest.raises(ValueError, match=r"gradient_accumulation_fusion=True .*shape \(4, 6\)"):
+        layer(torch.randn(TOKENS, IN))
+
+
+def test_fusion_is_off_without_autograd():
+    """Evaluation (no_grad) needs no main_grad: a plain linear layer."""
+    layer = _layer(True)
+    with torch.no_grad():
+        out = layer(torch.ones(TOKENS, IN))
+    torch.testing.assert_close(out, _layer(False)(torch.ones(TOKENS, IN)).detach())
+
+
+def test_direct_call_checks_main_grad():
+    weight = torch.nn.Parameter(torch.ones(2, 3))
+    with pytest.raises(ValueError, match="wrap the model in DistributedDataParallel"):
+        linear_with_grad_accumulation_fusion(torch.ones(1, 3), weight, None)
