@@ -17,9 +17,12 @@ order below; each step is bracketed by ``torch.cuda.synchronize``):
   (``grad_reduce_in_fp32=True``, megatron's setting for bf16) and ``finalize_model_grads``.
 - ``ours, bf16 main_grad``: the same with ``grad_reduce_in_fp32=False``.
 - ``ours, fp32 main_grad, no count check``: the fp32 variant with the schedule's validation
-  of ``num_tokens`` (one host read, a device sync, per microbatch) replaced by a no-op, to
-  price it; ``..., two-sync count check``: with the validation as it was before commit
-  22c5cd0 (two host reads per microbatch).
+  of ``num_tokens`` replaced by a no-op, to price it; ``..., eager count check``: with the
+  validation as it was before counts on a GPU were checked at the end of the schedule (one
+  host read, a device sync, per microbatch).
+- ``ours, fp32 main_grad, gradient_accumulation_fusion``: the fp32 variant with
+  ``gradient_accumulation_fusion`` (the linear layers' weight-gradient GEMMs accumulate
+  into the fp32 ``main_grad`` directly; embeddings and norms go through the hook).
 
 Peak memory is ``torch.cuda.max_memory_allocated`` over each variant's steps (parameters and
 gradient buffers included). The gradient check runs one step of ``bare`` and of
@@ -37,6 +40,7 @@ the comparison with the bare loop added (docs/performance.md).
 import argparse
 import copy
 import json
+import math
 import time
 from typing import Callable, Dict, List
 
@@ -57,6 +61,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 
 GLOBAL_TOL, PARAM_TOL, VS_BARE = 3e-2, 5e-2, 1.05
+FUSED = "ours, fp32 main_grad, gradient_accumulation_fusion"
 
 
 def make_data(args, device) -> List[Dict[str, torch.Tensor]]:
@@ -111,16 +116,20 @@ class Fp32Accumulation:
             handle.remove()
 
 
-def two_sync_check(num_tokens) -> None:
-    """The count validation before commit 22c5cd0: two host reads (device syncs)."""
-    if bool(num_tokens.detach() < 0) or not bool(torch.isfinite(num_tokens.detach())):
-        raise ValueError(f"num_tokens={num_tokens.item()}")
+def eager_check(num_tokens) -> None:
+    """The count validation before it was deferred on GPUs: one host read (a device sync)."""
+    value = num_tokens.item()
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"num_tokens={value}")
 
 
 class Ours:
     """Our DDP around ``model`` and one step of the no-pipelining schedule."""
 
-    def __init__(self, model, config, groups, fp32: bool, check_counts="shipped") -> None:
+    def __init__(
+        self, model, config, groups, fp32: bool, check_counts="shipped", fusion=False
+    ) -> None:
+        set_fusion(model, fusion)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=fp32)
         self.ddp = DistributedDataParallel(config, ddp_config, model, pg_collection=groups)
         self.config, self.groups, self.check_counts = config, groups, check_counts
@@ -131,8 +140,8 @@ class Ours:
         shipped_check = schedules._check_num_tokens
         if self.check_counts == "none":
             schedules._check_num_tokens = lambda num_tokens: None
-        elif self.check_counts == "two-sync":
-            schedules._check_num_tokens = two_sync_check
+        elif self.check_counts == "eager":
+            schedules._check_num_tokens = eager_check
         try:
             self.ddp.zero_grad_buffer()
             get_forward_backward_func()(
@@ -154,6 +163,14 @@ class Ours:
         for param in self.ddp.module.parameters():
             if hasattr(param, "main_grad"):
                 del param.main_grad
+        set_fusion(self.ddp.module, False)
+
+
+def set_fusion(model: torch.nn.Module, on: bool) -> None:
+    """Switch ``gradient_accumulation_fusion`` on every linear layer of ``model``."""
+    for module in model.modules():
+        if hasattr(module, "gradient_accumulation_fusion"):
+            module.gradient_accumulation_fusion = on
 
 
 def sync(device) -> None:
@@ -278,8 +295,9 @@ def main() -> None:
         if name == "bare + fp32 accumulation":
             fp32_acc[0] = Fp32Accumulation(model)
         elif name.startswith("ours"):
-            check = "none" if "no count" in name else "two-sync" if "two-sync" in name else ""
-            ours[0] = Ours(model, config, groups, "fp32" in name, check or "shipped")
+            check = "none" if "no count" in name else "eager" if "eager" in name else ""
+            fusion = "fusion" in name
+            ours[0] = Ours(model, config, groups, "fp32" in name, check or "shipped", fusion)
 
     def teardown(name):
         if fp32_acc[0] is not None:
@@ -298,7 +316,8 @@ def main() -> None:
         "ours, fp32 main_grad": lambda: ours[0].step(data),
         "ours, bf16 main_grad": lambda: ours[0].step(data),
         "ours, fp32 main_grad, no count check": lambda: ours[0].step(data),
-        "ours, fp32 main_grad, two-sync count check": lambda: ours[0].step(data),
+        "ours, fp32 main_grad, eager count check": lambda: ours[0].step(data),
+        FUSED: lambda: ours[0].step(data),
     }
     times = {name: [] for name in steps}
     peaks = {name: 0.0 for name in steps}
@@ -341,6 +360,11 @@ def main() -> None:
     runner.step(data)
     ours_grads = {n: runner.ddp.module.get_parameter(n).main_grad for n in reference}
     checks = {"ours, fp32 main_grad": compare(ours_grads, reference)}
+    runner.remove()
+    runner = Ours(model, config, groups, fp32=True, fusion=True)
+    runner.step(data)
+    fused_grads = {n: runner.ddp.module.get_parameter(n).main_grad for n in reference}
+    checks[FUSED] = compare(fused_grads, reference)
     checks["bare (bf16 param.grad)"] = compare(bare_grads, reference)
     say(
         table(
@@ -356,9 +380,13 @@ def main() -> None:
             ],
         )
     )
-    mine, bare = checks["ours, fp32 main_grad"], checks["bare (bf16 param.grad)"]
-    ok = mine["global"] <= GLOBAL_TOL and mine["max"] <= PARAM_TOL
-    ok = ok and mine["global"] <= VS_BARE * bare["global"]
+    bare = checks["bare (bf16 param.grad)"]
+    ok = all(
+        mine["global"] <= GLOBAL_TOL
+        and mine["max"] <= PARAM_TOL
+        and mine["global"] <= VS_BARE * bare["global"]
+        for mine in (checks["ours, fp32 main_grad"], checks[FUSED])
+    )
     say(
         f"GRADIENTS {'PASS' if ok else 'FAIL'} (tolerance: global <= {GLOBAL_TOL:g}, "
         f"each parameter <= {PARAM_TOL:g}, global <= {VS_BARE:g} x the bare loop's)"
@@ -366,7 +394,8 @@ def main() -> None:
     overhead = median(times["ours, fp32 main_grad"]) / floor
     say(
         f"RESULT step_ratio_fp32_main_grad={overhead:.4f} "
-        f"step_ratio_bf16_main_grad={median(times['ours, bf16 main_grad']) / floor:.4f}"
+        f"step_ratio_bf16_main_grad={median(times['ours, bf16 main_grad']) / floor:.4f} "
+        f"step_ratio_fp32_fused={median(times[FUSED]) / floor:.4f}"
     )
     if args.json:
         with open(args.json, "w") as handle:

@@ -23,7 +23,8 @@ Two measurements:
    finalize_model_grads, as a training loop runs it). Reported per microbatch per stage:
    the median over steps of the slowest rank's wall time / M, and of its process CPU time /
    M (all threads; excludes time blocked in waits, so it is the framework's own work
-   without the OS's scheduling noise).
+   without the OS's scheduling noise), and of its main thread's CPU time / M (the
+   schedule's Python and the ops it runs, without gloo's communication threads).
 2. Memory. The same model with [1024, 1, 256] float32 activations (A = 1 MiB) and
    M = 8: each stage saves its input and one intermediate (2A per microbatch in flight) and
    sends a fresh output (A). Reported per stage: the peak growth of live CPU bytes during one
@@ -180,24 +181,28 @@ def time_variants(args, pp: int, vpp) -> Dict[str, Dict[str, float]]:
             gc.collect()  # as timeit does: no garbage-collection pauses inside a timed step
             gc.disable()
             dist.barrier()
-            wall, cpu = time.perf_counter(), time.process_time()
+            wall, cpu, main = time.perf_counter(), time.process_time(), time.thread_time()
             fn()
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            main = time.thread_time() - main
             gc.enable()
             if step >= args.warmup:
-                samples[name].append([wall, cpu])
+                samples[name].append([wall, cpu, main])
     results = {}
     for name, values in samples.items():
         maxed = [all_max(v) for v in values]  # the slowest rank of each step
         per_mb = 1e6 / args.microbatches
-        walls = [w * per_mb for w, _ in maxed]
-        cpus = [c * per_mb for _, c in maxed]
+        walls = [w * per_mb for w, _, _ in maxed]
+        cpus = [c * per_mb for _, c, _ in maxed]
+        mains = [t * per_mb for _, _, t in maxed]
         calls = all_max(count_calls(variants[name]))
         results[name] = {
             "wall_us": median(walls),
             "wall_q": quartiles(walls),
             "cpu_us": median(cpus),
             "cpu_q": quartiles(cpus),
+            "main_us": median(mains),
+            "main_q": quartiles(mains),
             "py_calls": calls[0] / args.microbatches,
             "c_calls": calls[1] / args.microbatches,
         }
@@ -281,6 +286,7 @@ def main() -> None:
                 f"{r['wall_q'][0]:.0f}-{r['wall_q'][1]:.0f}",
                 f"{r['cpu_us']:.0f}",
                 f"{r['cpu_q'][0]:.0f}-{r['cpu_q'][1]:.0f}",
+                f"{r['main_us']:.0f}",
                 f"{r['py_calls']:.1f}",
                 f"{r['c_calls']:.1f}",
             ]
@@ -293,6 +299,7 @@ def main() -> None:
                 "wall IQR",
                 "CPU us/mb/stage",
                 "CPU IQR",
+                "main-thread CPU us/mb/stage",
                 "Python calls/mb",
                 "C calls/mb",
             ],

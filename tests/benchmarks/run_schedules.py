@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--ours-python", default=sys.executable)
     parser.add_argument("--mcore-python", default="/opt/mcore/bin/python")
     parser.add_argument("--json", default=None, help="keep every launch's JSON lines here")
+    parser.add_argument("--layouts", default=None, help="e.g. 4 or 2x2 (PP or PPxV; default all)")
     parser.add_argument("--summarize", default=None, help="only summarize this JSON-lines file")
     args = parser.parse_args()
     if args.summarize:
@@ -80,6 +81,8 @@ def main() -> None:
     json_path = os.path.abspath(args.json or tempfile.mktemp(suffix=".jsonl"))
     pythons = {"ours": args.ours_python, "megatron-core": args.mcore_python}
     for pp, vpp in LAYOUTS:
+        if args.layouts and _key(pp, vpp) not in args.layouts.split(","):
+            continue
         for repeat in range(args.repeats):
             order = list(pythons) if repeat % 2 == 0 else list(reversed(pythons))
             for name in order:
@@ -104,8 +107,13 @@ def summarize(records) -> str:
             for variant in ("bare", "schedule", "schedule+ddp"):
                 walls = [r["times"][variant]["wall_us"] for r in runs if variant in r["times"]]
                 cpus = [r["times"][variant]["cpu_us"] for r in runs if variant in r["times"]]
+                mains = [
+                    r["times"][variant].get("main_us", float("nan"))
+                    for r in runs
+                    if variant in r["times"]
+                ]
                 if walls:
-                    cells[fw, variant] = (statistics.median(walls), statistics.median(cpus))
+                    cells[fw, variant] = tuple(map(statistics.median, (walls, cpus, mains)))
                     calls = runs[0]["times"][variant]
                     if "py_calls" in calls:
                         text = f"{calls['py_calls']:.0f}+{calls['c_calls']:.0f}"
@@ -129,9 +137,10 @@ def summarize(records) -> str:
             if ("ours", variant) not in cells:
                 continue
             ours, mcore = cells["ours", variant], cells.get(("megatron-core", variant))
-            row = [_layout(pp, vpp), schedule, variant, f"{ours[0]:.0f}", f"{ours[1]:.0f}"]
-            row += [f"{mcore[0]:.0f}", f"{mcore[1]:.0f}"] if mcore else ["-", "-"]
+            row = [_layout(pp, vpp), schedule, variant] + [f"{v:.0f}" for v in ours]
+            row += [f"{v:.0f}" for v in mcore] if mcore else ["-", "-", "-"]
             row.append(f"{ours[1] / mcore[1]:.2f}" if mcore else "-")
+            row.append(f"{ours[2] / mcore[2]:.2f}" if mcore else "-")
             over_o = cells.get(("ours", variant, "over"))
             over_m = cells.get(("megatron-core", variant, "over"))
             row.append(f"{over_o:.0f} / {over_m:.0f}" if over_o is not None else "-")
@@ -146,14 +155,17 @@ def summarize(records) -> str:
             "variant",
             "ours wall",
             "ours CPU",
+            "ours main-thread CPU",
             "mcore wall",
             "mcore CPU",
+            "mcore main-thread CPU",
             "CPU ours/mcore",
+            "main-thread CPU ours/mcore",
             "CPU over bare (ours / mcore)",
             "Python+C calls/mb (ours / mcore)",
         ],
         rows,
-        align="lll" + "r" * 7,
+        align="lll" + "r" * 10,
     )
     text += "\n\nus per microbatch per stage (medians over launches of per-launch medians)\n\n"
     width = max(len(r) for r in memory_rows) - 3 if memory_rows else 0
@@ -164,6 +176,11 @@ def summarize(records) -> str:
         align="lll" + "r" * width,
     )
     return text
+
+
+def _key(pp: int, vpp) -> str:
+    """The ``--layouts`` name of a layout: "4" or "2x2"."""
+    return f"{pp}x{vpp}" if vpp else str(pp)
 
 
 def _layout(pp: int, vpp) -> str:
