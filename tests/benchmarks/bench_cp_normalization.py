@@ -30,6 +30,13 @@ sequence 1024: 17 CP collectives and 0.85-1.7 s per microbatch on 2 shared cores
 orders of magnitude below a real model's microbatch; ``--layers 4 --seq 512`` (the first
 default, 9 collectives and 0.2-0.35 s per microbatch) is the small case, reported beside it in
 docs/performance.md.
+
+GPUs: ``--backend nccl`` puts each rank on its own GPU (bf16 parameters, fp32 ``main_grad``)
+and brackets each step with ``torch.cuda.synchronize``; there the all-reduce is enqueued on
+a stream and the host does not wait for it. Example (2 GPUs, C2-PP1-D1)::
+
+    torchrun --standalone --nproc-per-node 2 tests/benchmarks/bench_cp_normalization.py \
+        --backend nccl --hidden 2048 --heads 16 --seq 8192 --vocab 32768
 """
 
 import argparse
@@ -56,6 +63,7 @@ from bench_common import (
 
 from megatron.core import parallel_state
 from megatron.core.context_parallel import get_batch_on_this_cp_rank
+from megatron.core.device import comm_device
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -92,6 +100,7 @@ def build(args, cp: int, pp: int):
     """This rank's DDP-wrapped GPT chunk, its config and the explicit groups."""
     groups = ProcessGroupCollection.use_mpu_process_groups()
     pp_rank = groups.pp.rank()
+    dtype = torch.bfloat16 if args.backend == "nccl" else torch.float32
     config = TransformerConfig(
         num_layers=args.layers,
         hidden_size=args.hidden,
@@ -100,7 +109,9 @@ def build(args, cp: int, pp: int):
         attention_dropout=0.0,
         context_parallel_size=cp,
         pipeline_model_parallel_size=pp,
-        pipeline_dtype=torch.float32,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype,
         deallocate_pipeline_outputs=True,
     )
     gpt = GPTModel(
@@ -132,7 +143,8 @@ def microbatches(args, groups) -> List[Dict[str, torch.Tensor]]:
         mask = (torch.arange(args.seq) >= prompt).float().view(1, -1)
         positions = torch.arange(args.seq).view(1, -1)
         batch = {"tokens": tokens, "labels": labels, "loss_mask": mask, "positions": positions}
-        batches.append(get_batch_on_this_cp_rank(batch, groups.cp))
+        shard = get_batch_on_this_cp_rank(batch, groups.cp)
+        batches.append({k: v.to(comm_device()) for k, v in shard.items()})
     return batches
 
 
@@ -141,6 +153,7 @@ def train_step(args, model, data) -> float:
     schedule = get_forward_backward_func()
     gc.collect()  # as timeit does: no garbage-collection pauses inside the timed step
     gc.disable()
+    synchronize()
     dist.barrier()
     start = time.perf_counter()
     model.zero_grad_buffer()
@@ -154,7 +167,8 @@ def train_step(args, model, data) -> float:
     )
     with torch.no_grad():
         for param in model.parameters():
-            param.add_(param.main_grad, alpha=-1e-4)
+            param.add_(param.main_grad.to(param.dtype), alpha=-1e-4)
+    synchronize()
     seconds = time.perf_counter() - start
     gc.enable()
     return seconds
@@ -163,18 +177,28 @@ def train_step(args, model, data) -> float:
 def count_allreduce_cost(groups, calls: int = 200) -> Tuple[float, float]:
     """Seconds per call of the shipped and the local-count normalization, back to back on
     every rank of each CP group (a tight loop: the isolated cost of the all-reduce)."""
-    loss_sum, num_tokens = torch.tensor(3.0, requires_grad=True), torch.tensor(7)
+    device = comm_device()
+    loss_sum = torch.tensor(3.0, device=device, requires_grad=True)
+    num_tokens = torch.tensor(7, device=device)
     seconds = []
     for fn in (SHIPPED, reduce_loss_local_count):
         per_call = []
         for _ in range(5):
+            synchronize()
             dist.barrier()
             start = time.perf_counter()
             for _ in range(calls):
                 fn(loss_sum, num_tokens, groups.cp)
+            synchronize()
             per_call.append((time.perf_counter() - start) / calls)
         seconds.append(median(all_max(per_call)))
     return seconds[0], seconds[1]
+
+
+def synchronize() -> None:
+    """Wait for this rank's GPU work (no-op on the CPU)."""
+    if comm_device().type == "cuda":
+        torch.cuda.synchronize()
 
 
 def reduce_loss_local_count_synced(loss_sum, num_tokens, cp_group):
@@ -248,17 +272,24 @@ def main() -> None:
     parser.add_argument("--layouts", default=None, help="e.g. C2-PP1,C4-PP1 (default: all)")
     parser.add_argument("--json", default=None, help="write the raw step times here")
     parser.add_argument(
+        "--backend", default="gloo", choices=["gloo", "nccl"], help="nccl: one GPU per rank"
+    )
+    parser.add_argument(
         "--sync-control",
         action="store_true",
         help="add variant C: B plus an unused all-reduce at the same place",
     )
     args = parser.parse_args()
 
-    torch.set_num_threads(1)
-    init_distributed("gloo")
+    if args.backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        torch.set_num_threads(1)
+    init_distributed(args.backend)
     world = dist.get_world_size()
+    threads = "bf16 on one GPU each" if args.backend == "nccl" else "1 thread each"
     say(f"# load average at the start: {os.getloadavg()[0]:.2f} (1 min)")
-    say(f"# bench_cp_normalization: {world} gloo ranks, 1 thread each; {machine()}")
+    say(f"# bench_cp_normalization: {world} {args.backend} ranks, {threads}; {machine()}")
     say(f"# commit {git_commit()}")
     if args.sync_control:
         say("# C = B plus an unused count all-reduce at the same place (prices the sync alone)")

@@ -754,7 +754,9 @@ def _call_forward_step_func(
 def _unpack_loss_outputs(outputs):
     """Validate what ``loss_func`` returned; returns ``(loss, num_tokens or None, reported)``.
 
-    Runs before any collective so that bad input fails on the rank that produced it.
+    Runs before any collective so that bad input fails on the rank that produced it; only
+    the value of a count on an accelerator waits for the end of the schedule
+    (``token_counts``), to spare a host sync per microbatch.
     """
     if not isinstance(outputs, (tuple, list)) or len(outputs) not in (2, 3):
         raise ValueError(
