@@ -156,7 +156,9 @@ def test_model_outputs_per_stage_and_causality():
     assert hidden.shape == (SEQ, BATCH, HIDDEN)
     last.set_input_tensor([hidden])
     assert last(None, None).shape == (BATCH, SEQ, VOCAB)
-    losses = last(None, None, None, batch["labels"])
+    # megatron-core's positional order: input_ids, position_ids, attention_mask,
+    # decoder_input, labels
+    losses = last(None, None, None, None, batch["labels"])
     assert losses.shape == (BATCH, SEQ) and losses.dtype == torch.float64
 
     (full,) = as_double(build_chunks(pp=1, vp=None, tied=False))
@@ -166,6 +168,21 @@ def test_model_outputs_per_stage_and_causality():
     after = full(tokens, batch["position_ids"], labels=batch["labels"])
     assert torch.equal(before[:, :9], after[:, :9])
     assert (before[:, 9:] - after[:, 9:]).abs().min() > 0
+
+
+def test_decoder_input_replaces_the_embedding_lookup():
+    """``decoder_input`` [s, b, h] on the first stage is used instead of the embeddings:
+    passing the embeddings themselves gives the same losses; other inputs, other losses."""
+    batch = make_batch()
+    (full,) = as_double(build_chunks(pp=1, vp=None, tied=True))
+    embedded = full.embedding(batch["tokens"], batch["position_ids"])
+    plain = full(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+    fed = full(None, None, None, embedded, batch["labels"])
+    assert torch.equal(plain, fed)
+    assert not torch.equal(plain, full(None, None, None, embedded * 2, batch["labels"]))
+    for name in ("inference_context", "packed_seq_params"):
+        with pytest.raises(NotImplementedError, match=f"GPTModel.forward: {name} is not"):
+            full(batch["tokens"], batch["position_ids"], **{name: object()})
 
 
 def test_attention_matches_torch_causal_sdpa():

@@ -100,3 +100,24 @@ def test_direct_call_checks_main_grad():
     weight = torch.nn.Parameter(torch.ones(2, 3))
     with pytest.raises(ValueError, match="wrap the model in DistributedDataParallel"):
         linear_with_grad_accumulation_fusion(torch.ones(1, 3), weight, None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bf16_gemm_accumulates_into_fp32_main_grad():
+    """On CUDA, bf16 g and x go through one GEMM with fp32 output (``out_dtype``), added
+    into the fp32 main_grad in place: float64 result of the same bf16 values to fp32
+    rounding."""
+    from megatron.core.transformer.grad_accumulation_fusion import (
+        _half_into_fp32_gemm_supported,
+    )
+
+    assert _half_into_fp32_gemm_supported(), "torch.addmm(out_dtype=...) is unavailable"
+    gen = torch.Generator().manual_seed(3)
+    grad = torch.randn(256, OUT, generator=gen).bfloat16()
+    x = torch.randn(256, IN, generator=gen).bfloat16()
+    main_grad = torch.full((OUT, IN), 0.25, device="cuda")
+    storage = main_grad.data_ptr()
+    accumulate_weight_grad(main_grad, grad.cuda(), x.cuda())
+    assert main_grad.data_ptr() == storage and main_grad.dtype == torch.float32
+    expected = 0.25 + grad.double().t() @ x.double()
+    torch.testing.assert_close(main_grad.cpu().double(), expected, rtol=1e-5, atol=1e-5)

@@ -117,18 +117,31 @@ class GPTModel(nn.Module):
         input_ids: Optional[torch.Tensor],
         position_ids: Optional[torch.Tensor],
         attention_mask: Optional[torch.Tensor] = None,
+        decoder_input: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
+        inference_context=None,
+        packed_seq_params=None,
     ) -> torch.Tensor:
-        """Run this chunk on this CP rank's shard.
+        """Run this chunk on this CP rank's shard (megatron-core's argument order).
 
         ``input_ids``, ``position_ids`` (GLOBAL positions) and ``labels`` are [b, s_local].
         ``attention_mask`` is accepted and ignored: causal masking by global position is
-        built in. Returns, on the last stage, per-token cross-entropy [b, s_local] (float32 or
-        wider, unreduced, unmasked) with ``labels``, logits [b, s_local, vocab] without; on
-        other stages the hidden states [s_local, b, h].
+        built in. ``decoder_input`` [s_local, b, h], when given on the first stage, replaces
+        the embedding lookup. Returns, on the last stage, per-token cross-entropy
+        [b, s_local] (float32 or wider, unreduced, unmasked) with ``labels``, logits
+        [b, s_local, vocab] without; on other stages the hidden states [s_local, b, h].
+        Inference contexts and packed sequences are not supported (a clear error).
         """
+        for name, value in (
+            ("inference_context", inference_context),
+            ("packed_seq_params", packed_seq_params),
+        ):
+            if value is not None:
+                raise NotImplementedError(f"GPTModel.forward: {name} is not supported; pass None")
         cp_group = self._cp_group()
-        if self.pre_process:
+        if self.pre_process and decoder_input is not None:
+            hidden_states = decoder_input
+        elif self.pre_process:
             hidden_states = self.embedding(input_ids, position_ids)
         elif self.input_tensor is None:
             raise RuntimeError(
@@ -140,7 +153,10 @@ class GPTModel(nn.Module):
         hidden_states = self.decoder(hidden_states, cp_group)
         if not self.post_process:
             return hidden_states
-        logits = nn.functional.linear(hidden_states, self._output_weight()).transpose(0, 1)
+        if self.output_layer is not None:  # fused with gradient_accumulation_fusion
+            logits = self.output_layer(hidden_states).transpose(0, 1)
+        else:  # tied, on the stage that also embeds
+            logits = nn.functional.linear(hidden_states, self._output_weight()).transpose(0, 1)
         if labels is None:
             return logits.contiguous()
         return per_token_cross_entropy(logits, labels)
