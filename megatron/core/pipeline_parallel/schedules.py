@@ -653,7 +653,7 @@ class _Run:
             self._sync_params(chunk)
         if vp_stage is not None:
             parallel_state.set_virtual_pipeline_model_parallel_rank(vp_stage)
-        with self.count_checks.collecting():
+        with self.count_checks:
             output, num_tokens = forward_step(
                 self.forward_step_func,
                 self.iterators[chunk],

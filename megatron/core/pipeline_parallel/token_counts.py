@@ -3,14 +3,13 @@
 A count must be a one-element, finite, non-negative, real-valued tensor. Its type, shape and
 dtype are checked at once. Its value is read at once when it lives on the CPU. A count on
 an accelerator is read without a host sync per microbatch while a schedule collects counts
-(``DeferredCountChecks.collecting``): it is copied to the host asynchronously, and all of a
+(``with DeferredCountChecks()``): it is copied to the host asynchronously, and all of a
 step's copies are checked when the schedule finishes, before gradients are finalized.
 """
 
-import contextlib
 import math
-from contextvars import ContextVar
-from typing import Iterator, List, Optional, Tuple
+from contextvars import ContextVar, Token
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -20,7 +19,7 @@ EXPECTED = "expected a finite scalar tensor (integer or float) >= 0"
 def check_num_tokens(num_tokens) -> None:
     """Raise unless ``num_tokens`` is a valid count (type, shape, dtype, then its value).
 
-    An accelerator count inside ``DeferredCountChecks.collecting`` is handed to that
+    An accelerator count inside ``with DeferredCountChecks()`` is handed to that
     collector, whose ``verify`` checks its value; any other count is read now.
     """
     if not isinstance(num_tokens, torch.Tensor):
@@ -44,21 +43,24 @@ def check_num_tokens(num_tokens) -> None:
 class DeferredCountChecks:
     """The accelerator counts of one schedule run, copied to the host without waiting.
 
-    ``collecting()`` routes counts here; ``verify()`` waits for the copies (each is ready as
-    soon as the loss that produced it is) and raises for the first invalid one.
+    ``with collector:`` routes counts here (one block per forward step); ``verify()`` waits
+    for the copies (each is ready as soon as the loss that produced it is) and raises for
+    the first invalid one.
     """
 
     def __init__(self) -> None:
         self._pending: List[Tuple[torch.Tensor, Optional[torch.Event]]] = []
+        self._token: Optional[Token] = None
 
-    @contextlib.contextmanager
-    def collecting(self) -> Iterator[None]:
+    def __enter__(self) -> "DeferredCountChecks":
         """Within the block, accelerator counts go to this collector."""
-        token = _COLLECTOR.set(self)
-        try:
-            yield
-        finally:
-            _COLLECTOR.reset(token)
+        self._token = _COLLECTOR.set(self)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        """Stop collecting (also when the block raised)."""
+        _COLLECTOR.reset(self._token)
+        self._token = None
 
     def add(self, num_tokens: torch.Tensor) -> None:
         """Start an asynchronous copy of ``num_tokens`` to the host."""

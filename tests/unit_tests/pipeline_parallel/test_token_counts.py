@@ -29,7 +29,7 @@ BAD_VALUES = {"negative": (-3, r"num_tokens=-3 "), "nan": (math.nan, r"num_token
 
 def test_a_cpu_count_is_checked_at_once_even_while_collecting():
     checks = DeferredCountChecks()
-    with checks.collecting(), pytest.raises(ValueError, match=r"num_tokens=-1; expected"):
+    with checks, pytest.raises(ValueError, match=r"num_tokens=-1; expected"):
         check_num_tokens(torch.tensor(-1))
 
 
@@ -60,7 +60,7 @@ def test_the_collector_keeps_its_own_copy_of_the_count():
 
 def test_collecting_ends_with_its_block_even_on_error():
     checks = DeferredCountChecks()
-    with pytest.raises(RuntimeError), checks.collecting():
+    with pytest.raises(RuntimeError), checks:
         raise RuntimeError("inside")
     assert token_counts._COLLECTOR.get() is None
 
