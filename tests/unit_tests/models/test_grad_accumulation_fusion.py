@@ -102,7 +102,10 @@ def test_direct_call_checks_main_grad():
         linear_with_grad_accumulation_fusion(torch.ones(1, 3), weight, None)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA device (H200 run: results/fusion_and_counts_cuda_h200.log)",
+)
 def test_cuda_bf16_gemm_accumulates_into_fp32_main_grad():
     """On CUDA, bf16 g and x go through one GEMM with fp32 output (``out_dtype``), added
     into the fp32 main_grad in place: float64 result of the same bf16 values to fp32

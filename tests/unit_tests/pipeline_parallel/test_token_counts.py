@@ -22,7 +22,10 @@ from tests.unit_tests.parity import Case, run_step
 
 pytestmark = [pytest.mark.world(1), pytest.mark.timeout(60)]
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA device (H200 run: results/fusion_and_counts_cuda_h200.log)",
+)
 
 BAD_VALUES = {"negative": (-3, r"num_tokens=-3 "), "nan": (math.nan, r"num_tokens=nan ")}
 
