@@ -23,13 +23,11 @@ each ratio comes with a bootstrap 95% interval. The data are SFT-like: a random-
 prompt of each sequence is masked out of the loss, so the CP shards hold unequal numbers of
 valid tokens.
 
-Step size. The all-reduce adds one meeting of the CP peers per microbatch. With more ranks
-than cores, a meeting idles a core for up to a scheduler time slice (milliseconds), however
-large the microbatch, so the ratio falls as the microbatch grows. The default (8 layers,
-sequence 1024: 17 CP collectives and 0.85-1.7 s per microbatch on 2 shared cores) is still
-orders of magnitude below a real model's microbatch; ``--layers 4 --seq 512`` (the first
-default, 9 collectives and 0.2-0.35 s per microbatch) is the small case, reported beside it in
-docs/performance.md.
+Step size. The default (8 layers, sequence 1024: 17 CP collectives and 0.85-1.7 s per
+microbatch on 2 shared cores) replaced ``--layers 4 --seq 512`` (9 collectives, 0.2-0.35 s)
+on the hypothesis that the extra meeting of the CP peers costs a fixed scheduler delay and
+so matters less in a larger step. The measurements did not bear that out for C4-PP1-D1 on
+2 cores (about +2.5% at L4, L8 and L16 alike; docs/performance.md has every run).
 
 GPUs: ``--backend nccl`` puts each rank on its own GPU (bf16 parameters, fp32 ``main_grad``)
 and brackets each step with ``torch.cuda.synchronize``; there the all-reduce is enqueued on

@@ -512,6 +512,8 @@ DOCUMENTED = [
     "is not supported by this core; expected 1",
     "average_in_collective=True cannot be combined with calculate_per_token_loss=True",
     "found NaN in the local gradient of parameter",
+    "accelerator counts are checked when the schedule finishes",
+    "config.gradient_accumulation_fusion=True adds weight gradients into param.main_grad",
 ]
 
 
