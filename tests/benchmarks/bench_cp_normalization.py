@@ -19,9 +19,11 @@ medians, the median of the ratios of adjacent A/B pairs (less sensitive to slow 
 the machine's load), and the isolated cost of one count all-reduce (a tight loop of calls
 over the CP group) with what M such calls are of a B step. The last line is
 ``RESULT overhead_ratio=<max over layouts of median(A) / median(B)>`` (target <= 1.02);
-each ratio comes with a bootstrap 95% interval. The data are SFT-like: a random-length
-prompt of each sequence is masked out of the loss, so the CP shards hold unequal numbers of
-valid tokens.
+each ratio comes with a bootstrap 95% interval. Two CPU columns price where the time goes:
+A/B of the process CPU time of all ranks together per step (work done, gloo's threads
+included), and the share of the machine's cores B kept busy (the rest waited). The data
+are SFT-like: a random-length prompt of each sequence is masked out of the loss, so the CP
+shards hold unequal numbers of valid tokens.
 
 Step size. The default (8 layers, sequence 1024: 17 CP collectives and 0.85-1.7 s per
 microbatch on 2 shared cores) replaced ``--layers 4 --seq 512`` (9 collectives, 0.2-0.35 s)
@@ -146,14 +148,15 @@ def microbatches(args, groups) -> List[Dict[str, torch.Tensor]]:
     return batches
 
 
-def train_step(args, model, data) -> float:
-    """One step (zero grads, schedule, finalize, SGD); returns this rank's seconds."""
+def train_step(args, model, data) -> Tuple[float, float]:
+    """One step (zero grads, schedule, finalize, SGD); returns this rank's wall seconds and
+    its process CPU seconds (all threads, gloo's included)."""
     schedule = get_forward_backward_func()
     gc.collect()  # as timeit does: no garbage-collection pauses inside the timed step
     gc.disable()
     synchronize()
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     model.zero_grad_buffer()
     schedule(
         forward_step_func=gpt_forward_step,
@@ -167,9 +170,9 @@ def train_step(args, model, data) -> float:
         for param in model.parameters():
             param.add_(param.main_grad.to(param.dtype), alpha=-1e-4)
     synchronize()
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     gc.enable()
-    return seconds
+    return seconds, cpu_seconds
 
 
 def count_allreduce_cost(groups, calls: int = 200) -> Tuple[float, float]:
@@ -191,6 +194,13 @@ def count_allreduce_cost(groups, calls: int = 200) -> Tuple[float, float]:
             per_call.append((time.perf_counter() - start) / calls)
         seconds.append(median(all_max(per_call)))
     return seconds[0], seconds[1]
+
+
+def all_sum(value: float) -> float:
+    """``value`` summed over all ranks."""
+    tensor = torch.tensor([value], dtype=torch.float64, device=comm_device())
+    dist.all_reduce(tensor)
+    return float(tensor.item())
 
 
 def synchronize() -> None:
@@ -220,16 +230,18 @@ def bench_layout(args, cp: int, pp: int) -> dict:
     data = microbatches(args, groups)
     names = "ABC" if args.sync_control else "AB"
     times = {name: [] for name in names}
+    cpu = {name: [] for name in names}  # process CPU seconds of all ranks together
     calls_before = LOCAL_CALLS[0]
     for step in range(args.warmup + args.steps):
         for variant in names if step % 2 == 0 else names[::-1]:
             schedules.reduce_loss_across_cp = VARIANTS[variant]
             try:
-                seconds = train_step(args, model, data)
+                seconds, cpu_seconds = train_step(args, model, data)
             finally:
                 schedules.reduce_loss_across_cp = SHIPPED
             if step >= args.warmup:
                 times[variant].append(all_max([seconds])[0])
+                cpu[variant].append(all_sum(cpu_seconds))
     is_last = groups.pp.rank() == pp - 1
     expected_calls = (len(names) - 1) * (args.warmup + args.steps) * args.microbatches
     if LOCAL_CALLS[0] - calls_before != (expected_calls if is_last else 0):
@@ -251,6 +263,9 @@ def bench_layout(args, cp: int, pp: int) -> dict:
         "allreduce_us": (shipped_call - local_call) * 1e6,
         "expected": args.microbatches * (shipped_call - local_call) / b,
         "times": times,
+        "cpu": cpu,
+        "cpu_ratio": median(cpu["A"]) / median(cpu["B"]),
+        "busy": median(cpu["B"]) / (b * (os.cpu_count() or 1)),
     }
     if args.sync_control:
         result["c_ratio"] = median(times["C"]) / b
@@ -313,6 +328,8 @@ def main() -> None:
             f"{r['ratio']:.4f}",
             f"{r['ratio_ci'][0]:.3f}-{r['ratio_ci'][1]:.3f}",
             f"{r['paired']:.4f}",
+            f"{r['cpu_ratio']:.4f}",
+            f"{100 * r['busy']:.0f}%",
             f"{r['allreduce_us']:.0f}",
             f"{100 * r['expected']:.2f}%",
         ]
@@ -330,6 +347,8 @@ def main() -> None:
                 "A/B (medians)",
                 "A/B 95% interval",
                 "median of paired A/B",
+                "A/B CPU time (all ranks)",
+                "B: cores busy",
                 "count all-reduce us/call",
                 "M x call / B step",
             ]
