@@ -44,6 +44,7 @@ class TrainingConfig:
     calculate_per_token_loss: bool = False
     per_shard_loss_normalization: bool = False
     overlap_grad_reduce: bool = False
+    gradient_accumulation_fusion: bool = False
     seed: int = 1234
     # Output and checks.
     save_metrics: Optional[str] = None
@@ -275,6 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--overlap-grad-reduce",
         action="store_true",
         help="reduce gradient buckets asynchronously during the backward",
+    )
+    optim.add_argument(
+        "--gradient-accumulation-fusion",
+        action="store_true",
+        help="linear layers add their weight gradients into the fp32 main_grad inside the "
+        "GEMM (megatron-core's gradient_accumulation_fusion)",
     )
     _add(optim, "--seed", int, d.seed, "seed of the weights and of the generated data")
     out = parser.add_argument_group("output and checks")

@@ -82,5 +82,6 @@ def transformer_config_from(config: TrainingConfig, layout: Layout) -> Transform
         params_dtype=torch.float32,
         pipeline_dtype=torch.float32,
         calculate_per_token_loss=config.calculate_per_token_loss,
+        gradient_accumulation_fusion=config.gradient_accumulation_fusion,
         deallocate_pipeline_outputs=True,
     )

@@ -108,6 +108,19 @@ def test_one_process_training_is_bitwise_reproducible_and_learns():
 
 
 @pytest.mark.world(1)
+def test_gradient_accumulation_fusion_trains_the_same_model():
+    """--gradient-accumulation-fusion: the same losses and gradient norms as without it, to
+    fp32 rounding (the GEMM accumulates into main_grad instead of a separate add)."""
+    runs = [
+        pretrain(TrainingConfig(train_iters=3, progress=False, gradient_accumulation_fusion=f))
+        for f in (False, True)
+    ]
+    for key in ("loss", "grad_norm"):
+        plain, fused = ([r[key] for r in run.records] for run in runs)
+        assert fused == pytest.approx(plain, rel=1e-5), key
+
+
+@pytest.mark.world(1)
 @pytest.mark.timeout(180)
 def test_command_line_self_launches_and_prints_the_verdict(tmp_path):
     """``python -m megatron.training --nproc-per-node 2 --cp 2 --compare-single-process``
@@ -261,7 +274,8 @@ def test_command_line_flags_map_to_the_config():
     config = parse_args(
         "--nproc-per-node 4 --cp 2 --pp 2 --vpp 2 --micro-batch-size 1 --global-batch-size 16 "
         "--seq-length 64 --train-iters 7 --lr 0.01 --seed 5 --calculate-per-token-loss "
-        "--save-metrics out --compare-single-process --no-progress".split()
+        "--save-metrics out --compare-single-process --no-progress "
+        "--gradient-accumulation-fusion".split()
     )
     assert (config.nproc_per_node, config.context_parallel_size) == (4, 2)
     assert (config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size) == (
@@ -272,6 +286,7 @@ def test_command_line_flags_map_to_the_config():
     assert (config.train_iters, config.lr, config.seed) == (7, 0.01, 5)
     assert config.calculate_per_token_loss and config.compare_single_process
     assert config.save_metrics == "out" and not config.progress
+    assert config.gradient_accumulation_fusion
     long_names = parse_args(["--context-parallel-size", "4", "--pipeline-model-parallel-size", "2"])
     assert (long_names.context_parallel_size, long_names.pipeline_model_parallel_size) == (4, 2)
     assert parse_args([]) == TrainingConfig()
