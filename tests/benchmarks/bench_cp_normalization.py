@@ -28,8 +28,9 @@ shards hold unequal numbers of valid tokens.
 Step size. The default (8 layers, sequence 1024: 17 CP collectives and 0.85-1.7 s per
 microbatch on 2 shared cores) replaced ``--layers 4 --seq 512`` (9 collectives, 0.2-0.35 s)
 on the hypothesis that the extra meeting of the CP peers costs a fixed scheduler delay and
-so matters less in a larger step. The measurements did not bear that out for C4-PP1-D1 on
-2 cores (about +2.5% at L4, L8 and L16 alike; docs/performance.md has every run).
+so matters less in a larger step. The 24-step runs did not bear that out for C4-PP1-D1 on
+2 cores (+1.0-3.6% at L4, L8 and L16 alike); a 100-step run (``--steps 100``, 50 minutes)
+put every layout at 0.99-1.00. docs/performance.md has every run.
 
 GPUs: ``--backend nccl`` puts each rank on its own GPU (bf16 parameters, fp32 ``main_grad``)
 and brackets each step with ``torch.cuda.synchronize``; there the all-reduce is enqueued on
