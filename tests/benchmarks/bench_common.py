@@ -105,12 +105,28 @@ def say(*args) -> None:
 
 
 def all_max(values: Sequence[float]) -> List[float]:
-    """Element-wise maximum of ``values`` over all ranks (float64, on the CPU for gloo)."""
+    """Element-wise maximum of ``values`` over all ranks."""
+    return _all_reduce(values, dist.ReduceOp.MAX)
+
+
+def all_sum(value: float) -> float:
+    """``value`` summed over all ranks."""
+    return _all_reduce([value], dist.ReduceOp.SUM)[0]
+
+
+def synchronize() -> None:
+    """Wait for this process's GPU work (no-op without CUDA)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _all_reduce(values: Sequence[float], op) -> List[float]:
+    """``values`` reduced with ``op`` over all ranks (float64; on the GPU under nccl)."""
     tensor = torch.tensor(list(values), dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size() > 1:
         if dist.get_backend() == "nccl":
             tensor = tensor.cuda()
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        dist.all_reduce(tensor, op=op)
     return tensor.cpu().tolist()
 
 

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from bench_common import (
     all_max,
+    all_sum,
     git_commit,
     gpt_forward_step,
     init_distributed,
@@ -59,6 +60,7 @@ from bench_common import (
     quartiles,
     ratio_interval,
     say,
+    synchronize,
     table,
 )
 
@@ -195,19 +197,6 @@ def count_allreduce_cost(groups, calls: int = 200) -> Tuple[float, float]:
             per_call.append((time.perf_counter() - start) / calls)
         seconds.append(median(all_max(per_call)))
     return seconds[0], seconds[1]
-
-
-def all_sum(value: float) -> float:
-    """``value`` summed over all ranks."""
-    tensor = torch.tensor([value], dtype=torch.float64, device=comm_device())
-    dist.all_reduce(tensor)
-    return float(tensor.item())
-
-
-def synchronize() -> None:
-    """Wait for this rank's GPU work (no-op on the CPU)."""
-    if comm_device().type == "cuda":
-        torch.cuda.synchronize()
 
 
 def reduce_loss_local_count_synced(loss_sum, num_tokens, cp_group):

@@ -40,13 +40,20 @@ the comparison with the bare loop added (docs/performance.md).
 import argparse
 import copy
 import json
-import math
 import time
 from typing import Callable, Dict, List
 
 import torch
 import torch.distributed as dist
-from bench_common import gpt_forward_step, init_distributed, machine, median, say, table
+from bench_common import (
+    gpt_forward_step,
+    init_distributed,
+    machine,
+    median,
+    say,
+    synchronize,
+    table,
+)
 
 from megatron.core import parallel_state
 from megatron.core.device import comm_device
@@ -56,7 +63,7 @@ from megatron.core.distributed import (
     finalize_model_grads,
 )
 from megatron.core.models.gpt import GPTModel
-from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
+from megatron.core.pipeline_parallel import get_forward_backward_func, schedules, token_counts
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 
@@ -118,9 +125,7 @@ class Fp32Accumulation:
 
 def eager_check(num_tokens) -> None:
     """The count validation before it was deferred on GPUs: one host read (a device sync)."""
-    value = num_tokens.item()
-    if not (value >= 0 and math.isfinite(value)):
-        raise ValueError(f"num_tokens={value}")
+    token_counts._check_value(num_tokens.item(), "")
 
 
 class Ours:
@@ -173,19 +178,14 @@ def set_fusion(model: torch.nn.Module, on: bool) -> None:
             module.gradient_accumulation_fusion = on
 
 
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_block(step: Callable[[], None], steps: int, warmup: int, device) -> List[float]:
+def time_block(step: Callable[[], None], steps: int, warmup: int) -> List[float]:
     """Seconds of each of ``steps`` steps after ``warmup`` untimed ones."""
     times = []
     for i in range(warmup + steps):
-        sync(device)
+        synchronize()
         start = time.perf_counter()
         step()
-        sync(device)
+        synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return times
@@ -325,7 +325,7 @@ def main() -> None:
         for name, step in steps.items():
             setup(name)
             reset_peak(device)
-            times[name] += time_block(step, args.steps, args.warmup, device)
+            times[name] += time_block(step, args.steps, args.warmup)
             peaks[name] = max(peaks[name], peak_gib(device))
             teardown(name)
 

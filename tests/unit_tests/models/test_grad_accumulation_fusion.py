@@ -83,9 +83,13 @@ def test_bf16_inputs_accumulate_in_fp32():
 
 
 def test_fusion_without_main_grad_names_what_is_missing():
+    """Through the layer and through the function: the flag, the weight, the fix."""
     layer = _layer(True)
     with pytest.raises(ValueError, match=r"gradient_accumulation_fusion=True .*shape \(4, 6\)"):
         layer(torch.randn(TOKENS, IN))
+    weight = torch.nn.Parameter(torch.ones(2, 3))
+    with pytest.raises(ValueError, match="wrap the model in DistributedDataParallel"):
+        linear_with_grad_accumulation_fusion(torch.ones(1, 3), weight, None)
 
 
 def test_fusion_is_off_without_autograd():
@@ -94,12 +98,6 @@ def test_fusion_is_off_without_autograd():
     with torch.no_grad():
         out = layer(torch.ones(TOKENS, IN))
     torch.testing.assert_close(out, _layer(False)(torch.ones(TOKENS, IN)).detach())
-
-
-def test_direct_call_checks_main_grad():
-    weight = torch.nn.Parameter(torch.ones(2, 3))
-    with pytest.raises(ValueError, match="wrap the model in DistributedDataParallel"):
-        linear_with_grad_accumulation_fusion(torch.ones(1, 3), weight, None)
 
 
 @pytest.mark.skipif(

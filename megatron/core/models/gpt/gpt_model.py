@@ -155,8 +155,9 @@ class GPTModel(nn.Module):
             return hidden_states
         if self.output_layer is not None:  # fused with gradient_accumulation_fusion
             logits = self.output_layer(hidden_states).transpose(0, 1)
-        else:  # tied, on the stage that also embeds
-            logits = nn.functional.linear(hidden_states, self._output_weight()).transpose(0, 1)
+        else:  # tied, on the stage that also embeds: the word embeddings project
+            weight = self.embedding.word_embeddings.weight
+            logits = nn.functional.linear(hidden_states, weight).transpose(0, 1)
         if labels is None:
             return logits.contiguous()
         return per_token_cross_entropy(logits, labels)
@@ -168,12 +169,6 @@ class GPTModel(nn.Module):
         if self.post_process:
             return self.output_layer.weight
         return None
-
-    def _output_weight(self) -> torch.Tensor:
-        """The [vocab, h] output projection: the word embeddings when tied on this chunk."""
-        if self.output_layer is None:
-            return self.embedding.word_embeddings.weight
-        return self.output_layer.weight
 
     def _cp_group(self) -> Optional[dist.ProcessGroup]:
         """This step's CP group: ``pg_collection.cp``, else the MPU fallback; checked
