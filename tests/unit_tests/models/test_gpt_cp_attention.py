@@ -23,7 +23,7 @@ from megatron.core.context_parallel import (
 from megatron.core.models.gpt import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.attention import attention
+from megatron.core.transformer.cp_attention import explicit_causal_attention as attention
 from tests.unit_tests.models.naming import reference_names
 
 VOCAB, HIDDEN, HEADS, SEQ, LAYERS, BATCH = 32, 16, 2, 16, 4, 2
