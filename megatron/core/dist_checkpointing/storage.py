@@ -16,14 +16,18 @@ already; byte entries we load with ``weights_only=True`` as well. Nothing else i
 unpickled.
 """
 
+import contextlib
 import dataclasses
+import inspect
 import io
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
@@ -67,8 +71,12 @@ def write_pieces(
 ) -> None:
     """Collective: DCP-save this rank's main-replica ``boxes`` and serialized ``objects``."""
     planner = _BoxSavePlanner(boxes, objects)
-    writer = FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, sync_files=True)
-    dcp.save({}, storage_writer=writer, planner=planner)
+    options = {"single_file_per_rank": True, "sync_files": True}
+    if "overwrite" in inspect.signature(FileSystemWriter.__init__).parameters:
+        options["overwrite"] = True  # save() has already retired the old checkpoint's marker
+    writer = FileSystemWriter(str(checkpoint_dir), **options)
+    with _quiet_single_process(), _plain_errors("save"):
+        dcp.save({}, storage_writer=writer, planner=planner, no_dist=not _distributed())
 
 
 def read_metadata(checkpoint_dir: Path) -> Metadata:
@@ -82,7 +90,9 @@ def read_pieces(
     """Collective: fill ``boxes`` (the overlap with what was saved) and return the objects
     stored under ``object_keys``, each loaded with ``torch.load(weights_only=True)``."""
     planner = _BoxLoadPlanner(boxes, object_keys)
-    dcp.load({}, storage_reader=SafeFileSystemReader(str(checkpoint_dir)), planner=planner)
+    reader = SafeFileSystemReader(str(checkpoint_dir))
+    with _quiet_single_process(), _plain_errors("load"):
+        dcp.load({}, storage_reader=reader, planner=planner, no_dist=not _distributed())
     return planner.loaded_objects
 
 
@@ -293,6 +303,31 @@ def stored_object_keys(metadata: Metadata) -> List[str]:
 def stored_dtype(metadata: Metadata, key: str) -> torch.dtype:
     """The dtype a tensor was saved in."""
     return metadata.state_dict_metadata[key].properties.dtype
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """Without torch.distributed DCP warns on every call that it assumes one process; that
+    is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+@contextlib.contextmanager
+def _plain_errors(what: str):
+    """DCP gathers every rank's exception into one ``CheckpointException`` (a
+    BaseException); turn it into a ``CheckpointingException`` carrying each rank's message,
+    on every rank."""
+    try:
+        yield
+    except CheckpointException as err:
+        messages = [f"rank {rank}: {exc}" for rank, (exc, _) in sorted(err.failures.items())]
+        raise CheckpointingException(f"{what} failed: " + "; ".join(messages)) from err
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _narrow(tensor: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
