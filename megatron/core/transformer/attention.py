@@ -15,14 +15,10 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.module import MegatronModule, leave_as_allocated
 from megatron.core.transformer.parallel_groups import group_size, tp_group_of
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
-
-
-def _no_init(weight: torch.Tensor) -> None:
-    """Leave the weight as allocated: GPTModel fills every parameter from its own seed."""
 
 
 @dataclass
@@ -81,7 +77,7 @@ class Attention(MegatronModule):
             self.query_projection_size,
             config.hidden_size,
             config=config,
-            init_method=_no_init,
+            init_method=leave_as_allocated,
             bias=config.add_bias_linear,
             input_is_parallel=True,
             skip_bias_add=True,
@@ -166,7 +162,7 @@ class SelfAttention(Attention):
             config.hidden_size,
             self.query_projection_size + 2 * self.kv_projection_size,
             config=config,
-            init_method=_no_init,
+            init_method=leave_as_allocated,
             gather_output=False,
             bias=config.add_bias_linear or config.add_qkv_bias,
             skip_bias_add=False,

@@ -11,13 +11,9 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.module import MegatronModule, leave_as_allocated
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
-
-
-def _no_init(weight: torch.Tensor) -> None:
-    """Leave the weight as allocated: GPTModel fills every parameter from its own seed."""
 
 
 @dataclass
@@ -54,7 +50,7 @@ class MLP(MegatronModule):
             self.input_size,
             2 * ffn if config.gated_linear_unit else ffn,
             config=config,
-            init_method=_no_init,
+            init_method=leave_as_allocated,
             gather_output=False,
             bias=config.add_bias_linear,
             skip_bias_add=True,
@@ -68,7 +64,7 @@ class MLP(MegatronModule):
             ffn,
             config.hidden_size,
             config=config,
-            init_method=_no_init,
+            init_method=leave_as_allocated,
             bias=config.add_bias_linear,
             input_is_parallel=True,
             skip_bias_add=True,

@@ -15,3 +15,8 @@ class MegatronModule(torch.nn.Module):
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
         """The module's ``state_dict`` (megatron-core's name for it)."""
         return self.state_dict(prefix=prefix, keep_vars=keep_vars)
+
+
+def leave_as_allocated(weight: torch.Tensor) -> None:
+    """The ``init_method`` the GPT's layers are built with: a no-op, because GPTModel fills
+    every parameter afterwards from its own seeded generator (layout-independent)."""

@@ -7,7 +7,7 @@ from typing import List, Optional, Union
 
 import torch
 
-from megatron.core.models.gpt import _tp_stand_in as tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module

@@ -14,15 +14,15 @@ from typing import List, Literal, Optional, Union
 import torch
 from torch import Tensor
 
+from megatron.core import tensor_parallel
 from megatron.core.device import comm_device
 from megatron.core.enums import ModelType
 from megatron.core.models.common.embeddings.language_model_embedding import (
     LanguageModelEmbedding,
 )
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-from megatron.core.models.gpt import _tp_stand_in as tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.module import MegatronModule, leave_as_allocated
 from megatron.core.transformer.parallel_groups import (
     cp_group_of,
     group_rank,
@@ -153,7 +153,7 @@ class GPTModel(MegatronModule):
                 config.hidden_size,
                 vocab_size,
                 config=config,
-                init_method=_no_init,
+                init_method=leave_as_allocated,
                 bias=False,
                 skip_bias_add=False,
                 gather_output=not parallel_output,
@@ -360,7 +360,3 @@ def _full_shape(param: Tensor, tp_size: int) -> List[int]:
     if getattr(param, "tensor_model_parallel", False):
         shape[param.partition_dim] *= tp_size
     return shape
-
-
-def _no_init(weight: Tensor) -> None:
-    """Leave the weight as allocated: the model fills it from its own seed."""

@@ -5,13 +5,9 @@ from typing import Literal, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.core.models.gpt import _tp_stand_in as tensor_parallel
-from megatron.core.transformer.module import MegatronModule
+from megatron.core import tensor_parallel
+from megatron.core.transformer.module import MegatronModule, leave_as_allocated
 from megatron.core.transformer.transformer_config import TransformerConfig
-
-
-def _no_init(weight: torch.Tensor) -> None:
-    """Leave the weight as allocated: GPTModel fills every parameter from its own seed."""
 
 
 class LanguageModelEmbedding(MegatronModule):
@@ -54,7 +50,7 @@ class LanguageModelEmbedding(MegatronModule):
         self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
             num_embeddings=vocab_size,
             embedding_dim=config.hidden_size,
-            init_method=_no_init,
+            init_method=leave_as_allocated,
             reduce_scatter_embeddings=self.reduce_scatter_embeddings,
             config=config,
             tp_group=tp_group,
@@ -82,7 +78,7 @@ class LanguageModelEmbedding(MegatronModule):
                 embeddings = tensor_parallel.scatter_to_sequence_parallel_region(
                     embeddings, group=self.tp_group
                 )
-        if self.config.sequence_parallel:
+        if self.config.sequence_parallel and self.training and self.embedding_dropout.p > 0:
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 return self.embedding_dropout(embeddings)
         return self.embedding_dropout(embeddings)
