@@ -352,14 +352,15 @@ def _drop_nonpersistent(x: Any) -> Any:
     return x
 
 
-def _nonpersistent_values(x: Dict[str, Any]) -> Dict[str, Any]:
-    """Only the LocalNonpersistentObjects of a dict nesting, unwrapped (lists are kept whole
-    when they hold one)."""
-    out: Dict[str, Any] = {}
-    for k, v in x.items():
+def _nonpersistent_values(x: Any) -> Any:
+    """Only the LocalNonpersistentObjects of a nesting, unwrapped (lists as {index: value},
+    which ``merge`` puts back by position); None when there are none."""
+    items = x.items() if isinstance(x, dict) else enumerate(x)
+    out = {}
+    for k, v in items:
         if isinstance(v, LocalNonpersistentObject):
             out[k] = v.unwrap()
-        elif isinstance(v, dict):
+        elif isinstance(v, (dict, list)):
             sub = _nonpersistent_values(v)
             if sub:
                 out[k] = sub
