@@ -9,12 +9,16 @@ tied output-layer copy (marked ``shared``) once:
 """
 
 import math
-from typing import Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megatron.core.device import comm_device
+from megatron.core.dist_checkpointing.optimizer import (
+    get_param_id_to_sharded_param_map,
+    make_sharded_optimizer_tensor,
+)
 
 
 class FP32AdamOptimizer:
@@ -73,6 +77,34 @@ class FP32AdamOptimizer:
                 param.mul_(1.0 - self.lr * self.weight_decay)
             param.addcdiv_(exp_avg, denominator, value=-self.lr / bias_correction1)
         return norm
+
+    def sharded_state_dict(
+        self, model_sharded_state_dict: Dict[str, Any], is_loading: bool = False
+    ) -> Dict[str, Any]:
+        """The state for ``dist_checkpointing``: ``exp_avg`` / ``exp_avg_sq`` stored like
+        their parameters (``optimizer.state.exp_avg.<parameter key>``, same boxes, so they
+        reshard with the model) and the step count in the common state."""
+        pieces = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.params)
+        return {
+            "step_count": self.step_count,
+            "exp_avg": [
+                make_sharded_optimizer_tensor(pieces[i], t, "optimizer.state.exp_avg")
+                for i, t in enumerate(self.exp_avg)
+            ],
+            "exp_avg_sq": [
+                make_sharded_optimizer_tensor(pieces[i], t, "optimizer.state.exp_avg_sq")
+                for i, t in enumerate(self.exp_avg_sq)
+            ],
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore what ``sharded_state_dict`` saved (as loaded by ``dist_checkpointing``)."""
+        self.step_count = int(state_dict["step_count"])
+        for mine, saved in zip(
+            self.exp_avg + self.exp_avg_sq, state_dict["exp_avg"] + state_dict["exp_avg_sq"]
+        ):
+            mine.copy_(saved)
 
 
 def get_grad_norm_fp32(grads: List[torch.Tensor], pp_group: Optional[dist.ProcessGroup]) -> float:
