@@ -1,10 +1,11 @@
 """Resuming the trainer (``--save`` / ``--load`` / ``--save-interval``).
 
-10 iterations, save, resume for 10 more: the per-iteration losses equal the 20-iteration run
-bit for bit at the same layout, and within 1e-6 when the resumed run uses another layout
-(the checkpoint reshards; a different split changes float rounding). A save killed
-mid-write (a rank exits while DCP writes) leaves the tracker on the previous checkpoint; the
-incomplete directory is refused by ``dist_checkpointing.load`` and skipped by the trainer.
+N iterations, save, resume for N more (N = 4 in the default run, 10 in the slow one): the
+per-iteration losses equal the 2N-iteration run bit for bit at the same layout, and within
+1e-6 when the resumed run uses another layout (the checkpoint reshards; a different split
+changes float rounding). A save killed mid-write (a rank exits while DCP writes) leaves the
+tracker on the previous checkpoint; the incomplete directory is refused by
+``dist_checkpointing.load`` and skipped by the trainer.
 """
 
 import os
@@ -48,36 +49,41 @@ RESUME_CASES = [
     pytest.param(
         dict(context_parallel_size=2),
         dict(pipeline_model_parallel_size=2),
+        4,
         marks=pytest.mark.world(2),
-        id="cp2-then-pp2",
+        id="cp2-then-pp2-4+4",
     ),
     pytest.param(
         dict(context_parallel_size=2, pipeline_model_parallel_size=2),
         dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+        10,
         marks=[pytest.mark.world(4), pytest.mark.slow],
-        id="cp2-pp2-then-pp2-vpp2-dp2",
+        id="cp2-pp2-then-pp2-vpp2-dp2-10+10",
     ),
 ]
 
 
-@pytest.mark.parametrize("layout, other", RESUME_CASES)
-def test_resume_equals_the_uninterrupted_run_same_layout_bitwise_other_layout_1e6(layout, other):
+@pytest.mark.parametrize("layout, other, half", RESUME_CASES)
+def test_resume_equals_the_uninterrupted_run_same_layout_bitwise_other_layout_1e6(
+    layout, other, half
+):
+    """``half`` iterations saved (at half / 2 and at the end), then resumed to 2 * half."""
     directory = _shared_dir()
-    straight = _run(train_iters=20, **layout)
-    first = _run(train_iters=10, save=directory, save_interval=5, **layout)
-    resumed = _run(train_iters=20, load=directory, **layout)
-    elsewhere = _run(train_iters=20, load=directory, **other)
+    straight = _run(train_iters=2 * half, **layout)
+    first = _run(train_iters=half, save=directory, save_interval=half // 2, **layout)
+    resumed = _run(train_iters=2 * half, load=directory, **layout)
+    elsewhere = _run(train_iters=2 * half, load=directory, **other)
     failures = []
-    if first != straight[:10]:
-        failures.append(f"first 10 iterations differ: {first} vs {straight[:10]}")
-    if resumed != straight[10:]:
-        failures.append(f"resumed at the same layout: {resumed} vs {straight[10:]} (bitwise)")
-    worst = max(abs(a - b) for a, b in zip(elsewhere, straight[10:]))
-    if len(elsewhere) != 10 or not worst <= 1e-6:
+    if first != straight[:half]:
+        failures.append(f"first {half} iterations differ: {first} vs {straight[:half]}")
+    if resumed != straight[half:]:
+        failures.append(f"resumed at the same layout: {resumed} vs {straight[half:]} (bitwise)")
+    worst = max(abs(a - b) for a, b in zip(elsewhere, straight[half:]))
+    if len(elsewhere) != half or not worst <= 1e-6:
         failures.append(f"resumed at {other}: max difference {worst:.3e} > 1e-6")
     if dist.get_rank() == 0:
         saved = sorted(p.name for p in Path(directory).glob("iter_*"))
-        if saved != ["iter_0000005", "iter_0000010"]:
+        if saved != [f"iter_{half // 2:07d}", f"iter_{half:07d}"]:
             failures.append(f"checkpoints written: {saved}")
         print(f"resume: same layout bitwise, other layout max |diff| {worst:.2e}")
     assert_no_failures(failures)
