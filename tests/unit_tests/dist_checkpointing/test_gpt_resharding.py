@@ -238,7 +238,7 @@ PAIRS = [
     _pair(Layout(tp=4), Layout(pp=2, vpp=2, tp=2), "gpt2", slow=True),
     _pair(Layout(pp=2, vpp=2, cp=2), Layout(dp=4), "llama", bf16=True, slow=True),
     _pair(Layout(tp=2, dp=2), Layout(tp=4), "llama", slow=True),
-    _pair(Layout(tp=8), Layout(pp=4, vpp=2, dp=2), "llama", slow=True),
+    _pair(Layout(tp=4, dp=2), Layout(pp=4, dp=2), "llama", slow=True),
     _pair(Layout(cp=2, pp=4), Layout(tp=2, cp=4), "gpt2", bf16=True, slow=True),
 ]
 
