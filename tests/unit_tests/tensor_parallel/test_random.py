@@ -21,17 +21,24 @@ from megatron.core.tensor_parallel import (
 )
 from tests.unit_tests.dist_utils import WORLD_SIZE, assert_no_failures, rel_error, reset_layout
 from tests.unit_tests.tensor_parallel.test_layers import _config, _mlp
-from tests.unit_tests.tensor_parallel.tp_reference import TOL, block, seeded, world_group
+from tests.unit_tests.tensor_parallel.tp_reference import (
+    TOL,
+    block,
+    device,
+    on_device,
+    seeded,
+    world_group,
+)
 
 random_module = importlib.import_module("megatron.core.tensor_parallel.random")
 
 SEED = 123
 
 
-def _draws(seed: int, n: int, count: int = 1):
+def _draws(seed: int, n: int, count: int = 1, on: str = "cpu"):
     """The first ``count`` draws of torch.rand(n) from a generator seeded with ``seed``."""
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.rand(n, generator=gen) for _ in range(count)]
+    gen = torch.Generator(device=on).manual_seed(seed)
+    return [torch.rand(n, generator=gen, device=on) for _ in range(count)]
 
 
 @pytest.mark.world(1)
@@ -109,13 +116,14 @@ def test_tp_ranks_fork_different_streams_share_the_default():
         rank = parallel_state.get_tensor_model_parallel_rank()
     finally:
         reset_layout()
+    on = device()  # the tracker's streams live on the default group's device
     with get_cuda_rng_tracker().fork():
-        mine = torch.rand(4)
-    default = torch.rand(4)
+        mine = torch.rand(4, device=on)
+    default = torch.rand(4, device=on)
     failures = []
-    if not torch.equal(mine, _draws(SEED + 2718 + rank, 4)[0]):
+    if not torch.equal(mine, _draws(SEED + 2718 + rank, 4, on=on)[0]):
         failures.append("model-parallel stream is not seed + 2718 + tp_rank")
-    if not torch.equal(default, _draws(SEED, 4)[0]):
+    if not torch.equal(default, _draws(SEED, 4, on=on)[0]):
         failures.append("default stream is not the seed")
     assert_no_failures(failures)
 
@@ -133,9 +141,9 @@ def test_checkpointed_tp_mlp_gradients_equal_plain(sp):
     local = (lambda t: block(t, 0, rank, T)) if sp else (lambda t: t)
     results = []
     for use_checkpoint in (False, True):
-        x = local(x_full).clone().requires_grad_()
+        x = on_device(local(x_full)).requires_grad_()
         out = checkpoint(mlp, False, x) if use_checkpoint else mlp(x)
-        out.backward(local(g_full))
+        out.backward(on_device(local(g_full)))
         results.append([x.grad, fc1.weight.grad.clone(), fc2.weight.grad.clone()])
         fc1.weight.grad = fc2.weight.grad = fc1.bias.grad = fc2.bias.grad = None
     failures = [

@@ -30,7 +30,9 @@ from tests.unit_tests.dist_utils import WORLD_SIZE, assert_no_failures, rel_erro
 from tests.unit_tests.tensor_parallel.tp_reference import (
     TOL,
     block,
+    device,
     full_weight,
+    on_device,
     seeded,
     world_group,
 )
@@ -127,12 +129,13 @@ def _run(groups: str):
     else:  # MPU fallback everywhere
         pgc = None
         toy = Toy(config, None)
+    toy.to(device())
     mark_replicated_params_sequence_parallel(toy)
     model = DistributedDataParallel(config, DistributedDataParallelConfig(), toy, pg_collection=pgc)
     model.zero_grad_buffer()
     x, g = seeded((S, B, H), 1), seeded((S, B, H), 2)
-    out = model(block(x, 0, rank, T))
-    (out * block(g, 0, rank, T)).sum().backward()
+    out = model(on_device(block(x, 0, rank, T)))
+    (out * on_device(block(g, 0, rank, T))).sum().backward()
     finalize_model_grads([model], pg_collection=pgc)
 
     dense = _dense_grads(x, g)
