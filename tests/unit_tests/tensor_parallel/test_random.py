@@ -61,6 +61,25 @@ def test_fork_uses_the_tracked_stream_and_restores_the_default():
 
 
 @pytest.mark.world(1)
+def test_nested_forks_continue_each_stream():
+    """fork(a) inside fork(a), and fork(data) inside fork(model): every stream continues
+    where it left off; the default stream is untouched."""
+    model_parallel_cuda_manual_seed(SEED, tp_rank=0)
+    tracker = get_cuda_rng_tracker()
+    model = _draws(SEED + 2718, 2, 3)
+    with tracker.fork():
+        first = torch.rand(2)
+        with tracker.fork():
+            second = torch.rand(2)
+        with tracker.fork(get_data_parallel_rng_tracker_name()):
+            data_parallel = torch.rand(2)
+        third = torch.rand(2)
+    assert all(torch.equal(a, b) for a, b in zip([first, second, third], model))
+    assert torch.equal(data_parallel, _draws(SEED, 2)[0])
+    assert torch.equal(torch.rand(2), _draws(SEED, 2)[0])
+
+
+@pytest.mark.world(1)
 def test_tracker_bad_input():
     model_parallel_cuda_manual_seed(SEED, tp_rank=0)
     tracker = get_cuda_rng_tracker()
