@@ -51,6 +51,7 @@ to both implementations. On GPUs the mask is ``None`` (each implementation's cau
 import argparse
 import contextlib
 import json
+import os
 import resource
 import statistics
 import time
@@ -104,11 +105,11 @@ def main() -> None:
         if getattr(args, key) is not None:
             sizes[key] = getattr(args, key)
     on_gpu = not args.tiny
+    if on_gpu:  # before the process group, so nccl binds this rank's GPU
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     init_distributed("nccl" if on_gpu else "gloo")
     fw = framework()
-    if on_gpu:
-        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
-    elif fw["name"] == "megatron-core":
+    if not on_gpu and fw["name"] == "megatron-core":
         install_mcore_cpu_shim()
         _install_mcore_cpu_rng_shim()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
