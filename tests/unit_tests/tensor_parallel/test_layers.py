@@ -139,6 +139,25 @@ def test_column_row_mlp_equals_dense(sp, fused):
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
+def test_frozen_weight_gets_no_gradient_and_input_grad_is_dense(sp):
+    """A weight with requires_grad=False: no weight gradient, input gradient unchanged."""
+    group, tp, rank = world_group()
+    fc1, fc2 = _mlp(_config(sp), group)
+    fc1.weight.requires_grad_(False)
+    x_full, g_full = seeded((S, B, H), 1), seeded((S, B, H), 2)
+    local = (lambda t: block(t, 0, rank, tp)) if sp else (lambda t: t)
+    x = on_device(local(x_full)).requires_grad_()
+    out, _ = fc2(F.gelu(fc1(x)[0]))
+    out.backward(on_device(local(g_full)))
+    ref_out, (rx, *_) = _dense_mlp(x_full)
+    ref_out.backward(g_full)
+    failures = [] if fc1.weight.grad is None else ["frozen weight got a gradient"]
+    if not rel_error(x.grad, local(rx.grad)) <= TOL:
+        failures.append(f"input grad rel error {rel_error(x.grad, local(rx.grad)):.2e}")
+    assert_no_failures(failures)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
 def test_mpu_fallback_uses_parallel_state_tp_group(sp):
     """tp_group=None: the layers take parallel_state's TP group (here the whole world)."""
     parallel_state.destroy_model_parallel()

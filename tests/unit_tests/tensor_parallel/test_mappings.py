@@ -167,3 +167,34 @@ def test_broadcast_data_wrong_dtype_names_key():
     collective."""
     with pytest.raises(TypeError, match=r"data\['tokens'\] has dtype torch.int32"):
         tp.broadcast_data(["tokens"], {"tokens": torch.ones(2, dtype=torch.int32)}, torch.int64)
+
+
+def test_1d_split_and_gather_round_trip():
+    """split_tensor_into_1d_equal_chunks keeps this rank's 1/T of the flat tensor;
+    gather_split_1d_tensor puts the flat tensor back together."""
+    group, T, rank = world_group()
+    full = seeded((4, T * 3), 4)
+    mine = tp.split_tensor_into_1d_equal_chunks(on_device(full), tp_group=group)
+    gathered = tp.gather_split_1d_tensor(mine, tp_group=group)
+    failures = []
+    if not torch.equal(mine.cpu(), full.reshape(-1).chunk(T)[rank]):
+        failures.append("1-d chunk is not this rank's block of the flat tensor")
+    if not torch.equal(gathered.cpu(), full.reshape(-1)):
+        failures.append("gather_split_1d_tensor did not rebuild the flat tensor")
+    assert_no_failures(failures)
+
+
+@pytest.mark.world(1, 2, 4)
+def test_split_along_last_dim_and_vocab_ranges():
+    x = torch.arange(24.0).view(2, 12)
+    parts = tp.split_tensor_along_last_dim(x, 3, contiguous_split_chunks=True)
+    assert [p.tolist() for p in parts] == [p.tolist() for p in x.chunk(3, dim=-1)]
+    assert all(p.is_contiguous() for p in parts)
+    from megatron.core.tensor_parallel.utils import VocabUtility, divide
+
+    assert VocabUtility.vocab_range_from_global_vocab_size(12, 2, 4) == (6, 9)
+    assert VocabUtility.vocab_range_from_per_partition_vocab_size(5, 1, 2) == (5, 10)
+    with pytest.raises(ValueError, match=r"vocabulary size \(10\) must be divisible .*\(4\)"):
+        VocabUtility.vocab_range_from_global_vocab_size(10, 0, 4)
+    with pytest.raises(ValueError, match="7 is not divisible by 2"):
+        divide(7, 2)
