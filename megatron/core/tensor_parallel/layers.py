@@ -143,6 +143,32 @@ def linear_with_grad_accumulation_and_async_allreduce(
     )
 
 
+def linear_with_frozen_weight(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    gradient_accumulation_fusion: bool,
+    allreduce_dgrad: bool,
+    sequence_parallel: bool,
+    tp_group: Optional[torch.distributed.ProcessGroup],
+    grad_output_buffer: Optional[List[torch.Tensor]] = None,
+    wgrad_deferral_limit: None = None,
+    async_grad_allreduce: Optional[bool] = None,
+) -> torch.Tensor:
+    """``linear_with_grad_accumulation_and_async_allreduce`` for a weight that takes no
+    gradient (the same function skips dL/dW when ``weight.requires_grad`` is False)."""
+    return linear_with_grad_accumulation_and_async_allreduce(
+        input,
+        weight,
+        bias,
+        gradient_accumulation_fusion,
+        allreduce_dgrad,
+        sequence_parallel,
+        grad_output_buffer=grad_output_buffer,
+        tp_group=tp_group,
+    )
+
+
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     """Autograd of ``linear_with_grad_accumulation_and_async_allreduce``.
 
