@@ -169,3 +169,23 @@ def test_negative_control_without_the_tp_sum(monkeypatch):
     replicated = ("norm.weight", "norm.bias", "scale", "fc2.bias")
     for fails in everyone:
         assert {f.split(":")[0] for f in fails} == set(replicated), everyone
+
+
+def test_pg_collection_without_tp_is_a_clear_error():
+    """Marked parameters at TP > 1 and an explicit collection lacking tp: an error naming
+    the missing group, before any collective."""
+    group, T, _ = world_group()
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=H,
+        num_attention_heads=T,
+        tensor_model_parallel_size=T,
+        sequence_parallel=True,
+        params_dtype=torch.float64,
+    )
+    toy = Toy(config, group).to(device())
+    mark_replicated_params_sequence_parallel(toy)
+    pgc = ProcessGroupCollection(dp_cp=_self_group(), dp=_self_group())
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(), toy, pg_collection=pgc)
+    with pytest.raises(ValueError, match="pg_collection has no tp group"):
+        finalize_model_grads([model], pg_collection=pgc)
