@@ -1,6 +1,9 @@
-"""Helpers for reaching through model wrappers (DDP, Float16Module, ...)."""
+"""Helpers for reaching through model wrappers (DDP, Float16Module, ...), group sizes and
+optional-dependency versions."""
 
 from typing import Any
+
+import torch.distributed as dist
 
 
 def get_attr_wrapped_model(
@@ -26,3 +29,30 @@ def get_attr_wrapped_model(
 def get_model_config(model) -> Any:
     """The ``config`` of a (possibly wrapped) model chunk."""
     return get_attr_wrapped_model(model, "config", allow_none=False)
+
+
+def is_te_min_version(version, check_equality=True):
+    """Whether Transformer Engine is installed at ``version`` or newer (strictly newer
+    without ``check_equality``); False when it is not installed, as this core never uses it."""
+    try:
+        import transformer_engine as te
+    except ImportError:
+        return False
+    from importlib.metadata import version as installed_version
+
+    from packaging.version import Version
+
+    found = Version(
+        str(getattr(te, "__version__", None) or installed_version("transformer-engine"))
+    )
+    return found >= Version(version) if check_equality else found > Version(version)
+
+
+def get_pg_size(group=None):
+    """Size of ``group``; 1 when it is None or torch.distributed is not initialized."""
+    return 1 if group is None or not dist.is_initialized() else group.size()
+
+
+def get_pg_rank(group=None):
+    """Rank in ``group``; 0 when it is None or torch.distributed is not initialized."""
+    return 0 if group is None or not dist.is_initialized() else group.rank()

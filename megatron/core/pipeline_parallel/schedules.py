@@ -321,12 +321,62 @@ def interleaved_schedule_table(
             f"microbatches (microbatch_group_size_per_vp_stage={g}); it must be 0 or at least "
             f"pipeline_model_parallel_size={pp_size}: choose a multiple of {g}"
         )
-    table = ScheduleTable()
+    table = ScheduleTable(get_schedule_table(M, num_chunks, g))
     table.group_size = g
+    return table
+
+
+def get_schedule_table(num_microbatches, num_model_chunks, microbatch_group_size_per_vp_stage):
+    """The interleaved forward order as ``(microbatch, chunk)`` pairs: groups of
+    ``g = microbatch_group_size_per_vp_stage`` microbatches, each run through chunks
+    0..V-1; the last group takes the remaining microbatches (no checks; see
+    ``interleaved_schedule_table`` for the limits the schedule enforces)."""
+    M, g = num_microbatches, microbatch_group_size_per_vp_stage
+    table = []
     for start in range(0, M, g):
         stop = M if start + g >= M else start + g
-        table.extend((m, chunk) for chunk in range(num_chunks) for m in range(start, stop))
+        table.extend((m, chunk) for chunk in range(num_model_chunks) for m in range(start, stop))
     return table
+
+
+def get_pp_rank_microbatches(
+    num_microbatches,
+    num_model_chunks,
+    microbatch_group_size_per_vp_stage,
+    forward_only=False,
+    overlap_moe_expert_parallel_comm=False,
+    p2p_communicator: Optional[P2PCommunicator] = None,
+):
+    """``(total, all_in_warmup, warmup, remaining)`` microbatch counts of this pipeline rank.
+
+    total = M * V. Warmup: all of them when ``forward_only``; PP - r - 1 for 1F1B;
+    2 * (PP - r - 1) + (V - 1) * g (+1 with ``overlap_moe_expert_parallel_comm``) for the
+    interleaved schedule; 0 without pipelining; capped at total (then ``all_in_warmup``).
+    Sizes come from ``p2p_communicator`` (its pp group and virtual pipeline size), else
+    from ``parallel_state`` (MPU fallback).
+    """
+    if p2p_communicator is not None:
+        pp_size = p2p_communicator.pp_group.size()
+        pp_rank = p2p_communicator.pp_group.rank()
+        vp_size = p2p_communicator.virtual_pipeline_model_parallel_size
+    else:
+        pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    total = num_microbatches * num_model_chunks
+    if forward_only:
+        warmup = total
+    elif pp_size <= 1:
+        warmup = 0
+    elif vp_size is None:
+        warmup = pp_size - pp_rank - 1
+    else:
+        warmup = 2 * (pp_size - pp_rank - 1)
+        warmup += (num_model_chunks - 1) * microbatch_group_size_per_vp_stage
+        warmup += 1 if overlap_moe_expert_parallel_comm else 0
+    all_in_warmup = warmup >= total
+    warmup = min(warmup, total)
+    return total, all_in_warmup, warmup, total - warmup
 
 
 # ----------------------------------------------------------------------------- steps
@@ -671,6 +721,12 @@ class _Run:
                 cp_group=self.cp_group,
             )
         self._microbatches_run[chunk] += 1
+        if not self.forward_only and is_last_stage and _is_number(output):
+            raise ValueError(
+                f"loss_func returned a Python number as the loss ({output!r} after "
+                "normalization) in training; return a scalar tensor that requires grad "
+                "(a number is accepted only with forward_only=True)"
+            )
         if (
             is_last_stage
             and self.config.calculate_per_token_loss
@@ -754,6 +810,8 @@ def _call_forward_step_func(
 def _unpack_loss_outputs(outputs):
     """Validate what ``loss_func`` returned; returns ``(loss, num_tokens or None, reported)``.
 
+    A legacy two-value ``loss_func`` may return a Python number as its loss (as megatron-core
+    accepts); ``_Run.forward`` rejects it in training, where a tensor is needed for backward.
     Runs before any collective so that bad input fails on the rank that produced it; only
     the value of a count on an accelerator waits for the end of the schedule
     (``token_counts``), to spare a host sync per microbatch.
@@ -764,7 +822,8 @@ def _unpack_loss_outputs(outputs):
             f"got {_describe(outputs)}"
         )
     loss, num_tokens = outputs[0], (outputs[1] if len(outputs) == 3 else None)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+    legacy_number = len(outputs) == 2 and _is_number(loss)
+    if not legacy_number and (not isinstance(loss, torch.Tensor) or loss.numel() != 1):
         raise ValueError(
             "loss_func returned a loss that is not a scalar tensor: got "
             f"{_describe(loss)}; expected a one-element tensor (sum the per-token losses)"
@@ -772,6 +831,11 @@ def _unpack_loss_outputs(outputs):
     if len(outputs) == 3:
         _check_num_tokens(num_tokens)
     return loss, num_tokens, outputs[-1]
+
+
+def _is_number(value) -> bool:
+    """A plain Python number (not a bool): a legacy loss allowed when ``forward_only``."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _count_denominator(count: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
