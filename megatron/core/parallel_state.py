@@ -673,6 +673,67 @@ def set_virtual_pipeline_model_parallel_world_size(world_size):
     _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = world_size
 
 
+# ----------------------------------------------------------------------------- module globals
+
+# megatron-core keeps each group in a module global; tests written for it read some of them
+# (e.g. ``parallel_state._MODEL_PARALLEL_GROUP is None`` after destroy). They are served,
+# read-only, from this module's state.
+_LEGACY_GROUPS = {
+    "_TENSOR_MODEL_PARALLEL_GROUP": "tp",
+    "_PIPELINE_MODEL_PARALLEL_GROUP": "pp",
+    "_MODEL_PARALLEL_GROUP": "mp",
+    "_EMBEDDING_GROUP": "embd",
+    "_POSITION_EMBEDDING_GROUP": "pos_embd",
+    "_DATA_PARALLEL_GROUP": "dp",
+    "_DATA_PARALLEL_GROUP_WITH_CP": "dp_cp",
+    "_DATA_PARALLEL_GROUP_WITH_CP_AG": "dp_cp_ag",
+    "_CONTEXT_PARALLEL_GROUP": "cp",
+    "_TENSOR_AND_DATA_PARALLEL_GROUP": "tp_dp",
+    "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": "tp_dp_cp",
+    "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": "tp_cp",
+    "_EXPERT_MODEL_PARALLEL_GROUP": "ep",
+    "_EXPERT_TENSOR_PARALLEL_GROUP": "expt_tp",
+    "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": "tp_ep",
+    "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": "tp_ep_pp",
+    "_EXPERT_DATA_PARALLEL_GROUP": "expt_dp",
+}
+_LEGACY_RANKS = {
+    "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": "tp",
+    "_PIPELINE_GLOBAL_RANKS": "pp",
+    "_MODEL_PARALLEL_GLOBAL_RANKS": "mp",
+    "_EMBEDDING_GLOBAL_RANKS": "embd",
+    "_POSITION_EMBEDDING_GLOBAL_RANKS": "pos_embd",
+    "_DATA_PARALLEL_GLOBAL_RANKS": "dp",
+    "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": "dp_cp",
+    "_CONTEXT_PARALLEL_GLOBAL_RANKS": "cp",
+    "_EXPERT_MODEL_PARALLEL_RANKS": "ep",
+}
+_LEGACY_OVERRIDES = {
+    "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE": "tp_size",
+    "_MPU_TENSOR_MODEL_PARALLEL_RANK": "tp_rank",
+    "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": "pp_size",
+    "_MPU_PIPELINE_MODEL_PARALLEL_RANK": "pp_rank",
+    "_MPU_DATA_PARALLEL_RANK": "dp_rank",
+    "_MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE": "ep_size",
+    "_MPU_EXPERT_MODEL_PARALLEL_RANK": "ep_rank",
+    "_MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE": "etp_size",
+    "_MPU_EXPERT_TENSOR_PARALLEL_RANK": "etp_rank",
+}
+
+
+def __getattr__(name: str):
+    """megatron-core's private module globals (read-only): a group, its global ranks, or a
+    value set with a set_* function; None when not initialized."""
+    if name in _LEGACY_GROUPS:
+        return None if _STATE is None else _STATE.groups.get(_LEGACY_GROUPS[name])
+    if name in _LEGACY_RANKS:
+        ranks = None if _STATE is None else _STATE.ranks.get(_LEGACY_RANKS[name])
+        return None if ranks is None else list(ranks)
+    if name in _LEGACY_OVERRIDES:
+        return _OVERRIDES.get(_LEGACY_OVERRIDES[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # ----------------------------------------------------------------------------- helpers
 
 

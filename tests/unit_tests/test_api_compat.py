@@ -226,3 +226,27 @@ def test_rank_layout_first_axis_has_stride_one() -> None:
     assert groups["pp"] == [[0, 2], [1, 3]]
     assert groups["embd"] == [[0, 2], [1, 3]]
     assert groups["pos_embd"] == [[0], [1]]
+
+
+def test_experimental_flag_round_trips() -> None:
+    """megatron.core.config: off by default (as recorded), set_experimental_flag sets it."""
+    config = importlib.import_module("megatron.core.config")
+    assert config.ENABLE_EXPERIMENTAL is FACTS["values"]["megatron.core.config.ENABLE_EXPERIMENTAL"]
+    try:
+        config.set_experimental_flag(True)
+        assert config.ENABLE_EXPERIMENTAL and config.is_experimental_enabled()
+    finally:
+        config.set_experimental_flag(False)
+    assert not config.is_experimental_enabled()
+
+
+def test_is_te_min_version_is_false_without_transformer_engine() -> None:
+    """SPEC: False without Transformer Engine (megatron-core raises TypeError there)."""
+    utils = importlib.import_module("megatron.core.utils")
+    try:
+        importlib.import_module("transformer_engine")
+    except ImportError:
+        assert utils.is_te_min_version("0.1") is False
+        assert utils.is_te_min_version("1.0", check_equality=False) is False
+    else:  # pragma: no cover - only where TE is installed
+        assert isinstance(utils.is_te_min_version("0.1"), bool)

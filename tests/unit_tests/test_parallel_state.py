@@ -146,10 +146,8 @@ GENERATORS = FACTS["rank_generators"]
 GENERATOR_ORDERS = sorted({fact["order"] for fact in GENERATORS.values()})
 
 
-@pytest.mark.world(1)
-@pytest.mark.parametrize("order", GENERATOR_ORDERS)
-def test_rank_generator_equals_megatron_core(order):
-    """Every recorded size and token of ``order``: same groups, or the same exception type."""
+def _generator_failures(order):
+    """Differences from megatron-core over every recorded size and token of ``order``."""
     failures = []
     for key, fact in GENERATORS.items():
         if fact["order"] != order:
@@ -169,7 +167,29 @@ def test_rank_generator_equals_megatron_core(order):
         for token, ranks in fact["ranks"].items():
             if gen.get_ranks(token) != ranks:
                 failures.append(f"{key} {token}: {gen.get_ranks(token)} != {ranks}")
+    return failures
+
+
+@pytest.mark.world(1)
+@pytest.mark.parametrize("order", GENERATOR_ORDERS)
+def test_rank_generator_equals_megatron_core(order):
+    """Every recorded size and token of ``order``: same groups, or the same exception type."""
+    failures = _generator_failures(order)
     assert not failures, "\n".join(failures[:20])
+
+
+@pytest.mark.world(1)
+def test_negative_control_last_axis_fastest_is_caught(monkeypatch):
+    """Laying ranks out with the LAST axis of the order fastest breaks the comparison."""
+    original = ps.generate_masked_orthogonal_rank_groups
+
+    def reversed_layout(world_size, parallel_size, mask):
+        groups = original(world_size, parallel_size[::-1], mask[::-1])
+        return sorted(sorted(g) for g in groups)
+
+    monkeypatch.setattr(ps, "generate_masked_orthogonal_rank_groups", reversed_layout)
+    assert _generator_failures("tp-cp-ep-dp-pp")
+    assert _generator_failures("tp-pp-dp")
 
 
 @pytest.mark.world(1)
@@ -363,3 +383,22 @@ def test_process_group_collection_is_a_dataclass():
     assert pgc.cp is None
     with pytest.raises(ValueError, match="foo"):
         ProcessGroupCollection(foo=1)
+
+
+@pytest.mark.world(2)
+def test_megatron_core_private_globals_read_the_state():
+    """Tests written for megatron-core read its module globals, e.g. after destroy."""
+    reset_layout()
+    assert ps._MODEL_PARALLEL_GROUP is None and ps._PIPELINE_GLOBAL_RANKS is None
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2)
+    try:
+        assert ps._PIPELINE_MODEL_PARALLEL_GROUP is ps.get_pipeline_model_parallel_group()
+        assert ps._PIPELINE_GLOBAL_RANKS == [0, 1]
+        assert ps._EXPERT_MODEL_PARALLEL_RANKS == [dist.get_rank()]
+        ps.set_tensor_model_parallel_world_size(3)
+        assert ps._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE == 3
+    finally:
+        reset_layout()
+    assert ps._MODEL_PARALLEL_GROUP is None and ps._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE is None
+    with pytest.raises(AttributeError, match="_NO_SUCH_GROUP"):
+        ps._NO_SUCH_GROUP  # noqa: B018
