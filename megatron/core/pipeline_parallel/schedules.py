@@ -293,6 +293,11 @@ def forward_backward_pipelining_with_interleaving(
     return run.finish(force_all_reduce)
 
 
+class MicrobatchRemainderError(ValueError, RuntimeError):
+    """A last microbatch group the interleaved schedule cannot run (megatron-core raises
+    ``RuntimeError`` here; earlier versions of this core a ``ValueError``: it is both)."""
+
+
 class ScheduleTable(list):
     """The ordered ``(microbatch, chunk)`` forwards of an interleaved step."""
 
@@ -316,7 +321,7 @@ def interleaved_schedule_table(
             f"{pp_size} microbatches"
         )
     if 0 < M % g < pp_size:
-        raise ValueError(
+        raise MicrobatchRemainderError(
             f"interleaved schedule: num_microbatches={M} leaves a last group of {M % g} "
             f"microbatches (microbatch_group_size_per_vp_stage={g}); it must be 0 or at least "
             f"pipeline_model_parallel_size={pp_size}: choose a multiple of {g}"
@@ -480,7 +485,7 @@ def forward_step_calc_loss(
     cp_group = resolve_cp_group(cp_group, cp_group_size)
     loss, num_tokens, reported = _unpack_loss_outputs(outputs)
     loss = normalize_microbatch_loss(
-        loss, num_tokens, cp_group, num_microbatches, config.calculate_per_token_loss
+        loss, num_tokens, cp_group, num_microbatches, _per_token_loss(config)
     )
     forward_data_store.append(reported)
     return loss, (num_tokens if num_tokens is not None else _no_tokens())
@@ -727,11 +732,7 @@ class _Run:
                 "normalization) in training; return a scalar tensor that requires grad "
                 "(a number is accepted only with forward_only=True)"
             )
-        if (
-            is_last_stage
-            and self.config.calculate_per_token_loss
-            and not self.collect_non_loss_data
-        ):
+        if is_last_stage and _per_token_loss(self.config) and not self.collect_non_loss_data:
             self.num_tokens = self.num_tokens + num_tokens.detach().to(self.num_tokens)
         return output
 
@@ -767,7 +768,7 @@ class _Run:
             if config.finalize_model_grads_func is not None:
                 config.finalize_model_grads_func(
                     self.models,
-                    self.num_tokens if config.calculate_per_token_loss else None,
+                    self.num_tokens if _per_token_loss(config) else None,
                     pg_collection=self.pg_collection,
                     force_all_reduce=force_all_reduce,
                 )
@@ -831,6 +832,12 @@ def _unpack_loss_outputs(outputs):
     if len(outputs) == 3:
         _check_num_tokens(num_tokens)
     return loss, num_tokens, outputs[-1]
+
+
+def _per_token_loss(config) -> bool:
+    """``config.calculate_per_token_loss``; False for a plain ``ModelParallelConfig``, which
+    lacks the field (megatron-core's own schedule tests run with one)."""
+    return bool(getattr(config, "calculate_per_token_loss", False))
 
 
 def _is_number(value) -> bool:

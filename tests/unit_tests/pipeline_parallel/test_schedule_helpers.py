@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state
+from megatron.core import ModelParallelConfig, parallel_state
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.pipeline_parallel import utils as pp_utils
 from megatron.core.transformer import TransformerConfig
@@ -122,10 +122,14 @@ def _batches():
     ]
 
 
-def _number_loss_step(pp: int, forward_only: bool):
-    config = TransformerConfig(
-        num_layers=1, hidden_size=HIDDEN, num_attention_heads=1, pipeline_dtype=torch.float32
-    )
+def _number_loss_step(pp: int, forward_only: bool, config_kind: str = "transformer"):
+    if config_kind == "transformer":
+        config = TransformerConfig(
+            num_layers=1, hidden_size=HIDDEN, num_attention_heads=1, pipeline_dtype=torch.float32
+        )
+    else:  # megatron-core's schedule tests: a bare ModelParallelConfig plus hidden_size
+        config = ModelParallelConfig(pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32)
+        config.hidden_size = HIDDEN
     model = _Stage(config)
 
     def forward_step(data_iterator, chunk):
@@ -150,14 +154,16 @@ def _number_loss_step(pp: int, forward_only: bool):
 
 
 @pytest.mark.world(1, 2)
-def test_legacy_number_loss_is_reported_with_forward_only():
-    """Each microbatch's reported number is sum(x) * 2**PP, as a dense computation gives."""
+@pytest.mark.parametrize("config_kind", ["transformer", "model-parallel"])
+def test_legacy_number_loss_is_reported_with_forward_only(config_kind):
+    """Each microbatch's reported number is sum(x) * 2**PP, as a dense computation gives;
+    a plain ModelParallelConfig (no calculate_per_token_loss field) works too."""
     pp = WORLD_SIZE
     reset_layout()
     if pp > 1:
         parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
     try:
-        reported = _number_loss_step(pp, forward_only=True)
+        reported = _number_loss_step(pp, forward_only=True, config_kind=config_kind)
         last = not parallel_state.model_parallel_is_initialized() or (
             parallel_state.is_pipeline_last_stage()
         )
@@ -171,3 +177,11 @@ def test_legacy_number_loss_is_reported_with_forward_only():
 def test_legacy_number_loss_in_training_raises_naming_it():
     with pytest.raises(ValueError, match="Python number.*forward_only=True"):
         _number_loss_step(1, forward_only=False)
+
+
+@pytest.mark.world(1)
+def test_interleaved_remainder_error_is_also_megatron_cores_runtime_error():
+    """M = 7 with g = PP = 4 leaves a last group of 3: megatron-core raises RuntimeError."""
+    with pytest.raises(RuntimeError, match="last group of 3") as info:
+        schedules.interleaved_schedule_table(7, 2, 4, 4)
+    assert isinstance(info.value, ValueError)
