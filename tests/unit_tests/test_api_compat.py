@@ -6,8 +6,10 @@ megatron-core parameter with the same name, kind, position and default repr; ext
 may only follow megatron-core's and must have defaults. Type annotations are not compared.
 
 Run against the real megatron-core (from a directory where ``import megatron`` resolves to the
-installed package), every test passes except the two marked as extensions of the SPEC:
-``test_forward_step_gains_cp_group`` and ``test_process_group_collection_unset_fields_are_none``.
+installed package), every test passes except those marked as extensions of the SPEC:
+``test_forward_step_gains_cp_group``, ``test_process_group_collection_unset_fields_are_none``
+and ``test_is_te_min_version_is_false_without_transformer_engine`` (megatron-core raises
+``TypeError`` there).
 """
 
 from __future__ import annotations
