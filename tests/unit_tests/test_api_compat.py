@@ -21,13 +21,13 @@ from typing import Any
 
 import pytest
 
-from tests.unit_tests.mcore_facts import GROUP_NAMES, load_mcore_facts, rank_layout
+from tests.unit_tests.mcore_facts import GROUP_NAMES, facts_section, rank_layout
 
-FACTS = load_mcore_facts()
-SIGNATURES: dict[str, Any] = FACTS["signatures"]
-CONFIGS: dict[str, Any] = FACTS["config_fields"]
-ENUMS: dict[str, Any] = FACTS["enums"]
-LAYOUTS: dict[str, Any] = FACTS["rank_layouts"]
+SIGNATURES: dict[str, Any] = facts_section("signatures")
+CONFIGS: dict[str, Any] = facts_section("config_fields")
+ENUMS: dict[str, Any] = facts_section("enums")
+LAYOUTS: dict[str, Any] = facts_section("rank_layouts")
+VALUES: dict[str, Any] = facts_section("values")
 
 # SPEC section 2: these keep megatron-core's parameters and gain an optional ``cp_group=None``.
 CP_GROUP_PATHS = [
@@ -96,7 +96,7 @@ def _ours(path: str) -> tuple[Any, Any, dict[str, Any]]:
 
 def test_facts_are_from_megatron_core_0_16_1() -> None:
     """The facts file was recorded from megatron-core 0.16.1."""
-    assert FACTS["meta"]["megatron_core_version"] == "0.16.1"
+    assert facts_section("meta")["megatron_core_version"] == "0.16.1"
     assert set(CP_GROUP_PATHS) <= set(SIGNATURES)
 
 
@@ -233,7 +233,7 @@ def test_rank_layout_first_axis_has_stride_one() -> None:
 def test_experimental_flag_round_trips() -> None:
     """megatron.core.config: off by default (as recorded), set_experimental_flag sets it."""
     config = importlib.import_module("megatron.core.config")
-    assert config.ENABLE_EXPERIMENTAL is FACTS["values"]["megatron.core.config.ENABLE_EXPERIMENTAL"]
+    assert config.ENABLE_EXPERIMENTAL is VALUES["megatron.core.config.ENABLE_EXPERIMENTAL"]
     try:
         config.set_experimental_flag(True)
         assert config.ENABLE_EXPERIMENTAL and config.is_experimental_enabled()

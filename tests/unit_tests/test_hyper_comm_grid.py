@@ -6,9 +6,9 @@ import torch.distributed as dist
 
 from megatron.core.hyper_comm_grid import HyperCommGrid
 from tests.unit_tests.dist_utils import WORLD_SIZE, assert_no_failures
-from tests.unit_tests.mcore_facts import load_mcore_facts
+from tests.unit_tests.mcore_facts import facts_section
 
-GRIDS = load_mcore_facts()["hyper_comm_grid"]
+GRIDS = facts_section("hyper_comm_grid")
 
 
 @pytest.mark.world(1)

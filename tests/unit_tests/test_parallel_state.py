@@ -14,7 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.process_groups_config import ProcessGroupCollection
 from tests.unit_tests.dist_utils import WORLD_SIZE, assert_no_failures, reset_layout
-from tests.unit_tests.mcore_facts import groups_of_rank, load_mcore_facts
+from tests.unit_tests.mcore_facts import facts_section, groups_of_rank
 
 GETTERS = {
     "tp": lambda: ps.get_tensor_model_parallel_group(),
@@ -32,7 +32,7 @@ GETTERS = {
 
 LAYOUTS = [
     layout
-    for layout in load_mcore_facts()["rank_layouts"].values()
+    for layout in facts_section("rank_layouts").values()
     if layout["world_size"] == WORLD_SIZE
 ] or [None]
 
@@ -141,8 +141,7 @@ def test_uninitialized_state_reports_itself():
 
 # ----------------------------------------------------------------------------- RankGenerator
 
-FACTS = load_mcore_facts()
-GENERATORS = FACTS["rank_generators"]
+GENERATORS = facts_section("rank_generators")
 GENERATOR_ORDERS = sorted({fact["order"] for fact in GENERATORS.values()})
 
 
@@ -213,9 +212,9 @@ INIT_GETTERS = {
     "expt_dp": lambda: ps.get_expert_data_parallel_group(),
 }
 
-INIT_LAYOUTS = [x for x in FACTS["init_layouts"].values() if x["world_size"] == WORLD_SIZE] or [
-    None
-]
+INIT_LAYOUTS = [
+    x for x in facts_section("init_layouts").values() if x["world_size"] == WORLD_SIZE
+] or [None]
 
 
 def _init_id(x):
@@ -376,7 +375,7 @@ def test_initialize_before_torch_distributed_is_an_assertion_error():
 @pytest.mark.world(1)
 def test_process_group_collection_is_a_dataclass():
     fields = [f.name for f in dataclasses.fields(ProcessGroupCollection)]
-    assert fields == FACTS["values"]["ProcessGroupCollection.fields"]
+    assert fields == facts_section("values")["ProcessGroupCollection.fields"]
     pgc = ProcessGroupCollection(tp="tp-group")
     copy = dataclasses.replace(pgc, cp="cp-group")
     assert (copy.tp, copy.cp, copy.dp) == ("tp-group", "cp-group", None)

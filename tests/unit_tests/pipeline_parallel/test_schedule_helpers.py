@@ -13,9 +13,9 @@ from megatron.core.pipeline_parallel import schedules
 from megatron.core.pipeline_parallel import utils as pp_utils
 from megatron.core.transformer import TransformerConfig
 from tests.unit_tests.dist_utils import WORLD_SIZE, assert_no_failures, reset_layout
-from tests.unit_tests.mcore_facts import load_mcore_facts
+from tests.unit_tests.mcore_facts import facts_section
 
-HELPERS = load_mcore_facts()["schedule_helpers"]
+HELPERS = facts_section("schedule_helpers")
 
 
 class _Group:
