@@ -3,6 +3,7 @@ optional-dependency versions."""
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -29,6 +30,13 @@ def get_attr_wrapped_model(
 def get_model_config(model) -> Any:
     """The ``config`` of a (possibly wrapped) model chunk."""
     return get_attr_wrapped_model(model, "config", allow_none=False)
+
+
+def is_torch_min_version(version, check_equality=True):
+    """Whether the installed torch is ``version`` or newer (strictly newer without
+    ``check_equality``); local tags such as ``+cpu`` are ignored."""
+    found = torch.torch_version.TorchVersion(torch.__version__.split("+")[0])
+    return found >= version if check_equality else found > version
 
 
 def is_te_min_version(version, check_equality=True):

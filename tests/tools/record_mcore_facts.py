@@ -185,6 +185,9 @@ SIGNATURE_TARGETS: list[tuple[str, str]] = (
         ("megatron.core.config", "set_experimental_flag"),
         ("megatron.core.config", "is_experimental_enabled"),
         ("megatron.core.utils", "is_te_min_version"),
+        ("megatron.core.utils", "is_torch_min_version"),
+        ("megatron.core.utils", "get_pg_size"),
+        ("megatron.core.utils", "get_pg_rank"),
         ("megatron.core.process_groups_config", "ProcessGroupCollection.__init__"),
     ]
 )

@@ -252,3 +252,14 @@ def test_is_te_min_version_is_false_without_transformer_engine() -> None:
         assert utils.is_te_min_version("1.0", check_equality=False) is False
     else:  # pragma: no cover - only where TE is installed
         assert isinstance(utils.is_te_min_version("0.1"), bool)
+
+
+def test_legacy_mpu_alias_and_torch_version() -> None:
+    """``megatron.core.mpu`` is parallel_state; ``is_torch_min_version`` compares torch."""
+    core = importlib.import_module("megatron.core")
+    import torch
+
+    assert core.mpu is core.parallel_state
+    major_minor = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    assert core.is_torch_min_version(major_minor) is True
+    assert core.is_torch_min_version("999.0") is False
