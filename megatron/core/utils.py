@@ -1,10 +1,6 @@
-"""Helpers for reaching through model wrappers (DDP, Float16Module, ...), group sizes and
-optional-dependency versions."""
+"""Helpers for reaching through model wrappers (DDP, Float16Module, ...)."""
 
 from typing import Any
-
-import torch
-import torch.distributed as dist
 
 
 def get_attr_wrapped_model(
@@ -27,14 +23,11 @@ def get_attr_wrapped_model(
     return model if return_model_obj else getattr(model, attr)
 
 
-def get_model_config(model) -> Any:
-    """The ``config`` of a (possibly wrapped) model chunk."""
-    return get_attr_wrapped_model(model, "config", allow_none=False)
-
-
 def is_torch_min_version(version, check_equality=True):
     """Whether the installed torch is ``version`` or newer (strictly newer without
     ``check_equality``); local tags such as ``+cpu`` are ignored."""
+    import torch
+
     found = torch.torch_version.TorchVersion(torch.__version__.split("+")[0])
     return found >= version if check_equality else found > version
 
@@ -58,9 +51,18 @@ def is_te_min_version(version, check_equality=True):
 
 def get_pg_size(group=None):
     """Size of ``group``; 1 when it is None or torch.distributed is not initialized."""
+    import torch.distributed as dist
+
     return 1 if group is None or not dist.is_initialized() else group.size()
 
 
 def get_pg_rank(group=None):
     """Rank in ``group``; 0 when it is None or torch.distributed is not initialized."""
+    import torch.distributed as dist
+
     return 0 if group is None or not dist.is_initialized() else group.rank()
+
+
+def get_model_config(model) -> Any:
+    """The ``config`` of a (possibly wrapped) model chunk."""
+    return get_attr_wrapped_model(model, "config", allow_none=False)
