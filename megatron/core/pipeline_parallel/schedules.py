@@ -86,7 +86,7 @@ def forward_backward_no_pipelining(
         pipelined=False,
     )
     if len(run.models) != 1:
-        raise ValueError(
+        raise ScheduleArgumentError(
             f"forward_backward_no_pipelining: model must be one module (or a list of one), "
             f"got a list of {len(run.models)}"
         )
@@ -131,7 +131,7 @@ def forward_backward_pipelining_without_interleaving(
         p2p_communicator=p2p_communicator,
     )
     if len(run.models) != 1:
-        raise ValueError(
+        raise ScheduleArgumentError(
             "forward_backward_pipelining_without_interleaving: model must be one module (or "
             f"a list of one), got a list of {len(run.models)}; use the interleaved schedule "
             "for model chunks"
@@ -205,7 +205,7 @@ def forward_backward_pipelining_with_interleaving(
     chunk mirrored. Warm-up: ``(PP - p - 1)*2 + (V - 1)*g`` forwards, at most M*V.
     """
     if adjust_tensor_shapes_fn is not None:
-        raise ValueError(
+        raise ScheduleArgumentError(
             "adjust_tensor_shapes_fn is not supported by the interleaved schedule; got "
             f"{adjust_tensor_shapes_fn!r}, expected None"
         )
@@ -291,6 +291,16 @@ def forward_backward_pipelining_with_interleaving(
             output_grad = p2p.send_backward_recv_backward(input_grad, recv_next_for(b + 1), shape)
         run.grad_sync.enable()
     return run.finish(force_all_reduce)
+
+
+class ScheduleArgumentError(ValueError, AssertionError):
+    """A misuse megatron-core reports with ``assert`` (model chunking, missing groups, the
+    loss callback's arity, ...): a ValueError carrying a clear message that code written for
+    megatron-core still catches as an AssertionError."""
+
+
+class ScheduleTypeError(TypeError, AssertionError):
+    """A wrong type megatron-core reports with ``assert``; see ``ScheduleArgumentError``."""
 
 
 class MicrobatchRemainderError(ValueError, RuntimeError):
@@ -571,9 +581,13 @@ def deallocate_output_tensor(out, deallocate_pipeline_outputs=False):
     if out is None or not deallocate_pipeline_outputs:
         return
     if not isinstance(out, torch.Tensor):
-        raise TypeError(f"deallocate_output_tensor: expected a Tensor, got {type(out).__name__}")
+        raise ScheduleTypeError(
+            f"deallocate_output_tensor: expected a Tensor, got {type(out).__name__}"
+        )
     if out._base is not None:
-        raise ValueError("deallocate_output_tensor: refusing to free a view of another tensor")
+        raise ScheduleArgumentError(
+            "deallocate_output_tensor: refusing to free a view of another tensor"
+        )
     out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
 
 
@@ -581,10 +595,10 @@ def custom_backward(output, grad_output):
     """Backward from ``output`` without autograd's shape check, which a deallocated output
     (one element left) would fail; calls the autograd engine directly."""
     if not isinstance(output, torch.Tensor) or output.numel() != 1:
-        raise ValueError("custom_backward: output should be pseudo-freed (one element)")
+        raise ScheduleArgumentError("custom_backward: output should be pseudo-freed (one element)")
     if grad_output is None:
         if output.numel() != 1:
-            raise ValueError("custom_backward: implicit grad requires a scalar output")
+            raise ScheduleArgumentError("custom_backward: implicit grad requires a scalar output")
         grad_output = torch.ones_like(output, memory_format=torch.preserve_format)
     Variable._execution_engine.run_backward(
         tensors=(output,),
@@ -664,7 +678,9 @@ class _Run:
     ) -> None:
         self.models = list(model) if isinstance(model, (list, tuple)) else [model]
         if not self.models or not all(isinstance(m, torch.nn.Module) for m in self.models):
-            raise TypeError(f"model must be a torch.nn.Module or a list of them, got {model!r}")
+            raise ScheduleTypeError(
+                f"model must be a torch.nn.Module or a list of them, got {model!r}"
+            )
         self.config = get_model_config(self.models[0])
         _check_num_microbatches(num_microbatches)
         _check_vpp(self.models, self.config, pipelined)
@@ -818,7 +834,7 @@ def _unpack_loss_outputs(outputs):
     (``token_counts``), to spare a host sync per microbatch.
     """
     if not isinstance(outputs, (tuple, list)) or len(outputs) not in (2, 3):
-        raise ValueError(
+        raise ScheduleArgumentError(
             "loss_func must return (loss_sum, num_tokens, reported) or (loss, reported); "
             f"got {_describe(outputs)}"
         )
@@ -873,7 +889,7 @@ def _resolve_pg_collection(pg_collection, config, pipelined: bool):
         needed += ["cp", "dp_cp"]
     missing = [name for name in needed if getattr(pg_collection, name) is None]
     if missing:
-        raise ValueError(
+        raise ScheduleArgumentError(
             f"pg_collection is missing {', '.join(missing)} (needed with "
             f"context_parallel_size={config.context_parallel_size}"
             f"{', pipeline parallelism' if pipelined else ''}); got {pg_collection!r}"
@@ -900,7 +916,7 @@ def _check_vpp(
     if vpp is None and parallel_state.model_parallel_is_initialized():
         vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     if (len(models) > 1 or interleaved) and vpp is not None and len(models) != vpp:
-        raise ValueError(
+        raise ScheduleArgumentError(
             f"model is a list of {len(models)} chunks but virtual_pipeline_model_parallel_size "
             f"is {vpp}; pass one chunk per virtual pipeline stage"
         )
@@ -910,7 +926,7 @@ def _per_chunk(data_iterator: DataIterator, num_chunks: int) -> list:
     """One data iterator per chunk: a list is used as is, one iterator serves every chunk."""
     if isinstance(data_iterator, (list, tuple)):
         if len(data_iterator) != num_chunks:
-            raise ValueError(
+            raise ScheduleArgumentError(
                 f"data_iterator is a list of {len(data_iterator)} but the model has "
                 f"{num_chunks} chunks; pass one iterator per chunk"
             )

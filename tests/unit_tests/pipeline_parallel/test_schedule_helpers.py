@@ -185,3 +185,33 @@ def test_interleaved_remainder_error_is_also_megatron_cores_runtime_error():
     with pytest.raises(RuntimeError, match="last group of 3") as info:
         schedules.interleaved_schedule_table(7, 2, 4, 4)
     assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.world(1)
+def test_misuse_megatron_core_asserts_on_is_an_assertion_error():
+    """Code written for megatron-core catches these as AssertionError; they stay ValueError /
+    TypeError with our messages."""
+    config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=1)
+    chunk = _Stage(config)
+    kwargs = dict(
+        data_iterator=iter(_batches()),
+        num_microbatches=M,
+        seq_length=SEQ,
+        micro_batch_size=MBS,
+        forward_only=True,
+    )
+
+    def step(data_iterator, model):
+        return model(next(data_iterator)), lambda out: (out.sum(),)  # one value: bad
+
+    with pytest.raises(AssertionError, match="model must be one module") as info:
+        schedules.forward_backward_no_pipelining(
+            forward_step_func=step, model=[chunk, chunk], **kwargs
+        )
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(AssertionError, match="loss_func must return") as info:
+        schedules.forward_backward_no_pipelining(forward_step_func=step, model=[chunk], **kwargs)
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(AssertionError, match="expected a Tensor") as info:
+        schedules.deallocate_output_tensor([1.0], deallocate_pipeline_outputs=True)
+    assert isinstance(info.value, TypeError)
