@@ -2,7 +2,9 @@
 
 Run with the interpreter that has megatron-core installed (never the project's own)::
 
-    /opt/mcore/bin/python tests/tools/record_mcore_facts.py
+    pip install --target /tmp/mcore_extra einops   # megatron-core's HyperCommGrid needs it
+    cd /tmp && env -u PYTHONPATH PYTHONPATH=/tmp/mcore_extra /opt/mcore/bin/python \
+        /path/to/repo/tests/tools/record_mcore_facts.py
 
 It writes ``tests/unit_tests/data/mcore_facts.json`` with these sections (plus ``meta``):
 
