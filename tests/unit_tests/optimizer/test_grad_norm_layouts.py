@@ -169,7 +169,7 @@ def test_grad_norm_counts_every_element_once(monkeypatch):
         out = _norms(layout_id, monkeypatch)
         ref = out["reference"]
 
-        def close(x):
+        def close(x, ref=ref):
             return abs(x - ref) <= 1e-6 * ref
 
         if not close(out["ours"]) or not close(out["step"]):
