@@ -475,12 +475,15 @@ class ChainedOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def step(self) -> Tuple[bool, Optional[float], Optional[float]]:
+        """Prepare, always compute the global norm, clip when ``clip_grad > 0``, step."""
         if self.prepare_grads():
             return False, None, None
-        grad_norm = 0.0
+        grad_norm = self.get_grad_norm()
         if self.config.clip_grad > 0.0:
-            grad_norm = self.clip_grad_norm(self.config.clip_grad)
-        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else 0
+            params = self.get_parameters()
+            if params:
+                clip_grad_by_total_norm_fp32(params, self.config.clip_grad, grad_norm)
+        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
         return self.step_with_ready_grads(), grad_norm, num_zeros
 
 
