@@ -39,7 +39,7 @@ from megatron.training.arguments import (
 )
 from megatron.training.compare import Comparison, compare_losses, format_comparison
 from megatron.training.data import microbatches_for_rank
-from megatron.training.datasets import build_sft_dataset
+from megatron.training.datasets import build_sft_dataset, build_training_tokenizer
 from megatron.training.initialize import (
     initialize_distributed,
     initialize_model_parallel_groups,
@@ -315,11 +315,19 @@ def _print_header(config: TrainingConfig, layout: Layout) -> None:
     backend = dist.get_backend() if dist.is_initialized() else "no torch.distributed"
     _print(
         f"SFT of a GPT ({config.num_layers} layers, hidden {config.hidden_size}, "
-        f"{config.num_attention_heads} heads, vocab {config.vocab_size}) on generated "
-        f"prompt/response pairs; layout {layout.name} on {_processes(layout.world_size)} "
+        f"{config.num_attention_heads} heads, vocab {_data_description(config)}; "
+        f"layout {layout.name} on {_processes(layout.world_size)} "
         f"({backend}); {layout.num_microbatches} microbatch(es) of {config.micro_batch_size} "
         f"x {config.seq_length} tokens per replica, global batch {config.global_batch_size}"
     )
+
+
+def _data_description(config: TrainingConfig) -> str:
+    """``64) on generated prompt/response pairs`` or the data path and tokenizer."""
+    if not config.data_path:
+        return f"{config.vocab_size}) on generated prompt/response pairs"
+    vocab = build_training_tokenizer(config.tokenizer).vocab_size
+    return f"{vocab}) on {config.data_path} ({config.tokenizer or 'byte-level'} tokenizer)"
 
 
 def _print(message: str) -> None:
