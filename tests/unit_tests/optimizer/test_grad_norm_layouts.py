@@ -161,8 +161,20 @@ def _norms(layout_id: str, monkeypatch) -> dict:
     return out
 
 
-@pytest.mark.world(2, 4, 8)
+@pytest.mark.world(4)
 def test_grad_norm_counts_every_element_once(monkeypatch):
+    """Every axis on 4 ranks (the default run)."""
+    _check_layouts(monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.world(2, 8)
+def test_grad_norm_counts_every_element_once_2_and_8_ranks(monkeypatch):
+    """The same on 2 and 8 ranks (``-m slow``)."""
+    _check_layouts(monkeypatch)
+
+
+def _check_layouts(monkeypatch) -> None:
     failures = []
     for layout_id in LAYOUTS[WORLD_SIZE]:
         s = _sizes(layout_id)
