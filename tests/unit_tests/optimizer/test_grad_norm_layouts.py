@@ -197,3 +197,79 @@ def _check_layouts(monkeypatch) -> None:
             failures.append(f"{layout_id}: summing over DP/CP replicas went unnoticed")
     reset_layout()
     assert_no_failures(failures)
+
+
+@pytest.mark.world(4)
+def test_grad_norm_after_a_real_tp4_backward():
+    """TP = 4: gradients from an actual forward/backward through Column -> gelu -> Row ->
+    LayerNorm; the norm equals the norm of the dense float64 model's gradient (weights
+    gathered from the shards), and counting the replicated LayerNorm/Row-bias on every rank
+    would not."""
+    reset_layout()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=4)
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    config = ModelParallelConfig(tensor_model_parallel_size=4, params_dtype=torch.float32)
+    torch.manual_seed(0)
+    stage = _Stage(config, pgs.tp, 0, 1)
+    block = stage.blocks[0]
+    with torch.no_grad():
+        block.norm.weight.uniform_(0.5, 1.5)
+        block.norm.bias.uniform_(-0.5, 0.5)
+        block.fc1.bias.normal_()
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(7))
+
+    def forward(fc1, b1, fc2, b2, ln_w, ln_b, inp):
+        hidden = torch.nn.functional.gelu(inp @ fc1.T + b1)
+        out = hidden @ fc2.T + b2
+        return (torch.nn.functional.layer_norm(out, (H,), ln_w, ln_b) ** 2).sum()
+
+    y, _ = block.fc2(torch.nn.functional.gelu(block.fc1(x)[0]))
+    (
+        torch.nn.functional.layer_norm(y, (H,), block.norm.weight, block.norm.bias) ** 2
+    ).sum().backward()
+
+    def gather(t, dim):
+        parts = [torch.empty_like(t) for _ in range(4)]
+        torch.distributed.all_gather(parts, t.detach().contiguous(), group=pgs.tp)
+        return torch.cat(parts, dim=dim)
+
+    full = [
+        gather(block.fc1.weight, 0),
+        gather(block.fc1.bias, 0),
+        gather(block.fc2.weight, 1),
+        block.fc2.bias.detach(),
+        block.norm.weight.detach(),
+        block.norm.bias.detach(),
+    ]
+    leaves = [t.double().clone().requires_grad_() for t in full]
+    forward(*leaves, x.double()).backward()
+    dense = math.sqrt(sum(float((leaf.grad**2).sum()) for leaf in leaves))
+
+    block_params = [block.fc1.weight, block.fc1.bias, block.fc2.weight, block.fc2.bias]
+    block_params += [block.norm.weight, block.norm.bias]
+    for p in block_params:
+        p.main_grad = p.grad.detach().clone()
+        p.grad = None
+    for p in stage.embedding.parameters():
+        p.main_grad = torch.zeros_like(p)
+    for p in stage.parameters():
+        if not hasattr(p, "main_grad"):
+            p.main_grad = torch.zeros_like(p)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=0.1), [stage], pg_collection=pgs)
+    opt.prepare_grads()
+    ours = opt.get_grad_norm()
+    import megatron.core.tensor_parallel as tp_pkg
+
+    original = tp_pkg.param_is_not_tensor_parallel_duplicate
+    tp_pkg.param_is_not_tensor_parallel_duplicate = lambda p, g=None: True
+    try:
+        miscounted = opt.get_grad_norm()
+    finally:
+        tp_pkg.param_is_not_tensor_parallel_duplicate = original
+    reset_layout()
+    failures = []
+    if not abs(ours - dense) <= 1e-5 * dense:
+        failures.append(f"norm {ours}, dense float64 {dense}")
+    if abs(miscounted - dense) <= 1e-3 * dense:
+        failures.append("counting replicated parameters on every TP rank went unnoticed")
+    assert_no_failures(failures)
