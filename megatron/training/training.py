@@ -159,6 +159,8 @@ def train(
             pg_collection=pg_collection,
             forward_only=False,
         )
+        if scheduler.num_steps != iteration - 1:  # e.g. resumed from a checkpoint
+            scheduler.step(increment=iteration - 1 - scheduler.num_steps)
         lr = optimizer.param_groups[0]["lr"]
         _, grad_norm, _ = optimizer.step()
         scheduler.step(increment=1)
