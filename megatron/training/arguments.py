@@ -55,6 +55,9 @@ class TrainingConfig:
     seed: int = 1234
     # Output and checks.
     save_metrics: Optional[str] = None
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
     compare_single_process: bool = False
     compare_tolerance: float = 1e-4
     progress: bool = True
@@ -159,6 +162,17 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
         "--per-shard-loss-normalization emulates the averaged mode; it cannot be combined "
         "with --calculate-per-token-loss",
     )
+    if c.save_interval is not None:
+        _require(
+            isinstance(c.save_interval, int) and c.save_interval >= 1,
+            f"--save-interval must be an integer >= 1, got {c.save_interval}",
+        )
+        _require(c.save is not None, "--save-interval needs --save DIR")
+    _require(
+        not (c.compare_single_process and c.load),
+        "--compare-single-process compares a whole run from iteration 1; it cannot be "
+        f"combined with --load {c.load}",
+    )
     _require(c.lr > 0, f"--lr must be > 0, got {c.lr}")
     _require(
         c.lr_decay_style in LR_DECAY_STYLES,
@@ -193,6 +207,9 @@ def single_process_config(config: TrainingConfig) -> TrainingConfig:
         virtual_pipeline_model_parallel_size=None,
         compare_single_process=False,
         save_metrics=None,
+        save=None,
+        load=None,
+        save_interval=None,
     )
     return TrainingConfig(**changes)
 
@@ -350,6 +367,22 @@ def build_parser() -> argparse.ArgumentParser:
         d.compare_tolerance,
         "largest accepted |loss difference| per iteration",
     )
+    ckpt = parser.add_argument_group("checkpoints (docs/checkpoints.md)")
+    ckpt.add_argument(
+        "--save",
+        metavar="DIR",
+        default=d.save,
+        help="save checkpoints to DIR/iter_NNNNNNN (every --save-interval iterations and at "
+        "the end) and point DIR/latest_checkpointed_iteration.txt at the newest",
+    )
+    ckpt.add_argument(
+        "--load",
+        metavar="DIR",
+        default=d.load,
+        help="resume from the newest complete checkpoint in DIR (any layout; starts from "
+        "scratch when DIR holds none)",
+    )
+    _add(ckpt, "--save-interval", int, d.save_interval, "iterations between checkpoints")
     out.add_argument(
         "--no-progress",
         dest="progress",

@@ -37,6 +37,7 @@ from megatron.training.arguments import (
     single_process_config,
     validate_config,
 )
+from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron.training.compare import Comparison, compare_losses, format_comparison
 from megatron.training.data import microbatches_for_rank
 from megatron.training.datasets import build_sft_dataset, build_training_tokenizer
@@ -137,8 +138,16 @@ def train(
         disable=not (config.progress and is_rank_zero()),
         dynamic_ncols=True,
     )
+    start_iteration = 0
+    if config.load:
+        start_iteration, _, notes = load_checkpoint(
+            config.load, model, optimizer, scheduler, layout=_layout_record(layout)
+        )
+        for note in notes:
+            _print(note)
+        bar.update(start_iteration)
     records = []
-    for iteration in range(1, config.train_iters + 1):
+    for iteration in range(start_iteration + 1, config.train_iters + 1):
         start = time.perf_counter()
         global_batch = dataset.global_batch(iteration - 1, config.global_batch_size)
         microbatches = [
@@ -179,6 +188,17 @@ def train(
         )
         bar.set_postfix(loss=f"{loss:.4f}", tokens_per_s=f"{tokens_per_iteration / seconds:.0f}")
         bar.update()
+        if config.save and _save_due(config, iteration):
+            save_checkpoint(
+                config.save,
+                iteration,
+                model,
+                optimizer,
+                scheduler,
+                layout=_layout_record(layout),
+                consumed_samples=iteration * config.global_batch_size,
+                run_settings=_settings_record(config),
+            )
     bar.close()
     return records
 
@@ -220,6 +240,30 @@ def build_optimizer(
         wd_incr_style="constant",
     )
     return optimizer, scheduler
+
+
+def _save_due(config: TrainingConfig, iteration: int) -> bool:
+    """Every ``--save-interval`` iterations, and after the last one."""
+    interval = config.save_interval
+    return iteration == config.train_iters or (interval is not None and iteration % interval == 0)
+
+
+def _layout_record(layout: Layout) -> Dict[str, int]:
+    """The layout as plain values (kept in checkpoints; decides whether RNG states apply)."""
+    return {
+        "world_size": layout.world_size,
+        "tensor_model_parallel_size": getattr(layout, "tensor_model_parallel_size", 1),
+        "context_parallel_size": layout.context_parallel_size,
+        "pipeline_model_parallel_size": layout.pipeline_model_parallel_size,
+        "virtual_pipeline_model_parallel_size": layout.virtual_pipeline_model_parallel_size or 0,
+    }
+
+
+def _settings_record(config: TrainingConfig) -> Dict[str, object]:
+    """The run's settings as plain values (for the record in the checkpoint)."""
+    return {
+        k: v for k, v in vars(config).items() if isinstance(v, (int, float, str, bool, type(None)))
+    }
 
 
 def train_single_process(config: TrainingConfig) -> Optional[List[dict]]:

@@ -14,6 +14,13 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.device import comm_device
+from megatron.core.dist_checkpointing.optimizer import (
+    extract_common_step,
+    get_param_id_to_sharded_param_map,
+    make_sharded_optimizer_tensor,
+    optim_state_to_sharding_state,
+    restore_common_step,
+)
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
@@ -329,8 +336,47 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
         state["fp32_from_fp16_params"] = self.fp32_from_float16_groups
         return state
 
+    def sharded_state_dict(
+        self,
+        model_sharded_state_dict: Dict[str, Any],
+        is_loading: bool = False,
+        metadata: Optional[dict] = None,
+    ) -> Dict[str, Any]:
+        """``state_dict()`` for ``dist_checkpointing``: Adam's moments and the fp32 main
+        parameters stored like their model parameters (``optimizer.state.exp_avg.<key>``,
+        ``optimizer.state.fp32_param.<key>``, same boxes), the shared step as
+        ``state["common_step"]``. ``is_loading``: create empty state first (a fresh optimizer
+        then has tensors to load into)."""
+        if is_loading:
+            self.init_state_fn(self.optimizer, self.config)
+        state_dict = self.state_dict()
+        model_params = self._model_params_in_optimizer_order()
+        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, model_params)
+        position = {id(p): i for i, p in enumerate(self.get_parameters())}
+        state_dict["fp32_from_fp16_params"] = [
+            [
+                make_sharded_optimizer_tensor(
+                    id_map[position[id(main)]], main, prefix="optimizer.state.fp32_param"
+                )
+                for main in group
+            ]
+            for group in self.fp32_from_float16_groups
+        ]
+        _shard_torch_optimizer_state(state_dict["optimizer"], id_map)
+        return state_dict
+
+    def _model_params_in_optimizer_order(self) -> List[torch.Tensor]:
+        """The model parameter behind each optimizer parameter (a main copy's half one)."""
+        model_of = {
+            id(main): half
+            for halves, mains in zip(self.float16_groups, self.fp32_from_float16_groups)
+            for half, main in zip(halves, mains)
+        }
+        return [model_of.get(id(p), p) for p in self.get_parameters()]
+
     def load_state_dict(self, state_dict: Dict) -> None:
         key = "optimizer" if "optimizer" in state_dict else "optimizer_state_dict"
+        restore_common_step(state_dict[key])
         self.optimizer.load_state_dict(state_dict[key])
         if self.grad_scaler is not None and "grad_scaler" in state_dict:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
@@ -383,7 +429,24 @@ class FP32Optimizer(MegatronOptimizer):
     def state_dict(self) -> Dict:
         return self.optimizer.state_dict()
 
+    def sharded_state_dict(
+        self,
+        model_sharded_state_dict: Dict[str, Any],
+        is_loading: bool = False,
+        metadata: Optional[dict] = None,
+    ) -> Dict[str, Any]:
+        """``state_dict()`` for ``dist_checkpointing``: Adam's moments stored like their
+        parameters (``optimizer.state.exp_avg.<key>``, same boxes), the shared step as
+        ``state["common_step"]``. ``is_loading``: create empty state first."""
+        if is_loading:
+            self.init_state_fn(self.optimizer, self.config)
+        state_dict = self.state_dict()
+        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.get_parameters())
+        _shard_torch_optimizer_state(state_dict, id_map)
+        return state_dict
+
     def load_state_dict(self, state_dict: Dict) -> None:
+        restore_common_step(state_dict)
         self.optimizer.load_state_dict(state_dict)
 
 
@@ -445,6 +508,16 @@ class ChainedOptimizer(MegatronOptimizer):
             return self.chained_optimizers[0].state_dict()
         return [opt.state_dict() for opt in self.chained_optimizers]
 
+    def sharded_state_dict(
+        self, model_sharded_state_dict: Dict[str, Any], is_loading: bool = False, **kwargs
+    ) -> Any:
+        """The chained optimizers' sharded state dicts (the one's, or {index: ...})."""
+        parts = [
+            opt.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+            for opt in self.chained_optimizers
+        ]
+        return parts[0] if len(parts) == 1 else dict(enumerate(parts))
+
     def load_state_dict(self, state_dict: Any) -> None:
         if len(self.chained_optimizers) == 1:
             self.chained_optimizers[0].load_state_dict(state_dict)
@@ -485,6 +558,14 @@ class ChainedOptimizer(MegatronOptimizer):
                 clip_grad_by_total_norm_fp32(params, self.config.clip_grad, grad_norm)
         num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
         return self.step_with_ready_grads(), grad_norm, num_zeros
+
+
+def _shard_torch_optimizer_state(optim_state_dict: Dict, id_map: Dict) -> None:
+    """A torch optimizer's state_dict made sharded in place (the shared step kept aside)."""
+    step = extract_common_step(optim_state_dict)
+    optim_state_to_sharding_state(optim_state_dict, id_map, exclude_keys=("step",))
+    if step is not None:
+        optim_state_dict["state"]["common_step"] = step
 
 
 def _zero_grad(params: List[torch.Tensor], set_to_none: bool) -> None:
