@@ -180,27 +180,27 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         self.grad_scaler = grad_scaler
         if grad_scaler is None and config.fp16:
             raise ValueError("fp16=True needs a grad_scaler (loss scaling)")
-        device = comm_device(None)
-        self.found_inf = torch.zeros(1, dtype=torch.float, device=device)
-        self._scale_one = torch.ones(1, dtype=torch.float, device=device)
+        self._device = _params_device(optimizer)
+        self.found_inf = torch.zeros(1, dtype=torch.float, device=self._device)
+        self._scale_one = torch.ones(1, dtype=torch.float, device=self._device)
 
     def get_loss_scale(self) -> torch.Tensor:
         return self._scale_one if self.grad_scaler is None else self.grad_scaler.scale
 
     def _unscale_main_grads_and_check_for_nan(self) -> bool:
+        """g <- g / scale for every main grad; True if any is inf/nan on any rank of the
+        model-parallel group (then every rank skips the step)."""
         grads = self._main_grads()
-        inv = float(self.grad_scaler.inv_scale.item())
-        local_bad = False
+        self.found_inf = torch.zeros(1, dtype=torch.float, device=self._device)
         if grads:
-            torch._foreach_mul_(grads, inv)
-            local_bad = any(not bool(torch.isfinite(g).all()) for g in grads)
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                grads, self.found_inf, self.grad_scaler.inv_scale.to(self._device)
+            )
         group = self.get_grad_stats_parallel_group()
-        self.found_inf = torch.tensor(
-            [1.0 if local_bad else 0.0], dtype=torch.float, device=comm_device(group)
-        )
+        found = self.found_inf.to(comm_device(group))
         if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(self.found_inf, op=dist.ReduceOp.MAX, group=group)
-        return bool(self.found_inf.item() > 0)
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        return bool(found.item() > 0)
 
     @abstractmethod
     def _main_grads(self) -> List[torch.Tensor]: ...
@@ -395,7 +395,7 @@ class FP32Optimizer(MegatronOptimizer):
         self, optimizer: torch.optim.Optimizer, config: OptimizerConfig, init_state_fn: Callable
     ) -> None:
         super().__init__(optimizer, config, init_state_fn)
-        self._scale = torch.ones(1, dtype=torch.float, device=comm_device(None))
+        self._scale = torch.ones(1, dtype=torch.float, device=_params_device(optimizer))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.optimizer.param_groups:
@@ -548,12 +548,15 @@ class ChainedOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def step(self) -> Tuple[bool, Optional[float], Optional[float]]:
+        """Prepare, always compute the global norm, clip when ``clip_grad > 0``, step."""
         if self.prepare_grads():
             return False, None, None
-        grad_norm = 0.0
+        grad_norm = self.get_grad_norm()
         if self.config.clip_grad > 0.0:
-            grad_norm = self.clip_grad_norm(self.config.clip_grad)
-        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else 0
+            params = self.get_parameters()
+            if params:
+                clip_grad_by_total_norm_fp32(params, self.config.clip_grad, grad_norm)
+        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
         return self.step_with_ready_grads(), grad_norm, num_zeros
 
 
@@ -577,6 +580,15 @@ def _zero_grad(params: List[torch.Tensor], set_to_none: bool) -> None:
             else:
                 p.grad.requires_grad_(False)
             p.grad.zero_()
+
+
+def _params_device(optimizer: Optional[torch.optim.Optimizer]) -> torch.device:
+    """Where the loss-scale tensors live: with the parameters (the loss is there too)."""
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                return p.device
+    return comm_device(None)
 
 
 def _mpu_group(getter: str) -> Optional[dist.ProcessGroup]:

@@ -238,3 +238,48 @@ def test_megatron_core_reads_ours(tmp_path, dtype):
     assert sys.executable  # our own reader agrees too
     ours = IndexedDataset(prefix)
     assert [ours[i].tolist() for i in range(len(ours))] == sequences
+
+
+@pytest.mark.world(4)
+def test_distributed_build_rank0_first_cache_shared_and_not_built_ranks_get_none():
+    """Under torch.distributed: rank 0 builds and writes the index cache, the other built
+    ranks read it after the barrier, ranks with is_built_on_rank() False get None (and take
+    part in the same barriers, so nothing hangs); the blend's samples equal megatron-core's."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from tests.unit_tests.dist_utils import assert_no_failures
+
+    cache = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(cache, src=0)
+    config = GPTDatasetConfig(
+        random_seed=7,
+        sequence_length=8,
+        blend=([os.path.join(FIXTURE, n) for n in NAMES], [1, 2]),
+        split="100,0,0",
+        path_to_cache=cache[0],
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        tokenizer=null_tokenizer(50),
+    )
+    built = dist.get_rank() != 1
+    splits = BlendedMegatronDatasetBuilder(GPTDataset, [20, 0, 0], lambda: built, config).build()
+    failures = []
+    if not built:
+        if any(s is not None for s in splits):
+            failures.append("a rank that does not build got datasets")
+    else:
+        got = [
+            {"dataset_id": int(s["dataset_id"]), "tokens": s["tokens"].tolist()}
+            for s in (splits[0][i] for i in range(len(splits[0])))
+        ]
+        if got != EXPECTED["blend"]:
+            failures.append("blend samples differ from megatron-core's")
+    dist.barrier()
+    if dist.get_rank() == 0 and not any(
+        f.endswith("dataset_index.npy") for f in os.listdir(cache[0])
+    ):
+        failures.append("no cached blend index")
+    assert_no_failures(failures)

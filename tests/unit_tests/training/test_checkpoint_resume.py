@@ -48,17 +48,24 @@ def _shared_dir() -> str:
 RESUME_CASES = [
     pytest.param(
         dict(context_parallel_size=2),
-        dict(pipeline_model_parallel_size=2),
+        dict(tensor_model_parallel_size=2),
         4,
         marks=pytest.mark.world(2),
-        id="cp2-then-pp2-4+4",
+        id="cp2-then-tp2-4+4",
     ),
     pytest.param(
         dict(context_parallel_size=2, pipeline_model_parallel_size=2),
+        dict(tensor_model_parallel_size=2),
+        10,
+        marks=[pytest.mark.world(4), pytest.mark.slow],
+        id="cp2-pp2-then-tp2-dp2-10+10",
+    ),
+    pytest.param(
+        dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
         dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
         10,
         marks=[pytest.mark.world(4), pytest.mark.slow],
-        id="cp2-pp2-then-pp2-vpp2-dp2-10+10",
+        id="tp2-pp2-then-pp2-vpp2-dp2-10+10",
     ),
 ]
 
