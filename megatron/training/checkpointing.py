@@ -122,8 +122,10 @@ def load_checkpoint(
     checkpoint in ``load_dir``. Returns (iteration, consumed_samples, notes); (0, 0, notes)
     when there is none. RNG states are restored only when the saved ``layout`` equals
     ``layout``."""
+    if not Path(load_dir).exists():  # megatron's auto-resume: --load DIR --save DIR
+        return 0, 0, [f"--load {load_dir}: no such directory yet; starting from scratch"]
     if not Path(load_dir).is_dir():
-        raise FileNotFoundError(f"--load {load_dir!r}: not a directory")
+        raise NotADirectoryError(f"--load {load_dir!r} is a file; expected a directory")
     iteration, notes = _agree(find_latest_checkpoint(load_dir))
     if iteration is None:
         notes.append(f"no complete checkpoint in {load_dir}; starting from scratch")

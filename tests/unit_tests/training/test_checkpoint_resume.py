@@ -22,7 +22,11 @@ import torch.distributed as dist
 
 from megatron.core import dist_checkpointing
 from megatron.training import TrainingConfig
-from megatron.training.checkpointing import TRACKER_FILENAME, find_latest_checkpoint
+from megatron.training.checkpointing import (
+    TRACKER_FILENAME,
+    find_latest_checkpoint,
+    load_checkpoint,
+)
 from megatron.training.training import pretrain
 from tests.unit_tests.dist_utils import assert_no_failures, reset_layout
 
@@ -97,6 +101,19 @@ def test_resume_equals_the_uninterrupted_run_same_layout_bitwise_other_layout_1e
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.world(1)
+def test_load_from_a_missing_or_empty_directory_starts_from_scratch(tmp_path):
+    """Megatron's auto-resume (``--load DIR --save DIR``): no checkpoint yet is no error."""
+    iteration, _, notes = load_checkpoint(str(tmp_path / "not-yet"), [], None)
+    assert iteration == 0 and "no such directory yet" in notes[0]
+    (tmp_path / "iter_0000004").mkdir()  # a save that never finished
+    iteration, _, notes = load_checkpoint(str(tmp_path), [], None)
+    assert iteration == 0 and any("iter_0000004 is incomplete" in n for n in notes), notes
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        load_checkpoint(str(tmp_path / "file"), [], None)
 
 
 KILL_SCRIPT = "tests.unit_tests.training.fault_scripts.killed_save"
