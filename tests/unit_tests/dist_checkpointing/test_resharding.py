@@ -144,10 +144,19 @@ PAIRS = {
 }
 
 
+SLOW_FROM = {2: 3, 4: 3, 8: 1}  # the first pairs of each size run by default, the rest with -m slow
+
+
 def _pairs(world: int):
     return [
-        pytest.param(save, load, id=f"{save.id}-to-{load.id}", marks=pytest.mark.world(world))
-        for save, load in PAIRS[world]
+        pytest.param(
+            save,
+            load,
+            id=f"{save.id}-to-{load.id}",
+            marks=[pytest.mark.world(world)]
+            + ([pytest.mark.slow] if i >= SLOW_FROM[world] else []),
+        )
+        for i, (save, load) in enumerate(PAIRS[world])
     ]
 
 
