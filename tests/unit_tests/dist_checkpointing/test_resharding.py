@@ -196,3 +196,24 @@ def test_negative_control_loading_without_offsets_is_caught(shared_dir, monkeypa
     dist.all_gather_object(everyone, len(failures))
     # ranks holding column block 1 or row blocks of other layers read the wrong data
     assert sum(everyone) > 0, "dropping the offsets went unnoticed"
+
+
+class _NotPlain:
+    """A value ``torch.load(weights_only=True)`` refuses."""
+
+
+@pytest.mark.world(2)
+def test_bad_input_on_one_rank_is_raised_on_every_rank_before_writing(shared_dir):
+    """Rank 1 alone hands over a value that could not be loaded back safely: every rank
+    raises (naming rank 1 and the piece) instead of waiting in a collective, and nothing is
+    written."""
+    rank = dist.get_rank()
+    note = _NotPlain() if rank == 1 else {"ok": 1}
+    state = {"note": ShardedObject("note", note, (2,), (rank,))}
+    with pytest.raises(dist_checkpointing.CheckpointingException, match="rank 1: ShardedObject"):
+        dist_checkpointing.save(state, str(shared_dir))
+    dist.barrier()
+    assert list(shared_dir.iterdir()) == []
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2), (0, rank, 2))}
+    with pytest.raises(dist_checkpointing.CheckpointingException, match="not a complete"):
+        dist_checkpointing.load(request, str(shared_dir))
