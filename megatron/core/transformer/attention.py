@@ -25,8 +25,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 class SelfAttentionSubmodules:
     """Specs of self-attention's parts."""
 
-    linear_qkv: Union[ModuleSpec, type] = None
-    core_attention: Union[ModuleSpec, type] = None
+    linear_qkv: Union[ModuleSpec, type]
+    core_attention: Union[ModuleSpec, type]
     linear_proj: Union[ModuleSpec, type] = None
     q_layernorm: Union[ModuleSpec, type] = None
     k_layernorm: Union[ModuleSpec, type] = None
