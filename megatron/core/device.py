@@ -1,6 +1,9 @@
 """The one place that decides which device tensors of a collective live on.
 
 gloo works on CPU tensors; nccl on the current CUDA device. Everything else asks here.
+A group initialized without a backend (``init_process_group()``: torch's lazy "undefined"
+backend, as megatron-core's simple example does) creates nccl for CUDA tensors on first use,
+so it counts as nccl when CUDA is available.
 """
 
 from typing import Optional
@@ -12,11 +15,12 @@ import torch.distributed as dist
 def comm_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
     """Device for tensors exchanged over ``group`` (or the default group).
 
-    nccl -> ``torch.cuda.current_device()``; gloo or no distributed init -> CPU.
+    nccl (or the lazy "undefined" backend with CUDA available) ->
+    ``torch.cuda.current_device()``; gloo or no distributed init -> CPU.
     """
     if dist.is_available() and dist.is_initialized():
-        backend = dist.get_backend(group)
-        if "nccl" in str(backend).lower():
+        backend = str(dist.get_backend(group)).lower()
+        if "nccl" in backend or (backend == "undefined" and torch.cuda.is_available()):
             return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
