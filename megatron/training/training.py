@@ -125,6 +125,7 @@ def train(
         weight_decay=config.weight_decay,
         clip_grad=config.clip_grad,
         pp_group=None if pg_collection is None else pg_collection.pp,
+        tp_group=None if pg_collection is None else pg_collection.tp,
     )
     dataset = SFTDataset(config.seq_length, config.vocab_size, config.seed)
     vpp = layout.virtual_pipeline_model_parallel_size
