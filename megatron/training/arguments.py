@@ -11,6 +11,8 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Optional, Sequence
 
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+
 
 @dataclass
 class TrainingConfig:
@@ -29,6 +31,8 @@ class TrainingConfig:
     global_batch_size: int = 8
     seq_length: int = 32
     vocab_size: int = 64
+    data_path: Optional[str] = None
+    tokenizer: Optional[str] = None
     # Model.
     num_layers: int = 4
     hidden_size: int = 32
@@ -49,6 +53,9 @@ class TrainingConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     weight_decay: float = 0.0
+    lr_warmup_iters: int = 0
+    lr_decay_style: str = "constant"
+    min_lr: float = 0.0
     clip_grad: float = 1.0
     calculate_per_token_loss: bool = False
     per_shard_loss_normalization: bool = False
@@ -57,6 +64,9 @@ class TrainingConfig:
     seed: int = 1234
     # Output and checks.
     save_metrics: Optional[str] = None
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
     compare_single_process: bool = False
     compare_tolerance: float = 1e-4
     progress: bool = True
@@ -173,7 +183,33 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
         "--per-shard-loss-normalization emulates the averaged mode; it cannot be combined "
         "with --calculate-per-token-loss",
     )
+    if c.save_interval is not None:
+        _require(
+            isinstance(c.save_interval, int) and c.save_interval >= 1,
+            f"--save-interval must be an integer >= 1, got {c.save_interval}",
+        )
+        _require(c.save is not None, "--save-interval needs --save DIR")
+    _require(
+        not (c.compare_single_process and c.load),
+        "--compare-single-process compares a whole run from iteration 1; it cannot be "
+        f"combined with --load {c.load}",
+    )
     _require(c.lr > 0, f"--lr must be > 0, got {c.lr}")
+    _require(
+        c.lr_decay_style in LR_DECAY_STYLES,
+        f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}, got {c.lr_decay_style!r}",
+    )
+    _require(
+        isinstance(c.lr_warmup_iters, int) and 0 <= c.lr_warmup_iters < c.train_iters,
+        f"--lr-warmup-iters must be >= 0 and < --train-iters {c.train_iters}, "
+        f"got {c.lr_warmup_iters}",
+    )
+    _require(0 <= c.min_lr <= c.lr, f"--min-lr must be in [0, --lr {c.lr}], got {c.min_lr}")
+    _require(c.weight_decay >= 0, f"--weight-decay must be >= 0, got {c.weight_decay}")
+    _require(
+        c.tokenizer is None or c.data_path is not None,
+        f"--tokenizer {c.tokenizer!r} needs --data-path (the generated data has its own ids)",
+    )
     _require(c.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables), got {c.clip_grad}")
     _require(
         c.distributed_backend in ("auto", "gloo", "nccl"),
@@ -251,6 +287,9 @@ def single_process_config(config: TrainingConfig) -> TrainingConfig:
         virtual_pipeline_model_parallel_size=None,
         compare_single_process=False,
         save_metrics=None,
+        save=None,
+        load=None,
+        save_interval=None,
     )
     return TrainingConfig(**changes)
 
@@ -335,6 +374,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add(data, "--seq-length", int, d.seq_length, "tokens per sequence")
     _add(data, "--vocab-size", int, d.vocab_size, "vocabulary size (4 special tokens)")
+    data.add_argument(
+        "--data-path",
+        metavar="PATH",
+        default=d.data_path,
+        help="train on a JSONL file (prompt/response or text records; the prompt is masked "
+        "out of the loss) or an indexed dataset prefix written by python -m "
+        "megatron.training.preprocess_data; the vocabulary is then the tokenizer's. "
+        "Default: generated prompt/response pairs",
+    )
+    data.add_argument(
+        "--tokenizer",
+        metavar="T",
+        default=d.tokenizer,
+        help="with --data-path: 'byte-level' (default; UTF-8 bytes, no file) or a "
+        "HuggingFace tokenizers JSON file",
+    )
     model = parser.add_argument_group("model")
     _add(model, "--num-layers", int, d.num_layers, "transformer layers")
     _add(model, "--hidden-size", int, d.hidden_size, "hidden size")
@@ -388,7 +443,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     optim = parser.add_argument_group("optimization")
     _add(optim, "--train-iters", int, d.train_iters, "training iterations")
-    _add(optim, "--lr", float, d.lr, "Adam learning rate (constant)")
+    _add(optim, "--lr", float, d.lr, "peak Adam learning rate")
+    _add(optim, "--min-lr", float, d.min_lr, "learning rate at the end of the decay")
+    _add(optim, "--lr-warmup-iters", int, d.lr_warmup_iters, "linear warm-up from 0")
+    optim.add_argument(
+        "--lr-decay-style",
+        choices=LR_DECAY_STYLES,
+        default=d.lr_decay_style,
+        help="learning-rate decay after warm-up, down to --min-lr at --train-iters",
+    )
     _add(optim, "--adam-beta1", float, d.adam_beta1, "Adam beta1")
     _add(optim, "--adam-beta2", float, d.adam_beta2, "Adam beta2")
     _add(optim, "--adam-eps", float, d.adam_eps, "Adam epsilon")
@@ -439,6 +502,22 @@ def build_parser() -> argparse.ArgumentParser:
         d.compare_tolerance,
         "largest accepted |loss difference| per iteration",
     )
+    ckpt = parser.add_argument_group("checkpoints (docs/checkpoints.md)")
+    ckpt.add_argument(
+        "--save",
+        metavar="DIR",
+        default=d.save,
+        help="save checkpoints to DIR/iter_NNNNNNN (every --save-interval iterations and at "
+        "the end) and point DIR/latest_checkpointed_iteration.txt at the newest",
+    )
+    ckpt.add_argument(
+        "--load",
+        metavar="DIR",
+        default=d.load,
+        help="resume from the newest complete checkpoint in DIR (any layout; starts from "
+        "scratch when DIR holds none)",
+    )
+    _add(ckpt, "--save-interval", int, d.save_interval, "iterations between checkpoints")
     out.add_argument(
         "--no-progress",
         dest="progress",

@@ -12,6 +12,7 @@ over the global batch's microbatches of S / max(N, 1), or sum S / sum N with
 ``--calculate-per-token-loss``.
 """
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from tqdm import tqdm
 from megatron.core import parallel_state
 from megatron.core.context_parallel import get_batch_on_this_cp_rank
 from megatron.core.device import comm_device
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.loss_reporting import reduce_reported_losses
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -34,8 +37,10 @@ from megatron.training.arguments import (
     single_process_config,
     validate_config,
 )
+from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron.training.compare import Comparison, compare_losses, format_comparison
-from megatron.training.data import SFTDataset, microbatches_for_rank
+from megatron.training.data import microbatches_for_rank
+from megatron.training.datasets import build_sft_dataset, build_training_tokenizer
 from megatron.training.initialize import (
     initialize_distributed,
     initialize_model_parallel_groups,
@@ -45,7 +50,6 @@ from megatron.training.initialize import (
 )
 from megatron.training.metrics import save_metrics
 from megatron.training.model import build_model
-from megatron.training.optimizer import FP32AdamOptimizer
 
 LOSS_KEY = "lm loss"
 
@@ -116,18 +120,11 @@ def train(
 
     Rank 0 shows a progress bar with the loss and tokens/s (``config.progress``).
     """
+    dataset = build_sft_dataset(config)
+    if config.data_path:  # the model's vocabulary is the tokenizer's
+        config = dataclasses.replace(config, vocab_size=dataset.vocab_size)
     model = build_model(config, layout, pg_collection)
-    optimizer = FP32AdamOptimizer(
-        model,
-        lr=config.lr,
-        betas=(config.adam_beta1, config.adam_beta2),
-        eps=config.adam_eps,
-        weight_decay=config.weight_decay,
-        clip_grad=config.clip_grad,
-        pp_group=None if pg_collection is None else pg_collection.pp,
-        tp_group=None if pg_collection is None else pg_collection.tp,
-    )
-    dataset = SFTDataset(config.seq_length, config.vocab_size, config.seed)
+    optimizer, scheduler = build_optimizer(config, model, pg_collection)
     vpp = layout.virtual_pipeline_model_parallel_size
     forward_backward_func = get_forward_backward_func(layout.pipeline_model_parallel_size, vpp)
     dp_rank = 0 if pg_collection is None else pg_collection.dp.rank()
@@ -141,8 +138,16 @@ def train(
         disable=not (config.progress and is_rank_zero()),
         dynamic_ncols=True,
     )
+    start_iteration = 0
+    if config.load:
+        start_iteration, _, notes = load_checkpoint(
+            config.load, model, optimizer, scheduler, layout=_layout_record(layout)
+        )
+        for note in notes:
+            _print(note)
+        bar.update(start_iteration)
     records = []
-    for iteration in range(1, config.train_iters + 1):
+    for iteration in range(start_iteration + 1, config.train_iters + 1):
         start = time.perf_counter()
         global_batch = dataset.global_batch(iteration - 1, config.global_batch_size)
         microbatches = [
@@ -163,7 +168,11 @@ def train(
             pg_collection=pg_collection,
             forward_only=False,
         )
-        grad_norm = optimizer.step()
+        if scheduler.num_steps != iteration - 1:  # e.g. resumed from a checkpoint
+            scheduler.step(increment=iteration - 1 - scheduler.num_steps)
+        lr = optimizer.param_groups[0]["lr"]
+        _, grad_norm, _ = optimizer.step()
+        scheduler.step(increment=1)
         loss = logged_loss(reported, pg_collection)
         seconds = time.perf_counter() - start
         records.append(
@@ -171,7 +180,7 @@ def train(
                 "iteration": iteration,
                 "loss": loss,
                 "grad_norm": grad_norm,
-                "lr": config.lr,
+                "lr": lr,
                 "tokens_per_s": tokens_per_iteration / seconds,
                 "valid_tokens": int(global_batch["loss_mask"].sum().item()),
                 "iteration_time_s": seconds,
@@ -179,8 +188,82 @@ def train(
         )
         bar.set_postfix(loss=f"{loss:.4f}", tokens_per_s=f"{tokens_per_iteration / seconds:.0f}")
         bar.update()
+        if config.save and _save_due(config, iteration):
+            save_checkpoint(
+                config.save,
+                iteration,
+                model,
+                optimizer,
+                scheduler,
+                layout=_layout_record(layout),
+                consumed_samples=iteration * config.global_batch_size,
+                run_settings=_settings_record(config),
+            )
     bar.close()
     return records
+
+
+def build_optimizer(
+    config: TrainingConfig,
+    model: List[torch.nn.Module],
+    pg_collection: Optional[ProcessGroupCollection],
+):
+    """megatron-core's optimizer (AdamW, fp32, clipping by the global gradient norm) and its
+    learning-rate schedule: linear warm-up from 0 over ``--lr-warmup-iters``, then
+    ``--lr-decay-style`` down to ``--min-lr`` at ``--train-iters``; constant weight decay
+    (none on biases and 1-D parameters, as megatron)."""
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=config.lr,
+            min_lr=config.min_lr,
+            weight_decay=config.weight_decay,
+            adam_beta1=config.adam_beta1,
+            adam_beta2=config.adam_beta2,
+            adam_eps=config.adam_eps,
+            clip_grad=config.clip_grad,
+        ),
+        model,
+        pg_collection=pg_collection,
+    )
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if config.lr_warmup_iters else config.lr,
+        max_lr=config.lr,
+        min_lr=config.min_lr,
+        lr_warmup_steps=config.lr_warmup_iters,
+        lr_decay_steps=config.train_iters,
+        lr_decay_style=config.lr_decay_style,
+        start_wd=config.weight_decay,
+        end_wd=config.weight_decay,
+        wd_incr_steps=config.train_iters,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+def _save_due(config: TrainingConfig, iteration: int) -> bool:
+    """Every ``--save-interval`` iterations, and after the last one."""
+    interval = config.save_interval
+    return iteration == config.train_iters or (interval is not None and iteration % interval == 0)
+
+
+def _layout_record(layout: Layout) -> Dict[str, int]:
+    """The layout as plain values (kept in checkpoints; decides whether RNG states apply)."""
+    return {
+        "world_size": layout.world_size,
+        "tensor_model_parallel_size": getattr(layout, "tensor_model_parallel_size", 1),
+        "context_parallel_size": layout.context_parallel_size,
+        "pipeline_model_parallel_size": layout.pipeline_model_parallel_size,
+        "virtual_pipeline_model_parallel_size": layout.virtual_pipeline_model_parallel_size or 0,
+    }
+
+
+def _settings_record(config: TrainingConfig) -> Dict[str, object]:
+    """The run's settings as plain values (for the record in the checkpoint)."""
+    return {
+        k: v for k, v in vars(config).items() if isinstance(v, (int, float, str, bool, type(None)))
+    }
 
 
 def train_single_process(config: TrainingConfig) -> Optional[List[dict]]:
@@ -278,11 +361,19 @@ def _print_header(config: TrainingConfig, layout: Layout) -> None:
     backend = dist.get_backend() if dist.is_initialized() else "no torch.distributed"
     _print(
         f"SFT of a GPT ({config.num_layers} layers, hidden {config.hidden_size}, "
-        f"{config.num_attention_heads} heads, vocab {config.vocab_size}) on generated "
-        f"prompt/response pairs; layout {layout.name} on {_processes(layout.world_size)} "
+        f"{config.num_attention_heads} heads, vocab {_data_description(config)}; "
+        f"layout {layout.name} on {_processes(layout.world_size)} "
         f"({backend}); {layout.num_microbatches} microbatch(es) of {config.micro_batch_size} "
         f"x {config.seq_length} tokens per replica, global batch {config.global_batch_size}"
     )
+
+
+def _data_description(config: TrainingConfig) -> str:
+    """``64) on generated prompt/response pairs`` or the data path and tokenizer."""
+    if not config.data_path:
+        return f"{config.vocab_size}) on generated prompt/response pairs"
+    vocab = build_training_tokenizer(config.tokenizer).vocab_size
+    return f"{vocab}) on {config.data_path} ({config.tokenizer or 'byte-level'} tokenizer)"
 
 
 def _print(message: str) -> None:

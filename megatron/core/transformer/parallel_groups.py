@@ -74,6 +74,11 @@ def _group_of(pg_collection, field: str, size: int, size_name: str, mpu_getter):
     else:
         group = None
     actual = group_size(group)
+    if field == "tp" and pg_collection is None and size == 1 and actual > 1:
+        # megatron-core's MPU fallback: a script that initializes parallel_state with TP > 1
+        # and leaves config.tensor_model_parallel_size at its default (megatron-core's own
+        # examples/run_simple_mcore_train_loop.py) gets parallel_state's TP group.
+        return group
     if actual != size:
         where = "pg_collection" if pg_collection is not None else "parallel_state"
         raise ValueError(

@@ -3,7 +3,7 @@ stage, built from a layer spec."""
 
 import contextlib
 from dataclasses import dataclass
-from typing import List, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 
@@ -129,6 +129,32 @@ class TransformerBlock(MegatronModule):
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None
+    ) -> Dict[str, Any]:
+        """Layers stacked along a prepended axis of the GLOBAL layer index (storage keys
+        ``{prefix}layers.<name>``, offset ``layer_number - 1`` of ``num_layers``), so a layer's
+        key and position do not depend on PP or VPP; then the final norm."""
+        from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+        from megatron.core.transformer.utils import sharded_state_dict_default
+
+        sharded: Dict[str, Any] = {}
+        layers_prefix = f"{prefix}layers."
+        for local_index, layer in enumerate(self.layers):
+            layer_prefix = f"{layers_prefix}{local_index}."
+            offsets = tuple(sharded_offsets) + (
+                (len(sharded_offsets), layer.layer_number - 1, self.config.num_layers),
+            )
+            layer_sharded = layer.sharded_state_dict(layer_prefix, offsets, metadata)
+            replace_prefix_for_sharding(layer_sharded, layer_prefix, layers_prefix)
+            sharded.update(layer_sharded)
+        for name, child in self.named_children():
+            if name != "layers":
+                sharded.update(
+                    sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata)
+                )
+        return sharded
 
 
 def get_num_layers_to_build(

@@ -2,7 +2,7 @@
 x + mlp(norm(x))), and where a pipeline chunk's layers start in the global numbering."""
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Union
+from typing import Any, Dict, Optional, Union
 
 import torch
 
@@ -121,6 +121,17 @@ class TransformerLayer(MegatronModule):
             self.mlp(normed), residual, self.hidden_dropout
         )
         return hidden_states, context
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None
+    ) -> Dict[str, Any]:
+        """The layer's pieces (``sharded_offsets`` carry the global layer index), with the
+        spec's ``sharded_state_dict_keys_map`` applied to the storage keys."""
+        from megatron.core.transformer.utils import apply_keys_map, module_sharded_state_dict
+
+        sharded = module_sharded_state_dict(self, prefix, sharded_offsets, metadata)
+        apply_keys_map(sharded, prefix, self.submodules_config.sharded_state_dict_keys_map)
+        return sharded
 
 
 def get_transformer_layer_offset(

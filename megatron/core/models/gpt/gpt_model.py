@@ -8,8 +8,9 @@ name), as its FULL tensor; a TP rank keeps its slice of it, so every TP/CP/PP/VP
 starts from the same model.
 """
 
+import dataclasses
 import hashlib
-from typing import List, Literal, Optional, Union
+from typing import Any, Dict, List, Literal, Optional, Union
 
 import torch
 from torch import Tensor
@@ -282,6 +283,44 @@ class GPTModel(MegatronModule):
             tp_group=self.tp_group,
         )
         return loss.transpose(0, 1).contiguous()
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[Dict] = None
+    ) -> Dict[str, Any]:
+        """This chunk's pieces for ``dist_checkpointing``, keyed like ``state_dict``; storage
+        keys and boxes do not depend on the layout (megatron-core 0.16.1's scheme):
+
+        - TP-split parameters are boxes along their ``partition_dim`` (fc1 of a gated MLP:
+          two boxes, one per half), replica id (0, 0, dp_cp_rank);
+        - parameters not split over TP are whole, replica id (0, tp_rank, dp_cp_rank), so
+          exactly one rank writes each;
+        - layers are stacked by their GLOBAL index on a prepended axis
+          (``decoder.layers.<name>``, offset ``layer_number - 1``), norms under the spec's
+          keys map (``self_attention.linear_qkv.layer_norm_weight``, ...);
+        - a tied output weight on a later stage than the embedding is stored as
+          ``embedding.word_embeddings.weight`` with replica id (1, ...): never written
+          twice, loaded from the embedding.
+
+        Groups: TP is the model's; DP x CP from ``metadata["dp_cp_group"]``, else
+        ``pg_collection.dp_cp``, else ``parallel_state``'s (MPU fallback), else one rank.
+        """
+        from megatron.core.transformer.utils import module_sharded_state_dict
+
+        metadata = dict(metadata or {})
+        metadata.setdefault("tp_group", self.tp_group)
+        if metadata.get("dp_cp_group") is None and self.pg_collection is not None:
+            metadata["dp_cp_group"] = getattr(self.pg_collection, "dp_cp", None)
+        sharded = module_sharded_state_dict(self, prefix, sharded_offsets, metadata)
+        output_key = f"{prefix}output_layer.weight"
+        if self.share_embeddings_and_output_weights and not self.pre_process:
+            if output_key in sharded:
+                tied = sharded[output_key]
+                sharded[output_key] = dataclasses.replace(
+                    tied,
+                    key=f"{prefix}embedding.word_embeddings.weight",
+                    replica_id=(1,) + tuple(tied.replica_id)[1:],
+                )
+        return sharded
 
     def shared_embedding_or_output_weight(self) -> Optional[Tensor]:
         """The tied weight this chunk holds: word embeddings (first stage), output (last)."""

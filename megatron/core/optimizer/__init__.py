@@ -1,0 +1,193 @@
+"""megatron.core.optimizer: ``OptimizerConfig`` and ``get_megatron_optimizer`` over torch.optim.
+
+``get_megatron_optimizer(config, model_chunks)`` builds ``torch.optim.AdamW`` (or ``Adam``
+without decoupled weight decay, or ``SGD``) over the chunks' parameters in two groups (weight
+decay multiplier 1, and 0 for biases and 1-D parameters, as megatron-core does), fused
+kernels when every parameter is on a CUDA device, foreach kernels on other accelerators,
+plain loops on CPU. It wraps it in ``FP32Optimizer`` (fp32 parameters) or
+``Float16OptimizerWithFloat16Params`` (bf16/fp16 parameters, fp32 main copies) and returns a
+``ChainedOptimizer`` of that one optimizer, as megatron-core 0.16.1 does.
+"""
+
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from megatron.core.optimizer.clip_grads import (
+    clip_grad_by_total_norm_fp32,
+    count_zeros_fp32,
+    get_grad_norm_fp32,
+)
+from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron.core.optimizer.optimizer import (
+    ChainedOptimizer,
+    Float16OptimizerWithFloat16Params,
+    FP32Optimizer,
+    MegatronOptimizer,
+    MixedPrecisionOptimizer,
+)
+from megatron.core.optimizer.optimizer_config import OptimizerConfig, unsupported_settings
+
+__all__ = [
+    "OptimizerConfig",
+    "get_megatron_optimizer",
+    "MegatronOptimizer",
+    "MixedPrecisionOptimizer",
+    "FP32Optimizer",
+    "Float16OptimizerWithFloat16Params",
+    "ChainedOptimizer",
+    "ConstantGradScaler",
+    "DynamicGradScaler",
+    "get_grad_norm_fp32",
+    "clip_grad_by_total_norm_fp32",
+    "count_zeros_fp32",
+]
+
+
+def get_megatron_optimizer(
+    config: OptimizerConfig,
+    model_chunks: List[torch.nn.Module],
+    config_overrides: Optional[Dict[Any, Any]] = None,
+    use_gloo_process_groups: bool = True,
+    pg_collection: Optional[Any] = None,
+    dump_param_to_param_group_map: Optional[str] = None,
+) -> MegatronOptimizer:
+    """The Megatron optimizer for ``model_chunks`` (see the module docstring).
+
+    Groups: ``pg_collection.mp`` (norms, zero counts) and ``pg_collection.tp`` (which copy of
+    a TP-replicated parameter counts); without ``pg_collection`` the MPU fallback
+    (``parallel_state``) is read at step time. ``config_overrides`` other than None/{} and
+    ``dump_param_to_param_group_map`` are not supported (clear error).
+    """
+    bad = unsupported_settings(config)
+    if bad:
+        name, value, expected = bad[0]
+        raise NotImplementedError(
+            f"OptimizerConfig.{name}={value!r} is not supported here; expected {expected!r}"
+        )
+    if config_overrides:
+        raise NotImplementedError(
+            f"config_overrides={config_overrides!r}: per-parameter overrides are not supported; "
+            "expected None (megatron's default: no weight decay on biases and 1-D params) or {}"
+        )
+    if dump_param_to_param_group_map is not None:
+        raise NotImplementedError("dump_param_to_param_group_map is not supported; expected None")
+    if config.lr is None:
+        raise ValueError("OptimizerConfig.lr=None; expected a learning rate")
+    if not model_chunks:
+        raise ValueError("model_chunks is empty; expected at least one model chunk")
+    if pg_collection is not None:
+        for field in ("mp", "tp"):
+            if getattr(pg_collection, field, None) is None:
+                raise ValueError(
+                    f"pg_collection.{field} is None; get_megatron_optimizer needs the "
+                    "model-parallel (mp) and tensor-parallel (tp) groups"
+                )
+
+    param_groups = _get_param_groups(model_chunks, config, config_overrides)
+    params = [p for g in param_groups for p in g["params"]]
+    if not params:
+        raise ValueError("model_chunks have no trainable parameters")
+    optimizer = _build_torch_optimizer(param_groups, config, params)
+
+    if config.fp16 or config.bf16:
+        grad_scaler = None
+        device = params[0].device
+        if config.loss_scale:
+            grad_scaler = ConstantGradScaler(config.loss_scale, device=device)
+        elif config.fp16:
+            grad_scaler = DynamicGradScaler(
+                initial_scale=config.initial_loss_scale,
+                min_scale=config.min_loss_scale,
+                growth_factor=2.0,
+                backoff_factor=0.5,
+                growth_interval=int(config.loss_scale_window),
+                hysteresis=config.hysteresis,
+                device=device,
+            )
+        inner: MegatronOptimizer = Float16OptimizerWithFloat16Params(
+            optimizer, config, grad_scaler, _init_state_fn
+        )
+    else:
+        for p in params:
+            if p.dtype != torch.float32:
+                raise TypeError(
+                    f"a parameter has dtype {p.dtype} but bf16=fp16=False; expected float32 "
+                    "parameters (set bf16/fp16 in OptimizerConfig for half precision)"
+                )
+        inner = FP32Optimizer(optimizer, config, _init_state_fn)
+    if pg_collection is not None:
+        inner.grad_stats_parallel_group = pg_collection.mp
+        inner.tp_group = pg_collection.tp
+    chained = ChainedOptimizer([inner])
+    chained.model_chunks = list(model_chunks)
+    return chained
+
+
+def _get_param_groups(
+    model_chunks: List[torch.nn.Module], config: OptimizerConfig, config_overrides: Any
+) -> List[dict]:
+    """Default group (wd_mult 1) first, then biases and 1-D parameters (wd_mult 0)."""
+    skip_wd = config_overrides is None
+    decayed, not_decayed = [], []
+    for chunk in model_chunks:
+        for name, param in chunk.named_parameters():
+            if not param.requires_grad:
+                continue
+            if skip_wd and (name.endswith(".bias") or len(param.shape) == 1):
+                not_decayed.append(param)
+            else:
+                decayed.append(param)
+    base = {
+        "is_expert_parallel": False,
+        "lr_mult": 1.0,
+        "is_decoupled_lr": False,
+        "max_lr": config.lr,
+        "min_lr": config.min_lr,
+    }
+    groups = [{"params": decayed, "default_config": True, "wd_mult": 1.0, **base}]
+    if skip_wd:
+        groups.append({"params": not_decayed, "default_config": True, "wd_mult": 0.0, **base})
+    return [g for g in groups if g["params"]]
+
+
+def _build_torch_optimizer(
+    param_groups: List[dict], config: OptimizerConfig, params: List[torch.Tensor]
+) -> torch.optim.Optimizer:
+    devices = {p.device.type for p in params}
+    kernel: Dict[str, Any] = {}
+    if devices == {"cuda"}:
+        kernel = {"fused": True}
+    elif "cpu" in devices:
+        kernel = {"foreach": False}
+    else:
+        kernel = {"foreach": True}
+    if config.optimizer == "adam":
+        cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
+        return cls(
+            param_groups,
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+            **kernel,
+        )
+    kernel.pop("fused", None)
+    return torch.optim.SGD(
+        param_groups,
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        momentum=config.sgd_momentum,
+        **kernel,
+    )
+
+
+def _init_state_fn(opt: torch.optim.Optimizer, config: Optional[OptimizerConfig] = None) -> None:
+    """Create empty Adam state (step 0, zero moments) so a checkpoint's state can load into it."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state[p]
+            if len(state) == 0 and isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p.data)
+                state["exp_avg_sq"] = torch.zeros_like(p.data)

@@ -1,0 +1,100 @@
+"""Turn JSONL into megatron's indexed format (``PREFIX.bin`` + ``PREFIX.idx``).
+
+    python -m megatron.training.preprocess_data --input data.jsonl --output-prefix out \\
+        [--json-keys text] [--sft] [--tokenizer-type ByteLevelTokenizer|HuggingFaceTokenizer|
+        NullTokenizer] [--tokenizer-model tokenizer.json] [--vocab-size N] [--append-eod]
+
+Plain mode (megatron-LM's tool): for every key in ``--json-keys`` one dataset
+``{prefix}_{key}_document``, one document (a single sequence) per record, EOD appended with
+``--append-eod``. ``--sft``: one dataset ``{prefix}_sft_document`` whose documents hold two
+sequences, the tokenized ``prompt`` and ``response`` (+ EOD), which the trainer's
+``--data-path`` reads with the prompt masked out of the loss. Token ids are stored as uint16
+when the vocabulary has fewer than 65500 ids, else int32 (as megatron does).
+"""
+
+import argparse
+import json
+import sys
+from types import SimpleNamespace
+from typing import List, Optional, Sequence
+
+import numpy
+import torch
+
+from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+from megatron.training.tokenizer.tokenizer import build_tokenizer
+
+
+def main(argv: Optional[Sequence[str]] = None) -> List[str]:
+    """Run the tool; returns the written prefixes."""
+    args = _parser().parse_args(argv)
+    tokenizer = build_tokenizer(
+        SimpleNamespace(
+            tokenizer_type=args.tokenizer_type,
+            tokenizer_model=args.tokenizer_model,
+            vocab_size=args.vocab_size,
+        )
+    )
+    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    if args.sft:
+        prefixes = [f"{args.output_prefix}_sft_document"]
+    else:
+        prefixes = [f"{args.output_prefix}_{key}_document" for key in args.json_keys]
+    builders = [IndexedDatasetBuilder(p + ".bin", dtype=dtype) for p in prefixes]
+    count = 0
+    with open(args.input, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if args.sft:
+                for key in (args.prompt_key, args.response_key):
+                    if key not in record:
+                        raise ValueError(f"{args.input}:{line_no}: no {key!r} key (--sft)")
+                prompt = list(tokenizer.tokenize(record[args.prompt_key]))
+                response = list(tokenizer.tokenize(record[args.response_key])) + [tokenizer.eod]
+                builders[0].add_item(torch.tensor(prompt, dtype=torch.int64))
+                builders[0].add_item(torch.tensor(response, dtype=torch.int64))
+                builders[0].end_document()
+            else:
+                for key, builder in zip(args.json_keys, builders):
+                    if key not in record:
+                        raise ValueError(f"{args.input}:{line_no}: no {key!r} key")
+                    ids = list(tokenizer.tokenize(record[key]))
+                    if args.append_eod:
+                        ids.append(tokenizer.eod)
+                    builder.add_item(torch.tensor(ids, dtype=torch.int64))
+                    builder.end_document()
+            count += 1
+    for prefix, builder in zip(prefixes, builders):
+        builder.finalize(prefix + ".idx")
+    print(
+        f"{count} records -> {', '.join(prefixes)} "
+        f"({numpy.dtype(dtype).name}, vocab {tokenizer.vocab_size})",
+        file=sys.stderr,
+    )
+    return prefixes
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m megatron.training.preprocess_data")
+    p.add_argument("--input", required=True, help="JSONL file")
+    p.add_argument("--output-prefix", required=True)
+    p.add_argument("--json-keys", nargs="+", default=["text"])
+    p.add_argument("--sft", action="store_true", help="prompt/response records")
+    p.add_argument("--prompt-key", default="prompt")
+    p.add_argument("--response-key", default="response")
+    p.add_argument(
+        "--tokenizer-type",
+        default="ByteLevelTokenizer",
+        choices=["ByteLevelTokenizer", "HuggingFaceTokenizer", "TokenizersFile", "NullTokenizer"],
+    )
+    p.add_argument("--tokenizer-model", default=None, help="tokenizers JSON file")
+    p.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer only")
+    p.add_argument("--append-eod", action="store_true")
+    p.add_argument("--workers", type=int, default=1, help="accepted; one process is used")
+    return p
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""megatron-LM's training tokenizers: ``build_tokenizer(args)`` and ``_NullTokenizer``.
+
+Provided: ``NullTokenizer`` (integer ids as text), ``ByteLevelTokenizer`` (UTF-8 bytes 0-255,
+eod 256, pad 257; needs no file) and ``HuggingFaceTokenizer`` for a HuggingFace ``tokenizers``
+JSON file (``--tokenizer-model path/tokenizer.json``; needs the ``tokenizers`` package).
+"""
+
+from typing import Any, List, Optional
+
+import numpy
+
+from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
+
+
+class _NullTokenizer(MegatronLegacyTokenizer):
+    """``"3 1 4"`` <-> ``[3, 1, 4]``; ids ``0..vocab_size-1`` plus eod = ``vocab_size``.
+
+    ``vocab_size`` reports ``vocab_size + 1`` (the eod id included), as megatron's does.
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__(None, vocab_size=vocab_size)
+        self._vocab_size_without_eod = int(vocab_size)
+        self._eod_id = self._vocab_size_without_eod
+
+    def tokenize(self, text: str) -> List[int]:
+        return [int(x) for x in text.split(" ")]
+
+    def detokenize(self, ids: List[int]) -> str:
+        return " ".join(str(x) for x in ids)
+
+    def offsets(self, ids: List[int], text: str) -> List[int]:
+        out, start = [], 0
+        for i in ids:
+            out.append(start)
+            start += 1 + len(str(i))
+        return out
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size_without_eod + 1
+
+    @property
+    def cls(self) -> int:
+        return -1
+
+    @property
+    def sep(self) -> int:
+        return -1
+
+    @property
+    def mask(self) -> int:
+        return -1
+
+    @property
+    def eod(self) -> int:
+        return self._eod_id
+
+    @property
+    def additional_special_tokens_ids(self) -> None:
+        return None
+
+
+class _ByteLevelTokenizer(MegatronLegacyTokenizer):
+    """UTF-8 bytes are ids 0-255; eod = 256, pad = 257; ``vocab_size`` = 258. No file."""
+
+    BYTES = 256
+
+    def __init__(self) -> None:
+        super().__init__(None)
+
+    def tokenize(self, text: str) -> List[int]:
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, ids: List[int]) -> str:
+        data = bytes(int(i) for i in numpy.asarray(ids).tolist() if 0 <= int(i) < self.BYTES)
+        return data.decode("utf-8", errors="replace")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.BYTES + 2
+
+    @property
+    def eod(self) -> int:
+        return self.BYTES
+
+    @property
+    def pad(self) -> int:
+        return self.BYTES + 1
+
+
+class _TokenizersFileTokenizer(MegatronLegacyTokenizer):
+    """A HuggingFace ``tokenizers`` JSON file (see ``megatron.core.tokenizers.text``)."""
+
+    def __init__(self, path: str, eod_token: Optional[str] = None) -> None:
+        from megatron.core.tokenizers.text import TokenizersFileTokenizer
+
+        super().__init__(path)
+        self._tok = TokenizersFileTokenizer(path, eod_token=eod_token)
+        if self._tok.eod is None:
+            raise ValueError(
+                f"tokenizer file {path!r} has no end-of-document token (<|endoftext|>, </s>, "
+                "<eos>); pass eod_token"
+            )
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._tok.text_to_ids(text)
+
+    def detokenize(self, ids: List[int]) -> str:
+        return self._tok.ids_to_text(ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.vocab_size
+
+    @property
+    def vocab(self):
+        return self._tok.vocab
+
+    @property
+    def eod(self) -> int:
+        return self._tok.eod
+
+    @property
+    def pad(self) -> int:
+        if self._tok.pad_id is None:
+            raise NotImplementedError("this tokenizer file has no pad token")
+        return self._tok.pad_id
+
+
+def build_tokenizer(args: Any, **kwargs: Any) -> MegatronLegacyTokenizer:
+    """Tokenizer named by ``args.tokenizer_type``: ``NullTokenizer`` (``args.vocab_size``),
+    ``ByteLevelTokenizer``, or ``HuggingFaceTokenizer`` / ``TokenizersFile`` for a
+    ``tokenizers`` JSON file at ``args.tokenizer_model``. Sets ``args.padded_vocab_size``
+    when ``args`` has ``make_vocab_size_divisible_by``."""
+    kind = getattr(args, "tokenizer_type", None)
+    if kind == "NullTokenizer":
+        tokenizer: MegatronLegacyTokenizer = _NullTokenizer(args.vocab_size)
+    elif kind == "ByteLevelTokenizer":
+        tokenizer = _ByteLevelTokenizer()
+    elif kind in ("HuggingFaceTokenizer", "TokenizersFile"):
+        tokenizer = _TokenizersFileTokenizer(args.tokenizer_model)
+    else:
+        raise NotImplementedError(
+            f"tokenizer_type={kind!r}: expected NullTokenizer, ByteLevelTokenizer or "
+            "HuggingFaceTokenizer (a tokenizers JSON file)"
+        )
+    divisor = getattr(args, "make_vocab_size_divisible_by", None)
+    if divisor:
+        multiple = divisor * max(1, int(getattr(args, "tensor_model_parallel_size", 1) or 1))
+        args.padded_vocab_size = -(-tokenizer.vocab_size // multiple) * multiple
+    return tokenizer

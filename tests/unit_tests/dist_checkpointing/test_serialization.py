@@ -1,0 +1,290 @@
+"""One process: what a checkpoint holds, what loading refuses, and the errors for bad input.
+
+- round trip: tensors (with prepended axes), objects, factories, common and non-persistent
+  values come back as saved; the returned dict mirrors the request;
+- loading never unpickles arbitrary objects: a common state, ShardedObject or DCP metadata
+  that needs more than ``torch.load(weights_only=True)`` is refused, and the payload is not
+  run; ``save`` refuses such values before writing;
+- an incomplete directory (no ``metadata.json``: a save that did not finish) is refused, and a
+  save that fails part-way retires the old checkpoint's marker first;
+- bad input: a missing directory, mismatched shapes, unknown keys with each ``strict`` mode,
+  unsupported strategies and options, impossible rank offsets.
+"""
+
+import io
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import (
+    CheckpointingException,
+    LocalNonpersistentObject,
+    ShardedObject,
+    ShardedTensor,
+)
+from megatron.core.dist_checkpointing import storage as ckpt_storage
+from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+from megatron.core.dist_checkpointing.utils import (
+    apply_prefix_mapping,
+    extract_sharded_tensors,
+    replace_prefix_for_sharding,
+)
+from megatron.core.dist_checkpointing.validation import StrictHandling
+
+pytestmark = [pytest.mark.world(1), pytest.mark.timeout(60)]
+
+WEIGHT = torch.arange(24, dtype=torch.float32).reshape(4, 6) / 7
+
+
+def _halves_factory(key: str, tensor: torch.Tensor) -> ShardedTensorFactory:
+    """Rows [0, 2) and [2, 4) stored as two tensors ``key.top`` and ``key.bottom``."""
+
+    def build(key, data, replica_id, flattened_range):
+        top, bottom = data.chunk(2)
+        return {
+            "top": ShardedTensor.from_rank_offsets(f"{key}.top", top, replica_id=replica_id),
+            "bottom": ShardedTensor.from_rank_offsets(f"{key}.bottom", bottom),
+        }
+
+    return ShardedTensorFactory(key, tensor, build, lambda d: torch.cat([d["top"], d["bottom"]]))
+
+
+def _state(weight=WEIGHT, stack=None):
+    stack = torch.ones(2, 3) if stack is None else stack
+    return {
+        "model": {
+            "w": ShardedTensor.from_rank_offsets("w", weight),
+            "layers": [
+                ShardedTensor.from_rank_offsets(
+                    "stack", stack[i].clone(), (0, i, 2), prepend_axis_num=1
+                )
+                for i in range(2)
+            ],
+            "fused": _halves_factory("fused", weight * 2),
+            "extra": ShardedObject("extra", {"step": torch.tensor(3)}, (1,), (0,)),
+        },
+        "iteration": 11,
+        "args": {"lr": 0.5, "name": "run"},
+        "local": LocalNonpersistentObject("not saved"),
+    }
+
+
+def test_round_trip_returns_the_request_structure_with_saved_values(tmp_path):
+    stack = torch.randn(2, 3)
+    dist_checkpointing.save(_state(stack=stack), str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == [
+        ".metadata",
+        "__0_0.distcp",
+        "common.pt",
+        "metadata.json",
+    ]
+    loaded = dist_checkpointing.load(
+        _state(weight=torch.zeros(4, 6), stack=torch.zeros(2, 3)), str(tmp_path)
+    )
+    assert torch.equal(loaded["model"]["w"], WEIGHT)
+    assert torch.equal(torch.stack(loaded["model"]["layers"]), stack)
+    assert torch.equal(loaded["model"]["fused"], WEIGHT * 2)
+    assert torch.equal(loaded["model"]["extra"]["step"], torch.tensor(3))
+    assert loaded["iteration"] == 11 and loaded["args"] == {"lr": 0.5, "name": "run"}
+    assert loaded["local"] == "not saved"
+    assert dist_checkpointing.load_common_state_dict(str(tmp_path)) == {
+        "iteration": 11,
+        "args": {"lr": 0.5, "name": "run"},
+    }
+    assert dist_checkpointing.check_is_distributed_checkpoint(str(tmp_path))
+    plain = dist_checkpointing.load_plain_tensors(str(tmp_path))
+    assert torch.equal(plain["stack"], stack)
+    assert torch.equal(plain["fused.top"], WEIGHT[:2] * 2)
+
+
+def test_loaded_tensors_take_the_requested_dtype(tmp_path):
+    weight = torch.randn(4, 6, dtype=torch.bfloat16)
+    dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", weight)}, str(tmp_path))
+    loaded = dist_checkpointing.load(
+        {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 6))}, str(tmp_path)
+    )
+    assert loaded["w"].dtype == torch.float32 and torch.equal(loaded["w"], weight.float())
+
+
+def test_prefix_helpers_rename_storage_keys_only():
+    state = _state()
+    replace_prefix_for_sharding(state["model"]["layers"], "stack", "decoder.stack")
+    assert [t.key for t in state["model"]["layers"]] == ["decoder.stack"] * 2
+    apply_prefix_mapping(state, {"w": "model.w", "nope": "x"})
+    assert state["model"]["w"].key == "model.w"
+    with pytest.raises(ValueError, match="does not start with old_prefix 'zzz'"):
+        replace_prefix_for_sharding(state, "zzz", "a")
+    tensors, rest = extract_sharded_tensors(state)
+    assert "w" in tensors["model"] and rest["iteration"] == 11
+
+
+class _Payload:
+    """Unpickling this would create a marker file: proof that a loader ran pickled code."""
+
+    marker = ""
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_common_state_that_needs_unpickling_is_refused_without_running_it(tmp_path):
+    dist_checkpointing.save(_state(), str(tmp_path))
+    marker = tmp_path / "pwned"
+    _Payload.marker = str(marker)
+    torch.save({"iteration": 11, "evil": _Payload()}, tmp_path / "common.pt")
+    with pytest.raises(CheckpointingException, match="weights_only"):
+        dist_checkpointing.load(_state(), str(tmp_path))
+    with pytest.raises(CheckpointingException, match="never unpickles arbitrary objects"):
+        dist_checkpointing.load_common_state_dict(str(tmp_path))
+    assert not marker.exists()
+
+
+def test_dcp_metadata_with_foreign_classes_is_refused_without_running_it(tmp_path):
+    dist_checkpointing.save(_state(), str(tmp_path))
+    marker = tmp_path / "pwned"
+    _Payload.marker = str(marker)
+    metadata = ckpt_storage.read_metadata(tmp_path)
+    metadata.planner_data = _Payload()
+    with open(tmp_path / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    with pytest.raises(CheckpointingException, match="refusing to unpickle it"):
+        dist_checkpointing.load(_state(), str(tmp_path))
+    assert not marker.exists()
+
+
+def test_sharded_object_that_needs_unpickling_is_refused_on_save_and_on_load(tmp_path, monkeypatch):
+    marker = tmp_path / "pwned"
+    _Payload.marker = str(marker)
+    evil = {"extra": ShardedObject("extra", {"step": _Payload()}, (1,), (0,))}
+    with pytest.raises(CheckpointingException, match="ShardedObject 'extra/shard_0_1'"):
+        dist_checkpointing.save(evil, str(tmp_path))
+    refused = tmp_path / "refused"
+    refused.mkdir()
+    with pytest.raises(CheckpointingException, match="common \\(non-sharded\\) state"):
+        dist_checkpointing.save({"args": _Payload()}, str(refused))
+    assert list(refused.iterdir()) == [], "a refused save wrote files"
+
+    # a checkpoint written by a writer without that check (plain torch.save of the object)
+    def unchecked(obj, what):
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        return buffer.getvalue()
+
+    monkeypatch.setattr(ckpt_storage, "serialize_checked", unchecked)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    dist_checkpointing.save(evil, str(foreign))
+    request = {"extra": ShardedObject("extra", None, (1,), (0,))}
+    with pytest.raises(CheckpointingException, match="checkpoint object 'extra/shard_0_1'"):
+        dist_checkpointing.load(request, str(foreign))
+    assert not marker.exists()
+
+
+def test_an_incomplete_directory_is_refused(tmp_path):
+    with pytest.raises(CheckpointingException, match="metadata.json is missing .*empty"):
+        dist_checkpointing.load(_state(), str(tmp_path))
+    dist_checkpointing.save(_state(), str(tmp_path))
+    (tmp_path / "metadata.json").unlink()
+    with pytest.raises(CheckpointingException, match="not a complete distributed checkpoint"):
+        dist_checkpointing.load(_state(), str(tmp_path))
+    with pytest.raises(CheckpointingException, match="not a complete distributed checkpoint"):
+        dist_checkpointing.load_common_state_dict(str(tmp_path))
+    assert not dist_checkpointing.check_is_distributed_checkpoint(str(tmp_path))
+
+
+def test_a_save_failing_part_way_leaves_no_loadable_checkpoint(tmp_path, monkeypatch):
+    """Overwriting a complete checkpoint: the old marker goes before anything is written,
+    so a save that dies while writing is refused instead of mixing old and new files."""
+    dist_checkpointing.save(_state(), str(tmp_path))
+
+    def dies_while_writing(checkpoint_dir, boxes, objects):
+        (Path(checkpoint_dir) / "__0_0.distcp").write_bytes(b"half a file")
+        raise KeyboardInterrupt("killed while writing")
+
+    monkeypatch.setattr(ckpt_storage, "write_pieces", dies_while_writing)
+    with pytest.raises(KeyboardInterrupt):
+        dist_checkpointing.save(_state(weight=WEIGHT + 1), str(tmp_path))
+    with pytest.raises(CheckpointingException, match="interrupted"):
+        dist_checkpointing.load(_state(), str(tmp_path))
+
+
+def test_a_missing_directory_is_named(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(CheckpointingException, match=f"checkpoint_dir='{missing}'.*not an exist"):
+        dist_checkpointing.save(_state(), str(missing))
+    with pytest.raises(CheckpointingException, match=f"checkpoint_dir='{missing}'.*not an exist"):
+        dist_checkpointing.load(_state(), str(missing))
+
+
+def test_mismatched_global_shape_is_named_with_both_shapes(tmp_path):
+    dist_checkpointing.save(_state(), str(tmp_path))
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(5, 6))}
+    with pytest.raises(CheckpointingException, match=r"'w'.*\(4, 6\).*\(5, 6\)"):
+        dist_checkpointing.load(request, str(tmp_path))
+    padded = ShardedTensor.from_rank_offsets(
+        "w", torch.full((5, 6), -1.0), allow_shape_mismatch=True
+    )
+    loaded = dist_checkpointing.load({"w": padded}, str(tmp_path))["w"]
+    assert torch.equal(loaded[:4], WEIGHT) and torch.equal(loaded[4], torch.full((6,), -1.0))
+
+
+def test_unknown_keys_follow_the_strict_mode(tmp_path):
+    dist_checkpointing.save(_state(), str(tmp_path))
+    extra = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 6))}
+    extra["ghost"] = ShardedTensor.from_rank_offsets("ghost", torch.zeros(2))
+    with pytest.raises(CheckpointingException, match="the checkpoint has no 'ghost'"):
+        dist_checkpointing.load(dict(extra), str(tmp_path))
+    with pytest.raises(CheckpointingException, match="unexpected keys .*'ghost'"):
+        dist_checkpointing.load(dict(extra), str(tmp_path), strict="raise_unexpected")
+    with pytest.raises(CheckpointingException, match="missing .*'stack'.*unexpected.*'ghost'"):
+        dist_checkpointing.load(dict(extra), str(tmp_path), strict=StrictHandling.RAISE_ALL)
+    loaded, missing, unexpected = dist_checkpointing.load(
+        dict(extra), str(tmp_path), strict="return_all"
+    )
+    assert "ghost" not in loaded and torch.equal(loaded["w"], WEIGHT)
+    assert unexpected == {"ghost"} and {"stack", "fused.top", "extra/shard_0_1"} <= missing
+    assert "ghost" not in dist_checkpointing.load(dict(extra), str(tmp_path), strict="ignore_all")
+    with pytest.raises(CheckpointingException, match="strict='sometimes'.*expected one of"):
+        dist_checkpointing.load(dict(extra), str(tmp_path), strict="sometimes")
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda d: dist_checkpointing.save({}, d, sharded_strategy=("zarr", 1)), "zarr"),
+        (lambda d: dist_checkpointing.save({}, d, common_strategy=object()), "common_strategy="),
+        (lambda d: dist_checkpointing.save({}, d, async_sharded_save=True), "async_sharded_save"),
+        (lambda d: dist_checkpointing.load({}, d, sharded_strategy="x"), "sharded_strategy='x'"),
+    ],
+    ids=["zarr-strategy", "common-strategy-object", "async-save", "load-strategy-string"],
+)
+def test_unsupported_options_are_refused(tmp_path, call, message):
+    with pytest.raises(CheckpointingException, match=message):
+        call(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: ShardedTensor.from_rank_offsets("k", torch.zeros(2), (0, 2, 2)), "0 <= axis_rank"),
+        (lambda: ShardedTensor.from_rank_offsets("k", torch.zeros(2), (1, 0, 2)), "axis 1"),
+        (lambda: ShardedTensor.from_rank_offsets("k", [1, 2]), "must be a torch.Tensor, got list"),
+        (
+            lambda: ShardedTensor.from_rank_offsets("k", torch.zeros(2), flattened_range=slice(1)),
+            "flattened_range",
+        ),
+        (
+            lambda: ShardedTensor("k", torch.zeros(3), torch.float32, (3,), (4,), (2,), None),
+            "does not fit",
+        ),
+        (lambda: ShardedObject("k", 1, (2,), (2,)), "outside global_shape"),
+    ],
+    ids=["rank-beyond-count", "axis-out-of-range", "not-a-tensor", "flattened", "box", "object"],
+)
+def test_impossible_pieces_are_rejected_when_built(make, message):
+    with pytest.raises(CheckpointingException, match=message):
+        make()
