@@ -15,7 +15,7 @@ per rank (float32 through the efficient kernel) plus the bf16 error-ratio check.
 
 import math
 import os
-from typing import List, Optional
+from typing import List
 
 import pytest
 import torch
