@@ -350,6 +350,10 @@ def probe(args) -> None:
     ]  # fmt: skip
     lines.append("aten ops: " + ", ".join(f"{n}={hasattr(torch.ops.aten, n)}" for n in names))
     lines.append(f"varlen_available={fk.varlen_available()}")
+    device = torch.device("cuda", 0)
+    for kernel in ("flash", "efficient", "cudnn"):
+        aligned = fk.bottom_right_causal(fk.kernel_spec(kernel), device)
+        lines.append(f"{kernel}: causal s_q < s_k bottom-right natively: {aligned}")
     for kernel in ("flash", "efficient", "cudnn"):
         for s_q, s_k, n_q, n_kv in ((256, 256, 4, 4), (128, 384, 4, 4), (256, 256, 8, 2)):
             try:

@@ -76,7 +76,7 @@ def context_parallel_attention(
     at or past a document's real length (``cu_seqlens_q``) are padding: their output is 0
     and they pass no gradient. ``kernel`` picks the attention kernel (see
     ``flash_kernels``); ``num_head_groups`` how many K/V head groups the all-gather is
-    split into (default min(ng, 2)).
+    split into (default: 2 for long sequences, 1 for short ones; see ``_head_groups``).
     """
     comm = _check_arguments(query, key, value, cp_comm_type, packed_seq_params)
     cp_size, cp_rank = cp_size_and_rank(cp_group)
@@ -100,7 +100,8 @@ def context_parallel_attention(
             )
         return _RingAttention.apply(query, key, value, cp_group, scale, kernel)
     plan = _gather_plan(s_local, cp_size, cp_rank, packed_seq_params, query.device)
-    groups = _head_groups(key.shape[2], num_head_groups)
+    work_rows = (s_local // 2) * query.shape[2] * query.shape[1]
+    groups = _head_groups(key.shape[2], num_head_groups, work_rows)
     return _AllGatherAttention.apply(query, key, value, cp_group, plan, scale, kernel, groups)
 
 
@@ -261,9 +262,20 @@ def _cumulative(lengths: List[int], device) -> torch.Tensor:
     return torch.tensor([0] + lengths, device=device, dtype=torch.int32).cumsum(0).int()
 
 
-def _head_groups(num_kv_heads: int, num_groups: Optional[int]) -> List[Tuple[int, int]]:
-    """Split kv heads [0, n) into ``num_groups`` contiguous groups (default min(n, 2))."""
-    count = min(num_kv_heads, 2) if num_groups is None else num_groups
+def _head_groups(
+    num_kv_heads: int, num_groups: Optional[int], work_rows: int
+) -> List[Tuple[int, int]]:
+    """Split kv heads [0, n) into ``num_groups`` contiguous groups.
+
+    Default: 2 (the second group's gather overlaps the first group's compute) once a group
+    still gives the kernels enough parallel work, i.e. when ``work_rows`` (local chunk
+    length x query heads x batch) >= 131072; else 1 (short sequences: one call per chunk
+    keeps every multiprocessor busy, and the gather is small).
+    """
+    if num_groups is None:
+        count = min(num_kv_heads, 2) if work_rows >= 131072 else 1
+    else:
+        count = num_groups
     if not 1 <= count <= num_kv_heads:
         raise ValueError(
             f"context_parallel_attention: num_head_groups must be in [1, {num_kv_heads}], "

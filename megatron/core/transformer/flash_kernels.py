@@ -25,7 +25,8 @@ Kernels (``kernel=`` names, or the ``MEGATRON_ATTENTION_KERNEL`` environment var
 ``"flash"`` (CUDA: ``aten._scaled_dot_product_flash_attention``; bottom-right causal),
 ``"efficient"`` (CUDA: ``aten._efficient_attention_forward``, custom mask type 2 =
 bottom-right; its LSE is padded along queries to a multiple of 32 and sliced here),
-``"cudnn"`` (CUDA: ``aten._scaled_dot_product_cudnn_attention``), ``"cpu"`` (CPU:
+``"cudnn"`` (CUDA: ``aten._scaled_dot_product_cudnn_attention``; its causal alignment for
+s_q != s_k is measured once at run time), ``"cpu"`` (CPU:
 ``aten._scaled_dot_product_flash_attention_for_cpu``, any float dtype, used by the tests).
 Default: ``"flash"`` for half precision on CUDA, ``"efficient"`` for float32 on CUDA,
 ``"cpu"`` on CPU. Varlen: ``aten._flash_attention_forward`` with cumulative lengths where the
@@ -73,7 +74,7 @@ def attention_forward(
             (b, n_q, s_q), -math.inf, device=query.device, dtype=acc_dtype(query.dtype)
         )
         return query.new_zeros(query.shape), lse
-    if causal and s_q < s_k and not spec.bottom_right_causal:
+    if causal and s_q < s_k and not bottom_right_causal(spec, query.device):
         return _split_forward(query, key, value, scale, spec)
     key, value = _expand_kv(key, value, n_q, spec)
     return spec.forward(query, key, value, causal, scale)
@@ -100,7 +101,7 @@ def attention_backward(
     n_q, n_kv = query.shape[2], key.shape[2]
     if query.shape[1] == 0 or key.shape[1] == 0:
         return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
-    if causal and query.shape[1] < key.shape[1] and not spec.bottom_right_causal:
+    if causal and query.shape[1] < key.shape[1] and not bottom_right_causal(spec, query.device):
         return _split_backward(grad_out, query, key, value, out, lse, scale, spec)
     k_exp, v_exp = _expand_kv(key, value, n_q, spec)
     dq, dk, dv = spec.backward(grad_out, query, k_exp, v_exp, out, backward_lse(lse), causal, scale)
@@ -276,7 +277,7 @@ class KernelSpec:
     name: str
     forward: object
     backward: object
-    bottom_right_causal: bool
+    bottom_right_causal: Optional[bool]  # None: measured at run time
     native_gqa: bool
 
 
@@ -292,6 +293,30 @@ def resolve_kernel(kernel: Optional[str], like: torch.Tensor) -> str:
     if name not in KERNELS or name == "cpu":
         raise ValueError(f"attention kernel must be one of {KERNELS[:3]} on CUDA, got {name!r}")
     return name
+
+
+def bottom_right_causal(spec: KernelSpec, device: torch.device) -> bool:
+    """Whether the kernel's own causal mask is bottom-right aligned for s_q < s_k.
+
+    Fixed for flash, efficient (bottom-right) and the CPU op (top-left); for cuDNN it
+    depends on the installed torch, so it is measured once per device with a tiny call.
+    """
+    if spec.bottom_right_causal is not None:
+        return spec.bottom_right_causal
+    return _measure_bottom_right(spec.name, device)
+
+
+@functools.lru_cache(maxsize=None)
+def _measure_bottom_right(name: str, device: torch.device) -> bool:
+    """Query 0 of 64 against 128 keys: bottom-right sees keys 0..64, top-left key 0 only;
+    with v = one-hot key index the output's mass beyond key 0 tells them apart."""
+    spec = _SPECS[name]
+    q = torch.zeros(1, 64, 1, 64, device=device, dtype=torch.bfloat16)
+    k = torch.zeros(1, 128, 1, 64, device=device, dtype=torch.bfloat16)
+    v = torch.zeros(1, 128, 1, 64, device=device, dtype=torch.bfloat16)
+    v[0, 1:, 0, 0] = 1.0  # every key but the first carries 1 in channel 0
+    out, _ = spec.forward(q, k, v, True, 1.0)
+    return bool(out[0, 0, 0, 0].float() > 0.5)  # top-left: 0; bottom-right: 64/65
 
 
 def kernel_spec(name: str) -> KernelSpec:
@@ -451,7 +476,7 @@ def _rng_state(name: str, device: torch.device):
 _SPECS = {
     "flash": KernelSpec("flash", _flash_forward, _flash_backward, True, False),
     "efficient": KernelSpec("efficient", _efficient_forward, _efficient_backward, True, False),
-    "cudnn": KernelSpec("cudnn", _cudnn_forward, _cudnn_backward, False, False),
+    "cudnn": KernelSpec("cudnn", _cudnn_forward, _cudnn_backward, None, False),
     "cpu": KernelSpec("cpu", _cpu_forward, _cpu_backward, False, False),
 }
 
