@@ -371,6 +371,13 @@ class _LocalAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, plan: _Plan, scale: float, kernel):
+        ctx.plan, ctx.scale, ctx.kernel = plan, scale, kernel
+        if _whole(plan):  # one call over everything: use the kernel's tensors as they are
+            out, lse = _attend(plan.parts[0], query, key, value, scale, kernel)
+            if plan.valid is not None:
+                out = out * plan.valid
+            ctx.save_for_backward(query, key, value, out, lse)
+            return out
         out = torch.empty_like(query)
         lse = query.new_empty(
             (query.shape[1], query.shape[2], query.shape[0]), dtype=fk.acc_dtype(query.dtype)
@@ -382,7 +389,6 @@ class _LocalAttention(torch.autograd.Function):
         if plan.valid is not None:
             out = out * plan.valid
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.plan, ctx.scale, ctx.kernel = plan, scale, kernel
         return out
 
     @staticmethod
@@ -391,6 +397,12 @@ class _LocalAttention(torch.autograd.Function):
         plan = ctx.plan
         if plan.valid is not None:
             grad_out = grad_out * plan.valid
+        if _whole(plan):
+            grads = _attend_backward(
+                plan.parts[0], grad_out, query, key, value, out, lse, ctx.scale, ctx.kernel
+            )
+            dq, dk, dv = (g.to(x.dtype) for g, x in zip(grads, (query, key, value)))
+            return dq, dk, dv, None, None, None
         dq = torch.zeros_like(query)
         dk = torch.zeros(key.shape, device=key.device, dtype=fk.acc_dtype(key.dtype))
         dv = torch.zeros_like(dk)
@@ -411,6 +423,12 @@ class _LocalAttention(torch.autograd.Function):
             dk += gk.to(dk.dtype)
             dv += gv.to(dv.dtype)
         return dq, dk.to(key.dtype), dv.to(value.dtype), None, None, None
+
+
+def _whole(plan: _Plan) -> bool:
+    """The plan is one kernel call over all rows."""
+    rows = plan.parts[0].q_rows
+    return len(plan.parts) == 1 and isinstance(rows, slice) and rows == slice(None)
 
 
 def _all_to_all_attention(query, key, value, group, packed, scale, kernel):
@@ -625,8 +643,8 @@ class _RingAttention(torch.autograd.Function):
         world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
         s_local, b, n_q, d = query.shape
         acc_dtype = fk.acc_dtype(query.dtype)
-        acc = torch.zeros((b, s_local, n_q, d), device=query.device, dtype=acc_dtype)
-        acc_lse = torch.full((b, n_q, s_local), -math.inf, device=query.device, dtype=acc_dtype)
+        acc = torch.empty((b, s_local, n_q, d), device=query.device, dtype=acc_dtype)
+        acc_lse = torch.empty((b, n_q, s_local), device=query.device, dtype=acc_dtype)
         kv = torch.cat([key, value], dim=2).contiguous()
         q = query.transpose(0, 1)
         for step in range(world):
@@ -634,7 +652,11 @@ class _RingAttention(torch.autograd.Function):
             q_rows, kv_rows, causal = _ring_block(step, rank, world, s_local)
             k_blk, v_blk = kv[kv_rows].transpose(0, 1).chunk(2, dim=2)
             o, lse_blk = fk.attention_forward(q[:, q_rows], k_blk, v_blk, causal, scale, kernel)
-            fk.merge_into(acc[:, q_rows], acc_lse[:, :, q_rows], o, lse_blk)
+            if step == 0:  # the local block covers every row: it starts the accumulators
+                acc.copy_(o)
+                acc_lse.copy_(fk.finite_lse(lse_blk))
+            else:
+                fk.merge_into(acc[:, q_rows], acc_lse[:, :, q_rows], o, lse_blk)
             if exchange is not None:
                 kv = exchange.result()
         out = acc.to(query.dtype).transpose(0, 1).contiguous()
