@@ -16,6 +16,7 @@ from megatron.core.distributed import (
     finalize_model_grads,
 )
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 from megatron.training.arguments import Layout, TrainingConfig
@@ -41,6 +42,7 @@ def build_model(
         stage = vp_stage * pp + pp_rank
         gpt = GPTModel(
             config=transformer_config,
+            transformer_layer_spec=get_gpt_layer_local_spec(),
             vocab_size=config.vocab_size,
             max_sequence_length=config.seq_length,
             pre_process=stage == 0,

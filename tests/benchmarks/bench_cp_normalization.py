@@ -73,6 +73,7 @@ from megatron.core.distributed import (
     finalize_model_grads,
 )
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
@@ -119,6 +120,7 @@ def build(args, cp: int, pp: int):
     )
     gpt = GPTModel(
         config,
+        get_gpt_layer_local_spec(),
         vocab_size=args.vocab,
         max_sequence_length=args.seq,
         pre_process=pp_rank == 0,

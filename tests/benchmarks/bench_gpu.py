@@ -63,6 +63,7 @@ from megatron.core.distributed import (
     finalize_model_grads,
 )
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.pipeline_parallel import get_forward_backward_func, schedules, token_counts
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
@@ -270,7 +271,7 @@ def main() -> None:
         pipeline_dtype=torch.bfloat16,
     )
     start = time.perf_counter()
-    model = GPTModel(config, args.vocab, args.seq, pg_collection=groups)
+    model = GPTModel(config, get_gpt_layer_local_spec(), args.vocab, args.seq, pg_collection=groups)
     # same bf16 values in fp32 storage; the groups are shared, not copied
     reference_model = copy.deepcopy(model, memo={id(groups): groups}).float()
     params = sum(p.numel() for p in model.parameters())

@@ -5,6 +5,7 @@ from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron.core import parallel_state
 from megatron.core.device import comm_device
@@ -18,9 +19,16 @@ def finalize_model_grads(
     pg_collection: Optional[ProcessGroupCollection] = None,
     force_all_reduce: Optional[bool] = False,
 ) -> None:
-    """Finish the dp x cp reduction of every chunk, sum tied word-embedding gradients over
-    the embedding group and position-embedding gradients over theirs, and in per-token mode
+    """Finish the dp x cp reduction of every chunk, sum the gradients of parameters marked
+    ``sequence_parallel`` over the TP group, sum tied word-embedding gradients over the
+    embedding group and position-embedding gradients over theirs, and in per-token mode
     scale all gradients by ``1 / max(N, 1)``, N = the step's valid tokens over all ranks.
+
+    Sequence parallelism: a parameter replicated over TP but fed a TP shard of the data
+    (``param.sequence_parallel = True``: norm weights, row-parallel biases, any replicated
+    parameter inside a sequence-parallel region) gets only its shard's share of dL/dp on
+    each TP rank; the full gradient is the SUM over the TP group (``pg_collection.tp``, else
+    the MPU fallback), done in one flat buffer per dtype, whatever the module.
 
     ``num_tokens`` (per-token mode): this rank's count; the last pipeline stage's value is
     broadcast over pp and summed over dp_cp. Groups: ``pg_collection``, else
@@ -35,6 +43,7 @@ def finalize_model_grads(
     for chunk in model:
         chunk.finish_grad_sync(force_all_reduce=force_all_reduce)
     if groups is not None:
+        _allreduce_sequence_parallel_grads(model, groups.tp)
         _allreduce_word_embedding_grads(model, groups)
         _allreduce_position_embedding_grads(model, groups)
     if num_tokens is not None:
@@ -54,6 +63,28 @@ def _global_token_count(num_tokens: torch.Tensor, groups) -> torch.Tensor:
         dist.broadcast(total, src=dist.get_global_rank(pp, pp.size() - 1), group=pp)
     dist.all_reduce(total, group=groups.dp_cp)
     return total
+
+
+def _allreduce_sequence_parallel_grads(
+    model: List[torch.nn.Module], tp_group: Optional[dist.ProcessGroup]
+) -> None:
+    """Sum over ``tp_group`` the gradient of every parameter with ``sequence_parallel=True``
+    (coalesced: one all-reduce per gradient dtype)."""
+    if tp_group is None or tp_group.size() == 1:
+        return
+    by_dtype = {}
+    for chunk in model:
+        for param in chunk.parameters():
+            if not getattr(param, "sequence_parallel", False) or not param.requires_grad:
+                continue
+            grad = _grad_of(param)
+            if grad is not None:
+                by_dtype.setdefault(grad.dtype, []).append(grad)
+    for grads in by_dtype.values():
+        flat = _flatten_dense_tensors(grads).to(comm_device(tp_group))
+        dist.all_reduce(flat, group=tp_group)
+        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            grad.copy_(reduced)
 
 
 def _allreduce_word_embedding_grads(model: List[torch.nn.Module], groups) -> None:

@@ -1,53 +1,189 @@
-"""Causal multi-head self-attention, exact under context parallelism.
+"""Self-attention: fused QKV projection (column-parallel), core attention, output projection
+(row-parallel), with grouped-query attention and rotary embeddings.
 
-Each CP rank projects its own shard of the sequence to Q, K, V; ``context_parallel_attention``
-lets every query see exactly the keys it would see in the unsharded sequence.
+linear_qkv's output per query group g is [q_(g,1) .. q_(g,np/ng), k_g, v_g] (each d wide), the
+groups one after another: megatron-core's layout, so a TP rank's slice of the fused weight is
+whole query groups.
 """
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
-from megatron.core.transformer.cp_attention import context_parallel_attention
-from megatron.core.transformer.no_init import NoInitLinear
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.module import MegatronModule, leave_as_allocated
+from megatron.core.transformer.parallel_groups import group_size, tp_group_of
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
-class SelfAttention(nn.Module):
-    """Causal self-attention on [s_local, b, h] hidden states, with K/V gathered over CP.
+@dataclass
+class SelfAttentionSubmodules:
+    """Specs of self-attention's parts."""
 
-    out = linear_proj(softmax(Q K^T / sqrt(d) + M) V), M = 0 where key position <= query
-    position (global positions), -inf elsewhere; d = kv_channels.
+    linear_qkv: Union[ModuleSpec, type] = None
+    core_attention: Union[ModuleSpec, type] = None
+    linear_proj: Union[ModuleSpec, type] = None
+    q_layernorm: Union[ModuleSpec, type] = None
+    k_layernorm: Union[ModuleSpec, type] = None
+
+
+class Attention(MegatronModule):
+    """Shared part of attention: sizes per TP rank, core attention and output projection.
+
+    out = linear_proj(core_attention(Q, K, V)); returns (out, linear_proj bias) with the bias
+    not yet added (added with the residual).
     """
 
     def __init__(
         self,
         config: TransformerConfig,
-        device: Optional[torch.device] = None,
-        dtype: Optional[torch.dtype] = None,
+        submodules: SelfAttentionSubmodules,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
     ) -> None:
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.head_dim = config.kv_channels
-        inner = self.num_heads * self.head_dim
-        fusion = config.gradient_accumulation_fusion
-        linear = dict(device=device, dtype=dtype, gradient_accumulation_fusion=fusion)
-        self.linear_qkv = NoInitLinear(config.hidden_size, 3 * inner, **linear)
-        self.linear_proj = NoInitLinear(inner, config.hidden_size, **linear)
+        super().__init__(config)
+        self.layer_number = layer_number
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        self.pg_collection = pg_collection
+        self.tp_group = tp_group_of(pg_collection, config)
+        tp = group_size(self.tp_group)
+        self.hidden_size_per_attention_head = config.kv_channels
+        self.query_projection_size = config.kv_channels * config.num_attention_heads
+        self.kv_projection_size = config.kv_channels * config.num_query_groups
+        self.num_attention_heads_per_partition = config.num_attention_heads // tp
+        self.num_query_groups_per_partition = config.num_query_groups // tp
+        if cp_comm_type is None:
+            cp_comm_type = config.cp_comm_type
+        self.core_attention = build_module(
+            submodules.core_attention,
+            config=config,
+            layer_number=layer_number,
+            attn_mask_type=attn_mask_type,
+            attention_type=attention_type,
+            cp_comm_type=cp_comm_type,
+            pg_collection=pg_collection,
+        )
+        self.linear_proj = build_module(
+            submodules.linear_proj,
+            self.query_projection_size,
+            config.hidden_size,
+            config=config,
+            init_method=leave_as_allocated,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            is_expert=False,
+            tp_comm_buffer_name="proj",
+            tp_group=self.tp_group,
+        )
 
     def forward(
-        self, hidden_states: torch.Tensor, cp_group: Optional[dist.ProcessGroup] = None
-    ) -> torch.Tensor:
-        """Attend from this rank's shard [s_local, b, h] to the whole sequence.
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        key_value_states: Optional[torch.Tensor] = None,
+        inference_context=None,
+        rotary_pos_emb: Optional[Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]] = None,
+        rotary_pos_cos: Optional[torch.Tensor] = None,
+        rotary_pos_sin: Optional[torch.Tensor] = None,
+        rotary_pos_cos_sin: Optional[torch.Tensor] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+        sequence_len_offset: Optional[int] = None,
+        *,
+        inference_params=None,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """[s, b, h] (sequence-sharded over TP under SP) -> (output [s, b, h], bias).
 
-        ``cp_group`` is the CP group of this step (None: C = 1); returns [s_local, b, h].
+        ``rotary_pos_emb`` [s_local, 1, 1, r] rotates queries and keys (RoPE).
         """
-        s_local, batch = hidden_states.shape[0], hidden_states.shape[1]
-        query, key, value = (
-            x.reshape(s_local, batch, self.num_heads, self.head_dim)
-            for x in self.linear_qkv(hidden_states).chunk(3, dim=-1)
+        for name, value in (
+            ("key_value_states", key_value_states),
+            ("inference_context", inference_context),
+            ("inference_params", inference_params),
+            ("rotary_pos_cos", rotary_pos_cos),
+            ("rotary_pos_sin", rotary_pos_sin),
+            ("rotary_pos_cos_sin", rotary_pos_cos_sin),
+        ):
+            if value is not None:
+                raise NotImplementedError(f"{type(self).__name__}: {name} is not supported")
+        query, key, value = self.get_query_key_value_tensors(hidden_states)
+        if rotary_pos_emb is not None:
+            if isinstance(rotary_pos_emb, tuple):
+                q_emb, k_emb = rotary_pos_emb
+            else:
+                q_emb = k_emb = rotary_pos_emb
+            query = apply_rotary_pos_emb(query, q_emb, config=self.config)
+            key = apply_rotary_pos_emb(key, k_emb, config=self.config)
+        context = self.core_attention(
+            query,
+            key,
+            value,
+            attention_mask,
+            attn_mask_type=self.attn_mask_type,
+            attention_bias=attention_bias,
+            packed_seq_params=packed_seq_params,
         )
-        context = context_parallel_attention(query, key, value, cp_group=cp_group)
-        return self.linear_proj(context.reshape(s_local, batch, -1))
+        return self.linear_proj(context)
+
+
+class SelfAttention(Attention):
+    """Self-attention with the fused QKV projection ``linear_qkv`` [h -> (np + 2 ng) d]."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: SelfAttentionSubmodules,
+        layer_number: int,
+        attn_mask_type: AttnMaskType = AttnMaskType.padding,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ) -> None:
+        super().__init__(
+            config,
+            submodules,
+            layer_number,
+            attn_mask_type,
+            attention_type="self",
+            cp_comm_type=cp_comm_type,
+            pg_collection=pg_collection,
+        )
+        self.linear_qkv = build_module(
+            submodules.linear_qkv,
+            config.hidden_size,
+            self.query_projection_size + 2 * self.kv_projection_size,
+            config=config,
+            init_method=leave_as_allocated,
+            gather_output=False,
+            bias=config.add_bias_linear or config.add_qkv_bias,
+            skip_bias_add=False,
+            is_expert=False,
+            tp_comm_buffer_name="qkv",
+            tp_group=self.tp_group,
+        )
+        head_dim = self.hidden_size_per_attention_head
+        norm = dict(config=config, hidden_size=head_dim, eps=config.layernorm_epsilon)
+        self.q_layernorm = build_module(submodules.q_layernorm or IdentityOp, **norm)
+        self.k_layernorm = build_module(submodules.k_layernorm or IdentityOp, **norm)
+
+    def get_query_key_value_tensors(
+        self, hidden_states: torch.Tensor, key_value_states: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q [s, b, np/TP, d], K and V [s, b, ng/TP, d] from the per-group layout."""
+        mixed_qkv, _ = self.linear_qkv(hidden_states)
+        groups = self.num_query_groups_per_partition
+        heads_per_group = self.num_attention_heads_per_partition // groups
+        d = self.hidden_size_per_attention_head
+        mixed_qkv = mixed_qkv.view(*mixed_qkv.shape[:2], groups, (heads_per_group + 2) * d)
+        query, key, value = mixed_qkv.split([heads_per_group * d, d, d], dim=-1)
+        query = query.reshape(*query.shape[:2], groups * heads_per_group, d)
+        return self.q_layernorm(query), self.k_layernorm(key), value

@@ -1,52 +1,131 @@
 """The stack of transformer layers one pipeline chunk owns, plus the final norm on the last
-stage."""
+stage, built from a layer spec."""
 
-from typing import Optional
+import contextlib
+from dataclasses import dataclass
+from typing import List, Optional, Union
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
+from megatron.core import tensor_parallel
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
-    get_transformer_layer_offset,
     layers_per_virtual_stage,
 )
 
 
-class TransformerBlock(nn.Module):
-    """Layers [offset, offset + L / (PP * V)) of the model; ``final_layernorm`` if
-    ``post_process``."""
+@dataclass
+class TransformerBlockSubmodules:
+    """One spec per layer of the chunk, and the final norm's spec."""
+
+    layer_specs: List[ModuleSpec] = None
+    layer_norm: Optional[Union[ModuleSpec, torch.nn.Module]] = None
+
+
+class TransformerBlock(MegatronModule):
+    """Layers [offset, offset + L / (PP * V)) of the model on [s, b, h]; ``final_layernorm``
+    when ``post_process and post_layer_norm``. ``spec`` is a layer spec (repeated for every
+    layer, final norm ``WrappedTorchNorm``), a block spec, or ``TransformerBlockSubmodules``.
+
+    With ``pre_process=False`` the input is the tensor given to ``set_input_tensor``.
+    ``pp_rank`` (an extra) is handed to the layers, overriding ``pg_collection.pp``.
+    """
 
     def __init__(
         self,
         config: TransformerConfig,
+        spec: Union[TransformerBlockSubmodules, ModuleSpec],
+        post_layer_norm: bool = True,
+        pre_process: bool = True,
         post_process: bool = True,
+        pg_collection: Optional[ProcessGroupCollection] = None,
         vp_stage: Optional[int] = None,
+        *,
         pp_rank: Optional[int] = None,
-        device: Optional[torch.device] = None,
-        dtype: Optional[torch.dtype] = None,
     ) -> None:
-        super().__init__()
-        offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
-        count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-        self.layers = nn.ModuleList(
-            TransformerLayer(config, offset + i + 1, device=device, dtype=dtype)
-            for i in range(count)
+        super().__init__(config)
+        submodules = _block_submodules(config, spec, vp_stage)
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.post_layer_norm = post_layer_norm
+        self.vp_stage = vp_stage
+        self.input_tensor: Optional[torch.Tensor] = None
+        self.layers = torch.nn.ModuleList(
+            build_module(
+                layer_spec,
+                config=config,
+                layer_number=i + 1,
+                pg_collection=pg_collection,
+                vp_stage=vp_stage,
+                **({} if pp_rank is None else {"pp_rank": pp_rank}),
+            )
+            for i, layer_spec in enumerate(submodules.layer_specs)
         )
-        self.final_layernorm = (
-            nn.LayerNorm(config.hidden_size, config.layernorm_epsilon, device=device, dtype=dtype)
-            if post_process
-            else None
-        )
+        self.final_layernorm = None
+        if post_process and post_layer_norm:
+            self.final_layernorm = build_module(
+                submodules.layer_norm,
+                config=config,
+                hidden_size=config.hidden_size,
+                eps=config.layernorm_epsilon,
+            )
+
+    def set_input_tensor(self, input_tensor: torch.Tensor) -> None:
+        """The previous stage's hidden states, used as input when ``pre_process=False``."""
+        self.input_tensor = input_tensor
 
     def forward(
-        self, hidden_states: torch.Tensor, cp_group: Optional[dist.ProcessGroup] = None
+        self,
+        hidden_states: Optional[torch.Tensor],
+        attention_mask: Optional[torch.Tensor],
+        context: Optional[torch.Tensor] = None,
+        context_mask: Optional[torch.Tensor] = None,
+        rotary_pos_emb: Optional[torch.Tensor] = None,
+        rotary_pos_cos: Optional[torch.Tensor] = None,
+        rotary_pos_sin: Optional[torch.Tensor] = None,
+        rotary_pos_cos_sin: Optional[torch.Tensor] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        inference_context=None,
+        packed_seq_params=None,
+        sequence_len_offset: Optional[torch.Tensor] = None,
+        padding_mask: Optional[torch.Tensor] = None,
+        *,
+        inference_params=None,
+        dynamic_inference_decode_only: Optional[bool] = None,
     ) -> torch.Tensor:
-        """Run the layers (then the final norm) on [s_local, b, h]."""
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, cp_group)
+        """Run the layers (then the final norm) on [s, b, h] (s sharded over CP, and over TP
+        under sequence parallelism)."""
+        if not self.pre_process:
+            hidden_states = self.input_tensor
+        dropout_active = self.training and any(
+            getattr(layer, "hidden_dropout", 0) > 0 for layer in self.layers
+        )
+        rng = (
+            tensor_parallel.get_cuda_rng_tracker().fork()
+            if self.config.sequence_parallel and dropout_active
+            else contextlib.nullcontext()
+        )
+        with rng:
+            for layer in self.layers:
+                hidden_states, context = layer(
+                    hidden_states,
+                    attention_mask=attention_mask,
+                    context=context,
+                    context_mask=context_mask,
+                    rotary_pos_emb=rotary_pos_emb,
+                    rotary_pos_cos=rotary_pos_cos,
+                    rotary_pos_sin=rotary_pos_sin,
+                    rotary_pos_cos_sin=rotary_pos_cos_sin,
+                    attention_bias=attention_bias,
+                    inference_context=inference_context,
+                    packed_seq_params=packed_seq_params,
+                    sequence_len_offset=sequence_len_offset,
+                )
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states
@@ -60,3 +139,25 @@ def get_num_layers_to_build(
     ``vp_stage`` and ``pp_rank`` are accepted for megatron-core compatibility.
     """
     return layers_per_virtual_stage(config)
+
+
+def _block_submodules(
+    config: TransformerConfig,
+    spec: Union[TransformerBlockSubmodules, ModuleSpec],
+    vp_stage: Optional[int],
+) -> TransformerBlockSubmodules:
+    """A block spec from a layer spec (repeated), a block spec, or block submodules."""
+    if isinstance(spec, TransformerBlockSubmodules):
+        return spec
+    if isinstance(spec, ModuleSpec) and isinstance(spec.module, type):
+        if issubclass(spec.module, TransformerBlock):
+            return spec.submodules
+        if issubclass(spec.module, TransformerLayer):
+            count = get_num_layers_to_build(config, vp_stage=vp_stage)
+            return TransformerBlockSubmodules(
+                layer_specs=[spec] * count, layer_norm=WrappedTorchNorm
+            )
+    raise TypeError(
+        "TransformerBlock: spec must be a TransformerLayer or TransformerBlock ModuleSpec or "
+        f"TransformerBlockSubmodules, got {spec!r}"
+    )

@@ -1,46 +1,110 @@
-"""Transformer shape and loss settings on top of the parallel configuration."""
+"""Transformer shape, architecture and loss settings on top of the parallel configuration."""
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Union
+
+import torch.nn.functional as F
 
 from megatron.core.model_parallel_config import ModelParallelConfig
 
 
 @dataclass
 class TransformerConfig(ModelParallelConfig):
-    """Model sizes and the loss-normalization mode.
+    """Model sizes, architecture options and the loss-normalization mode (megatron-core
+    0.16.1's field names and defaults).
 
     ``calculate_per_token_loss=True`` trains ``sum(loss) / sum(tokens)`` over the global
     batch; the default trains the mean over microbatches of each microbatch's token mean.
+    Architecture: ``normalization`` "LayerNorm" | "RMSNorm"; ``gated_linear_unit`` with
+    ``activation_func`` (SwiGLU: ``F.silu``); ``num_query_groups`` (grouped-query attention,
+    default: one group per head); ``add_bias_linear`` / ``add_qkv_bias``. ``label_smoothing``
+    is an extra of this core (megatron-core 0.16.1 has no such field): the GPT's per-token
+    loss is the label-smoothed cross-entropy over the whole vocabulary.
     """
 
     num_layers: int = 0
     mtp_num_layers: Optional[int] = None
     hidden_size: int = 0
     num_attention_heads: int = 0
+    softmax_scale: Optional[float] = None
+    num_query_groups: Optional[int] = None
     ffn_hidden_size: Optional[int] = None
     kv_channels: Optional[int] = None
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
+    fp32_residual_connection: bool = False
+    apply_residual_connection_post_layernorm: bool = False
     layernorm_epsilon: float = 1e-5
+    layernorm_zero_centered_gamma: bool = False
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    gated_linear_unit: bool = False
+    activation_func: Callable = F.gelu
     num_moe_experts: Optional[int] = None
+    rotary_interleaved: bool = False
+    window_size: Optional[tuple] = None
+    normalization: str = "LayerNorm"
+    qk_layernorm: bool = False
+    test_mode: bool = False
     calculate_per_token_loss: bool = False
+    multi_latent_attention: bool = False
     init_method: Optional[Callable] = None
+    output_layer_init_method: Optional[Callable] = None
     init_method_std: float = 0.02
+    embedding_init_method: Optional[Callable] = None
+    embedding_init_method_std: Optional[float] = None
+    apply_query_key_layer_scaling: bool = False
+    attention_softmax_in_fp32: bool = True
+    bias_activation_fusion: bool = False
+    masked_softmax_fusion: bool = False
+    persist_layer_norm: bool = False
+    memory_efficient_layer_norm: bool = False
+    bias_dropout_fusion: bool = False
+    apply_rope_fusion: bool = False
+    cross_entropy_loss_fusion: bool = False
+    cp_comm_type: Optional[Union[str, List[str]]] = None
+    label_smoothing: float = 0.0
 
     def __post_init__(self) -> None:
-        """Derive ffn and kv sizes; check head counts divide."""
+        """Derive ffn, kv and query-group sizes; check every TP split is even."""
         super().__post_init__()
-        if self.num_attention_heads and self.num_attention_heads % self.tensor_model_parallel_size:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"tensor_model_parallel_size ({self.tensor_model_parallel_size})"
-            )
         if self.num_moe_experts is not None:
             raise NotImplementedError("num_moe_experts is not supported by this core")
         if self.mtp_num_layers is not None:
             raise NotImplementedError("mtp_num_layers is not supported by this core")
+        if self.multi_latent_attention:
+            raise NotImplementedError("multi_latent_attention is not supported by this core")
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(
+                f"normalization must be 'LayerNorm' or 'RMSNorm', got {self.normalization!r}"
+            )
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing!r}")
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
-        if self.kv_channels is None and self.num_attention_heads:
+        if not self.num_attention_heads:
+            return
+        if self.kv_channels is None:
             self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        tp = self.tensor_model_parallel_size
+        _check_multiple(
+            "num_attention_heads",
+            self.num_attention_heads,
+            "num_query_groups",
+            self.num_query_groups,
+        )
+        _check_multiple(
+            "num_attention_heads", self.num_attention_heads, "tensor_model_parallel_size", tp
+        )
+        _check_multiple("num_query_groups", self.num_query_groups, "tensor_model_parallel_size", tp)
+        _check_multiple("ffn_hidden_size", self.ffn_hidden_size, "tensor_model_parallel_size", tp)
+
+
+def _check_multiple(name: str, value: int, of_name: str, of_value: int) -> None:
+    """Raise naming both fields unless ``value`` is a positive multiple of ``of_value``."""
+    if not isinstance(value, int) or value < 1 or value % of_value != 0:
+        raise ValueError(
+            f"{name} ({value!r}) must be a positive multiple of {of_name} ({of_value})"
+        )

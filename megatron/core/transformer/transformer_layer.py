@@ -1,71 +1,126 @@
-"""A pre-norm transformer layer (attention and MLP, each with a residual), and where a
-pipeline chunk's layers start in the global layer numbering."""
+"""A transformer layer built from its spec (pre-norm: x + attn(norm(x)), then
+x + mlp(norm(x))), and where a pipeline chunk's layers start in the global numbering."""
 
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Union
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
-from megatron.core import parallel_state
-from megatron.core.transformer.attention import SelfAttention
-from megatron.core.transformer.no_init import NoInitLinear
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.parallel_groups import pp_rank_of, tp_group_of
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
-class TransformerLayer(nn.Module):
-    """x + attn(LN(x)), then x + MLP(LN(x)); hidden states are [s, b, h].
+@dataclass
+class TransformerLayerSubmodules:
+    """Specs of a layer's parts (megatron-core's names; unused slots are identities)."""
 
-    ``layer_number`` is the 1-based global index of the layer (as in megatron-core).
+    input_layernorm: Union[ModuleSpec, type] = IdentityOp
+    self_attention: Union[ModuleSpec, type] = IdentityOp
+    self_attn_bda: Union[ModuleSpec, type] = IdentityFuncOp
+    pre_cross_attn_layernorm: Union[ModuleSpec, type] = IdentityOp
+    cross_attention: Union[ModuleSpec, type] = IdentityOp
+    cross_attn_bda: Union[ModuleSpec, type] = IdentityFuncOp
+    pre_mlp_layernorm: Union[ModuleSpec, type] = IdentityOp
+    mlp: Union[ModuleSpec, type] = IdentityOp
+    mlp_bda: Union[ModuleSpec, type] = IdentityFuncOp
+    sharded_state_dict_keys_map: Dict[str, str] = field(default_factory=dict)
+
+
+class TransformerLayer(MegatronModule):
+    """One layer on [s, b, h]:
+
+        h1 = bda(self_attention(input_layernorm(x)), x)
+        out = bda(mlp(pre_mlp_layernorm(h1)), h1),  bda((y, b), r) = r + dropout(y + b)
+
+    (with ``apply_residual_connection_post_layernorm`` the residual is the norm's output).
+    ``layer_number`` is 1-based within the chunk; ``self.layer_number`` is global (the chunk's
+    offset added, the pipeline rank from ``pg_collection.pp`` or the MPU fallback, or the
+    explicit ``pp_rank``, an extra of this core for building several stages in one process).
     """
 
     def __init__(
         self,
         config: TransformerConfig,
-        layer_number: int,
-        device: Optional[torch.device] = None,
-        dtype: Optional[torch.dtype] = None,
+        submodules: TransformerLayerSubmodules,
+        layer_number: int = 1,
+        hidden_dropout: Optional[float] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+        vp_stage: Optional[int] = None,
+        *,
+        pp_rank: Optional[int] = None,
     ) -> None:
-        super().__init__()
-        self.layer_number = layer_number
-        eps = config.layernorm_epsilon
-        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps, device=device, dtype=dtype)
-        self.self_attention = SelfAttention(config, device=device, dtype=dtype)
-        self.pre_mlp_layernorm = nn.LayerNorm(config.hidden_size, eps, device=device, dtype=dtype)
-        self.mlp = MLP(config, device=device, dtype=dtype)
+        super().__init__(config)
+        if submodules.cross_attention is not IdentityOp:
+            raise NotImplementedError("TransformerLayer: cross_attention is not supported")
+        self.submodules_config = submodules
+        self.layer_number = layer_number + get_transformer_layer_offset(
+            config, vp_stage, pp_rank if pp_rank is not None else pp_rank_of(pg_collection, config)
+        )
+        self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
+        norm = dict(config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
+        self.input_layernorm = build_module(submodules.input_layernorm, **norm)
+        self.self_attention = build_module(
+            submodules.self_attention,
+            config=config,
+            layer_number=self.layer_number,
+            pg_collection=pg_collection,
+        )
+        self.self_attn_bda = build_module(submodules.self_attn_bda)
+        self.pre_cross_attn_layernorm = build_module(submodules.pre_cross_attn_layernorm, **norm)
+        self.cross_attention = build_module(submodules.cross_attention, config=config)
+        self.cross_attn_bda = build_module(submodules.cross_attn_bda)
+        self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, **norm)
+        self.mlp = build_module(
+            submodules.mlp, config=config, tp_group=tp_group_of(pg_collection, config)
+        )
+        self.mlp_bda = build_module(submodules.mlp_bda)
 
     def forward(
-        self, hidden_states: torch.Tensor, cp_group: Optional[dist.ProcessGroup] = None
-    ) -> torch.Tensor:
-        """One layer on [s_local, b, h]; ``cp_group`` is this step's CP group (None: C = 1)."""
-        hidden_states = hidden_states + self.self_attention(
-            self.input_layernorm(hidden_states), cp_group
-        )
-        return hidden_states + self.mlp(self.pre_mlp_layernorm(hidden_states))
-
-
-class MLP(nn.Module):
-    """Position-wise feed-forward block: linear_fc2(gelu(linear_fc1(x))).
-
-    Sizes h -> ffn_hidden_size -> h.
-    """
-
-    def __init__(
         self,
-        config: TransformerConfig,
-        device: Optional[torch.device] = None,
-        dtype: Optional[torch.dtype] = None,
-    ) -> None:
-        super().__init__()
-        hidden, ffn = config.hidden_size, config.ffn_hidden_size
-        fusion = config.gradient_accumulation_fusion
-        linear = dict(device=device, dtype=dtype, gradient_accumulation_fusion=fusion)
-        self.linear_fc1 = NoInitLinear(hidden, ffn, **linear)
-        self.linear_fc2 = NoInitLinear(ffn, hidden, **linear)
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """gelu MLP on the last dimension."""
-        return self.linear_fc2(nn.functional.gelu(self.linear_fc1(hidden_states)))
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        context: Optional[torch.Tensor] = None,
+        context_mask: Optional[torch.Tensor] = None,
+        rotary_pos_emb: Optional[torch.Tensor] = None,
+        rotary_pos_cos: Optional[torch.Tensor] = None,
+        rotary_pos_sin: Optional[torch.Tensor] = None,
+        rotary_pos_cos_sin: Optional[torch.Tensor] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        inference_context=None,
+        packed_seq_params=None,
+        sequence_len_offset: Optional[torch.Tensor] = None,
+        padding_mask: Optional[torch.Tensor] = None,
+        **kwargs,
+    ):
+        """Returns (hidden_states, context), as megatron-core's layer does."""
+        fused = self.config.bias_dropout_fusion
+        normed = self.input_layernorm(hidden_states)
+        residual = normed if self.config.apply_residual_connection_post_layernorm else hidden_states
+        attention = self.self_attention(
+            normed,
+            attention_mask=attention_mask,
+            inference_context=inference_context,
+            rotary_pos_emb=rotary_pos_emb,
+            rotary_pos_cos=rotary_pos_cos,
+            rotary_pos_sin=rotary_pos_sin,
+            rotary_pos_cos_sin=rotary_pos_cos_sin,
+            attention_bias=attention_bias,
+            packed_seq_params=packed_seq_params,
+            sequence_len_offset=sequence_len_offset,
+        )
+        hidden_states = self.self_attn_bda(self.training, fused)(
+            attention, residual, self.hidden_dropout
+        )
+        normed = self.pre_mlp_layernorm(hidden_states)
+        residual = normed if self.config.apply_residual_connection_post_layernorm else hidden_states
+        hidden_states = self.mlp_bda(self.training, fused)(
+            self.mlp(normed), residual, self.hidden_dropout
+        )
+        return hidden_states, context
 
 
 def get_transformer_layer_offset(
@@ -80,7 +135,7 @@ def get_transformer_layer_offset(
     virtual_size = config.virtual_pipeline_model_parallel_size or 1
     vp_stage = 0 if vp_stage is None else vp_stage
     if pp_rank is None:
-        pp_rank = _mpu_pipeline_rank()
+        pp_rank = pp_rank_of(None, config)
     if not 0 <= vp_stage < virtual_size:
         raise ValueError(
             f"vp_stage must be in [0, {virtual_size}) for virtual_pipeline_model_parallel_size="
@@ -107,10 +162,3 @@ def layers_per_virtual_stage(config: TransformerConfig) -> int:
             f"({config.virtual_pipeline_model_parallel_size or 1}) = {stages}"
         )
     return config.num_layers // stages
-
-
-def _mpu_pipeline_rank() -> int:
-    """``parallel_state``'s pipeline rank when initialized, else 0."""
-    if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_pipeline_model_parallel_rank()
-    return 0

@@ -21,6 +21,7 @@ from megatron.core.context_parallel import (
     slice_batch_for_cp_rank,
 )
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 from tests.unit_tests.models.naming import reference_names
@@ -28,6 +29,7 @@ from tests.unit_tests.transformer.attention_oracle import explicit_causal_attent
 
 VOCAB, HIDDEN, HEADS, SEQ, LAYERS, BATCH = 32, 16, 2, 16, 4, 2
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
+SPEC = get_gpt_layer_local_spec()
 
 
 # ----------------------------------------------------------------------------- shards
@@ -119,7 +121,7 @@ def test_initialization_is_layout_independent(tied):
 
     first, last = chunks[0], chunks[-1]
     if tied:
-        assert full[0].output_layer is None
+        assert full[0].output_layer.weight is None
         assert first.shared_embedding_or_output_weight() is (first.embedding.word_embeddings.weight)
         assert last.shared_embedding_or_output_weight() is last.output_layer.weight
         assert torch.equal(last.output_layer.weight, first.embedding.word_embeddings.weight)
@@ -180,7 +182,7 @@ def test_decoder_input_replaces_the_embedding_lookup():
     fed = full(None, None, None, embedded, batch["labels"])
     assert torch.equal(plain, fed)
     assert not torch.equal(plain, full(None, None, None, embedded * 2, batch["labels"]))
-    for name in ("inference_context", "packed_seq_params"):
+    for name in ("inference_context", "inference_params"):
         with pytest.raises(NotImplementedError, match=f"GPTModel.forward: {name} is not"):
             full(batch["tokens"], batch["position_ids"], **{name: object()})
 
@@ -195,9 +197,12 @@ def test_attention_matches_torch_causal_sdpa():
 
 
 def test_model_rejects_unsupported_layouts():
-    """Clear errors for TP > 1, uneven layer splits, bad vp_stage, missing groups/inputs."""
-    with pytest.raises(NotImplementedError, match="tensor_model_parallel_size=2"):
-        GPTModel(make_config(tensor_model_parallel_size=2), VOCAB, SEQ)
+    """Clear errors for group sizes that differ from the config, uneven layer splits, bad
+    vp_stage, a vocabulary not divisible by TP, missing inputs."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    with pytest.raises(ValueError, match=r"tp group.*1 rank\(s\).*tensor_model_parallel_size is 2"):
+        GPTModel(make_config(tensor_model_parallel_size=2), SPEC, VOCAB, SEQ)
     with pytest.raises(ValueError, match=r"num_layers \(3\).*= 4"):
         GPTModel(
             make_config(
@@ -205,6 +210,7 @@ def test_model_rejects_unsupported_layouts():
                 pipeline_model_parallel_size=2,
                 virtual_pipeline_model_parallel_size=2,
             ),
+            SPEC,
             VOCAB,
             SEQ,
             pp_rank=0,
@@ -212,27 +218,27 @@ def test_model_rejects_unsupported_layouts():
     with pytest.raises(ValueError, match=r"vp_stage must be in \[0, 2\).*got 2"):
         GPTModel(
             make_config(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+            SPEC,
             VOCAB,
             SEQ,
             vp_stage=2,
             pp_rank=0,
         )
-    with pytest.raises(ValueError, match="no pp group"):
+    with pytest.raises(ValueError, match=r"pp group of pg_collection.*pass pg_collection.pp"):
         GPTModel(
             make_config(pipeline_model_parallel_size=2),
+            SPEC,
             VOCAB,
             SEQ,
             pg_collection=no_groups(),
         )
-    with pytest.raises(ValueError, match="no cp group"):
-        GPTModel(make_config(context_parallel_size=2), VOCAB, SEQ, pg_collection=no_groups())
-    batch = make_batch()
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    unsharded_group = GPTModel(make_config(context_parallel_size=2), VOCAB, SEQ)
+    with pytest.raises(ValueError, match=r"cp group of pg_collection.*pass pg_collection.cp"):
+        GPTModel(make_config(context_parallel_size=2), SPEC, VOCAB, SEQ, pg_collection=no_groups())
     with pytest.raises(ValueError, match=r"1 rank\(s\).*context_parallel_size is 2"):
-        unsharded_group(batch["tokens"], batch["position_ids"])
-    later_stage = GPTModel(make_config(), VOCAB, SEQ, pre_process=False)
+        GPTModel(make_config(context_parallel_size=2), SPEC, VOCAB, SEQ)
+    with pytest.raises(ValueError, match=r"vocab_size \(0\).*positive multiple"):
+        GPTModel(make_config(), SPEC, 0, SEQ)
+    later_stage = GPTModel(make_config(), SPEC, VOCAB, SEQ, pre_process=False)
     with pytest.raises(RuntimeError, match="set_input_tensor"):
         later_stage(None, None)
 
@@ -355,6 +361,7 @@ def build_chunks(
     return [
         GPTModel(
             config,
+            SPEC,
             VOCAB,
             SEQ,
             pre_process=stage == 0,

@@ -30,6 +30,7 @@ from megatron.core.distributed import (
     finalize_model_grads,
 )
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.loss_reporting import reduce_reported_losses
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -134,6 +135,7 @@ def dense_reference(mode: str, tied: bool) -> Tuple[Dict[str, torch.Tensor], flo
     config = make_config(Layout(), mode)
     model = GPTModel(
         config,
+        get_gpt_layer_local_spec(),
         VOCAB,
         SEQ,
         share_embeddings_and_output_weights=tied,
@@ -183,6 +185,7 @@ def distributed_step(
         stage = v * layout.pp + pp_rank
         gpt = GPTModel(
             config,
+            get_gpt_layer_local_spec(),
             VOCAB,
             SEQ,
             pre_process=stage == 0,

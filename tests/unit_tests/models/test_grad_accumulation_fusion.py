@@ -16,16 +16,28 @@ from megatron.core.transformer.grad_accumulation_fusion import (
     accumulate_weight_grad,
     linear_with_grad_accumulation_fusion,
 )
-from megatron.core.transformer.no_init import NoInitLinear
 
 pytestmark = [pytest.mark.world(1), pytest.mark.timeout(60)]
 
 MICROBATCHES, TOKENS, IN, OUT = 3, 5, 6, 4
 
 
-def _layer(fusion: bool, bias: bool = True) -> NoInitLinear:
+class FusableLinear(torch.nn.Linear):
+    """``nn.Linear`` whose training forward goes through the fused GEMM when ``fusion``."""
+
+    def __init__(self, *args, fusion: bool, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fusion = fusion
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.fusion and torch.is_grad_enabled():
+            return linear_with_grad_accumulation_fusion(input, self.weight, self.bias)
+        return super().forward(input)
+
+
+def _layer(fusion: bool, bias: bool = True) -> FusableLinear:
     """A seeded [IN -> OUT] layer, the same weights whatever ``fusion``."""
-    layer = NoInitLinear(IN, OUT, bias=bias, gradient_accumulation_fusion=fusion)
+    layer = FusableLinear(IN, OUT, bias=bias, fusion=fusion)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in layer.parameters():
@@ -33,7 +45,7 @@ def _layer(fusion: bool, bias: bool = True) -> NoInitLinear:
     return layer
 
 
-def _train(layer: NoInitLinear, overlap: bool = False) -> DistributedDataParallel:
+def _train(layer: FusableLinear, overlap: bool = False) -> DistributedDataParallel:
     """M microbatches of forward/backward through our DDP (one process, no groups)."""
     config = TransformerConfig(num_layers=1, hidden_size=IN, num_attention_heads=1)
     ddp_config = DistributedDataParallelConfig(

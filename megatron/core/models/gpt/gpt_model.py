@@ -1,108 +1,184 @@
-"""A small GPT whose pipeline chunks and context-parallel shards compute exactly what the
-one-process model computes.
+"""GPT built from megatron-core layer specs, exact under tensor, sequence, context, pipeline
+and data parallelism.
 
-Embeddings (first stage) -> pre-norm transformer layers -> final norm and output layer (last
-stage). Every parameter is drawn from its own generator, seeded from (seed, global layer,
-parameter name), so any split of the layers over pipeline chunks holds the same weights.
+Embeddings (first stage) -> transformer layers from ``transformer_layer_spec`` -> final norm
+and output layer (last stage). Parameter names line up with megatron-core 0.16.1's local-spec
+GPTModel. Every parameter is drawn from its own generator, seeded from (seed, layout-free
+name), as its FULL tensor; a TP rank keeps its slice of it, so every TP/CP/PP/VPP/DP layout
+starts from the same model.
 """
 
 import hashlib
-from typing import List, Optional, Union
+from typing import List, Literal, Optional, Union
 
 import torch
-import torch.distributed as dist
-from torch import nn
+from torch import Tensor
 
-from megatron.core.context_parallel import cp_size_and_rank, mpu_context_parallel_group
+from megatron.core import tensor_parallel
 from megatron.core.device import comm_device
 from megatron.core.enums import ModelType
+from megatron.core.models.common.embeddings.language_model_embedding import (
+    LanguageModelEmbedding,
+)
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.no_init import NoInitEmbedding, NoInitLinear
+from megatron.core.transformer.module import MegatronModule, leave_as_allocated
+from megatron.core.transformer.parallel_groups import (
+    cp_group_of,
+    group_rank,
+    group_size,
+    tp_group_of,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
-class GPTModel(nn.Module):
-    """Decoder-only language model chunk (no dropout, no tensor parallelism).
+class GPTModel(MegatronModule):
+    """Decoder-only language model chunk (megatron-core 0.16.1's constructor).
 
+    Groups (explicit first): TP from ``pg_collection.tp``, CP from ``pg_collection.cp``
+    (resolved at every forward), the pipeline rank from ``pg_collection.pp``; without a
+    collection, ``parallel_state``'s groups (MPU fallback) when initialized, else one rank.
     Chunk ``vp_stage`` on pipeline rank p is virtual stage vp_stage * PP + p and holds the
-    global layers [stage * L / (PP * V), (stage + 1) * L / (PP * V)). The pipeline rank comes
-    from ``pp_rank`` if given, else ``pg_collection.pp``, else ``parallel_state`` (MPU
-    fallback), else 0. The CP group of a step is ``pg_collection.cp`` when a collection is
-    given, else ``parallel_state``'s (MPU fallback, resolved at every forward), else none.
-    Parameters: Normal(0, init_method_std) weights, zero biases, unit LayerNorm weights, each
-    from a generator seeded by (seed, scope, name); ``config.init_method`` is not used. They
-    are created in ``config.params_dtype`` on the communication device (CPU for gloo or no
+    global layers [stage * L / (PP * V), (stage + 1) * L / (PP * V)).
+
+    Parameters (``config.init_method`` is not used): norm weights 1, biases 0, every other
+    weight Normal(0, init_method_std), drawn in float32 on CPU as the full (unsharded) tensor
+    from the generator of (``seed``, its name in the one-chunk model), then sliced to this TP
+    rank's shard (``partition_dim``, ``partition_stride``). A tied output weight on a later
+    stage is the word embeddings' tensor. Extras of this core (keyword-only): ``seed``, and
+    ``pp_rank`` (the pipeline rank, overriding ``pg_collection.pp``: several stages built in
+    one process).
+
+    Sequence parallelism: activations between the TP regions are sharded along s over TP;
+    every parameter of the decoder that is not TP-split gets ``param.sequence_parallel =
+    True`` (found by walking the parameters), so ``finalize_model_grads`` sums its gradient
+    over TP. Parameters live on the communication device (CPU for gloo or no
     torch.distributed, the current CUDA device for nccl), or on CPU with
-    ``use_cpu_initialization``.
+    ``use_cpu_initialization``. Dropout uses torch's generator (the RNG tracker's fork
+    under SP): masks depend on the layout, so parity tests run with dropout 0; attention
+    dropout is not applied.
     """
 
     def __init__(
         self,
         config: TransformerConfig,
+        transformer_layer_spec: ModuleSpec,
         vocab_size: int,
         max_sequence_length: int,
         pre_process: bool = True,
         post_process: bool = True,
+        fp16_lm_cross_entropy: bool = False,
+        parallel_output: bool = True,
         share_embeddings_and_output_weights: bool = False,
-        vp_stage: Optional[int] = None,
+        position_embedding_type: Literal[
+            "learned_absolute", "rope", "mrope", "yarn", "none"
+        ] = "learned_absolute",
+        rotary_percent: float = 1.0,
+        rotary_base: int = 10000,
+        rope_scaling: bool = False,
+        rope_scaling_factor: float = 8.0,
+        scatter_embedding_sequence_parallel: bool = True,
+        seq_len_interpolation_factor: Optional[float] = None,
+        mtp_block_spec: Optional[ModuleSpec] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
-        seed: int = 1234,
+        vp_stage: Optional[int] = None,
         *,
+        seed: int = 1234,
         pp_rank: Optional[int] = None,
     ) -> None:
-        super().__init__()
-        _check_supported(config, pg_collection)
-        self.config = config
+        super().__init__(config)
+        if mtp_block_spec is not None:
+            raise NotImplementedError(
+                "GPTModel: mtp_block_spec (multi-token prediction) is not supported"
+            )
+        if position_embedding_type not in ("learned_absolute", "rope", "none"):
+            raise NotImplementedError(
+                f"GPTModel: position_embedding_type={position_embedding_type!r} is not "
+                "supported; expected 'learned_absolute', 'rope' or 'none'"
+            )
+        self.tp_group = tp_group_of(pg_collection, config)
+        cp_group_of(pg_collection, config)  # a mismatched CP group fails here, not mid-step
+        tp_size = group_size(self.tp_group)
+        if not isinstance(vocab_size, int) or vocab_size < 1 or vocab_size % tp_size:
+            raise ValueError(
+                f"GPTModel: vocab_size ({vocab_size!r}) must be a positive multiple of "
+                f"tensor_model_parallel_size ({tp_size}); pad the vocabulary"
+            )
+        self.transformer_layer_spec = transformer_layer_spec
         self.model_type = ModelType.encoder_or_decoder
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
         self.pre_process = pre_process
         self.post_process = post_process
+        self.fp16_lm_cross_entropy = fp16_lm_cross_entropy
+        self.parallel_output = parallel_output
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.position_embedding_type = position_embedding_type
         self.vp_stage = vp_stage
         self.pg_collection = pg_collection
-        self.input_tensor: Optional[torch.Tensor] = None
 
-        device = torch.device("cpu") if config.use_cpu_initialization else comm_device()
-        dtype = config.params_dtype
-        self.embedding = (
-            LanguageModelEmbedding(config, vocab_size, max_sequence_length, device, dtype)
-            if pre_process
-            else None
-        )
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(
+                config=config,
+                vocab_size=vocab_size,
+                max_sequence_length=max_sequence_length,
+                position_embedding_type=position_embedding_type,
+                scatter_to_sequence_parallel=scatter_embedding_sequence_parallel,
+                tp_group=self.tp_group,
+            )
+        if position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(
+                kv_channels=config.kv_channels,
+                rotary_percent=rotary_percent,
+                rotary_interleaved=config.rotary_interleaved,
+                seq_len_interpolation_factor=seq_len_interpolation_factor,
+                rotary_base=rotary_base,
+                rope_scaling=rope_scaling,
+                rope_scaling_factor=rope_scaling_factor,
+                use_cpu_initialization=config.use_cpu_initialization,
+            )
         self.decoder = TransformerBlock(
-            config,
+            config=config,
+            spec=transformer_layer_spec,
+            pre_process=pre_process,
             post_process=post_process,
+            pg_collection=pg_collection,
             vp_stage=vp_stage,
-            pp_rank=_explicit_pipeline_rank(config, pg_collection, pp_rank),
-            device=device,
-            dtype=dtype,
+            pp_rank=pp_rank,
         )
-        owns_output_weight = post_process and not (
-            share_embeddings_and_output_weights and pre_process
-        )
-        self.output_layer = (
-            NoInitLinear(
+        if post_process:
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size,
                 vocab_size,
+                config=config,
+                init_method=leave_as_allocated,
                 bias=False,
-                device=device,
-                dtype=dtype,
-                gradient_accumulation_fusion=config.gradient_accumulation_fusion,
+                skip_bias_add=False,
+                gather_output=not parallel_output,
+                skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+                embedding_activation_buffer=None,
+                grad_output_buffer=None,
+                tp_group=self.tp_group,
             )
-            if owns_output_weight
-            else None
+            if pre_process and share_embeddings_and_output_weights:
+                # The tied weight also gets the embedding lookup's gradient through autograd;
+                # adding the projection's into main_grad would make DDP skip that one.
+                self.output_layer.gradient_accumulation_fusion = False
+        self.to(
+            torch.device("cpu") if config.use_cpu_initialization else comm_device(self.tp_group)
         )
         self._initialize_parameters(seed)
+        self._mark_sequence_parallel_parameters()
         if share_embeddings_and_output_weights and (pre_process or post_process):
             self.shared_embedding_or_output_weight().shared_embedding = True
-        if self.output_layer is not None and share_embeddings_and_output_weights:
+        if post_process and not pre_process and share_embeddings_and_output_weights:
             # The last stage's copy of the tied weight: counted once (on the first stage)
             # by gradient-norm and weight-decay bookkeeping, as megatron-core marks it.
             self.output_layer.weight.shared = True
 
-    def set_input_tensor(self, input_tensor: Union[torch.Tensor, List[torch.Tensor], None]) -> None:
+    def set_input_tensor(self, input_tensor: Union[Tensor, List[Tensor], None]) -> None:
         """Hidden states [s_local, b, h] from the previous stage (a tensor or a list of one)."""
         if not isinstance(input_tensor, (list, tuple)):
             input_tensor = [input_tensor]
@@ -110,59 +186,101 @@ class GPTModel(nn.Module):
             raise ValueError(
                 f"GPTModel.set_input_tensor: expected one input tensor, got {len(input_tensor)}"
             )
-        self.input_tensor = input_tensor[0]
+        self.decoder.set_input_tensor(input_tensor[0])
 
     def forward(
         self,
-        input_ids: Optional[torch.Tensor],
-        position_ids: Optional[torch.Tensor],
-        attention_mask: Optional[torch.Tensor] = None,
-        decoder_input: Optional[torch.Tensor] = None,
-        labels: Optional[torch.Tensor] = None,
+        input_ids: Optional[Tensor],
+        position_ids: Optional[Tensor],
+        attention_mask: Optional[Tensor] = None,
+        decoder_input: Optional[Tensor] = None,
+        labels: Optional[Tensor] = None,
         inference_context=None,
         packed_seq_params=None,
-    ) -> torch.Tensor:
+        extra_block_kwargs: Optional[dict] = None,
+        runtime_gather_output: Optional[bool] = None,
+        *,
+        inference_params=None,
+        loss_mask: Optional[Tensor] = None,
+        padding_mask: Optional[Tensor] = None,
+    ) -> Tensor:
         """Run this chunk on this CP rank's shard (megatron-core's argument order).
 
-        ``input_ids``, ``position_ids`` (GLOBAL positions) and ``labels`` are [b, s_local].
-        ``attention_mask`` is accepted and ignored: causal masking by global position is
-        built in. ``decoder_input`` [s_local, b, h], when given on the first stage, replaces
+        ``input_ids``, ``position_ids`` (GLOBAL positions) and ``labels`` are [b, s_local]
+        (s_local = s / C, the load-balanced shard). ``attention_mask`` is ignored: causal
+        masking by global position is built in. ``decoder_input`` [s_local, b, h] replaces
         the embedding lookup. Returns, on the last stage, per-token cross-entropy
-        [b, s_local] (float32 or wider, unreduced, unmasked) with ``labels``, logits
-        [b, s_local, vocab] without; on other stages the hidden states [s_local, b, h].
-        Inference contexts and packed sequences are not supported (a clear error).
+        [b, s_local] (float32 or wider, unreduced, unmasked; label-smoothed by
+        ``config.label_smoothing`` over the whole vocabulary) with ``labels``, logits
+        [b, s_local, vocab / TP] (all of the vocabulary with ``parallel_output=False`` or
+        ``runtime_gather_output=True``) without; on other stages the hidden states
+        [s_local, b, h] ([s_local / TP, b, h] under sequence parallelism).
+        ``packed_seq_params`` is handed to core attention. ``loss_mask`` and
+        ``padding_mask`` are ignored (the loss callback masks).
         """
         for name, value in (
             ("inference_context", inference_context),
-            ("packed_seq_params", packed_seq_params),
+            ("inference_params", inference_params),
         ):
             if value is not None:
                 raise NotImplementedError(f"GPTModel.forward: {name} is not supported; pass None")
-        cp_group = self._cp_group()
-        if self.pre_process and decoder_input is not None:
-            hidden_states = decoder_input
-        elif self.pre_process:
-            hidden_states = self.embedding(input_ids, position_ids)
-        elif self.input_tensor is None:
+        if decoder_input is None and self.pre_process:
+            decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
+        if not self.pre_process and self.decoder.input_tensor is None:
             raise RuntimeError(
                 "GPTModel.forward: this chunk has pre_process=False and no input tensor; call "
                 "set_input_tensor with the previous stage's hidden states first"
             )
-        else:
-            hidden_states = self.input_tensor
-        hidden_states = self.decoder(hidden_states, cp_group)
+        rotary_pos_emb = None
+        if self.position_embedding_type == "rope":
+            cp_group = cp_group_of(self.pg_collection, self.config)
+            rotary_pos_emb = self.rotary_pos_emb(
+                self._global_seq_length(input_ids, decoder_input, cp_group),
+                packed_seq=packed_seq_params is not None,
+                cp_group=cp_group,
+            )
+        hidden_states = self.decoder(
+            hidden_states=decoder_input,
+            attention_mask=attention_mask,
+            rotary_pos_emb=rotary_pos_emb,
+            packed_seq_params=packed_seq_params,
+            **(extra_block_kwargs or {}),
+        )
         if not self.post_process:
             return hidden_states
-        if self.output_layer is not None:  # fused with gradient_accumulation_fusion
-            logits = self.output_layer(hidden_states).transpose(0, 1)
-        else:  # tied, on the stage that also embeds: the word embeddings project
-            weight = self.embedding.word_embeddings.weight
-            logits = nn.functional.linear(hidden_states, weight).transpose(0, 1)
+        logits, _ = self.output_layer(
+            hidden_states,
+            weight=(
+                self.shared_embedding_or_output_weight()
+                if self.share_embeddings_and_output_weights
+                else None
+            ),
+            runtime_gather_output=runtime_gather_output,
+        )
         if labels is None:
-            return logits.contiguous()
-        return per_token_cross_entropy(logits, labels)
+            return logits.transpose(0, 1).contiguous()
+        return self.compute_language_model_loss(labels, logits)
 
-    def shared_embedding_or_output_weight(self) -> Optional[torch.Tensor]:
+    def compute_language_model_loss(self, labels: Tensor, logits: Tensor) -> Tensor:
+        """Per-token loss [b, s] from labels [b, s] and logits [s, b, V / TP] (or [s, b, V]
+        when gathered): cross-entropy over the whole vocabulary, in float32 for
+        half-precision logits unless ``fp16_lm_cross_entropy``."""
+        if logits.element_size() < 4 and not self.fp16_lm_cross_entropy:
+            logits = logits.float()
+        tp_size = group_size(self.tp_group)
+        if tp_size > 1 and logits.shape[-1] == self.vocab_size:
+            # Gathered logits: this rank's vocabulary block gives the same loss, and the
+            # gather's backward keeps exactly this block's gradient.
+            logits = logits.chunk(tp_size, dim=-1)[group_rank(self.tp_group)]
+        loss = tensor_parallel.vocab_parallel_cross_entropy(
+            logits,
+            labels.transpose(0, 1).contiguous(),
+            label_smoothing=self.config.label_smoothing,
+            tp_group=self.tp_group,
+        )
+        return loss.transpose(0, 1).contiguous()
+
+    def shared_embedding_or_output_weight(self) -> Optional[Tensor]:
         """The tied weight this chunk holds: word embeddings (first stage), output (last)."""
         if self.pre_process:
             return self.embedding.word_embeddings.weight
@@ -170,148 +288,75 @@ class GPTModel(nn.Module):
             return self.output_layer.weight
         return None
 
-    def _cp_group(self) -> Optional[dist.ProcessGroup]:
-        """This step's CP group: ``pg_collection.cp``, else the MPU fallback; checked
-        against ``config.context_parallel_size``."""
-        if self.pg_collection is not None:
-            group = self.pg_collection.cp
-        else:
-            group = mpu_context_parallel_group()
-        cp_size = cp_size_and_rank(group)[0]
-        if cp_size != self.config.context_parallel_size:
-            raise ValueError(
-                f"GPTModel: the context-parallel group has {cp_size} rank(s) but "
-                f"config.context_parallel_size is {self.config.context_parallel_size}"
-            )
-        return group
+    def _global_seq_length(self, input_ids, decoder_input, cp_group) -> int:
+        """The whole sequence's length s from this rank's inputs (for RoPE)."""
+        cp = group_size(cp_group)
+        if input_ids is not None:
+            return input_ids.shape[1] * cp
+        hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
+        sp = group_size(self.tp_group) if self.config.sequence_parallel else 1
+        return hidden.shape[0] * sp * cp
 
     @torch.no_grad()
     def _initialize_parameters(self, seed: int) -> None:
-        """Seed every parameter from (seed, scope, name); scopes are layout-independent.
-
-        The untied last-stage copy of a tied output weight uses the word embeddings' seed.
-        """
+        """Fill every parameter with its shard of the full tensor seeded by (seed, name)."""
+        norms = (torch.nn.LayerNorm, torch.nn.RMSNorm)
+        tp_size, tp_rank = group_size(self.tp_group), group_rank(self.tp_group)
         std = self.config.init_method_std
-        if self.embedding is not None:
-            seeded_init_(self.embedding, seed, "embedding", std)
-        for layer in self.decoder.layers:
-            seeded_init_(layer, seed, f"layer{layer.layer_number}", std)
-        if self.decoder.final_layernorm is not None:
-            seeded_init_(self.decoder.final_layernorm, seed, "final_layernorm", std)
-        if self.output_layer is not None:
-            if self.share_embeddings_and_output_weights:
-                scope, name = "embedding", "word_embeddings.weight"
-            else:
-                scope, name = "output_layer", "weight"
-            _fill_normal_(self.output_layer.weight, seed, scope, name, std)
+        for module_name, module in self.named_modules():
+            for param_name, param in module.named_parameters(recurse=False):
+                name = self._reference_name(f"{module_name}.{param_name}")
+                if isinstance(module, norms) and param_name == "weight":
+                    param.fill_(1.0)
+                elif param_name == "bias":
+                    param.zero_()
+                else:
+                    full = seeded_normal(_full_shape(param, tp_size), seed, name, std)
+                    param.copy_(tp_shard(full, param, tp_size, tp_rank))
+
+    def _reference_name(self, name: str) -> str:
+        """A parameter's name in the one-chunk model: layers numbered globally; a tied output
+        weight named as the word embeddings."""
+        parts = name.split(".")
+        if parts[:2] == ["decoder", "layers"]:
+            parts[2] = str(self.decoder.layers[int(parts[2])].layer_number - 1)
+        if name == "output_layer.weight" and self.share_embeddings_and_output_weights:
+            parts = ["embedding", "word_embeddings", "weight"]
+        return ".".join(parts)
+
+    def _mark_sequence_parallel_parameters(self) -> None:
+        """Under SP, mark every decoder parameter not split over TP (norms, row-parallel
+        biases, ...): its gradient comes from this rank's sequence shard only, and
+        ``finalize_model_grads`` sums it over the TP group."""
+        if not self.config.sequence_parallel or group_size(self.tp_group) == 1:
+            return
+        for param in self.decoder.parameters():
+            if not getattr(param, "tensor_model_parallel", False):
+                param.sequence_parallel = True
 
 
-class LanguageModelEmbedding(nn.Module):
-    """Learned token and absolute-position embeddings.
-
-    emb = word_embeddings[input_ids] + position_embeddings[position_ids], as [s, b, h].
-    """
-
-    def __init__(
-        self,
-        config: TransformerConfig,
-        vocab_size: int,
-        max_sequence_length: int,
-        device: Optional[torch.device] = None,
-        dtype: Optional[torch.dtype] = None,
-    ) -> None:
-        super().__init__()
-        hidden = config.hidden_size
-        self.word_embeddings = NoInitEmbedding(vocab_size, hidden, device=device, dtype=dtype)
-        self.position_embeddings = NoInitEmbedding(
-            max_sequence_length, hidden, device=device, dtype=dtype
-        )
-
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """[b, s] token ids and global positions -> [s, b, h]."""
-        embeddings = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
-        return embeddings.transpose(0, 1).contiguous()
-
-
-def per_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """loss[b, t] = logsumexp(logits[b, t]) - logits[b, t, labels[b, t]], unreduced.
-
-    Computed in float32 for half-precision logits, in the logits' dtype otherwise.
-    """
-    if logits.element_size() < 4:
-        logits = logits.float()
-    losses = nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none"
-    )
-    return losses.view(labels.shape)
-
-
-@torch.no_grad()
-def seeded_init_(module: nn.Module, seed: int, scope: str, std: float) -> None:
-    """Initialize ``module``'s parameters in place, independently of the global RNG.
-
-    LayerNorm: weight 1, bias 0; other biases 0; other weights Normal(0, std) drawn from
-    the generator of (seed, scope, parameter name relative to ``module``).
-    """
-    for module_name, submodule in module.named_modules():
-        for param_name, param in submodule.named_parameters(recurse=False):
-            name = f"{module_name}.{param_name}" if module_name else param_name
-            if isinstance(submodule, nn.LayerNorm) and param_name == "weight":
-                param.fill_(1.0)
-            elif param_name == "bias":
-                param.zero_()
-            else:
-                _fill_normal_(param, seed, scope, name, std)
-
-
-@torch.no_grad()
-def _fill_normal_(param: torch.Tensor, seed: int, scope: str, name: str, std: float) -> None:
-    """param <- Normal(0, std) drawn in float32 on CPU from the (seed, scope, name) stream.
-
-    Drawing in float32 on CPU makes the values independent of the parameter's dtype/device.
-    """
+def seeded_normal(shape, seed: int, name: str, std: float) -> Tensor:
+    """Normal(0, std) values of ``shape`` drawn in float32 on CPU from the (seed, name)
+    stream: the same whatever the layout, dtype or device."""
     generator = torch.Generator(device="cpu")
-    digest = hashlib.sha256(f"{seed}/{scope}/{name}".encode()).digest()
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
     generator.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
-    values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
-    param.copy_(values)
+    return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
 
 
-def _check_supported(config: TransformerConfig, pg_collection) -> None:
-    """Reject layouts this model does not implement, before anything is built."""
-    if config.tensor_model_parallel_size > 1:
-        raise NotImplementedError(
-            "GPTModel does not implement tensor parallelism: got "
-            f"config.tensor_model_parallel_size={config.tensor_model_parallel_size}, expected 1"
-        )
-    if pg_collection is not None and pg_collection.cp is None and config.context_parallel_size > 1:
-        raise ValueError(
-            "GPTModel: pg_collection has no cp group but config.context_parallel_size is "
-            f"{config.context_parallel_size}; pass pg_collection.cp"
-        )
+def tp_shard(full: Tensor, param: Tensor, tp_size: int, tp_rank: int) -> Tensor:
+    """This TP rank's slice of ``full``: cut along ``param.partition_dim`` into
+    tp_size * stride blocks and keep blocks rank, rank + T, ... (megatron-core's strided
+    split); the whole tensor for a parameter not split over TP."""
+    if not getattr(param, "tensor_model_parallel", False) or tp_size == 1:
+        return full
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    block = full.shape[dim] // (tp_size * stride)
+    return torch.cat(torch.split(full, block, dim=dim)[tp_rank::tp_size], dim=dim)
 
 
-def _explicit_pipeline_rank(
-    config: TransformerConfig, pg_collection, pp_rank: Optional[int]
-) -> Optional[int]:
-    """The pipeline rank given by the caller (``pp_rank``, else ``pg_collection.pp``).
-
-    None means no explicit rank: the layer offset then uses the MPU fallback.
-    """
-    if pp_rank is not None or pg_collection is None:
-        return pp_rank
-    pp_size = config.pipeline_model_parallel_size
-    if pg_collection.pp is None:
-        if pp_size == 1:
-            return 0
-        raise ValueError(
-            "GPTModel: pg_collection has no pp group but config.pipeline_model_parallel_size "
-            f"is {pp_size}; pass pg_collection.pp or pp_rank"
-        )
-    group_size = dist.get_world_size(group=pg_collection.pp)
-    if group_size != pp_size:
-        raise ValueError(
-            f"GPTModel: pg_collection.pp has {group_size} rank(s) but "
-            f"config.pipeline_model_parallel_size is {pp_size}"
-        )
-    return dist.get_rank(group=pg_collection.pp)
+def _full_shape(param: Tensor, tp_size: int) -> List[int]:
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= tp_size
+    return shape

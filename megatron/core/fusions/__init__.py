@@ -1,0 +1,1 @@
+"""Unfused equivalents of megatron-core's fusion entry points."""

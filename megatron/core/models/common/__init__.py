@@ -1,0 +1,1 @@
+"""Parts shared by megatron models (embeddings)."""

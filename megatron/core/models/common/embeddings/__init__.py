@@ -1,0 +1,1 @@
+"""Token, position and rotary embeddings."""

@@ -1,0 +1,383 @@
+"""Differentiable collectives between the tensor-parallel (TP) regions of a model.
+
+Each mapping is a pair (forward f, backward f*) where f* is the adjoint of f, so that
+gradients through a TP layout equal the gradients of the dense computation
+(forward / backward):
+
+* ``copy_to_tensor_model_parallel_region``: identity / all-reduce (sum)
+* ``reduce_from_tensor_model_parallel_region``: all-reduce (sum) / identity
+* ``scatter_to_tensor_model_parallel_region``: keep own last-dim block / all-gather last dim
+* ``gather_from_tensor_model_parallel_region``: all-gather last dim / keep own last-dim block
+* ``scatter_to_sequence_parallel_region``: keep own dim-0 block / all-gather dim 0
+* ``gather_from_sequence_parallel_region``: all-gather dim 0 / reduce-scatter dim 0 [*]
+* ``reduce_scatter_to_sequence_parallel_region``: reduce-scatter dim 0 / all-gather dim 0
+* ``all_gather_last_dim_from_tensor_parallel_region``: all-gather / reduce-scatter, last dim
+* ``reduce_scatter_last_dim_to_tensor_parallel_region``: reduce-scatter / all-gather, last dim
+* ``all_to_all`` (and ``all_to_all_sp2hp`` / ``all_to_all_hp2sp``): all-to-all / its reverse
+
+[*] with ``tensor_parallel_output_grad=False``: keep own dim-0 block (the consumer of the
+gathered tensor is replicated, so every rank already holds the full gradient).
+
+Groups: ``group`` when given (it is the only group used, forward and backward); ``None`` is
+the MPU fallback ``parallel_state.get_tensor_model_parallel_group()`` when model parallelism
+is initialized, else one rank (every mapping is then the identity). On gloo (CPU) a
+reduce-scatter is an all-reduce of a private copy followed by keeping this rank's block.
+The caller's tensors are never modified.
+"""
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.device import comm_device
+from megatron.core.tensor_parallel.utils import (
+    all_gather_along_first_dim,
+    all_reduce_copy,
+    group_size_and_rank,
+    reduce_scatter_along_first_dim,
+    tp_group_or_mpu,
+)
+
+
+def copy_to_tensor_model_parallel_region(input_, group=None):
+    """Identity forward; the backward sums the gradient over the TP group."""
+    return _apply(_CopyToModelParallelRegion, input_, group)
+
+
+def reduce_from_tensor_model_parallel_region(input_, group=None):
+    """Sum over the TP group forward; identity backward."""
+    return _apply(_ReduceFromModelParallelRegion, input_, group)
+
+
+def scatter_to_tensor_model_parallel_region(input_, group=None):
+    """Keep this rank's 1/T block of the last dimension; backward all-gathers it."""
+    return _apply(_ScatterToModelParallelRegion, input_, group)
+
+
+def gather_from_tensor_model_parallel_region(input_, group=None):
+    """Concatenate every rank's tensor along the last dimension (rank order); backward keeps
+    this rank's block."""
+    return _apply(_GatherFromModelParallelRegion, input_, group)
+
+
+def scatter_to_sequence_parallel_region(input_, group=None):
+    """Keep this rank's 1/T block of dim 0 (the sequence); backward all-gathers it."""
+    return _apply(_ScatterToSequenceParallelRegion, input_, group)
+
+
+def gather_from_sequence_parallel_region(
+    input_,
+    tensor_parallel_output_grad=True,
+    group=None,
+    output_split_sizes=None,
+    use_global_buffer=False,
+):
+    """Concatenate every rank's [s/T, ...] tensor along dim 0 into [s, ...].
+
+    Backward: the gradient of this rank's block summed over the group (reduce-scatter) when
+    the consumer is tensor-parallel (``tensor_parallel_output_grad=True``), else this rank's
+    block of its own gradient. ``output_split_sizes`` (uneven blocks) is not supported;
+    ``use_global_buffer`` is accepted and ignored.
+    """
+    _reject_split_sizes("output_split_sizes", output_split_sizes)
+    group = tp_group_or_mpu(group)
+    if group_size_and_rank(group)[0] == 1:
+        return input_
+    return _GatherFromSequenceParallelRegion.apply(input_, group, tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(
+    input_, group=None, input_split_sizes=None, use_global_buffer=False
+):
+    """Sum over the TP group and keep this rank's 1/T block of dim 0; backward all-gathers.
+
+    ``input_split_sizes`` (uneven blocks) is not supported; ``use_global_buffer`` is ignored.
+    """
+    _reject_split_sizes("input_split_sizes", input_split_sizes)
+    return _apply(_ReduceScatterToSequenceParallelRegion, input_, group)
+
+
+def all_gather_last_dim_from_tensor_parallel_region(input_, group=None):
+    """All-gather along the last dimension; backward reduce-scatters along it."""
+    return _apply(_AllGatherFromTensorParallelRegion, input_, group)
+
+
+def reduce_scatter_last_dim_to_tensor_parallel_region(input_, group=None):
+    """Sum over the group and keep this rank's block of the last dimension; backward
+    all-gathers along it."""
+    return _apply(_ReduceScatterToTensorParallelRegion, input_, group)
+
+
+def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None):
+    """Differentiable all-to-all along dim 0 (block r of rank q goes to rank r, arriving as
+    block q); the backward is the reverse all-to-all. Uneven split sizes are supported."""
+    if group is None:
+        group = tp_group_or_mpu(None)
+    if group_size_and_rank(group)[0] == 1:
+        return input_
+    return _AllToAll.apply(group, input_, output_split_sizes_, input_split_sizes)
+
+
+def all_to_all_sp2hp(input_, group=None):
+    """[s/T * b, h] sequence-sharded -> [s * b, h/T] hidden-sharded (all-to-all over TP)."""
+    group = tp_group_or_mpu(group)
+    size = group_size_and_rank(group)[0]
+    if size == 1:
+        return input_
+    hidden = input_.shape[-1]
+    blocks = torch.split(input_.reshape(-1, hidden), _divide_dim(hidden, size, "hidden"), dim=1)
+    stacked = torch.cat(blocks, dim=0).contiguous()
+    return all_to_all(group, stacked)
+
+
+def all_to_all_hp2sp(input_, group=None):
+    """[s * b, h/T] hidden-sharded -> [s/T * b, h] sequence-sharded (all-to-all over TP)."""
+    group = tp_group_or_mpu(group)
+    size = group_size_and_rank(group)[0]
+    if size == 1:
+        return input_
+    hidden = input_.shape[-1]
+    flat = input_.reshape(-1, hidden)
+    _divide_dim(flat.shape[0], size, "sequence x batch")
+    exchanged = all_to_all(group, flat.contiguous())
+    return torch.cat(torch.chunk(exchanged, size, dim=0), dim=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives on tensors (no autograd). ``group`` is a real group of size > 1 here.
+# ---------------------------------------------------------------------------------------------
+
+
+def _reduce(input_: torch.Tensor, group) -> torch.Tensor:
+    """Sum over ``group`` (a new tensor)."""
+    return all_reduce_copy(input_, group)
+
+
+def _split_along_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
+    """This rank's block of the last dimension (contiguous)."""
+    size, rank = group_size_and_rank(group)
+    _divide_dim(input_.shape[-1], size, "last")
+    return input_.chunk(size, dim=-1)[rank].contiguous()
+
+
+def _split_along_first_dim(input_: torch.Tensor, group) -> torch.Tensor:
+    """This rank's block of dim 0 (contiguous)."""
+    size, rank = group_size_and_rank(group)
+    _divide_dim(input_.shape[0], size, "first (sequence)")
+    return input_.chunk(size, dim=0)[rank].contiguous()
+
+
+def _gather_along_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
+    """cat over ranks along the last dimension."""
+    size = group_size_and_rank(group)[0]
+    stacked = all_gather_along_first_dim(input_.unsqueeze(0), group)
+    return torch.cat(stacked.unbind(0), dim=-1) if size > 1 else input_
+
+
+def _gather_along_first_dim(input_: torch.Tensor, group) -> torch.Tensor:
+    """cat over ranks along dim 0."""
+    return all_gather_along_first_dim(input_, group)
+
+
+def _reduce_scatter_along_first_dim(input_: torch.Tensor, group) -> torch.Tensor:
+    """Block ``rank`` of dim 0 of the sum over ranks."""
+    _divide_dim(input_.shape[0], group_size_and_rank(group)[0], "first (sequence)")
+    return reduce_scatter_along_first_dim(input_, group)
+
+
+def _reduce_scatter_along_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
+    """Block ``rank`` of the last dimension of the sum over ranks."""
+    _divide_dim(input_.shape[-1], group_size_and_rank(group)[0], "last")
+    moved = input_.movedim(-1, 0)
+    return reduce_scatter_along_first_dim(moved, group).movedim(0, -1).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd functions (forward f, backward its adjoint).
+# ---------------------------------------------------------------------------------------------
+
+
+class _CopyToModelParallelRegion(torch.autograd.Function):
+    """y = x; dL/dx = sum over ranks of dL/dy."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return input_.view_as(input_)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _reduce(grad_output, ctx.group), None
+
+
+class _ReduceFromModelParallelRegion(torch.autograd.Function):
+    """y = sum over ranks of x; dL/dx = dL/dy."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        return _reduce(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output, None
+
+
+class _ScatterToModelParallelRegion(torch.autograd.Function):
+    """y = own last-dim block of x; dL/dx = all-gather of dL/dy along the last dim."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _split_along_last_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _gather_along_last_dim(grad_output, ctx.group), None
+
+
+class _GatherFromModelParallelRegion(torch.autograd.Function):
+    """y = cat over ranks along the last dim; dL/dx = own block of dL/dy."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _gather_along_last_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _split_along_last_dim(grad_output, ctx.group), None
+
+
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    """y = own dim-0 block of x; dL/dx = all-gather of dL/dy along dim 0."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _split_along_first_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _gather_along_first_dim(grad_output, ctx.group), None
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """y = cat over ranks along dim 0; dL/dx = own block of (sum over ranks of) dL/dy."""
+
+    @staticmethod
+    def forward(ctx, input_, group, tensor_parallel_output_grad=True):
+        ctx.group = group
+        ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
+        return _gather_along_first_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if ctx.tensor_parallel_output_grad:
+            return _reduce_scatter_along_first_dim(grad_output, ctx.group), None, None
+        return _split_along_first_dim(grad_output, ctx.group), None, None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """y = own dim-0 block of the sum over ranks; dL/dx = all-gather of dL/dy along dim 0."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _reduce_scatter_along_first_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _gather_along_first_dim(grad_output, ctx.group), None
+
+
+class _AllGatherFromTensorParallelRegion(torch.autograd.Function):
+    """y = cat over ranks along the last dim; dL/dx = own block of the sum of dL/dy."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _gather_along_last_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _reduce_scatter_along_last_dim(grad_output, ctx.group), None
+
+
+class _ReduceScatterToTensorParallelRegion(torch.autograd.Function):
+    """y = own last-dim block of the sum over ranks; dL/dx = all-gather along the last dim."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _reduce_scatter_along_last_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _gather_along_last_dim(grad_output, ctx.group), None
+
+
+class _AllToAll(torch.autograd.Function):
+    """All-to-all along dim 0; its adjoint is the all-to-all with the split sizes swapped."""
+
+    @staticmethod
+    def forward(ctx, group, input_, output_split_sizes, input_split_sizes):
+        ctx.group = group
+        ctx.output_split_sizes = output_split_sizes
+        ctx.input_split_sizes = input_split_sizes
+        return _all_to_all_single(group, input_, output_split_sizes, input_split_sizes)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = _all_to_all_single(
+            ctx.group, grad_output, ctx.input_split_sizes, ctx.output_split_sizes
+        )
+        return None, grad, None, None
+
+
+def _all_to_all_single(group, input_, output_split_sizes, input_split_sizes) -> torch.Tensor:
+    """``dist.all_to_all_single`` on the group's device, the result on ``input_``'s device."""
+    device = comm_device(group)
+    local = input_.to(device).contiguous()
+    if output_split_sizes is None:
+        out = torch.empty_like(local)
+    else:
+        out = local.new_empty((sum(output_split_sizes),) + tuple(local.shape[1:]))
+    dist.all_to_all_single(
+        out,
+        local,
+        output_split_sizes=output_split_sizes,
+        input_split_sizes=input_split_sizes,
+        group=group,
+    )
+    return out.to(input_.device)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _apply(function, input_, group):
+    """Resolve ``group`` (explicit, else MPU fallback) and apply ``function`` unless T = 1."""
+    group = tp_group_or_mpu(group)
+    if group_size_and_rank(group)[0] == 1:
+        return input_
+    return function.apply(input_, group)
+
+
+def _divide_dim(size: int, parts: int, which: str) -> int:
+    """size / parts, or a ValueError naming the dimension."""
+    if size % parts != 0:
+        raise ValueError(
+            f"tensor-parallel mapping: the {which} dimension has size {size}, which is not "
+            f"divisible by the tensor-parallel size {parts}"
+        )
+    return size // parts
+
+
+def _reject_split_sizes(name: str, sizes: Optional[List[int]]) -> None:
+    """Uneven split sizes are a MoE feature this core does not implement."""
+    if sizes is not None and len(set(sizes)) > 1:
+        raise NotImplementedError(
+            f"{name}={sizes!r}: uneven splits along the sequence dimension are not supported "
+            "(expected None or equal sizes)"
+        )

@@ -1,0 +1,93 @@
+"""Core attention: softmax(scale * Q K^T + causal mask) V, exact under context parallelism."""
+
+import math
+import warnings
+from typing import Optional
+
+import torch
+
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.cp_attention import context_parallel_attention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.parallel_groups import cp_group_of
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class DotProductAttention(MegatronModule):
+    """Causal attention of this CP rank's queries over the whole sequence (megatron-core
+    0.16.1's constructor), through ``cp_attention.context_parallel_attention``.
+
+    The CP group of a step is ``pg_collection.cp``, else ``parallel_state``'s (MPU fallback,
+    resolved at every forward), else none. ``attention_dropout`` is not applied (the CP
+    kernels have no dropout; a warning says so when it is > 0).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ) -> None:
+        super().__init__(config)
+        if attention_type != "self":
+            raise NotImplementedError(
+                f"DotProductAttention: attention_type={attention_type!r}; only 'self'"
+            )
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.cp_comm_type = cp_comm_type
+        self.pg_collection = pg_collection
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout > 0:
+            _warn_once(
+                f"attention_dropout={dropout} is not applied: context-parallel attention has no "
+                "dropout (set it to 0.0 to silence this warning)"
+            )
+        if softmax_scale is None:
+            softmax_scale = config.softmax_scale
+        if softmax_scale is None:
+            softmax_scale = 1.0 / math.sqrt(config.kv_channels)
+        self.softmax_scale = softmax_scale
+        cp_group_of(pg_collection, config)  # fail at build time on a mismatched group
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        """query [s_local, b, np, d], key/value [s_local, b, ng, d] -> [s_local, b, np * d].
+
+        ``attention_mask`` is ignored: the mask is causal by global position.
+        """
+        if attention_bias is not None:
+            raise NotImplementedError("DotProductAttention: attention_bias is not supported")
+        context = context_parallel_attention(
+            query,
+            key,
+            value,
+            cp_group=cp_group_of(self.pg_collection, self.config),
+            cp_comm_type=self.cp_comm_type or "all_gather",
+            softmax_scale=self.softmax_scale,
+            packed_seq_params=packed_seq_params,
+        )
+        return context.reshape(context.shape[0], context.shape[1], -1)
+
+
+_WARNED = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=3)

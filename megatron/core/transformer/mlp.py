@@ -1,0 +1,90 @@
+"""Position-wise feed-forward block: fc1 (column-parallel), activation, fc2 (row-parallel).
+
+Plain: act(x W1^T + b1) W2^T. Gated (``gated_linear_unit``; SwiGLU with ``F.silu``):
+fc1 produces [gate | up] and the activation is act(gate) * up. A TP rank holds the matching
+slices of both halves (fc1 is split with stride 2), megatron-core's layout.
+"""
+
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.transformer.module import MegatronModule, leave_as_allocated
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+@dataclass
+class MLPSubmodules:
+    """Specs of the MLP's parts."""
+
+    linear_fc1: Union[ModuleSpec, type] = None
+    activation_func: Union[ModuleSpec, type] = None
+    linear_fc2: Union[ModuleSpec, type] = None
+
+
+class MLP(MegatronModule):
+    """h -> ffn_hidden_size -> h; returns (output, fc2 bias) with the bias not yet added."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: MLPSubmodules,
+        is_expert: bool = False,
+        input_size: Optional[int] = None,
+        ffn_hidden_size: Optional[int] = None,
+        tp_group: Optional[dist.ProcessGroup] = None,
+    ) -> None:
+        super().__init__(config)
+        if is_expert:
+            raise NotImplementedError("MLP: is_expert=True (mixture of experts) is not supported")
+        if submodules.activation_func is not None:
+            raise NotImplementedError("MLP: an activation_func submodule is not supported")
+        self.input_size = input_size if input_size is not None else config.hidden_size
+        ffn = ffn_hidden_size if ffn_hidden_size is not None else config.ffn_hidden_size
+        self.activation_func = config.activation_func
+        self.linear_fc1 = build_module(
+            submodules.linear_fc1,
+            self.input_size,
+            2 * ffn if config.gated_linear_unit else ffn,
+            config=config,
+            init_method=leave_as_allocated,
+            gather_output=False,
+            bias=config.add_bias_linear,
+            skip_bias_add=True,
+            is_expert=False,
+            tp_comm_buffer_name="fc1",
+            tp_group=tp_group,
+            stride=2 if config.gated_linear_unit else 1,
+        )
+        self.linear_fc2 = build_module(
+            submodules.linear_fc2,
+            ffn,
+            config.hidden_size,
+            config=config,
+            init_method=leave_as_allocated,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            is_expert=False,
+            tp_comm_buffer_name="fc2",
+            tp_group=tp_group,
+        )
+
+    def forward(
+        self, hidden_states: torch.Tensor, per_token_scale=None, **kwargs
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """[s, b, h] -> (fc2 output [s, b, h], fc2 bias)."""
+        if per_token_scale is not None:
+            raise NotImplementedError("MLP: per_token_scale is not supported")
+        intermediate, bias = self.linear_fc1(hidden_states)
+        if bias is not None:
+            intermediate = intermediate + bias
+        if self.config.gated_linear_unit:
+            gate, up = intermediate.chunk(2, dim=-1)
+            intermediate = self.activation_func(gate) * up
+        else:
+            intermediate = self.activation_func(intermediate)
+        return self.linear_fc2(intermediate)

@@ -1,0 +1,83 @@
+"""Which process groups a model module uses: explicit ``pg_collection`` first, then the MPU
+fallback (``parallel_state``), then none (one process).
+
+Each getter checks the group's size against the config, so a mismatched collection is a clear
+error at build time rather than a hang.
+"""
+
+from typing import Optional
+
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+
+def tp_group_of(
+    pg_collection: Optional[ProcessGroupCollection], config
+) -> Optional[dist.ProcessGroup]:
+    """The TP group: ``pg_collection.tp``; without a collection, ``parallel_state``'s (MPU
+    fallback) when initialized; else None (TP = 1). Its size must equal
+    ``config.tensor_model_parallel_size``."""
+    return _group_of(
+        pg_collection,
+        "tp",
+        config.tensor_model_parallel_size,
+        "tensor_model_parallel_size",
+        parallel_state.get_tensor_model_parallel_group,
+    )
+
+
+def cp_group_of(
+    pg_collection: Optional[ProcessGroupCollection], config
+) -> Optional[dist.ProcessGroup]:
+    """The CP group: ``pg_collection.cp``; without a collection, ``parallel_state``'s (MPU
+    fallback) when initialized; else None (C = 1). Its size must equal
+    ``config.context_parallel_size``."""
+    return _group_of(
+        pg_collection,
+        "cp",
+        config.context_parallel_size,
+        "context_parallel_size",
+        parallel_state.get_context_parallel_group,
+    )
+
+
+def pp_rank_of(pg_collection: Optional[ProcessGroupCollection], config) -> int:
+    """This rank's pipeline rank: in ``pg_collection.pp``; without a collection,
+    ``parallel_state``'s (MPU fallback) when initialized; else 0."""
+    group = _group_of(
+        pg_collection,
+        "pp",
+        config.pipeline_model_parallel_size,
+        "pipeline_model_parallel_size",
+        parallel_state.get_pipeline_model_parallel_group,
+    )
+    return 0 if group is None else dist.get_rank(group=group)
+
+
+def group_size(group: Optional[dist.ProcessGroup]) -> int:
+    """Ranks in ``group`` (1 for None)."""
+    return 1 if group is None else dist.get_world_size(group=group)
+
+
+def group_rank(group: Optional[dist.ProcessGroup]) -> int:
+    """This rank's index in ``group`` (0 for None)."""
+    return 0 if group is None else dist.get_rank(group=group)
+
+
+def _group_of(pg_collection, field: str, size: int, size_name: str, mpu_getter):
+    if pg_collection is not None:
+        group = getattr(pg_collection, field)
+    elif parallel_state.model_parallel_is_initialized():
+        group = mpu_getter()
+    else:
+        group = None
+    actual = group_size(group)
+    if actual != size:
+        where = "pg_collection" if pg_collection is not None else "parallel_state"
+        raise ValueError(
+            f"the {field} group of {where} has {actual} rank(s) but config.{size_name} is "
+            f"{size}" + (f"; pass pg_collection.{field}" if group is None else "")
+        )
+    return group
