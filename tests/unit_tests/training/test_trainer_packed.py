@@ -16,7 +16,7 @@ from tests.unit_tests.dist_utils import assert_no_failures, reset_layout
 
 
 @pytest.mark.world(4)
-@pytest.mark.parametrize("comm", ["all_gather", "a2a"])
+@pytest.mark.parametrize("comm", ["all_gather", pytest.param("a2a", marks=pytest.mark.slow)])
 def test_packed_cp2_pp2_training_follows_the_one_process_run(comm):
     """4 iterations of packed rows at CP = 2, PP = 2 equal the one-process run (1e-5)."""
     config = TrainingConfig(

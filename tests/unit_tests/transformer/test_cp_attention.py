@@ -211,6 +211,7 @@ def test_packed_rejects_p2p_and_bad_padding():
 # ----------------------------------------------------------------------------- one process
 
 
+@pytest.mark.world(1)
 def test_bad_arguments_are_named():
     """Unknown comm types, mismatched shapes and batched THD inputs raise naming the value."""
     q = torch.zeros(8, 2, 4, 8)
@@ -224,6 +225,7 @@ def test_bad_arguments_are_named():
         context_parallel_attention(q, q, q, packed_seq_params=packed)
 
 
+@pytest.mark.world(1)
 @pytest.mark.parametrize("s_q, s_k", [(4, 4), (4, 12), (1, 9)])
 def test_kernel_causal_is_bottom_right(s_q, s_k):
     """A causal block with s_q < s_k means the queries are the last s_q positions; the CPU
@@ -250,6 +252,7 @@ def test_kernel_causal_is_bottom_right(s_q, s_k):
         assert not torch.allclose(top_left, expected, atol=1e-3)
 
 
+@pytest.mark.world(1)
 def test_merge_ignores_rows_without_keys():
     """A block whose rows have no keys reports LSE = +inf on flash kernels; merging it must
     leave the running result unchanged (and rows with no keys anywhere stay 0, not NaN).
@@ -265,6 +268,7 @@ def test_merge_ignores_rows_without_keys():
     assert not torch.isfinite(naive[0, 0, 0])
 
 
+@pytest.mark.world(1)
 def test_saved_memory_is_linear_in_sequence_length():
     """The tensors autograd keeps for backward grow linearly with s (no [s, s] or [s/C, s]
     term): doubling s doubles the saved bytes. Negative control: the oracle's grow 4x."""
