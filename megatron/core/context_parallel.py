@@ -12,7 +12,10 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-from megatron.core.device import comm_device
+from megatron.core.tensor_parallel.utils import (
+    all_gather_along_first_dim,
+    reduce_scatter_along_first_dim,
+)
 
 
 def cp_shard_positions(seq_length: int, cp_size: int, cp_rank: int) -> torch.LongTensor:
@@ -155,32 +158,17 @@ def cp_size_and_rank(cp_group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
 class _GatherFromContextParallelRegion(torch.autograd.Function):
     """Autograd wrapper of the CP all-gather along dim 0.
 
-    The backward is a reduce-scatter: sum the full gradient over ranks, keep block r.
+    The backward is a reduce-scatter: sum the full gradient over ranks, keep block r (the
+    shared collectives of ``tensor_parallel.utils``, which on gloo all-reduce a private copy).
     """
 
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         """y = cat over ranks of x_r along dim 0."""
         ctx.group = group
-        device = comm_device(group)
-        local = tensor.detach().to(device).contiguous()
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group=group))]
-        dist.all_gather(parts, local, group=group)
-        return torch.cat(parts, dim=0).to(tensor.device)
+        return all_gather_along_first_dim(tensor, group)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         """dL/dx_r = block r of sum over ranks of dL/dy."""
-        group = ctx.group
-        world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
-        device = comm_device(group)
-        if device.type == "cpu":
-            # gloo has no reduce-scatter: all-reduce a private copy, keep our block.
-            full = grad_output.to(device, copy=True).contiguous()
-            dist.all_reduce(full, group=group)
-            grad_input = full.chunk(world, dim=0)[rank]
-        else:
-            full = grad_output.to(device).contiguous()
-            grad_input = full.new_empty((full.shape[0] // world,) + tuple(full.shape[1:]))
-            dist.reduce_scatter_tensor(grad_input, full, group=group)
-        return grad_input.to(grad_output.device), None
+        return reduce_scatter_along_first_dim(grad_output, ctx.group), None

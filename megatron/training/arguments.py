@@ -16,8 +16,10 @@ from typing import Optional, Sequence
 class TrainingConfig:
     """Settings of one run (CLI flag ``--foo-bar`` is field ``foo_bar``)."""
 
-    # Layout. DP = world / (CP * PP).
+    # Layout. DP = world / (TP * CP * PP).
     nproc_per_node: Optional[int] = None
+    tensor_model_parallel_size: int = 1
+    sequence_parallel: bool = False
     context_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
@@ -33,6 +35,13 @@ class TrainingConfig:
     num_layers: int = 4
     hidden_size: int = 32
     num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None
+    ffn_hidden_size: Optional[int] = None
+    normalization: str = "LayerNorm"
+    swiglu: bool = False
+    position_embedding_type: str = "learned_absolute"
+    disable_bias_linear: bool = False
+    label_smoothing: float = 0.0
     init_method_std: float = 0.02
     untie_embeddings_and_output_weights: bool = False
     # Optimization.
@@ -57,7 +66,8 @@ class TrainingConfig:
 
 @dataclass(frozen=True)
 class Layout:
-    """A run's parallel layout: world = CP * PP * DP; M microbatches per replica per step."""
+    """A run's parallel layout: world = TP * CP * PP * DP; M microbatches per replica per
+    step."""
 
     world_size: int
     context_parallel_size: int
@@ -65,12 +75,15 @@ class Layout:
     virtual_pipeline_model_parallel_size: Optional[int]
     data_parallel_size: int
     num_microbatches: int
+    tensor_model_parallel_size: int = 1
 
     @property
     def name(self) -> str:
-        """Short name, e.g. ``cp2-pp2-vpp2-dp1``."""
+        """Short name, e.g. ``cp2-pp2-vpp2-dp1`` or ``tp2-cp2-pp1-dp1``."""
         vpp = self.virtual_pipeline_model_parallel_size
+        tp = self.tensor_model_parallel_size
         return (
+            f"{f'tp{tp}-' if tp > 1 else ''}"
             f"cp{self.context_parallel_size}-pp{self.pipeline_model_parallel_size}"
             f"{f'-vpp{vpp}' if vpp else ''}-dp{self.data_parallel_size}"
         )
@@ -79,14 +92,17 @@ class Layout:
 def validate_config(config: TrainingConfig, world_size: int) -> Layout:
     """The layout of ``config`` on ``world_size`` processes, or ValueError saying why not.
 
-    DP = world / (CP * PP); M = GBS / (micro batch * DP). Checks: positive sizes; world
-    divisible by CP * PP; seq_length divisible by 2 * CP (load-balanced CP split); layers
-    divisible by PP * VPP; GBS divisible by micro batch * DP; VPP only with PP >= 2 and a
-    microbatch count the interleaved schedule can run.
+    DP = world / (TP * CP * PP); M = GBS / (micro batch * DP). Checks: positive sizes;
+    world divisible by TP * CP * PP; seq_length divisible by 2 * CP (load-balanced CP
+    split), times TP under sequence parallelism; heads, query groups, FFN size and
+    vocabulary divisible by TP; sequence parallelism only with TP > 1; layers divisible by
+    PP * VPP; GBS divisible by micro batch * DP; VPP only with PP >= 2 and a microbatch
+    count the interleaved schedule can run.
     """
     c = config
     for flag, value in [
         ("--nproc-per-node", world_size),
+        ("--tp", c.tensor_model_parallel_size),
         ("--cp", c.context_parallel_size),
         ("--pp", c.pipeline_model_parallel_size),
         ("--micro-batch-size", c.micro_batch_size),
@@ -99,22 +115,26 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
         _require(
             isinstance(value, int) and value >= 1, f"{flag} must be an integer >= 1, got {value}"
         )
-    cp, pp, vpp = (
+    tp, cp, pp, vpp = (
+        c.tensor_model_parallel_size,
         c.context_parallel_size,
         c.pipeline_model_parallel_size,
         c.virtual_pipeline_model_parallel_size,
     )
+    model_parallel = tp * cp * pp
+    sizes = f"--cp {cp} x --pp {pp}" if tp == 1 else f"--tp {tp} x --cp {cp} x --pp {pp}"
     _require(
-        world_size % (cp * pp) == 0,
-        f"world size {world_size} is not divisible by --cp {cp} x --pp {pp} = {cp * pp}; "
-        f"use a multiple of {cp * pp} processes",
+        world_size % model_parallel == 0,
+        f"world size {world_size} is not divisible by {sizes} = {model_parallel}; "
+        f"use a multiple of {model_parallel} processes",
     )
-    dp = world_size // (cp * pp)
+    dp = world_size // model_parallel
     _require(
         c.seq_length >= 4 and c.seq_length % (2 * cp) == 0,
         f"--seq-length {c.seq_length} must be >= 4 and divisible by 2 x --cp = {2 * cp} "
         f"(context parallelism splits each sequence into 2C equal chunks)",
     )
+    _check_tensor_parallel(c)
     if vpp is not None:
         _require(isinstance(vpp, int) and vpp >= 1, f"--vpp must be an integer >= 1, got {vpp}")
         _require(pp >= 2, f"--vpp {vpp} needs pipeline parallelism: --pp must be >= 2, got {pp}")
@@ -188,14 +208,73 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
         c.distributed_backend in ("auto", "gloo", "nccl"),
         f"--distributed-backend must be auto, gloo or nccl, got {c.distributed_backend!r}",
     )
-    return Layout(world_size, cp, pp, vpp, dp, num_microbatches)
+    return Layout(world_size, cp, pp, vpp, dp, num_microbatches, tp)
+
+
+def _check_tensor_parallel(c: TrainingConfig) -> None:
+    """The model options and the sizes TP splits: heads, query groups, FFN, vocabulary; the
+    sequence under sequence parallelism (2C chunks, each split over TP)."""
+    tp, cp = c.tensor_model_parallel_size, c.context_parallel_size
+    _require(
+        c.normalization in ("LayerNorm", "RMSNorm"),
+        f"--normalization must be LayerNorm or RMSNorm, got {c.normalization!r}",
+    )
+    _require(
+        c.position_embedding_type in ("learned_absolute", "rope"),
+        f"--position-embedding-type must be learned_absolute or rope, got "
+        f"{c.position_embedding_type!r}",
+    )
+    _require(
+        0.0 <= c.label_smoothing < 1.0,
+        f"--label-smoothing must be in [0, 1), got {c.label_smoothing}",
+    )
+    _require(
+        not c.sequence_parallel or tp > 1,
+        f"--sequence-parallel needs tensor parallelism: --tp must be > 1, got {tp}",
+    )
+    heads = c.num_attention_heads
+    _require(
+        heads % tp == 0,
+        f"--num-attention-heads {heads} is not divisible by --tp {tp}",
+    )
+    groups = heads if c.num_query_groups is None else c.num_query_groups
+    _require(
+        isinstance(groups, int) and groups >= 1 and heads % groups == 0,
+        f"--num-query-groups {groups} must be an integer >= 1 dividing --num-attention-heads "
+        f"{heads}",
+    )
+    _require(groups % tp == 0, f"--num-query-groups {groups} is not divisible by --tp {tp}")
+    ffn = 4 * c.hidden_size if c.ffn_hidden_size is None else c.ffn_hidden_size
+    _require(
+        isinstance(ffn, int) and ffn >= 1 and ffn % tp == 0,
+        f"--ffn-hidden-size {ffn} must be an integer >= 1 divisible by --tp {tp}",
+    )
+    _require(
+        c.vocab_size % tp == 0,
+        f"--vocab-size {c.vocab_size} is not divisible by --tp {tp}",
+    )
+    if c.position_embedding_type == "rope":
+        head_dim = c.hidden_size // heads
+        _require(
+            head_dim % 2 == 0,
+            f"--position-embedding-type rope needs an even head size, got --hidden-size "
+            f"{c.hidden_size} / --num-attention-heads {heads} = {head_dim}",
+        )
+    if c.sequence_parallel:
+        _require(
+            c.seq_length % (2 * cp * tp) == 0,
+            f"--seq-length {c.seq_length} is not divisible by --tp {tp} x 2 x --cp {cp} = "
+            f"{2 * cp * tp} (sequence parallelism splits each of the 2C chunks over TP)",
+        )
 
 
 def single_process_config(config: TrainingConfig) -> TrainingConfig:
-    """The same run on one process: CP = PP = 1, no VPP, no comparison, no metrics."""
+    """The same run on one process: TP = CP = PP = 1, no VPP, no comparison, no metrics."""
     changes = {f.name: getattr(config, f.name) for f in fields(config)}
     changes.update(
         nproc_per_node=1,
+        tensor_model_parallel_size=1,
+        sequence_parallel=False,
         context_parallel_size=1,
         pipeline_model_parallel_size=1,
         virtual_pipeline_model_parallel_size=None,
@@ -226,6 +305,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.nproc_per_node,
         help="processes to launch (with torch.distributed.run) when not already under "
         "torchrun; default: 1. Under torchrun it must match the launch, or be left out",
+    )
+    layout.add_argument(
+        "--tp",
+        "--tensor-model-parallel-size",
+        dest="tensor_model_parallel_size",
+        type=int,
+        metavar="T",
+        default=d.tensor_model_parallel_size,
+        help="tensor-parallel size T (heads, FFN and vocabulary split over T ranks)",
+    )
+    layout.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tp > 1: norms, dropout and residuals on a 1/T share of the sequence",
     )
     layout.add_argument(
         "--cp",
@@ -290,6 +383,47 @@ def build_parser() -> argparse.ArgumentParser:
     _add(model, "--num-layers", int, d.num_layers, "transformer layers")
     _add(model, "--hidden-size", int, d.hidden_size, "hidden size")
     _add(model, "--num-attention-heads", int, d.num_attention_heads, "attention heads")
+    model.add_argument(
+        "--num-query-groups",
+        type=int,
+        default=d.num_query_groups,
+        help="key/value head groups (grouped-query attention); default: one per head",
+    )
+    model.add_argument(
+        "--ffn-hidden-size",
+        type=int,
+        default=d.ffn_hidden_size,
+        help="MLP hidden size; default: 4 x hidden size",
+    )
+    model.add_argument(
+        "--normalization",
+        choices=["LayerNorm", "RMSNorm"],
+        default=d.normalization,
+        help="normalization layer",
+    )
+    model.add_argument(
+        "--swiglu",
+        action="store_true",
+        help="gated MLP silu(x W_gate) * (x W_up) instead of gelu(x W_1)",
+    )
+    model.add_argument(
+        "--position-embedding-type",
+        choices=["learned_absolute", "rope"],
+        default=d.position_embedding_type,
+        help="learned absolute positions or rotary embeddings",
+    )
+    model.add_argument(
+        "--disable-bias-linear",
+        action="store_true",
+        help="no biases in the linear layers",
+    )
+    _add(
+        model,
+        "--label-smoothing",
+        float,
+        d.label_smoothing,
+        "label smoothing of the cross-entropy over the whole vocabulary",
+    )
     _add(model, "--init-method-std", float, d.init_method_std, "std of initial weights")
     model.add_argument(
         "--untie-embeddings-and-output-weights",

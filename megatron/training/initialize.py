@@ -56,6 +56,7 @@ def initialize_model_parallel_groups(layout: Layout) -> ProcessGroupCollection:
     """``initialize_model_parallel`` for ``layout``; returns its groups as a collection."""
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tensor_model_parallel_size,
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
         context_parallel_size=layout.context_parallel_size,

@@ -9,6 +9,7 @@ layout starts from the same model.
 from typing import List, Optional
 
 import torch
+import torch.nn.functional as F
 
 from megatron.core.distributed import (
     DistributedDataParallel,
@@ -42,12 +43,13 @@ def build_model(
         stage = vp_stage * pp + pp_rank
         gpt = GPTModel(
             config=transformer_config,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
+            transformer_layer_spec=get_gpt_layer_local_spec(normalization=config.normalization),
             vocab_size=config.vocab_size,
             max_sequence_length=config.seq_length,
             pre_process=stage == 0,
             post_process=stage == last_stage,
             share_embeddings_and_output_weights=not config.untie_embeddings_and_output_weights,
+            position_embedding_type=config.position_embedding_type,
             vp_stage=vp_stage if vpp else None,
             pg_collection=pg_collection,
             seed=config.seed,
@@ -70,11 +72,21 @@ def build_model(
 
 
 def transformer_config_from(config: TrainingConfig, layout: Layout) -> TransformerConfig:
-    """The TransformerConfig of a run: float32, no dropout, the layout's parallel sizes."""
+    """The TransformerConfig of a run: float32, no dropout, the layout's parallel sizes, the
+    architecture flags (``--swiglu``: gated linear unit with silu)."""
     return TransformerConfig(
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,
         num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.num_query_groups,
+        ffn_hidden_size=config.ffn_hidden_size,
+        normalization=config.normalization,
+        gated_linear_unit=config.swiglu,
+        activation_func=F.silu if config.swiglu else F.gelu,
+        add_bias_linear=not config.disable_bias_linear,
+        label_smoothing=config.label_smoothing,
+        tensor_model_parallel_size=layout.tensor_model_parallel_size,
+        sequence_parallel=config.sequence_parallel,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=config.init_method_std,

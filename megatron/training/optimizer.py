@@ -2,10 +2,11 @@
 
 The parameters are their own fp32 master weights (float32 on CPU). After
 ``finalize_model_grads`` a parameter's ``main_grad`` is identical on every rank of its
-dp x cp group, so the global norm sums squares over the pipeline group only, and counts the
-tied output-layer copy (marked ``shared``) once:
+dp x cp group, so the global norm sums squares over the pipeline and tensor-parallel groups
+only, and counts the tied output-layer copy (marked ``shared``) once and a parameter
+replicated over TP once (on TP rank 0), each TP shard once:
 
-    ||g|| = sqrt( sum over pipeline ranks p of sum over p's unshared params of ||g||^2 )
+    ||g|| = sqrt( sum over pipeline and TP ranks of the squares of their counted params )
 """
 
 import math
@@ -41,10 +42,18 @@ class FP32AdamOptimizer:
         weight_decay: float = 0.0,
         clip_grad: float = 1.0,
         pp_group: Optional[dist.ProcessGroup] = None,
+        tp_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         self.params = [p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad]
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
-        self.clip_grad, self.pp_group = clip_grad, pp_group
+        self.clip_grad, self.pp_group, self.tp_group = clip_grad, pp_group, tp_group
+        tp_rank = 0 if tp_group is None else tp_group.rank()
+        self.norm_params = [
+            p
+            for p in self.params
+            if param_is_not_shared(p)
+            and (tp_rank == 0 or getattr(p, "tensor_model_parallel", False))
+        ]
         self.exp_avg = [torch.zeros_like(p) for p in self.params]
         self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]
         self.step_count = 0
@@ -53,9 +62,9 @@ class FP32AdamOptimizer:
     def step(self) -> float:
         """Clip and apply this iteration's ``main_grad``; returns the unclipped norm."""
         grads = [p.main_grad for p in self.params]
-        norm = get_grad_norm_fp32(
-            [p.main_grad for p in self.params if param_is_not_shared(p)], self.pp_group
-        )
+        norm = get_grad_norm_fp32([p.main_grad for p in self.norm_params], self.pp_group)
+        if self.tp_group is not None and self.tp_group.size() > 1:
+            norm = _sum_of_squares_over(norm, self.tp_group)
         if self.clip_grad > 0:
             clip_grad_by_total_norm_fp32(grads, self.clip_grad, norm)
         self.step_count += 1
@@ -83,6 +92,13 @@ def get_grad_norm_fp32(grads: List[torch.Tensor], pp_group: Optional[dist.Proces
         total += grad.detach().double().square().sum().to(total.device)
     if pp_group is not None and pp_group.size() > 1:
         dist.all_reduce(total, group=pp_group)
+    return math.sqrt(total.item())
+
+
+def _sum_of_squares_over(norm: float, group: dist.ProcessGroup) -> float:
+    """sqrt(sum over ``group`` of norm^2)."""
+    total = torch.tensor(norm * norm, dtype=torch.float64, device=comm_device(group))
+    dist.all_reduce(total, group=group)
     return math.sqrt(total.item())
 
 

@@ -127,6 +127,7 @@ def train(
         weight_decay=config.weight_decay,
         clip_grad=config.clip_grad,
         pp_group=None if pg_collection is None else pg_collection.pp,
+        tp_group=None if pg_collection is None else pg_collection.tp,
     )
     dataset_class = PackedSFTDataset if config.pack_sequences else SFTDataset
     dataset = dataset_class(config.seq_length, config.vocab_size, config.seed)

@@ -1,7 +1,7 @@
 """Helpers for distributed tests: layouts, shared failure reports, relative errors."""
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional
 
 import torch
@@ -14,32 +14,37 @@ WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
 
 @dataclass(frozen=True)
 class Layout:
-    """A parallel layout: context, pipeline, virtual-pipeline and data-parallel sizes."""
+    """A parallel layout: context, pipeline, virtual-pipeline and data-parallel sizes, and
+    tensor parallelism (``tp``) with or without sequence parallelism (``sp``)."""
 
     cp: int = 1
     pp: int = 1
     vpp: Optional[int] = None
     dp: int = 1
+    tp: int = 1
+    sp: bool = False
 
     @property
     def world(self) -> int:
-        return self.cp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def id(self) -> str:
         vpp = f"-vpp{self.vpp}" if self.vpp else ""
-        return f"cp{self.cp}-pp{self.pp}{vpp}-dp{self.dp}"
+        tp = f"tp{self.tp}{'-sp' if self.sp else ''}-" if self.tp > 1 else ""
+        return f"{tp}cp{self.cp}-pp{self.pp}{vpp}-dp{self.dp}"
 
 
 def use_layout(layout: Layout) -> None:
     """Make ``layout`` the parallel_state layout (no-op when parallel_state already has it)."""
     if layout.world != WORLD_SIZE:
         raise ValueError(f"layout {layout.id} needs {layout.world} ranks, world is {WORLD_SIZE}")
-    if current_layout() == layout:
+    if current_layout() == replace(layout, sp=False):
         return
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tp,
             pipeline_model_parallel_size=layout.pp,
             virtual_pipeline_model_parallel_size=layout.vpp,
             context_parallel_size=layout.cp,
@@ -47,12 +52,12 @@ def use_layout(layout: Layout) -> None:
 
 
 def current_layout() -> Optional[Layout]:
-    """The layout parallel_state holds now (None when not initialized)."""
+    """The layout parallel_state holds now (None when not initialized; ``sp`` is not part
+    of parallel_state and reads False)."""
     if not (dist.is_initialized() and parallel_state.model_parallel_is_initialized()):
         return None
-    if parallel_state.get_tensor_model_parallel_world_size() != 1:
-        return None
     return Layout(
+        tp=parallel_state.get_tensor_model_parallel_world_size(),
         cp=parallel_state.get_context_parallel_world_size(),
         pp=parallel_state.get_pipeline_model_parallel_world_size(),
         vpp=parallel_state.get_virtual_pipeline_model_parallel_world_size(),

@@ -40,6 +40,12 @@ def finalize_model_grads(
             "finalize_model_grads: num_tokens is given (per-token mode) but pg_collection has "
             f"no dp_cp group to sum it over; got {pg_collection!r}"
         )
+    if pg_collection is not None and pg_collection.tp is None and _has_tp_summed_params(model):
+        raise ValueError(
+            "finalize_model_grads: parameters marked sequence_parallel need their gradients "
+            "summed over the tensor-parallel group (tensor_model_parallel_size > 1), but "
+            f"pg_collection has no tp group; got {pg_collection!r}"
+        )
     for chunk in model:
         chunk.finish_grad_sync(force_all_reduce=force_all_reduce)
     if groups is not None:
@@ -85,6 +91,14 @@ def _allreduce_sequence_parallel_grads(
         dist.all_reduce(flat, group=tp_group)
         for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
             grad.copy_(reduced)
+
+
+def _has_tp_summed_params(model: List[torch.nn.Module]) -> bool:
+    """Whether the model runs with TP > 1 and has parameters marked ``sequence_parallel``."""
+    config = getattr(model[0], "config", None) if model else None
+    if getattr(config, "tensor_model_parallel_size", 1) <= 1:
+        return False
+    return any(getattr(p, "sequence_parallel", False) for c in model for p in c.parameters())
 
 
 def _allreduce_word_embedding_grads(model: List[torch.nn.Module], groups) -> None:

@@ -637,11 +637,15 @@ class _Run:
             self.config.timers("forward-backward", log_level=1).start()
 
     def tensor_shape(self, seq_length: int, micro_batch_size: int) -> List[int]:
-        """Pipeline message shape ``(seq_length // C, micro_batch_size, hidden_size)``."""
+        """Pipeline message shape ``(seq_length // (C * T), micro_batch_size, hidden_size)``,
+        T = the tensor-parallel size under sequence parallelism, else 1 (megatron-core's)."""
         cp = self.cp_size
+        if getattr(self.config, "sequence_parallel", False):
+            cp *= self.config.tensor_model_parallel_size
         if seq_length % cp and not self.config.variable_seq_lengths:
             raise ValueError(
-                f"seq_length={seq_length} is not divisible by the context-parallel size {cp}"
+                f"seq_length={seq_length} is not divisible by the context-parallel size "
+                f"{self.cp_size} (x the tensor-parallel size under sequence parallelism)"
             )
         return [seq_length // cp, micro_batch_size, self.config.hidden_size]
 

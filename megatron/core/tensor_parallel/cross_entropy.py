@@ -12,8 +12,8 @@ entries share eps, i.e. s = eps V / (V - 1)):
     dloss/dz_j = p_j - (1 - s) [j = t] - s / V,   p_j = exp(z_j - m) / S
 
 V is the full vocabulary size (the partition size times T), never the partition's, and
-the mean of the log-probabilities is over the full vocabulary. Three numbers per token are
-summed over the group in one all-reduce (S, z_t - m and sum_j (z_j - m)), after one MAX
+the mean of the log-probabilities is over the full vocabulary. Per token, S and z_t - m (and
+with smoothing sum_j (z_j - m)) are summed over the group in one all-reduce, after one MAX
 all-reduce for m. The caller's logits are never modified; computation is in float32 (float64
 for float64 logits). Groups: ``tp_group`` when given, else the MPU fallback
 (``parallel_state``'s TP group when initialized, else one rank).
@@ -145,12 +145,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_mask, masked_target_1d, predicted, sum_exp, exp_logits = (
             steps.calculate_predicted_logits(logits, target, logits_max, start, end)
         )
-        # One SUM all-reduce for the three per-token sums over the vocabulary.
-        sum_shifted = (logits - logits_max.unsqueeze(-1)).sum(-1)
-        sums = torch.stack([sum_exp, predicted, sum_shifted])
+        # One SUM all-reduce for the per-token sums over the vocabulary (with smoothing also
+        # the sum of the shifted logits).
+        parts = [sum_exp, predicted]
+        if label_smoothing > 0:
+            parts.append((logits - logits_max.unsqueeze(-1)).sum(-1))
+        sums = torch.stack(parts)
         if world_size > 1:
             sums = _all_reduce(sums, group, dist.ReduceOp.SUM)
-        sum_exp, predicted, sum_shifted = sums.unbind(0)
+        sum_exp, predicted = sums[0], sums[1]
         softmax, loss = steps.calculate_cross_entropy_loss(exp_logits, predicted, sum_exp)
         smoothing = 0.0
         if label_smoothing > 0:
@@ -161,7 +164,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                     f"least 2 entries, got {smoothing_vocab}"
                 )
             smoothing = label_smoothing * smoothing_vocab / (smoothing_vocab - 1)
-            mean_log_probs = sum_shifted / smoothing_vocab - sum_exp.log()
+            mean_log_probs = sums[2] / smoothing_vocab - sum_exp.log()
             loss = (1.0 - smoothing) * loss - smoothing * mean_log_probs
             vocab_size = smoothing_vocab
         ctx.smoothing, ctx.vocab_size = smoothing, vocab_size

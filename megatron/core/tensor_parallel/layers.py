@@ -143,6 +143,32 @@ def linear_with_grad_accumulation_and_async_allreduce(
     )
 
 
+def linear_with_frozen_weight(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    gradient_accumulation_fusion: bool,
+    allreduce_dgrad: bool,
+    sequence_parallel: bool,
+    tp_group: Optional[torch.distributed.ProcessGroup],
+    grad_output_buffer: Optional[List[torch.Tensor]] = None,
+    wgrad_deferral_limit: None = None,
+    async_grad_allreduce: Optional[bool] = None,
+) -> torch.Tensor:
+    """``linear_with_grad_accumulation_and_async_allreduce`` for a weight that takes no
+    gradient (the same function skips dL/dW when ``weight.requires_grad`` is False)."""
+    return linear_with_grad_accumulation_and_async_allreduce(
+        input,
+        weight,
+        bias,
+        gradient_accumulation_fusion,
+        allreduce_dgrad,
+        sequence_parallel,
+        grad_output_buffer=grad_output_buffer,
+        tp_group=tp_group,
+    )
+
+
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     """Autograd of ``linear_with_grad_accumulation_and_async_allreduce``.
 
@@ -163,28 +189,34 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        """dL/dX, dL/dW, dL/db (see the class docstring)."""
+        """dL/dX, dL/dW, dL/db (see the class docstring). On GPUs the communication overlaps
+        the GEMMs: the SP re-gather of X with the dL/dX GEMM, and the dL/dX all-reduce or
+        reduce-scatter with the dL/dW GEMM."""
         input, weight = ctx.saved_tensors
         group = ctx.group
+        wgrad = ctx.needs_input_grad[1]
+        total_input, gather = input, None
+        if ctx.sequence_parallel and wgrad:
+            total_input, gather = _start_gather_along_first_dim(input, group)
         grad_input = grad_output.matmul(weight)
-        handle = None
+        if gather is not None:
+            gather.wait()
+
+        pending, full_grad_input = None, None
         if ctx.allreduce_dgrad:
             grad_input = grad_input.contiguous()
-            if grad_input.device == comm_device(group):
-                # our own tensor: in place, overlapped with the dL/dW GEMM (async on GPUs)
-                handle = dist.all_reduce(grad_input, group=group, async_op=grad_input.is_cuda)
+            if grad_input.device == comm_device(group):  # our own tensor: reduce in place
+                pending = dist.all_reduce(grad_input, group=group, async_op=grad_input.is_cuda)
             else:
                 grad_input = all_reduce_copy(grad_input, group)
         elif ctx.sequence_parallel:
-            grad_input = reduce_scatter_along_first_dim(grad_input, group)
+            full_grad_input = grad_input  # kept alive until the reduce-scatter is done
+            grad_input, pending = _start_reduce_scatter_along_first_dim(grad_input, group)
 
         grad_weight = grad_bias = None
-        if ctx.needs_input_grad[1] or ctx.has_bias:
+        if wgrad or ctx.has_bias:
             grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
-        if ctx.needs_input_grad[1]:
-            total_input = (
-                all_gather_along_first_dim(input, group) if ctx.sequence_parallel else input
-            )
+        if wgrad:
             input_2d = total_input.reshape(-1, total_input.shape[-1])
             if ctx.fusion:
                 accumulate_weight_grad(weight.main_grad, grad_2d, input_2d)
@@ -194,8 +226,9 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
                 grad_weight = grad_2d.t().matmul(input_2d)
         if ctx.has_bias:
             grad_bias = grad_2d.sum(dim=0)
-        if handle is not None:
-            handle.wait()
+        if pending is not None:
+            pending.wait()
+        del full_grad_input
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
@@ -573,6 +606,34 @@ def _initialize_from_full_weight(
     with torch.no_grad():
         weight.copy_(torch.cat(mine, dim=partition_dim))
     return master
+
+
+def _start_gather_along_first_dim(tensor: torch.Tensor, group):
+    """(all-gather of ``tensor`` along dim 0, pending work or None): asynchronous when the
+    tensor is on the group's CUDA device, else done at once."""
+    if tensor.is_cuda and comm_device(group) == tensor.device:
+        local = tensor.contiguous()
+        size = dist.get_world_size(group=group)
+        out = local.new_empty((local.shape[0] * size,) + tuple(local.shape[1:]))
+        return out, dist.all_gather_into_tensor(out, local, group=group, async_op=True)
+    return all_gather_along_first_dim(tensor, group), None
+
+
+def _start_reduce_scatter_along_first_dim(tensor: torch.Tensor, group):
+    """(this rank's dim-0 block of the sum over ``group``, pending work or None):
+    asynchronous on the group's CUDA device (``tensor`` must stay alive until it is done),
+    else done at once."""
+    if tensor.is_cuda and comm_device(group) == tensor.device:
+        full = tensor.contiguous()
+        size = dist.get_world_size(group=group)
+        if full.shape[0] % size != 0:
+            raise ValueError(
+                f"reduce-scatter along dim 0: size {full.shape[0]} must be divisible by the "
+                f"group size ({size})"
+            )
+        out = full.new_empty((full.shape[0] // size,) + tuple(full.shape[1:]))
+        return out, dist.reduce_scatter_tensor(out, full, group=group, async_op=True)
+    return reduce_scatter_along_first_dim(tensor, group), None
 
 
 def _param_device(config: ModelParallelConfig, group) -> torch.device:

@@ -140,6 +140,7 @@ class CudaRNGStatesTracker:
         self.states_: Dict[str, torch.Tensor] = {}
         self.seeds_ = set()
         self._device = None
+        self._current: Optional[str] = None  # the stream a fork is running, if any
 
     def get_states(self) -> Dict[str, torch.Tensor]:
         """A new dict of the current states (the state tensors themselves are not changed
@@ -175,12 +176,17 @@ class CudaRNGStatesTracker:
             raise KeyError(f"CudaRNGStatesTracker.fork: rng state {name!r} is not added")
         device = self._device or _rng_device()
         original = _get_rng_state(device)
+        outer = self._current
+        if outer is not None:  # nested fork: the outer stream's advanced state is current
+            self.states_[outer] = original
         _set_rng_state(self.states_[name], device)
+        self._current = name
         try:
             yield
         finally:
             self.states_[name] = _get_rng_state(device)
-            _set_rng_state(original, device)
+            self._current = outer
+            _set_rng_state(self.states_[outer] if outer is not None else original, device)
 
 
 def convert_cuda_rng_state(

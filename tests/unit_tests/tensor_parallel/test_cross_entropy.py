@@ -20,7 +20,13 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel as tp
 from megatron.core.tensor_parallel import cross_entropy
 from tests.unit_tests.dist_utils import WORLD_SIZE, assert_no_failures, rel_error
-from tests.unit_tests.tensor_parallel.tp_reference import TOL, block, seeded, world_group
+from tests.unit_tests.tensor_parallel.tp_reference import (
+    TOL,
+    block,
+    on_device,
+    seeded,
+    world_group,
+)
 
 pytestmark = [pytest.mark.world(2, 4), pytest.mark.timeout(120)]
 
@@ -48,10 +54,12 @@ def _inputs():
 def _vocab_parallel_failures(eps):
     group, T, rank = world_group()
     logits_full, target, weights = _inputs()
-    local = block(logits_full, -1, rank, T).clone().requires_grad_()
+    local = on_device(block(logits_full, -1, rank, T)).requires_grad_()
     before = local.detach().clone()
-    loss = tp.vocab_parallel_cross_entropy(local, target, label_smoothing=eps, tp_group=group)
-    loss.backward(weights)
+    loss = tp.vocab_parallel_cross_entropy(
+        local, on_device(target), label_smoothing=eps, tp_group=group
+    )
+    loss.backward(on_device(weights))
     ref_loss, ref_logits = _dense(logits_full, target, eps)
     ref_loss.backward(weights)
     failures = []
@@ -85,7 +93,7 @@ def test_mpu_fallback_matches_explicit_group():
 
     group, T, rank = world_group()
     logits_full, target, _ = _inputs()
-    local = block(logits_full, -1, rank, T)
+    local, target = on_device(block(logits_full, -1, rank, T)), on_device(target)
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=WORLD_SIZE)
     try:
@@ -100,7 +108,8 @@ def _gathered_vs_parallel(gather):
     """Rule 2: failures comparing gathered-logit loss/grad with the vocab-parallel ones."""
     group, T, rank = world_group()
     logits_full, target, weights = _inputs()
-    a = block(logits_full, -1, rank, T).clone().requires_grad_()
+    target, weights = on_device(target), on_device(weights)
+    a = on_device(block(logits_full, -1, rank, T)).requires_grad_()
     b = a.detach().clone().requires_grad_()
     parallel = tp.vocab_parallel_cross_entropy(a, target, tp_group=group)
     (parallel * weights).sum().backward()
@@ -131,8 +140,8 @@ def test_negative_control_gather_summing_grads_fails():
 
 def test_bad_label_smoothing_and_target_shape():
     group = world_group()[0]
-    logits = torch.zeros(S, B, 4)
-    target = torch.zeros(S, B, dtype=torch.long)
+    logits = on_device(torch.zeros(S, B, 4))
+    target = on_device(torch.zeros(S, B, dtype=torch.long))
     with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 1\), got 1.0"):
         tp.vocab_parallel_cross_entropy(logits, target, 1.0, tp_group=group)
     with pytest.raises(ValueError, match=r"target must have .*\(5, 3\); got \(3, 5\)"):

@@ -31,6 +31,7 @@ from tests.unit_tests.tensor_parallel.tp_reference import (
     TOL,
     block,
     full_weight,
+    on_device,
     seeded,
     world_group,
 )
@@ -100,10 +101,10 @@ def _run_mlp(config, group, fused=False):
     if fused:
         for layer in (fc1, fc2):
             layer.weight.main_grad = torch.zeros_like(layer.weight)
-    x = (block(x_full, 0, rank, tp) if sp else x_full).clone().requires_grad_()
+    x = on_device(block(x_full, 0, rank, tp) if sp else x_full).requires_grad_()
     hidden, _ = fc1(x)
     out, _ = fc2(F.gelu(hidden))
-    out.backward(block(g_full, 0, rank, tp) if sp else g_full)
+    out.backward(on_device(block(g_full, 0, rank, tp) if sp else g_full))
 
     ref_out, (rx, w1, b1, w2, b2) = _dense_mlp(x_full)
     ref_out.backward(g_full)
@@ -138,6 +139,25 @@ def test_column_row_mlp_equals_dense(sp, fused):
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
+def test_frozen_weight_gets_no_gradient_and_input_grad_is_dense(sp):
+    """A weight with requires_grad=False: no weight gradient, input gradient unchanged."""
+    group, tp, rank = world_group()
+    fc1, fc2 = _mlp(_config(sp), group)
+    fc1.weight.requires_grad_(False)
+    x_full, g_full = seeded((S, B, H), 1), seeded((S, B, H), 2)
+    local = (lambda t: block(t, 0, rank, tp)) if sp else (lambda t: t)
+    x = on_device(local(x_full)).requires_grad_()
+    out, _ = fc2(F.gelu(fc1(x)[0]))
+    out.backward(on_device(local(g_full)))
+    ref_out, (rx, *_) = _dense_mlp(x_full)
+    ref_out.backward(g_full)
+    failures = [] if fc1.weight.grad is None else ["frozen weight got a gradient"]
+    if not rel_error(x.grad, local(rx.grad)) <= TOL:
+        failures.append(f"input grad rel error {rel_error(x.grad, local(rx.grad)):.2e}")
+    assert_no_failures(failures)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
 def test_mpu_fallback_uses_parallel_state_tp_group(sp):
     """tp_group=None: the layers take parallel_state's TP group (here the whole world)."""
     parallel_state.destroy_model_parallel()
@@ -164,7 +184,7 @@ def test_gather_output_and_skip_bias_add():
         tp_group=group,
     )
     x = seeded((S, B, H), 1)
-    out, bias = fc(x)
+    out, bias = fc(on_device(x))
     expected = F.linear(x, full_weight((F_, H), 0))
     failures = [] if rel_error(out, expected) <= TOL else ["gathered output differs"]
     if bias is not fc.bias:
@@ -187,8 +207,8 @@ def test_vocab_parallel_embedding_equals_dense(sp):
     )
     ids = torch.randint(0, vocab, (B, S), generator=torch.Generator().manual_seed(4))
     g_full = seeded((S, B, H), 5)
-    out = emb(ids)
-    out.backward(block(g_full, 0, rank, tp) if sp else g_full.transpose(0, 1))
+    out = emb(on_device(ids))
+    out.backward(on_device(block(g_full, 0, rank, tp) if sp else g_full.transpose(0, 1)))
 
     weight = full_weight((vocab, H), 3).requires_grad_()
     ref = F.embedding(ids, weight).transpose(0, 1)  # [s, b, h]
@@ -325,7 +345,7 @@ def test_sequence_not_divisible_under_sp_raises_before_any_collective():
     )
     odd = S + 1
     with pytest.raises(ValueError, match=rf"size {odd}.*not divisible by the tensor-parallel"):
-        fc2(torch.ones(odd, B, F_ // tp, dtype=torch.float64))
+        fc2(on_device(torch.ones(odd, B, F_ // tp, dtype=torch.float64)))
     with pytest.raises(ValueError, match=rf"size {odd}.*not divisible by the tensor-parallel"):
-        scatter_to_sequence_parallel_region(torch.ones(odd, B, H), group=group)
+        scatter_to_sequence_parallel_region(on_device(torch.ones(odd, B, H)), group=group)
     dist.barrier()  # every rank is still in step

@@ -1,8 +1,9 @@
 """Shared pieces of the tensor-parallel tests: the TP group (the whole world), seeded full
 tensors every rank agrees on, and this rank's slices of them.
 
-The dense references are plain torch on the full float64 tensors; they never call the
-code under test.
+The dense references are plain torch on the full float64 CPU tensors; they never call the
+code under test. Inputs of the code under test go to ``device()`` (CPU under gloo, this
+rank's GPU under ``TEST_BACKEND=nccl``).
 """
 
 from typing import Callable, Tuple
@@ -10,6 +11,7 @@ from typing import Callable, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core.device import comm_device
 from tests.unit_tests.dist_utils import WORLD_SIZE
 
 TOL = 1e-10  # float64 parity
@@ -18,6 +20,16 @@ TOL = 1e-10  # float64 parity
 def world_group() -> Tuple[dist.ProcessGroup, int, int]:
     """(the world group used as the TP group, T, this rank)."""
     return dist.group.WORLD, WORLD_SIZE, dist.get_rank()
+
+
+def device() -> torch.device:
+    """The device the default group's backend uses (the layers put their parameters there)."""
+    return comm_device()
+
+
+def on_device(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` on ``device()``."""
+    return tensor.to(device(), copy=True)
 
 
 def seeded(shape, seed: int, dtype=torch.float64) -> torch.Tensor:

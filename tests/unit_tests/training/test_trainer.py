@@ -93,6 +93,56 @@ def test_per_shard_normalization_drifts_from_the_one_process_run():
     assert_no_failures(failures)
 
 
+TP_RUNS = [
+    # GPT-2 style with sequence parallelism on 4 ranks; Llama style (RMSNorm, SwiGLU, RoPE,
+    # grouped-query attention, no biases, untied, label smoothing) on 8 ranks with PP = 2
+    pytest.param(
+        dict(tensor_model_parallel_size=2, context_parallel_size=2, sequence_parallel=True),
+        marks=pytest.mark.world(4),
+        id="tp2-sp-cp2-gpt2",
+    ),
+    pytest.param(
+        dict(
+            tensor_model_parallel_size=2,
+            context_parallel_size=2,
+            pipeline_model_parallel_size=2,
+            sequence_parallel=True,
+            normalization="RMSNorm",
+            swiglu=True,
+            position_embedding_type="rope",
+            num_query_groups=2,
+            disable_bias_linear=True,
+            untie_embeddings_and_output_weights=True,
+            label_smoothing=0.1,
+        ),
+        marks=pytest.mark.world(8),
+        id="tp2-sp-cp2-pp2-llama",
+    ),
+]
+
+
+@pytest.mark.parametrize("changes", TP_RUNS)
+def test_tensor_parallel_training_follows_the_one_process_run(changes):
+    """3 iterations with tensor (and sequence) parallelism: the comparison with the
+    one-process run PASSes within 1e-5 and every rank logs the same loss."""
+    config = TrainingConfig(
+        train_iters=3, compare_single_process=True, compare_tolerance=1e-5, progress=False,
+        **changes,
+    )  # fmt: skip
+    reset_layout()
+    try:
+        result = pretrain(config)
+    finally:
+        reset_layout()
+    failures = [] if result.passed else ["the comparison with the one-process run failed"]
+    losses = [r["loss"] for r in result.records]
+    everyone: List[Optional[List[float]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, losses)
+    if any(other != everyone[0] for other in everyone):
+        failures.append(f"ranks log different losses: {everyone}")
+    assert_no_failures(failures)
+
+
 # ----------------------------------------------------------------------------- one process
 
 
@@ -219,6 +269,41 @@ def test_global_batches_and_microbatches_do_not_depend_on_the_layout():
         ),
         (dict(hidden_size=30), 1, r"--hidden-size 30 is not divisible by --num-attention-heads 4"),
         (dict(micro_batch_size=0), 1, r"--micro-batch-size must be an integer >= 1, got 0"),
+        (dict(tensor_model_parallel_size=2), 3, r"world size 3 .* --tp 2 x --cp 1 x --pp 1 = 2"),
+        (
+            dict(tensor_model_parallel_size=8),
+            8,
+            r"--num-attention-heads 4 is not divisible by --tp 8",
+        ),
+        (
+            dict(tensor_model_parallel_size=2, num_attention_heads=8, num_query_groups=1),
+            2,
+            r"--num-query-groups 1 is not divisible by --tp 2",
+        ),
+        (dict(num_query_groups=3), 1, r"--num-query-groups 3 must .* dividing"),
+        (
+            dict(tensor_model_parallel_size=4, vocab_size=66),
+            4,
+            r"--vocab-size 66 is not divisible by --tp 4",
+        ),
+        (
+            dict(tensor_model_parallel_size=2, ffn_hidden_size=33),
+            2,
+            r"--ffn-hidden-size 33 .* divisible by --tp 2",
+        ),
+        (dict(sequence_parallel=True), 1, r"--sequence-parallel needs .* --tp must be > 1, got 1"),
+        (
+            dict(
+                tensor_model_parallel_size=4,
+                context_parallel_size=2,
+                sequence_parallel=True,
+                seq_length=24,
+            ),
+            8,
+            r"--seq-length 24 is not divisible by --tp 4 x 2 x --cp 2 = 16",
+        ),
+        (dict(label_smoothing=1.0), 1, r"--label-smoothing must be in \[0, 1\), got 1.0"),
+        (dict(normalization="L2Norm"), 1, r"--normalization must be LayerNorm or RMSNorm"),
         (
             dict(calculate_per_token_loss=True, per_shard_loss_normalization=True),
             1,
@@ -250,6 +335,7 @@ def test_layouts_share_the_objective():
             2,
         ),
         (dict(context_parallel_size=4), 8, 2, 2),
+        (dict(tensor_model_parallel_size=2, context_parallel_size=2), 8, 2, 2),
     ]:
         layout = validate_config(TrainingConfig(**changes), world)
         assert (layout.data_parallel_size, layout.num_microbatches) == (dp, microbatches)
@@ -262,6 +348,10 @@ def test_layouts_share_the_objective():
     )
     single = single_process_config(config)
     assert (single.context_parallel_size, single.pipeline_model_parallel_size) == (1, 1)
+    tp_single = single_process_config(
+        TrainingConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+    )
+    assert (tp_single.tensor_model_parallel_size, tp_single.sequence_parallel) == (1, False)
     assert single.seed == 9 and not single.compare_single_process and single.save_metrics is None
 
 
@@ -290,6 +380,16 @@ def test_command_line_flags_map_to_the_config():
     long_names = parse_args(["--context-parallel-size", "4", "--pipeline-model-parallel-size", "2"])
     assert (long_names.context_parallel_size, long_names.pipeline_model_parallel_size) == (4, 2)
     assert parse_args([]) == TrainingConfig()
+    tp = parse_args(
+        "--tp 2 --sequence-parallel --normalization RMSNorm --swiglu --position-embedding-type "
+        "rope --num-query-groups 2 --ffn-hidden-size 48 --disable-bias-linear "
+        "--label-smoothing 0.1".split()
+    )
+    assert (tp.tensor_model_parallel_size, tp.sequence_parallel) == (2, True)
+    assert (tp.normalization, tp.swiglu, tp.position_embedding_type) == ("RMSNorm", True, "rope")
+    assert (tp.num_query_groups, tp.ffn_hidden_size, tp.disable_bias_linear) == (2, 48, True)
+    assert tp.label_smoothing == 0.1
+    assert parse_args(["--tensor-model-parallel-size", "4"]).tensor_model_parallel_size == 4
 
 
 @pytest.mark.world(1)

@@ -1,0 +1,125 @@
+"""An independent dense GPT for the parity tests: float64, one process, the whole sequence,
+written with plain torch ops from the architecture's math (not from the model's modules).
+
+``dense_gpt_losses(params, arch, tokens, labels)`` maps a dict of full parameters, named as in
+the one-chunk megatron GPT (``decoder.layers.{i}.self_attention.linear_qkv.weight``, ...), to
+per-token losses [b, s]:
+
+    x = E[tokens] (+ P[positions])                       embeddings
+    per layer: x += proj(attn(norm1(x))) ; x += fc2(act(fc1(norm2(x))))
+    logits = norm_f(x) W_out^T, W_out = E when tied
+    loss = label-smoothed cross-entropy (megatron's convention: the label keeps 1 - eps,
+           the other V - 1 entries share eps)
+
+Attention: the fused QKV output is, per query group g, [q_(g,1..h/g), k_g, v_g] (each d
+wide); query head j uses key/value group j // (h/g); causal softmax(q k^T / sqrt(d)) v.
+RoPE (``rope``): the first and second halves of q and k are rotated by angle
+p * base^(-2i/d). SwiGLU (``swiglu``): fc1's output is [gate | up], act = silu(gate) * up.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Dict
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Arch:
+    """The architecture knobs the reference follows."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    groups: int
+    ffn: int
+    vocab: int
+    norm: str  # "LayerNorm" | "RMSNorm"
+    swiglu: bool
+    rope: bool
+    bias: bool
+    tied: bool
+    eps: float = 1e-5
+    label_smoothing: float = 0.0
+
+
+def dense_gpt_losses(
+    params: Dict[str, torch.Tensor], arch: Arch, tokens: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """Per-token losses [b, s] of the dense model on [b, s] tokens and labels."""
+    b, s = tokens.shape
+    d = arch.hidden // arch.heads
+    x = params["embedding.word_embeddings.weight"][tokens]
+    if not arch.rope:
+        x = x + params["embedding.position_embeddings.weight"][torch.arange(s)]
+    for layer in range(arch.layers):
+        p = _prefixed(params, f"decoder.layers.{layer}.")
+        h = _norm(x, p, "input_layernorm", arch)
+        qkv = _linear(h, p, "self_attention.linear_qkv")
+        per_group = arch.heads // arch.groups
+        qkv = qkv.view(b, s, arch.groups, per_group + 2, d)
+        q = qkv[:, :, :, :per_group].reshape(b, s, arch.heads, d)
+        k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
+        if arch.rope:
+            q, k = _rope(q, d), _rope(k, d)
+        k = k.repeat_interleave(per_group, dim=2)
+        v = v.repeat_interleave(per_group, dim=2)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
+        causal = torch.ones(s, s, dtype=torch.bool).tril()
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+        context = torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, arch.heads * d)
+        x = x + _linear(context, p, "self_attention.linear_proj")
+        h = _norm(x, p, "pre_mlp_layernorm", arch)
+        u = _linear(h, p, "mlp.linear_fc1")
+        if arch.swiglu:
+            gate, up = u.chunk(2, dim=-1)
+            u = F.silu(gate) * up
+        else:
+            u = F.gelu(u)
+        x = x + _linear(u, p, "mlp.linear_fc2")
+    x = _norm(x, params, "decoder.final_layernorm", arch)
+    out = params["embedding.word_embeddings.weight" if arch.tied else "output_layer.weight"]
+    logits = x @ out.t()
+    return _smoothed_cross_entropy(logits, labels, arch.label_smoothing)
+
+
+def _prefixed(params: Dict[str, torch.Tensor], prefix: str) -> Dict[str, torch.Tensor]:
+    return {k[len(prefix) :]: v for k, v in params.items() if k.startswith(prefix)}
+
+
+def _linear(x: torch.Tensor, p: Dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    y = x @ p[f"{name}.weight"].t()
+    bias = p.get(f"{name}.bias")
+    return y if bias is None else y + bias
+
+
+def _norm(x: torch.Tensor, p: Dict[str, torch.Tensor], name: str, arch: Arch) -> torch.Tensor:
+    weight = p[f"{name}.weight"]
+    if arch.norm == "RMSNorm":
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + arch.eps) * weight
+    mean = x.mean(-1, keepdim=True)
+    var = (x - mean).pow(2).mean(-1, keepdim=True)
+    return (x - mean) * torch.rsqrt(var + arch.eps) * weight + p[f"{name}.bias"]
+
+
+def _rope(t: torch.Tensor, d: int, base: float = 10000.0) -> torch.Tensor:
+    """Rotate channel pairs (i, i + d/2) of t [b, s, n, d] by position * base^(-2i/d)."""
+    s = t.shape[1]
+    inv_freq = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = torch.arange(s, dtype=torch.float64)[:, None] * inv_freq[None, :]  # [s, d/2]
+    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+    first, second = t[..., : d // 2], t[..., d // 2 :]
+    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+
+
+def _smoothed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, eps: float):
+    """-(1 - eps) log p_label - eps/(V - 1) sum_{j != label} log p_j, per token."""
+    logp = logits.log_softmax(dim=-1)
+    nll = -logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    if eps == 0.0:
+        return nll
+    vocab = logits.shape[-1]
+    others = -(logp.sum(-1)) - nll
+    return (1 - eps) * nll + eps / (vocab - 1) * others
