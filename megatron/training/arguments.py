@@ -173,10 +173,13 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
         c.cp_comm_type in ("all_gather", "p2p", "a2a"),
         f"--cp-comm-type must be all_gather, p2p or a2a, got {c.cp_comm_type!r}",
     )
+    tp = c.tensor_model_parallel_size
+    heads, groups = c.num_attention_heads, c.num_query_groups or c.num_attention_heads
     _require(
-        c.cp_comm_type != "a2a" or c.num_attention_heads % cp == 0,
-        f"--cp-comm-type a2a needs --num-attention-heads ({c.num_attention_heads}) "
-        f"divisible by --cp {cp}",
+        c.cp_comm_type != "a2a" or (heads % (tp * cp) == 0 and groups % (tp * cp) == 0),
+        f"--cp-comm-type a2a splits each tensor-parallel rank's heads over CP: "
+        f"--num-attention-heads ({heads}) and the query groups ({groups}) must be divisible "
+        f"by --tp x --cp = {tp * cp}",
     )
     if c.pack_sequences:
         # Imported here: the self-launching process checks layouts without importing torch.
@@ -196,6 +199,11 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
         _require(
             c.cp_comm_type != "p2p",
             "--pack-sequences works with --cp-comm-type all_gather or a2a, got p2p",
+        )
+        _require(
+            c.position_embedding_type != "rope",
+            "--pack-sequences needs positions that restart in every document: use "
+            "--position-embedding-type learned_absolute, got rope",
         )
     _require(
         not (c.per_shard_loss_normalization and c.calculate_per_token_loss),

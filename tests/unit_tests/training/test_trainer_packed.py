@@ -1,8 +1,9 @@
 """``--pack-sequences`` and ``--cp-comm-type``: packed SFT rows, their checks, and packed
 training under CP that follows the one-process run.
 
-The distributed case runs under ``torchrun --nproc-per-node 4 -m pytest
-tests/unit_tests/training`` (CP = 2, PP = 2, then the one-process run on rank 0).
+The distributed cases run under ``torchrun --nproc-per-node 4 -m pytest
+tests/unit_tests/training`` (CP = 2 with PP = 2 or TP = 2, then the one-process run on
+rank 0).
 """
 
 import pytest
@@ -14,14 +15,22 @@ from megatron.training.data import PACK_PAD_MULTIPLE, PAD, PackedSFTDataset, SFT
 from megatron.training.training import pretrain
 from tests.unit_tests.dist_utils import assert_no_failures, reset_layout
 
+PACKED_RUNS = [
+    pytest.param(dict(pipeline_model_parallel_size=2), "all_gather", id="cp2-pp2-all_gather"),
+    pytest.param(dict(tensor_model_parallel_size=2), "a2a", id="tp2-cp2-a2a"),
+    pytest.param(
+        dict(pipeline_model_parallel_size=2), "a2a", id="cp2-pp2-a2a", marks=pytest.mark.slow
+    ),
+]
+
 
 @pytest.mark.world(4)
-@pytest.mark.parametrize("comm", ["all_gather", pytest.param("a2a", marks=pytest.mark.slow)])
-def test_packed_cp2_pp2_training_follows_the_one_process_run(comm):
-    """4 iterations of packed rows at CP = 2, PP = 2 equal the one-process run (1e-5)."""
+@pytest.mark.parametrize("layout, comm", PACKED_RUNS)
+def test_packed_training_follows_the_one_process_run(layout, comm):
+    """4 iterations of packed rows at CP = 2 (with PP = 2, or TP = 2: CP then splits each
+    tensor-parallel rank's heads) equal the one-process run within 1e-5."""
     config = TrainingConfig(
         context_parallel_size=2,
-        pipeline_model_parallel_size=2,
         pack_sequences=True,
         cp_comm_type=comm,
         micro_batch_size=1,
@@ -31,6 +40,7 @@ def test_packed_cp2_pp2_training_follows_the_one_process_run(comm):
         compare_single_process=True,
         compare_tolerance=1e-5,
         progress=False,
+        **layout,
     )
     reset_layout()
     try:
@@ -76,6 +86,7 @@ def test_packed_rows_hold_whole_padded_documents():
         (dict(micro_batch_size=2), r"--micro-batch-size must be 1, got 2"),
         (dict(seq_length=40), r"--seq-length \(40\) must be a multiple of it"),
         (dict(cp_comm_type="p2p"), r"--pack-sequences works with .* got p2p"),
+        (dict(position_embedding_type="rope"), r"learned_absolute, got rope"),
     ],
 )
 def test_packing_rejects_what_it_cannot_run(changes, message):
@@ -92,5 +103,5 @@ def test_flags_map_to_the_config():
     config = parse_args(["--pack-sequences", "--cp-comm-type", "a2a"])
     assert config.pack_sequences and config.cp_comm_type == "a2a"
     assert parse_args([]).cp_comm_type == "all_gather" and not parse_args([]).pack_sequences
-    with pytest.raises(ValueError, match=r"a2a needs --num-attention-heads \(4\).*--cp 8"):
+    with pytest.raises(ValueError, match=r"a2a .* --num-attention-heads \(4\).*--tp x --cp = 8"):
         validate_config(TrainingConfig(cp_comm_type="a2a", context_parallel_size=8), 8)
