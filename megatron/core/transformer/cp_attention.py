@@ -32,6 +32,7 @@ the local Q, K, V, output and a float32 LSE, O(s/C); transient buffers hold K/V 
 group for the whole sequence (all_gather) or of one peer (p2p).
 """
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import List, Optional, Tuple, Union
@@ -164,12 +165,12 @@ def _gather_plan(s_local: int, cp_size: int, cp_rank: int, packed, device) -> _P
     """The two local chunks, each one call over its key prefix (all-gather mode)."""
     total = s_local * cp_size
     if packed is None:
-        gathered = cp_gathered_positions(total, cp_size).to(device)
+        natural, gathered = _dense_orders(total, cp_size, device)
         chunk = s_local // 2
         parts = []
         for half, g in enumerate((cp_rank, 2 * cp_size - 1 - cp_rank)):
             parts.append(_Part(slice(half * chunk, (half + 1) * chunk), slice(0, (g + 1) * chunk)))
-        return _Plan(parts, torch.argsort(gathered), gathered)
+        return _Plan(parts, natural, gathered)
     docs = _documents(packed, total, cp_size)
     local = thd_partitioned_indices(docs.padded_offsets, total, cp_size, cp_rank)
     gathered = torch.cat(
@@ -202,6 +203,14 @@ def _gather_plan(s_local: int, cp_size: int, cp_rank: int, packed, device) -> _P
         gathered.to(device),
         _valid_mask(docs, local.to(device), device),
     )
+
+
+@functools.lru_cache(maxsize=16)
+def _dense_orders(total: int, cp_size: int, device: torch.device):
+    """(natural, gathered) row orders of a gathered dense sequence, built once per shape:
+    gathered[j] is the position of gathered row j, natural its inverse permutation."""
+    gathered = cp_gathered_positions(total, cp_size).to(device)
+    return torch.argsort(gathered), gathered
 
 
 @dataclass
@@ -442,8 +451,8 @@ def _all_to_all_attention(query, key, value, group, packed, scale, kernel):
         )
     s_local = query.shape[0]
     if packed is None:
-        gathered = cp_gathered_positions(s_local * cp_size, cp_size).to(query.device)
-        plan = _Plan([_Part(slice(None), slice(None))], torch.argsort(gathered), gathered)
+        natural, gathered = _dense_orders(s_local * cp_size, cp_size, query.device)
+        plan = _Plan([_Part(slice(None), slice(None))], natural, gathered)
     else:
         plan = _local_plan(s_local, cp_size, packed, query.device)
     # Heads [k_0..k_g, v_0..v_g] regrouped so that rank r's share holds its k heads then its
