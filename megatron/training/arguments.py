@@ -197,10 +197,6 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
             f"({2 * cp}) must divide it",
         )
         _require(
-            c.cp_comm_type != "p2p",
-            "--pack-sequences works with --cp-comm-type all_gather or a2a, got p2p",
-        )
-        _require(
             c.position_embedding_type != "rope",
             "--pack-sequences needs positions that restart in every document: use "
             "--position-embedding-type learned_absolute, got rope",

@@ -95,10 +95,8 @@ def context_parallel_attention(
         )
     if comm == "p2p":
         if packed_seq_params is not None:
-            raise NotImplementedError(
-                "context_parallel_attention: cp_comm_type='p2p' does not support packed "
-                "sequences (packed_seq_params); use 'all_gather' or 'a2a'"
-            )
+            plan = _ring_plan(s_local, cp_size, cp_rank, packed_seq_params, query.device)
+            return _PackedRingAttention.apply(query, key, value, cp_group, plan, scale, kernel)
         return _RingAttention.apply(query, key, value, cp_group, scale, kernel)
     plan = _gather_plan(s_local, cp_size, cp_rank, packed_seq_params, query.device)
     work_rows = (s_local // 2) * query.shape[2] * query.shape[1]
@@ -126,6 +124,7 @@ class _Part:
     cu_k: Optional[torch.Tensor] = None
     max_q: int = 0
     max_k: int = 0
+    causal: bool = True
 
 
 @dataclass
@@ -330,11 +329,20 @@ def _attend(part: _Part, q, k, v, scale, kernel):
     """Kernel forward on [rows, b, n, d] tensors -> (out [rows, b, n, d], lse [b, n, rows])."""
     if part.cu_q is None:
         out, lse = fk.attention_forward(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), True, scale, kernel
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), part.causal, scale, kernel
         )
         return out.transpose(0, 1), lse
     out, lse = fk.varlen_forward(
-        q[:, 0], k[:, 0], v[:, 0], part.cu_q, part.cu_k, part.max_q, part.max_k, True, scale, kernel
+        q[:, 0],
+        k[:, 0],
+        v[:, 0],
+        part.cu_q,
+        part.cu_k,
+        part.max_q,
+        part.max_k,
+        part.causal,
+        scale,
+        kernel,
     )
     return out.unsqueeze(1), lse.unsqueeze(0)
 
@@ -349,7 +357,7 @@ def _attend_backward(part: _Part, dout, q, k, v, out, lse, scale, kernel):
             v.transpose(0, 1),
             out.transpose(0, 1),
             lse,
-            True,
+            part.causal,
             scale,
             kernel,
         )
@@ -365,7 +373,7 @@ def _attend_backward(part: _Part, dout, q, k, v, out, lse, scale, kernel):
         part.cu_k,
         part.max_q,
         part.max_k,
-        True,
+        part.causal,
         scale,
         kernel,
     )
@@ -712,6 +720,123 @@ class _RingAttention(torch.autograd.Function):
         dk, dv = dkv.chunk(2, dim=2)
         dq = dq.to(query.dtype).transpose(0, 1).contiguous()
         return dq, dk.to(key.dtype), dv.to(value.dtype), None, None, None
+
+
+@dataclass
+class _RingPlan:
+    """Packed (THD) ring: the kernel call of each kind of step, and the real-row mask.
+
+    Every rank lays document d out at the same local rows [o_d, o_d + 2 k_d) (its chunks r
+    and 2C-1-r of k_d tokens), so one plan serves the K/V of every source rank.
+    """
+
+    local: _Part  # step 0: each document's two local chunks, causal
+    lower: _Part  # source rank < r: every local query against the source's first chunks
+    upper: _Part  # source rank > r: second local chunks against both source chunks
+    valid: Optional[torch.Tensor]
+
+
+def _ring_plan(s_local: int, cp_size: int, cp_rank: int, packed, device) -> _RingPlan:
+    docs = _documents(packed, s_local * cp_size, cp_size)
+    halves = [length // (2 * cp_size) for length in docs.padded_lengths]
+    first, second, start = [], [], 0
+    for k in halves:
+        first.append(torch.arange(start, start + k))
+        second.append(torch.arange(start + k, start + 2 * k))
+        start += 2 * k
+    first_rows, second_rows = torch.cat(first).to(device), torch.cat(second).to(device)
+    whole = [2 * k for k in halves]
+    cu_whole, cu_half = _cumulative(whole, device), _cumulative(halves, device)
+    longest, longest_half = max(whole), max(halves)
+    local_positions = thd_partitioned_indices(
+        docs.padded_offsets, s_local * cp_size, cp_size, cp_rank
+    )
+    return _RingPlan(
+        local=_Part(slice(None), slice(None), cu_whole, cu_whole, longest, longest, True),
+        lower=_Part(slice(None), first_rows, cu_whole, cu_half, longest, longest_half, False),
+        upper=_Part(second_rows, slice(None), cu_half, cu_whole, longest_half, longest, False),
+        valid=_valid_mask(docs, local_positions.to(device), device),
+    )
+
+
+def _ring_part(plan: _RingPlan, step: int, rank: int, world: int) -> _Part:
+    if step == 0:
+        return plan.local
+    return plan.lower if (rank - step) % world < rank else plan.upper
+
+
+class _PackedRingAttention(torch.autograd.Function):
+    """The load-balanced ring for packed sequences: the same steps as ``_RingAttention``,
+    each one varlen call over all documents (see ``_RingPlan``)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, group, plan: _RingPlan, scale, kernel):
+        world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+        n_kv = key.shape[2]
+        acc_dtype = fk.acc_dtype(query.dtype)
+        kv = torch.cat([key, value], dim=2).contiguous()
+        acc = acc_lse = None
+        for step in range(world):
+            exchange = _ring_exchange(kv, group, tag=3) if step + 1 < world else None
+            part = _ring_part(plan, step, rank, world)
+            rows = part.q_rows
+            k_blk, v_blk = _rows(kv, part.k_rows).split(n_kv, dim=2)
+            o, lse_blk = _attend(part, _rows(query, rows), k_blk, v_blk, scale, kernel)
+            if step == 0:  # covers every row
+                acc, acc_lse = o.to(acc_dtype), fk.finite_lse(lse_blk).to(acc_dtype)
+            else:
+                acc_rows, lse_rows = _rows(acc, rows), _lse_rows(acc_lse, rows).clone()
+                fk.merge_into(acc_rows.transpose(0, 1), lse_rows, o.transpose(0, 1), lse_blk)
+                _put_rows(acc, rows, acc_rows)
+                _put_lse_rows(acc_lse, rows, lse_rows)
+            if exchange is not None:
+                kv = exchange.result()
+        out = acc.to(query.dtype)
+        if plan.valid is not None:
+            out = out * plan.valid
+        ctx.save_for_backward(query, key, value, out, acc_lse)
+        ctx.group, ctx.plan, ctx.scale, ctx.kernel = group, plan, scale, kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse = ctx.saved_tensors
+        group, plan, scale, kernel = ctx.group, ctx.plan, ctx.scale, ctx.kernel
+        world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+        n_kv = key.shape[2]
+        if plan.valid is not None:
+            grad_out = grad_out * plan.valid
+        acc_dtype = fk.acc_dtype(query.dtype)
+        dq = torch.zeros(query.shape, device=query.device, dtype=acc_dtype)
+        kv = torch.cat([key, value], dim=2).contiguous()
+        dkv = torch.zeros(kv.shape, device=kv.device, dtype=acc_dtype)
+        dkv_exchange = None
+        for step in range(world):
+            exchange = _ring_exchange(kv, group, tag=4) if step + 1 < world else None
+            part = _ring_part(plan, step, rank, world)
+            rows = part.q_rows
+            k_blk, v_blk = _rows(kv, part.k_rows).split(n_kv, dim=2)
+            gq, gk, gv = _attend_backward(
+                part,
+                _rows(grad_out, rows),
+                _rows(query, rows),
+                k_blk,
+                v_blk,
+                _rows(out, rows),
+                _lse_rows(lse, rows),
+                scale,
+                kernel,
+            )
+            _add_rows(dq, rows, gq.to(acc_dtype))
+            if dkv_exchange is not None:
+                dkv = dkv_exchange.result()
+            _add_rows(dkv, part.k_rows, torch.cat([gk, gv], dim=2).to(acc_dtype))
+            dkv_exchange = _ring_exchange(dkv, group, tag=5)
+            if exchange is not None:
+                kv = exchange.result()
+        dkv = dkv_exchange.result()
+        dk, dv = dkv.split(n_kv, dim=2)
+        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None, None
 
 
 def _ring_block(step: int, rank: int, world: int, s_local: int):

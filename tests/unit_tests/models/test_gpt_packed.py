@@ -129,6 +129,7 @@ PACKED_CP_CASES = [
     pytest.param(2, "all_gather", id="C2-all_gather"),
     pytest.param(4, "all_gather", id="C4-all_gather"),
     pytest.param(2, "a2a", id="C2-a2a"),
+    pytest.param(2, "p2p", id="C2-p2p"),
 ]
 
 

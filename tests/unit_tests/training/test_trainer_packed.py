@@ -18,6 +18,7 @@ from tests.unit_tests.dist_utils import assert_no_failures, reset_layout
 PACKED_RUNS = [
     pytest.param(dict(pipeline_model_parallel_size=2), "all_gather", id="cp2-pp2-all_gather"),
     pytest.param(dict(tensor_model_parallel_size=2), "a2a", id="tp2-cp2-a2a"),
+    pytest.param(dict(), "p2p", id="cp2-dp2-p2p", marks=pytest.mark.slow),
     pytest.param(
         dict(pipeline_model_parallel_size=2), "a2a", id="cp2-pp2-a2a", marks=pytest.mark.slow
     ),
@@ -85,7 +86,6 @@ def test_packed_rows_hold_whole_padded_documents():
     [
         (dict(micro_batch_size=2), r"--micro-batch-size must be 1, got 2"),
         (dict(seq_length=40), r"--seq-length \(40\) must be a multiple of it"),
-        (dict(cp_comm_type="p2p"), r"--pack-sequences works with .* got p2p"),
         (dict(position_embedding_type="rope"), r"learned_absolute, got rope"),
     ],
 )

@@ -184,7 +184,7 @@ PACKED = ["short", "spanning", "edges", "empty", "tail"]
 
 @pytest.mark.world(1, 2, 4, 8)
 @pytest.mark.parametrize("case", PACKED)
-@pytest.mark.parametrize("comm", ["all_gather", "a2a"])
+@pytest.mark.parametrize("comm", COMMS)
 def test_packed_matches_per_document_attention(comm, case):
     """THD: documents never see each other, padding rows are 0 (never NaN) and pass no
     gradient, real rows equal the oracle's."""
@@ -201,20 +201,17 @@ def test_packed_matches_per_document_attention(comm, case):
 
 
 @pytest.mark.world(2)
-def test_packed_rejects_p2p_and_bad_padding():
-    """Clear errors before any collective: p2p with THD, documents not padded to 2C."""
-    cp, rank, group = world()
+@pytest.mark.parametrize("comm", COMMS)
+def test_packed_rejects_bad_padding(comm):
+    """Documents not padded to a multiple of 2C: a clear error before any collective."""
+    _, _, group = world()
     q = torch.zeros(8, 1, 2, 4, device=device())
     real = torch.tensor([0, 3, 16], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="p2p.*packed"):
-        context_parallel_attention(
-            q, q, q, cp_group=group, cp_comm_type="p2p", packed_seq_params=packed_params(
-                [0, 3, 16], [0, 4, 16], device()
-            )
-        )  # fmt: skip
     bad = PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_q_padded=real)
     with pytest.raises(ValueError, match=r"document 0 .* padded length 3.*multiple of 2"):
-        context_parallel_attention(q, q, q, cp_group=group, packed_seq_params=bad)
+        context_parallel_attention(
+            q, q, q, cp_group=group, cp_comm_type=comm, packed_seq_params=bad
+        )
 
 
 # ----------------------------------------------------------------------------- one process
