@@ -336,3 +336,40 @@ def test_bf16_error_within_kernel_error(comm):
     ratios = {name: cp_errors[name] / kernel_errors[name] for name in cp_errors}
     print(f"bf16 C={cp} {comm} rank {rank}: kernel {kernel_errors} cp {cp_errors} ratio {ratios}")
     assert all(ratios[n] <= BF16_LIMITS[comm][n] for n in ratios), ratios
+
+
+@pytest.mark.world(2, 4, 8)
+@pytest.mark.parametrize("comm", COMMS)
+def test_bf16_packed_on_the_varlen_kernel(comm):
+    """bf16 packed documents on GPUs (the flash varlen op, where torch has it): one device
+    is within bf16 error of the float64 oracle, and CP stays within ``BF16_LIMITS`` of it."""
+    if not ON_GPU:
+        pytest.skip("bf16 varlen kernels need CUDA: run with TEST_BACKEND=nccl on GPUs")
+    cp, rank, _ = world()
+    unit = 2 * cp
+    lengths = [300, 5, 0, 190, 64 * unit]
+    real, padded = [0], [0]
+    for length in lengths:
+        real.append(real[-1] + length)
+        padded.append(padded[-1] + max(unit, math.ceil(length / unit) * unit))
+    total = padded[-1] + 4 * unit
+    heads, groups = heads_for(comm, 8, 4, cp)
+    q, k, v, w = make_inputs(total, 1, heads, groups, 64, torch.bfloat16, seed=13)
+    expected = reference(q, k, v, w, real, padded)
+    packed = packed_params(real, padded, device())
+    every = torch.arange(total)
+    full = [x.to(device()).detach().clone().requires_grad_(True) for x in (q, k, v)]
+    out = context_parallel_attention(*full, packed_seq_params=packed)
+    one_device = [out.detach()] + list(torch.autograd.grad((out * w.to(device())).sum(), full))
+    device_errors = max_relative_errors(one_device, expected, every)
+    positions = thd_partitioned_indices(padded, total, cp, rank)
+    cp_errors = max_relative_errors(
+        run_shard(q, k, v, w, positions, comm, packed), expected, positions
+    )
+    kernel_errors = max_relative_errors(
+        [x[positions.to(x.device)] for x in one_device], expected, positions
+    )
+    ratios = {name: cp_errors[name] / kernel_errors[name] for name in cp_errors}
+    print(f"bf16 packed C={cp} {comm} rank {rank}: one device {device_errors} ratio {ratios}")
+    assert max(device_errors.values()) <= 1e-2, device_errors
+    assert all(ratios[n] <= BF16_LIMITS[comm][n] for n in ratios), ratios
