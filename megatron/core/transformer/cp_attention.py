@@ -26,6 +26,10 @@ ways to bring the keys to the queries (``cp_comm_type``, megatron-core's names):
   heads, runs one causal kernel call, and sends the result back. Needs n and n_kv divisible
   by C.
 
+Packed sequences (``PackedSeqParams``, THD) work in every mode: each document is split over
+the ranks on its own, and each kernel call above becomes one varlen call over all documents
+(a loop over documents where the varlen op is missing or the dtype is not half precision).
+
 Each mode is a ``torch.autograd.Function`` that calls the kernels' forward and backward ops
 itself (the kernels' log-sum-exp is not differentiable). Memory per rank: saved tensors are
 the local Q, K, V, output and a float32 LSE, O(s/C); transient buffers hold K/V of one head
