@@ -29,13 +29,16 @@ bottom-right; its LSE is padded along queries to a multiple of 32 and sliced her
 s_q != s_k is measured once at run time), ``"cpu"`` (CPU:
 ``aten._scaled_dot_product_flash_attention_for_cpu``, any float dtype, used by the tests).
 Default: ``"flash"`` for half precision on CUDA, ``"efficient"`` for float32 on CUDA,
-``"cpu"`` on CPU. Varlen: ``aten._flash_attention_forward`` with cumulative lengths where the
-installed torch has it (detected at run time); otherwise a loop over sequences.
+``"cpu"`` on CPU. Varlen (packed sequences, whichever dense kernel is chosen): CUDA half
+precision uses ``aten._flash_attention_forward`` with cumulative lengths where the installed
+torch has it (detected at run time; if it raises, a warning and this process falls back);
+otherwise a loop over sequences with the dense kernel.
 """
 
 import functools
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -129,9 +132,10 @@ def varlen_forward(
     and float32 ``lse`` [n_q, t_q]. Rows outside every sequence get out = 0, lse = -inf.
     """
     name = resolve_kernel(kernel, query)
-    if name == "flash" and varlen_available() and _varlen_fits(query, cu_seqlens_q):
-        k_exp, v_exp = _expand_kv(key, value, query.shape[1], kernel_spec(name))
-        return _flash_varlen_forward(
+    if _use_varlen(query, cu_seqlens_q):
+        k_exp, v_exp = _expand_kv(key, value, query.shape[1], kernel_spec("flash"))
+        result = _guarded_varlen(
+            _flash_varlen_forward,
             query,
             k_exp,
             v_exp,
@@ -142,6 +146,8 @@ def varlen_forward(
             causal,
             scale,
         )
+        if result is not None:
+            return result
     out = query.new_zeros(query.shape)
     lse = torch.full(
         (query.shape[1], query.shape[0]),
@@ -182,9 +188,10 @@ def varlen_backward(
     """Backward of ``varlen_forward``; dk/dv float32 where summed over sequences or groups."""
     name = resolve_kernel(kernel, query)
     n_kv = key.shape[1]
-    if name == "flash" and varlen_available() and _varlen_fits(query, cu_seqlens_q):
-        k_exp, v_exp = _expand_kv(key, value, query.shape[1], kernel_spec(name))
-        dq, dk, dv = _flash_varlen_backward(
+    if _use_varlen(query, cu_seqlens_q):
+        k_exp, v_exp = _expand_kv(key, value, query.shape[1], kernel_spec("flash"))
+        grads = _guarded_varlen(
+            _flash_varlen_backward,
             grad_out,
             query,
             k_exp,
@@ -198,9 +205,11 @@ def varlen_backward(
             causal,
             scale,
         )
-        if k_exp.shape[1] != n_kv:
-            dk, dv = (_sum_groups(x.unsqueeze(0), n_kv)[0] for x in (dk, dv))
-        return dq, dk, dv
+        if grads is not None:
+            dq, dk, dv = grads
+            if k_exp.shape[1] != n_kv:
+                dk, dv = (_sum_groups(x.unsqueeze(0), n_kv)[0] for x in (dk, dv))
+            return dq, dk, dv
     dq = torch.zeros_like(query)
     dk = torch.zeros(key.shape, device=key.device, dtype=acc_dtype(key.dtype))
     dv = torch.zeros(value.shape, device=value.device, dtype=acc_dtype(value.dtype))
@@ -538,8 +547,36 @@ def _segments(cu_q: torch.Tensor, cu_k: torch.Tensor) -> List[Tuple[Tuple[int, i
     return [((q[i], q[i + 1]), (k[i], k[i + 1])) for i in range(len(q) - 1)]
 
 
-def _varlen_fits(query: torch.Tensor, cu_q: torch.Tensor) -> bool:
-    return query.dtype in (torch.float16, torch.bfloat16) and cu_q.device == query.device
+def _use_varlen(query: torch.Tensor, cu_q: torch.Tensor) -> bool:
+    """The flash varlen op serves packed sequences whatever dense kernel is chosen: CUDA,
+    half precision, the op present and not found broken earlier in this process."""
+    return (
+        query.is_cuda
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and cu_q.device == query.device
+        and varlen_available()
+        and not _VARLEN_FAILED
+    )
+
+
+_VARLEN_FAILED: list = []  # the error that made this process stop using the varlen op
+
+
+def _guarded_varlen(fn, *args):
+    """Run a varlen op; on a RuntimeError other than out-of-memory (an unsupported shape or
+    build), warn once, stop using it in this process and return None (loop fallback)."""
+    try:
+        return fn(*args)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except RuntimeError as error:
+        _VARLEN_FAILED.append(str(error))
+        warnings.warn(
+            f"flash varlen attention failed ({error}); packed sequences fall back to one "
+            "dense kernel call per document",
+            stacklevel=3,
+        )
+        return None
 
 
 def _flash_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):

@@ -373,3 +373,31 @@ def test_bf16_packed_on_the_varlen_kernel(comm):
     print(f"bf16 packed C={cp} {comm} rank {rank}: one device {device_errors} ratio {ratios}")
     assert max(device_errors.values()) <= 1e-2, device_errors
     assert all(ratios[n] <= BF16_LIMITS[comm][n] for n in ratios), ratios
+
+
+@pytest.mark.world(1)
+def test_varlen_falls_back_to_the_loop_when_the_op_fails(monkeypatch):
+    """A varlen op that raises (an unsupported build or shape) is dropped with a warning and
+    the loop over documents gives the result; out-of-memory is not swallowed."""
+
+    def broken(*args):
+        raise RuntimeError("no kernel image for this device")
+
+    monkeypatch.setattr(fk, "_VARLEN_FAILED", [])
+    monkeypatch.setattr(fk, "_flash_varlen_forward", broken)
+    monkeypatch.setattr(fk, "_use_varlen", lambda query, cu: not fk._VARLEN_FAILED)
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(12, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    with pytest.warns(UserWarning, match="flash varlen attention failed"):
+        out, lse = fk.varlen_forward(q, k, v, cu, cu, 7, 7, True, 0.5)
+    assert fk._VARLEN_FAILED and not fk._use_varlen(q, cu)
+    monkeypatch.setattr(fk, "_VARLEN_FAILED", ["off"])
+    expected, _ = fk.varlen_forward(q, k, v, cu, cu, 7, 7, True, 0.5)
+    assert torch.equal(out, expected)
+
+    def oom(*args):
+        raise torch.cuda.OutOfMemoryError("out of memory")
+
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        fk._guarded_varlen(oom)
