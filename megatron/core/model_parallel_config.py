@@ -46,7 +46,10 @@ class ModelParallelConfig:
     def __post_init__(self) -> None:
         """Fill derived defaults and reject settings this core does not implement."""
         if self.sequence_parallel and self.tensor_model_parallel_size <= 1:
-            raise ValueError("sequence_parallel=True requires tensor_model_parallel_size > 1")
+            raise ValueError(
+                "sequence_parallel=True requires tensor_model_parallel_size > 1, got "
+                f"tensor_model_parallel_size={self.tensor_model_parallel_size}"
+            )
         if self.overlap_p2p_comm and self.batch_p2p_comm:
             raise ValueError("Can not use both overlap_p2p_comm and batch_p2p_comm")
         if self.autocast_dtype is None:

@@ -2,29 +2,147 @@
 
 Ranks are laid out as megatron-core lays them out: the axes of ``order`` (default
 ``tp-cp-ep-dp-pp``) are nested with the first axis fastest, so
-``rank = tp_i + TP*(cp_i + CP*(ep_i + EP*(dp_i + DP*pp_i)))``. Functions elsewhere take
-their groups explicitly and read this module only as a documented fallback.
+``rank = tp_i + TP*(cp_i + CP*(ep_i + EP*(dp_i + DP*pp_i)))``. One ``RankGenerator`` computes
+every group; ``initialize_model_parallel`` uses two of them, as megatron-core does: one for
+the dense part (tp, cp, dp, pp) and one for the experts (expert tp, ep, expert dp, pp, with
+the same pipeline groups). Functions elsewhere take their groups explicitly and read this
+module only as a documented fallback.
+
+Misuse that megatron-core reports with ``assert`` raises ``ParallelStateError``, an
+``AssertionError`` (and a ``RuntimeError``) carrying a message that says what to do.
 """
 
 import itertools
 from datetime import timedelta
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional
 
 import torch.distributed as dist
 
-_AXES = ("tp", "cp", "ep", "dp", "pp")
+_AXES = ("tp", "pp", "dp", "ep", "cp")
 
-# Group name -> axes whose ranks vary inside one group of that kind.
-_GROUP_AXES: Dict[str, Sequence[str]] = {
-    "tp": ("tp",),
-    "cp": ("cp",),
-    "pp": ("pp",),
-    "dp": ("dp",),
-    "dp_cp": ("cp", "dp"),
-    "mp": ("tp", "pp"),
-    "tp_cp": ("tp", "cp"),
-    "tp_dp": ("tp", "dp"),
-    "tp_dp_cp": ("tp", "cp", "dp"),
+
+class ParallelStateError(AssertionError, RuntimeError):
+    """Misuse of ``parallel_state`` (megatron-core raises ``AssertionError`` for these)."""
+
+
+class RankGenerator:
+    """Rank groups of one layout: ``get_ranks("tp-dp")`` lists every group whose ranks
+    differ only along the named axes.
+
+    ``order`` names the axes from fastest to slowest (``rank = sum_k i_k * stride_k`` with
+    ``stride_k = prod(size_j for j < k)``); axes missing from it must have size 1 and are
+    appended at the end. EP and CP may not both exceed 1 in one generator (the dense layout
+    has CP, the expert layout EP). ``rank_offset`` is added to every rank.
+    """
+
+    def __init__(
+        self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, rank_offset: int = 0
+    ) -> None:
+        if ep != 1 and cp != 1:
+            raise ParallelStateError(
+                f"RankGenerator: ep={ep} and cp={cp} are both > 1; one generator lays out "
+                "either the dense part (cp) or the experts (ep), set the other to 1"
+            )
+        self.tp, self.ep, self.dp, self.pp, self.cp = tp, ep, dp, pp, cp
+        self.rank_offset = rank_offset
+        self.world_size = tp * dp * pp * cp * ep
+        self.name_to_size = {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "cp": cp}
+        tokens = order.lower().split("-")
+        unknown = [t for t in tokens if t not in self.name_to_size]
+        if unknown or len(set(tokens)) != len(tokens):
+            raise ValueError(
+                f"RankGenerator: order must name each of {', '.join(_AXES)} at most once, "
+                f"separated by '-', got {order!r}"
+            )
+        for name, size in self.name_to_size.items():
+            if name not in tokens:
+                if size != 1:
+                    raise RuntimeError(
+                        f"RankGenerator: the {name} size is {size} but order {order!r} does "
+                        f"not name {name}; add it to the order"
+                    )
+                tokens.append(name)
+        self.order = "-".join(tokens)
+        self.ordered_size = [self.name_to_size[t] for t in tokens]
+
+    def get_mask(self, order: str, token: str) -> List[bool]:
+        """For each axis of ``order``, whether ``token`` (axes joined by '-') names it."""
+        axes = order.split("-")
+        mask = [False] * len(axes)
+        for name in token.split("-"):
+            if name not in axes:
+                raise ValueError(f"RankGenerator: token {token!r} names {name!r}, not in {order!r}")
+            mask[axes.index(name)] = True
+        return mask
+
+    def get_ranks(self, token: str) -> List[List[int]]:
+        """All groups of the axes in ``token``; see ``generate_masked_orthogonal_rank_groups``."""
+        mask = self.get_mask(self.order, token)
+        groups = generate_masked_orthogonal_rank_groups(self.world_size, self.ordered_size, mask)
+        return [[rank + self.rank_offset for rank in group] for group in groups]
+
+
+def generate_masked_orthogonal_rank_groups(
+    world_size: int, parallel_size: List[int], mask: List[bool]
+) -> List[List[int]]:
+    """Groups of ranks that vary only along the masked axes (first axis fastest).
+
+    ``rank = sum_k i_k * stride_k``, ``stride_k = prod(parallel_size[:k])``. One group per
+    index of the unmasked axes (first unmasked axis fastest); inside a group the masked
+    indices run with the first masked axis fastest, so each group is ascending.
+    """
+    total = 1
+    for size in parallel_size:
+        total *= size
+    if total != world_size:
+        raise ValueError(
+            f"generate_masked_orthogonal_rank_groups: prod(parallel_size={parallel_size}) = "
+            f"{total} != world_size={world_size}"
+        )
+    strides = [1]
+    for size in parallel_size[:-1]:
+        strides.append(strides[-1] * size)
+    inside = [k for k, m in enumerate(mask) if m]
+    outside = [k for k, m in enumerate(mask) if not m]
+
+    def offsets(axes: List[int]) -> List[int]:
+        extents = [range(parallel_size[k]) for k in reversed(axes)]
+        return [
+            sum(i * strides[k] for k, i in zip(reversed(axes), idx))
+            for idx in itertools.product(*extents)
+        ]
+
+    members = offsets(inside)
+    return [[base + m for m in members] for base in offsets(outside)]
+
+
+def default_embedding_ranks(pp_ranks: List[int]) -> List[int]:
+    """First and last stage of a pipeline (one rank when PP = 1): the tied word embeddings."""
+    return [pp_ranks[0]] if len(pp_ranks) == 1 else [pp_ranks[0], pp_ranks[-1]]
+
+
+def default_position_embedding_ranks(pp_ranks: List[int]) -> List[int]:
+    """First stage of a pipeline: the position embeddings."""
+    return [pp_ranks[0]]
+
+
+# Group name -> (generator, token): "dense" is the tp/cp/dp/pp layout, "expert" the
+# expert-tp/ep/expert-dp/pp layout.
+_GROUP_TOKENS: Dict[str, tuple] = {
+    "dp_cp": ("dense", "dp-cp"),
+    "dp": ("dense", "dp"),
+    "cp": ("dense", "cp"),
+    "mp": ("dense", "tp-pp"),
+    "tp": ("dense", "tp"),
+    "pp": ("dense", "pp"),
+    "tp_dp_cp": ("dense", "tp-dp-cp"),
+    "tp_dp": ("dense", "tp-dp"),
+    "tp_cp": ("dense", "tp-cp"),
+    "ep": ("expert", "ep"),
+    "expt_tp": ("expert", "tp"),
+    "tp_ep": ("expert", "tp-ep"),
+    "tp_ep_pp": ("expert", "tp-ep-pp"),
+    "expt_dp": ("expert", "dp"),
 }
 
 # Process groups are created once per rank list and reused across initialize/destroy
@@ -34,6 +152,8 @@ _GROUP_CACHE: Dict[tuple, dist.ProcessGroup] = {}
 _STATE: Optional["_ParallelState"] = None
 _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK: Optional[int] = None
 _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE: Optional[int] = None
+# Values set by the set_* functions; they win over the groups' sizes and ranks.
+_OVERRIDES: Dict[str, Optional[int]] = {}
 
 
 class _ParallelState:
@@ -66,112 +186,128 @@ def initialize_model_parallel(
     sharp_enabled_group: Optional[str] = None,
     create_all_gather_group: Optional[bool] = False,
 ) -> None:
-    """Create the tp, cp, pp, dp, dp_cp, mp, tp_cp, tp_dp, tp_dp_cp, embedding and
-    position-embedding groups for this layout; DP = world / (TP*CP*PP).
+    """Create the dense groups (tp, cp, pp, dp, dp_cp, mp, tp_cp, tp_dp, tp_dp_cp, embedding,
+    position embedding) and the expert groups (ep, expert tp, tp_ep, tp_ep_pp, expert dp).
 
-    Options for features this core does not implement (expert parallelism > 1, hierarchical
-    or hybrid CP, several distributed-optimizer instances) raise ``NotImplementedError``;
-    communication tuning options (sharp, nccl config, gloo groups, streams) are ignored.
+    DP = world / (TP*CP*PP); expert DP = world / (ETP*EP*PP) with ETP defaulting to TP. Any
+    ``order`` megatron-core accepts works (axes left out must have size 1). Options for
+    features this core does not implement (hierarchical or hybrid CP, several
+    distributed-optimizer instances) raise ``NotImplementedError``; communication tuning
+    options (sharp, nccl config, gloo groups, streams, pp backend) are ignored.
     """
     if not dist.is_initialized():
-        raise RuntimeError(
+        raise ParallelStateError(
             "initialize_model_parallel: torch.distributed is not initialized; call "
             "torch.distributed.init_process_group first"
         )
     _reject_unsupported(
-        expert_model_parallel_size=(expert_model_parallel_size, 1),
-        expert_tensor_parallel_size=(expert_tensor_parallel_size, None),
         hierarchical_context_parallel_sizes=(hierarchical_context_parallel_sizes, None),
         hybrid_context_parallel=(hybrid_context_parallel, False),
         num_distributed_optimizer_instances=(num_distributed_optimizer_instances, 1),
     )
-    world = dist.get_world_size()
+    if expert_tensor_parallel_size is None:
+        expert_tensor_parallel_size = tensor_model_parallel_size
     sizes = {
-        "tp": tensor_model_parallel_size,
-        "cp": context_parallel_size,
-        "ep": 1,
-        "pp": pipeline_model_parallel_size,
+        "tensor_model_parallel_size": tensor_model_parallel_size,
+        "pipeline_model_parallel_size": pipeline_model_parallel_size,
+        "context_parallel_size": context_parallel_size,
+        "expert_model_parallel_size": expert_model_parallel_size,
+        "expert_tensor_parallel_size": expert_tensor_parallel_size,
     }
     for name, value in sizes.items():
-        if not isinstance(value, int) or value < 1:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(
-                f"initialize_model_parallel: {name} size must be an int >= 1, got {value!r}"
+                f"initialize_model_parallel: {name} must be an int >= 1, got {value!r}"
             )
-    model_size = sizes["tp"] * sizes["cp"] * sizes["pp"]
-    if world % model_size != 0:
+    world = dist.get_world_size()
+    tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
+    ep, etp = expert_model_parallel_size, expert_tensor_parallel_size
+    if world % (tp * cp * pp) != 0:
         raise RuntimeError(
             f"initialize_model_parallel: world_size ({world}) is not divisible by "
-            f"tensor_model_parallel_size ({sizes['tp']}) x context_parallel_size "
-            f"({sizes['cp']}) x pipeline_model_parallel_size ({sizes['pp']})"
+            f"tensor_model_parallel_size ({tp}) x context_parallel_size ({cp}) x "
+            f"pipeline_model_parallel_size ({pp})"
         )
-    sizes["dp"] = world // model_size
-    if virtual_pipeline_model_parallel_size is not None and pipeline_model_parallel_size < 2:
+    if world % (etp * ep * pp) != 0:
+        raise RuntimeError(
+            f"initialize_model_parallel: world_size ({world}) is not divisible by "
+            f"expert_tensor_parallel_size ({etp}) x expert_model_parallel_size ({ep}) x "
+            f"pipeline_model_parallel_size ({pp})"
+        )
+    if virtual_pipeline_model_parallel_size is not None and pp < 2:
         raise RuntimeError(
             "initialize_model_parallel: pipeline_model_parallel_size should be greater than 1 "
             f"with virtual_pipeline_model_parallel_size={virtual_pipeline_model_parallel_size}"
         )
-    axes = _parse_order(order)
+    dp, expert_dp = world // (tp * cp * pp), world // (etp * ep * pp)
+    generators = {
+        "dense": RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order),
+        "expert": RankGenerator(tp=etp, ep=ep, dp=expert_dp, pp=pp, cp=1, order=order),
+    }
+    if not (order.endswith("pp") or pp == 1 or expert_dp == dp):
+        raise ParallelStateError(
+            f"initialize_model_parallel: with order={order!r} (pp not last) and "
+            f"pipeline_model_parallel_size={pp}, the expert data-parallel size ({expert_dp}) "
+            f"must equal the data-parallel size ({dp})"
+        )
+    if generators["dense"].get_ranks("pp") != generators["expert"].get_ranks("pp"):
+        raise ParallelStateError(
+            f"initialize_model_parallel: order={order!r} gives the experts other pipeline "
+            "groups than the dense layers; put pp last or keep the expert sizes equal"
+        )
     timeout = timedelta(minutes=distributed_timeout_minutes)
 
     global _STATE, _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK
     global _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
     state = _ParallelState()
     me = dist.get_rank()
-    for name, varying in _GROUP_AXES.items():
-        for ranks in rank_groups(sizes, axes, varying):
-            group = _get_or_create_group(ranks, timeout)
+
+    def build(name: str, all_ranks: List[List[int]], tag: str = "") -> None:
+        for ranks in all_ranks:
+            group = _get_or_create_group(ranks, timeout, tag)
             if me in ranks:
-                state.groups[name], state.ranks[name] = group, ranks
-    embd_fn = get_embedding_ranks or _default_embedding_ranks
-    pos_fn = get_position_embedding_ranks or _default_position_embedding_ranks
-    for pp_ranks in rank_groups(sizes, axes, ("pp",)):
-        for name, fn in (("embd", embd_fn), ("pos_embd", pos_fn)):
-            ranks = list(fn(list(pp_ranks), None))
-            group = _get_or_create_group(ranks, timeout)
-            if me in ranks:
-                state.groups[name], state.ranks[name] = group, ranks
+                state.groups[name], state.ranks[name] = group, list(ranks)
+
+    for name, (generator, token) in _GROUP_TOKENS.items():
+        build(name, generators[generator].get_ranks(token))
+    if create_all_gather_group:
+        build("dp_cp_ag", generators["dense"].get_ranks("dp-cp"), tag="all_gather")
+    pp_groups = generators["dense"].get_ranks("pp")
+    embd_fn = get_embedding_ranks or default_embedding_ranks
+    pos_fn = get_position_embedding_ranks or default_position_embedding_ranks
+    build("embd", [list(embd_fn(r)) for r in pp_groups])
+    build("pos_embd", [list(pos_fn(r)) for r in pp_groups])
     _STATE = state
     _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = virtual_pipeline_model_parallel_size
     _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = 0 if virtual_pipeline_model_parallel_size else None
 
 
-def rank_groups(
-    sizes: Dict[str, int], order: Sequence[str], varying: Sequence[str]
-) -> List[List[int]]:
-    """All groups of global ranks that differ only along the ``varying`` axes.
-
-    With strides ``stride[order[0]] = 1``, ``stride[order[k]] = prod(sizes[order[:k]])``,
-    a group fixes every other axis' index and lists its ranks in ascending order.
-    """
-    strides, stride = {}, 1
-    for axis in order:
-        strides[axis] = stride
-        stride *= sizes.get(axis, 1)
-    fixed = [a for a in order if a not in varying]
-    moving = [a for a in order if a in varying]
-    groups = []
-    for fixed_idx in _nested_indices([sizes.get(a, 1) for a in fixed]):
-        base = sum(i * strides[a] for a, i in zip(fixed, fixed_idx))
-        ranks = [
-            base + sum(i * strides[a] for a, i in zip(moving, idx))
-            for idx in _nested_indices([sizes.get(a, 1) for a in moving])
-        ]
-        groups.append(sorted(ranks))
-    return groups
-
-
 def destroy_model_parallel() -> None:
-    """Forget the model-parallel state; the cached process groups stay alive for reuse."""
+    """Forget the model-parallel state and every set_* value; the cached process groups stay
+    alive for reuse."""
     global _STATE, _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK
     global _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
     _STATE = None
     _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = None
     _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = None
+    _OVERRIDES.clear()
 
 
 def model_parallel_is_initialized() -> bool:
     """True between ``initialize_model_parallel`` and ``destroy_model_parallel``."""
     return _STATE is not None
+
+
+def is_initialized() -> bool:
+    """True once the data-parallel group exists (same as ``model_parallel_is_initialized``)."""
+    return _STATE is not None
+
+
+def has_separate_all_gather_group() -> bool:
+    """Whether ``initialize_model_parallel(create_all_gather_group=True)`` built a second
+    dp x cp group for parameter all-gathers (``get_data_parallel_group(...,
+    independent_all_gather=True)``)."""
+    return _STATE is not None and "dp_cp_ag" in _STATE.groups
 
 
 # ----------------------------------------------------------------------------- groups
@@ -195,10 +331,26 @@ def get_context_parallel_group(check_initialized=True):
 def get_data_parallel_group(
     with_context_parallel=False, partial_data_parallel=False, independent_all_gather=False
 ):
-    """Data-parallel group; with ``with_context_parallel`` the dp x cp group gradients
-    are reduced over."""
-    _reject_unsupported(partial_data_parallel=(partial_data_parallel, False))
-    return _group("dp_cp" if with_context_parallel else "dp", True)
+    """Data-parallel group; with ``with_context_parallel`` the dp x cp group gradients are
+    reduced over (its all-gather twin with ``independent_all_gather``, when built).
+
+    ``partial_data_parallel`` is the whole dp x cp group here (one optimizer instance).
+    """
+    if not with_context_parallel:
+        if partial_data_parallel:
+            raise ParallelStateError(
+                "get_data_parallel_group: partial_data_parallel=True needs "
+                "with_context_parallel=True"
+            )
+        return _group("dp", True)
+    if independent_all_gather and not partial_data_parallel:
+        if not has_separate_all_gather_group():
+            raise ParallelStateError(
+                "get_data_parallel_group: no all-gather group; pass "
+                "create_all_gather_group=True to initialize_model_parallel"
+            )
+        return _group("dp_cp_ag", True)
+    return _group("dp_cp", True)
 
 
 def get_model_parallel_group(check_initialized=True):
@@ -226,27 +378,88 @@ def get_position_embedding_group(check_initialized=True):
     return _group("pos_embd", check_initialized)
 
 
+def get_expert_model_parallel_group(check_initialized=True):
+    """Expert-parallel group: the ranks that split the experts of one layer."""
+    return _group("ep", check_initialized)
+
+
+def get_expert_tensor_parallel_group(check_initialized=True):
+    """Expert tensor-parallel group (size ``expert_tensor_parallel_size``)."""
+    return _group("expt_tp", check_initialized)
+
+
+def get_expert_tensor_and_model_parallel_group(check_initialized=True):
+    """Expert tp x ep group."""
+    return _group("tp_ep", check_initialized)
+
+
+def get_expert_tensor_model_pipeline_parallel_group(check_initialized=True):
+    """Expert tp x ep x pp group."""
+    return _group("tp_ep_pp", check_initialized)
+
+
+def get_expert_data_parallel_group(check_initialized=True, partial_expert_data_parallel=False):
+    """Expert data-parallel group (``partial_expert_data_parallel`` gives the same group: one
+    optimizer instance)."""
+    return _group("expt_dp", check_initialized)
+
+
+def get_data_modulo_expert_parallel_group(partial_expert_data_parallel=False):
+    """Deprecated name of ``get_expert_data_parallel_group``."""
+    return get_expert_data_parallel_group(partial_expert_data_parallel=partial_expert_data_parallel)
+
+
 # ----------------------------------------------------------------------------- sizes, ranks
 
 
 def get_tensor_model_parallel_world_size():
-    """Number of tensor-parallel ranks."""
-    return _size("tp")
+    """Number of tensor-parallel ranks (the value set by the setter, if any)."""
+    return _size("tp", "tp_size")
 
 
 def get_tensor_model_parallel_rank():
-    """This rank's index in its tensor-parallel group."""
-    return _rank("tp")
+    """This rank's index in its tensor-parallel group (the value set by the setter, if any)."""
+    return _rank("tp", "tp_rank")
+
+
+def set_tensor_model_parallel_world_size(world_size):
+    """Make ``get_tensor_model_parallel_world_size`` return ``world_size`` (None: the group's)."""
+    _OVERRIDES["tp_size"] = world_size
+
+
+def set_tensor_model_parallel_rank(rank):
+    """Make ``get_tensor_model_parallel_rank`` return ``rank`` (None: the group's)."""
+    _OVERRIDES["tp_rank"] = rank
+
+
+def get_tensor_model_parallel_src_rank():
+    """Global rank of the first member of this rank's tensor-parallel group."""
+    return _ranks("tp", True)[0]
+
+
+def get_model_parallel_src_rank():
+    """Global rank of the first member of this rank's model-parallel (tp x pp) group."""
+    return _ranks("mp", True)[0]
 
 
 def get_pipeline_model_parallel_world_size():
-    """Number of pipeline stages."""
-    return _size("pp")
+    """Number of pipeline stages (the value set by the setter, if any)."""
+    return _size("pp", "pp_size")
 
 
 def get_pipeline_model_parallel_rank():
-    """This rank's pipeline stage."""
-    return _rank("pp")
+    """This rank's pipeline stage (the value set by the setter, if any)."""
+    return _rank("pp", "pp_rank")
+
+
+def set_pipeline_model_parallel_world_size(world_size):
+    """Make ``get_pipeline_model_parallel_world_size`` return ``world_size``."""
+    _OVERRIDES["pp_size"] = world_size
+
+
+def set_pipeline_model_parallel_rank(rank):
+    """Make ``get_pipeline_model_parallel_rank`` return ``rank``."""
+    _OVERRIDES["pp_rank"] = rank
 
 
 def get_context_parallel_world_size():
@@ -264,21 +477,115 @@ def get_context_parallel_global_ranks(check_initialized=True):
     return _ranks("cp", check_initialized)
 
 
+def get_tensor_and_context_parallel_world_size():
+    """Size of the tp x cp group."""
+    return _size("tp_cp")
+
+
+def get_tensor_and_context_parallel_rank():
+    """This rank's index in its tp x cp group."""
+    return _rank("tp_cp")
+
+
 def get_data_parallel_world_size(with_context_parallel=False, partial_data_parallel=False):
     """Number of data-parallel replicas (times CP with ``with_context_parallel``)."""
-    _reject_unsupported(partial_data_parallel=(partial_data_parallel, False))
-    return _size("dp_cp" if with_context_parallel else "dp")
+    if not _dist_ready():
+        return 0
+    return get_data_parallel_group(with_context_parallel, partial_data_parallel).size()
 
 
 def get_data_parallel_rank(with_context_parallel=False, partial_data_parallel=False):
-    """This rank's index in its data-parallel (or dp x cp) group."""
-    _reject_unsupported(partial_data_parallel=(partial_data_parallel, False))
-    return _rank("dp_cp" if with_context_parallel else "dp")
+    """This rank's index in its data-parallel (or dp x cp) group (the set value, if any)."""
+    if _OVERRIDES.get("dp_rank") is not None:
+        return _OVERRIDES["dp_rank"]
+    if not _dist_ready():
+        return 0
+    return get_data_parallel_group(with_context_parallel, partial_data_parallel).rank()
+
+
+def set_data_parallel_rank(rank):
+    """Make ``get_data_parallel_rank`` return ``rank``."""
+    _OVERRIDES["dp_rank"] = rank
 
 
 def get_data_parallel_src_rank(with_context_parallel=False):
     """Global rank of the first member of this rank's data-parallel group."""
     return _ranks("dp_cp" if with_context_parallel else "dp", True)[0]
+
+
+def get_expert_model_parallel_world_size():
+    """Number of expert-parallel ranks (the set value, if any; 0 without torch.distributed)."""
+    return _size("ep", "ep_size")
+
+
+def get_expert_model_parallel_rank():
+    """This rank's index in its expert-parallel group (the set value, if any)."""
+    return _rank("ep", "ep_rank")
+
+
+def set_expert_model_parallel_world_size(world_size):
+    """Make ``get_expert_model_parallel_world_size`` return ``world_size``."""
+    _OVERRIDES["ep_size"] = world_size
+
+
+def set_expert_model_parallel_rank(rank):
+    """Make ``get_expert_model_parallel_rank`` return ``rank``."""
+    _OVERRIDES["ep_rank"] = rank
+
+
+def get_expert_model_parallel_src_rank():
+    """Global rank of the first member of this rank's expert-parallel group."""
+    return _ranks("ep", True)[0]
+
+
+def get_expert_tensor_parallel_world_size():
+    """Expert tensor-parallel size: the set value, else the group's, else the tensor-parallel
+    size set with ``set_tensor_model_parallel_world_size`` (no groups yet)."""
+    if _OVERRIDES.get("etp_size") is not None:
+        return _OVERRIDES["etp_size"]
+    group = _group("expt_tp", False)
+    return _OVERRIDES.get("tp_size") if group is None else group.size()
+
+
+def get_expert_tensor_parallel_rank():
+    """This rank's index in its expert tensor-parallel group (fallbacks as for the size)."""
+    if _OVERRIDES.get("etp_rank") is not None:
+        return _OVERRIDES["etp_rank"]
+    group = _group("expt_tp", False)
+    return _OVERRIDES.get("tp_rank") if group is None else group.rank()
+
+
+def set_expert_tensor_parallel_world_size(world_size):
+    """Make ``get_expert_tensor_parallel_world_size`` return ``world_size``."""
+    _OVERRIDES["etp_size"] = world_size
+
+
+def set_expert_tensor_parallel_rank(rank):
+    """Make ``get_expert_tensor_parallel_rank`` return ``rank``."""
+    _OVERRIDES["etp_rank"] = rank
+
+
+def get_expert_tensor_and_model_parallel_world_size():
+    """Size of the expert tp x ep group."""
+    return _size("tp_ep")
+
+
+def get_expert_tensor_and_model_parallel_rank():
+    """This rank's index in its expert tp x ep group."""
+    return _rank("tp_ep")
+
+
+def get_expert_data_parallel_world_size(partial_expert_data_parallel=False):
+    """Number of expert data-parallel replicas."""
+    return _size("expt_dp")
+
+
+def get_expert_data_parallel_rank(partial_expert_data_parallel=False):
+    """This rank's index in its expert data-parallel group."""
+    return _rank("expt_dp")
+
+
+# ----------------------------------------------------------------------------- pipeline
 
 
 def get_pipeline_model_parallel_first_rank():
@@ -288,19 +595,21 @@ def get_pipeline_model_parallel_first_rank():
 
 def get_pipeline_model_parallel_last_rank():
     """Global rank of the last stage of this rank's pipeline."""
-    return _ranks("pp", True)[-1]
+    return _ranks("pp", True)[get_pipeline_model_parallel_world_size() - 1]
 
 
 def get_pipeline_model_parallel_next_rank():
     """Global rank of the next stage (the pipeline wraps around)."""
     ranks = _ranks("pp", True)
-    return ranks[(get_pipeline_model_parallel_rank() + 1) % len(ranks)]
+    stage, stages = get_pipeline_model_parallel_rank(), get_pipeline_model_parallel_world_size()
+    return ranks[(stage + 1) % stages]
 
 
 def get_pipeline_model_parallel_prev_rank():
     """Global rank of the previous stage (the pipeline wraps around)."""
     ranks = _ranks("pp", True)
-    return ranks[(get_pipeline_model_parallel_rank() - 1) % len(ranks)]
+    stage, stages = get_pipeline_model_parallel_rank(), get_pipeline_model_parallel_world_size()
+    return ranks[(stage - 1) % stages]
 
 
 def is_pipeline_first_stage(ignore_virtual=True, vp_stage=None):
@@ -337,6 +646,11 @@ def is_rank_in_embedding_group(ignore_virtual=True, vp_stage=None):
     return True
 
 
+def is_rank_in_position_embedding_group():
+    """Whether this rank holds the position embeddings (first stage by default)."""
+    return _STATE is not None and dist.get_rank() in _STATE.ranks.get("pos_embd", [])
+
+
 def get_virtual_pipeline_model_parallel_rank():
     """The virtual pipeline stage the caller set last (None without VPP)."""
     return _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK
@@ -359,6 +673,67 @@ def set_virtual_pipeline_model_parallel_world_size(world_size):
     _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = world_size
 
 
+# ----------------------------------------------------------------------------- module globals
+
+# megatron-core keeps each group in a module global; tests written for it read some of them
+# (e.g. ``parallel_state._MODEL_PARALLEL_GROUP is None`` after destroy). They are served,
+# read-only, from this module's state.
+_LEGACY_GROUPS = {
+    "_TENSOR_MODEL_PARALLEL_GROUP": "tp",
+    "_PIPELINE_MODEL_PARALLEL_GROUP": "pp",
+    "_MODEL_PARALLEL_GROUP": "mp",
+    "_EMBEDDING_GROUP": "embd",
+    "_POSITION_EMBEDDING_GROUP": "pos_embd",
+    "_DATA_PARALLEL_GROUP": "dp",
+    "_DATA_PARALLEL_GROUP_WITH_CP": "dp_cp",
+    "_DATA_PARALLEL_GROUP_WITH_CP_AG": "dp_cp_ag",
+    "_CONTEXT_PARALLEL_GROUP": "cp",
+    "_TENSOR_AND_DATA_PARALLEL_GROUP": "tp_dp",
+    "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": "tp_dp_cp",
+    "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": "tp_cp",
+    "_EXPERT_MODEL_PARALLEL_GROUP": "ep",
+    "_EXPERT_TENSOR_PARALLEL_GROUP": "expt_tp",
+    "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": "tp_ep",
+    "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": "tp_ep_pp",
+    "_EXPERT_DATA_PARALLEL_GROUP": "expt_dp",
+}
+_LEGACY_RANKS = {
+    "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": "tp",
+    "_PIPELINE_GLOBAL_RANKS": "pp",
+    "_MODEL_PARALLEL_GLOBAL_RANKS": "mp",
+    "_EMBEDDING_GLOBAL_RANKS": "embd",
+    "_POSITION_EMBEDDING_GLOBAL_RANKS": "pos_embd",
+    "_DATA_PARALLEL_GLOBAL_RANKS": "dp",
+    "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": "dp_cp",
+    "_CONTEXT_PARALLEL_GLOBAL_RANKS": "cp",
+    "_EXPERT_MODEL_PARALLEL_RANKS": "ep",
+}
+_LEGACY_OVERRIDES = {
+    "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE": "tp_size",
+    "_MPU_TENSOR_MODEL_PARALLEL_RANK": "tp_rank",
+    "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": "pp_size",
+    "_MPU_PIPELINE_MODEL_PARALLEL_RANK": "pp_rank",
+    "_MPU_DATA_PARALLEL_RANK": "dp_rank",
+    "_MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE": "ep_size",
+    "_MPU_EXPERT_MODEL_PARALLEL_RANK": "ep_rank",
+    "_MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE": "etp_size",
+    "_MPU_EXPERT_TENSOR_PARALLEL_RANK": "etp_rank",
+}
+
+
+def __getattr__(name: str):
+    """megatron-core's private module globals (read-only): a group, its global ranks, or a
+    value set with a set_* function; None when not initialized."""
+    if name in _LEGACY_GROUPS:
+        return None if _STATE is None else _STATE.groups.get(_LEGACY_GROUPS[name])
+    if name in _LEGACY_RANKS:
+        ranks = None if _STATE is None else _STATE.ranks.get(_LEGACY_RANKS[name])
+        return None if ranks is None else list(ranks)
+    if name in _LEGACY_OVERRIDES:
+        return _OVERRIDES.get(_LEGACY_OVERRIDES[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # ----------------------------------------------------------------------------- helpers
 
 
@@ -366,7 +741,7 @@ def _group(name: str, check_initialized: bool = True) -> Optional[dist.ProcessGr
     """The named group of this rank; raise if the state is not initialized and checked."""
     if _STATE is None:
         if check_initialized:
-            raise RuntimeError(
+            raise ParallelStateError(
                 f"parallel_state: the {name} group is not initialized; call "
                 "initialize_model_parallel first (or pass the group explicitly)"
             )
@@ -382,60 +757,45 @@ def _ranks(name: str, check_initialized: bool) -> Optional[List[int]]:
     return list(_STATE.ranks.get(name, []))
 
 
-def _size(name: str) -> int:
-    """Size of the named group; 0 when torch.distributed is not initialized."""
-    if not (dist.is_available() and dist.is_initialized()):
+def _dist_ready() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _size(name: str, override: Optional[str] = None) -> int:
+    """Size of the named group (a set value wins); 0 when torch.distributed is not
+    initialized."""
+    if override is not None and _OVERRIDES.get(override) is not None:
+        return _OVERRIDES[override]
+    if not _dist_ready():
         return 0
-    return dist.get_world_size(group=_group(name))
+    return _group(name).size()
 
 
-def _rank(name: str) -> int:
-    """Rank in the named group; 0 when torch.distributed is not initialized."""
-    if not (dist.is_available() and dist.is_initialized()):
+def _rank(name: str, override: Optional[str] = None) -> int:
+    """Rank in the named group (a set value wins); 0 when torch.distributed is not
+    initialized."""
+    if override is not None and _OVERRIDES.get(override) is not None:
+        return _OVERRIDES[override]
+    if not _dist_ready():
         return 0
-    return dist.get_rank(group=_group(name))
+    return _group(name).rank()
 
 
-def _get_or_create_group(ranks: List[int], timeout: timedelta) -> dist.ProcessGroup:
-    """The process group over ``ranks``; created collectively on first use, then cached."""
-    key = tuple(ranks)
+def _get_or_create_group(ranks: List[int], timeout: timedelta, tag: str = "") -> dist.ProcessGroup:
+    """The process group over ``ranks``; created collectively on first use, then cached.
+
+    ``tag`` keeps a second communicator over the same ranks apart (the all-gather group).
+    """
+    key = (tuple(ranks), tag)
     if key not in _GROUP_CACHE:
         _GROUP_CACHE[key] = dist.new_group(ranks, timeout=timeout)
     return _GROUP_CACHE[key]
 
 
-def _default_embedding_ranks(pp_ranks: List[int], split_rank: Optional[int] = None) -> List[int]:
-    """First and last stage of a pipeline (the same rank when PP = 1)."""
-    return [pp_ranks[0]] if len(pp_ranks) == 1 else [pp_ranks[0], pp_ranks[-1]]
-
-
-def _default_position_embedding_ranks(
-    pp_ranks: List[int], split_rank: Optional[int] = None
-) -> List[int]:
-    """First stage of a pipeline."""
-    return [pp_ranks[0]]
-
-
-def _parse_order(order: str) -> List[str]:
-    """Split ``order`` into the five axes, checking each appears exactly once."""
-    axes = order.split("-")
-    if sorted(axes) != sorted(_AXES):
-        raise ValueError(
-            f"initialize_model_parallel: order must be a permutation of {'-'.join(_AXES)}, "
-            f"got {order!r}"
-        )
-    return axes
-
-
-def _nested_indices(extents: List[int]) -> List[tuple]:
-    """Index tuples over ``extents`` with the first index varying fastest."""
-    return [tuple(reversed(t)) for t in itertools.product(*[range(e) for e in reversed(extents)])]
-
-
 def _require_vp_stage(vp_stage) -> None:
     """Virtual-pipeline queries must name the chunk they ask about."""
     if vp_stage is None:
-        raise ValueError("vp_stage must be passed if virtual pipeline is enabled")
+        raise ParallelStateError("vp_stage must be passed if virtual pipeline is enabled")
 
 
 def _reject_unsupported(**options) -> None:

@@ -76,14 +76,15 @@ class Layout:
     data_parallel_size: int
     num_microbatches: int
     tensor_model_parallel_size: int = 1
+    sequence_parallel: bool = False
 
     @property
     def name(self) -> str:
-        """Short name, e.g. ``cp2-pp2-vpp2-dp1`` or ``tp2-cp2-pp1-dp1``."""
+        """Short name, e.g. ``cp2-pp2-vpp2-dp1`` or ``tp2-sp-cp2-pp1-dp1``."""
         vpp = self.virtual_pipeline_model_parallel_size
         tp = self.tensor_model_parallel_size
         return (
-            f"{f'tp{tp}-' if tp > 1 else ''}"
+            f"{f'tp{tp}-' if tp > 1 else ''}{'sp-' if self.sequence_parallel else ''}"
             f"cp{self.context_parallel_size}-pp{self.pipeline_model_parallel_size}"
             f"{f'-vpp{vpp}' if vpp else ''}-dp{self.data_parallel_size}"
         )
@@ -212,7 +213,7 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
         c.distributed_backend in ("auto", "gloo", "nccl"),
         f"--distributed-backend must be auto, gloo or nccl, got {c.distributed_backend!r}",
     )
-    return Layout(world_size, cp, pp, vpp, dp, num_microbatches, tp)
+    return Layout(world_size, cp, pp, vpp, dp, num_microbatches, tp, c.sequence_parallel)
 
 
 def _check_tensor_parallel(c: TrainingConfig) -> None:

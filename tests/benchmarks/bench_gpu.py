@@ -39,6 +39,7 @@ the comparison with the bare loop added (docs/performance.md).
 
 import argparse
 import copy
+import dataclasses
 import json
 import time
 from typing import Callable, Dict, List
@@ -273,7 +274,9 @@ def main() -> None:
     start = time.perf_counter()
     model = GPTModel(config, get_gpt_layer_local_spec(), args.vocab, args.seq, pg_collection=groups)
     # same bf16 values in fp32 storage; the groups are shared, not copied
-    reference_model = copy.deepcopy(model, memo={id(groups): groups}).float()
+    shared = [groups] + [getattr(groups, f.name) for f in dataclasses.fields(groups)]
+    memo = {id(obj): obj for obj in shared if obj is not None}  # layers hold groups too
+    reference_model = copy.deepcopy(model, memo=memo).float()
     params = sum(p.numel() for p in model.parameters())
     data = make_data(args, device)
     tokens = args.microbatches * args.micro_batch * args.seq

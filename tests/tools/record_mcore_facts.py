@@ -2,7 +2,9 @@
 
 Run with the interpreter that has megatron-core installed (never the project's own)::
 
-    /opt/mcore/bin/python tests/tools/record_mcore_facts.py
+    pip install --target /tmp/mcore_extra einops   # megatron-core's HyperCommGrid needs it
+    cd /tmp && env -u PYTHONPATH PYTHONPATH=/tmp/mcore_extra /opt/mcore/bin/python \
+        /path/to/repo/tests/tools/record_mcore_facts.py
 
 It writes ``tests/unit_tests/data/mcore_facts.json`` with these sections (plus ``meta``):
 
@@ -16,7 +18,19 @@ It writes ``tests/unit_tests/data/mcore_facts.json`` with these sections (plus `
 - ``enums``: member names and values;
 - ``rank_layouts``: megatron-core's rank groups for a set of (world, tp, cp, pp) layouts, keyed
   like ``w4_tp1_cp2_pp2``, computed with its pure rank generator (no process group involved)
-  and cross-checked against an independent stride computation.
+  and cross-checked against an independent stride computation;
+- ``rank_generators``: ``RankGenerator(tp, ep, dp, pp, cp, order).get_ranks(token)`` for
+  every token (non-empty subset of the five axes) over many orders and sizes, or the
+  exception type megatron-core raises for the arguments;
+- ``init_layouts``: the groups ``initialize_model_parallel`` builds (dense and expert, incl.
+  orders without cp and ``expert_tensor_parallel_size``), recorded by running megatron-core's
+  own function once per rank with ``torch.distributed`` replaced by a recorder of rank lists
+  (no process group is created), or the exception type it raises;
+- ``hyper_comm_grid``: ``HyperCommGrid(shape, dim_names, rank_offset).get_rank_enum(dims)``
+  (needs ``einops``: put a directory holding it on PYTHONPATH);
+- ``schedule_helpers``: outputs of ``get_pp_rank_microbatches`` and ``get_schedule_table``;
+- ``values``: module constants and dataclass field names (``megatron.core.config``,
+  ``ProcessGroupCollection``).
 
 Only facts are recorded (names, defaults, rank numbers); no megatron-core code is copied.
 """
@@ -86,6 +100,61 @@ _DDP_METHODS = [
     "broadcast_params",
 ]
 
+_PS_EXTRA = [
+    f"set_{axis}_parallel_{what}"
+    for axis in ("tensor_model", "pipeline_model", "expert_model", "expert_tensor")
+    for what in ("world_size", "rank")
+] + [
+    "set_data_parallel_rank",
+    "set_virtual_pipeline_model_parallel_rank",
+    "set_virtual_pipeline_model_parallel_world_size",
+    "get_tensor_model_parallel_src_rank",
+    "get_model_parallel_src_rank",
+    "get_data_parallel_src_rank",
+    "has_separate_all_gather_group",
+    "is_initialized",
+    "get_model_parallel_group",
+    "get_tensor_and_context_parallel_group",
+    "get_tensor_and_context_parallel_world_size",
+    "get_tensor_and_context_parallel_rank",
+    "is_rank_in_embedding_group",
+    "is_rank_in_position_embedding_group",
+    "default_embedding_ranks",
+    "default_position_embedding_ranks",
+    "generate_masked_orthogonal_rank_groups",
+    "get_expert_model_parallel_group",
+    "get_expert_model_parallel_world_size",
+    "get_expert_model_parallel_rank",
+    "get_expert_model_parallel_src_rank",
+    "get_expert_tensor_parallel_group",
+    "get_expert_tensor_parallel_world_size",
+    "get_expert_tensor_parallel_rank",
+    "get_expert_tensor_and_model_parallel_group",
+    "get_expert_tensor_and_model_parallel_world_size",
+    "get_expert_tensor_and_model_parallel_rank",
+    "get_expert_tensor_model_pipeline_parallel_group",
+    "get_expert_data_parallel_group",
+    "get_expert_data_parallel_world_size",
+    "get_expert_data_parallel_rank",
+    "get_data_modulo_expert_parallel_group",
+    "RankGenerator.__init__",
+    "RankGenerator.get_mask",
+    "RankGenerator.get_ranks",
+]
+
+_PP_UTILS = [
+    "is_pp_first_stage",
+    "is_pp_last_stage",
+    "is_vp_first_stage",
+    "is_vp_last_stage",
+    "get_pp_first_rank",
+    "get_pp_last_rank",
+    "get_pp_next_rank",
+    "get_pp_prev_rank",
+]
+
+_GRID_METHODS = ["__init__", "create_pg", "get_pg", "get_rank_enum"]
+
 SIGNATURE_TARGETS: list[tuple[str, str]] = (
     [
         (_PS, "initialize_model_parallel"),
@@ -110,6 +179,19 @@ SIGNATURE_TARGETS: list[tuple[str, str]] = (
     + [(_P2P, f"P2PCommunicator.{name}") for name in _P2P_METHODS]
     + [(_DIST, f"DistributedDataParallel.{name}") for name in _DDP_METHODS]
     + [(_DIST, "finalize_model_grads")]
+    + [(_PS, name) for name in _PS_EXTRA]
+    + [("megatron.core.pipeline_parallel.utils", name) for name in _PP_UTILS]
+    + [(_SCHED, "get_pp_rank_microbatches"), (_SCHED, "get_schedule_table")]
+    + [("megatron.core.hyper_comm_grid", f"HyperCommGrid.{name}") for name in _GRID_METHODS]
+    + [
+        ("megatron.core.config", "set_experimental_flag"),
+        ("megatron.core.config", "is_experimental_enabled"),
+        ("megatron.core.utils", "is_te_min_version"),
+        ("megatron.core.utils", "is_torch_min_version"),
+        ("megatron.core.utils", "get_pg_size"),
+        ("megatron.core.utils", "get_pg_rank"),
+        ("megatron.core.process_groups_config", "ProcessGroupCollection.__init__"),
+    ]
 )
 
 _PARALLEL_SIZES = [
@@ -348,6 +430,307 @@ def record_layout(world: int, tp: int, cp: int, pp: int) -> dict[str, Any]:
     }
 
 
+# ----------------------------------------------------------------------------- rank generators
+
+AXIS_NAMES = ("tp", "cp", "ep", "dp", "pp")
+
+# Orders megatron-core accepts: permutations of the five axes or of a subset (the missing
+# ones must have size 1 and go last).
+GENERATOR_ORDERS = [
+    "tp-cp-ep-dp-pp",
+    "tp-cp-ep-pp-dp",
+    "tp-pp-dp",
+    "tp-dp-pp",
+    "tp-ep-dp-pp",
+    "tp-cp-dp-pp",
+    "tp-cp-pp-dp",
+    "pp-tp-dp",
+    "dp-tp-pp",
+    "dp-pp-tp-cp-ep",
+    "cp-tp-ep-dp-pp",
+    "ep-tp-dp-pp",
+    "pp-dp-cp-tp-ep",
+]
+
+# (tp, ep, dp, pp, cp) for the pure generator.
+GENERATOR_SIZES = [
+    (1, 1, 1, 1, 1),
+    (2, 1, 1, 1, 1),
+    (1, 2, 1, 1, 1),
+    (1, 1, 1, 1, 2),
+    (2, 1, 2, 1, 1),
+    (1, 1, 2, 2, 1),
+    (2, 1, 1, 1, 2),
+    (1, 2, 2, 1, 1),
+    (2, 2, 1, 1, 1),
+    (2, 1, 2, 2, 1),
+    (2, 1, 1, 2, 2),
+    (1, 2, 2, 2, 1),
+    (2, 2, 2, 1, 1),
+    (2, 1, 4, 1, 1),
+    (2, 2, 1, 1, 2),
+]
+
+
+def _tokens() -> list[str]:
+    """Every one- and two-axis token, the three-axis ones megatron-core uses, two written in
+    another order, and all five axes."""
+    out = []
+    for n in (1, 2):
+        out += ["-".join(c) for c in itertools.combinations(AXIS_NAMES, n)]
+    return out + ["tp-dp-cp", "tp-ep-pp", "tp-cp-dp", "pp-dp", "dp-cp", "tp-cp-ep-dp-pp"]
+
+
+def generator_key(order: str, tp: int, ep: int, dp: int, pp: int, cp: int, offset: int) -> str:
+    """Key of one generator in ``rank_generators``."""
+    return f"{order}_tp{tp}_ep{ep}_dp{dp}_pp{pp}_cp{cp}_off{offset}"
+
+
+def record_generator(order: str, tp: int, ep: int, dp: int, pp: int, cp: int, offset: int):
+    """``get_ranks`` of every token, or the exception megatron-core raises."""
+    ps = importlib.import_module(_PS)
+    fact: dict[str, Any] = {
+        "order": order,
+        "sizes": {"tp": tp, "ep": ep, "dp": dp, "pp": pp, "cp": cp},
+        "rank_offset": offset,
+    }
+    try:
+        gen = ps.RankGenerator(tp=tp, ep=ep, dp=dp, pp=pp, cp=cp, order=order, rank_offset=offset)
+    except (AssertionError, RuntimeError, KeyError, ValueError) as exc:
+        return {**fact, "error": type(exc).__name__}
+    fact["normalized_order"] = gen.order
+    fact["ordered_size"] = list(gen.ordered_size)
+    fact["ranks"] = {token: gen.get_ranks(token) for token in _tokens()}
+    return fact
+
+
+def record_generators() -> dict[str, Any]:
+    """All GENERATOR_ORDERS x GENERATOR_SIZES, plus two offsets."""
+    out = {}
+    cases = [(o, *sz, 0) for o in GENERATOR_ORDERS for sz in GENERATOR_SIZES]
+    cases += [("tp-cp-ep-dp-pp", 2, 1, 2, 1, 1, 4), ("tp-pp-dp", 1, 1, 2, 2, 1, 8)]
+    for case in cases:
+        out[generator_key(*case)] = record_generator(*case)
+    return out
+
+
+# ----------------------------------------------------------------------------- initialize
+
+# (world, tp, cp, pp, ep, etp or None, order)
+INIT_LAYOUTS: list[tuple[int, int, int, int, int, int | None, str]] = [
+    (1, 1, 1, 1, 1, None, "tp-cp-ep-dp-pp"),
+    (2, 1, 1, 1, 2, None, "tp-cp-ep-dp-pp"),
+    (2, 2, 1, 1, 2, 1, "tp-cp-ep-dp-pp"),
+    (2, 1, 2, 1, 2, None, "tp-cp-ep-dp-pp"),
+    (2, 1, 1, 2, 1, None, "tp-pp-dp"),
+    (2, 2, 1, 1, 1, None, "tp-dp-pp"),
+    (2, 1, 1, 1, 1, None, "pp-dp-tp"),
+    (4, 2, 1, 1, 2, None, "tp-cp-ep-dp-pp"),
+    (4, 2, 1, 1, 2, 1, "tp-cp-ep-dp-pp"),
+    (4, 2, 1, 1, 4, 1, "tp-cp-ep-dp-pp"),
+    (4, 1, 2, 1, 2, None, "tp-cp-ep-dp-pp"),
+    (4, 1, 2, 2, 1, None, "tp-cp-ep-pp-dp"),
+    (4, 1, 1, 2, 2, None, "tp-cp-ep-dp-pp"),
+    (4, 2, 1, 2, 2, 1, "tp-cp-ep-dp-pp"),
+    (4, 1, 1, 2, 1, None, "tp-pp-dp"),
+    (4, 2, 1, 1, 1, None, "tp-dp-pp"),
+    (4, 1, 1, 2, 2, None, "tp-ep-pp-dp"),
+    (4, 1, 1, 2, 1, None, "pp-tp-dp"),
+    (4, 2, 2, 1, 1, None, "dp-tp-cp-pp"),
+    (4, 1, 1, 2, 1, 2, "tp-cp-ep-pp-dp"),
+    (4, 1, 1, 2, 1, None, "tp-cp-ep-pp-dp"),
+    (8, 2, 1, 2, 1, None, "tp-cp-ep-pp-dp"),
+    (8, 2, 2, 2, 1, None, "tp-cp-ep-dp-pp"),
+    (8, 2, 2, 2, 2, 1, "tp-cp-ep-dp-pp"),
+    (8, 2, 1, 1, 4, 1, "tp-cp-ep-dp-pp"),
+    (8, 1, 1, 1, 8, None, "tp-cp-ep-dp-pp"),
+    (8, 2, 1, 2, 2, None, "tp-cp-ep-dp-pp"),
+    (8, 1, 2, 2, 2, None, "tp-cp-ep-pp-dp"),
+    (8, 2, 1, 2, 1, None, "tp-pp-dp"),
+    (8, 1, 2, 2, 1, None, "tp-cp-pp-dp"),
+    (8, 2, 2, 1, 2, 4, "tp-cp-ep-dp-pp"),
+]
+
+# Group name -> megatron-core getter (called with no arguments unless a lambda).
+INIT_GETTERS = {
+    "tp": "get_tensor_model_parallel_group",
+    "cp": "get_context_parallel_group",
+    "pp": "get_pipeline_model_parallel_group",
+    "dp": "get_data_parallel_group",
+    "dp_cp": ("get_data_parallel_group", {"with_context_parallel": True}),
+    "mp": "get_model_parallel_group",
+    "tp_cp": "get_tensor_and_context_parallel_group",
+    "tp_dp": "get_tensor_and_data_parallel_group",
+    "tp_dp_cp": ("get_tensor_and_data_parallel_group", {"with_context_parallel": True}),
+    "embd": ("get_embedding_group", {"check_initialized": False}),
+    "pos_embd": ("get_position_embedding_group", {"check_initialized": False}),
+    "ep": "get_expert_model_parallel_group",
+    "expt_tp": "get_expert_tensor_parallel_group",
+    "tp_ep": "get_expert_tensor_and_model_parallel_group",
+    "tp_ep_pp": "get_expert_tensor_model_pipeline_parallel_group",
+    "expt_dp": "get_expert_data_parallel_group",
+}
+
+
+class _FakeGroup:
+    """Stands for a process group: its global ranks, and the rank being recorded."""
+
+    current_rank = 0
+
+    def __init__(self, ranks: list[int]) -> None:
+        self.ranks = list(ranks)
+
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def rank(self) -> int:
+        return (
+            self.ranks.index(_FakeGroup.current_rank)
+            if _FakeGroup.current_rank in self.ranks
+            else -1
+        )
+
+
+def init_key(world: int, tp: int, cp: int, pp: int, ep: int, etp: int | None, order: str) -> str:
+    """Key of one layout in ``init_layouts``."""
+    return f"w{world}_tp{tp}_cp{cp}_pp{pp}_ep{ep}_etp{etp}_{order}"
+
+
+def record_init_layout(world, tp, cp, pp, ep, etp, order) -> dict[str, Any]:
+    """Run megatron-core's initialize_model_parallel on each rank against a fake
+    torch.distributed; collect each group getter's ranks (every distinct group, sorted)."""
+    from unittest import mock
+
+    import torch.distributed as tdist
+
+    ps = importlib.import_module(_PS)
+    fact: dict[str, Any] = {
+        "world_size": world,
+        "tp": tp,
+        "cp": cp,
+        "pp": pp,
+        "ep": ep,
+        "etp": etp,
+        "order": order,
+    }
+    groups: dict[str, set] = {name: set() for name in INIT_GETTERS}
+    patches = {
+        "is_initialized": lambda: True,
+        "get_world_size": lambda group=None: world,
+        "get_rank": lambda group=None: _FakeGroup.current_rank,
+        "new_group": lambda ranks=None, **kw: _FakeGroup(ranks),
+        "destroy_process_group": lambda group=None: None,
+    }
+    with mock.patch.multiple(tdist, **patches):
+        for rank in range(world):
+            _FakeGroup.current_rank = rank
+            ps.destroy_model_parallel()
+            try:
+                ps.initialize_model_parallel(
+                    tensor_model_parallel_size=tp,
+                    pipeline_model_parallel_size=pp,
+                    context_parallel_size=cp,
+                    expert_model_parallel_size=ep,
+                    expert_tensor_parallel_size=etp,
+                    order=order,
+                    create_gloo_process_groups=False,
+                )
+            except (AssertionError, RuntimeError, KeyError, ValueError) as exc:
+                ps.destroy_model_parallel()
+                return {**fact, "error": type(exc).__name__}
+            for name, getter in INIT_GETTERS.items():
+                fn, kwargs = (getter, {}) if isinstance(getter, str) else getter
+                group = getattr(ps, fn)(**kwargs)
+                if group is not None and rank in group.ranks:
+                    groups[name].add(tuple(group.ranks))
+            ps.destroy_model_parallel()
+    fact["groups"] = {name: [list(g) for g in sorted(found)] for name, found in groups.items()}
+    return fact
+
+
+def record_init_layouts() -> dict[str, Any]:
+    """Every INIT_LAYOUTS entry."""
+    return {init_key(*lay): record_init_layout(*lay) for lay in INIT_LAYOUTS}
+
+
+# ----------------------------------------------------------------------------- other helpers
+
+GRID_CASES = [
+    ([2, 2, 2], ["a", "b", "c"], 0, [["a"], ["b"], ["c"], ["a", "b"], ["b", "a"], ["a", "c"]]),
+    ([2, 4], ["tp", "dp"], 0, [["tp"], ["dp"], ["dp", "tp"], "dp"]),
+    ([2, 1, 2, 2], ["tp", "cp", "pp", "dp"], 0, [["tp"], ["cp"], ["pp"], ["dp"], ["cp", "dp"]]),
+    ([2, 2], ["tp", "dp"], 4, [["tp"], ["dp"], ["tp", "dp"]]),
+    ([4, 2], ["ep", "pp"], 0, [["ep"], ["pp"], ["pp", "ep"]]),
+]
+
+
+def record_hyper_comm_grid() -> list[dict[str, Any]]:
+    """``get_rank_enum`` of GRID_CASES (world size 8 via the environment)."""
+    import os
+
+    hcg = importlib.import_module("megatron.core.hyper_comm_grid")
+    os.environ["WORLD_SIZE"] = "8"
+    out = []
+    for shape, names, offset, dims_list in GRID_CASES:
+        grid = hcg.HyperCommGrid(shape, names, rank_offset=offset)
+        out.append(
+            {
+                "shape": shape,
+                "dim_names": names,
+                "rank_offset": offset,
+                "enums": [{"dims": dims, "ranks": grid.get_rank_enum(dims)} for dims in dims_list],
+            }
+        )
+    return out
+
+
+class _FakeP2P:
+    """What get_pp_rank_microbatches reads of a P2PCommunicator."""
+
+    def __init__(self, pp_size: int, pp_rank: int, vp_size: int | None) -> None:
+        _FakeGroup.current_rank = pp_rank
+        self.pp_group = _FakeGroup(list(range(pp_size)))
+        self.virtual_pipeline_model_parallel_size = vp_size
+
+
+def record_schedule_helpers() -> dict[str, Any]:
+    """Outputs of get_pp_rank_microbatches and get_schedule_table on a grid of inputs."""
+    sched = importlib.import_module(_SCHED)
+    micro = []
+    for pp_size, vp_size, m, chunks, g, forward_only, overlap in itertools.product(
+        (1, 2, 4), (None, 2, 3), (1, 3, 8), (1, 2, 3), (1, 2, 4), (False, True), (False, True)
+    ):
+        if vp_size is None and chunks != 1 or vp_size is not None and chunks != vp_size:
+            continue
+        for rank in range(pp_size):
+            out = sched.get_pp_rank_microbatches(
+                m,
+                chunks,
+                g,
+                forward_only,
+                overlap,
+                p2p_communicator=_FakeP2P(pp_size, rank, vp_size),
+            )
+            args = [m, chunks, g, forward_only, overlap, pp_size, rank, vp_size]
+            micro.append({"args": args, "result": list(out)})
+    tables = []
+    for m, chunks, g in itertools.product((1, 2, 3, 5, 8), (1, 2, 3), (1, 2, 3, 4)):
+        table = sched.get_schedule_table(m, chunks, g)
+        tables.append({"args": [m, chunks, g], "table": [list(x) for x in table]})
+    return {"get_pp_rank_microbatches": micro, "get_schedule_table": tables}
+
+
+def record_values() -> dict[str, Any]:
+    """Constants and dataclass facts."""
+    config = importlib.import_module("megatron.core.config")
+    pgc = importlib.import_module("megatron.core.process_groups_config").ProcessGroupCollection
+    return {
+        "megatron.core.config.ENABLE_EXPERIMENTAL": config.ENABLE_EXPERIMENTAL,
+        "ProcessGroupCollection.fields": [f.name for f in dataclasses.fields(pgc)],
+        "ProcessGroupCollection.is_dataclass": dataclasses.is_dataclass(pgc),
+    }
+
+
 def layout_key(world: int, tp: int, cp: int, pp: int) -> str:
     """Key of a layout in ``rank_layouts``, e.g. ``w4_tp1_cp2_pp2``."""
     return f"w{world}_tp{tp}_cp{cp}_pp{pp}"
@@ -402,6 +785,11 @@ def collect() -> dict[str, Any]:
     enums = {f"{m}.{n}": record_enum(m, n) for m, n in ENUM_TARGETS}
     layouts = {layout_key(*lay): record_layout(*lay) for lay in LAYOUTS}
     _check_by_hand(layouts)
+    generators = record_generators()
+    init_layouts = record_init_layouts()
+    grids = record_hyper_comm_grid()
+    schedule_helpers = record_schedule_helpers()
+    values = record_values()
     return {
         "meta": {
             "megatron_core_version": version,
@@ -411,6 +799,11 @@ def collect() -> dict[str, Any]:
         "config_fields": configs,
         "enums": enums,
         "rank_layouts": layouts,
+        "rank_generators": generators,
+        "init_layouts": init_layouts,
+        "hyper_comm_grid": grids,
+        "schedule_helpers": schedule_helpers,
+        "values": values,
     }
 
 
@@ -425,7 +818,8 @@ def main(argv: list[str] | None = None) -> int:
     target.write_text(to_json(facts) + "\n")
     print(
         f"wrote {target}: {len(facts['signatures'])} signatures, "
-        f"{len(facts['config_fields'])} configs, {len(facts['rank_layouts'])} rank layouts"
+        f"{len(facts['config_fields'])} configs, {len(facts['rank_layouts'])} rank layouts, "
+        f"{len(facts['rank_generators'])} generators, {len(facts['init_layouts'])} init layouts"
     )
     return 0
 

@@ -1,8 +1,9 @@
 """Access to the facts recorded from megatron-core 0.16.1 (``data/mcore_facts.json``).
 
 The file is written by ``tests/tools/record_mcore_facts.py`` (run with the interpreter that has
-the real megatron-core installed). Sections: ``signatures``, ``config_fields``, ``enums`` and
-``rank_layouts``; see that script's docstring for their format.
+the real megatron-core installed). Sections: ``signatures``, ``config_fields``, ``enums``,
+``rank_layouts``, ``rank_generators``, ``init_layouts``, ``hyper_comm_grid``,
+``schedule_helpers`` and ``values``; see that script's docstring for their format.
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ def _read() -> dict[str, Any]:
 def load_mcore_facts() -> dict[str, Any]:
     """Return the parsed facts file (a private copy: callers may modify it)."""
     return copy.deepcopy(_read())
+
+
+def facts_section(name: str) -> Any:
+    """One section of the facts, shared and read-only: no copy is made (the file is large and
+    every rank of every launch reads it), so callers must not modify it."""
+    return _read()[name]
 
 
 def layout_key(world_size: int, tp: int = 1, cp: int = 1, pp: int = 1) -> str:

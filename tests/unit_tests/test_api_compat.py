@@ -6,8 +6,10 @@ megatron-core parameter with the same name, kind, position and default repr; ext
 may only follow megatron-core's and must have defaults. Type annotations are not compared.
 
 Run against the real megatron-core (from a directory where ``import megatron`` resolves to the
-installed package), every test passes except the two marked as extensions of the SPEC:
-``test_forward_step_gains_cp_group`` and ``test_process_group_collection_unset_fields_are_none``.
+installed package), every test passes except those marked as extensions of the SPEC:
+``test_forward_step_gains_cp_group``, ``test_process_group_collection_unset_fields_are_none``
+and ``test_is_te_min_version_is_false_without_transformer_engine`` (megatron-core raises
+``TypeError`` there).
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ from typing import Any
 
 import pytest
 
-from tests.unit_tests.mcore_facts import GROUP_NAMES, load_mcore_facts, rank_layout
+from tests.unit_tests.mcore_facts import GROUP_NAMES, facts_section, rank_layout
 
-FACTS = load_mcore_facts()
-SIGNATURES: dict[str, Any] = FACTS["signatures"]
-CONFIGS: dict[str, Any] = FACTS["config_fields"]
-ENUMS: dict[str, Any] = FACTS["enums"]
-LAYOUTS: dict[str, Any] = FACTS["rank_layouts"]
+SIGNATURES: dict[str, Any] = facts_section("signatures")
+CONFIGS: dict[str, Any] = facts_section("config_fields")
+ENUMS: dict[str, Any] = facts_section("enums")
+LAYOUTS: dict[str, Any] = facts_section("rank_layouts")
+VALUES: dict[str, Any] = facts_section("values")
 
 # SPEC section 2: these keep megatron-core's parameters and gain an optional ``cp_group=None``.
 CP_GROUP_PATHS = [
@@ -94,7 +96,7 @@ def _ours(path: str) -> tuple[Any, Any, dict[str, Any]]:
 
 def test_facts_are_from_megatron_core_0_16_1() -> None:
     """The facts file was recorded from megatron-core 0.16.1."""
-    assert FACTS["meta"]["megatron_core_version"] == "0.16.1"
+    assert facts_section("meta")["megatron_core_version"] == "0.16.1"
     assert set(CP_GROUP_PATHS) <= set(SIGNATURES)
 
 
@@ -226,3 +228,38 @@ def test_rank_layout_first_axis_has_stride_one() -> None:
     assert groups["pp"] == [[0, 2], [1, 3]]
     assert groups["embd"] == [[0, 2], [1, 3]]
     assert groups["pos_embd"] == [[0], [1]]
+
+
+def test_experimental_flag_round_trips() -> None:
+    """megatron.core.config: off by default (as recorded), set_experimental_flag sets it."""
+    config = importlib.import_module("megatron.core.config")
+    assert config.ENABLE_EXPERIMENTAL is VALUES["megatron.core.config.ENABLE_EXPERIMENTAL"]
+    try:
+        config.set_experimental_flag(True)
+        assert config.ENABLE_EXPERIMENTAL and config.is_experimental_enabled()
+    finally:
+        config.set_experimental_flag(False)
+    assert not config.is_experimental_enabled()
+
+
+def test_is_te_min_version_is_false_without_transformer_engine() -> None:
+    """SPEC: False without Transformer Engine (megatron-core raises TypeError there)."""
+    utils = importlib.import_module("megatron.core.utils")
+    try:
+        importlib.import_module("transformer_engine")
+    except ImportError:
+        assert utils.is_te_min_version("0.1") is False
+        assert utils.is_te_min_version("1.0", check_equality=False) is False
+    else:  # pragma: no cover - only where TE is installed
+        assert isinstance(utils.is_te_min_version("0.1"), bool)
+
+
+def test_legacy_mpu_alias_and_torch_version() -> None:
+    """``megatron.core.mpu`` is parallel_state; ``is_torch_min_version`` compares torch."""
+    core = importlib.import_module("megatron.core")
+    import torch
+
+    assert core.mpu is core.parallel_state
+    major_minor = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    assert core.is_torch_min_version(major_minor) is True
+    assert core.is_torch_min_version("999.0") is False

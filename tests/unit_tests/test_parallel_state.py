@@ -1,4 +1,12 @@
-"""parallel_state lays ranks out exactly as megatron-core 0.16.1 does (recorded facts)."""
+"""parallel_state lays ranks out exactly as megatron-core 0.16.1 does (recorded facts).
+
+The facts come from megatron-core itself (``tests/tools/record_mcore_facts.py``):
+``rank_layouts`` (dense groups, default order), ``rank_generators`` (``RankGenerator`` over
+many orders, sizes and tokens) and ``init_layouts`` (every group ``initialize_model_parallel``
+builds, dense and expert, over orders with and without cp/ep, or the error it raises).
+"""
+
+import dataclasses
 
 import pytest
 import torch.distributed as dist
@@ -6,7 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.process_groups_config import ProcessGroupCollection
 from tests.unit_tests.dist_utils import WORLD_SIZE, assert_no_failures, reset_layout
-from tests.unit_tests.mcore_facts import groups_of_rank, load_mcore_facts
+from tests.unit_tests.mcore_facts import facts_section, groups_of_rank
 
 GETTERS = {
     "tp": lambda: ps.get_tensor_model_parallel_group(),
@@ -24,7 +32,7 @@ GETTERS = {
 
 LAYOUTS = [
     layout
-    for layout in load_mcore_facts()["rank_layouts"].values()
+    for layout in facts_section("rank_layouts").values()
     if layout["world_size"] == WORLD_SIZE
 ] or [None]
 
@@ -91,7 +99,7 @@ def test_virtual_pipeline_stage_queries():
         assert not ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=1)
         assert ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=1) == last
         assert not ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=0)
-        with pytest.raises(ValueError, match="vp_stage"):
+        with pytest.raises(AssertionError, match="vp_stage"):
             ps.is_pipeline_last_stage(ignore_virtual=False)
     finally:
         reset_layout()
@@ -102,19 +110,23 @@ def test_bad_layouts_are_rejected():
     reset_layout()
     with pytest.raises(RuntimeError, match="not divisible"):
         ps.initialize_model_parallel(context_parallel_size=3)
-    with pytest.raises(NotImplementedError, match="expert_model_parallel_size"):
-        ps.initialize_model_parallel(expert_model_parallel_size=2)
+    with pytest.raises(NotImplementedError, match="hierarchical_context_parallel_sizes"):
+        ps.initialize_model_parallel(hierarchical_context_parallel_sizes=[2, 2])
+    with pytest.raises(NotImplementedError, match="num_distributed_optimizer_instances"):
+        ps.initialize_model_parallel(num_distributed_optimizer_instances=2)
+    with pytest.raises(RuntimeError, match="expert_model_parallel_size"):
+        ps.initialize_model_parallel(expert_model_parallel_size=3)
     with pytest.raises(RuntimeError, match="virtual_pipeline_model_parallel_size"):
         ps.initialize_model_parallel(virtual_pipeline_model_parallel_size=2)
     assert not ps.model_parallel_is_initialized()
 
 
-def test_rank_groups_stride_follows_order():
-    sizes = {"tp": 1, "cp": 2, "ep": 1, "dp": 1, "pp": 2}
-    order = "tp-cp-ep-dp-pp".split("-")
-    assert ps.rank_groups(sizes, order, ("cp",)) == [[0, 1], [2, 3]]
-    assert ps.rank_groups(sizes, order, ("pp",)) == [[0, 2], [1, 3]]
-    assert ps.rank_groups(sizes, "tp-pp-ep-dp-cp".split("-"), ("cp",)) == [[0, 2], [1, 3]]
+def test_rank_generator_first_axis_has_stride_one():
+    gen = ps.RankGenerator(tp=1, ep=1, dp=1, pp=2, cp=2, order="tp-cp-ep-dp-pp")
+    assert gen.get_ranks("cp") == [[0, 1], [2, 3]]
+    assert gen.get_ranks("pp") == [[0, 2], [1, 3]]
+    swapped = ps.RankGenerator(tp=1, ep=1, dp=1, pp=2, cp=2, order="tp-pp-ep-dp-cp")
+    assert swapped.get_ranks("cp") == [[0, 2], [1, 3]]
 
 
 def test_uninitialized_state_reports_itself():
@@ -122,4 +134,270 @@ def test_uninitialized_state_reports_itself():
     assert not ps.model_parallel_is_initialized()
     with pytest.raises(RuntimeError, match="initialize_model_parallel"):
         ps.get_context_parallel_group()
+    with pytest.raises(AssertionError, match="initialize_model_parallel"):
+        ps.get_expert_model_parallel_group()
     assert ps.get_context_parallel_group(check_initialized=False) is None
+
+
+# ----------------------------------------------------------------------------- RankGenerator
+
+GENERATORS = facts_section("rank_generators")
+GENERATOR_ORDERS = sorted({fact["order"] for fact in GENERATORS.values()})
+
+
+def _generator_failures(order):
+    """Differences from megatron-core over every recorded size and token of ``order``."""
+    failures = []
+    for key, fact in GENERATORS.items():
+        if fact["order"] != order:
+            continue
+        kwargs = dict(fact["sizes"], order=order, rank_offset=fact["rank_offset"])
+        if "error" in fact:
+            try:
+                ps.RankGenerator(**kwargs)
+                failures.append(f"{key}: accepted, megatron-core raises {fact['error']}")
+            except Exception as exc:  # noqa: BLE001 - the type is what is compared
+                if fact["error"] not in {c.__name__ for c in type(exc).__mro__}:
+                    failures.append(f"{key}: {type(exc).__name__}, expected {fact['error']}")
+            continue
+        gen = ps.RankGenerator(**kwargs)
+        if (gen.order, gen.ordered_size) != (fact["normalized_order"], fact["ordered_size"]):
+            failures.append(f"{key}: order {gen.order} {gen.ordered_size}")
+        for token, ranks in fact["ranks"].items():
+            if gen.get_ranks(token) != ranks:
+                failures.append(f"{key} {token}: {gen.get_ranks(token)} != {ranks}")
+    return failures
+
+
+@pytest.mark.world(1)
+@pytest.mark.parametrize("order", GENERATOR_ORDERS)
+def test_rank_generator_equals_megatron_core(order):
+    """Every recorded size and token of ``order``: same groups, or the same exception type."""
+    failures = _generator_failures(order)
+    assert not failures, "\n".join(failures[:20])
+
+
+@pytest.mark.world(1)
+def test_negative_control_last_axis_fastest_is_caught(monkeypatch):
+    """Laying ranks out with the LAST axis of the order fastest breaks the comparison."""
+    original = ps.generate_masked_orthogonal_rank_groups
+
+    def reversed_layout(world_size, parallel_size, mask):
+        groups = original(world_size, parallel_size[::-1], mask[::-1])
+        return sorted(sorted(g) for g in groups)
+
+    monkeypatch.setattr(ps, "generate_masked_orthogonal_rank_groups", reversed_layout)
+    assert _generator_failures("tp-cp-ep-dp-pp")
+    assert _generator_failures("tp-pp-dp")
+
+
+@pytest.mark.world(1)
+def test_rank_generator_rejects_a_token_outside_its_order():
+    gen = ps.RankGenerator(tp=2, ep=1, dp=2, pp=1, cp=1, order="tp-dp")
+    assert gen.order == "tp-dp-pp-ep-cp"
+    with pytest.raises(ValueError, match="xx"):
+        gen.get_ranks("tp-xx")
+    with pytest.raises(ValueError, match="order"):
+        ps.RankGenerator(tp=1, ep=1, dp=1, pp=1, cp=1, order="tp-tp-dp")
+
+
+# ----------------------------------------------------------------------------- initialize
+
+INIT_GETTERS = {
+    **GETTERS,
+    "ep": lambda: ps.get_expert_model_parallel_group(),
+    "expt_tp": lambda: ps.get_expert_tensor_parallel_group(),
+    "tp_ep": lambda: ps.get_expert_tensor_and_model_parallel_group(),
+    "tp_ep_pp": lambda: ps.get_expert_tensor_model_pipeline_parallel_group(),
+    "expt_dp": lambda: ps.get_expert_data_parallel_group(),
+}
+
+INIT_LAYOUTS = [
+    x for x in facts_section("init_layouts").values() if x["world_size"] == WORLD_SIZE
+] or [None]
+
+
+def _init_id(x):
+    if x is None:
+        return "none"
+    etp = "" if x["etp"] is None else f"-etp{x['etp']}"
+    return f"tp{x['tp']}-cp{x['cp']}-pp{x['pp']}-ep{x['ep']}{etp}-{x['order']}"
+
+
+def _initialize(layout):
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout["tp"],
+        pipeline_model_parallel_size=layout["pp"],
+        context_parallel_size=layout["cp"],
+        expert_model_parallel_size=layout["ep"],
+        expert_tensor_parallel_size=layout["etp"],
+        order=layout["order"],
+    )
+
+
+@pytest.mark.world(2, 4, 8)
+@pytest.mark.parametrize("layout", INIT_LAYOUTS, ids=[_init_id(x) for x in INIT_LAYOUTS])
+def test_initialize_groups_equal_megatron_core(layout):
+    """Dense and expert groups, sizes, ranks and source ranks of megatron-core's own
+    ``initialize_model_parallel`` for this order and these sizes (or its exception type)."""
+    reset_layout()
+    if "error" in layout:
+        with pytest.raises(Exception) as info:
+            _initialize(layout)
+        assert layout["error"] in {c.__name__ for c in type(info.value).__mro__}, info.value
+        assert not ps.model_parallel_is_initialized()
+        return
+    _initialize(layout)
+    try:
+        rank = dist.get_rank()
+        expected = {
+            name: next((g for g in groups if rank in g), None)
+            for name, groups in layout["groups"].items()
+        }
+        failures = []
+        for name, getter in INIT_GETTERS.items():
+            group = getter()
+            got = None if group is None else dist.get_process_group_ranks(group)
+            if got != expected[name]:
+                failures.append(f"{name}: {got} != megatron-core {expected[name]}")
+        checks = {
+            "ep size": (ps.get_expert_model_parallel_world_size(), len(expected["ep"])),
+            "ep rank": (ps.get_expert_model_parallel_rank(), expected["ep"].index(rank)),
+            "ep src": (ps.get_expert_model_parallel_src_rank(), expected["ep"][0]),
+            "etp size": (ps.get_expert_tensor_parallel_world_size(), len(expected["expt_tp"])),
+            "etp rank": (ps.get_expert_tensor_parallel_rank(), expected["expt_tp"].index(rank)),
+            "tp_ep size": (
+                ps.get_expert_tensor_and_model_parallel_world_size(),
+                len(expected["tp_ep"]),
+            ),
+            "tp_ep rank": (
+                ps.get_expert_tensor_and_model_parallel_rank(),
+                expected["tp_ep"].index(rank),
+            ),
+            "edp size": (ps.get_expert_data_parallel_world_size(), len(expected["expt_dp"])),
+            "edp rank": (ps.get_expert_data_parallel_rank(), expected["expt_dp"].index(rank)),
+            "tp src": (ps.get_tensor_model_parallel_src_rank(), expected["tp"][0]),
+            "mp src": (ps.get_model_parallel_src_rank(), expected["mp"][0]),
+            "dp src": (ps.get_data_parallel_src_rank(), expected["dp"][0]),
+            "tp_cp size": (ps.get_tensor_and_context_parallel_world_size(), len(expected["tp_cp"])),
+            "pos embd": (
+                ps.is_rank_in_position_embedding_group(),
+                expected["pos_embd"] is not None,
+            ),
+        }
+        failures += [f"{k}: {got} != {want}" for k, (got, want) in checks.items() if got != want]
+        mpu = ProcessGroupCollection.use_mpu_process_groups()
+        for field in ("ep", "expt_tp", "tp_ep", "tp_ep_pp", "expt_dp"):
+            if getattr(mpu, field) is not INIT_GETTERS[field]():
+                failures.append(f"use_mpu_process_groups().{field} is not parallel_state's")
+    finally:
+        reset_layout()
+    assert_no_failures(failures)
+
+
+@pytest.mark.world(2)
+def test_setters_override_until_reset():
+    """set_* values win over the groups' sizes and ranks; None or destroy restores them."""
+    reset_layout()
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    try:
+        setters = [
+            (ps.set_tensor_model_parallel_world_size, ps.get_tensor_model_parallel_world_size, 2),
+            (ps.set_tensor_model_parallel_rank, ps.get_tensor_model_parallel_rank, dist.get_rank()),
+            (
+                ps.set_pipeline_model_parallel_world_size,
+                ps.get_pipeline_model_parallel_world_size,
+                1,
+            ),
+            (ps.set_pipeline_model_parallel_rank, ps.get_pipeline_model_parallel_rank, 0),
+            (ps.set_expert_model_parallel_world_size, ps.get_expert_model_parallel_world_size, 1),
+            (ps.set_expert_model_parallel_rank, ps.get_expert_model_parallel_rank, 0),
+            (ps.set_expert_tensor_parallel_world_size, ps.get_expert_tensor_parallel_world_size, 2),
+            (
+                ps.set_expert_tensor_parallel_rank,
+                ps.get_expert_tensor_parallel_rank,
+                dist.get_rank(),
+            ),
+            (ps.set_data_parallel_rank, ps.get_data_parallel_rank, 0),
+        ]
+        for setter, getter, natural in setters:
+            assert getter() == natural, getter.__name__
+            setter(7)
+            assert getter() == 7, getter.__name__
+            setter(None)
+            assert getter() == natural, getter.__name__
+        ps.set_pipeline_model_parallel_world_size(4)
+        ps.set_pipeline_model_parallel_rank(3)
+        assert ps.is_pipeline_last_stage() and not ps.is_pipeline_first_stage()
+    finally:
+        reset_layout()
+    with pytest.raises(AssertionError, match="initialize_model_parallel"):
+        ps.get_pipeline_model_parallel_world_size()  # the set value is gone with the state
+
+
+@pytest.mark.world(2)
+def test_separate_all_gather_group():
+    reset_layout()
+    ps.initialize_model_parallel()
+    try:
+        assert not ps.has_separate_all_gather_group()
+        with pytest.raises(AssertionError, match="create_all_gather_group"):
+            ps.get_data_parallel_group(with_context_parallel=True, independent_all_gather=True)
+    finally:
+        reset_layout()
+    ps.initialize_model_parallel(create_all_gather_group=True)
+    try:
+        assert ps.has_separate_all_gather_group()
+        ag = ps.get_data_parallel_group(with_context_parallel=True, independent_all_gather=True)
+        dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
+        assert ag is not dp_cp
+        assert dist.get_process_group_ranks(ag) == dist.get_process_group_ranks(dp_cp)
+    finally:
+        reset_layout()
+
+
+@pytest.mark.world(1)
+def test_initialize_before_torch_distributed_is_an_assertion_error():
+    """megatron-core asserts here; scripts catching AssertionError keep working."""
+    with pytest.raises(AssertionError, match="init_process_group"):
+        ps.initialize_model_parallel()
+    assert ps.get_tensor_model_parallel_world_size() == 0
+    ps.set_tensor_model_parallel_world_size(2)
+    ps.set_expert_tensor_parallel_rank(1)
+    try:
+        assert ps.get_tensor_model_parallel_world_size() == 2
+        assert ps.get_expert_tensor_parallel_world_size() == 2  # falls back to the tp value
+        assert ps.get_expert_tensor_parallel_rank() == 1
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.world(1)
+def test_process_group_collection_is_a_dataclass():
+    fields = [f.name for f in dataclasses.fields(ProcessGroupCollection)]
+    assert fields == facts_section("values")["ProcessGroupCollection.fields"]
+    pgc = ProcessGroupCollection(tp="tp-group")
+    copy = dataclasses.replace(pgc, cp="cp-group")
+    assert (copy.tp, copy.cp, copy.dp) == ("tp-group", "cp-group", None)
+    assert pgc.cp is None
+    with pytest.raises(ValueError, match="foo"):
+        ProcessGroupCollection(foo=1)
+
+
+@pytest.mark.world(2)
+def test_megatron_core_private_globals_read_the_state():
+    """Tests written for megatron-core read its module globals, e.g. after destroy."""
+    reset_layout()
+    assert ps._MODEL_PARALLEL_GROUP is None and ps._PIPELINE_GLOBAL_RANKS is None
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2)
+    try:
+        assert ps._PIPELINE_MODEL_PARALLEL_GROUP is ps.get_pipeline_model_parallel_group()
+        assert ps._PIPELINE_GLOBAL_RANKS == [0, 1]
+        assert ps._EXPERT_MODEL_PARALLEL_RANKS == [dist.get_rank()]
+        ps.set_tensor_model_parallel_world_size(3)
+        assert ps._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE == 3
+    finally:
+        reset_layout()
+    assert ps._MODEL_PARALLEL_GROUP is None and ps._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE is None
+    with pytest.raises(AttributeError, match="_NO_SUCH_GROUP"):
+        ps._NO_SUCH_GROUP  # noqa: B018

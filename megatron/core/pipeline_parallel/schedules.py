@@ -86,7 +86,7 @@ def forward_backward_no_pipelining(
         pipelined=False,
     )
     if len(run.models) != 1:
-        raise ValueError(
+        raise ScheduleArgumentError(
             f"forward_backward_no_pipelining: model must be one module (or a list of one), "
             f"got a list of {len(run.models)}"
         )
@@ -131,7 +131,7 @@ def forward_backward_pipelining_without_interleaving(
         p2p_communicator=p2p_communicator,
     )
     if len(run.models) != 1:
-        raise ValueError(
+        raise ScheduleArgumentError(
             "forward_backward_pipelining_without_interleaving: model must be one module (or "
             f"a list of one), got a list of {len(run.models)}; use the interleaved schedule "
             "for model chunks"
@@ -205,7 +205,7 @@ def forward_backward_pipelining_with_interleaving(
     chunk mirrored. Warm-up: ``(PP - p - 1)*2 + (V - 1)*g`` forwards, at most M*V.
     """
     if adjust_tensor_shapes_fn is not None:
-        raise ValueError(
+        raise ScheduleArgumentError(
             "adjust_tensor_shapes_fn is not supported by the interleaved schedule; got "
             f"{adjust_tensor_shapes_fn!r}, expected None"
         )
@@ -293,6 +293,21 @@ def forward_backward_pipelining_with_interleaving(
     return run.finish(force_all_reduce)
 
 
+class ScheduleArgumentError(ValueError, AssertionError):
+    """A misuse megatron-core reports with ``assert`` (model chunking, missing groups, the
+    loss callback's arity, ...): a ValueError carrying a clear message that code written for
+    megatron-core still catches as an AssertionError."""
+
+
+class ScheduleTypeError(TypeError, AssertionError):
+    """A wrong type megatron-core reports with ``assert``; see ``ScheduleArgumentError``."""
+
+
+class MicrobatchRemainderError(ValueError, RuntimeError):
+    """A last microbatch group the interleaved schedule cannot run (megatron-core raises
+    ``RuntimeError`` here; earlier versions of this core a ``ValueError``: it is both)."""
+
+
 class ScheduleTable(list):
     """The ordered ``(microbatch, chunk)`` forwards of an interleaved step."""
 
@@ -316,17 +331,67 @@ def interleaved_schedule_table(
             f"{pp_size} microbatches"
         )
     if 0 < M % g < pp_size:
-        raise ValueError(
+        raise MicrobatchRemainderError(
             f"interleaved schedule: num_microbatches={M} leaves a last group of {M % g} "
             f"microbatches (microbatch_group_size_per_vp_stage={g}); it must be 0 or at least "
             f"pipeline_model_parallel_size={pp_size}: choose a multiple of {g}"
         )
-    table = ScheduleTable()
+    table = ScheduleTable(get_schedule_table(M, num_chunks, g))
     table.group_size = g
+    return table
+
+
+def get_schedule_table(num_microbatches, num_model_chunks, microbatch_group_size_per_vp_stage):
+    """The interleaved forward order as ``(microbatch, chunk)`` pairs: groups of
+    ``g = microbatch_group_size_per_vp_stage`` microbatches, each run through chunks
+    0..V-1; the last group takes the remaining microbatches (no checks; see
+    ``interleaved_schedule_table`` for the limits the schedule enforces)."""
+    M, g = num_microbatches, microbatch_group_size_per_vp_stage
+    table = []
     for start in range(0, M, g):
         stop = M if start + g >= M else start + g
-        table.extend((m, chunk) for chunk in range(num_chunks) for m in range(start, stop))
+        table.extend((m, chunk) for chunk in range(num_model_chunks) for m in range(start, stop))
     return table
+
+
+def get_pp_rank_microbatches(
+    num_microbatches,
+    num_model_chunks,
+    microbatch_group_size_per_vp_stage,
+    forward_only=False,
+    overlap_moe_expert_parallel_comm=False,
+    p2p_communicator: Optional[P2PCommunicator] = None,
+):
+    """``(total, all_in_warmup, warmup, remaining)`` microbatch counts of this pipeline rank.
+
+    total = M * V. Warmup: all of them when ``forward_only``; PP - r - 1 for 1F1B;
+    2 * (PP - r - 1) + (V - 1) * g (+1 with ``overlap_moe_expert_parallel_comm``) for the
+    interleaved schedule; 0 without pipelining; capped at total (then ``all_in_warmup``).
+    Sizes come from ``p2p_communicator`` (its pp group and virtual pipeline size), else
+    from ``parallel_state`` (MPU fallback).
+    """
+    if p2p_communicator is not None:
+        pp_size = p2p_communicator.pp_group.size()
+        pp_rank = p2p_communicator.pp_group.rank()
+        vp_size = p2p_communicator.virtual_pipeline_model_parallel_size
+    else:
+        pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    total = num_microbatches * num_model_chunks
+    if forward_only:
+        warmup = total
+    elif pp_size <= 1:
+        warmup = 0
+    elif vp_size is None:
+        warmup = pp_size - pp_rank - 1
+    else:
+        warmup = 2 * (pp_size - pp_rank - 1)
+        warmup += (num_model_chunks - 1) * microbatch_group_size_per_vp_stage
+        warmup += 1 if overlap_moe_expert_parallel_comm else 0
+    all_in_warmup = warmup >= total
+    warmup = min(warmup, total)
+    return total, all_in_warmup, warmup, total - warmup
 
 
 # ----------------------------------------------------------------------------- steps
@@ -430,7 +495,7 @@ def forward_step_calc_loss(
     cp_group = resolve_cp_group(cp_group, cp_group_size)
     loss, num_tokens, reported = _unpack_loss_outputs(outputs)
     loss = normalize_microbatch_loss(
-        loss, num_tokens, cp_group, num_microbatches, config.calculate_per_token_loss
+        loss, num_tokens, cp_group, num_microbatches, _per_token_loss(config)
     )
     forward_data_store.append(reported)
     return loss, (num_tokens if num_tokens is not None else _no_tokens())
@@ -516,9 +581,13 @@ def deallocate_output_tensor(out, deallocate_pipeline_outputs=False):
     if out is None or not deallocate_pipeline_outputs:
         return
     if not isinstance(out, torch.Tensor):
-        raise TypeError(f"deallocate_output_tensor: expected a Tensor, got {type(out).__name__}")
+        raise ScheduleTypeError(
+            f"deallocate_output_tensor: expected a Tensor, got {type(out).__name__}"
+        )
     if out._base is not None:
-        raise ValueError("deallocate_output_tensor: refusing to free a view of another tensor")
+        raise ScheduleArgumentError(
+            "deallocate_output_tensor: refusing to free a view of another tensor"
+        )
     out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
 
 
@@ -526,10 +595,10 @@ def custom_backward(output, grad_output):
     """Backward from ``output`` without autograd's shape check, which a deallocated output
     (one element left) would fail; calls the autograd engine directly."""
     if not isinstance(output, torch.Tensor) or output.numel() != 1:
-        raise ValueError("custom_backward: output should be pseudo-freed (one element)")
+        raise ScheduleArgumentError("custom_backward: output should be pseudo-freed (one element)")
     if grad_output is None:
         if output.numel() != 1:
-            raise ValueError("custom_backward: implicit grad requires a scalar output")
+            raise ScheduleArgumentError("custom_backward: implicit grad requires a scalar output")
         grad_output = torch.ones_like(output, memory_format=torch.preserve_format)
     Variable._execution_engine.run_backward(
         tensors=(output,),
@@ -609,7 +678,9 @@ class _Run:
     ) -> None:
         self.models = list(model) if isinstance(model, (list, tuple)) else [model]
         if not self.models or not all(isinstance(m, torch.nn.Module) for m in self.models):
-            raise TypeError(f"model must be a torch.nn.Module or a list of them, got {model!r}")
+            raise ScheduleTypeError(
+                f"model must be a torch.nn.Module or a list of them, got {model!r}"
+            )
         self.config = get_model_config(self.models[0])
         _check_num_microbatches(num_microbatches)
         _check_vpp(self.models, self.config, pipelined)
@@ -675,11 +746,13 @@ class _Run:
                 cp_group=self.cp_group,
             )
         self._microbatches_run[chunk] += 1
-        if (
-            is_last_stage
-            and self.config.calculate_per_token_loss
-            and not self.collect_non_loss_data
-        ):
+        if not self.forward_only and is_last_stage and _is_number(output):
+            raise ValueError(
+                f"loss_func returned a Python number as the loss ({output!r} after "
+                "normalization) in training; return a scalar tensor that requires grad "
+                "(a number is accepted only with forward_only=True)"
+            )
+        if is_last_stage and _per_token_loss(self.config) and not self.collect_non_loss_data:
             self.num_tokens = self.num_tokens + num_tokens.detach().to(self.num_tokens)
         return output
 
@@ -715,7 +788,7 @@ class _Run:
             if config.finalize_model_grads_func is not None:
                 config.finalize_model_grads_func(
                     self.models,
-                    self.num_tokens if config.calculate_per_token_loss else None,
+                    self.num_tokens if _per_token_loss(config) else None,
                     pg_collection=self.pg_collection,
                     force_all_reduce=force_all_reduce,
                 )
@@ -758,17 +831,20 @@ def _call_forward_step_func(
 def _unpack_loss_outputs(outputs):
     """Validate what ``loss_func`` returned; returns ``(loss, num_tokens or None, reported)``.
 
+    A legacy two-value ``loss_func`` may return a Python number as its loss (as megatron-core
+    accepts); ``_Run.forward`` rejects it in training, where a tensor is needed for backward.
     Runs before any collective so that bad input fails on the rank that produced it; only
     the value of a count on an accelerator waits for the end of the schedule
     (``token_counts``), to spare a host sync per microbatch.
     """
     if not isinstance(outputs, (tuple, list)) or len(outputs) not in (2, 3):
-        raise ValueError(
+        raise ScheduleArgumentError(
             "loss_func must return (loss_sum, num_tokens, reported) or (loss, reported); "
             f"got {_describe(outputs)}"
         )
     loss, num_tokens = outputs[0], (outputs[1] if len(outputs) == 3 else None)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+    legacy_number = len(outputs) == 2 and _is_number(loss)
+    if not legacy_number and (not isinstance(loss, torch.Tensor) or loss.numel() != 1):
         raise ValueError(
             "loss_func returned a loss that is not a scalar tensor: got "
             f"{_describe(loss)}; expected a one-element tensor (sum the per-token losses)"
@@ -776,6 +852,17 @@ def _unpack_loss_outputs(outputs):
     if len(outputs) == 3:
         _check_num_tokens(num_tokens)
     return loss, num_tokens, outputs[-1]
+
+
+def _per_token_loss(config) -> bool:
+    """``config.calculate_per_token_loss``; False for a plain ``ModelParallelConfig``, which
+    lacks the field (megatron-core's own schedule tests run with one)."""
+    return bool(getattr(config, "calculate_per_token_loss", False))
+
+
+def _is_number(value) -> bool:
+    """A plain Python number (not a bool): a legacy loss allowed when ``forward_only``."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _count_denominator(count: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
@@ -806,7 +893,7 @@ def _resolve_pg_collection(pg_collection, config, pipelined: bool):
         needed += ["cp", "dp_cp"]
     missing = [name for name in needed if getattr(pg_collection, name) is None]
     if missing:
-        raise ValueError(
+        raise ScheduleArgumentError(
             f"pg_collection is missing {', '.join(missing)} (needed with "
             f"context_parallel_size={config.context_parallel_size}"
             f"{', pipeline parallelism' if pipelined else ''}); got {pg_collection!r}"
@@ -833,7 +920,7 @@ def _check_vpp(
     if vpp is None and parallel_state.model_parallel_is_initialized():
         vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     if (len(models) > 1 or interleaved) and vpp is not None and len(models) != vpp:
-        raise ValueError(
+        raise ScheduleArgumentError(
             f"model is a list of {len(models)} chunks but virtual_pipeline_model_parallel_size "
             f"is {vpp}; pass one chunk per virtual pipeline stage"
         )
@@ -843,7 +930,7 @@ def _per_chunk(data_iterator: DataIterator, num_chunks: int) -> list:
     """One data iterator per chunk: a list is used as is, one iterator serves every chunk."""
     if isinstance(data_iterator, (list, tuple)):
         if len(data_iterator) != num_chunks:
-            raise ValueError(
+            raise ScheduleArgumentError(
                 f"data_iterator is a list of {len(data_iterator)} but the model has "
                 f"{num_chunks} chunks; pass one iterator per chunk"
             )

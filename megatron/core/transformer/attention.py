@@ -25,8 +25,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 class SelfAttentionSubmodules:
     """Specs of self-attention's parts."""
 
-    linear_qkv: Union[ModuleSpec, type] = None
-    core_attention: Union[ModuleSpec, type] = None
+    linear_qkv: Union[ModuleSpec, type]
+    core_attention: Union[ModuleSpec, type]
     linear_proj: Union[ModuleSpec, type] = None
     q_layernorm: Union[ModuleSpec, type] = None
     k_layernorm: Union[ModuleSpec, type] = None
@@ -174,6 +174,12 @@ class SelfAttention(Attention):
         norm = dict(config=config, hidden_size=head_dim, eps=config.layernorm_epsilon)
         self.q_layernorm = build_module(submodules.q_layernorm or IdentityOp, **norm)
         self.k_layernorm = build_module(submodules.k_layernorm or IdentityOp, **norm)
+        if group_size(self.tp_group) > 1:
+            # Replicated over TP but fed this rank's heads only: the gradient is the sum over
+            # the TP group, with or without sequence parallelism.
+            for norm_module in (self.q_layernorm, self.k_layernorm):
+                for param in norm_module.parameters():
+                    param.sequence_parallel = True
 
     def get_query_key_value_tensors(
         self, hidden_states: torch.Tensor, key_value_states: Optional[torch.Tensor] = None

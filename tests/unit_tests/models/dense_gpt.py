@@ -13,6 +13,7 @@ per-token losses [b, s]:
 
 Attention: the fused QKV output is, per query group g, [q_(g,1..h/g), k_g, v_g] (each d
 wide); query head j uses key/value group j // (h/g); causal softmax(q k^T / sqrt(d)) v.
+``qk_norm``: queries and keys are normalized per head (weights [d]) before RoPE.
 RoPE (``rope``): the first and second halves of q and k are rotated by angle
 p * base^(-2i/d). SwiGLU (``swiglu``): fc1's output is [gate | up], act = silu(gate) * up.
 """
@@ -43,6 +44,7 @@ class Arch:
     tied: bool
     eps: float = 1e-5
     label_smoothing: float = 0.0
+    qk_norm: bool = False
 
 
 def dense_gpt_losses(
@@ -62,6 +64,9 @@ def dense_gpt_losses(
         qkv = qkv.view(b, s, arch.groups, per_group + 2, d)
         q = qkv[:, :, :, :per_group].reshape(b, s, arch.heads, d)
         k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
+        if arch.qk_norm:  # over each head's d channels
+            q = _norm(q, p, "self_attention.q_layernorm", arch)
+            k = _norm(k, p, "self_attention.k_layernorm", arch)
         if arch.rope:
             q, k = _rope(q, d), _rope(k, d)
         k = k.repeat_interleave(per_group, dim=2)

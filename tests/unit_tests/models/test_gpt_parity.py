@@ -68,7 +68,13 @@ LLAMA = Arch(
     swiglu=True, rope=True, bias=False, tied=False,
 )  # fmt: skip
 ARCHS = {
-    a.name: a for a in (GPT2, LLAMA, dataclasses.replace(GPT2, name="gpt2-untied", tied=False))
+    a.name: a
+    for a in (
+        GPT2,
+        LLAMA,
+        dataclasses.replace(GPT2, name="gpt2-untied", tied=False),
+        dataclasses.replace(LLAMA, name="llama-qknorm", qk_norm=True),
+    )
 }
 
 
@@ -103,6 +109,9 @@ CASES = [
     _case(Layout(tp=2, sp=True, cp=2, pp=2), "averaged", "gpt2"),
     _case(Layout(tp=2, sp=True, cp=2, pp=2, vpp=2), "averaged", "llama"),
     _case(Layout(tp=4, cp=2), "per-token", "gpt2"),
+    # q/k norms see only this rank's heads: summed over TP even without SP
+    _case(Layout(tp=2, cp=2), "averaged", "llama-qknorm"),
+    _case(Layout(tp=2, sp=True, cp=2, pp=2), "per-token", "llama-qknorm", slow=True),
     _case(Layout(tp=2, sp=True, dp=2, pp=2), "averaged", "gpt2-untied"),
 ]
 # the full tensor-parallel matrix (slow): TP in {2, 4} x SP on/off x both architectures
@@ -342,6 +351,7 @@ def make_config(layout: Layout, mode: str, arch: Arch) -> TransformerConfig:
         activation_func=F.silu if arch.swiglu else F.gelu,
         add_bias_linear=arch.bias,
         layernorm_epsilon=arch.eps,
+        qk_layernorm=arch.qk_norm,
         label_smoothing=arch.label_smoothing,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -360,7 +370,7 @@ def build_gpt(config, arch, groups, pp_rank, stage=0, stages=1, vp_stage=None) -
     """Virtual stage ``stage`` of ``stages`` of the test GPT."""
     return GPTModel(
         config,
-        get_gpt_layer_local_spec(normalization=arch.norm),
+        get_gpt_layer_local_spec(normalization=arch.norm, qk_layernorm=arch.qk_norm),
         arch.vocab,
         SEQ,
         pre_process=stage == 0,

@@ -93,6 +93,9 @@ class GPTModel(MegatronModule):
             raise NotImplementedError(
                 "GPTModel: mtp_block_spec (multi-token prediction) is not supported"
             )
+        for name in ("fp32_residual_connection", "apply_rope_fusion", "cross_entropy_loss_fusion"):
+            if getattr(config, name, False):
+                raise NotImplementedError(f"GPTModel: config.{name}=True is not supported")
         if position_embedding_type not in ("learned_absolute", "rope", "none"):
             raise NotImplementedError(
                 f"GPTModel: position_embedding_type={position_embedding_type!r} is not "
