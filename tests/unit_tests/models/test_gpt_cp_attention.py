@@ -24,8 +24,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.cp_attention import explicit_causal_attention as attention
 from tests.unit_tests.models.naming import reference_names
+from tests.unit_tests.transformer.attention_oracle import explicit_causal_attention as attention
 
 VOCAB, HIDDEN, HEADS, SEQ, LAYERS, BATCH = 32, 16, 2, 16, 4, 2
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
