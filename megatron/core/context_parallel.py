@@ -6,7 +6,7 @@ Attention gathers keys and values from all ranks with ``gather_from_context_para
 whose backward hands each rank the gradient of its own shard summed over the ranks.
 """
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,48 @@ def cp_gathered_positions(seq_length: int, cp_size: int) -> torch.LongTensor:
     The concatenation of ``cp_shard_positions(seq_length, cp_size, r)`` for r = 0 .. C-1.
     """
     return torch.cat([cp_shard_positions(seq_length, cp_size, r) for r in range(cp_size)])
+
+
+def thd_partitioned_indices(
+    cu_seqlens_padded: Union[torch.Tensor, Sequence[int]],
+    total_tokens: int,
+    cp_size: int,
+    cp_rank: int,
+) -> torch.LongTensor:
+    """Positions of a packed (THD) sequence that CP rank ``cp_rank`` holds, in its order.
+
+    Each document [cu[i], cu[i+1]) (padded length a multiple of 2C) is split with the
+    load-balanced rule on its own: chunk k = length / (2C), the rank keeps chunks r and
+    2C-1-r of every document, documents in order. Tokens past ``cu[-1]`` (up to
+    ``total_tokens``) are split as one more document. (Transformer Engine's
+    ``thd_get_partitioned_indices``, which megatron-core uses, in plain torch.)
+    """
+    offsets = _as_int_list(cu_seqlens_padded)
+    if offsets[-1] < total_tokens:
+        offsets = offsets + [total_tokens]
+    if offsets[-1] != total_tokens or offsets[0] != 0:
+        raise ValueError(
+            f"thd_partitioned_indices: cu_seqlens_padded must run from 0 to at most "
+            f"total_tokens ({total_tokens}), got {offsets}"
+        )
+    pieces: List[torch.Tensor] = []
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        length = end - start
+        if length % (2 * cp_size) and cp_size > 1:
+            raise ValueError(
+                f"thd_partitioned_indices: padded document length {length} (at {start}) is not "
+                f"a multiple of 2 * cp_size ({2 * cp_size})"
+            )
+        pieces.append(start + cp_shard_positions(length, cp_size, cp_rank))
+    if not pieces:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.cat(pieces)
+
+
+def _as_int_list(values: Union[torch.Tensor, Sequence[int]]) -> List[int]:
+    if isinstance(values, torch.Tensor):
+        return [int(v) for v in values.tolist()]
+    return [int(v) for v in values]
 
 
 def get_batch_on_this_cp_rank(

@@ -1,6 +1,6 @@
 """Helpers for reaching through model wrappers (DDP, Float16Module, ...)."""
 
-from typing import Any
+from typing import Any, Dict, Optional, Tuple
 
 
 def get_attr_wrapped_model(
@@ -66,3 +66,63 @@ def get_pg_rank(group=None):
 def get_model_config(model) -> Any:
     """The ``config`` of a (possibly wrapped) model chunk."""
     return get_attr_wrapped_model(model, "config", allow_none=False)
+
+
+def get_batch_on_this_cp_rank(batch: Dict[str, Any], cp_group: Optional[Any] = None) -> Dict:
+    """This CP rank's load-balanced shard of a [b, s] batch (megatron-core's name here;
+    see ``megatron.core.context_parallel.get_batch_on_this_cp_rank``)."""
+    from megatron.core.context_parallel import get_batch_on_this_cp_rank as shard
+
+    return shard(batch, cp_group)
+
+
+def get_thd_batch_on_this_cp_rank(
+    batch: Dict[str, Any],
+    cu_seqlens: Any,
+    cu_seqlens_padded: Any,
+    max_seqlen: Any,
+    cp_size: Optional[int] = None,
+    cp_rank: Optional[int] = None,
+) -> Tuple[Dict[str, Any], Any]:
+    """This CP rank's share of a packed (THD) batch, and its ``PackedSeqParams``.
+
+    megatron-core 0.16.1's signature. Every [1, t] entry of ``batch`` except
+    ``attention_mask``, ``cu_seqlens``, ``cu_seqlens_padded`` and ``max_seqlen`` keeps the
+    positions ``thd_partitioned_indices(cu_seqlens_padded, t, C, r)`` (each padded document
+    split into 2C chunks, chunks r and 2C-1-r kept). ``cp_size``/``cp_rank`` None: the MPU
+    fallback (``parallel_state``), or C = 1 without parallel state. Returns a new dict
+    (the input is not modified) and the parameters (``qkv_format="thd"``).
+    """
+    import torch
+
+    from megatron.core import parallel_state
+    from megatron.core.context_parallel import thd_partitioned_indices
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    longest = int(max_seqlen.reshape(-1)[0]) if torch.is_tensor(max_seqlen) else int(max_seqlen)
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        cu_seqlens_q_padded=cu_seqlens_padded,
+        cu_seqlens_kv_padded=cu_seqlens_padded,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )
+    initialized = parallel_state.model_parallel_is_initialized()
+    if cp_size is None:
+        cp_size = parallel_state.get_context_parallel_world_size() if initialized else 1
+    if cp_rank is None:
+        cp_rank = parallel_state.get_context_parallel_rank() if initialized else 0
+    skip = {"attention_mask", "cu_seqlens", "cu_seqlens_padded", "max_seqlen"}
+    out = dict(batch)
+    if cp_size > 1:
+        index = None
+        for key, value in batch.items():
+            if key in skip or not torch.is_tensor(value) or value.dim() < 2:
+                continue
+            if index is None:
+                index = thd_partitioned_indices(cu_seqlens_padded, value.shape[1], cp_size, cp_rank)
+                index = index.to(value.device)
+            out[key] = value.index_select(1, index)
+    return out, params

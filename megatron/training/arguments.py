@@ -26,6 +26,7 @@ class TrainingConfig:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
     distributed_backend: str = "auto"
+    cp_comm_type: str = "all_gather"
     # Data and batches.
     micro_batch_size: int = 2
     global_batch_size: int = 8
@@ -33,6 +34,7 @@ class TrainingConfig:
     vocab_size: int = 64
     data_path: Optional[str] = None
     tokenizer: Optional[str] = None
+    pack_sequences: bool = False
     # Model.
     num_layers: int = 4
     hidden_size: int = 32
@@ -178,6 +180,43 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
                 f"(--global-batch-size {c.global_batch_size} / (--micro-batch-size "
                 f"{c.micro_batch_size} x DP {dp})) cannot be interleaved: {exc}"
             ) from None
+    _require(
+        c.cp_comm_type in ("all_gather", "p2p", "a2a"),
+        f"--cp-comm-type must be all_gather, p2p or a2a, got {c.cp_comm_type!r}",
+    )
+    tp = c.tensor_model_parallel_size
+    heads, groups = c.num_attention_heads, c.num_query_groups or c.num_attention_heads
+    _require(
+        c.cp_comm_type != "a2a" or (heads % (tp * cp) == 0 and groups % (tp * cp) == 0),
+        f"--cp-comm-type a2a splits each tensor-parallel rank's heads over CP: "
+        f"--num-attention-heads ({heads}) and the query groups ({groups}) must be divisible "
+        f"by --tp x --cp = {tp * cp}",
+    )
+    if c.pack_sequences:
+        # Imported here: the self-launching process checks layouts without importing torch.
+        from megatron.training.data import PACK_PAD_MULTIPLE
+
+        _require(
+            c.micro_batch_size == 1,
+            f"--pack-sequences packs documents into one row per microbatch: "
+            f"--micro-batch-size must be 1, got {c.micro_batch_size}",
+        )
+        _require(
+            c.seq_length % PACK_PAD_MULTIPLE == 0 and PACK_PAD_MULTIPLE % (2 * cp) == 0,
+            f"--pack-sequences pads documents to a multiple of {PACK_PAD_MULTIPLE}: "
+            f"--seq-length ({c.seq_length}) must be a multiple of it and 2 x --cp "
+            f"({2 * cp}) must divide it",
+        )
+        _require(
+            c.position_embedding_type != "rope",
+            "--pack-sequences needs positions that restart in every document: use "
+            "--position-embedding-type learned_absolute, got rope",
+        )
+        _require(
+            c.data_path is None,
+            f"--pack-sequences packs the generated prompt/response pairs; it cannot be "
+            f"combined with --data-path (got {c.data_path!r})",
+        )
     _require(
         not (c.per_shard_loss_normalization and c.calculate_per_token_loss),
         "--per-shard-loss-normalization emulates the averaged mode; it cannot be combined "
@@ -358,6 +397,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="model chunks per pipeline rank (interleaved schedule); default: none",
     )
     layout.add_argument(
+        "--cp-comm-type",
+        choices=["all_gather", "p2p", "a2a"],
+        default=d.cp_comm_type,
+        help="how context-parallel attention brings keys to queries (megatron-core's "
+        "cp_comm_type): all-gather per head group, the load-balanced ring, or heads "
+        "all-to-all",
+    )
+    layout.add_argument(
         "--distributed-backend",
         choices=["auto", "gloo", "nccl"],
         default=d.distributed_backend,
@@ -389,6 +436,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.tokenizer,
         help="with --data-path: 'byte-level' (default; UTF-8 bytes, no file) or a "
         "HuggingFace tokenizers JSON file",
+    )
+    data.add_argument(
+        "--pack-sequences",
+        action="store_true",
+        help="pack prompt/response pairs into rows of --seq-length tokens (THD format: "
+        "documents never attend to each other, each padded to a multiple of 16, padding "
+        "and prompts masked out of the loss); needs --micro-batch-size 1",
     )
     model = parser.add_argument_group("model")
     _add(model, "--num-layers", int, d.num_layers, "transformer layers")

@@ -9,6 +9,7 @@ parallel layout, only on ``--seed``.
 """
 
 import hashlib
+import math
 from typing import Dict, List
 
 import torch
@@ -18,6 +19,10 @@ FIRST_SYMBOL = 4
 MAX_SYMBOLS = 16  # prompt alphabet: tokens FIRST_SYMBOL .. FIRST_SYMBOL + num_symbols - 1
 
 Batch = Dict[str, torch.Tensor]
+
+# --pack-sequences pads every document to a multiple of this. 2C divides it for C in
+# {1, 2, 4, 8}, so documents land in the same rows for every layout (the same objective).
+PACK_PAD_MULTIPLE = 16
 
 
 class SFTDataset:
@@ -97,3 +102,70 @@ def _sample_seed(seed: int, index: int) -> int:
     """A 63-bit generator seed for sample ``index`` of the stream of ``seed``."""
     digest = hashlib.sha256(f"sft/{seed}/{index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class PackedSFTDataset:
+    """``--pack-sequences``: the SFT documents of ``SFTDataset`` packed into rows of
+    ``seq_length`` tokens (megatron-core's THD format, one row per microbatch).
+
+    Document j is sample j's real part (its 2L + 2 tokens and labels, prompt masked). It
+    is appended to the current row, padded with PAD to a multiple of ``PACK_PAD_MULTIPLE``;
+    a document that does not fit starts the next row, and the rest of a row is padding.
+    ``dataset[i]`` has [seq_length] ``tokens``, ``labels``, ``loss_mask`` (0 on prompts and
+    padding) and ``position_ids`` (restarting at 0 in every document), plus
+    ``cu_seqlens`` / ``cu_seqlens_padded`` (cumulative real / padded lengths, int32,
+    [seq_length / 16 + 1], the last value repeated past the row's last document) and
+    ``max_seqlen`` [1] (the longest padded document).
+    """
+
+    def __init__(self, seq_length: int, vocab_size: int, seed: int) -> None:
+        if seq_length % PACK_PAD_MULTIPLE:
+            raise ValueError(
+                f"PackedSFTDataset: seq_length must be a multiple of {PACK_PAD_MULTIPLE}, "
+                f"got {seq_length}"
+            )
+        self.documents = SFTDataset(seq_length, vocab_size, seed)
+        self.seq_length = seq_length
+        self.max_documents = seq_length // PACK_PAD_MULTIPLE
+        self._rows: List[Batch] = []
+        self._next_document = 0
+
+    def __getitem__(self, index: int) -> Batch:
+        while len(self._rows) <= index:
+            self._rows.append(self._pack_row())
+        return self._rows[index]
+
+    def global_batch(self, iteration: int, global_batch_size: int) -> Batch:
+        """Rows [i * GBS, (i + 1) * GBS) stacked to [GBS, ...] tensors."""
+        start = iteration * global_batch_size
+        rows = [self[start + i] for i in range(global_batch_size)]
+        return {key: torch.stack([r[key] for r in rows]) for key in rows[0]}
+
+    def _pack_row(self) -> Batch:
+        s = self.seq_length
+        row = {
+            "tokens": torch.full((s,), PAD, dtype=torch.long),
+            "labels": torch.full((s,), PAD, dtype=torch.long),
+            "loss_mask": torch.zeros(s),
+            "position_ids": torch.zeros(s, dtype=torch.long),
+        }
+        real, padded = [0], [0]
+        while True:
+            sample = self.documents[self._next_document]
+            length = int(sample["loss_mask"].nonzero().max()) + 1  # 2L + 2: up to EOS
+            padded_length = math.ceil(length / PACK_PAD_MULTIPLE) * PACK_PAD_MULTIPLE
+            start = padded[-1]
+            if start + padded_length > s:
+                break
+            for key in ("tokens", "labels", "loss_mask"):
+                row[key][start : start + length] = sample[key][:length]
+            row["position_ids"][start : start + padded_length] = torch.arange(padded_length)
+            real.append(real[-1] + length)
+            padded.append(start + padded_length)
+            self._next_document += 1
+        fill = self.max_documents + 1 - len(real)
+        row["cu_seqlens"] = torch.tensor(real + real[-1:] * fill, dtype=torch.int32)
+        row["cu_seqlens_padded"] = torch.tensor(padded + padded[-1:] * fill, dtype=torch.int32)
+        longest = max(b - a for a, b in zip(padded[:-1], padded[1:]))
+        row["max_seqlen"] = torch.tensor([longest], dtype=torch.int32)
+        return row

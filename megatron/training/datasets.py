@@ -23,13 +23,16 @@ from typing import Any, Dict, List, Tuple
 import numpy
 import torch
 
-from megatron.training.data import Batch, SFTDataset
+from megatron.training.data import Batch, PackedSFTDataset, SFTDataset
 
 BYTE_LEVEL = "byte-level"
 
 
 def build_sft_dataset(config: Any):
-    """The generated ``SFTDataset`` without ``--data-path``, else a ``FileSFTDataset``."""
+    """The generated ``SFTDataset`` without ``--data-path`` (``PackedSFTDataset`` with
+    ``--pack-sequences``), else a ``FileSFTDataset``."""
+    if config.pack_sequences:
+        return PackedSFTDataset(config.seq_length, config.vocab_size, config.seed)
     if not config.data_path:
         return SFTDataset(config.seq_length, config.vocab_size, config.seed)
     return FileSFTDataset(config.data_path, config.tokenizer, config.seq_length, config.seed)

@@ -98,4 +98,5 @@ def transformer_config_from(config: TrainingConfig, layout: Layout) -> Transform
         calculate_per_token_loss=config.calculate_per_token_loss,
         gradient_accumulation_fusion=config.gradient_accumulation_fusion,
         deallocate_pipeline_outputs=True,
+        cp_comm_type=config.cp_comm_type,
     )

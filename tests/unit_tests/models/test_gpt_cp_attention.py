@@ -20,12 +20,13 @@ from megatron.core.context_parallel import (
     get_batch_on_this_cp_rank,
     slice_batch_for_cp_rank,
 )
+from megatron.core.device import comm_device
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.cp_attention import explicit_causal_attention as attention
 from tests.unit_tests.models.naming import reference_names
+from tests.unit_tests.transformer.attention_oracle import explicit_causal_attention as attention
 
 VOCAB, HIDDEN, HEADS, SEQ, LAYERS, BATCH = 32, 16, 2, 16, 4, 2
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -381,18 +382,20 @@ def as_double(chunks: List[GPTModel]) -> List[GPTModel]:
 
 
 def make_batch() -> Dict[str, torch.Tensor]:
-    """A fixed [b, s] batch with an uneven mask (prompt-masked rows, scattered tokens)."""
+    """A fixed [b, s] batch with an uneven mask (prompt-masked rows, scattered tokens), on the
+    device the models are built on (CPU with gloo, the current GPU with nccl)."""
     gen = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
     loss_mask = torch.zeros(BATCH, SEQ)
     loss_mask[0, [5, 9, 10, 14]] = 1.0
     loss_mask[1, [2, 12, 13, 14, 15]] = 1.0
-    return {
+    batch = {
         "tokens": tokens[:, :-1].contiguous(),
         "labels": tokens[:, 1:].contiguous(),
         "loss_mask": loss_mask,
         "position_ids": torch.arange(SEQ).expand(BATCH, SEQ).contiguous(),
     }
+    return {key: value.to(comm_device()) for key, value in batch.items()}
 
 
 def forward_backward(chunks: List[GPTModel], batch: Dict[str, torch.Tensor]):

@@ -236,6 +236,12 @@ class GPTModel(MegatronModule):
                 "set_input_tensor with the previous stage's hidden states first"
             )
         rotary_pos_emb = None
+        if self.position_embedding_type == "rope" and packed_seq_params is not None:
+            raise NotImplementedError(
+                "GPTModel.forward: rotary embeddings with packed_seq_params are not supported "
+                "(per-document RoPE positions); use position_embedding_type='learned_absolute' "
+                "with position_ids restarting in every document"
+            )
         if self.position_embedding_type == "rope":
             cp_group = cp_group_of(self.pg_collection, self.config)
             rotary_pos_emb = self.rotary_pos_emb(

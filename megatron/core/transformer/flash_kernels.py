@@ -1,0 +1,617 @@
+"""Flash-class attention kernels with their log-sum-exp, called forward and backward by hand.
+
+Context-parallel attention computes attention in blocks and merges the partial results, so it
+needs each kernel's log-sum-exp (LSE) and its backward op, which PyTorch exposes only as aten
+ops (``F.scaled_dot_product_attention`` returns neither, and the LSE is not differentiable).
+This module wraps those ops behind one calling convention:
+
+- ``attention_forward(q, k, v, causal, scale)`` -> ``(out, lse)`` on [b, s, n, d] tensors,
+  ``lse`` float32 [b, n, s_q] with lse_i = log sum_j exp(scale * q_i . k_j) over allowed j;
+- ``attention_backward(dout, q, k, v, out, lse, causal, scale)`` -> ``(dq, dk, dv)``, where
+  ``out`` and ``lse`` may be the *merged* results of several blocks: the kernels rebuild
+  P = exp(scale * Q K^T - lse) and D = rowsum(dout * out) from them, so each block then gets
+  exactly its share of the gradient of the merged attention;
+- ``varlen_forward`` / ``varlen_backward`` for packed sequences ([t, n, d] with cumulative
+  sequence lengths), each sequence attended on its own.
+
+``causal`` is always bottom-right aligned: query i of s_q attends key j of s_k when
+j <= i + s_k - s_q (the queries are the last s_q positions of the keys' span). Kernels whose
+own ``is_causal`` is top-left aligned for s_q != s_k (cuDNN, the CPU flash op) get the
+rectangle split into a mask-free part and a square causal part, merged by LSE. Grouped-query
+attention (fewer key/value heads) is expanded per call for kernels that lack it, and the key
+and value gradients are summed back over each group in float32.
+
+Kernels (``kernel=`` names, or the ``MEGATRON_ATTENTION_KERNEL`` environment variable):
+``"flash"`` (CUDA: ``aten._scaled_dot_product_flash_attention``; bottom-right causal),
+``"efficient"`` (CUDA: ``aten._efficient_attention_forward``, custom mask type 2 =
+bottom-right; its LSE is padded along queries to a multiple of 32 and sliced here),
+``"cudnn"`` (CUDA: ``aten._scaled_dot_product_cudnn_attention``; its causal alignment for
+s_q != s_k is measured once at run time), ``"cpu"`` (CPU:
+``aten._scaled_dot_product_flash_attention_for_cpu``, any float dtype, used by the tests).
+Default: ``"flash"`` for half precision on CUDA, ``"efficient"`` for float32 on CUDA,
+``"cpu"`` on CPU. Varlen (packed sequences, whichever dense kernel is chosen): CUDA half
+precision uses ``aten._flash_attention_forward`` with cumulative lengths where the installed
+torch has it (detected at run time; if it raises, a warning and this process falls back);
+otherwise a loop over sequences with the dense kernel.
+"""
+
+import functools
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+
+KERNELS = ("flash", "efficient", "cudnn", "cpu")
+
+
+def attention_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    causal: bool,
+    scale: float,
+    kernel: Optional[str] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """softmax(scale * Q K^T [+ causal mask]) V and its LSE, for [b, s, n, d] inputs.
+
+    Returns ``out`` [b, s_q, n_q, d] (input dtype) and ``lse`` float32 [b, n_q, s_q].
+    A causal block needs s_q <= s_k (bottom-right alignment). Rows without keys (s_k = 0)
+    get out = 0 and lse = -inf.
+    """
+    spec = kernel_spec(resolve_kernel(kernel, query))
+    b, s_q, n_q, d = query.shape
+    s_k = key.shape[1]
+    if causal and s_q > s_k:
+        raise ValueError(
+            f"attention_forward: a causal block needs s_q <= s_k (bottom-right), got "
+            f"s_q={s_q}, s_k={s_k}"
+        )
+    if s_q == 0:
+        lse = query.new_zeros((b, n_q, 0), dtype=acc_dtype(query.dtype))
+        return query.new_zeros(query.shape), lse
+    if s_k == 0:
+        lse = torch.full(
+            (b, n_q, s_q), -math.inf, device=query.device, dtype=acc_dtype(query.dtype)
+        )
+        return query.new_zeros(query.shape), lse
+    if causal and s_q < s_k and not bottom_right_causal(spec, query.device):
+        return _split_forward(query, key, value, scale, spec)
+    key, value = _expand_kv(key, value, n_q, spec)
+    return spec.forward(query, key, value, causal, scale)
+
+
+def attention_backward(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+    kernel: Optional[str] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of the block (query, key, value) given the final ``out`` and ``lse``.
+
+    ``out`` [b, s_q, n_q, d] and ``lse`` [b, n_q, s_q] are those of the whole (merged)
+    attention these queries take part in. dk, dv have key's head count; with grouped-query
+    attention they are float32 sums over the query heads of each group.
+    """
+    spec = kernel_spec(resolve_kernel(kernel, query))
+    n_q, n_kv = query.shape[2], key.shape[2]
+    if query.shape[1] == 0 or key.shape[1] == 0:
+        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+    if causal and query.shape[1] < key.shape[1] and not bottom_right_causal(spec, query.device):
+        return _split_backward(grad_out, query, key, value, out, lse, scale, spec)
+    k_exp, v_exp = _expand_kv(key, value, n_q, spec)
+    dq, dk, dv = spec.backward(grad_out, query, k_exp, v_exp, out, backward_lse(lse), causal, scale)
+    if k_exp.shape[2] != n_kv:
+        dk, dv = (_sum_groups(x, n_kv) for x in (dk, dv))
+    return dq, dk, dv
+
+
+def varlen_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: float,
+    kernel: Optional[str] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Attention of packed sequences: query rows cu_q[i]:cu_q[i+1] see key rows
+    cu_k[i]:cu_k[i+1] only (bottom-right causal within each sequence when ``causal``).
+
+    ``query`` [t_q, n_q, d], ``key``/``value`` [t_k, n_kv, d]; returns ``out`` [t_q, n_q, d]
+    and float32 ``lse`` [n_q, t_q]. Rows outside every sequence get out = 0, lse = -inf.
+    """
+    name = resolve_kernel(kernel, query)
+    if _use_varlen(query, cu_seqlens_q):
+        k_exp, v_exp = _expand_kv(key, value, query.shape[1], kernel_spec("flash"))
+        result = _guarded_varlen(
+            _flash_varlen_forward,
+            query,
+            k_exp,
+            v_exp,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            causal,
+            scale,
+        )
+        if result is not None:
+            return result
+    out = query.new_zeros(query.shape)
+    lse = torch.full(
+        (query.shape[1], query.shape[0]),
+        -math.inf,
+        device=query.device,
+        dtype=acc_dtype(query.dtype),
+    )
+    for (q0, q1), (k0, k1) in _segments(cu_seqlens_q, cu_seqlens_k):
+        if q1 == q0:
+            continue
+        o, lse_blk = attention_forward(
+            query[q0:q1].unsqueeze(0),
+            key[k0:k1].unsqueeze(0),
+            value[k0:k1].unsqueeze(0),
+            causal,
+            scale,
+            name,
+        )
+        out[q0:q1], lse[:, q0:q1] = o[0], lse_blk[0]
+    return out, lse
+
+
+def varlen_backward(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: float,
+    kernel: Optional[str] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of ``varlen_forward``; dk/dv float32 where summed over sequences or groups."""
+    name = resolve_kernel(kernel, query)
+    n_kv = key.shape[1]
+    if _use_varlen(query, cu_seqlens_q):
+        k_exp, v_exp = _expand_kv(key, value, query.shape[1], kernel_spec("flash"))
+        grads = _guarded_varlen(
+            _flash_varlen_backward,
+            grad_out,
+            query,
+            k_exp,
+            v_exp,
+            out,
+            lse,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            causal,
+            scale,
+        )
+        if grads is not None:
+            dq, dk, dv = grads
+            if k_exp.shape[1] != n_kv:
+                dk, dv = (_sum_groups(x.unsqueeze(0), n_kv)[0] for x in (dk, dv))
+            return dq, dk, dv
+    dq = torch.zeros_like(query)
+    dk = torch.zeros(key.shape, device=key.device, dtype=acc_dtype(key.dtype))
+    dv = torch.zeros(value.shape, device=value.device, dtype=acc_dtype(value.dtype))
+    for (q0, q1), (k0, k1) in _segments(cu_seqlens_q, cu_seqlens_k):
+        if q1 == q0 or k1 == k0:
+            continue
+        g = attention_backward(
+            grad_out[q0:q1].unsqueeze(0),
+            query[q0:q1].unsqueeze(0),
+            key[k0:k1].unsqueeze(0),
+            value[k0:k1].unsqueeze(0),
+            out[q0:q1].unsqueeze(0),
+            lse[:, q0:q1].unsqueeze(0),
+            causal,
+            scale,
+            name,
+        )
+        dq[q0:q1] = g[0][0]
+        dk[k0:k1] += g[1][0].to(dk.dtype)
+        dv[k0:k1] += g[2][0].to(dv.dtype)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------- LSE merging
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype for LSEs, merged outputs and summed gradients: float32, or float64
+    for float64 inputs (the CPU kernel computes float64 end to end)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def finite_lse(lse: torch.Tensor) -> torch.Tensor:
+    """LSE with the +inf that flash kernels give rows without keys replaced by -inf.
+
+    A row with no keys has an empty sum, log 0 = -inf; merging a +inf would make that row's
+    weight 1 and wipe out the real blocks, so it never reaches a merge as +inf.
+    """
+    return torch.where(lse == math.inf, torch.full_like(lse, -math.inf), lse)
+
+
+def backward_lse(lse: torch.Tensor) -> torch.Tensor:
+    """LSE for a backward op: rows without keys get +inf, so exp(s - lse) = 0 there.
+
+    (-inf would turn the kernel's exp(s - lse) into inf for such rows.)
+    """
+    return torch.where(lse == -math.inf, torch.full_like(lse, math.inf), lse)
+
+
+def merge_into(
+    acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+) -> None:
+    """Merge a block (out, lse) into the running float32 (acc_out, acc_lse), in place.
+
+    L = log(e^{L_a} + e^{L_b}); O = e^{L_a - L} O_a + e^{L_b - L} O_b. Rows where both are
+    -inf (no keys yet) stay 0 / -inf. ``acc_out``/``out`` [b, s, n, d]; lse [b, n, s].
+    """
+    lse = finite_lse(lse)
+    new_lse = torch.logaddexp(acc_lse, lse)
+    safe = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)
+    w_acc = torch.exp(acc_lse - safe).transpose(1, 2).unsqueeze(-1)
+    w_blk = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
+    acc_out.mul_(w_acc).add_(w_blk * out.to(acc_out.dtype))
+    acc_lse.copy_(new_lse)
+
+
+# ----------------------------------------------------------------------------- kernel table
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One kernel: forward/backward callables on [b, s, n, d] and what it supports."""
+
+    name: str
+    forward: object
+    backward: object
+    bottom_right_causal: Optional[bool]  # None: measured at run time
+    native_gqa: bool
+
+
+def resolve_kernel(kernel: Optional[str], like: torch.Tensor) -> str:
+    """The kernel name for tensors like ``like``: explicit, then the environment, then default."""
+    name = kernel or os.environ.get("MEGATRON_ATTENTION_KERNEL") or None
+    if like.device.type != "cuda":
+        if name not in (None, "cpu"):
+            raise ValueError(f"attention kernel {name!r} needs CUDA tensors, got {like.device}")
+        return "cpu"
+    if name is None:
+        return "flash" if like.dtype in (torch.float16, torch.bfloat16) else "efficient"
+    if name not in KERNELS or name == "cpu":
+        raise ValueError(f"attention kernel must be one of {KERNELS[:3]} on CUDA, got {name!r}")
+    return name
+
+
+def bottom_right_causal(spec: KernelSpec, device: torch.device) -> bool:
+    """Whether the kernel's own causal mask is bottom-right aligned for s_q < s_k.
+
+    Fixed for flash, efficient (bottom-right) and the CPU op (top-left); for cuDNN it
+    depends on the installed torch, so it is measured once per device with a tiny call.
+    """
+    if spec.bottom_right_causal is not None:
+        return spec.bottom_right_causal
+    return _measure_bottom_right(spec.name, device)
+
+
+@functools.lru_cache(maxsize=None)
+def _measure_bottom_right(name: str, device: torch.device) -> bool:
+    """Query 0 of 64 against 128 keys: bottom-right sees keys 0..64, top-left key 0 only;
+    with v = one-hot key index the output's mass beyond key 0 tells them apart."""
+    spec = _SPECS[name]
+    q = torch.zeros(1, 64, 1, 64, device=device, dtype=torch.bfloat16)
+    k = torch.zeros(1, 128, 1, 64, device=device, dtype=torch.bfloat16)
+    v = torch.zeros(1, 128, 1, 64, device=device, dtype=torch.bfloat16)
+    v[0, 1:, 0, 0] = 1.0  # every key but the first carries 1 in channel 0
+    out, _ = spec.forward(q, k, v, True, 1.0)
+    return bool(out[0, 0, 0, 0].float() > 0.5)  # top-left: 0; bottom-right: 64/65
+
+
+def kernel_spec(name: str) -> KernelSpec:
+    """The ``KernelSpec`` of kernel ``name``."""
+    return _SPECS[name]
+
+
+@functools.lru_cache(maxsize=None)
+def varlen_available() -> bool:
+    """Whether this torch has the flash varlen op on a CUDA device (checked once)."""
+    return (
+        torch.cuda.is_available()
+        and hasattr(torch.ops.aten, "_flash_attention_forward")
+        and hasattr(torch.ops.aten, "_flash_attention_backward")
+        and torch.backends.cuda.is_flash_attention_available()
+    )
+
+
+def _flash_forward(q, k, v, causal, scale):
+    res = torch.ops.aten._scaled_dot_product_flash_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, False, scale=scale
+    )
+    _RNG_STATE.setdefault(("flash", q.device), (res[6], res[7]))
+    return res[0].transpose(1, 2), res[1]
+
+
+def _flash_backward(dout, q, k, v, out, lse, causal, scale):
+    s_q, s_k = q.shape[1], k.shape[1]
+    seed, offset = _rng_state("flash", q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout.transpose(1, 2),
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        out.transpose(1, 2),
+        lse.contiguous(),
+        _UNDEFINED,
+        _UNDEFINED,
+        s_q,
+        s_k,
+        0.0,
+        causal,
+        seed,
+        offset,
+        scale=scale,
+    )
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def _efficient_forward(q, k, v, causal, scale):
+    res = torch.ops.aten._efficient_attention_forward(
+        q, k, v, None, None, None, None, None, 0.0, 2 if causal else 0, True, scale=scale
+    )
+    _RNG_STATE.setdefault(("efficient", q.device), (res[2], res[3]))
+    return res[0], res[1][:, :, : q.shape[1]]
+
+
+def _efficient_backward(dout, q, k, v, out, lse, causal, scale):
+    s_q = q.shape[1]
+    padded = 32 * math.ceil(s_q / 32)
+    lse = torch.nn.functional.pad(lse, (0, padded - s_q)).contiguous()
+    seed, offset = _rng_state("efficient", q.device)
+    dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
+        dout.contiguous(),
+        q,
+        k,
+        v,
+        None,
+        out.contiguous(),
+        None,
+        None,
+        s_q,
+        k.shape[1],
+        lse,
+        0.0,
+        seed,
+        offset,
+        2 if causal else 0,
+        False,
+        scale=scale,
+    )
+    return dq, dk, dv
+
+
+def _cudnn_forward(q, k, v, causal, scale):
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, causal, False,
+        scale=scale,
+    )  # fmt: skip
+    _RNG_STATE.setdefault(("cudnn", q.device), (res[6], res[7]))
+    b, n, s_q = q.shape[0], q.shape[2], q.shape[1]
+    return res[0].transpose(1, 2), res[1].reshape(b, n, s_q)
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):
+    s_q, s_k = q.shape[1], k.shape[1]
+    seed, offset = _rng_state("cudnn", q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout.transpose(1, 2),
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        out.transpose(1, 2),
+        lse.unsqueeze(-1).contiguous(),
+        seed,
+        offset,
+        _UNDEFINED,
+        _UNDEFINED,
+        _UNDEFINED,
+        s_q,
+        s_k,
+        0.0,
+        causal,
+        scale=scale,
+    )
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def _cpu_forward(q, k, v, causal, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale
+    )
+    return out.transpose(1, 2), lse
+
+
+def _cpu_backward(dout, q, k, v, out, lse, causal, scale):
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.transpose(1, 2),
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        out.transpose(1, 2),
+        lse.to(acc_dtype(q.dtype)).contiguous(),
+        0.0,
+        causal,
+        scale=scale,
+    )
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+# An undefined tensor for the backward ops' unused cumulative-length arguments (dense mode),
+# as the dense forward ops return them.
+_UNDEFINED = None
+
+# The (philox seed, offset) a forward op returned, per (kernel, device): dropout is 0, so
+# the backward ops never read them, but they expect tensors of the forward's kind.
+_RNG_STATE: dict = {}
+
+
+def _rng_state(name: str, device: torch.device):
+    if (name, device) not in _RNG_STATE:
+        zero = torch.zeros((), dtype=torch.int64, device=device)
+        return zero, zero
+    return _RNG_STATE[(name, device)]
+
+
+_SPECS = {
+    "flash": KernelSpec("flash", _flash_forward, _flash_backward, True, False),
+    "efficient": KernelSpec("efficient", _efficient_forward, _efficient_backward, True, False),
+    "cudnn": KernelSpec("cudnn", _cudnn_forward, _cudnn_backward, None, False),
+    "cpu": KernelSpec("cpu", _cpu_forward, _cpu_backward, False, False),
+}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _split_forward(q, k, v, scale, spec: KernelSpec):
+    """Bottom-right causal with s_q < s_k as a mask-free prefix plus a square causal block."""
+    s_q, s_k = q.shape[1], k.shape[1]
+    prefix = s_k - s_q
+    k_exp, v_exp = _expand_kv(k, v, q.shape[2], spec)
+    out, lse = spec.forward(q, k_exp[:, :prefix], v_exp[:, :prefix], False, scale)
+    acc = out.to(acc_dtype(q.dtype))
+    acc_lse = finite_lse(lse).to(acc.dtype)
+    o2, l2 = spec.forward(q, k_exp[:, prefix:], v_exp[:, prefix:], True, scale)
+    merge_into(acc, acc_lse, o2, l2)
+    return acc.to(q.dtype), acc_lse
+
+
+def _split_backward(dout, q, k, v, out, lse, scale, spec: KernelSpec):
+    s_q, s_k, n_kv = q.shape[1], k.shape[1], k.shape[2]
+    prefix = s_k - s_q
+    k_exp, v_exp = _expand_kv(k, v, q.shape[2], spec)
+    lse = backward_lse(lse)
+    dq1, dk1, dv1 = spec.backward(
+        dout, q, k_exp[:, :prefix], v_exp[:, :prefix], out, lse, False, scale
+    )
+    dq2, dk2, dv2 = spec.backward(
+        dout, q, k_exp[:, prefix:], v_exp[:, prefix:], out, lse, True, scale
+    )
+    dq = (dq1.to(acc_dtype(q.dtype)) + dq2).to(q.dtype)
+    dk = torch.cat([dk1, dk2], dim=1)
+    dv = torch.cat([dv1, dv2], dim=1)
+    if k_exp.shape[2] != n_kv:
+        dk, dv = _sum_groups(dk, n_kv), _sum_groups(dv, n_kv)
+    return dq, dk, dv
+
+
+def _expand_kv(k, v, n_q: int, spec: KernelSpec):
+    """Repeat each key/value head for its n_q / n_kv query heads (head dim 2 of [b, s, n, d]
+    or dim 1 of [t, n, d]) unless the kernel handles grouped-query attention itself."""
+    head_dim = k.dim() - 2
+    n_kv = k.shape[head_dim]
+    if n_kv == n_q or spec.native_gqa:
+        return k, v
+    rep = n_q // n_kv
+    return (x.repeat_interleave(rep, dim=head_dim) for x in (k, v))
+
+
+def _sum_groups(grad: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """Sum a [b, s, n_q, d] gradient over each group of n_q / n_kv heads, in float32."""
+    b, s, n_q, d = grad.shape
+    return grad.to(acc_dtype(grad.dtype)).view(b, s, n_kv, n_q // n_kv, d).sum(dim=3)
+
+
+def _segments(cu_q: torch.Tensor, cu_k: torch.Tensor) -> List[Tuple[Tuple[int, int], ...]]:
+    q, k = cu_q.tolist(), cu_k.tolist()
+    return [((q[i], q[i + 1]), (k[i], k[i + 1])) for i in range(len(q) - 1)]
+
+
+def _use_varlen(query: torch.Tensor, cu_q: torch.Tensor) -> bool:
+    """The flash varlen op serves packed sequences whatever dense kernel is chosen: CUDA,
+    half precision, the op present and not found broken earlier in this process."""
+    return (
+        query.is_cuda
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and cu_q.device == query.device
+        and varlen_available()
+        and not _VARLEN_FAILED
+    )
+
+
+_VARLEN_FAILED: list = []  # the error that made this process stop using the varlen op
+
+
+def _guarded_varlen(fn, *args):
+    """Run a varlen op; on a RuntimeError other than out-of-memory (an unsupported shape or
+    build), warn once, stop using it in this process and return None (loop fallback)."""
+    try:
+        return fn(*args)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except RuntimeError as error:
+        _VARLEN_FAILED.append(str(error))
+        warnings.warn(
+            f"flash varlen attention failed ({error}); packed sequences fall back to one "
+            "dense kernel call per document",
+            stacklevel=3,
+        )
+        return None
+
+
+def _flash_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
+    out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
+    )
+    lse = finite_lse(lse.float())
+    # Rows past the last sequence are never written by the kernel.
+    tail = int(cu_q[-1])
+    if tail < q.shape[0]:
+        out[tail:] = 0
+        lse[:, tail:] = -math.inf
+    return out, lse
+
+
+def _flash_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+    cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
+    state = torch.zeros((2,), dtype=torch.uint64, device=q.device)
+    unused = torch.empty((0,), device=q.device)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        dout.contiguous(),
+        q,
+        k,
+        v,
+        out.contiguous(),
+        backward_lse(lse).contiguous(),
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        0.0,
+        causal,
+        state,
+        unused,
+        scale=scale,
+    )
+    return dq, dk, dv

@@ -1,0 +1,189 @@
+"""The GPT on packed sequences (THD, ``PackedSeqParams``), alone and under context parallelism.
+
+Reference: every document of a packed row run alone through the same float64 model (its own
+positions from 0). The packed row must give the same per-token losses on real tokens and the
+same gradients of sum(mask * loss); under CP (each padded document split over the ranks with
+the load-balanced rule, ``get_thd_batch_on_this_cp_rank``) the shards must give the packed
+one-process model's losses on their positions and, summed over the CP group, its gradients.
+"""
+
+from typing import Dict, Optional
+
+import pytest
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.context_parallel import thd_partitioned_indices
+from megatron.core.models.gpt import GPTModel
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.utils import get_thd_batch_on_this_cp_rank
+from tests.unit_tests.models.test_gpt_cp_attention import (
+    SPEC,
+    VOCAB,
+    all_reduce_sum,
+    global_grads,
+    make_config,
+    relative_error,
+)
+
+TOTAL = 48
+# Real document lengths and their padded lengths (multiples of 8 = 2C for C <= 4); the row
+# ends with 8 tokens of padding after the last document.
+REAL = [5, 19, 0, 8]
+PADDED = [8, 24, 0, 8]
+
+
+def packed_row() -> Dict[str, torch.Tensor]:
+    """One [1, TOTAL] row: random tokens, prompt-like masks, positions restarting per
+    document, padding masked; plus the cumulative lengths."""
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (1, TOTAL), generator=gen)
+    labels = torch.randint(0, VOCAB, (1, TOTAL), generator=gen)
+    loss_mask = torch.zeros(1, TOTAL)
+    positions = torch.zeros(1, TOTAL, dtype=torch.long)
+    start = 0
+    for real, padded in zip(REAL, PADDED):
+        loss_mask[0, start + real // 2 : start + real] = 1.0  # the second half of each doc
+        positions[0, start : start + padded] = torch.arange(padded)
+        start += padded
+    real = torch.tensor([0] + REAL, dtype=torch.int32).cumsum(0).int()
+    padded = torch.tensor([0] + PADDED, dtype=torch.int32).cumsum(0).int()
+    return {
+        "tokens": tokens,
+        "labels": labels,
+        "loss_mask": loss_mask,
+        "position_ids": positions,
+        "cu_seqlens": real,
+        "cu_seqlens_padded": padded,
+        "max_seqlen": torch.tensor([max(PADDED)], dtype=torch.int32),
+    }
+
+
+def params_of(row) -> PackedSeqParams:
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=row["cu_seqlens"],
+        cu_seqlens_kv=row["cu_seqlens"],
+        cu_seqlens_q_padded=row["cu_seqlens_padded"],
+        cu_seqlens_kv_padded=row["cu_seqlens_padded"],
+        max_seqlen_q=int(row["max_seqlen"][0]),
+        max_seqlen_kv=int(row["max_seqlen"][0]),
+    )
+
+
+def build(
+    cp_size: int = 1,
+    pg_collection: Optional[ProcessGroupCollection] = None,
+    cp_comm_type: str = "all_gather",
+) -> GPTModel:
+    """A float64 GPT (same weights for every layout) with room for TOTAL positions."""
+    config = make_config(context_parallel_size=cp_size, cp_comm_type=cp_comm_type)
+    if pg_collection is None and cp_size == 1:
+        pg_collection = ProcessGroupCollection()
+    model = GPTModel(config, SPEC, VOCAB, TOTAL, pg_collection=pg_collection)
+    return model.double()
+
+
+def run(model: GPTModel, row, packed: Optional[PackedSeqParams]):
+    """Per-token losses [1, s] and gradients of sum(mask * loss)."""
+    model.zero_grad(set_to_none=True)
+    kwargs = {} if packed is None else {"packed_seq_params": packed}
+    losses = model(row["tokens"], row["position_ids"], labels=row["labels"], **kwargs)
+    (losses * row["loss_mask"].double()).sum().backward()
+    return losses.detach(), global_grads([model])
+
+
+@pytest.mark.world(1)
+def test_packed_row_equals_documents_run_alone():
+    """Real tokens of a packed row get the losses of their document run alone, and the
+    gradient is the sum of the documents' gradients. Negative control: the same row without
+    ``packed_seq_params`` (documents see each other) gives other losses."""
+    row = packed_row()
+    model = build()
+    packed_losses, packed_grads = run(model, row, params_of(row))
+
+    expected_losses = torch.zeros(1, TOTAL, dtype=torch.float64)
+    expected_grads: Dict[str, torch.Tensor] = {}
+    start = 0
+    for real, padded in zip(REAL, PADDED):
+        if real:
+            doc = {k: row[k][:, start : start + real] for k in ("tokens", "labels", "loss_mask")}
+            doc["position_ids"] = torch.arange(real).unsqueeze(0)
+            losses, grads = run(model, doc, None)
+            expected_losses[:, start : start + real] = losses
+            for k, g in grads.items():
+                expected_grads[k] = expected_grads.get(k, 0) + g
+        start += padded
+    real_rows = row["loss_mask"] > 0
+    assert relative_error(packed_losses[real_rows], expected_losses[real_rows]) <= 1e-12
+    worst = max(relative_error(packed_grads[k], expected_grads[k]) for k in expected_grads)
+    assert worst <= 1e-12
+    assert torch.isfinite(packed_losses).all()
+
+    mixed_losses, _ = run(model, row, None)
+    assert relative_error(mixed_losses[real_rows], expected_losses[real_rows]) > 1e-3
+
+
+PACKED_CP_CASES = [
+    pytest.param(2, "all_gather", id="C2-all_gather"),
+    pytest.param(4, "all_gather", id="C4-all_gather"),
+    pytest.param(2, "a2a", id="C2-a2a"),
+    pytest.param(2, "p2p", id="C2-p2p"),
+]
+
+
+@pytest.mark.world(4)
+@pytest.mark.parametrize("cp_size, comm", PACKED_CP_CASES)
+def test_packed_cp_matches_one_process(model_parallel, cp_size, comm):
+    """Each rank's THD shard gives the one-process packed losses on its positions; gradients
+    summed over the CP group equal the one-process gradients (float64)."""
+    model_parallel(context_parallel_size=cp_size)
+    group = parallel_state.get_context_parallel_group()
+    row = packed_row()
+    ref_losses, ref_grads = run(build(), row, params_of(row))
+
+    local, packed = get_thd_batch_on_this_cp_rank(
+        row, row["cu_seqlens"], row["cu_seqlens_padded"], row["max_seqlen"]
+    )
+    model = build(cp_size, ProcessGroupCollection(cp=group), comm)
+    losses, grads = run(model, local, packed)
+    grads = all_reduce_sum(grads, group)
+
+    positions = thd_partitioned_indices(row["cu_seqlens_padded"], TOTAL, cp_size, group.rank())
+    errors: Dict[str, float] = {"losses": relative_error(losses, ref_losses[:, positions])}
+    errors.update({k: relative_error(grads[k], ref_grads[k]) for k in ref_grads})
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= 1e-10, f"worst: {worst} {errors[worst]:.3e}"
+    assert torch.equal(local["tokens"], row["tokens"][:, positions])
+
+
+@pytest.mark.world(1)
+def test_thd_batch_helper_without_parallel_state_is_identity():
+    """megatron-core's helper: C = 1 keeps every entry and builds the THD parameters."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    row = packed_row()
+    local, packed = get_thd_batch_on_this_cp_rank(
+        row, row["cu_seqlens"], row["cu_seqlens_padded"], row["max_seqlen"]
+    )
+    assert local is not row and all(torch.equal(local[k], row[k]) for k in row)
+    assert packed.qkv_format == "thd" and packed.max_seqlen_q == max(PADDED)
+    sliced, _ = get_thd_batch_on_this_cp_rank(
+        row, row["cu_seqlens"], row["cu_seqlens_padded"], row["max_seqlen"], 2, 1
+    )
+    expected = thd_partitioned_indices(row["cu_seqlens_padded"], TOTAL, 2, 1)
+    assert torch.equal(sliced["tokens"], row["tokens"][:, expected])
+    assert torch.equal(sliced["cu_seqlens"], row["cu_seqlens"])
+
+
+@pytest.mark.world(1)
+def test_rope_with_packed_sequences_is_a_clear_error():
+    """RoPE would need per-document positions: packed_seq_params with rope is refused."""
+    model = GPTModel(
+        make_config(), SPEC, VOCAB, TOTAL, position_embedding_type="rope",
+        pg_collection=ProcessGroupCollection(),
+    )  # fmt: skip
+    row = packed_row()
+    with pytest.raises(NotImplementedError, match="rotary embeddings with packed_seq_params"):
+        model(row["tokens"], row["position_ids"], packed_seq_params=params_of(row))

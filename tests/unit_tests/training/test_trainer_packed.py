@@ -1,0 +1,107 @@
+"""``--pack-sequences`` and ``--cp-comm-type``: packed SFT rows, their checks, and packed
+training under CP that follows the one-process run.
+
+The distributed cases run under ``torchrun --nproc-per-node 4 -m pytest
+tests/unit_tests/training`` (CP = 2 with PP = 2 or TP = 2, then the one-process run on
+rank 0).
+"""
+
+import pytest
+import torch
+
+from megatron.training import TrainingConfig, validate_config
+from megatron.training.arguments import parse_args
+from megatron.training.data import PACK_PAD_MULTIPLE, PAD, PackedSFTDataset, SFTDataset
+from megatron.training.training import pretrain
+from tests.unit_tests.dist_utils import assert_no_failures, reset_layout
+
+PACKED_RUNS = [
+    pytest.param(dict(pipeline_model_parallel_size=2), "all_gather", id="cp2-pp2-all_gather"),
+    pytest.param(dict(tensor_model_parallel_size=2), "a2a", id="tp2-cp2-a2a"),
+    pytest.param(dict(), "p2p", id="cp2-dp2-p2p", marks=pytest.mark.slow),
+    pytest.param(
+        dict(pipeline_model_parallel_size=2), "a2a", id="cp2-pp2-a2a", marks=pytest.mark.slow
+    ),
+]
+
+
+@pytest.mark.world(4)
+@pytest.mark.parametrize("layout, comm", PACKED_RUNS)
+def test_packed_training_follows_the_one_process_run(layout, comm):
+    """4 iterations of packed rows at CP = 2 (with PP = 2, or TP = 2: CP then splits each
+    tensor-parallel rank's heads) equal the one-process run within 1e-5."""
+    config = TrainingConfig(
+        context_parallel_size=2,
+        pack_sequences=True,
+        cp_comm_type=comm,
+        micro_batch_size=1,
+        global_batch_size=4,
+        seq_length=64,
+        train_iters=4,
+        compare_single_process=True,
+        compare_tolerance=1e-5,
+        progress=False,
+        **layout,
+    )
+    reset_layout()
+    try:
+        result = pretrain(config)
+    finally:
+        reset_layout()
+    failures = [] if result.passed else ["the comparison with the one-process run failed"]
+    assert_no_failures(failures)
+
+
+@pytest.mark.world(1)
+def test_packed_rows_hold_whole_padded_documents():
+    """Each row: documents in stream order, each its SFT sample's real tokens, padded to a
+    multiple of 16, positions restarting at 0, padding and prompts masked; rows with two or
+    more documents occur; the same rows for every layout (no dependence on C)."""
+    packed = PackedSFTDataset(64, 64, seed=5)
+    plain = SFTDataset(64, 64, seed=5)
+    document, multi = 0, 0
+    for i in range(12):
+        row = packed[i]
+        real, padded = row["cu_seqlens"].tolist(), row["cu_seqlens_padded"].tolist()
+        docs = [(a, b, c) for a, b, c in zip(padded[:-1], real[:-1], real[1:]) if c > b]
+        multi += len(docs) > 1
+        for start, begin, end in docs:
+            length = end - begin
+            sample = plain[document]
+            assert torch.equal(row["tokens"][start : start + length], sample["tokens"][:length])
+            assert torch.equal(
+                row["loss_mask"][start : start + length], sample["loss_mask"][:length]
+            )
+            assert row["position_ids"][start] == 0
+            document += 1
+        assert all((b - a) % PACK_PAD_MULTIPLE == 0 for a, b in zip(padded[:-1], padded[1:]))
+        used = padded[-1]
+        assert (row["tokens"][used:] == PAD).all() and (row["loss_mask"][used:] == 0).all()
+    assert multi > 0
+
+
+@pytest.mark.world(1)
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(micro_batch_size=2), r"--micro-batch-size must be 1, got 2"),
+        (dict(seq_length=40), r"--seq-length \(40\) must be a multiple of it"),
+        (dict(position_embedding_type="rope"), r"learned_absolute, got rope"),
+    ],
+)
+def test_packing_rejects_what_it_cannot_run(changes, message):
+    """Clear errors naming the flag and value before anything starts."""
+    fields = dict(pack_sequences=True, micro_batch_size=1, seq_length=64, global_batch_size=4)
+    fields.update(changes)
+    with pytest.raises(ValueError, match=message):
+        validate_config(TrainingConfig(**fields), 1)
+
+
+@pytest.mark.world(1)
+def test_flags_map_to_the_config():
+    """--pack-sequences and --cp-comm-type reach TrainingConfig; a2a needs heads % C == 0."""
+    config = parse_args(["--pack-sequences", "--cp-comm-type", "a2a"])
+    assert config.pack_sequences and config.cp_comm_type == "a2a"
+    assert parse_args([]).cp_comm_type == "all_gather" and not parse_args([]).pack_sequences
+    with pytest.raises(ValueError, match=r"a2a .* --num-attention-heads \(4\).*--tp x --cp = 8"):
+        validate_config(TrainingConfig(cp_comm_type="a2a", context_parallel_size=8), 8)

@@ -1,0 +1,403 @@
+"""Context-parallel core attention against a float64 full-sequence reference.
+
+Every case builds whole-sequence Q, K, V and an output weight W in one process (same seed on
+every rank), computes the explicit-matrix oracle and its gradients of <W, attention>, then
+runs ``context_parallel_attention`` on this rank's load-balanced shard (dense or packed THD)
+and compares the output and the Q, K, V gradients of the shard. Matrix: C in {1, 2, 4, 8}
+(C = world size), cp_comm_type in {all_gather, p2p, a2a}, grouped-query attention, packed
+documents shorter than a chunk, spanning both local chunks, ending on chunk edges, all
+padding, and a padding tail after the last document.
+
+Launch: ``torchrun --nproc-per-node N -m pytest tests/unit_tests/transformer`` (gloo on CPU,
+float64 through the CPU flash kernel); ``TEST_BACKEND=nccl`` runs the same cases on one GPU
+per rank (float32 through the efficient kernel) plus the bf16 error-ratio check.
+"""
+
+import math
+import os
+from typing import List
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core.context_parallel import cp_shard_positions, thd_partitioned_indices
+from megatron.core.device import comm_device
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer import flash_kernels as fk
+from megatron.core.transformer.cp_attention import context_parallel_attention
+from tests.unit_tests.transformer.attention_oracle import reference_attention
+
+WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
+ON_GPU = os.environ.get("TEST_BACKEND", "gloo") == "nccl"
+DTYPE = torch.float32 if ON_GPU else torch.float64
+TOLERANCE = 2e-5 if ON_GPU else 1e-11
+
+
+def world() -> tuple:
+    """(C, rank, group) of this launch: the whole world is the CP group (None at C = 1)."""
+    if WORLD_SIZE == 1 or not dist.is_initialized():
+        return 1, 0, None
+    return dist.get_world_size(), dist.get_rank(), dist.group.WORLD
+
+
+def device() -> torch.device:
+    return comm_device() if dist.is_initialized() else torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+# (id, real document lengths as multiples of the chunk unit or explicit, tail)
+def packed_case(name: str, cp: int):
+    """Real and padded cumulative lengths of a packed batch for C = cp (2C-multiple padding).
+
+    short: documents shorter than one chunk (some ranks hold only padding of them);
+    spanning: a document covering both local chunks of every rank, ending mid-chunk;
+    edges: documents ending exactly on chunk edges; empty: a document of padding only;
+    tail: tokens after the last document.
+    """
+    unit = 2 * cp
+    docs = {
+        "short": [1, 3, 2],
+        "spanning": [5 * unit - 3, 2],
+        "edges": [2 * unit, unit, 3 * unit],
+        "empty": [unit + 1, 0, 3],
+        "tail": [unit - 1, 2],
+    }[name]
+    real, padded = [0], [0]
+    for length in docs:
+        padded_length = max(unit, math.ceil(length / unit) * unit)
+        real.append(real[-1] + length)
+        padded.append(padded[-1] + padded_length)
+    total = padded[-1] + (2 * unit if name == "tail" else 0)
+    return real, padded, total
+
+
+def make_inputs(total: int, batch: int, heads: int, groups: int, dim: int, dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(total, batch, heads, dim), (total, batch, groups, dim), (total, batch, groups, dim)]
+    q, k, v = (torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes)
+    w = torch.randn(total, batch, heads, dim, generator=gen, dtype=torch.float64)
+    return q.to(dtype), k.to(dtype), v.to(dtype), w.to(dtype)
+
+
+def reference(q, k, v, w, real=None, padded=None):
+    """Float64 oracle output and gradients of <w, attention(q, k, v)>."""
+    q, k, v = (x.detach().double().cpu().requires_grad_(True) for x in (q, k, v))
+    out = reference_attention(q, k, v, real, padded)
+    grads = torch.autograd.grad((out * w.double().cpu()).sum(), (q, k, v))
+    return [out.detach()] + list(grads)
+
+
+def run_shard(q, k, v, w, positions, comm, packed=None, **kwargs):
+    """This rank's output and gradients of <w_shard, cp attention(shard)>."""
+    dev = device()
+    local = [x[positions].to(dev).detach().clone().requires_grad_(True) for x in (q, k, v)]
+    _, _, group = world()
+    out = context_parallel_attention(
+        *local, cp_group=group, cp_comm_type=comm, packed_seq_params=packed, **kwargs
+    )
+    grads = torch.autograd.grad((out * w[positions].to(dev)).sum(), local)
+    return [out.detach()] + [g for g in grads]
+
+
+def max_relative_errors(actual: List[torch.Tensor], expected: List[torch.Tensor], positions):
+    """||actual - expected[positions]|| / ||expected|| per tensor (the whole sequence's norm:
+    a shard's own values can be ~0, e.g. dQ of one-token documents)."""
+    names = ("out", "dq", "dk", "dv")
+    errors = {}
+    for name, a, e in zip(names, actual, expected):
+        scale = e.double().norm().item()
+        errors[name] = (a.double().cpu() - e[positions].double()).norm().item() / scale
+        assert torch.isfinite(a).all(), f"{name} has NaN/inf"
+    return errors
+
+
+def packed_params(real, padded, dev) -> PackedSeqParams:
+    real_t = torch.tensor(real, dtype=torch.int32, device=dev)
+    padded_t = torch.tensor(padded, dtype=torch.int32, device=dev)
+    longest = max(b - a for a, b in zip(padded[:-1], padded[1:]))
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=real_t,
+        cu_seqlens_kv=real_t,
+        cu_seqlens_q_padded=padded_t,
+        cu_seqlens_kv_padded=padded_t,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )
+
+
+COMMS = ["all_gather", "p2p", "a2a"]
+
+
+def heads_for(comm: str, heads: int, groups: int, cp: int) -> tuple:
+    """a2a splits heads over C: scale (heads, kv heads) up, keeping their ratio, until C
+    divides the kv heads (e.g. 8/4 -> 16/8 at C = 8)."""
+    if comm != "a2a" or groups % cp == 0:
+        return heads, groups
+    factor = cp // math.gcd(groups, cp)
+    return heads * factor, groups * factor
+
+
+HEADS = [pytest.param(4, 4, id="mha"), pytest.param(8, 4, id="gqa2")]
+
+
+# ----------------------------------------------------------------------------- dense
+
+
+@pytest.mark.world(1, 2, 4, 8)
+@pytest.mark.parametrize("heads, groups", HEADS)
+@pytest.mark.parametrize("comm", COMMS)
+def test_dense_matches_full_sequence(comm, heads, groups):
+    """Output and Q/K/V gradients equal the float64 full-sequence oracle on this shard."""
+    cp, rank, _ = world()
+    heads, groups = heads_for(comm, heads, groups, cp)
+    total = 8 * cp
+    q, k, v, w = make_inputs(total, 2, heads, groups, 8, DTYPE)
+    expected = reference(q, k, v, w)
+    positions = cp_shard_positions(total, cp, rank)
+    errors = max_relative_errors(run_shard(q, k, v, w, positions, comm), expected, positions)
+    assert max(errors.values()) <= TOLERANCE, errors
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("num_head_groups", [1, 3])
+def test_all_gather_head_groups(num_head_groups):
+    """Gathering K/V in 1 or 3 head groups (uneven) gives the same exact result."""
+    cp, rank, _ = world()
+    total = 8 * cp
+    q, k, v, w = make_inputs(total, 1, 6, 3, 8, DTYPE, seed=3)
+    expected = reference(q, k, v, w)
+    positions = cp_shard_positions(total, cp, rank)
+    actual = run_shard(q, k, v, w, positions, "all_gather", num_head_groups=num_head_groups)
+    errors = max_relative_errors(actual, expected, positions)
+    assert max(errors.values()) <= TOLERANCE, errors
+
+
+# ----------------------------------------------------------------------------- packed
+
+
+PACKED = ["short", "spanning", "edges", "empty", "tail"]
+
+
+@pytest.mark.world(1, 2, 4, 8)
+@pytest.mark.parametrize("case", PACKED)
+@pytest.mark.parametrize("comm", COMMS)
+def test_packed_matches_per_document_attention(comm, case):
+    """THD: documents never see each other, padding rows are 0 (never NaN) and pass no
+    gradient, real rows equal the oracle's."""
+    cp, rank, _ = world()
+    heads, groups = heads_for(comm, 8, 4, cp)
+    real, padded, total = packed_case(case, cp)
+    q, k, v, w = make_inputs(total, 1, heads, groups, 8, DTYPE, seed=1)
+    expected = reference(q, k, v, w, real, padded)
+    positions = thd_partitioned_indices(padded, total, cp, rank)
+    packed = packed_params(real, padded, device())
+    actual = run_shard(q, k, v, w, positions, comm, packed)
+    errors = max_relative_errors(actual, expected, positions)
+    assert max(errors.values()) <= TOLERANCE, errors
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("comm", COMMS)
+def test_packed_rejects_bad_padding(comm):
+    """Documents not padded to a multiple of 2C: a clear error before any collective."""
+    _, _, group = world()
+    q = torch.zeros(8, 1, 2, 4, device=device())
+    real = torch.tensor([0, 3, 16], dtype=torch.int32)
+    bad = PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_q_padded=real)
+    with pytest.raises(ValueError, match=r"document 0 .* padded length 3.*multiple of 2"):
+        context_parallel_attention(
+            q, q, q, cp_group=group, cp_comm_type=comm, packed_seq_params=bad
+        )
+
+
+# ----------------------------------------------------------------------------- one process
+
+
+@pytest.mark.world(1)
+def test_bad_arguments_are_named():
+    """Unknown comm types, mismatched shapes and batched THD inputs raise naming the value."""
+    q = torch.zeros(8, 2, 4, 8)
+    kv = torch.zeros(8, 2, 3, 8)
+    with pytest.raises(ValueError, match=r"cp_comm_type must be one of .*got 'ring'"):
+        context_parallel_attention(q, q, q, cp_comm_type="ring")
+    with pytest.raises(ValueError, match=r"key/value \(8, 2, 3, 8\) do not fit"):
+        context_parallel_attention(q, kv, kv)
+    packed = packed_params([0, 8], [0, 8], "cpu")
+    with pytest.raises(ValueError, match="batch size 1, got 2"):
+        context_parallel_attention(q, q, q, packed_seq_params=packed)
+
+
+@pytest.mark.world(1)
+@pytest.mark.parametrize("s_q, s_k", [(4, 4), (4, 12), (1, 9)])
+def test_kernel_causal_is_bottom_right(s_q, s_k):
+    """A causal block with s_q < s_k means the queries are the last s_q positions; the CPU
+    kernel's own is_causal is top-left for s_q != s_k, so the rectangle is split and merged.
+    Negative control: the plain top-left call differs."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, s_q, 3, 8, generator=gen, dtype=torch.float64)
+    k, v, dout = (
+        torch.randn(2, n, 3, 8, generator=gen, dtype=torch.float64) for n in (s_k, s_k, s_q)
+    )
+    out, lse = fk.attention_forward(q, k, v, True, 0.3)
+    allowed = torch.ones(s_q, s_k, dtype=torch.bool).tril(s_k - s_q)
+    qr, kr, vr = (x.transpose(1, 2).requires_grad_(True) for x in (q, k, v))
+    scores = (qr @ kr.transpose(-1, -2) * 0.3).masked_fill(~allowed, -math.inf)
+    expected = (torch.softmax(scores, -1) @ vr).transpose(1, 2)
+    assert torch.allclose(out, expected, atol=1e-12)
+    assert torch.allclose(lse, torch.logsumexp(scores, -1), atol=1e-12)
+    grads = fk.attention_backward(dout, q, k, v, out, lse, True, 0.3)
+    ref_grads = torch.autograd.grad((expected * dout).sum(), (qr, kr, vr))
+    for g, r in zip(grads, ref_grads):
+        assert torch.allclose(g, r.transpose(1, 2), atol=1e-12)
+    if s_q != s_k:
+        top_left, _ = fk.kernel_spec("cpu").forward(q, k, v, True, 0.3)
+        assert not torch.allclose(top_left, expected, atol=1e-3)
+
+
+@pytest.mark.world(1)
+def test_merge_ignores_rows_without_keys():
+    """A block whose rows have no keys reports LSE = +inf on flash kernels; merging it must
+    leave the running result unchanged (and rows with no keys anywhere stay 0, not NaN).
+    Negative control: a naive log-sum-exp merge of the +inf destroys the result."""
+    acc = torch.tensor([[[[1.0, 2.0]], [[0.0, 0.0]]]])  # [b=1, s=2, n=1, d=2]
+    acc_lse = torch.tensor([[[0.5, -math.inf]]])  # row 1: no keys yet
+    block = torch.full_like(acc, 7.0)
+    block_lse = torch.tensor([[[math.inf, math.inf]]])
+    merged, merged_lse = acc.clone(), acc_lse.clone()
+    fk.merge_into(merged, merged_lse, block, block_lse)
+    assert torch.equal(merged, acc) and torch.equal(merged_lse, acc_lse)
+    naive = torch.logaddexp(acc_lse, block_lse)
+    assert not torch.isfinite(naive[0, 0, 0])
+
+
+@pytest.mark.world(1)
+def test_saved_memory_is_linear_in_sequence_length():
+    """The tensors autograd keeps for backward grow linearly with s (no [s, s] or [s/C, s]
+    term): doubling s doubles the saved bytes. Negative control: the oracle's grow 4x."""
+
+    def saved_bytes(fn, s):
+        q, k, v, _ = make_inputs(s, 1, 2, 2, 8, torch.float32)
+        q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+        sizes = []
+
+        def pack(t):
+            sizes.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(q, k, v)
+        return sum(sizes)
+
+    ours = [saved_bytes(context_parallel_attention, s) for s in (256, 512, 1024)]
+    oracle = [saved_bytes(reference_attention, s) for s in (256, 512, 1024)]
+    assert ours[1] / ours[0] == pytest.approx(2.0, rel=0.05)
+    assert ours[2] / ours[1] == pytest.approx(2.0, rel=0.05)
+    assert oracle[2] / oracle[1] > 3.5
+
+
+# ----------------------------------------------------------------------------- bf16 on GPU
+
+
+# Target: 1.05x the one-device kernel's bf16 error. The bf16 kernels round each call's
+# output and gradients to bf16; a value summed over several calls (dK/dV of a key over the
+# ranks and chunks whose queries see it; in p2p also O and dQ over ring steps) carries one
+# rounding per partial, which no bf16-output kernel avoids without recomputing the backward.
+# Those entries are held to a looser, measured bound (1.24x at C = 2 on an H200).
+BF16_LIMITS = {
+    "a2a": dict(out=1.05, dq=1.05, dk=1.05, dv=1.05),
+    "all_gather": dict(out=1.05, dq=1.05, dk=1.35, dv=1.35),
+    "p2p": dict(out=1.35, dq=1.35, dk=1.35, dv=1.35),
+}
+
+
+@pytest.mark.world(2, 4, 8)
+@pytest.mark.parametrize("comm", COMMS)
+def test_bf16_error_within_kernel_error(comm):
+    """bf16 on GPUs: CP error (output, dQ, dK, dV against the float64 oracle) against the
+    one-device kernel's own bf16 error on the same rows (limits: ``BF16_LIMITS``)."""
+    if not ON_GPU:
+        pytest.skip("bf16 flash kernels need CUDA: run with TEST_BACKEND=nccl on GPUs")
+    cp, rank, _ = world()
+    total = 512 * cp
+    q, k, v, w = make_inputs(total, 1, 8, 8, 64, torch.bfloat16, seed=11)
+    expected = reference(q, k, v, w)
+    full = [x.to(device()).detach().clone().requires_grad_(True) for x in (q, k, v)]
+    out = context_parallel_attention(*full)
+    one_device = [out.detach()] + list(torch.autograd.grad((out * w.to(device())).sum(), full))
+    positions = cp_shard_positions(total, cp, rank)
+    cp_errors = max_relative_errors(run_shard(q, k, v, w, positions, comm), expected, positions)
+    kernel_errors = max_relative_errors(
+        [x[positions.to(x.device)] for x in one_device], expected, positions
+    )
+    ratios = {name: cp_errors[name] / kernel_errors[name] for name in cp_errors}
+    print(f"bf16 C={cp} {comm} rank {rank}: kernel {kernel_errors} cp {cp_errors} ratio {ratios}")
+    assert all(ratios[n] <= BF16_LIMITS[comm][n] for n in ratios), ratios
+
+
+@pytest.mark.world(2, 4, 8)
+@pytest.mark.parametrize("comm", COMMS)
+def test_bf16_packed_on_the_varlen_kernel(comm):
+    """bf16 packed documents on GPUs (the flash varlen op, where torch has it): one device
+    is within bf16 error of the float64 oracle, and CP stays within ``BF16_LIMITS`` of it."""
+    if not ON_GPU:
+        pytest.skip("bf16 varlen kernels need CUDA: run with TEST_BACKEND=nccl on GPUs")
+    cp, rank, _ = world()
+    unit = 2 * cp
+    lengths = [300, 5, 0, 190, 64 * unit]
+    real, padded = [0], [0]
+    for length in lengths:
+        real.append(real[-1] + length)
+        padded.append(padded[-1] + max(unit, math.ceil(length / unit) * unit))
+    total = padded[-1] + 4 * unit
+    heads, groups = heads_for(comm, 8, 4, cp)
+    q, k, v, w = make_inputs(total, 1, heads, groups, 64, torch.bfloat16, seed=13)
+    expected = reference(q, k, v, w, real, padded)
+    packed = packed_params(real, padded, device())
+    every = torch.arange(total)
+    full = [x.to(device()).detach().clone().requires_grad_(True) for x in (q, k, v)]
+    out = context_parallel_attention(*full, packed_seq_params=packed)
+    one_device = [out.detach()] + list(torch.autograd.grad((out * w.to(device())).sum(), full))
+    device_errors = max_relative_errors(one_device, expected, every)
+    positions = thd_partitioned_indices(padded, total, cp, rank)
+    cp_errors = max_relative_errors(
+        run_shard(q, k, v, w, positions, comm, packed), expected, positions
+    )
+    kernel_errors = max_relative_errors(
+        [x[positions.to(x.device)] for x in one_device], expected, positions
+    )
+    ratios = {name: cp_errors[name] / kernel_errors[name] for name in cp_errors}
+    print(f"bf16 packed C={cp} {comm} rank {rank}: one device {device_errors} ratio {ratios}")
+    assert max(device_errors.values()) <= 1e-2, device_errors
+    assert all(ratios[n] <= BF16_LIMITS[comm][n] for n in ratios), ratios
+
+
+@pytest.mark.world(1)
+def test_varlen_falls_back_to_the_loop_when_the_op_fails(monkeypatch):
+    """A varlen op that raises (an unsupported build or shape) is dropped with a warning and
+    the loop over documents gives the result; out-of-memory is not swallowed."""
+
+    def broken(*args):
+        raise RuntimeError("no kernel image for this device")
+
+    monkeypatch.setattr(fk, "_VARLEN_FAILED", [])
+    monkeypatch.setattr(fk, "_flash_varlen_forward", broken)
+    monkeypatch.setattr(fk, "_use_varlen", lambda query, cu: not fk._VARLEN_FAILED)
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(12, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    with pytest.warns(UserWarning, match="flash varlen attention failed"):
+        out, lse = fk.varlen_forward(q, k, v, cu, cu, 7, 7, True, 0.5)
+    assert fk._VARLEN_FAILED and not fk._use_varlen(q, cu)
+    monkeypatch.setattr(fk, "_VARLEN_FAILED", ["off"])
+    expected, _ = fk.varlen_forward(q, k, v, cu, cu, 7, 7, True, 0.5)
+    assert torch.equal(out, expected)
+
+    def oom(*args):
+        raise torch.cuda.OutOfMemoryError("out of memory")
+
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        fk._guarded_varlen(oom)
