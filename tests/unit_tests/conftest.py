@@ -8,6 +8,7 @@ them and say so in the summary, so nothing is skipped silently.
 import os
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -54,3 +55,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             f"world size {WORLD_SIZE}: deselected {count} tests written for other world sizes "
             "(the README test command runs them under torchrun with 2, 4 and 8 ranks)"
         )
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """``tests/run_tests.sh --slow``: a world size that holds no slow test is not a failure."""
+    if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and os.environ.get(
+        "MEGATRON_TESTS_ALLOW_EMPTY"
+    ):
+        session.exitstatus = pytest.ExitCode.OK
