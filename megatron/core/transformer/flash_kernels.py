@@ -28,11 +28,15 @@ bottom-right; its LSE is padded along queries to a multiple of 32 and sliced her
 ``"cudnn"`` (CUDA: ``aten._scaled_dot_product_cudnn_attention``; its causal alignment for
 s_q != s_k is measured once at run time), ``"cpu"`` (CPU:
 ``aten._scaled_dot_product_flash_attention_for_cpu``, any float dtype, used by the tests).
-Default: ``"flash"`` for half precision on CUDA, ``"efficient"`` for float32 on CUDA,
-``"cpu"`` on CPU. Varlen (packed sequences, whichever dense kernel is chosen): CUDA half
-precision uses ``aten._flash_attention_forward`` with cumulative lengths where the installed
-torch has it (detected at run time; if it raises, a warning and this process falls back);
-otherwise a loop over sequences with the dense kernel.
+``"math"`` (any device and dtype: one explicit [s_q, s_k] score block per call; the
+fallback on CUDA for what the fused kernels refuse: float64, or a head dimension that is not
+a multiple of 8, such as megatron-core's simple example with hidden 12 and 4 heads).
+Default: ``"flash"`` for half precision on CUDA, ``"efficient"`` for float32 on CUDA (both
+with head dimensions a multiple of 8), ``"math"`` for other CUDA inputs, ``"cpu"`` on CPU.
+Varlen (packed sequences, whichever dense kernel is chosen): CUDA half precision uses
+``aten._flash_attention_forward`` with cumulative lengths where the installed torch has it
+(detected at run time; if it raises, a warning and this process falls back); otherwise a
+loop over sequences with the dense kernel.
 """
 
 import functools
@@ -44,7 +48,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-KERNELS = ("flash", "efficient", "cudnn", "cpu")
+KERNELS = ("flash", "efficient", "cudnn", "cpu", "math")
 
 
 def attention_forward(
@@ -293,15 +297,24 @@ class KernelSpec:
 def resolve_kernel(kernel: Optional[str], like: torch.Tensor) -> str:
     """The kernel name for tensors like ``like``: explicit, then the environment, then default."""
     name = kernel or os.environ.get("MEGATRON_ATTENTION_KERNEL") or None
+    if name == "math":
+        return name
     if like.device.type != "cuda":
         if name not in (None, "cpu"):
             raise ValueError(f"attention kernel {name!r} needs CUDA tensors, got {like.device}")
         return "cpu"
     if name is None:
+        if like.shape[-1] % 8 != 0 or like.dtype not in _FUSED_DTYPES:
+            return "math"
         return "flash" if like.dtype in (torch.float16, torch.bfloat16) else "efficient"
     if name not in KERNELS or name == "cpu":
-        raise ValueError(f"attention kernel must be one of {KERNELS[:3]} on CUDA, got {name!r}")
+        raise ValueError(
+            f"attention kernel must be one of {KERNELS[:3] + KERNELS[4:]} on CUDA, got {name!r}"
+        )
     return name
+
+
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def bottom_right_causal(spec: KernelSpec, device: torch.device) -> bool:
@@ -466,6 +479,39 @@ def _cpu_backward(dout, q, k, v, out, lse, causal, scale):
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
+def _math_forward(q, k, v, causal, scale):
+    """Explicit block: lse = logsumexp(scale * Q K^T [+ bottom-right mask]), out = P V."""
+    qh, kh, vh = (x.transpose(1, 2).to(acc_dtype(q.dtype)) for x in (q, k, v))
+    probs, lse = _math_probs(qh, kh, None, causal, scale)
+    return (probs @ vh).to(q.dtype).transpose(1, 2), lse
+
+
+def _math_backward(dout, q, k, v, out, lse, causal, scale):
+    """With P = exp(S - lse) and D = rowsum(dO * O): dS = P (dO V^T - D), dQ = scale dS K,
+    dK = scale dS^T Q, dV = P^T dO (``out``/``lse`` may be a merge of several blocks)."""
+    dtype = acc_dtype(q.dtype)
+    qh, kh, vh, do, oh = (x.transpose(1, 2).to(dtype) for x in (q, k, v, dout, out))
+    probs, _ = _math_probs(qh, kh, lse.to(dtype), causal, scale)
+    dscores = probs * (do @ vh.transpose(-1, -2) - (do * oh).sum(-1, keepdim=True))
+    dq = (dscores @ kh) * scale
+    dk = (dscores.transpose(-1, -2) @ qh) * scale
+    dv = probs.transpose(-1, -2) @ do
+    return tuple(g.to(q.dtype).transpose(1, 2) for g in (dq, dk, dv))
+
+
+def _math_probs(qh, kh, lse, causal, scale):
+    """P = exp(S - lse) on [b, n, s_q, s_k] (lse computed here when None) and the lse."""
+    scores = (qh @ kh.transpose(-1, -2)) * scale
+    if causal:
+        s_q, s_k = scores.shape[-2:]
+        rows = torch.arange(s_q, device=scores.device).unsqueeze(1) + (s_k - s_q)
+        allowed = torch.arange(s_k, device=scores.device).unsqueeze(0) <= rows
+        scores = scores.masked_fill(~allowed, -math.inf)
+    if lse is None:
+        lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - lse.unsqueeze(-1)), lse
+
+
 # An undefined tensor for the backward ops' unused cumulative-length arguments (dense mode),
 # as the dense forward ops return them.
 _UNDEFINED = None
@@ -487,6 +533,7 @@ _SPECS = {
     "efficient": KernelSpec("efficient", _efficient_forward, _efficient_backward, True, False),
     "cudnn": KernelSpec("cudnn", _cudnn_forward, _cudnn_backward, None, False),
     "cpu": KernelSpec("cpu", _cpu_forward, _cpu_backward, False, False),
+    "math": KernelSpec("math", _math_forward, _math_backward, True, False),
 }
 
 
@@ -553,6 +600,7 @@ def _use_varlen(query: torch.Tensor, cu_q: torch.Tensor) -> bool:
     return (
         query.is_cuda
         and query.dtype in (torch.float16, torch.bfloat16)
+        and query.shape[-1] % 8 == 0
         and cu_q.device == query.device
         and varlen_available()
         and not _VARLEN_FAILED

@@ -232,24 +232,26 @@ def test_bad_arguments_are_named():
 
 
 @pytest.mark.world(1)
+@pytest.mark.parametrize("kernel", [None, "math"], ids=["cpu", "math"])
 @pytest.mark.parametrize("s_q, s_k", [(4, 4), (4, 12), (1, 9)])
-def test_kernel_causal_is_bottom_right(s_q, s_k):
+def test_kernel_causal_is_bottom_right(s_q, s_k, kernel):
     """A causal block with s_q < s_k means the queries are the last s_q positions; the CPU
-    kernel's own is_causal is top-left for s_q != s_k, so the rectangle is split and merged.
-    Negative control: the plain top-left call differs."""
+    kernel's own is_causal is top-left for s_q != s_k, so the rectangle is split and merged;
+    the explicit "math" kernel (the CUDA fallback for float64 and odd head dimensions) masks
+    bottom-right itself. Negative control: the plain top-left call differs."""
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(2, s_q, 3, 8, generator=gen, dtype=torch.float64)
     k, v, dout = (
         torch.randn(2, n, 3, 8, generator=gen, dtype=torch.float64) for n in (s_k, s_k, s_q)
     )
-    out, lse = fk.attention_forward(q, k, v, True, 0.3)
+    out, lse = fk.attention_forward(q, k, v, True, 0.3, kernel=kernel)
     allowed = torch.ones(s_q, s_k, dtype=torch.bool).tril(s_k - s_q)
     qr, kr, vr = (x.transpose(1, 2).requires_grad_(True) for x in (q, k, v))
     scores = (qr @ kr.transpose(-1, -2) * 0.3).masked_fill(~allowed, -math.inf)
     expected = (torch.softmax(scores, -1) @ vr).transpose(1, 2)
     assert torch.allclose(out, expected, atol=1e-12)
     assert torch.allclose(lse, torch.logsumexp(scores, -1), atol=1e-12)
-    grads = fk.attention_backward(dout, q, k, v, out, lse, True, 0.3)
+    grads = fk.attention_backward(dout, q, k, v, out, lse, True, 0.3, kernel=kernel)
     ref_grads = torch.autograd.grad((expected * dout).sum(), (qr, kr, vr))
     for g, r in zip(grads, ref_grads):
         assert torch.allclose(g, r.transpose(1, 2), atol=1e-12)
