@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
+from megatron.core.device import comm_device
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -73,9 +74,10 @@ def test_tp_shards_gathered_logits_and_sequence_parallel_marks():
                 failures.append(f"{name}: not the slice of the one-rank weight")
 
         gen = torch.Generator().manual_seed(3)
-        tokens = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
-        labels = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
-        positions = torch.arange(SEQ).expand(2, SEQ)
+        tokens, labels = (
+            torch.randint(0, VOCAB, (2, SEQ), generator=gen).to(comm_device()) for _ in range(2)
+        )
+        positions = torch.arange(SEQ, device=comm_device()).expand(2, SEQ)
         results = []
         for parallel_output in (True, False):
             model = build(make_config(tensor_model_parallel_size=2), groups,
