@@ -201,7 +201,7 @@ def _reduce_scatter_along_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
 def _adjoint_pair(name: str, doc: str, forward, backward) -> type:
     """An autograd Function ``y = forward(x, group)`` whose backward is
     ``dL/dx = backward(dL/dy, group)`` (the adjoint of ``forward``); ``group`` gets no
-    gradient."""
+    gradient. The class is named ``name`` in ``forward``'s module."""
 
     class _Mapping(torch.autograd.Function):
         @staticmethod
@@ -214,6 +214,7 @@ def _adjoint_pair(name: str, doc: str, forward, backward) -> type:
             return backward(grad_output, ctx.group), None
 
     _Mapping.__name__ = _Mapping.__qualname__ = name
+    _Mapping.__module__ = forward.__module__
     _Mapping.__doc__ = doc
     return _Mapping
 
