@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -80,3 +82,88 @@ def groups_of_rank(
     return {
         name: next((ranks for ranks in groups[name] if rank in ranks), None) for name in GROUP_NAMES
     }
+
+
+# ---- comparing our signatures with recorded ones --------------------------------------------
+# Every facts file records a callable as ``{"module", "qualname", "parameters"}`` with each
+# parameter as ``{"name", "kind", "default"}`` (``default`` is the repr, None when absent).
+
+VARIADIC = frozenset({"VAR_POSITIONAL", "VAR_KEYWORD"})
+
+
+def resolve(module: str, qualname: str) -> tuple[Any, Any]:
+    """Import ``module`` and walk ``qualname``; return (owning class or None, object)."""
+    owner: Any = None
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        owner, obj = obj, getattr(obj, part)
+    return (owner if inspect.isclass(owner) else None), obj
+
+
+def binding(owner: Any, qualname: str) -> str:
+    """How ``qualname`` is bound: module, classmethod, staticmethod or function."""
+    if owner is None:
+        return "module"
+    raw = inspect.getattr_static(owner, qualname.rsplit(".", 1)[1])
+    if isinstance(raw, classmethod):
+        return "classmethod"
+    if isinstance(raw, staticmethod):
+        return "staticmethod"
+    return "function"
+
+
+def signature_parameters(obj: Any) -> list[dict[str, Any]]:
+    """Parameters of ``obj`` in the recorded format (default repr, None when absent)."""
+    return [
+        {
+            "name": p.name,
+            "kind": p.kind.name,
+            "default": None if p.default is inspect.Parameter.empty else repr(p.default),
+        }
+        for p in inspect.signature(obj).parameters.values()
+    ]
+
+
+def format_parameter(param: dict[str, Any]) -> str:
+    """``name (KIND)`` or ``name (KIND) = default``."""
+    text = f"{param['name']} ({param['kind']})"
+    return text if param["default"] is None else f"{text} = {param['default']}"
+
+
+def signature_problems(
+    ours: list[dict[str, Any]],
+    theirs: list[dict[str, Any]],
+    *,
+    variadic_by_kind: bool,
+    extra_variadic_ok: bool = False,
+) -> list[str]:
+    """Differences between our parameters and megatron-core's (empty when compatible).
+
+    Each of megatron-core's parameters must be ours at the same position with equal name, kind
+    and default; with ``variadic_by_kind`` a recorded ``*args`` / ``**kwargs`` matches any
+    parameter of the same kind. Our extra parameters must follow and have defaults; a variadic
+    extra is allowed only with ``extra_variadic_ok``.
+    """
+    problems = []
+    for index, want in enumerate(theirs):
+        if index >= len(ours):
+            problems.append(f"#{index}: missing {format_parameter(want)}")
+            continue
+        got = ours[index]
+        same = (
+            got["kind"] == want["kind"]
+            if variadic_by_kind and want["kind"] in VARIADIC
+            else got == want
+        )
+        if not same:
+            problems.append(
+                f"#{index}: expected {format_parameter(want)}, got {format_parameter(got)}"
+            )
+    for index, extra in enumerate(ours[len(theirs) :], start=len(theirs)):
+        if extra["kind"] in VARIADIC:
+            bad = not extra_variadic_ok
+        else:
+            bad = extra["default"] is None
+        if bad:
+            problems.append(f"#{index}: extra parameter {format_parameter(extra)} needs a default")
+    return problems

@@ -21,7 +21,16 @@ from typing import Any
 
 import pytest
 
-from tests.unit_tests.mcore_facts import GROUP_NAMES, facts_section, rank_layout
+from tests.unit_tests.mcore_facts import (
+    GROUP_NAMES,
+    binding,
+    facts_section,
+    format_parameter,
+    rank_layout,
+    resolve,
+    signature_parameters,
+    signature_problems,
+)
 
 SIGNATURES: dict[str, Any] = facts_section("signatures")
 CONFIGS: dict[str, Any] = facts_section("config_fields")
@@ -37,60 +46,14 @@ CP_GROUP_PATHS = [
 
 PGC_FIELDS = ["tp", "pp", "mp", "embd", "pos_embd", "cp", "tp_cp", "tp_dp_cp", "dp", "dp_cp"]
 
-_VARIADIC = {"VAR_POSITIONAL", "VAR_KEYWORD"}
-
 
 def _short(path: str) -> str:
     return path.removeprefix("megatron.core.")
 
 
-def _resolve(module: str, qualname: str) -> tuple[Any, Any]:
-    """Import ``module`` and walk ``qualname``; return (owning class or None, object)."""
-    owner: Any = None
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        owner, obj = obj, getattr(obj, part)
-    return (owner if inspect.isclass(owner) else None), obj
-
-
-def _binding(owner: Any, qualname: str) -> str:
-    if owner is None:
-        return "module"
-    raw = inspect.getattr_static(owner, qualname.rsplit(".", 1)[1])
-    if isinstance(raw, classmethod):
-        return "classmethod"
-    if isinstance(raw, staticmethod):
-        return "staticmethod"
-    return "function"
-
-
-def _parameters(obj: Any) -> list[dict[str, Any]]:
-    """Parameters of ``obj`` in the recorded format (default repr, None when absent)."""
-    return [
-        {
-            "name": p.name,
-            "kind": p.kind.name,
-            "default": None if p.default is inspect.Parameter.empty else repr(p.default),
-        }
-        for p in inspect.signature(obj).parameters.values()
-    ]
-
-
-def _fmt(param: dict[str, Any]) -> str:
-    text = f"{param['name']} ({param['kind']})"
-    return text if param["default"] is None else f"{text} = {param['default']}"
-
-
-def _same(ours: dict[str, Any], theirs: dict[str, Any]) -> bool:
-    """Equal name, kind and default; ``*args`` / ``**kwargs`` match by kind alone."""
-    if theirs["kind"] in _VARIADIC:
-        return ours["kind"] == theirs["kind"]
-    return ours == theirs
-
-
 def _ours(path: str) -> tuple[Any, Any, dict[str, Any]]:
     fact = SIGNATURES[path]
-    owner, obj = _resolve(fact["module"], fact["qualname"])
+    owner, obj = resolve(fact["module"], fact["qualname"])
     return owner, obj, fact
 
 
@@ -104,20 +67,13 @@ def test_facts_are_from_megatron_core_0_16_1() -> None:
 def test_signature_matches_mcore(path: str) -> None:
     """Every megatron-core parameter exists in ours, same name/kind/position/default repr."""
     owner, obj, fact = _ours(path)
-    ours, theirs = _parameters(obj), fact["parameters"]
+    ours, theirs = signature_parameters(obj), fact["parameters"]
     problems = []
-    binding = _binding(owner, fact["qualname"])
-    if binding != fact["binding"]:
-        problems.append(f"bound as {binding}, megatron-core has {fact['binding']}")
-    for index, want in enumerate(theirs):
-        if index >= len(ours):
-            problems.append(f"#{index}: missing {_fmt(want)}")
-        elif not _same(ours[index], want):
-            problems.append(f"#{index}: expected {_fmt(want)}, got {_fmt(ours[index])}")
-    for index, extra in enumerate(ours[len(theirs) :], start=len(theirs)):
-        if extra["kind"] in _VARIADIC or extra["default"] is None:
-            problems.append(f"#{index}: extra parameter {_fmt(extra)} needs a default")
-    expected = ", ".join(_fmt(p) for p in theirs)
+    bound = binding(owner, fact["qualname"])
+    if bound != fact["binding"]:
+        problems.append(f"bound as {bound}, megatron-core has {fact['binding']}")
+    problems += signature_problems(ours, theirs, variadic_by_kind=True)
+    expected = ", ".join(format_parameter(p) for p in theirs)
     assert not problems, (
         f"{path}{inspect.signature(obj)} differs from megatron-core ({expected}):\n  "
         + "\n  ".join(problems)
@@ -128,7 +84,7 @@ def test_signature_matches_mcore(path: str) -> None:
 def test_forward_step_gains_cp_group(path: str) -> None:
     """SPEC extension (fails on real megatron-core): a trailing optional ``cp_group=None``."""
     _, obj, fact = _ours(path)
-    extras = {p["name"]: p for p in _parameters(obj)[len(fact["parameters"]) :]}
+    extras = {p["name"]: p for p in signature_parameters(obj)[len(fact["parameters"]) :]}
     assert "cp_group" in extras, f"{path}{inspect.signature(obj)} lacks a trailing cp_group"
     cp_group = extras["cp_group"]
     assert cp_group["default"] == "None", f"cp_group defaults to {cp_group['default']}"

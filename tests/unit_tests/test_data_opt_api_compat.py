@@ -8,11 +8,12 @@ have every recorded field with the same default.
 
 import dataclasses
 import importlib
-import inspect
 import json
 from pathlib import Path
 
 import pytest
+
+from tests.unit_tests.mcore_facts import resolve, signature_parameters, signature_problems
 
 FACTS = json.loads(
     (Path(__file__).parent / "data" / "mcore_facts_data_opt.json").read_text(encoding="utf-8")
@@ -21,44 +22,14 @@ FACTS = json.loads(
 pytestmark = pytest.mark.world(1)
 
 
-def _params(obj):
-    return [
-        {
-            "name": p.name,
-            "kind": p.kind.name,
-            "default": None if p.default is inspect.Parameter.empty else repr(p.default),
-        }
-        for p in inspect.signature(obj).parameters.values()
-    ]
-
-
-def _resolve(module, qualname):
-    obj = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 @pytest.mark.parametrize(
     "path", sorted(FACTS["signatures"]), ids=lambda p: p[len("megatron.core.") :]
 )
 def test_signature(path):
     fact = FACTS["signatures"][path]
-    ours = _params(_resolve(fact["module"], fact["qualname"]))
+    ours = signature_parameters(resolve(fact["module"], fact["qualname"])[1])
     theirs = fact["parameters"]
-    problems = []
-    for i, want in enumerate(theirs):
-        got = ours[i] if i < len(ours) else None
-        same = got is not None and (
-            got["kind"] == want["kind"]
-            if want["kind"] in ("VAR_POSITIONAL", "VAR_KEYWORD")
-            else got == want
-        )
-        if not same:
-            problems.append(f"#{i}: expected {want}, got {got}")
-    for extra in ours[len(theirs) :]:
-        if extra["default"] is None and extra["kind"] not in ("VAR_POSITIONAL", "VAR_KEYWORD"):
-            problems.append(f"extra parameter {extra} without a default")
+    problems = signature_problems(ours, theirs, variadic_by_kind=True, extra_variadic_ok=True)
     assert not problems, path + "\n" + "\n".join(problems)
 
 

@@ -16,37 +16,21 @@ def extract_matching_values(
     becomes a dict from index to value (so that partial lists keep their positions).
     """
 
-    def split_list(values: List[Any]):
-        matched, other = {}, {}
-        for i, v in enumerate(values):
-            if isinstance(v, (dict, list)):
-                m, o = extract_matching_values(v, predicate, return_lists_as_dicts)
-                if m:
-                    matched[i] = m
-                if o:
-                    other[i] = o
-            elif predicate(v):
-                matched[i] = v
-            else:
-                other[i] = v
-        if return_lists_as_dicts:
-            return matched, other
-        return list(matched.values()), list(other.values())
-
-    if isinstance(x, list):
-        return split_list(x)
+    items = enumerate(x) if isinstance(x, list) else x.items()
     matched, other = {}, {}
-    for k, v in x.items():
+    for key, v in items:
         if isinstance(v, (dict, list)):
             m, o = extract_matching_values(v, predicate, return_lists_as_dicts)
             if m:
-                matched[k] = m
+                matched[key] = m
             if o:
-                other[k] = o
+                other[key] = o
         elif predicate(v):
-            matched[k] = v
+            matched[key] = v
         else:
-            other[k] = v
+            other[key] = v
+    if isinstance(x, list) and not return_lists_as_dicts:
+        return list(matched.values()), list(other.values())
     return matched, other
 
 

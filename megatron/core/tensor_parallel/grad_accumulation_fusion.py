@@ -22,6 +22,12 @@ def linear_with_grad_accumulation_fusion(
     ``weight.main_grad`` must exist (``DistributedDataParallel`` attaches it), and the weight
     must receive its gradient from this call only (the placeholder gradient is discarded).
     """
+    require_main_grad(weight)
+    return _LinearAccumulatingIntoMainGrad.apply(input, weight, bias)
+
+
+def require_main_grad(weight: torch.Tensor) -> None:
+    """gradient_accumulation_fusion adds into ``weight.main_grad``: it must exist."""
     if not hasattr(weight, "main_grad"):
         raise ValueError(
             "config.gradient_accumulation_fusion=True adds weight gradients into "
@@ -29,7 +35,6 @@ def linear_with_grad_accumulation_fusion(
             "the model in DistributedDataParallel (which attaches main_grad) or set "
             "gradient_accumulation_fusion=False"
         )
-    return _LinearAccumulatingIntoMainGrad.apply(input, weight, bias)
 
 
 def accumulate_weight_grad(main_grad: torch.Tensor, grad: torch.Tensor, x: torch.Tensor) -> None:

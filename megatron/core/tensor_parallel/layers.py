@@ -36,7 +36,10 @@ from torch.nn.parameter import Parameter
 
 from megatron.core.device import comm_device
 from megatron.core.model_parallel_config import ModelParallelConfig
-from megatron.core.tensor_parallel.grad_accumulation_fusion import accumulate_weight_grad
+from megatron.core.tensor_parallel.grad_accumulation_fusion import (
+    accumulate_weight_grad,
+    require_main_grad,
+)
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -135,7 +138,7 @@ def linear_with_grad_accumulation_and_async_allreduce(
     if group_size_and_rank(group)[0] == 1:
         allreduce_dgrad = sequence_parallel = False
     if gradient_accumulation_fusion and torch.is_grad_enabled() and weight.requires_grad:
-        _require_main_grad(weight)
+        require_main_grad(weight)
     else:
         gradient_accumulation_fusion = False
     return LinearWithGradAccumulationAndAsyncCommunication.apply(
@@ -660,17 +663,6 @@ def _reject_expert(layer: str, is_expert: bool) -> None:
         raise NotImplementedError(
             f"{layer}: is_expert=True (mixture-of-experts layers) is not supported; "
             "expected False"
-        )
-
-
-def _require_main_grad(weight: torch.Tensor) -> None:
-    """gradient_accumulation_fusion adds into ``weight.main_grad``: it must exist."""
-    if not hasattr(weight, "main_grad"):
-        raise ValueError(
-            "config.gradient_accumulation_fusion=True adds weight gradients into "
-            f"param.main_grad, but a weight of shape {tuple(weight.shape)} has none: wrap "
-            "the model in DistributedDataParallel (which attaches main_grad) or set "
-            "gradient_accumulation_fusion=False"
         )
 
 

@@ -198,68 +198,80 @@ def _reduce_scatter_along_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-class _CopyToModelParallelRegion(torch.autograd.Function):
-    """y = x; dL/dx = sum over ranks of dL/dy."""
+def _adjoint_pair(name: str, doc: str, forward, backward) -> type:
+    """An autograd Function ``y = forward(x, group)`` whose backward is
+    ``dL/dx = backward(dL/dy, group)`` (the adjoint of ``forward``); ``group`` gets no
+    gradient. The class is named ``name`` in ``forward``'s module."""
 
-    @staticmethod
-    def forward(ctx, input_, group):
-        ctx.group = group
-        return input_.view_as(input_)
+    class _Mapping(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, input_, group):
+            ctx.group = group
+            return forward(input_, group)
 
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _reduce(grad_output, ctx.group), None
+        @staticmethod
+        def backward(ctx, grad_output):
+            return backward(grad_output, ctx.group), None
 
-
-class _ReduceFromModelParallelRegion(torch.autograd.Function):
-    """y = sum over ranks of x; dL/dx = dL/dy."""
-
-    @staticmethod
-    def forward(ctx, input_, group):
-        return _reduce(input_, group)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return grad_output, None
+    _Mapping.__name__ = _Mapping.__qualname__ = name
+    _Mapping.__module__ = forward.__module__
+    _Mapping.__doc__ = doc
+    return _Mapping
 
 
-class _ScatterToModelParallelRegion(torch.autograd.Function):
-    """y = own last-dim block of x; dL/dx = all-gather of dL/dy along the last dim."""
-
-    @staticmethod
-    def forward(ctx, input_, group):
-        ctx.group = group
-        return _split_along_last_dim(input_, group)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _gather_along_last_dim(grad_output, ctx.group), None
+def _identity(input_: torch.Tensor, group) -> torch.Tensor:
+    """y = x (a view, so autograd sees a new tensor)."""
+    return input_.view_as(input_)
 
 
-class _GatherFromModelParallelRegion(torch.autograd.Function):
-    """y = cat over ranks along the last dim; dL/dx = own block of dL/dy."""
-
-    @staticmethod
-    def forward(ctx, input_, group):
-        ctx.group = group
-        return _gather_along_last_dim(input_, group)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _split_along_last_dim(grad_output, ctx.group), None
-
-
-class _ScatterToSequenceParallelRegion(torch.autograd.Function):
-    """y = own dim-0 block of x; dL/dx = all-gather of dL/dy along dim 0."""
-
-    @staticmethod
-    def forward(ctx, input_, group):
-        ctx.group = group
-        return _split_along_first_dim(input_, group)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _gather_along_first_dim(grad_output, ctx.group), None
+_CopyToModelParallelRegion = _adjoint_pair(
+    "_CopyToModelParallelRegion",
+    "y = x; dL/dx = sum over ranks of dL/dy.",
+    _identity,
+    _reduce,
+)
+_ReduceFromModelParallelRegion = _adjoint_pair(
+    "_ReduceFromModelParallelRegion",
+    "y = sum over ranks of x; dL/dx = dL/dy.",
+    _reduce,
+    lambda grad_output, group: grad_output,
+)
+_ScatterToModelParallelRegion = _adjoint_pair(
+    "_ScatterToModelParallelRegion",
+    "y = own last-dim block of x; dL/dx = all-gather of dL/dy along the last dim.",
+    _split_along_last_dim,
+    _gather_along_last_dim,
+)
+_GatherFromModelParallelRegion = _adjoint_pair(
+    "_GatherFromModelParallelRegion",
+    "y = cat over ranks along the last dim; dL/dx = own block of dL/dy.",
+    _gather_along_last_dim,
+    _split_along_last_dim,
+)
+_ScatterToSequenceParallelRegion = _adjoint_pair(
+    "_ScatterToSequenceParallelRegion",
+    "y = own dim-0 block of x; dL/dx = all-gather of dL/dy along dim 0.",
+    _split_along_first_dim,
+    _gather_along_first_dim,
+)
+_ReduceScatterToSequenceParallelRegion = _adjoint_pair(
+    "_ReduceScatterToSequenceParallelRegion",
+    "y = own dim-0 block of the sum over ranks; dL/dx = all-gather of dL/dy along dim 0.",
+    _reduce_scatter_along_first_dim,
+    _gather_along_first_dim,
+)
+_AllGatherFromTensorParallelRegion = _adjoint_pair(
+    "_AllGatherFromTensorParallelRegion",
+    "y = cat over ranks along the last dim; dL/dx = own block of the sum of dL/dy.",
+    _gather_along_last_dim,
+    _reduce_scatter_along_last_dim,
+)
+_ReduceScatterToTensorParallelRegion = _adjoint_pair(
+    "_ReduceScatterToTensorParallelRegion",
+    "y = own last-dim block of the sum over ranks; dL/dx = all-gather along the last dim.",
+    _reduce_scatter_along_last_dim,
+    _gather_along_last_dim,
+)
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
@@ -276,45 +288,6 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
         if ctx.tensor_parallel_output_grad:
             return _reduce_scatter_along_first_dim(grad_output, ctx.group), None, None
         return _split_along_first_dim(grad_output, ctx.group), None, None
-
-
-class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """y = own dim-0 block of the sum over ranks; dL/dx = all-gather of dL/dy along dim 0."""
-
-    @staticmethod
-    def forward(ctx, input_, group):
-        ctx.group = group
-        return _reduce_scatter_along_first_dim(input_, group)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _gather_along_first_dim(grad_output, ctx.group), None
-
-
-class _AllGatherFromTensorParallelRegion(torch.autograd.Function):
-    """y = cat over ranks along the last dim; dL/dx = own block of the sum of dL/dy."""
-
-    @staticmethod
-    def forward(ctx, input_, group):
-        ctx.group = group
-        return _gather_along_last_dim(input_, group)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _reduce_scatter_along_last_dim(grad_output, ctx.group), None
-
-
-class _ReduceScatterToTensorParallelRegion(torch.autograd.Function):
-    """y = own last-dim block of the sum over ranks; dL/dx = all-gather along the last dim."""
-
-    @staticmethod
-    def forward(ctx, input_, group):
-        ctx.group = group
-        return _reduce_scatter_along_last_dim(input_, group)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _gather_along_last_dim(grad_output, ctx.group), None
 
 
 class _AllToAll(torch.autograd.Function):

@@ -49,6 +49,7 @@ from megatron.core.context_parallel import (
     cp_size_and_rank,
     thd_partitioned_indices,
 )
+from megatron.core.tensor_parallel.mappings import _adjoint_pair
 from megatron.core.transformer import flash_kernels as fk
 
 CP_COMM_TYPES = ("all_gather", "p2p", "a2a")
@@ -479,33 +480,6 @@ def _all_to_all_attention(query, key, value, group, packed, scale, kernel):
     return _HeadsToSeq.apply(out.index_select(0, plan.gathered), group)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    """[s_local, b, n, d] sequence shard -> [C * s_local, b, n / C, d] (rank order) for this
-    rank's heads n/C * r .. n/C * (r + 1); backward is the inverse exchange."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_to_heads(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    """Inverse of ``_SeqToHeads``."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _heads_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.group), None
-
-
 def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
     c = dist.get_world_size(group=group)
     s, b, n, d = x.shape
@@ -522,6 +496,18 @@ def _heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     return recv.permute(1, 2, 0, 3, 4).reshape(s_total // c, b, c * m, d)
+
+
+_SeqToHeads = _adjoint_pair(
+    "_SeqToHeads",
+    "[s_local, b, n, d] sequence shard -> [C * s_local, b, n / C, d] (rank order) for this "
+    "rank's heads n/C * r .. n/C * (r + 1); backward is the inverse exchange.",
+    _seq_to_heads,
+    _heads_to_seq,
+)
+_HeadsToSeq = _adjoint_pair(
+    "_HeadsToSeq", "Inverse of ``_SeqToHeads``.", _heads_to_seq, _seq_to_heads
+)
 
 
 # ----------------------------------------------------------------------------- all-gather

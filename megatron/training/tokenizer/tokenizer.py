@@ -10,35 +10,33 @@ from typing import Any, List, Optional
 import numpy
 
 from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
+from megatron.core.tokenizers.text import NullTokenizer, TokenizersFileTokenizer
 
 
 class _NullTokenizer(MegatronLegacyTokenizer):
     """``"3 1 4"`` <-> ``[3, 1, 4]``; ids ``0..vocab_size-1`` plus eod = ``vocab_size``.
 
-    ``vocab_size`` reports ``vocab_size + 1`` (the eod id included), as megatron's does.
+    ``vocab_size`` reports ``vocab_size + 1`` (the eod id included), as megatron's does. The
+    ids come from ``megatron.core.tokenizers.text.NullTokenizer``; this class adapts it to the
+    legacy interface.
     """
 
     def __init__(self, vocab_size: int) -> None:
         super().__init__(None, vocab_size=vocab_size)
-        self._vocab_size_without_eod = int(vocab_size)
-        self._eod_id = self._vocab_size_without_eod
+        self._tok = NullTokenizer(vocab_size)
 
     def tokenize(self, text: str) -> List[int]:
-        return [int(x) for x in text.split(" ")]
+        return self._tok.text_to_ids(text)
 
     def detokenize(self, ids: List[int]) -> str:
-        return " ".join(str(x) for x in ids)
+        return self._tok.ids_to_text(ids)
 
     def offsets(self, ids: List[int], text: str) -> List[int]:
-        out, start = [], 0
-        for i in ids:
-            out.append(start)
-            start += 1 + len(str(i))
-        return out
+        return self._tok.offsets(ids, text)
 
     @property
     def vocab_size(self) -> int:
-        return self._vocab_size_without_eod + 1
+        return self._tok.vocab_size
 
     @property
     def cls(self) -> int:
@@ -54,7 +52,7 @@ class _NullTokenizer(MegatronLegacyTokenizer):
 
     @property
     def eod(self) -> int:
-        return self._eod_id
+        return self._tok.eod
 
     @property
     def additional_special_tokens_ids(self) -> None:
@@ -93,8 +91,6 @@ class _TokenizersFileTokenizer(MegatronLegacyTokenizer):
     """A HuggingFace ``tokenizers`` JSON file (see ``megatron.core.tokenizers.text``)."""
 
     def __init__(self, path: str, eod_token: Optional[str] = None) -> None:
-        from megatron.core.tokenizers.text import TokenizersFileTokenizer
-
         super().__init__(path)
         self._tok = TokenizersFileTokenizer(path, eod_token=eod_token)
         if self._tok.eod is None:

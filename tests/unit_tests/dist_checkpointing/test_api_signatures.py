@@ -13,7 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit_tests.test_api_compat import _binding, _fmt, _parameters, _resolve, _same
+from tests.unit_tests.mcore_facts import (
+    binding,
+    resolve,
+    signature_parameters,
+    signature_problems,
+)
 
 pytestmark = pytest.mark.world(1)
 
@@ -26,19 +31,12 @@ SIGNATURES = FACTS["signatures"]
 @pytest.mark.parametrize("path", list(SIGNATURES), ids=lambda p: p.removeprefix("megatron.core."))
 def test_signature_matches_mcore(path):
     fact = SIGNATURES[path]
-    owner, obj = _resolve(fact["module"], fact["qualname"])
-    ours, theirs = _parameters(obj), fact["parameters"]
+    owner, obj = resolve(fact["module"], fact["qualname"])
+    ours, theirs = signature_parameters(obj), fact["parameters"]
     problems = []
-    if _binding(owner, fact["qualname"]) != fact["binding"]:
-        problems.append(f"bound as {_binding(owner, fact['qualname'])}, not {fact['binding']}")
-    for index, want in enumerate(theirs):
-        if index >= len(ours):
-            problems.append(f"#{index}: missing {_fmt(want)}")
-        elif not _same(ours[index], want):
-            problems.append(f"#{index}: expected {_fmt(want)}, got {_fmt(ours[index])}")
-    for index, extra in enumerate(ours[len(theirs) :], start=len(theirs)):
-        if extra["kind"] in ("VAR_POSITIONAL", "VAR_KEYWORD") or extra["default"] is None:
-            problems.append(f"#{index}: extra parameter {_fmt(extra)} needs a default")
+    if binding(owner, fact["qualname"]) != fact["binding"]:
+        problems.append(f"bound as {binding(owner, fact['qualname'])}, not {fact['binding']}")
+    problems += signature_problems(ours, theirs, variadic_by_kind=True)
     assert not problems, f"{path}{inspect.signature(obj)}:\n  " + "\n  ".join(problems)
 
 

@@ -4,12 +4,12 @@ megatron-core parameter with the same name, kind, position and default; extra pa
 only after them and with defaults.
 """
 
-import importlib
-import inspect
 import json
 from pathlib import Path
 
 import pytest
+
+from tests.unit_tests.mcore_facts import resolve, signature_parameters, signature_problems
 
 FACTS = json.loads((Path(__file__).parents[1] / "data" / "mcore_gpt_signatures.json").read_text())
 
@@ -23,24 +23,6 @@ DEFAULT_DIFFERENCES = {
 }
 
 
-def _params(obj):
-    return [
-        {
-            "name": p.name,
-            "kind": p.kind.name,
-            "default": None if p.default is inspect.Parameter.empty else repr(p.default),
-        }
-        for p in inspect.signature(obj).parameters.values()
-    ]
-
-
-def _resolve(module: str, qualname: str):
-    obj = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def test_facts_are_from_megatron_core_0_16_1():
     assert FACTS["meta"]["megatron_core_version"] == "0.16.1"
 
@@ -48,19 +30,10 @@ def test_facts_are_from_megatron_core_0_16_1():
 @pytest.mark.parametrize("path", sorted(FACTS["signatures"]))
 def test_signature_matches_megatron_core(path):
     fact = FACTS["signatures"][path]
-    ours = _params(_resolve(fact["module"], fact["qualname"]))
+    ours = signature_parameters(resolve(fact["module"], fact["qualname"])[1])
     theirs = [dict(p) for p in fact["parameters"]]
     for want in theirs:
         if (path, want["name"]) in DEFAULT_DIFFERENCES:
             want["default"] = DEFAULT_DIFFERENCES[(path, want["name"])]
-    problems = [
-        f"#{i}: expected {want}, got {ours[i] if i < len(ours) else 'nothing'}"
-        for i, want in enumerate(theirs)
-        if i >= len(ours) or ours[i] != want
-    ]
-    problems += [
-        f"extra parameter {extra} needs a default"
-        for extra in ours[len(theirs) :]
-        if extra["default"] is None
-    ]
+    problems = signature_problems(ours, theirs, variadic_by_kind=False)
     assert not problems, f"{path}:\n  " + "\n  ".join(problems)
