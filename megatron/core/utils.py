@@ -34,19 +34,21 @@ def is_torch_min_version(version, check_equality=True):
 
 def is_te_min_version(version, check_equality=True):
     """Whether Transformer Engine is installed at ``version`` or newer (strictly newer
-    without ``check_equality``); False when it is not installed, as this core never uses it."""
-    try:
-        import transformer_engine as te
-    except ImportError:
-        return False
+    without ``check_equality``); False when it is not installed, as this core never uses it
+    (an optional package: looked up at run time, never a dependency)."""
+    import importlib
+    import importlib.util
     from importlib.metadata import version as installed_version
 
-    from packaging.version import Version
+    from torch.torch_version import TorchVersion
 
-    found = Version(
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    te = importlib.import_module("transformer_engine")
+    found = TorchVersion(
         str(getattr(te, "__version__", None) or installed_version("transformer-engine"))
     )
-    return found >= Version(version) if check_equality else found > Version(version)
+    return found >= version if check_equality else found > version
 
 
 def get_pg_size(group=None):

@@ -219,3 +219,21 @@ def test_legacy_mpu_alias_and_torch_version() -> None:
     major_minor = ".".join(torch.__version__.split("+")[0].split(".")[:2])
     assert core.is_torch_min_version(major_minor) is True
     assert core.is_torch_min_version("999.0") is False
+
+
+def test_is_te_min_version_compares_an_installed_transformer_engine(monkeypatch) -> None:
+    """With a Transformer Engine importable (a stand-in module at version 2.5.0), the
+    answer is the version comparison megatron-core makes."""
+    import importlib.machinery
+    import sys
+    import types
+
+    fake = types.ModuleType("transformer_engine")
+    fake.__version__ = "2.5.0"
+    fake.__spec__ = importlib.machinery.ModuleSpec("transformer_engine", None)
+    monkeypatch.setitem(sys.modules, "transformer_engine", fake)
+    utils = importlib.import_module("megatron.core.utils")
+    assert utils.is_te_min_version("2.0") is True
+    assert utils.is_te_min_version("2.5.0") is True
+    assert utils.is_te_min_version("2.5.0", check_equality=False) is False
+    assert utils.is_te_min_version("2.10") is False
