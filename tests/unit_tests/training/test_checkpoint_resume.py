@@ -8,11 +8,7 @@ tracker on the previous checkpoint; the incomplete directory is refused by
 ``dist_checkpointing.load`` and skipped by the trainer.
 """
 
-import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import List
@@ -29,8 +25,8 @@ from megatron.training.checkpointing import (
 )
 from megatron.training.training import pretrain
 from tests.unit_tests.dist_utils import assert_no_failures, reset_layout
+from tests.unit_tests.launch import run_torchrun
 
-ROOT = Path(__file__).resolve().parents[3]
 SMALL = dict(num_layers=4, hidden_size=16, seq_length=16, global_batch_size=8, progress=False)
 
 
@@ -127,26 +123,10 @@ def test_a_save_killed_mid_write_is_never_loaded(tmp_path):
     DCP's write. The launch fails; iteration 3 stays the newest complete checkpoint, the
     iteration-6 directory is refused by load, and a resumed run (one process, another
     layout) continues from iteration 3 with the uninterrupted run's losses."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", CKPT_TEST_DIR=str(tmp_path))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", "2", "-m", KILL_SCRIPT]
-    proc = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+    code, output, _ = run_torchrun(
+        2, ["-m", KILL_SCRIPT], limit_s=240, env={"CKPT_TEST_DIR": str(tmp_path)}
     )
-    try:
-        output, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"the launch did not end:\n{output[-3000:]}")
-    assert proc.returncode != 0, output[-3000:]
+    assert code != 0, output[-3000:]
     assert "rank 1 dies while writing" in output, output[-3000:]
     assert (tmp_path / TRACKER_FILENAME).read_text().strip() == "3"
     assert (tmp_path / "iter_0000006").is_dir()

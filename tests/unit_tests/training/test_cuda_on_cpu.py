@@ -2,19 +2,13 @@
 and a megatron-core-style CUDA script (``scripts/mcore_style_train_loop.py``: TP = 2 GPT,
 DDP, mock data, ``dist_checkpointing`` save and load) run unchanged on 2 CPU ranks."""
 
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron.training import cuda_on_cpu
+from tests.unit_tests.launch import ROOT, run_torchrun
 
-ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "tests" / "unit_tests" / "training" / "scripts" / "mcore_style_train_loop.py"
 
 
@@ -49,26 +43,11 @@ def test_the_mapping_sends_cuda_calls_to_the_cpu(monkeypatch):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("tokenizer", ["megatron-tokenizer", "legacy-tokenizer"])
 def test_a_cuda_script_runs_unchanged_on_two_cpu_ranks(tmp_path, tokenizer):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-    command += ["2", "-m", "megatron.training.cuda_on_cpu", str(SCRIPT), tokenizer]
-    proc = subprocess.Popen(
-        command,
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+    target = ["-m", "megatron.training.cuda_on_cpu", str(SCRIPT), tokenizer]
+    code, output, _ = run_torchrun(
+        2, target, limit_s=240, cwd=tmp_path, env={"PYTHONPATH": str(ROOT)}
     )
-    try:
-        output, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"the launch did not end:\n{output[-3000:]}")
-    assert proc.returncode == 0, output[-3000:]
+    assert code == 0, output[-3000:]
     assert output.count("Successfully loaded the model") == 2, output[-3000:]
     for rank in (0, 1):
         assert f"rank {rank}: reloaded weights equal the saved ones: True" in output
