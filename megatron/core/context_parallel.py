@@ -16,6 +16,7 @@ from megatron.core.tensor_parallel.utils import (
     all_gather_along_first_dim,
     reduce_scatter_along_first_dim,
 )
+from megatron.core.utils import get_pg_rank, get_pg_size
 
 
 def cp_shard_positions(seq_length: int, cp_size: int, cp_rank: int) -> torch.LongTensor:
@@ -150,9 +151,7 @@ def mpu_context_parallel_group() -> Optional[dist.ProcessGroup]:
 
 def cp_size_and_rank(cp_group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
     """(C, this rank's index in the group); (1, 0) for no group."""
-    if cp_group is None:
-        return 1, 0
-    return dist.get_world_size(group=cp_group), dist.get_rank(group=cp_group)
+    return get_pg_size(cp_group), get_pg_rank(cp_group)
 
 
 class _GatherFromContextParallelRegion(torch.autograd.Function):

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.device import comm_device
+from megatron.core.utils import get_pg_rank, get_pg_size
 
 
 def split_tensor_along_last_dim(
@@ -119,9 +120,7 @@ def tp_group_or_mpu(tp_group: Optional[dist.ProcessGroup]) -> Optional[dist.Proc
 
 def group_size_and_rank(group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
     """(T, this rank's index in ``group``); (1, 0) for ``None``."""
-    if group is None:
-        return 1, 0
-    return dist.get_world_size(group=group), dist.get_rank(group=group)
+    return get_pg_size(group), get_pg_rank(group)
 
 
 def all_reduce_copy(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -16,9 +16,10 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule, leave_as_allocated
-from megatron.core.transformer.parallel_groups import group_size, tp_group_of
+from megatron.core.transformer.parallel_groups import tp_group_of
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_pg_size
 
 
 @dataclass
@@ -55,7 +56,7 @@ class Attention(MegatronModule):
         self.attention_type = attention_type
         self.pg_collection = pg_collection
         self.tp_group = tp_group_of(pg_collection, config)
-        tp = group_size(self.tp_group)
+        tp = get_pg_size(self.tp_group)
         self.hidden_size_per_attention_head = config.kv_channels
         self.query_projection_size = config.kv_channels * config.num_attention_heads
         self.kv_projection_size = config.kv_channels * config.num_query_groups
@@ -174,7 +175,7 @@ class SelfAttention(Attention):
         norm = dict(config=config, hidden_size=head_dim, eps=config.layernorm_epsilon)
         self.q_layernorm = build_module(submodules.q_layernorm or IdentityOp, **norm)
         self.k_layernorm = build_module(submodules.k_layernorm or IdentityOp, **norm)
-        if group_size(self.tp_group) > 1:
+        if get_pg_size(self.tp_group) > 1:
             # Replicated over TP but fed this rank's heads only: the gradient is the sum over
             # the TP group, with or without sequence parallelism.
             for norm_module in (self.q_layernorm, self.k_layernorm):

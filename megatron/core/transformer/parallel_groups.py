@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.utils import get_pg_size
 
 
 def tp_group_of(
@@ -56,16 +57,6 @@ def pp_rank_of(pg_collection: Optional[ProcessGroupCollection], config) -> int:
     return 0 if group is None else dist.get_rank(group=group)
 
 
-def group_size(group: Optional[dist.ProcessGroup]) -> int:
-    """Ranks in ``group`` (1 for None)."""
-    return 1 if group is None else dist.get_world_size(group=group)
-
-
-def group_rank(group: Optional[dist.ProcessGroup]) -> int:
-    """This rank's index in ``group`` (0 for None)."""
-    return 0 if group is None else dist.get_rank(group=group)
-
-
 def _group_of(pg_collection, field: str, size: int, size_name: str, mpu_getter):
     if pg_collection is not None:
         group = getattr(pg_collection, field)
@@ -73,7 +64,7 @@ def _group_of(pg_collection, field: str, size: int, size_name: str, mpu_getter):
         group = mpu_getter()
     else:
         group = None
-    actual = group_size(group)
+    actual = get_pg_size(group)
     if field == "tp" and pg_collection is None and size == 1 and actual > 1:
         # megatron-core's MPU fallback: a script that initializes parallel_state with TP > 1
         # and leaves config.tensor_model_parallel_size at its default (megatron-core's own

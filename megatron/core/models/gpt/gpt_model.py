@@ -24,15 +24,11 @@ from megatron.core.models.common.embeddings.language_model_embedding import (
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule, leave_as_allocated
-from megatron.core.transformer.parallel_groups import (
-    cp_group_of,
-    group_rank,
-    group_size,
-    tp_group_of,
-)
+from megatron.core.transformer.parallel_groups import cp_group_of, tp_group_of
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_pg_rank, get_pg_size
 
 
 class GPTModel(MegatronModule):
@@ -104,7 +100,7 @@ class GPTModel(MegatronModule):
             )
         self.tp_group = tp_group_of(pg_collection, config)
         cp_group_of(pg_collection, config)  # a mismatched CP group fails here, not mid-step
-        tp_size = group_size(self.tp_group)
+        tp_size = get_pg_size(self.tp_group)
         if not isinstance(vocab_size, int) or vocab_size < 1 or vocab_size % tp_size:
             raise ValueError(
                 f"GPTModel: vocab_size ({vocab_size!r}) must be a positive multiple of "
@@ -277,11 +273,11 @@ class GPTModel(MegatronModule):
         half-precision logits unless ``fp16_lm_cross_entropy``."""
         if logits.element_size() < 4 and not self.fp16_lm_cross_entropy:
             logits = logits.float()
-        tp_size = group_size(self.tp_group)
+        tp_size = get_pg_size(self.tp_group)
         if tp_size > 1 and logits.shape[-1] == self.vocab_size:
             # Gathered logits: this rank's vocabulary block gives the same loss, and the
             # gather's backward keeps exactly this block's gradient.
-            logits = logits.chunk(tp_size, dim=-1)[group_rank(self.tp_group)]
+            logits = logits.chunk(tp_size, dim=-1)[get_pg_rank(self.tp_group)]
         loss = tensor_parallel.vocab_parallel_cross_entropy(
             logits,
             labels.transpose(0, 1).contiguous(),
@@ -338,18 +334,18 @@ class GPTModel(MegatronModule):
 
     def _global_seq_length(self, input_ids, decoder_input, cp_group) -> int:
         """The whole sequence's length s from this rank's inputs (for RoPE)."""
-        cp = group_size(cp_group)
+        cp = get_pg_size(cp_group)
         if input_ids is not None:
             return input_ids.shape[1] * cp
         hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
-        sp = group_size(self.tp_group) if self.config.sequence_parallel else 1
+        sp = get_pg_size(self.tp_group) if self.config.sequence_parallel else 1
         return hidden.shape[0] * sp * cp
 
     @torch.no_grad()
     def _initialize_parameters(self, seed: int) -> None:
         """Fill every parameter with its shard of the full tensor seeded by (seed, name)."""
         norms = (torch.nn.LayerNorm, torch.nn.RMSNorm)
-        tp_size, tp_rank = group_size(self.tp_group), group_rank(self.tp_group)
+        tp_size, tp_rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
         std = self.config.init_method_std
         for module_name, module in self.named_modules():
             for param_name, param in module.named_parameters(recurse=False):
@@ -376,7 +372,7 @@ class GPTModel(MegatronModule):
         """Under SP, mark every decoder parameter not split over TP (norms, row-parallel
         biases, ...): its gradient comes from this rank's sequence shard only, and
         ``finalize_model_grads`` sums it over the TP group."""
-        if not self.config.sequence_parallel or group_size(self.tp_group) == 1:
+        if not self.config.sequence_parallel or get_pg_size(self.tp_group) == 1:
             return
         for param in self.decoder.parameters():
             if not getattr(param, "tensor_model_parallel", False):
