@@ -11,17 +11,17 @@ SDPA backends on GPUs, the CPU flash op on CPUs); no score matrix is ever materi
 ways to bring the keys to the queries (``cp_comm_type``, megatron-core's names):
 
 - ``"all_gather"`` (default; also for None): K/V are all-gathered one group of heads at a
-  time, the next group's gather running while the current group is computed. Each of the two
-  local chunks (global chunk g) is one kernel call over keys [0, (g + 1) k) with a
-  bottom-right causal mask. Backward re-gathers K/V (nothing of size s is saved), adds the
-  key/value gradients of both chunks in float32 and reduce-scatters them in float32.
-- ``"p2p"``: the load-balanced ring. K/V travel around the CP group in C steps overlapped
-  with compute; at step i rank r holds the K/V of rank (r - i) mod C and computes only the
-  blocks the causal mask keeps (the whole local block at i = 0; all local queries against
-  the first source chunk when the source rank is lower; the second local query chunk
-  against both source chunks when it is higher). Partial results are merged by their
-  log-sum-exp in float32. Backward sends the float32 key/value gradients around the ring
-  with the K/V, one extra hop bringing them home.
+  time, the next group's gather running while the current group is computed. Per group:
+  the local block (both local chunks against the local K/V, one square causal call) runs
+  while the gather is in flight; then one mask-free call per other rank j: every local
+  query against j's first chunk when j < r, the second local chunk against both of j's
+  chunks when j > r. Partial results are merged by their log-sum-exp in float32.
+  Backward re-gathers K/V (nothing of size s is saved), reduce-scatters the float32
+  key/value gradients of the other ranks' keys while it computes the local block.
+- ``"p2p"``: the load-balanced ring: the same calls, with K/V travelling around the CP
+  group in C steps overlapped with compute (at step i rank r holds the K/V of rank
+  (r - i) mod C). Backward sends the float32 key/value gradients around the ring with the
+  K/V, one extra hop bringing them home.
 - ``"a2a"``: heads all-to-all (Ulysses): every rank gets the whole sequence for n/C of the
   heads, runs one causal kernel call, and sends the result back. Needs n and n_kv divisible
   by C.
@@ -31,7 +31,11 @@ the ranks on its own, and each kernel call above becomes one varlen call over al
 (a loop over documents where the varlen op is missing or the dtype is not half precision).
 
 Each mode is a ``torch.autograd.Function`` that calls the kernels' forward and backward ops
-itself (the kernels' log-sum-exp is not differentiable). Memory per rank: saved tensors are
+itself (the kernels' log-sum-exp is not differentiable). Only square blocks are causal, so
+kernels whose causal mask is top-left aligned (cuDNN) need no split. In all_gather and p2p
+every result is a sum of several calls' partials: bf16 inputs run on the fp16 kernels
+through exact power-of-two factors (``_Rescale``) so that the partials keep 11 significant
+bits and the float32 sum is rounded to bf16 once. Memory per rank: saved tensors are
 the local Q, K, V, output and a float32 LSE, O(s/C); transient buffers hold K/V of one head
 group for the whole sequence (all_gather) or of one peer (p2p).
 """
@@ -98,12 +102,9 @@ def context_parallel_attention(
             f"context_parallel_attention: the local sequence length ({s_local}) must be even "
             "(two load-balanced chunks per CP rank)"
         )
+    plan = _block_plan(s_local, cp_size, cp_rank, packed_seq_params, query.device)
     if comm == "p2p":
-        if packed_seq_params is not None:
-            plan = _ring_plan(s_local, cp_size, cp_rank, packed_seq_params, query.device)
-            return _PackedRingAttention.apply(query, key, value, cp_group, plan, scale, kernel)
-        return _RingAttention.apply(query, key, value, cp_group, scale, kernel)
-    plan = _gather_plan(s_local, cp_size, cp_rank, packed_seq_params, query.device)
+        return _RingAttention.apply(query, key, value, cp_group, plan, scale, kernel)
     work_rows = (s_local // 2) * query.shape[2] * query.shape[1]
     groups = _head_groups(key.shape[2], num_head_groups, work_rows)
     return _AllGatherAttention.apply(query, key, value, cp_group, plan, scale, kernel, groups)
@@ -163,50 +164,6 @@ def _local_plan(s_local: int, cp_size: int, packed, device) -> _Plan:
         natural = torch.argsort(gathered)
     positions = torch.arange(total, device=device)
     return _Plan([part], natural, gathered, _valid_mask(docs, positions, device))
-
-
-def _gather_plan(s_local: int, cp_size: int, cp_rank: int, packed, device) -> _Plan:
-    """The two local chunks, each one call over its key prefix (all-gather mode)."""
-    total = s_local * cp_size
-    if packed is None:
-        natural, gathered = _dense_orders(total, cp_size, device)
-        chunk = s_local // 2
-        parts = []
-        for half, g in enumerate((cp_rank, 2 * cp_size - 1 - cp_rank)):
-            parts.append(_Part(slice(half * chunk, (half + 1) * chunk), slice(0, (g + 1) * chunk)))
-        return _Plan(parts, natural, gathered)
-    docs = _documents(packed, total, cp_size)
-    local = thd_partitioned_indices(docs.padded_offsets, total, cp_size, cp_rank)
-    gathered = torch.cat(
-        [thd_partitioned_indices(docs.padded_offsets, total, cp_size, r) for r in range(cp_size)]
-    )
-    parts = []
-    for half, g in enumerate((cp_rank, 2 * cp_size - 1 - cp_rank)):
-        q_rows, k_rows, len_q, len_k = [], [], [], []
-        local_start = 0
-        for start, length in zip(docs.padded_offsets[:-1], docs.padded_lengths):
-            k = length // (2 * cp_size)
-            q_rows.append(torch.arange(local_start + half * k, local_start + (half + 1) * k))
-            k_rows.append(torch.arange(start, start + (g + 1) * k))
-            len_q.append(k)
-            len_k.append((g + 1) * k)
-            local_start += 2 * k
-        parts.append(
-            _Part(
-                torch.cat(q_rows).to(device),
-                torch.cat(k_rows).to(device),
-                _cumulative(len_q, device),
-                _cumulative(len_k, device),
-                max(len_q),
-                max(len_k),
-            )
-        )
-    return _Plan(
-        parts,
-        torch.argsort(gathered).to(device),
-        gathered.to(device),
-        _valid_mask(docs, local.to(device), device),
-    )
 
 
 @functools.lru_cache(maxsize=16)
@@ -510,91 +467,375 @@ _HeadsToSeq = _adjoint_pair(
 )
 
 
-# ----------------------------------------------------------------------------- all-gather
+# ----------------------------------------------------------------------------- all-gather and p2p
+
+
+@dataclass
+class _BlockPlan:
+    """The three kinds of kernel call of the all-gather and ring modes, and the real-row mask.
+
+    Every rank lays its shard out alike (chunks r and 2C-1-r; packed: each document's two
+    chunks at the same local rows on every rank), so one plan serves the K/V of any source
+    rank: ``local`` (source = this rank: both local chunks, causal), ``lower`` (source rank
+    < r: every local query against the source's first chunk(s)) and ``upper`` (source > r:
+    the second local chunk(s) against all of the source's rows). Dense parts are slices of
+    one block; packed parts are varlen calls over all documents.
+    """
+
+    local: _Part
+    lower: _Part
+    upper: _Part
+    valid: Optional[torch.Tensor] = None
+
+    def part(self, source: int, rank: int) -> _Part:
+        if source == rank:
+            return self.local
+        return self.lower if source < rank else self.upper
+
+
+def _block_plan(s_local: int, cp_size: int, cp_rank: int, packed, device) -> _BlockPlan:
+    if packed is None:
+        half = s_local // 2
+        return _BlockPlan(
+            local=_Part(slice(None), slice(None)),
+            lower=_Part(slice(None), slice(0, half), causal=False),
+            upper=_Part(slice(half, None), slice(None), causal=False),
+        )
+    docs = _documents(packed, s_local * cp_size, cp_size)
+    halves = [length // (2 * cp_size) for length in docs.padded_lengths]
+    first, second, start = [], [], 0
+    for k in halves:
+        first.append(torch.arange(start, start + k))
+        second.append(torch.arange(start + k, start + 2 * k))
+        start += 2 * k
+    first_rows, second_rows = torch.cat(first).to(device), torch.cat(second).to(device)
+    whole = [2 * k for k in halves]
+    cu_whole, cu_half = _cumulative(whole, device), _cumulative(halves, device)
+    longest, longest_half = max(whole), max(halves)
+    local_positions = thd_partitioned_indices(
+        docs.padded_offsets, s_local * cp_size, cp_size, cp_rank
+    )
+    return _BlockPlan(
+        local=_Part(slice(None), slice(None), cu_whole, cu_whole, longest, longest, True),
+        lower=_Part(slice(None), first_rows, cu_whole, cu_half, longest, longest_half, False),
+        upper=_Part(second_rows, slice(None), cu_half, cu_whole, longest_half, longest, False),
+        valid=_valid_mask(docs, local_positions.to(device), device),
+    )
 
 
 class _AllGatherAttention(torch.autograd.Function):
     """All-gather CP attention, one head group at a time (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, group, plan: _Plan, scale, kernel, head_groups):
-        rep = query.shape[2] // key.shape[2]
-        out = torch.empty_like(query)
-        lse = query.new_empty(
-            (query.shape[1], query.shape[2], query.shape[0]), dtype=fk.acc_dtype(query.dtype)
-        )
-        pending = _start_gather(key, value, head_groups[0], group)
+    def forward(ctx, query, key, value, group, plan: _BlockPlan, scale, kernel, head_groups):
+        world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+        s_local, rep = query.shape[0], query.shape[2] // key.shape[2]
+        rescale = _Rescale.for_inputs(query, key, value, group)
+        q, k, v = rescale.inputs(query, key, value)
+        acc, acc_lse = _accumulators(query)
+        pending = _start_gather(k, v, head_groups[0], group)
         for i, (h0, h1) in enumerate(head_groups):
-            kv = pending.result().index_select(0, plan.natural)
-            if i + 1 < len(head_groups):
-                pending = _start_gather(key, value, head_groups[i + 1], group)
-            k_all, v_all = kv.chunk(2, dim=2)
             heads = slice(h0 * rep, h1 * rep)
-            for part in plan.parts:
-                o, lse_blk = _attend(
-                    part,
-                    _rows(query[:, :, heads], part.q_rows),
-                    _rows(k_all, part.k_rows),
-                    _rows(v_all, part.k_rows),
-                    scale,
-                    kernel,
-                )
-                _put_rows(out[:, :, heads], part.q_rows, o)
-                _put_lse_rows(lse[:, heads], part.q_rows, lse_blk)
-            del kv, k_all, v_all
+            q_h, acc_h, lse_h = q[:, :, heads], acc[:, :, heads], acc_lse[:, heads]
+            # the local block needs no communication: it runs while the gather is in flight
+            _forward_block(plan.local, q_h, k[:, :, h0:h1], v[:, :, h0:h1], scale, kernel,
+                           acc_h, lse_h, first=True)  # fmt: skip
+            kv = pending.result()
+            if i + 1 < len(head_groups):
+                pending = _start_gather(k, v, head_groups[i + 1], group)
+            for source in range(world):
+                if source != rank:
+                    k_src, v_src = kv[source * s_local : (source + 1) * s_local].chunk(2, dim=2)
+                    part = plan.part(source, rank)
+                    _forward_block(part, q_h, k_src, v_src, scale, kernel, acc_h, lse_h)
+            del kv
+        out = rescale.output(acc, query.dtype, plan.valid)
+        ctx.save_for_backward(query, key, value, out, acc_lse)
+        ctx.group, ctx.plan, ctx.scale, ctx.kernel = group, plan, scale, kernel
+        ctx.head_groups, ctx.rescale = head_groups, rescale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse = ctx.saved_tensors
+        group, plan, scale, kernel, rescale = (
+            ctx.group,
+            ctx.plan,
+            ctx.scale,
+            ctx.kernel,
+            ctx.rescale,
+        )
+        world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+        s_local, rep = query.shape[0], query.shape[2] // key.shape[2]
         if plan.valid is not None:
-            out = out * plan.valid
-        ctx.save_for_backward(query, key, value, out, lse)
-        ctx.group, ctx.plan, ctx.scale, ctx.kernel, ctx.head_groups = (
+            grad_out = grad_out * plan.valid
+        rescale.set_grad_scale(grad_out, group, s_local * rep, scale, query.shape[-1])
+        q, k, v = rescale.inputs(query, key, value)
+        do, o = rescale.grad_inputs(grad_out, out)
+        acc = fk.acc_dtype(query.dtype)
+        dq = torch.zeros(query.shape, device=query.device, dtype=acc)
+        dk = torch.zeros(key.shape, device=key.device, dtype=acc)
+        dv = torch.zeros_like(dk)
+        reductions = []
+        pending = _start_gather(k, v, ctx.head_groups[0], group)
+        for i, (h0, h1) in enumerate(ctx.head_groups):
+            heads = slice(h0 * rep, h1 * rep)
+            blocks = (do[:, :, heads], q[:, :, heads], o[:, :, heads], lse[:, heads])
+            kv = pending.result()
+            if i + 1 < len(ctx.head_groups):
+                pending = _start_gather(k, v, ctx.head_groups[i + 1], group)
+            dkv = torch.zeros(kv.shape, device=kv.device, dtype=acc)
+            for source in range(world):
+                if source != rank:
+                    rows = slice(source * s_local, (source + 1) * s_local)
+                    k_src, v_src = kv[rows].chunk(2, dim=2)
+                    dk_src, dv_src = dkv[rows].chunk(2, dim=2)
+                    _backward_block(plan.part(source, rank), *blocks, k_src, v_src, scale,
+                                    kernel, dq[:, :, heads], dk_src, dv_src)  # fmt: skip
+            del kv
+            reductions.append(((h0, h1), _start_reduce_scatter(dkv, group)))
+            # the local block needs no communication: it runs while the reduction is in flight
+            _backward_block(plan.local, *blocks, k[:, :, h0:h1], v[:, :, h0:h1], scale, kernel,
+                            dq[:, :, heads], dk[:, :, h0:h1], dv[:, :, h0:h1])  # fmt: skip
+        for (h0, h1), reduction in reductions:
+            dk_in, dv_in = reduction.result().chunk(2, dim=2)
+            dk[:, :, h0:h1] += dk_in
+            dv[:, :, h0:h1] += dv_in
+        dq, dk, dv = rescale.grads(dq, dk, dv, query.dtype)
+        return dq, dk, dv, None, None, None, None, None
+
+
+class _RingAttention(torch.autograd.Function):
+    """Load-balanced ring CP attention with float32 LSE merging (see the module docstring).
+
+    At step i this rank holds the K/V of source rank (r - i) mod C and computes the
+    plan's part for that source.
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, value, group, plan: _BlockPlan, scale, kernel):
+        world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+        n_kv = key.shape[2]
+        rescale = _Rescale.for_inputs(query, key, value, group)
+        q, k, v = rescale.inputs(query, key, value)
+        acc, acc_lse = _accumulators(query)
+        kv = torch.cat([k, v], dim=2)
+        for step in range(world):
+            exchange = _ring_exchange(kv, group, tag=0) if step + 1 < world else None
+            k_src, v_src = kv.split(n_kv, dim=2)
+            part = plan.part((rank - step) % world, rank)
+            _forward_block(part, q, k_src, v_src, scale, kernel, acc, acc_lse, first=step == 0)
+            if exchange is not None:
+                kv = exchange.result()
+        out = rescale.output(acc, query.dtype, plan.valid)
+        ctx.save_for_backward(query, key, value, out, acc_lse)
+        ctx.group, ctx.plan, ctx.scale, ctx.kernel, ctx.rescale = (
             group,
             plan,
             scale,
             kernel,
-            head_groups,
+            rescale,
         )
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, out, lse = ctx.saved_tensors
-        plan, group, scale, kernel = ctx.plan, ctx.group, ctx.scale, ctx.kernel
+        group, plan, scale, kernel, rescale = (
+            ctx.group,
+            ctx.plan,
+            ctx.scale,
+            ctx.kernel,
+            ctx.rescale,
+        )
+        world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+        s_local, n_kv = query.shape[0], key.shape[2]
         if plan.valid is not None:
             grad_out = grad_out * plan.valid
-        rep = query.shape[2] // key.shape[2]
-        dq = torch.zeros_like(query)
-        dk, dv = torch.empty_like(key), torch.empty_like(value)
-        reductions = []
-        pending = _start_gather(key, value, ctx.head_groups[0], group)
-        for i, (h0, h1) in enumerate(ctx.head_groups):
-            kv = pending.result().index_select(0, plan.natural)
-            if i + 1 < len(ctx.head_groups):
-                pending = _start_gather(key, value, ctx.head_groups[i + 1], group)
-            k_all, v_all = kv.chunk(2, dim=2)
-            dkv = torch.zeros(kv.shape, device=kv.device, dtype=fk.acc_dtype(kv.dtype))
-            dk_all, dv_all = dkv.chunk(2, dim=2)
-            heads = slice(h0 * rep, h1 * rep)
-            for part in plan.parts:
-                rows = part.q_rows
-                gq, gk, gv = _attend_backward(
-                    part,
-                    _rows(grad_out[:, :, heads], rows),
-                    _rows(query[:, :, heads], rows),
-                    _rows(k_all, part.k_rows),
-                    _rows(v_all, part.k_rows),
-                    _rows(out[:, :, heads], rows),
-                    _lse_rows(lse[:, heads], rows),
-                    scale,
-                    kernel,
-                )
-                _put_rows(dq[:, :, heads], rows, gq)
-                _add_rows(dk_all, part.k_rows, gk)
-                _add_rows(dv_all, part.k_rows, gv)
-            del kv, k_all, v_all
-            reductions.append(((h0, h1), _start_reduce_scatter(dkv, plan, group)))
-        for (h0, h1), reduction in reductions:
-            local = reduction.result()
-            dk[:, :, h0:h1], dv[:, :, h0:h1] = local.chunk(2, dim=2)
-        return dq, dk, dv, None, None, None, None, None
+        rescale.set_grad_scale(grad_out, group, s_local * query.shape[2] // n_kv, scale,
+                               query.shape[-1])  # fmt: skip
+        q, k, v = rescale.inputs(query, key, value)
+        do, o = rescale.grad_inputs(grad_out, out)
+        acc = fk.acc_dtype(query.dtype)
+        dq = torch.zeros(query.shape, device=query.device, dtype=acc)
+        kv = torch.cat([k, v], dim=2)
+        dkv = torch.zeros(kv.shape, device=kv.device, dtype=acc)
+        dkv_exchange = None
+        for step in range(world):
+            exchange = _ring_exchange(kv, group, tag=1) if step + 1 < world else None
+            k_src, v_src = kv.split(n_kv, dim=2)
+            part = plan.part((rank - step) % world, rank)
+            gk, gv = _block_grads(part, do, q, o, lse, k_src, v_src, scale, kernel, dq)
+            if dkv_exchange is not None:  # the gradient buffer arrives while computing
+                dkv = dkv_exchange.result()
+            dk_src, dv_src = dkv.split(n_kv, dim=2)
+            _add_rows(dk_src, part.k_rows, gk)
+            _add_rows(dv_src, part.k_rows, gv)
+            dkv_exchange = _ring_exchange(dkv, group, tag=2)
+            if exchange is not None:
+                kv = exchange.result()
+        dk, dv = dkv_exchange.result().split(n_kv, dim=2)  # after C hops: this rank's own
+        dq, dk, dv = rescale.grads(dq, dk, dv, query.dtype)
+        return dq, dk, dv, None, None, None, None
+
+
+def _accumulators(query: torch.Tensor):
+    """Float32 (float64 for float64) output [s, b, n, d] and LSE [b, n, s] accumulators."""
+    s, b, n, d = query.shape
+    acc = torch.empty((s, b, n, d), device=query.device, dtype=fk.acc_dtype(query.dtype))
+    return acc, query.new_empty((b, n, s), dtype=acc.dtype)
+
+
+def _forward_block(part: _Part, q, k, v, scale, kernel, acc, acc_lse, first: bool = False):
+    """One kernel call of ``part``; ``first`` (a part covering every row) starts the
+    accumulators, later parts are merged into them by LSE."""
+    o, lse = _attend(part, _rows(q, part.q_rows), _rows(k, part.k_rows), _rows(v, part.k_rows),
+                     scale, kernel)  # fmt: skip
+    if first:
+        acc.copy_(o)
+        acc_lse.copy_(fk.finite_lse(lse))
+        return
+    rows = part.q_rows
+    acc_rows, lse_rows = _rows(acc, rows), _lse_rows(acc_lse, rows)
+    if not isinstance(rows, slice):
+        lse_rows = lse_rows.clone()
+    fk.merge_into(acc_rows.transpose(0, 1), lse_rows, o.transpose(0, 1), lse)
+    if not isinstance(rows, slice):  # index rows: the merge ran on copies
+        _put_rows(acc, rows, acc_rows)
+        _put_lse_rows(acc_lse, rows, lse_rows)
+
+
+def _block_grads(part: _Part, do, q, o, lse, k, v, scale, kernel, dq):
+    """Kernel backward of ``part``: adds its query gradient into the float32 ``dq`` and
+    returns its key and value gradients (rows ``part.k_rows`` of k, v)."""
+    rows = part.q_rows
+    gq, gk, gv = _attend_backward(
+        part,
+        _rows(do, rows),
+        _rows(q, rows),
+        _rows(k, part.k_rows),
+        _rows(v, part.k_rows),
+        _rows(o, rows),
+        _lse_rows(lse, rows),
+        scale,
+        kernel,
+    )
+    _add_rows(dq, rows, gq)
+    return gk, gv
+
+
+def _backward_block(part: _Part, do, q, o, lse, k, v, scale, kernel, dq, dk, dv) -> None:
+    """Kernel backward of ``part``, its gradients added into the float32 dq, dk, dv."""
+    gk, gv = _block_grads(part, do, q, o, lse, k, v, scale, kernel, dq)
+    _add_rows(dk, part.k_rows, gk)
+    _add_rows(dv, part.k_rows, gv)
+
+
+class _Rescale:
+    """bf16 attention on the fp16 kernels, through exact power-of-two factors.
+
+    Why: in the all-gather and ring modes every output row, query gradient and key/value
+    gradient is a sum of several kernel calls' results, and a bf16 kernel rounds each
+    result to bf16 (8 significant bits) before the float32 sum: m partials carry m
+    roundings where the one-device kernel has one (measured 1.24x its error on dK/dV at
+    C = 2). No PyTorch kernel returns float32 gradients, but the same kernels run in fp16
+    (11 significant bits, the same speed), and a bf16 value converts to fp16 exactly once it
+    is in fp16's range. Powers of two are exact factors, so (all global over the CP group,
+    from max |x|):
+
+    - Q' = Q a, K' = K / a with a balancing their magnitudes (Q'K'^T = QK^T: the softmax,
+      its scale and the LSE are unchanged);
+    - V' = V b with |V'| < 1, hence |O'| < 1;
+    - dO' = dO g, g the largest power of two with every kernel output below 2^15 by the
+      bounds |dV'| <= n max|dO'|, |dK'| <= 2 scale d n max|Q'| max|dO'|,
+      |dQ'| <= 2 scale d max|K'| max|dO'| and |dS'| <= 2 d max|dO'| (n query rows per call
+      times the query heads per key head; d the head dimension);
+
+    and O = O' / b, dQ = dQ' a / (g b), dK = dK' / (g b a), dV = dV' / g, applied to the
+    float32 sums, which are rounded to bf16 once. Values below 2^-24 of the fp16 scale are
+    flushed (far below bf16's own rounding of the results). Limitation: max|Q| max|K| must
+    stay below about 2^30, or Q' and K' overflow fp16. Other dtypes run as they are.
+    """
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    @classmethod
+    def for_inputs(cls, query, key, value, group) -> "_Rescale":
+        rescale = cls(query.dtype == torch.bfloat16 and HALF_PARTIALS)
+        if not rescale.enabled:
+            return rescale
+        amax = torch.stack([_amax(query), _amax(key), _amax(value)])
+        _max_over_group(amax, group)
+        e_q, e_k, e_v = torch.frexp(amax)[1].float()  # max|x| < 2^e
+        shift = torch.floor((e_k - e_q) / 2)
+        rescale.e_q, rescale.e_k, rescale.e_v = e_q + shift, e_k - shift, e_v  # of Q', K', V'
+        rescale.a, rescale.b = torch.exp2(shift), torch.exp2(-e_v)
+        return rescale
+
+    def inputs(self, query, key, value):
+        if not self.enabled:
+            return query, key, value
+        return _half(query, self.a), _half(key, 1 / self.a), _half(value, self.b)
+
+    def output(self, acc: torch.Tensor, dtype, valid) -> torch.Tensor:
+        out = _scaled(acc, 1 / self.b, dtype) if self.enabled else acc.to(dtype)
+        return out if valid is None else out * valid
+
+    def set_grad_scale(self, grad_out, group, rows: int, scale: float, head_dim: int) -> None:
+        if not self.enabled:
+            return
+        amax = _amax(grad_out).view(1)
+        _max_over_group(amax, group)
+        e_do = torch.frexp(amax)[1].float()[0]
+        unit = 2.0 * scale * head_dim
+        bound = torch.stack(
+            [
+                torch.tensor(float(rows), device=amax.device),
+                unit * rows * torch.exp2(self.e_q),
+                unit * torch.exp2(self.e_k),
+                torch.tensor(2.0 * head_dim, device=amax.device),
+            ]
+        ).amax()
+        e_bound = torch.frexp(bound)[1].float()
+        self.g = torch.exp2(15 - e_do - e_bound)
+
+    def grad_inputs(self, grad_out, out):
+        if not self.enabled:
+            return grad_out, out
+        return _half(grad_out, self.g), _half(out, self.b)
+
+    def grads(self, dq, dk, dv, dtype):
+        if not self.enabled:
+            return dq.to(dtype), dk.to(dtype), dv.to(dtype)
+        gb = self.g * self.b
+        return (
+            _scaled(dq, self.a / gb, dtype),
+            _scaled(dk, 1 / (gb * self.a), dtype),
+            _scaled(dv, 1 / self.g, dtype),
+        )
+
+
+HALF_PARTIALS = True  # bf16 through the fp16 kernels (``_Rescale``); False: bf16 kernels
+
+
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(x, float("inf")).float()
+
+
+def _half(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """x * factor (a power of two: exact) in fp16."""
+    return _scaled(x, factor, torch.float16)
+
+
+def _scaled(x: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x * factor (a 0-d float32 tensor) written as ``dtype``: one pass, one rounding."""
+    return torch.mul(x, factor, out=torch.empty(x.shape, dtype=dtype, device=x.device))
+
+
+def _max_over_group(x: torch.Tensor, group) -> None:
+    if group is not None and dist.get_world_size(group=group) > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
 
 
 class _Pending:
@@ -610,7 +851,8 @@ class _Pending:
 
 
 def _start_gather(key, value, heads: Tuple[int, int], group) -> _Pending:
-    """Start all-gathering K/V heads h0:h1 as one [C * s_local, b, 2 (h1 - h0), d] tensor."""
+    """Start all-gathering K/V heads h0:h1 as one [C * s_local, b, 2 (h1 - h0), d] tensor
+    (rank order: rows [j s_local, (j + 1) s_local) are rank j's)."""
     h0, h1 = heads
     local = torch.cat([key[:, :, h0:h1], value[:, :, h0:h1]], dim=2).contiguous()
     world = dist.get_world_size(group=group)
@@ -623,9 +865,8 @@ def _start_gather(key, value, heads: Tuple[int, int], group) -> _Pending:
     return _Pending(work, lambda: torch.cat(parts, dim=0))
 
 
-def _start_reduce_scatter(dkv_natural: torch.Tensor, plan: _Plan, group) -> _Pending:
-    """Start summing the float32 K/V gradients over ranks, keeping this rank's rows."""
-    full = dkv_natural.index_select(0, plan.gathered)
+def _start_reduce_scatter(full: torch.Tensor, group) -> _Pending:
+    """Start summing the float32 K/V gradients (rank order) over ranks, keeping this rank's."""
     world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
     if _is_nccl(group):
         out = full.new_empty((full.shape[0] // world,) + tuple(full.shape[1:]))
@@ -637,209 +878,6 @@ def _start_reduce_scatter(dkv_natural: torch.Tensor, plan: _Plan, group) -> _Pen
 
 def _is_nccl(group) -> bool:
     return "nccl" in str(dist.get_backend(group)).lower()
-
-
-# ----------------------------------------------------------------------------- ring (p2p)
-
-
-class _RingAttention(torch.autograd.Function):
-    """Load-balanced ring CP attention with float32 LSE merging (see the module docstring)."""
-
-    @staticmethod
-    def forward(ctx, query, key, value, group, scale, kernel):
-        world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
-        s_local, b, n_q, d = query.shape
-        acc_dtype = fk.acc_dtype(query.dtype)
-        acc = torch.empty((b, s_local, n_q, d), device=query.device, dtype=acc_dtype)
-        acc_lse = torch.empty((b, n_q, s_local), device=query.device, dtype=acc_dtype)
-        kv = torch.cat([key, value], dim=2).contiguous()
-        q = query.transpose(0, 1)
-        for step in range(world):
-            exchange = _ring_exchange(kv, group, tag=0) if step + 1 < world else None
-            q_rows, kv_rows, causal = _ring_block(step, rank, world, s_local)
-            k_blk, v_blk = kv[kv_rows].transpose(0, 1).chunk(2, dim=2)
-            o, lse_blk = fk.attention_forward(q[:, q_rows], k_blk, v_blk, causal, scale, kernel)
-            if step == 0:  # the local block covers every row: it starts the accumulators
-                acc.copy_(o)
-                acc_lse.copy_(fk.finite_lse(lse_blk))
-            else:
-                fk.merge_into(acc[:, q_rows], acc_lse[:, :, q_rows], o, lse_blk)
-            if exchange is not None:
-                kv = exchange.result()
-        out = acc.to(query.dtype).transpose(0, 1).contiguous()
-        ctx.save_for_backward(query, key, value, out, acc_lse)
-        ctx.group, ctx.scale, ctx.kernel = group, scale, kernel
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        query, key, value, out, lse = ctx.saved_tensors
-        group, scale, kernel = ctx.group, ctx.scale, ctx.kernel
-        world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
-        s_local, n_kv = query.shape[0], key.shape[2]
-        q, o, do = (x.transpose(0, 1) for x in (query, out, grad_out))
-        acc_dtype = fk.acc_dtype(query.dtype)
-        dq = torch.zeros(q.shape, device=q.device, dtype=acc_dtype)
-        kv = torch.cat([key, value], dim=2).contiguous()
-        dkv = torch.zeros(kv.shape, device=kv.device, dtype=acc_dtype)
-        dkv_exchange = None
-        for step in range(world):
-            exchange = _ring_exchange(kv, group, tag=1) if step + 1 < world else None
-            q_rows, kv_rows, causal = _ring_block(step, rank, world, s_local)
-            k_blk, v_blk = kv[kv_rows].transpose(0, 1).chunk(2, dim=2)
-            gq, gk, gv = fk.attention_backward(
-                do[:, q_rows],
-                q[:, q_rows],
-                k_blk,
-                v_blk,
-                o[:, q_rows],
-                lse[:, :, q_rows],
-                causal,
-                scale,
-                kernel,
-            )
-            dq[:, q_rows] += gq.to(acc_dtype)
-            if dkv_exchange is not None:
-                dkv = dkv_exchange.result()
-            dkv[kv_rows, :, :n_kv] += gk.to(acc_dtype).transpose(0, 1)
-            dkv[kv_rows, :, n_kv:] += gv.to(acc_dtype).transpose(0, 1)
-            dkv_exchange = _ring_exchange(dkv, group, tag=2)
-            if exchange is not None:
-                kv = exchange.result()
-        dkv = dkv_exchange.result()  # after C hops each rank holds its own K/V gradient
-        dk, dv = dkv.chunk(2, dim=2)
-        dq = dq.to(query.dtype).transpose(0, 1).contiguous()
-        return dq, dk.to(key.dtype), dv.to(value.dtype), None, None, None
-
-
-@dataclass
-class _RingPlan:
-    """Packed (THD) ring: the kernel call of each kind of step, and the real-row mask.
-
-    Every rank lays document d out at the same local rows [o_d, o_d + 2 k_d) (its chunks r
-    and 2C-1-r of k_d tokens), so one plan serves the K/V of every source rank.
-    """
-
-    local: _Part  # step 0: each document's two local chunks, causal
-    lower: _Part  # source rank < r: every local query against the source's first chunks
-    upper: _Part  # source rank > r: second local chunks against both source chunks
-    valid: Optional[torch.Tensor]
-
-
-def _ring_plan(s_local: int, cp_size: int, cp_rank: int, packed, device) -> _RingPlan:
-    docs = _documents(packed, s_local * cp_size, cp_size)
-    halves = [length // (2 * cp_size) for length in docs.padded_lengths]
-    first, second, start = [], [], 0
-    for k in halves:
-        first.append(torch.arange(start, start + k))
-        second.append(torch.arange(start + k, start + 2 * k))
-        start += 2 * k
-    first_rows, second_rows = torch.cat(first).to(device), torch.cat(second).to(device)
-    whole = [2 * k for k in halves]
-    cu_whole, cu_half = _cumulative(whole, device), _cumulative(halves, device)
-    longest, longest_half = max(whole), max(halves)
-    local_positions = thd_partitioned_indices(
-        docs.padded_offsets, s_local * cp_size, cp_size, cp_rank
-    )
-    return _RingPlan(
-        local=_Part(slice(None), slice(None), cu_whole, cu_whole, longest, longest, True),
-        lower=_Part(slice(None), first_rows, cu_whole, cu_half, longest, longest_half, False),
-        upper=_Part(second_rows, slice(None), cu_half, cu_whole, longest_half, longest, False),
-        valid=_valid_mask(docs, local_positions.to(device), device),
-    )
-
-
-def _ring_part(plan: _RingPlan, step: int, rank: int, world: int) -> _Part:
-    if step == 0:
-        return plan.local
-    return plan.lower if (rank - step) % world < rank else plan.upper
-
-
-class _PackedRingAttention(torch.autograd.Function):
-    """The load-balanced ring for packed sequences: the same steps as ``_RingAttention``,
-    each one varlen call over all documents (see ``_RingPlan``)."""
-
-    @staticmethod
-    def forward(ctx, query, key, value, group, plan: _RingPlan, scale, kernel):
-        world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
-        n_kv = key.shape[2]
-        acc_dtype = fk.acc_dtype(query.dtype)
-        kv = torch.cat([key, value], dim=2).contiguous()
-        acc = acc_lse = None
-        for step in range(world):
-            exchange = _ring_exchange(kv, group, tag=3) if step + 1 < world else None
-            part = _ring_part(plan, step, rank, world)
-            rows = part.q_rows
-            k_blk, v_blk = _rows(kv, part.k_rows).split(n_kv, dim=2)
-            o, lse_blk = _attend(part, _rows(query, rows), k_blk, v_blk, scale, kernel)
-            if step == 0:  # covers every row
-                acc, acc_lse = o.to(acc_dtype), fk.finite_lse(lse_blk).to(acc_dtype)
-            else:
-                acc_rows, lse_rows = _rows(acc, rows), _lse_rows(acc_lse, rows).clone()
-                fk.merge_into(acc_rows.transpose(0, 1), lse_rows, o.transpose(0, 1), lse_blk)
-                _put_rows(acc, rows, acc_rows)
-                _put_lse_rows(acc_lse, rows, lse_rows)
-            if exchange is not None:
-                kv = exchange.result()
-        out = acc.to(query.dtype)
-        if plan.valid is not None:
-            out = out * plan.valid
-        ctx.save_for_backward(query, key, value, out, acc_lse)
-        ctx.group, ctx.plan, ctx.scale, ctx.kernel = group, plan, scale, kernel
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        query, key, value, out, lse = ctx.saved_tensors
-        group, plan, scale, kernel = ctx.group, ctx.plan, ctx.scale, ctx.kernel
-        world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
-        n_kv = key.shape[2]
-        if plan.valid is not None:
-            grad_out = grad_out * plan.valid
-        acc_dtype = fk.acc_dtype(query.dtype)
-        dq = torch.zeros(query.shape, device=query.device, dtype=acc_dtype)
-        kv = torch.cat([key, value], dim=2).contiguous()
-        dkv = torch.zeros(kv.shape, device=kv.device, dtype=acc_dtype)
-        dkv_exchange = None
-        for step in range(world):
-            exchange = _ring_exchange(kv, group, tag=4) if step + 1 < world else None
-            part = _ring_part(plan, step, rank, world)
-            rows = part.q_rows
-            k_blk, v_blk = _rows(kv, part.k_rows).split(n_kv, dim=2)
-            gq, gk, gv = _attend_backward(
-                part,
-                _rows(grad_out, rows),
-                _rows(query, rows),
-                k_blk,
-                v_blk,
-                _rows(out, rows),
-                _lse_rows(lse, rows),
-                scale,
-                kernel,
-            )
-            _add_rows(dq, rows, gq.to(acc_dtype))
-            if dkv_exchange is not None:
-                dkv = dkv_exchange.result()
-            _add_rows(dkv, part.k_rows, torch.cat([gk, gv], dim=2).to(acc_dtype))
-            dkv_exchange = _ring_exchange(dkv, group, tag=5)
-            if exchange is not None:
-                kv = exchange.result()
-        dkv = dkv_exchange.result()
-        dk, dv = dkv.split(n_kv, dim=2)
-        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None, None
-
-
-def _ring_block(step: int, rank: int, world: int, s_local: int):
-    """(query rows, K/V rows, causal) rank ``rank`` computes at ring step ``step``.
-
-    The K/V held then come from rank src = (rank - step) mod C, chunks src and 2C-1-src.
-    """
-    half = s_local // 2
-    if step == 0:
-        return slice(None), slice(None), True
-    if (rank - step) % world < rank:  # source chunk src < r: every local query sees it
-        return slice(None), slice(0, half), False
-    return slice(half, None), slice(None), False  # only chunk 2C-1-r sees both source chunks
 
 
 def _ring_exchange(tensor: torch.Tensor, group, tag: int) -> _Pending:
