@@ -184,18 +184,21 @@ def bench_attention(args, length: int, variant: str) -> List[float]:
 
         return timed(step, args.min_time, sync_group=False)
 
-    if variant in ("one_gpu_ours", "all_gather", "p2p"):
+    if variant in ("one_gpu_ours", "all_gather", "p2p") or variant.startswith("all_gather_g"):
         group = None if variant == "one_gpu_ours" else dist.group.WORLD
         cp = 1 if group is None else world
         local = length // cp
         q, k, v, dout = (rand(local, 1, heads, dim) for _ in range(4))
         q, k, v = (x.requires_grad_(True) for x in (q, k, v))
-        comm = "all_gather" if group is None else variant
+        # all_gather_gN: N head groups (default: the module's choice)
+        groups = int(variant[len("all_gather_g") :]) if variant.startswith("all_gather_g") else None
+        comm = "all_gather" if group is None or groups else variant
 
         def step():
             out = context_parallel_attention(
-                q, k, v, cp_group=group, cp_comm_type=comm, kernel=args.kernel
-            )
+                q, k, v, cp_group=group, cp_comm_type=comm, kernel=args.kernel,
+                num_head_groups=groups,
+            )  # fmt: skip
             out.backward(dout)
 
         return timed(step, args.min_time, sync_group=group is not None)

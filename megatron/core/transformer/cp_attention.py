@@ -578,9 +578,16 @@ class _AllGatherAttention(torch.autograd.Function):
         dv = torch.zeros_like(dk)
         reductions = []
         pending = _start_gather(k, v, ctx.head_groups[0], group)
+        last = len(ctx.head_groups) - 1
         for i, (h0, h1) in enumerate(ctx.head_groups):
             heads = slice(h0 * rep, h1 * rep)
             blocks = (do[:, :, heads], q[:, :, heads], o[:, :, heads], lse[:, heads])
+            local = (plan.local, *blocks, k[:, :, h0:h1], v[:, :, h0:h1], scale, kernel,
+                     dq[:, :, heads], dk[:, :, h0:h1], dv[:, :, h0:h1])  # fmt: skip
+            # The local block needs no communication: it runs while the first group's
+            # gather is in flight, or, in later groups, while their reduction is.
+            if i == 0 and last > 0:
+                _backward_block(*local)
             kv = pending.result()
             if i + 1 < len(ctx.head_groups):
                 pending = _start_gather(k, v, ctx.head_groups[i + 1], group)
@@ -594,9 +601,8 @@ class _AllGatherAttention(torch.autograd.Function):
                                     kernel, dq[:, :, heads], dk_src, dv_src)  # fmt: skip
             del kv
             reductions.append(((h0, h1), _start_reduce_scatter(dkv, group)))
-            # the local block needs no communication: it runs while the reduction is in flight
-            _backward_block(plan.local, *blocks, k[:, :, h0:h1], v[:, :, h0:h1], scale, kernel,
-                            dq[:, :, heads], dk[:, :, h0:h1], dv[:, :, h0:h1])  # fmt: skip
+            if i > 0 or last == 0:
+                _backward_block(*local)
         for (h0, h1), reduction in reductions:
             dk_in, dv_in = reduction.result().chunk(2, dim=2)
             dk[:, :, h0:h1] += dk_in
@@ -789,14 +795,8 @@ class _Rescale:
         _max_over_group(amax, group)
         e_do = torch.frexp(amax)[1].float()[0]
         unit = 2.0 * scale * head_dim
-        bound = torch.stack(
-            [
-                torch.tensor(float(rows), device=amax.device),
-                unit * rows * torch.exp2(self.e_q),
-                unit * torch.exp2(self.e_k),
-                torch.tensor(2.0 * head_dim, device=amax.device),
-            ]
-        ).amax()
+        bound = torch.maximum(unit * rows * torch.exp2(self.e_q), unit * torch.exp2(self.e_k))
+        bound = bound.clamp(min=max(float(rows), 2.0 * head_dim))  # no host-to-device copy
         e_bound = torch.frexp(bound)[1].float()
         self.g = torch.exp2(15 - e_do - e_bound)
 
