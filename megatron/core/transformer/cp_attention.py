@@ -558,14 +558,14 @@ class _AllGatherAttention(torch.autograd.Function):
                     _forward_block(part, q_h, k_src, v_src, scale, kernel, acc_h, lse_h)
             del kv
         out = rescale.output(acc, query.dtype, plan.valid)
-        ctx.save_for_backward(query, key, value, out, acc_lse)
+        ctx.save_for_backward(q, k, v, out, acc_lse)  # fp16 when rescaled
         ctx.group, ctx.plan, ctx.scale, ctx.kernel = group, plan, scale, kernel
-        ctx.head_groups, ctx.rescale = head_groups, rescale
+        ctx.head_groups, ctx.rescale, ctx.dtype = head_groups, rescale, query.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, out, lse = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         group, plan, scale, kernel, rescale = (
             ctx.group,
             ctx.plan,
@@ -574,15 +574,13 @@ class _AllGatherAttention(torch.autograd.Function):
             ctx.rescale,
         )
         world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
-        s_local, rep = query.shape[0], query.shape[2] // key.shape[2]
+        s_local, rep = q.shape[0], q.shape[2] // k.shape[2]
         if plan.valid is not None:
             grad_out = grad_out * plan.valid
-        factors = rescale.grad_factors(grad_out, s_local * rep, scale, query.shape[-1])
-        q, k, v = rescale.inputs(query, key, value)
-        do, o = rescale.grad_inputs(grad_out, out)
-        acc = fk.acc_dtype(query.dtype)
-        dq = torch.zeros(query.shape, device=query.device, dtype=acc)
-        dk = torch.zeros(key.shape, device=key.device, dtype=acc)
+        do, o, factors = rescale.grad_inputs(grad_out, out, s_local * rep, scale, q.shape[-1])
+        acc = fk.acc_dtype(ctx.dtype)
+        dq = torch.zeros(q.shape, device=q.device, dtype=acc)
+        dk = torch.zeros(k.shape, device=k.device, dtype=acc)
         dv = torch.zeros_like(dk)
         reductions = []
         pending = _start_gather(k, v, ctx.head_groups[0], group)
@@ -615,7 +613,7 @@ class _AllGatherAttention(torch.autograd.Function):
             dk_in, dv_in = reduction.result().chunk(2, dim=2)
             dk[:, :, h0:h1] += dk_in
             dv[:, :, h0:h1] += dv_in
-        dq, dk, dv = (x.to(query.dtype) for x in (dq, dk, dv))
+        dq, dk, dv = (x.to(ctx.dtype) for x in (dq, dk, dv))
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -642,7 +640,8 @@ class _RingAttention(torch.autograd.Function):
             if exchange is not None:
                 kv = exchange.result()
         out = rescale.output(acc, query.dtype, plan.valid)
-        ctx.save_for_backward(query, key, value, out, acc_lse)
+        ctx.save_for_backward(q, k, v, out, acc_lse)  # fp16 when rescaled
+        ctx.dtype = query.dtype
         ctx.group, ctx.plan, ctx.scale, ctx.kernel, ctx.rescale = (
             group,
             plan,
@@ -654,7 +653,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, out, lse = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         group, plan, scale, kernel, rescale = (
             ctx.group,
             ctx.plan,
@@ -663,15 +662,13 @@ class _RingAttention(torch.autograd.Function):
             ctx.rescale,
         )
         world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
-        s_local, n_kv = query.shape[0], key.shape[2]
+        s_local, n_kv = q.shape[0], k.shape[2]
         if plan.valid is not None:
             grad_out = grad_out * plan.valid
-        rows = s_local * query.shape[2] // n_kv
-        factors = rescale.grad_factors(grad_out, rows, scale, query.shape[-1])
-        q, k, v = rescale.inputs(query, key, value)
-        do, o = rescale.grad_inputs(grad_out, out)
-        acc = fk.acc_dtype(query.dtype)
-        dq = torch.zeros(query.shape, device=query.device, dtype=acc)
+        rows = s_local * q.shape[2] // n_kv
+        do, o, factors = rescale.grad_inputs(grad_out, out, rows, scale, q.shape[-1])
+        acc = fk.acc_dtype(ctx.dtype)
+        dq = torch.zeros(q.shape, device=q.device, dtype=acc)
         kv = torch.cat([k, v], dim=2)
         dkv = torch.zeros(kv.shape, device=kv.device, dtype=acc)
         dkv_exchange = None
@@ -689,7 +686,7 @@ class _RingAttention(torch.autograd.Function):
             if exchange is not None:
                 kv = exchange.result()
         dk, dv = dkv_exchange.result().split(n_kv, dim=2)  # after C hops: this rank's own
-        dq, dk, dv = (x.to(query.dtype) for x in (dq, dk, dv))
+        dq, dk, dv = (x.to(ctx.dtype) for x in (dq, dk, dv))
         return dq, dk, dv, None, None, None, None
 
 
@@ -778,44 +775,49 @@ class _Rescale:
 
     @classmethod
     def for_inputs(cls, query, key, value, group) -> "_Rescale":
+        """a and b from max |Q|, |K|, |V| over the group (few scalar ops: at short
+        sequences these run on the CPU's critical path)."""
         rescale = cls(query.dtype == torch.bfloat16 and HALF_PARTIALS)
         if not rescale.enabled:
             return rescale
-        amax = torch.stack([_amax(query), _amax(key), _amax(value)])
+        norms = [torch.linalg.vector_norm(x, float("inf")) for x in (query, key, value)]
+        amax = torch.stack(norms).float()
         _max_over_group(amax, group)
-        e_q, e_k, e_v = torch.frexp(amax)[1].float()  # max|x| < 2^e
-        shift = torch.floor((e_k - e_q) / 2)
-        rescale.e_q, rescale.e_k, rescale.e_v = e_q + shift, e_k - shift, e_v  # of Q', K', V'
-        rescale.a, rescale.b = torch.exp2(shift), torch.exp2(-e_v)
+        e = torch.frexp(amax)[1]  # max|x| < 2^e
+        e_q, e_k, e_v = e[0], e[1], e[2]
+        shift = torch.div(e_k - e_q, 2, rounding_mode="floor")
+        # log2 of a, 1/a, b, 1/b, a/b, 1/(ab); then the exponents of max|Q'| and max|K'|
+        rescale.exps = torch.stack(
+            [shift, -shift, -e_v, e_v, e_v + shift, e_v - shift, e_q + shift, e_k - shift]
+        ).clamp(-100, 100)
+        rescale.f = torch.exp2(rescale.exps[:6].float())
         return rescale
 
     def inputs(self, query, key, value):
         if not self.enabled:
             return query, key, value
-        return _half(query, self.a), _half(key, 1 / self.a), _half(value, self.b)
+        return _half(query, self.f[0]), _half(key, self.f[1]), _half(value, self.f[2])
 
     def output(self, acc: torch.Tensor, dtype, valid) -> torch.Tensor:
-        out = _scaled(acc, 1 / self.b, dtype) if self.enabled else acc.to(dtype)
+        out = _scaled(acc, self.f[3], dtype) if self.enabled else acc.to(dtype)
         return out if valid is None else out * valid
 
-    def grad_factors(self, grad_out, rows: int, scale: float, head_dim: int) -> tuple:
-        """Pick g for this rank's dO (the bound above) and return the factors that undo the
-        scaling of (dQ', dK', dV'); (None, None, None) when disabled. g is this rank's own:
-        gradients are unscaled as they are accumulated, before they leave the rank."""
+    def grad_inputs(self, grad_out, out, rows: int, scale: float, head_dim: int):
+        """(dO', O') for the kernels and the factors that undo the scaling of (dQ', dK',
+        dV') (three None when disabled). g is this rank's own: gradients are unscaled as
+        they are accumulated, before they leave the rank."""
         if not self.enabled:
-            return None, None, None
-        e_do = torch.frexp(_amax(grad_out))[1].float()
-        unit = 2.0 * scale * head_dim
-        bound = torch.maximum(unit * rows * torch.exp2(self.e_q), unit * torch.exp2(self.e_k))
-        bound = bound.clamp(min=max(float(rows), 2.0 * head_dim))  # no host-to-device copy
-        self.g = torch.exp2(15 - e_do - torch.frexp(bound)[1].float())
-        gb = self.g * self.b
-        return self.a / gb, 1 / (gb * self.a), 1 / self.g
-
-    def grad_inputs(self, grad_out, out):
-        if not self.enabled:
-            return grad_out, out
-        return _half(grad_out, self.g), _half(out, self.b)
+            return grad_out, out, (None, None, None)
+        e_do = torch.frexp(torch.linalg.vector_norm(grad_out, float("inf")).float())[1]
+        unit = 2.0 * scale * head_dim  # exponents of the bounds, powers of two rounded up
+        bound = torch.maximum(
+            self.exps[6] + math.ceil(math.log2(unit * rows)),
+            self.exps[7] + math.ceil(math.log2(unit)),
+        ).clamp(min=math.ceil(math.log2(max(rows, 2 * head_dim))))
+        g = torch.exp2((15 - e_do - bound).clamp(-100, 100).float())
+        inv_g = 1 / g
+        factors = (inv_g * self.f[4], inv_g * self.f[5], inv_g)
+        return _half(grad_out, g), _half(out, self.f[2]), factors
 
 
 HALF_PARTIALS = True  # bf16 through the fp16 kernels (``_Rescale``); False: bf16 kernels

@@ -252,7 +252,7 @@ def finite_lse(lse: torch.Tensor) -> torch.Tensor:
     A row with no keys has an empty sum, log 0 = -inf; merging a +inf would make that row's
     weight 1 and wipe out the real blocks, so it never reaches a merge as +inf.
     """
-    return torch.where(lse == math.inf, torch.full_like(lse, -math.inf), lse)
+    return torch.where(lse == math.inf, -math.inf, lse)
 
 
 def backward_lse(lse: torch.Tensor) -> torch.Tensor:
@@ -260,7 +260,7 @@ def backward_lse(lse: torch.Tensor) -> torch.Tensor:
 
     (-inf would turn the kernel's exp(s - lse) into inf for such rows.)
     """
-    return torch.where(lse == -math.inf, torch.full_like(lse, math.inf), lse)
+    return torch.where(lse == -math.inf, math.inf, lse)
 
 
 def merge_into(
@@ -273,7 +273,7 @@ def merge_into(
     """
     lse = finite_lse(lse)
     new_lse = torch.logaddexp(acc_lse, lse)
-    safe = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)
+    safe = torch.where(torch.isinf(new_lse), 0.0, new_lse)
     w_acc = torch.exp(acc_lse - safe).transpose(1, 2).unsqueeze(-1)
     w_blk = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
     acc_out.mul_(w_acc).add_(w_blk * out.to(acc_out.dtype))
