@@ -261,7 +261,9 @@ def _head_groups(
 
 
 def _rows(x: torch.Tensor, rows: Rows) -> torch.Tensor:
-    return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+    if isinstance(rows, slice):
+        return x if rows == slice(None) else x[rows]
+    return x.index_select(0, rows)
 
 
 def _put_rows(dst: torch.Tensor, rows: Rows, src: torch.Tensor) -> None:
@@ -284,8 +286,17 @@ def _add_rows(dst: torch.Tensor, rows: Rows, src: torch.Tensor, factor=None) -> 
         dst.index_add_(0, rows, src.to(dst.dtype) * factor)
 
 
+def _heads(x: torch.Tensor, heads: slice, dim: int = 2) -> torch.Tensor:
+    """Heads ``heads`` of x along ``dim`` (x itself when that is all of them)."""
+    if heads.start == 0 and heads.stop == x.shape[dim]:
+        return x
+    return x.narrow(dim, heads.start, heads.stop - heads.start)
+
+
 def _lse_rows(lse: torch.Tensor, rows: Rows) -> torch.Tensor:
-    return lse[:, :, rows] if isinstance(rows, slice) else lse.index_select(2, rows)
+    if isinstance(rows, slice):
+        return lse if rows == slice(None) else lse[:, :, rows]
+    return lse.index_select(2, rows)
 
 
 def _put_lse_rows(dst: torch.Tensor, rows: Rows, src: torch.Tensor) -> None:
@@ -543,10 +554,10 @@ class _AllGatherAttention(torch.autograd.Function):
         acc, acc_lse = _accumulators(query)
         pending = _start_gather(k, v, head_groups[0], group)
         for i, (h0, h1) in enumerate(head_groups):
-            heads = slice(h0 * rep, h1 * rep)
-            q_h, acc_h, lse_h = q[:, :, heads], acc[:, :, heads], acc_lse[:, heads]
+            heads, kv_heads = slice(h0 * rep, h1 * rep), slice(h0, h1)
+            q_h, acc_h, lse_h = _heads(q, heads), _heads(acc, heads), _heads(acc_lse, heads, 1)
             # the local block needs no communication: it runs while the gather is in flight
-            _forward_block(plan.local, q_h, k[:, :, h0:h1], v[:, :, h0:h1], scale, kernel,
+            _forward_block(plan.local, q_h, _heads(k, kv_heads), _heads(v, kv_heads), scale, kernel,
                            acc_h, lse_h, first=True)  # fmt: skip
             kv = pending.result()
             if i + 1 < len(head_groups):
@@ -586,10 +597,11 @@ class _AllGatherAttention(torch.autograd.Function):
         pending = _start_gather(k, v, ctx.head_groups[0], group)
         last = len(ctx.head_groups) - 1
         for i, (h0, h1) in enumerate(ctx.head_groups):
-            heads = slice(h0 * rep, h1 * rep)
-            blocks = (do[:, :, heads], q[:, :, heads], o[:, :, heads], lse[:, heads])
-            local = (plan.local, *blocks, k[:, :, h0:h1], v[:, :, h0:h1], scale, kernel,
-                     dq[:, :, heads], dk[:, :, h0:h1], dv[:, :, h0:h1], factors)  # fmt: skip
+            heads, kv_heads = slice(h0 * rep, h1 * rep), slice(h0, h1)
+            blocks = (_heads(do, heads), _heads(q, heads), _heads(o, heads), _heads(lse, heads, 1))
+            kv_h = (_heads(k, kv_heads), _heads(v, kv_heads))
+            grads_h = (_heads(dq, heads), _heads(dk, kv_heads), _heads(dv, kv_heads))
+            local = (plan.local, *blocks, *kv_h, scale, kernel, *grads_h, factors)
             # The local block needs no communication: it runs while the first group's
             # gather is in flight, or, in later groups, while their reduction is.
             if i == 0 and last > 0:
@@ -603,8 +615,9 @@ class _AllGatherAttention(torch.autograd.Function):
                     rows = slice(source * s_local, (source + 1) * s_local)
                     k_src, v_src = kv[rows].chunk(2, dim=2)
                     dk_src, dv_src = dkv[rows].chunk(2, dim=2)
-                    _backward_block(plan.part(source, rank), *blocks, k_src, v_src, scale,
-                                    kernel, dq[:, :, heads], dk_src, dv_src, factors)  # fmt: skip
+                    part = plan.part(source, rank)
+                    remote = (k_src, v_src, scale, kernel, grads_h[0], dk_src, dv_src, factors)
+                    _backward_block(part, *blocks, *remote)
             del kv
             reductions.append(((h0, h1), _start_reduce_scatter(dkv, group)))
             if i > 0 or last == 0:
