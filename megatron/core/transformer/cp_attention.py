@@ -42,7 +42,6 @@ group for the whole sequence (all_gather) or of one peer (p2p).
 
 import functools
 import math
-import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Tuple, Union
 
@@ -275,12 +274,16 @@ def _put_rows(dst: torch.Tensor, rows: Rows, src: torch.Tensor) -> None:
 
 
 def _add_rows(dst: torch.Tensor, rows: Rows, src: torch.Tensor, factor=None) -> None:
-    """dst[rows] += src (times ``factor`` when given)."""
-    alpha = 1.0 if factor is None else factor
-    if isinstance(rows, slice):
-        _rows(dst, rows).add_(src, alpha=alpha)
+    """dst[rows] += src (times ``factor``, a 0-d tensor, when given)."""
+    if factor is None:
+        if isinstance(rows, slice):
+            dst[rows] += src
+        else:
+            dst.index_add_(0, rows, src.to(dst.dtype))
+    elif isinstance(rows, slice):
+        dst[rows].addcmul_(src, factor)
     else:
-        dst.index_add_(0, rows, src.to(dst.dtype), alpha=alpha)
+        dst.index_add_(0, rows, src.to(dst.dtype) * factor)
 
 
 def _heads(x: torch.Tensor, heads: slice, dim: int = 2) -> torch.Tensor:
@@ -775,14 +778,9 @@ class _Rescale:
 
     and O = O' / b, dQ = dQ' a / (g b), dK = dK' / (g b a), dV = dV' / g, applied as the
     partials are added into float32 (before gradients leave the rank), the sums rounded to
-    bf16 once. Values below 2^-24 of the fp16 scale are flushed (far below bf16's own
-    rounding of the results).
-
-    The exponents are read on the host (one synchronization per forward and per backward):
-    the factors are then Python numbers, which costs far fewer dispatches than exponent
-    arithmetic on the device (at short sequences the CPU is the bottleneck), and inputs
-    that fp16 cannot hold even after scaling (max|Q| max|K| >= 2^30) are detected and run on
-    the bf16 kernels instead, with a warning. Other dtypes run as they are.
+    bf16 once. Values below 2^-24 of the fp16 scale are
+    flushed (far below bf16's own rounding of the results). Limitation: max|Q| max|K| must
+    stay below about 2^30, or Q' and K' overflow fp16. Other dtypes run as they are.
     """
 
     def __init__(self, enabled: bool):
@@ -790,31 +788,31 @@ class _Rescale:
 
     @classmethod
     def for_inputs(cls, query, key, value, group) -> "_Rescale":
+        """a and b from max |Q|, |K|, |V| over the group (few scalar ops: at short
+        sequences these run on the CPU's critical path)."""
         rescale = cls(query.dtype == torch.bfloat16 and HALF_PARTIALS)
         if not rescale.enabled:
             return rescale
         norms = [torch.linalg.vector_norm(x, float("inf")) for x in (query, key, value)]
         amax = torch.stack(norms).float()
         _max_over_group(amax, group)
-        e_q, e_k, e_v = (math.frexp(x)[1] for x in amax.tolist())  # max|x| < 2^e
-        shift = (e_k - e_q) // 2
-        rescale.e_q, rescale.e_k = e_q + shift, e_k - shift  # max|Q'| < 2^e_q, max|K'| < 2^e_k
-        if max(rescale.e_q, rescale.e_k) > 15:
-            _warn_once(
-                "context_parallel_attention: max|Q| * max|K| is beyond what fp16 holds after "
-                "rescaling; this call runs on the bf16 kernels (bf16 partial results)"
-            )
-            return cls(False)
-        rescale.a, rescale.b = 2.0**shift, 2.0**-e_v
+        e = torch.frexp(amax)[1]  # max|x| < 2^e
+        e_q, e_k, e_v = e[0], e[1], e[2]
+        shift = torch.div(e_k - e_q, 2, rounding_mode="floor")
+        # log2 of a, 1/a, b, 1/b, a/b, 1/(ab); then the exponents of max|Q'| and max|K'|
+        rescale.exps = torch.stack(
+            [shift, -shift, -e_v, e_v, e_v + shift, e_v - shift, e_q + shift, e_k - shift]
+        ).clamp(-100, 100)
+        rescale.f = torch.exp2(rescale.exps[:6].float())
         return rescale
 
     def inputs(self, query, key, value):
         if not self.enabled:
             return query, key, value
-        return _half(query, self.a), _half(key, 1 / self.a), _half(value, self.b)
+        return _half(query, self.f[0]), _half(key, self.f[1]), _half(value, self.f[2])
 
     def output(self, acc: torch.Tensor, dtype, valid) -> torch.Tensor:
-        out = _scaled(acc, 1 / self.b, dtype) if self.enabled else acc.to(dtype)
+        out = _scaled(acc, self.f[3], dtype) if self.enabled else acc.to(dtype)
         return out if valid is None else out * valid
 
     def grad_inputs(self, grad_out, out, rows: int, scale: float, head_dim: int):
@@ -823,30 +821,33 @@ class _Rescale:
         they are accumulated, before they leave the rank."""
         if not self.enabled:
             return grad_out, out, (None, None, None)
-        e_do = math.frexp(torch.linalg.vector_norm(grad_out, float("inf")).item())[1]
-        unit = 2.0 * scale * head_dim
-        bound = max(unit * rows * 2.0**self.e_q, unit * 2.0**self.e_k, float(rows), 2.0 * head_dim)
-        g = 2.0 ** min(100, 15 - e_do - math.frexp(bound)[1])
-        factors = (self.a / (g * self.b), 1 / (g * self.b * self.a), 1 / g)
-        return _half(grad_out, g), _half(out, self.b), factors
+        e_do = torch.frexp(torch.linalg.vector_norm(grad_out, float("inf")).float())[1]
+        unit = 2.0 * scale * head_dim  # exponents of the bounds, powers of two rounded up
+        bound = torch.maximum(
+            self.exps[6] + math.ceil(math.log2(unit * rows)),
+            self.exps[7] + math.ceil(math.log2(unit)),
+        ).clamp(min=math.ceil(math.log2(max(rows, 2 * head_dim))))
+        g = torch.exp2((15 - e_do - bound).clamp(-100, 100).float())
+        inv_g = 1 / g
+        factors = (inv_g * self.f[4], inv_g * self.f[5], inv_g)
+        return _half(grad_out, g), _half(out, self.f[2]), factors
 
 
 HALF_PARTIALS = True  # bf16 through the fp16 kernels (``_Rescale``); False: bf16 kernels
 
 
-def _half(x: torch.Tensor, factor: float) -> torch.Tensor:
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(x, float("inf")).float()
+
+
+def _half(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     """x * factor (a power of two: exact) in fp16."""
     return _scaled(x, factor, torch.float16)
 
 
-def _scaled(x: torch.Tensor, factor: float, dtype: torch.dtype) -> torch.Tensor:
-    """x * factor written as ``dtype``: one pass, one rounding."""
+def _scaled(x: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x * factor (a 0-d float32 tensor) written as ``dtype``: one pass, one rounding."""
     return torch.mul(x, factor, out=torch.empty(x.shape, dtype=dtype, device=x.device))
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_once(message: str) -> None:
-    warnings.warn(message, stacklevel=3)
 
 
 def _max_over_group(x: torch.Tensor, group) -> None:
