@@ -208,11 +208,6 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
             f"({2 * cp}) must divide it",
         )
         _require(
-            c.position_embedding_type != "rope",
-            "--pack-sequences needs positions that restart in every document: use "
-            "--position-embedding-type learned_absolute, got rope",
-        )
-        _require(
             c.data_path is None,
             f"--pack-sequences packs the generated prompt/response pairs; it cannot be "
             f"combined with --data-path (got {c.data_path!r})",

@@ -76,13 +76,20 @@ def build(
     cp_size: int = 1,
     pg_collection: Optional[ProcessGroupCollection] = None,
     cp_comm_type: str = "all_gather",
+    position_embedding_type: str = "learned_absolute",
 ) -> GPTModel:
     """A float64 GPT (same weights for every layout) with room for TOTAL positions."""
     config = make_config(context_parallel_size=cp_size, cp_comm_type=cp_comm_type)
     if pg_collection is None and cp_size == 1:
         pg_collection = ProcessGroupCollection()
-    model = GPTModel(config, SPEC, VOCAB, TOTAL, pg_collection=pg_collection)
+    model = GPTModel(
+        config, SPEC, VOCAB, TOTAL, pg_collection=pg_collection,
+        position_embedding_type=position_embedding_type,
+    )  # fmt: skip
     return model.double()
+
+
+POSITIONS = ["learned_absolute", "rope"]
 
 
 def run(model: GPTModel, row, packed: Optional[PackedSeqParams]):
@@ -95,12 +102,14 @@ def run(model: GPTModel, row, packed: Optional[PackedSeqParams]):
 
 
 @pytest.mark.world(1)
-def test_packed_row_equals_documents_run_alone():
-    """Real tokens of a packed row get the losses of their document run alone, and the
-    gradient is the sum of the documents' gradients. Negative control: the same row without
-    ``packed_seq_params`` (documents see each other) gives other losses."""
+@pytest.mark.parametrize("position_embedding_type", POSITIONS)
+def test_packed_row_equals_documents_run_alone(position_embedding_type):
+    """Real tokens of a packed row get the losses of their document run alone (learned
+    positions and RoPE both restart in every document), and the gradient is the sum of the
+    documents' gradients. Negative control: the same row without ``packed_seq_params``
+    (documents see each other, RoPE counts from the row's start) gives other losses."""
     row = packed_row()
-    model = build()
+    model = build(position_embedding_type=position_embedding_type)
     packed_losses, packed_grads = run(model, row, params_of(row))
 
     expected_losses = torch.zeros(1, TOTAL, dtype=torch.float64)
@@ -126,27 +135,30 @@ def test_packed_row_equals_documents_run_alone():
 
 
 PACKED_CP_CASES = [
-    pytest.param(2, "all_gather", id="C2-all_gather"),
-    pytest.param(4, "all_gather", id="C4-all_gather"),
-    pytest.param(2, "a2a", id="C2-a2a"),
-    pytest.param(2, "p2p", id="C2-p2p"),
+    pytest.param(2, "all_gather", "learned_absolute", id="C2-all_gather"),
+    pytest.param(4, "all_gather", "learned_absolute", id="C4-all_gather"),
+    pytest.param(2, "a2a", "learned_absolute", id="C2-a2a"),
+    pytest.param(2, "p2p", "learned_absolute", id="C2-p2p"),
+    pytest.param(2, "all_gather", "rope", id="C2-all_gather-rope"),
+    pytest.param(4, "p2p", "rope", id="C4-p2p-rope"),
 ]
 
 
 @pytest.mark.world(4)
-@pytest.mark.parametrize("cp_size, comm", PACKED_CP_CASES)
-def test_packed_cp_matches_one_process(model_parallel, cp_size, comm):
+@pytest.mark.parametrize("cp_size, comm, position_embedding_type", PACKED_CP_CASES)
+def test_packed_cp_matches_one_process(model_parallel, cp_size, comm, position_embedding_type):
     """Each rank's THD shard gives the one-process packed losses on its positions; gradients
     summed over the CP group equal the one-process gradients (float64)."""
     model_parallel(context_parallel_size=cp_size)
     group = parallel_state.get_context_parallel_group()
     row = packed_row()
-    ref_losses, ref_grads = run(build(), row, params_of(row))
+    ref_model = build(position_embedding_type=position_embedding_type)
+    ref_losses, ref_grads = run(ref_model, row, params_of(row))
 
     local, packed = get_thd_batch_on_this_cp_rank(
         row, row["cu_seqlens"], row["cu_seqlens_padded"], row["max_seqlen"]
     )
-    model = build(cp_size, ProcessGroupCollection(cp=group), comm)
+    model = build(cp_size, ProcessGroupCollection(cp=group), comm, position_embedding_type)
     losses, grads = run(model, local, packed)
     grads = all_reduce_sum(grads, group)
 
@@ -175,15 +187,3 @@ def test_thd_batch_helper_without_parallel_state_is_identity():
     expected = thd_partitioned_indices(row["cu_seqlens_padded"], TOTAL, 2, 1)
     assert torch.equal(sliced["tokens"], row["tokens"][:, expected])
     assert torch.equal(sliced["cu_seqlens"], row["cu_seqlens"])
-
-
-@pytest.mark.world(1)
-def test_rope_with_packed_sequences_is_a_clear_error():
-    """RoPE would need per-document positions: packed_seq_params with rope is refused."""
-    model = GPTModel(
-        make_config(), SPEC, VOCAB, TOTAL, position_embedding_type="rope",
-        pg_collection=ProcessGroupCollection(),
-    )  # fmt: skip
-    row = packed_row()
-    with pytest.raises(NotImplementedError, match="rotary embeddings with packed_seq_params"):
-        model(row["tokens"], row["position_ids"], packed_seq_params=params_of(row))

@@ -18,6 +18,16 @@ from tests.unit_tests.dist_utils import assert_no_failures, reset_layout
 PACKED_RUNS = [
     pytest.param(dict(pipeline_model_parallel_size=2), "all_gather", id="cp2-pp2-all_gather"),
     pytest.param(dict(tensor_model_parallel_size=2), "a2a", id="tp2-cp2-a2a"),
+    pytest.param(
+        dict(
+            pipeline_model_parallel_size=2,
+            position_embedding_type="rope",
+            normalization="RMSNorm",
+            swiglu=True,
+        ),
+        "p2p",
+        id="cp2-pp2-p2p-llama",
+    ),
     pytest.param(dict(), "p2p", id="cp2-dp2-p2p", marks=pytest.mark.slow),
     pytest.param(
         dict(pipeline_model_parallel_size=2), "a2a", id="cp2-pp2-a2a", marks=pytest.mark.slow
@@ -29,7 +39,8 @@ PACKED_RUNS = [
 @pytest.mark.parametrize("layout, comm", PACKED_RUNS)
 def test_packed_training_follows_the_one_process_run(layout, comm):
     """4 iterations of packed rows at CP = 2 (with PP = 2, or TP = 2: CP then splits each
-    tensor-parallel rank's heads) equal the one-process run within 1e-5."""
+    tensor-parallel rank's heads; GPT-2 style, or Llama style with RoPE restarting in every
+    document) equal the one-process run within 1e-5."""
     config = TrainingConfig(
         context_parallel_size=2,
         pack_sequences=True,
@@ -86,7 +97,6 @@ def test_packed_rows_hold_whole_padded_documents():
     [
         (dict(micro_batch_size=2), r"--micro-batch-size must be 1, got 2"),
         (dict(seq_length=40), r"--seq-length \(40\) must be a multiple of it"),
-        (dict(position_embedding_type="rope"), r"learned_absolute, got rope"),
     ],
 )
 def test_packing_rejects_what_it_cannot_run(changes, message):

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from megatron.core import tensor_parallel
+from megatron.core.context_parallel import thd_partitioned_indices
 from megatron.core.device import comm_device
 from megatron.core.enums import ModelType
 from megatron.core.models.common.embeddings.language_model_embedding import (
@@ -232,19 +233,18 @@ class GPTModel(MegatronModule):
                 "set_input_tensor with the previous stage's hidden states first"
             )
         rotary_pos_emb = None
-        if self.position_embedding_type == "rope" and packed_seq_params is not None:
-            raise NotImplementedError(
-                "GPTModel.forward: rotary embeddings with packed_seq_params are not supported "
-                "(per-document RoPE positions); use position_embedding_type='learned_absolute' "
-                "with position_ids restarting in every document"
-            )
         if self.position_embedding_type == "rope":
             cp_group = cp_group_of(self.pg_collection, self.config)
+            total = self._global_seq_length(input_ids, decoder_input, cp_group)
             rotary_pos_emb = self.rotary_pos_emb(
-                self._global_seq_length(input_ids, decoder_input, cp_group),
-                packed_seq=packed_seq_params is not None,
-                cp_group=cp_group,
+                total, packed_seq=packed_seq_params is not None, cp_group=cp_group
             )
+            if packed_seq_params is not None:  # angles of the positions within each document
+                rotary_pos_emb = rotary_pos_emb[
+                    _positions_in_documents(packed_seq_params, total, cp_group).to(
+                        rotary_pos_emb.device
+                    )
+                ]
         hidden_states = self.decoder(
             hidden_states=decoder_input,
             attention_mask=attention_mask,
@@ -404,3 +404,17 @@ def _full_shape(param: Tensor, tp_size: int) -> List[int]:
     if getattr(param, "tensor_model_parallel", False):
         shape[param.partition_dim] *= tp_size
     return shape
+
+
+def _positions_in_documents(packed_seq_params, total: int, cp_group) -> torch.Tensor:
+    """Each local token's position within its document of a packed (THD) row of ``total``
+    tokens: RoPE restarts in every document (as megatron-core's THD rotary path does). The
+    local tokens are this CP rank's load-balanced share of every padded document; tokens
+    past the last document count as one more document."""
+    padded = packed_seq_params.cu_seqlens_q_padded
+    if padded is None:
+        padded = packed_seq_params.cu_seqlens_q
+    padded = padded.to("cpu", torch.long)
+    local = thd_partitioned_indices(padded, total, get_pg_size(cp_group), get_pg_rank(cp_group))
+    starts = torch.cat([padded, torch.tensor([total])])
+    return local - starts[torch.searchsorted(starts, local, right=True) - 1]
