@@ -570,26 +570,18 @@ class _AllGatherAttention(torch.autograd.Function):
             del kv
         out = rescale.output(acc, query.dtype, plan.valid)
         ctx.save_for_backward(q, k, v, out, acc_lse)  # fp16 when rescaled
-        ctx.group, ctx.plan, ctx.scale, ctx.kernel = group, plan, scale, kernel
-        ctx.head_groups, ctx.rescale, ctx.dtype = head_groups, rescale, query.dtype
+        ctx.args = (group, plan, scale, kernel, rescale, query.dtype)
+        ctx.head_groups = head_groups
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        group, plan, scale, kernel, rescale = (
-            ctx.group,
-            ctx.plan,
-            ctx.scale,
-            ctx.kernel,
-            ctx.rescale,
-        )
+        group, plan, scale, kernel, rescale, dtype = ctx.args
         world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+        do, o, factors = _kernel_grad_inputs(grad_out, out, q, k, plan, scale, rescale)
         s_local, rep = q.shape[0], q.shape[2] // k.shape[2]
-        if plan.valid is not None:
-            grad_out = grad_out * plan.valid
-        do, o, factors = rescale.grad_inputs(grad_out, out, s_local * rep, scale, q.shape[-1])
-        acc = fk.acc_dtype(ctx.dtype)
+        acc = fk.acc_dtype(dtype)
         dq = torch.zeros(q.shape, device=q.device, dtype=acc)
         dk = torch.zeros(k.shape, device=k.device, dtype=acc)
         dv = torch.zeros_like(dk)
@@ -626,7 +618,7 @@ class _AllGatherAttention(torch.autograd.Function):
             dk_in, dv_in = reduction.result().chunk(2, dim=2)
             dk[:, :, h0:h1] += dk_in
             dv[:, :, h0:h1] += dv_in
-        dq, dk, dv = (x.to(ctx.dtype) for x in (dq, dk, dv))
+        dq, dk, dv = (x.to(dtype) for x in (dq, dk, dv))
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -654,33 +646,17 @@ class _RingAttention(torch.autograd.Function):
                 kv = exchange.result()
         out = rescale.output(acc, query.dtype, plan.valid)
         ctx.save_for_backward(q, k, v, out, acc_lse)  # fp16 when rescaled
-        ctx.dtype = query.dtype
-        ctx.group, ctx.plan, ctx.scale, ctx.kernel, ctx.rescale = (
-            group,
-            plan,
-            scale,
-            kernel,
-            rescale,
-        )
+        ctx.args = (group, plan, scale, kernel, rescale, query.dtype)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        group, plan, scale, kernel, rescale = (
-            ctx.group,
-            ctx.plan,
-            ctx.scale,
-            ctx.kernel,
-            ctx.rescale,
-        )
+        group, plan, scale, kernel, rescale, dtype = ctx.args
         world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
-        s_local, n_kv = q.shape[0], k.shape[2]
-        if plan.valid is not None:
-            grad_out = grad_out * plan.valid
-        rows = s_local * q.shape[2] // n_kv
-        do, o, factors = rescale.grad_inputs(grad_out, out, rows, scale, q.shape[-1])
-        acc = fk.acc_dtype(ctx.dtype)
+        do, o, factors = _kernel_grad_inputs(grad_out, out, q, k, plan, scale, rescale)
+        n_kv = k.shape[2]
+        acc = fk.acc_dtype(dtype)
         dq = torch.zeros(q.shape, device=q.device, dtype=acc)
         kv = torch.cat([k, v], dim=2)
         dkv = torch.zeros(kv.shape, device=kv.device, dtype=acc)
@@ -699,8 +675,17 @@ class _RingAttention(torch.autograd.Function):
             if exchange is not None:
                 kv = exchange.result()
         dk, dv = dkv_exchange.result().split(n_kv, dim=2)  # after C hops: this rank's own
-        dq, dk, dv = (x.to(ctx.dtype) for x in (dq, dk, dv))
+        dq, dk, dv = (x.to(dtype) for x in (dq, dk, dv))
         return dq, dk, dv, None, None, None, None
+
+
+def _kernel_grad_inputs(grad_out, out, q, k, plan: _BlockPlan, scale: float, rescale):
+    """dO (padding rows zeroed) and O as the kernels take them, and the factors that undo
+    the rescaling of the kernels' gradients (see ``_Rescale.grad_inputs``)."""
+    if plan.valid is not None:
+        grad_out = grad_out * plan.valid
+    rows = q.shape[0] * (q.shape[2] // k.shape[2])  # query rows per key row in one call
+    return rescale.grad_inputs(grad_out, out, rows, scale, q.shape[-1])
 
 
 def _accumulators(query: torch.Tensor):
