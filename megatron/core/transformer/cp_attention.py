@@ -274,14 +274,15 @@ def _put_rows(dst: torch.Tensor, rows: Rows, src: torch.Tensor) -> None:
 
 
 def _add_rows(dst: torch.Tensor, rows: Rows, src: torch.Tensor, factor=None) -> None:
-    """dst[rows] += src (times ``factor``, a 0-d tensor, when given)."""
-    if factor is None:
+    """dst[rows] += src (times ``factor``, a float or a 0-d tensor, when given)."""
+    if factor is None or not isinstance(factor, torch.Tensor):
+        alpha = 1.0 if factor is None else factor
         if isinstance(rows, slice):
-            dst[rows] += src
+            _rows(dst, rows).add_(src, alpha=alpha)
         else:
-            dst.index_add_(0, rows, src.to(dst.dtype))
+            dst.index_add_(0, rows, src.to(dst.dtype), alpha=alpha)
     elif isinstance(rows, slice):
-        dst[rows].addcmul_(src, factor)
+        _rows(dst, rows).addcmul_(src, factor)
     else:
         dst.index_add_(0, rows, src.to(dst.dtype) * factor)
 
@@ -773,22 +774,28 @@ class _Rescale:
 
     @classmethod
     def for_inputs(cls, query, key, value, group) -> "_Rescale":
-        """a and b from max |Q|, |K|, |V| over the group (few scalar ops: at short
-        sequences these run on the CPU's critical path)."""
+        """a and b from max |Q|, |K|, |V| over the group."""
         rescale = cls(query.dtype == torch.bfloat16 and HALF_PARTIALS)
         if not rescale.enabled:
             return rescale
         norms = [torch.linalg.vector_norm(x, float("inf")) for x in (query, key, value)]
         amax = torch.stack(norms).float()
         _max_over_group(amax, group)
-        e = torch.frexp(amax)[1]  # max|x| < 2^e
-        e_q, e_k, e_v = e[0], e[1], e[2]
-        shift = torch.div(e_k - e_q, 2, rounding_mode="floor")
+        if _device_idle(query):
+            e_q, e_k, e_v = (math.frexp(x)[1] for x in amax.tolist())  # max|x| < 2^e
+            shift = (e_k - e_q) // 2
+        else:
+            e = torch.frexp(amax)[1]
+            e_q, e_k, e_v = e[0], e[1], e[2]
+            shift = torch.div(e_k - e_q, 2, rounding_mode="floor")
         # log2 of a, 1/a, b, 1/b, a/b, 1/(ab); then the exponents of max|Q'| and max|K'|
-        rescale.exps = torch.stack(
-            [shift, -shift, -e_v, e_v, e_v + shift, e_v - shift, e_q + shift, e_k - shift]
-        ).clamp(-100, 100)
-        rescale.f = torch.exp2(rescale.exps[:6].float())
+        exps = [shift, -shift, -e_v, e_v, e_v + shift, e_v - shift, e_q + shift, e_k - shift]
+        if isinstance(shift, int):
+            rescale.exps = [min(100, max(-100, x)) for x in exps]
+            rescale.f = [2.0**x for x in rescale.exps[:6]]
+        else:
+            rescale.exps = torch.stack(exps).clamp(-100, 100)
+            rescale.f = torch.exp2(rescale.exps[:6].float())
         return rescale
 
     def inputs(self, query, key, value):
@@ -806,32 +813,49 @@ class _Rescale:
         they are accumulated, before they leave the rank."""
         if not self.enabled:
             return grad_out, out, (None, None, None)
-        e_do = torch.frexp(torch.linalg.vector_norm(grad_out, float("inf")).float())[1]
+        amax = torch.linalg.vector_norm(grad_out, float("inf")).float()
         unit = 2.0 * scale * head_dim  # exponents of the bounds, powers of two rounded up
-        bound = torch.maximum(
-            self.exps[6] + math.ceil(math.log2(unit * rows)),
-            self.exps[7] + math.ceil(math.log2(unit)),
-        ).clamp(min=math.ceil(math.log2(max(rows, 2 * head_dim))))
-        g = torch.exp2((15 - e_do - bound).clamp(-100, 100).float())
+        c_q, c_k = math.ceil(math.log2(unit * rows)), math.ceil(math.log2(unit))
+        floor = math.ceil(math.log2(max(rows, 2 * head_dim)))
+        if _device_idle(grad_out):
+            e_do, e_q, e_k = math.frexp(amax.item())[1], self.exps[6], self.exps[7]
+            bound = max(e_q + c_q, e_k + c_k, floor)
+            if not isinstance(bound, int):
+                bound = int(bound)  # exponents from a forward that kept them on the device
+            g = 2.0 ** min(100, max(-100, 15 - e_do - bound))
+            f = [float(x) for x in self.f]
+        else:
+            e_do = torch.frexp(amax)[1]
+            if isinstance(self.exps, list):  # the forward's exponents are on the host
+                bound = max(self.exps[6] + c_q, self.exps[7] + c_k, floor)
+            else:
+                bound = torch.maximum(self.exps[6] + c_q, self.exps[7] + c_k).clamp(min=floor)
+            g = torch.exp2((15 - e_do - bound).clamp(-100, 100).float())
+            f = self.f
         inv_g = 1 / g
-        factors = (inv_g * self.f[4], inv_g * self.f[5], inv_g)
-        return _half(grad_out, g), _half(out, self.f[2]), factors
+        factors = (inv_g * f[4], inv_g * f[5], inv_g)
+        return _half(grad_out, g), _half(out, f[2]), factors
 
 
 HALF_PARTIALS = True  # bf16 through the fp16 kernels (``_Rescale``); False: bf16 kernels
 
 
-def _amax(x: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(x, float("inf")).float()
+def _device_idle(x: torch.Tensor) -> bool:
+    """True when reading a value back from x's device costs nothing: a CPU tensor, or a GPU
+    whose current stream has finished all its work (the CPU, not the GPU, is the
+    bottleneck). The factors are then computed on the host (a few Python operations)
+    rather than as ~30 tiny device operations; both ways give the same powers of two."""
+    return x.device.type != "cuda" or torch.cuda.current_stream(x.device).query()
 
 
-def _half(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+def _half(x: torch.Tensor, factor) -> torch.Tensor:
     """x * factor (a power of two: exact) in fp16."""
     return _scaled(x, factor, torch.float16)
 
 
-def _scaled(x: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x * factor (a 0-d float32 tensor) written as ``dtype``: one pass, one rounding."""
+def _scaled(x: torch.Tensor, factor, dtype: torch.dtype) -> torch.Tensor:
+    """x * factor (a float or a 0-d float32 tensor) written as ``dtype``: one pass, one
+    rounding."""
     return torch.mul(x, factor, out=torch.empty(x.shape, dtype=dtype, device=x.device))
 
 

@@ -371,6 +371,24 @@ def test_bf16_extreme_values_within_kernel_error(comm, kind):
 
 @pytest.mark.world(2)
 @pytest.mark.parametrize("comm", ["all_gather", "p2p"])
+@pytest.mark.parametrize("forward, backward", [(False, False), (True, False), (False, True)])
+def test_bf16_factors_on_host_or_device_agree_bitwise(comm, forward, backward, monkeypatch):
+    """The rescaling factors computed on the host (an idle device) and as device
+    operations (a busy one), in either pass, give bitwise the same output and gradients."""
+    cp, rank, _ = world()
+    total = 256
+    q, k, v, w = make_inputs(total, 1, 4, 2, 32, torch.float64, seed=6)
+    q, k, v, w = (x.to(torch.bfloat16) for x in (q * 3, k, v * 2.0**-10, w * 2.0**-30))
+    positions = cp_shard_positions(total, cp, rank)
+    host = run_shard(q, k, v, w, positions, comm)
+    passes = iter([forward, backward])
+    monkeypatch.setattr(cp_attention, "_device_idle", lambda x: next(passes))
+    mixed = run_shard(q, k, v, w, positions, comm)
+    assert all(torch.equal(a, b) for a, b in zip(host, mixed))
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("comm", ["all_gather", "p2p"])
 def test_bf16_kernels_alone_miss_the_target(comm, monkeypatch):
     """Negative control: with the bf16 kernels' own outputs summed (``HALF_PARTIALS`` off),
     the values summed over several kernel calls exceed the 1.05x limit on every rank."""
