@@ -764,9 +764,11 @@ class _Rescale:
 
     and O = O' / b, dQ = dQ' a / (g b), dK = dK' / (g b a), dV = dV' / g, applied as the
     partials are added into float32 (before gradients leave the rank), the sums rounded to
-    bf16 once. Values below 2^-24 of the fp16 scale are
-    flushed (far below bf16's own rounding of the results). Limitation: max|Q| max|K| must
-    stay below about 2^30, or Q' and K' overflow fp16. Other dtypes run as they are.
+    bf16 once. The exponents are Python numbers when the device is idle and 0-d tensors
+    otherwise (``_device_idle``): the same values either way. Values below 2^-24 of the
+    fp16 scale are flushed (far below bf16's own rounding of the results). Limitation:
+    max|Q| max|K| must stay below about 2^30, or Q' and K' overflow fp16. Other dtypes run
+    as they are.
     """
 
     def __init__(self, enabled: bool):
