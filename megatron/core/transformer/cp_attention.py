@@ -780,11 +780,10 @@ class _Rescale:
         rescale = cls(query.dtype == torch.bfloat16 and HALF_PARTIALS)
         if not rescale.enabled:
             return rescale
-        idle = _device_idle(query)  # asked before this call queues its own work
         norms = [torch.linalg.vector_norm(x, float("inf")) for x in (query, key, value)]
         amax = torch.stack(norms).float()
         _max_over_group(amax, group)
-        if idle:
+        if _device_idle(query):
             e_q, e_k, e_v = (math.frexp(x)[1] for x in amax.tolist())  # max|x| < 2^e
             shift = (e_k - e_q) // 2
         else:
@@ -816,12 +815,11 @@ class _Rescale:
         they are accumulated, before they leave the rank."""
         if not self.enabled:
             return grad_out, out, (None, None, None)
-        idle = _device_idle(grad_out)  # asked before this call queues its own work
         amax = torch.linalg.vector_norm(grad_out, float("inf")).float()
         unit = 2.0 * scale * head_dim  # exponents of the bounds, powers of two rounded up
         c_q, c_k = math.ceil(math.log2(unit * rows)), math.ceil(math.log2(unit))
         floor = math.ceil(math.log2(max(rows, 2 * head_dim)))
-        if idle:
+        if _device_idle(grad_out):
             e_do, e_q, e_k = math.frexp(amax.item())[1], self.exps[6], self.exps[7]
             bound = max(e_q + c_q, e_k + c_k, floor)
             if not isinstance(bound, int):
