@@ -90,6 +90,21 @@ def thd_partitioned_indices(
     return torch.cat(pieces)
 
 
+def thd_document_positions(
+    positions: torch.Tensor,
+    cu_seqlens_padded: Union[torch.Tensor, Sequence[int]],
+    total_tokens: int,
+) -> Tuple[torch.LongTensor, torch.LongTensor]:
+    """For positions of a packed (THD) row: the document each lies in and its position
+    within that document (tokens past ``cu[-1]`` form one more document)."""
+    offsets = _as_int_list(cu_seqlens_padded)
+    if offsets[-1] < total_tokens:
+        offsets = offsets + [total_tokens]
+    starts = torch.tensor(offsets[:-1], device=positions.device)
+    document = torch.searchsorted(starts, positions, right=True) - 1  # empty ones skipped
+    return document, positions - starts[document]
+
+
 def _as_int_list(values: Union[torch.Tensor, Sequence[int]]) -> List[int]:
     if isinstance(values, torch.Tensor):
         return [int(v) for v in values.tolist()]

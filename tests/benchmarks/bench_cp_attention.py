@@ -120,28 +120,27 @@ def measure(run: Callable, args, length: int, variant: str) -> Dict:
 
 
 def timed(step: Callable[[], None], min_time: float, sync_group: bool) -> List[float]:
-    """One warm-up call, then calls until ``min_time`` seconds are spent (2 to 20)."""
-    step()
-    torch.cuda.synchronize()
-    times: List[float] = []
-    while len(times) < 2 or (sum(times) < min_time and len(times) < 20):
+    """One warm-up call, then calls until ``min_time`` seconds are spent (2 to 20); with
+    ``sync_group`` every rank runs as many calls as the rank that ran the most."""
+
+    def one_call() -> float:
         if sync_group:
             dist.barrier()
         torch.cuda.synchronize()
         start = time.perf_counter()
         step()
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    if sync_group:  # every rank must agree on the number of calls
+        return time.perf_counter() - start
+
+    step()
+    torch.cuda.synchronize()
+    times: List[float] = []
+    while len(times) < 2 or (sum(times) < min_time and len(times) < 20):
+        times.append(one_call())
+    if sync_group:
         count = torch.tensor([len(times)], device="cuda")
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        while len(times) < count.item():
-            dist.barrier()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            step()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
+        times += [one_call() for _ in range(int(count.item()) - len(times))]
     return times
 
 

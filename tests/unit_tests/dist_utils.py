@@ -1,8 +1,9 @@
 """Helpers for distributed tests: layouts, shared failure reports, relative errors."""
 
+import contextlib
 import os
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -68,6 +69,17 @@ def current_layout() -> Optional[Layout]:
 def reset_layout() -> None:
     """Forget the parallel_state layout (for tests that need none)."""
     parallel_state.destroy_model_parallel()
+
+
+@contextlib.contextmanager
+def fresh_layout() -> Iterator[None]:
+    """No parallel_state layout on entering the block, none left after it (even on error):
+    for runs such as ``pretrain`` that build their own."""
+    reset_layout()
+    try:
+        yield
+    finally:
+        reset_layout()
 
 
 class StubChunk(torch.nn.Module):

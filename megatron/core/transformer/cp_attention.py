@@ -51,6 +51,7 @@ import torch.distributed as dist
 from megatron.core.context_parallel import (
     cp_gathered_positions,
     cp_size_and_rank,
+    thd_document_positions,
     thd_partitioned_indices,
 )
 from megatron.core.tensor_parallel.mappings import _adjoint_pair
@@ -222,10 +223,8 @@ def _valid_mask(docs: _Documents, positions: torch.Tensor, device) -> Optional[t
     """1 where the natural position ``positions[i]`` is a real token, as [n, 1, 1, 1]."""
     if all(a == b for a, b in zip(docs.lengths, docs.padded_lengths)):
         return None
-    starts = torch.tensor(docs.padded_offsets[:-1], device=device)
-    lengths = torch.tensor(docs.lengths, device=device)
-    doc = torch.searchsorted(starts, positions, right=True) - 1
-    valid = (positions - starts[doc]) < lengths[doc]
+    doc, offset = thd_document_positions(positions, docs.padded_offsets, docs.padded_offsets[-1])
+    valid = offset < torch.tensor(docs.lengths, device=device)[doc]
     return valid.view(-1, 1, 1, 1)
 
 

@@ -24,18 +24,15 @@ from megatron.training.checkpointing import (
     load_checkpoint,
 )
 from megatron.training.training import pretrain
-from tests.unit_tests.dist_utils import assert_no_failures, reset_layout
+from tests.unit_tests.dist_utils import assert_no_failures, fresh_layout
 from tests.unit_tests.launch import run_torchrun
 
 SMALL = dict(num_layers=4, hidden_size=16, seq_length=16, global_batch_size=8, progress=False)
 
 
 def _run(**changes) -> List[float]:
-    reset_layout()
-    try:
+    with fresh_layout():
         result = pretrain(TrainingConfig(**SMALL, **changes))
-    finally:
-        reset_layout()
     return [r["loss"] for r in result.records]
 
 

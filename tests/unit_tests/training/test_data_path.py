@@ -23,7 +23,7 @@ from megatron.training.arguments import parse_args
 from megatron.training.datasets import FileSFTDataset
 from megatron.training.preprocess_data import main as preprocess
 from megatron.training.training import pretrain
-from tests.unit_tests.dist_utils import assert_no_failures, reset_layout
+from tests.unit_tests.dist_utils import assert_no_failures, fresh_layout
 
 RECORDS = [
     {"prompt": "abc", "response": "cba"},
@@ -168,11 +168,8 @@ def test_indexed_data_with_warmup_and_cosine_follows_the_one_process_run():
         compare_tolerance=1e-5,
         progress=False,
     )
-    reset_layout()
-    try:
+    with fresh_layout():
         result = pretrain(config)
-    finally:
-        reset_layout()
     failures = [] if result.passed else ["the comparison with the one-process run failed"]
     for n, record in enumerate(result.records):  # the lr used at iteration n + 1
         want = (

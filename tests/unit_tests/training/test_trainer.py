@@ -25,7 +25,7 @@ from megatron.training.cli import launch_command, main
 from megatron.training.data import BOS, EOS, PAD, SEP, SFTDataset, microbatches_for_rank
 from megatron.training.metrics import read_jsonl
 from megatron.training.training import pretrain
-from tests.unit_tests.dist_utils import assert_no_failures, reset_layout
+from tests.unit_tests.dist_utils import assert_no_failures, fresh_layout
 
 ROOT = Path(__file__).resolve().parents[3]
 RECORD_KEYS = {"iteration", "loss", "grad_norm", "tokens_per_s"}
@@ -48,11 +48,8 @@ def test_cp2_pp2_training_follows_the_one_process_run():
         compare_tolerance=1e-5,
         progress=False,
     )
-    reset_layout()
-    try:
+    with fresh_layout():
         result = pretrain(config)
-    finally:
-        reset_layout()
 
     failures = []
     losses = [r["loss"] for r in result.records]
@@ -82,11 +79,8 @@ def test_per_shard_normalization_drifts_from_the_one_process_run():
         per_shard_loss_normalization=True,
         progress=False,
     )
-    reset_layout()
-    try:
+    with fresh_layout():
         result = pretrain(config)
-    finally:
-        reset_layout()
     failures = [] if not result.passed else ["the per-shard run passed the comparison"]
     if dist.get_rank() == 0 and not result.comparison.max_difference > 1e-3:
         failures.append(f"drift only {result.comparison.max_difference:.2e}")
@@ -129,11 +123,8 @@ def test_tensor_parallel_training_follows_the_one_process_run(changes):
         train_iters=3, compare_single_process=True, compare_tolerance=1e-5, progress=False,
         **changes,
     )  # fmt: skip
-    reset_layout()
-    try:
+    with fresh_layout():
         result = pretrain(config)
-    finally:
-        reset_layout()
     failures = [] if result.passed else ["the comparison with the one-process run failed"]
     losses = [r["loss"] for r in result.records]
     everyone: List[Optional[List[float]]] = [None] * dist.get_world_size()

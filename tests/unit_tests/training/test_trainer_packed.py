@@ -13,7 +13,7 @@ from megatron.training import TrainingConfig, validate_config
 from megatron.training.arguments import parse_args
 from megatron.training.data import PACK_PAD_MULTIPLE, PAD, PackedSFTDataset, SFTDataset
 from megatron.training.training import pretrain
-from tests.unit_tests.dist_utils import assert_no_failures, reset_layout
+from tests.unit_tests.dist_utils import assert_no_failures, fresh_layout
 
 PACKED_RUNS = [
     pytest.param(dict(pipeline_model_parallel_size=2), "all_gather", id="cp2-pp2-all_gather"),
@@ -54,11 +54,8 @@ def test_packed_training_follows_the_one_process_run(layout, comm):
         progress=False,
         **layout,
     )
-    reset_layout()
-    try:
+    with fresh_layout():
         result = pretrain(config)
-    finally:
-        reset_layout()
     failures = [] if result.passed else ["the comparison with the one-process run failed"]
     assert_no_failures(failures)
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from megatron.core import tensor_parallel
-from megatron.core.context_parallel import thd_partitioned_indices
+from megatron.core.context_parallel import thd_document_positions, thd_partitioned_indices
 from megatron.core.device import comm_device
 from megatron.core.enums import ModelType
 from megatron.core.models.common.embeddings.language_model_embedding import (
@@ -414,7 +414,5 @@ def _positions_in_documents(packed_seq_params, total: int, cp_group) -> torch.Te
     padded = packed_seq_params.cu_seqlens_q_padded
     if padded is None:
         padded = packed_seq_params.cu_seqlens_q
-    padded = padded.to("cpu", torch.long)
     local = thd_partitioned_indices(padded, total, get_pg_size(cp_group), get_pg_rank(cp_group))
-    starts = torch.cat([padded, torch.tensor([total])])
-    return local - starts[torch.searchsorted(starts, local, right=True) - 1]
+    return thd_document_positions(local, padded, total)[1]
