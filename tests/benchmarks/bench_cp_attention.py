@@ -52,7 +52,7 @@ BACKENDS = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["attention", "train", "probe"])
+    parser.add_argument("what", choices=["attention", "train", "probe", "profile"])
     parser.add_argument("--out", default="bench-cp-attention")
     parser.add_argument("--lengths", default="8192,16384,32768,65536,131072")
     parser.add_argument("--kernel", default="flash", choices=sorted(BACKENDS))
@@ -60,6 +60,10 @@ def main() -> None:
     parser.add_argument("--min-time", type=float, default=1.0, help="seconds timed per config")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="variants measured in turn, this many times"
+    )
+    parser.add_argument("--max-iters", type=int, default=20, help="timed calls per config, at most")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.what == "probe":
@@ -70,14 +74,23 @@ def main() -> None:
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     lengths = [int(x) for x in args.lengths.split(",")]
     variants = args.variants.split(",")
+    if args.what == "profile":
+        profile(args, lengths, variants)
+        dist.destroy_process_group()
+        return
     run = bench_attention if args.what == "attention" else bench_train
+    results: Dict = {}
     for length in lengths:
-        for variant in variants:
-            record = measure(run, args, length, variant)
-            if dist.get_rank() == 0:
-                with open(os.path.join(args.out, f"{args.what}.jsonl"), "a") as f:
-                    f.write(json.dumps(record) + "\n")
-                print(format_record(record), flush=True)
+        for _ in range(args.rounds):
+            for variant in variants:
+                record = measure(run, args, length, variant)
+                results.setdefault((length, variant), []).append(record.get("seconds"))
+                if dist.get_rank() == 0:
+                    with open(os.path.join(args.out, f"{args.what}.jsonl"), "a") as f:
+                        f.write(json.dumps(record) + "\n")
+                    print(format_record(record), flush=True)
+    if dist.get_rank() == 0 and args.rounds > 1:
+        print(summary(results), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -119,9 +132,30 @@ def measure(run: Callable, args, length: int, variant: str) -> Dict:
     return record
 
 
-def timed(step: Callable[[], None], min_time: float, sync_group: bool) -> List[float]:
-    """One warm-up call, then calls until ``min_time`` seconds are spent (2 to 20); with
-    ``sync_group`` every rank runs as many calls as the rank that ran the most."""
+def summary(results: Dict) -> str:
+    """Per length and variant: the median over rounds of each round's median, and its ratio
+    to PyTorch's context parallel (time of torch_cp / time of the variant: > 1 is faster)."""
+    lines = ["summary (median over rounds)"]
+    for (length, variant), times in results.items():
+        times = [t for t in times if t is not None]
+        if not times:
+            continue
+        seconds = statistics.median(times)
+        line = f"s={length:>6d} {variant:14s} {seconds * 1e3:9.3f} ms"
+        ref = [t for t in results.get((length, "torch_cp"), []) if t is not None]
+        if ref and variant != "torch_cp":
+            line += f"  x{statistics.median(ref) / seconds:.3f} vs torch_cp"
+        spread = f" (rounds {', '.join(f'{t * 1e3:.2f}' for t in times)})"
+        lines.append(line + spread)
+    return "\n".join(lines)
+
+
+def timed(
+    step: Callable[[], None], min_time: float, sync_group: bool, max_iters: int = 20
+) -> List[float]:
+    """One warm-up call, then calls until ``min_time`` seconds are spent (2 to
+    ``max_iters``); with ``sync_group`` every rank runs as many calls as the rank that ran
+    the most."""
 
     def one_call() -> float:
         if sync_group:
@@ -135,7 +169,7 @@ def timed(step: Callable[[], None], min_time: float, sync_group: bool) -> List[f
     step()
     torch.cuda.synchronize()
     times: List[float] = []
-    while len(times) < 2 or (sum(times) < min_time and len(times) < 20):
+    while len(times) < 2 or (sum(times) < min_time and len(times) < max_iters):
         times.append(one_call())
     if sync_group:
         count = torch.tensor([len(times)], device="cuda")
@@ -164,7 +198,9 @@ def format_record(r: Dict) -> str:
 # ----------------------------------------------------------------------------- attention
 
 
-def bench_attention(args, length: int, variant: str) -> List[float]:
+def bench_attention(args, length: int, variant: str, timer: Callable = None) -> List[float]:
+    """Time one attention op (``timer``, default ``timed``, gets the step to run)."""
+    timed_ = timer or timed
     heads, dim = 16, 128
     gen = torch.Generator(device="cuda").manual_seed(0)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -181,7 +217,7 @@ def bench_attention(args, length: int, variant: str) -> List[float]:
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             out.backward(dout)
 
-        return timed(step, args.min_time, sync_group=False)
+        return timed_(step, args.min_time, sync_group=False, max_iters=args.max_iters)
 
     if variant in ("one_gpu_ours", "all_gather", "p2p") or variant.startswith("all_gather_g"):
         group = None if variant == "one_gpu_ours" else dist.group.WORLD
@@ -200,7 +236,7 @@ def bench_attention(args, length: int, variant: str) -> List[float]:
             )  # fmt: skip
             out.backward(dout)
 
-        return timed(step, args.min_time, sync_group=group is not None)
+        return timed_(step, args.min_time, sync_group=group is not None, max_iters=args.max_iters)
 
     if variant == "torch_cp":
         from torch.distributed.device_mesh import init_device_mesh
@@ -220,7 +256,7 @@ def bench_attention(args, length: int, variant: str) -> List[float]:
                     out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=True)
                 out.backward(dout)
 
-            return timed(step, args.min_time, sync_group=True)
+            return timed_(step, args.min_time, sync_group=True, max_iters=args.max_iters)
     raise ValueError(f"unknown variant {variant!r} (rank {rank})")
 
 
@@ -311,7 +347,9 @@ def bench_train(args, length: int, variant: str) -> List[float]:
         attend = sdpa if variant == "one_gpu_sdpa" else (
             lambda q, k, v: context_parallel_attention(q, k, v, kernel=args.kernel)
         )  # fmt: skip
-        return timed(make_step(attend, inputs, positions, labels, 1), args.min_time, False)
+        return timed(
+            make_step(attend, inputs, positions, labels, 1), args.min_time, False, args.max_iters
+        )
     if variant in ("all_gather", "p2p"):
         shard = cp_shard_positions(length, world, dist.get_rank()).cuda()
 
@@ -321,7 +359,7 @@ def bench_train(args, length: int, variant: str) -> List[float]:
             )
 
         tok, pos, lab = (x[:, shard] for x in (inputs, positions, labels))
-        return timed(make_step(attend, tok, pos, lab, world), args.min_time, True)
+        return timed(make_step(attend, tok, pos, lab, world), args.min_time, True, args.max_iters)
     if variant == "torch_cp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.experimental import context_parallel
@@ -330,8 +368,46 @@ def bench_train(args, length: int, variant: str) -> List[float]:
         buffers = [inputs, positions.clone(), labels]
         with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1]):
             step = make_step(sdpa, buffers[0], buffers[1], buffers[2], world)
-            return timed(step, args.min_time, True)
+            return timed(step, args.min_time, True, args.max_iters)
     raise ValueError(f"unknown variant {variant!r}")
+
+
+# ----------------------------------------------------------------------------- profile
+
+
+def profile(args, lengths: List[int], variants: List[str]) -> None:
+    """Where the time of one attention op goes: ``torch.profiler`` over 3 calls per variant
+    and length (after 3 warm-up calls), rank 0's trace saved as
+    DIR/trace_<variant>_<kernel>_<s>.json and its top operators by self CPU time printed;
+    the trace's GPU-busy time against the calls' wall time tells a CPU-bound variant from a
+    GPU-bound one."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for length in lengths:
+        for variant in variants:
+
+            def profiled(step, min_time, sync_group, max_iters=0, length=length, variant=variant):
+                for _ in range(3):
+                    step()
+                torch.cuda.synchronize()
+                activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+                with torch_profile(activities=activities) as prof:
+                    for _ in range(3):
+                        if sync_group:
+                            dist.barrier()
+                        torch.cuda.synchronize()
+                        step()
+                        torch.cuda.synchronize()
+                if dist.get_rank() == 0:
+                    name = f"trace_{variant}_{args.kernel}_{length}.json"
+                    prof.export_chrome_trace(os.path.join(args.out, name))
+                    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+                    print(f"== {variant} {args.kernel} s={length}\n{table}", flush=True)
+                return []
+
+            bench_attention(args, length, variant, timer=profiled)
+            dist.barrier()
 
 
 # ----------------------------------------------------------------------------- probe

@@ -309,55 +309,24 @@ def _put_lse_rows(dst: torch.Tensor, rows: Rows, src: torch.Tensor) -> None:
 def _attend(part: _Part, q, k, v, scale, kernel):
     """Kernel forward on [rows, b, n, d] tensors -> (out [rows, b, n, d], lse [b, n, rows])."""
     if part.cu_q is None:
-        out, lse = fk.attention_forward(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), part.causal, scale, kernel
-        )
-        return out.transpose(0, 1), lse
+        return fk.attention_forward(q, k, v, part.causal, scale, kernel, layout="sbnd")
     out, lse = fk.varlen_forward(
-        q[:, 0],
-        k[:, 0],
-        v[:, 0],
-        part.cu_q,
-        part.cu_k,
-        part.max_q,
-        part.max_k,
-        part.causal,
-        scale,
-        kernel,
-    )
+        q[:, 0], k[:, 0], v[:, 0], part.cu_q, part.cu_k, part.max_q, part.max_k, part.causal,
+        scale, kernel,
+    )  # fmt: skip
     return out.unsqueeze(1), lse.unsqueeze(0)
 
 
 def _attend_backward(part: _Part, dout, q, k, v, out, lse, scale, kernel):
     """Kernel backward on [rows, b, n, d] tensors -> (dq, dk, dv) in the same layout."""
     if part.cu_q is None:
-        grads = fk.attention_backward(
-            dout.transpose(0, 1),
-            q.transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
-            out.transpose(0, 1),
-            lse,
-            part.causal,
-            scale,
-            kernel,
+        return fk.attention_backward(
+            dout, q, k, v, out, lse, part.causal, scale, kernel, layout="sbnd"
         )
-        return tuple(g.transpose(0, 1) for g in grads)
     grads = fk.varlen_backward(
-        dout[:, 0],
-        q[:, 0],
-        k[:, 0],
-        v[:, 0],
-        out[:, 0],
-        lse[0],
-        part.cu_q,
-        part.cu_k,
-        part.max_q,
-        part.max_k,
-        part.causal,
-        scale,
-        kernel,
-    )
+        dout[:, 0], q[:, 0], k[:, 0], v[:, 0], out[:, 0], lse[0], part.cu_q, part.cu_k,
+        part.max_q, part.max_k, part.causal, scale, kernel,
+    )  # fmt: skip
     return tuple(g.unsqueeze(1) for g in grads)
 
 
@@ -550,9 +519,10 @@ class _AllGatherAttention(torch.autograd.Function):
         world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
         s_local, rep = query.shape[0], query.shape[2] // key.shape[2]
         rescale = _Rescale.for_inputs(query, key, value, group)
-        q, k, v = rescale.inputs(query, key, value)
+        kv_local = rescale.key_values(key, value)  # [K | V] heads: what the gather sends
+        pending = _start_gather(kv_local, head_groups[0], group)
+        q, (k, v) = rescale.query(query), kv_local.chunk(2, dim=2)
         acc, acc_lse = _accumulators(query)
-        pending = _start_gather(k, v, head_groups[0], group)
         for i, (h0, h1) in enumerate(head_groups):
             heads, kv_heads = slice(h0 * rep, h1 * rep), slice(h0, h1)
             q_h, acc_h, lse_h = _heads(q, heads), _heads(acc, heads), _heads(acc_lse, heads, 1)
@@ -561,7 +531,7 @@ class _AllGatherAttention(torch.autograd.Function):
                            acc_h, lse_h, first=True)  # fmt: skip
             kv = pending.result()
             if i + 1 < len(head_groups):
-                pending = _start_gather(k, v, head_groups[i + 1], group)
+                pending = _start_gather(kv_local, head_groups[i + 1], group)
             for source in range(world):
                 if source != rank:
                     k_src, v_src = kv[source * s_local : (source + 1) * s_local].chunk(2, dim=2)
@@ -569,38 +539,39 @@ class _AllGatherAttention(torch.autograd.Function):
                     _forward_block(part, q_h, k_src, v_src, scale, kernel, acc_h, lse_h)
             del kv
         out = rescale.output(acc, query.dtype, plan.valid)
-        ctx.save_for_backward(q, k, v, out, acc_lse)  # fp16 when rescaled
+        ctx.save_for_backward(q, kv_local, out, acc_lse)  # fp16 when rescaled
         ctx.args = (group, plan, scale, kernel, rescale, query.dtype)
         ctx.head_groups = head_groups
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, kv_local, out, lse = ctx.saved_tensors
         group, plan, scale, kernel, rescale, dtype = ctx.args
         world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+        pending = _start_gather(kv_local, ctx.head_groups[0], group)
+        k, v = kv_local.chunk(2, dim=2)
         do, o, factors = _kernel_grad_inputs(grad_out, out, q, k, plan, scale, rescale)
         s_local, rep = q.shape[0], q.shape[2] // k.shape[2]
         acc = fk.acc_dtype(dtype)
         dq = torch.zeros(q.shape, device=q.device, dtype=acc)
-        dk = torch.zeros(k.shape, device=k.device, dtype=acc)
-        dv = torch.zeros_like(dk)
-        reductions = []
-        pending = _start_gather(k, v, ctx.head_groups[0], group)
+        dk, dv = (torch.empty(x.shape, device=x.device, dtype=dtype) for x in (k, v))
+        local_grads, reductions = [], []
         last = len(ctx.head_groups) - 1
         for i, (h0, h1) in enumerate(ctx.head_groups):
             heads, kv_heads = slice(h0 * rep, h1 * rep), slice(h0, h1)
             blocks = (_heads(do, heads), _heads(q, heads), _heads(o, heads), _heads(lse, heads, 1))
-            kv_h = (_heads(k, kv_heads), _heads(v, kv_heads))
-            grads_h = (_heads(dq, heads), _heads(dk, kv_heads), _heads(dv, kv_heads))
-            local = (plan.local, *blocks, *kv_h, scale, kernel, *grads_h, factors)
+            dq_h = _heads(dq, heads)
+            local = (plan.local, *blocks, _heads(k, kv_heads), _heads(v, kv_heads), scale, kernel,
+                     dq_h, factors)  # fmt: skip
             # The local block needs no communication: it runs while the first group's
-            # gather is in flight, or, in later groups, while their reduction is.
+            # gather is in flight, or, in later groups, while their reduction is. Its key
+            # and value gradients wait for the other ranks' sums to be added in one pass.
             if i == 0 and last > 0:
-                _backward_block(*local)
+                local_grads.append(_block_grads(*local))
             kv = pending.result()
             if i + 1 < len(ctx.head_groups):
-                pending = _start_gather(k, v, ctx.head_groups[i + 1], group)
+                pending = _start_gather(kv_local, ctx.head_groups[i + 1], group)
             dkv = torch.zeros(kv.shape, device=kv.device, dtype=acc)
             for source in range(world):
                 if source != rank:
@@ -608,18 +579,17 @@ class _AllGatherAttention(torch.autograd.Function):
                     k_src, v_src = kv[rows].chunk(2, dim=2)
                     dk_src, dv_src = dkv[rows].chunk(2, dim=2)
                     part = plan.part(source, rank)
-                    remote = (k_src, v_src, scale, kernel, grads_h[0], dk_src, dv_src, factors)
+                    remote = (k_src, v_src, scale, kernel, dq_h, dk_src, dv_src, factors)
                     _backward_block(part, *blocks, *remote)
             del kv
-            reductions.append(((h0, h1), _start_reduce_scatter(dkv, group)))
+            reductions.append(_start_reduce_scatter(dkv, group))
             if i > 0 or last == 0:
-                _backward_block(*local)
-        for (h0, h1), reduction in reductions:
+                local_grads.append(_block_grads(*local))
+        for (h0, h1), reduction, (gk, gv) in zip(ctx.head_groups, reductions, local_grads):
             dk_in, dv_in = reduction.result().chunk(2, dim=2)
-            dk[:, :, h0:h1] += dk_in
-            dv[:, :, h0:h1] += dv_in
-        dq, dk, dv = (x.to(dtype) for x in (dq, dk, dv))
-        return dq, dk, dv, None, None, None, None, None
+            _add_scaled(dk[:, :, h0:h1], dk_in, gk, factors[1])
+            _add_scaled(dv[:, :, h0:h1], dv_in, gv, factors[2])
+        return dq.to(dtype), dk, dv, None, None, None, None, None
 
 
 class _RingAttention(torch.autograd.Function):
@@ -634,9 +604,9 @@ class _RingAttention(torch.autograd.Function):
         world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
         n_kv = key.shape[2]
         rescale = _Rescale.for_inputs(query, key, value, group)
-        q, k, v = rescale.inputs(query, key, value)
+        q, kv_local = rescale.query(query), rescale.key_values(key, value)
         acc, acc_lse = _accumulators(query)
-        kv = torch.cat([k, v], dim=2)
+        kv = kv_local
         for step in range(world):
             exchange = _ring_exchange(kv, group, tag=0) if step + 1 < world else None
             k_src, v_src = kv.split(n_kv, dim=2)
@@ -645,20 +615,21 @@ class _RingAttention(torch.autograd.Function):
             if exchange is not None:
                 kv = exchange.result()
         out = rescale.output(acc, query.dtype, plan.valid)
-        ctx.save_for_backward(q, k, v, out, acc_lse)  # fp16 when rescaled
+        ctx.save_for_backward(q, kv_local, out, acc_lse)  # fp16 when rescaled
         ctx.args = (group, plan, scale, kernel, rescale, query.dtype)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, kv, out, lse = ctx.saved_tensors
         group, plan, scale, kernel, rescale, dtype = ctx.args
         world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
-        do, o, factors = _kernel_grad_inputs(grad_out, out, q, k, plan, scale, rescale)
-        n_kv = k.shape[2]
+        n_kv = kv.shape[2] // 2
+        do, o, factors = _kernel_grad_inputs(
+            grad_out, out, q, kv[:, :, :n_kv], plan, scale, rescale
+        )
         acc = fk.acc_dtype(dtype)
         dq = torch.zeros(q.shape, device=q.device, dtype=acc)
-        kv = torch.cat([k, v], dim=2)
         dkv = torch.zeros(kv.shape, device=kv.device, dtype=acc)
         dkv_exchange = None
         for step in range(world):
@@ -696,22 +667,23 @@ def _accumulators(query: torch.Tensor):
 
 
 def _forward_block(part: _Part, q, k, v, scale, kernel, acc, acc_lse, first: bool = False):
-    """One kernel call of ``part``; ``first`` (a part covering every row) starts the
-    accumulators, later parts are merged into them by LSE."""
+    """One kernel call of ``part``; ``first`` (the local part: every row, each with at least
+    its own key) starts the accumulators, later parts are merged into them by LSE."""
     o, lse = _attend(part, _rows(q, part.q_rows), _rows(k, part.k_rows), _rows(v, part.k_rows),
                      scale, kernel)  # fmt: skip
     if first:
         acc.copy_(o)
-        acc_lse.copy_(fk.finite_lse(lse))
+        acc_lse.copy_(lse)
         return
     rows = part.q_rows
     acc_rows, lse_rows = _rows(acc, rows), _lse_rows(acc_lse, rows)
-    if not isinstance(rows, slice):
-        lse_rows = lse_rows.clone()
-    fk.merge_into(acc_rows.transpose(0, 1), lse_rows, o.transpose(0, 1), lse)
-    if not isinstance(rows, slice):  # index rows: the merge ran on copies
-        _put_rows(acc, rows, acc_rows)
-        _put_lse_rows(acc_lse, rows, lse_rows)
+    if isinstance(rows, slice):  # dense: every query row has keys in every part
+        fk.merge_into(acc_rows, lse_rows, o, lse, layout="sbnd", rows_have_keys=True)
+        return
+    lse_rows = lse_rows.clone()  # index rows: merge copies, then put them back
+    fk.merge_into(acc_rows, lse_rows, o, lse, layout="sbnd")
+    _put_rows(acc, rows, acc_rows)
+    _put_lse_rows(acc_lse, rows, lse_rows)
 
 
 def _block_grads(part: _Part, do, q, o, lse, k, v, scale, kernel, dq, factors):
@@ -739,6 +711,17 @@ def _backward_block(part: _Part, do, q, o, lse, k, v, scale, kernel, dq, dk, dv,
     gk, gv = _block_grads(part, do, q, o, lse, k, v, scale, kernel, dq, factors)
     _add_rows(dk, part.k_rows, gk, factors[1])
     _add_rows(dv, part.k_rows, gv, factors[2])
+
+
+def _add_scaled(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, factor) -> None:
+    """dst = a + b * factor (None: 1; a float or a 0-d tensor) in one pass, rounded once to
+    dst's dtype."""
+    if factor is None:
+        torch.add(a, b, out=dst)
+    elif isinstance(factor, torch.Tensor):
+        torch.addcmul(a, b, factor, out=dst)
+    else:
+        torch.add(a, b, alpha=factor, out=dst)
 
 
 class _Rescale:
@@ -779,10 +762,11 @@ class _Rescale:
         rescale = cls(query.dtype == torch.bfloat16 and HALF_PARTIALS)
         if not rescale.enabled:
             return rescale
-        norms = [torch.linalg.vector_norm(x, float("inf")) for x in (query, key, value)]
-        amax = torch.stack(norms).float()
+        idle = _device_idle(query)  # asked before this queues its own work
+        norms = [_amax(x) for x in (query, key, value)]
+        amax = torch.stack(norms)
         _max_over_group(amax, group)
-        if _device_idle(query):
+        if idle:
             e_q, e_k, e_v = (math.frexp(x)[1] for x in amax.tolist())  # max|x| < 2^e
             shift = (e_k - e_q) // 2
         else:
@@ -799,10 +783,19 @@ class _Rescale:
             rescale.f = torch.exp2(rescale.exps[:6].float())
         return rescale
 
-    def inputs(self, query, key, value):
+    def query(self, query: torch.Tensor) -> torch.Tensor:
+        return _half(query, self.f[0]) if self.enabled else query
+
+    def key_values(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """K' and V' side by side along the heads, [s, b, 2 n_kv, d]: the buffer the
+        gather and the ring send, written in one pass per tensor."""
         if not self.enabled:
-            return query, key, value
-        return _half(query, self.f[0]), _half(key, self.f[1]), _half(value, self.f[2])
+            return torch.cat([key, value], dim=2)
+        s, b, n, d = key.shape
+        kv = torch.empty((s, b, 2 * n, d), dtype=torch.float16, device=key.device)
+        torch.mul(key, self.f[1], out=kv[:, :, :n])
+        torch.mul(value, self.f[2], out=kv[:, :, n:])
+        return kv
 
     def output(self, acc: torch.Tensor, dtype, valid) -> torch.Tensor:
         out = _scaled(acc, self.f[3], dtype) if self.enabled else acc.to(dtype)
@@ -814,11 +807,12 @@ class _Rescale:
         they are accumulated, before they leave the rank."""
         if not self.enabled:
             return grad_out, out, (None, None, None)
-        amax = torch.linalg.vector_norm(grad_out, float("inf")).float()
+        idle = _device_idle(grad_out)
+        amax = _amax(grad_out)
         unit = 2.0 * scale * head_dim  # exponents of the bounds, powers of two rounded up
         c_q, c_k = math.ceil(math.log2(unit * rows)), math.ceil(math.log2(unit))
         floor = math.ceil(math.log2(max(rows, 2 * head_dim)))
-        if _device_idle(grad_out):
+        if idle:
             e_do, e_q, e_k = math.frexp(amax.item())[1], self.exps[6], self.exps[7]
             bound = max(e_q + c_q, e_k + c_k, floor)
             if not isinstance(bound, int):
@@ -844,9 +838,16 @@ HALF_PARTIALS = True  # bf16 through the fp16 kernels (``_Rescale``); False: bf1
 def _device_idle(x: torch.Tensor) -> bool:
     """True when reading a value back from x's device costs nothing: a CPU tensor, or a GPU
     whose current stream has finished all its work (the CPU, not the GPU, is the
-    bottleneck). The factors are then computed on the host (a few Python operations)
-    rather than as ~30 tiny device operations; both ways give the same powers of two."""
+    bottleneck). Asked before the rescaling queues its own reductions, whose wait is then
+    the only cost of reading them back. The factors are then computed on the host (a few
+    Python operations) rather than as ~30 tiny device operations; both ways give the same
+    powers of two."""
     return x.device.type != "cuda" or torch.cuda.current_stream(x.device).query()
+
+
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a float32 0-d tensor (one reduction)."""
+    return torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
 
 
 def _half(x: torch.Tensor, factor) -> torch.Tensor:
@@ -877,11 +878,16 @@ class _Pending:
         return self.finish()
 
 
-def _start_gather(key, value, heads: Tuple[int, int], group) -> _Pending:
-    """Start all-gathering K/V heads h0:h1 as one [C * s_local, b, 2 (h1 - h0), d] tensor
-    (rank order: rows [j s_local, (j + 1) s_local) are rank j's)."""
+def _start_gather(kv: torch.Tensor, heads: Tuple[int, int], group) -> _Pending:
+    """Start all-gathering K/V heads h0:h1 of ``kv`` ([s_local, b, 2 n_kv, d], keys then
+    values) as one [C * s_local, b, 2 (h1 - h0), d] tensor (rank order: rows
+    [j s_local, (j + 1) s_local) are rank j's)."""
     h0, h1 = heads
-    local = torch.cat([key[:, :, h0:h1], value[:, :, h0:h1]], dim=2).contiguous()
+    n_kv = kv.shape[2] // 2
+    if h1 - h0 == n_kv:
+        local = kv
+    else:
+        local = torch.cat([kv[:, :, h0:h1], kv[:, :, n_kv + h0 : n_kv + h1]], dim=2)
     world = dist.get_world_size(group=group)
     if _is_nccl(group):
         out = local.new_empty((world * local.shape[0],) + tuple(local.shape[1:]))

@@ -5,7 +5,8 @@ needs each kernel's log-sum-exp (LSE) and its backward op, which PyTorch exposes
 ops (``F.scaled_dot_product_attention`` returns neither, and the LSE is not differentiable).
 This module wraps those ops behind one calling convention:
 
-- ``attention_forward(q, k, v, causal, scale)`` -> ``(out, lse)`` on [b, s, n, d] tensors,
+- ``attention_forward(q, k, v, causal, scale)`` -> ``(out, lse)`` on [b, s, n, d] tensors
+  (or [s, b, n, d], [b, n, s, d] by ``layout=``: one view to the kernels' layout),
   ``lse`` float32 [b, n, s_q] with lse_i = log sum_j exp(scale * q_i . k_j) over allowed j;
 - ``attention_backward(dout, q, k, v, out, lse, causal, scale)`` -> ``(dq, dk, dv)``, where
   ``out`` and ``lse`` may be the *merged* results of several blocks: the kernels rebuild
@@ -58,33 +59,35 @@ def attention_forward(
     causal: bool,
     scale: float,
     kernel: Optional[str] = None,
+    layout: str = "bsnd",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """softmax(scale * Q K^T [+ causal mask]) V and its LSE, for [b, s, n, d] inputs.
 
     Returns ``out`` [b, s_q, n_q, d] (input dtype) and ``lse`` float32 [b, n_q, s_q].
     A causal block needs s_q <= s_k (bottom-right alignment). Rows without keys (s_k = 0)
-    get out = 0 and lse = -inf.
+    get out = 0 and lse = -inf. ``layout``: inputs and ``out`` are [s, b, n, d] for "sbnd"
+    (megatron's), [b, n, s, d] for "bnsd" (the kernels' own); the LSE is [b, n, s] always.
     """
     spec = kernel_spec(resolve_kernel(kernel, query))
-    b, s_q, n_q, d = query.shape
-    s_k = key.shape[1]
+    q, k, v = (_heads_first(x, layout) for x in (query, key, value))
+    b, n_q, s_q, d = q.shape
+    s_k = k.shape[2]
     if causal and s_q > s_k:
         raise ValueError(
             f"attention_forward: a causal block needs s_q <= s_k (bottom-right), got "
             f"s_q={s_q}, s_k={s_k}"
         )
-    if s_q == 0:
-        lse = query.new_zeros((b, n_q, 0), dtype=acc_dtype(query.dtype))
-        return query.new_zeros(query.shape), lse
-    if s_k == 0:
+    if s_q == 0 or s_k == 0:
         lse = torch.full(
             (b, n_q, s_q), -math.inf, device=query.device, dtype=acc_dtype(query.dtype)
         )
         return query.new_zeros(query.shape), lse
     if causal and s_q < s_k and not bottom_right_causal(spec, query.device):
-        return _split_forward(query, key, value, scale, spec)
-    key, value = _expand_kv(key, value, n_q, spec)
-    return spec.forward(query, key, value, causal, scale)
+        out, lse = _split_forward(q, k, v, scale, spec)
+    else:
+        k, v = _expand_kv(k, v, n_q, spec)
+        out, lse = spec.forward(q, k, v, causal, scale)
+    return _from_heads_first(out, layout), lse
 
 
 def attention_backward(
@@ -97,24 +100,47 @@ def attention_backward(
     causal: bool,
     scale: float,
     kernel: Optional[str] = None,
+    layout: str = "bsnd",
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of the block (query, key, value) given the final ``out`` and ``lse``.
 
     ``out`` [b, s_q, n_q, d] and ``lse`` [b, n_q, s_q] are those of the whole (merged)
     attention these queries take part in. dk, dv have key's head count; with grouped-query
-    attention they are float32 sums over the query heads of each group.
+    attention they are float32 sums over the query heads of each group. ``layout`` as in
+    ``attention_forward``. Every row has a key here (s_k > 0, and a causal block is
+    bottom-right), so ``lse`` is finite and goes to the kernel as it is.
     """
     spec = kernel_spec(resolve_kernel(kernel, query))
-    n_q, n_kv = query.shape[2], key.shape[2]
-    if query.shape[1] == 0 or key.shape[1] == 0:
+    if query.numel() == 0 or key.numel() == 0:
         return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
-    if causal and query.shape[1] < key.shape[1] and not bottom_right_causal(spec, query.device):
-        return _split_backward(grad_out, query, key, value, out, lse, scale, spec)
-    k_exp, v_exp = _expand_kv(key, value, n_q, spec)
-    dq, dk, dv = spec.backward(grad_out, query, k_exp, v_exp, out, backward_lse(lse), causal, scale)
-    if k_exp.shape[2] != n_kv:
-        dk, dv = (_sum_groups(x, n_kv) for x in (dk, dv))
-    return dq, dk, dv
+    tensors = (grad_out, query, key, value, out)
+    do, q, k, v, o = (_heads_first(x, layout) for x in tensors)
+    n_q, n_kv = q.shape[1], k.shape[1]
+    if causal and q.shape[2] < k.shape[2] and not bottom_right_causal(spec, query.device):
+        dq, dk, dv = _split_backward(do, q, k, v, o, lse, scale, spec)
+    else:
+        k_exp, v_exp = _expand_kv(k, v, n_q, spec)
+        dq, dk, dv = spec.backward(do, q, k_exp, v_exp, o, lse, causal, scale)
+        if k_exp.shape[1] != n_kv:
+            dk, dv = (_sum_groups(x, n_kv) for x in (dk, dv))
+    return tuple(_from_heads_first(x, layout) for x in (dq, dk, dv))
+
+
+def _heads_first(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """[b, s, n, d] ("bsnd") or [s, b, n, d] ("sbnd") as the kernels' [b, n, s, d] (a view)."""
+    if layout == "bsnd":
+        return x.transpose(1, 2)
+    if layout == "sbnd":
+        return x.permute(1, 2, 0, 3)
+    if layout == "bnsd":
+        return x
+    raise ValueError(f"attention layout must be 'bsnd', 'sbnd' or 'bnsd', got {layout!r}")
+
+
+def _from_heads_first(x: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout == "bnsd":
+        return x
+    return x.transpose(1, 2) if layout == "bsnd" else x.permute(2, 0, 1, 3)
 
 
 def varlen_forward(
@@ -212,7 +238,9 @@ def varlen_backward(
         if grads is not None:
             dq, dk, dv = grads
             if k_exp.shape[1] != n_kv:
-                dk, dv = (_sum_groups(x.unsqueeze(0), n_kv)[0] for x in (dk, dv))
+                dk, dv = (
+                    _sum_groups(x.transpose(0, 1)[None], n_kv)[0].transpose(0, 1) for x in (dk, dv)
+                )
             return dq, dk, dv
     dq = torch.zeros_like(query)
     dk = torch.zeros(key.shape, device=key.device, dtype=acc_dtype(key.dtype))
@@ -264,20 +292,30 @@ def backward_lse(lse: torch.Tensor) -> torch.Tensor:
 
 
 def merge_into(
-    acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+    acc_out: torch.Tensor,
+    acc_lse: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    layout: str = "bsnd",
+    rows_have_keys: bool = False,
 ) -> None:
     """Merge a block (out, lse) into the running float32 (acc_out, acc_lse), in place.
 
-    L = log(e^{L_a} + e^{L_b}); O = e^{L_a - L} O_a + e^{L_b - L} O_b. Rows where both are
-    -inf (no keys yet) stay 0 / -inf. ``acc_out``/``out`` [b, s, n, d]; lse [b, n, s].
+    L = log(e^{L_a} + e^{L_b}); O = O_a + w (O_b - O_a) with the block's weight
+    w = e^{L_b - L} = sigmoid(L_b - L_a) (one ``lerp``). ``acc_out``/``out`` [b, s, n, d]
+    (``layout``: or [s, b, n, d], [b, n, s, d]); lse [b, n, s]. Rows where both are -inf
+    (no keys yet) stay 0 / -inf, and a block's +inf (a row without keys on flash kernels)
+    counts as -inf; ``rows_have_keys`` (every row of both has a key: finite LSEs) skips
+    those two guards.
     """
-    lse = finite_lse(lse)
-    new_lse = torch.logaddexp(acc_lse, lse)
-    safe = torch.where(torch.isinf(new_lse), 0.0, new_lse)
-    w_acc = torch.exp(acc_lse - safe).transpose(1, 2).unsqueeze(-1)
-    w_blk = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
-    acc_out.mul_(w_acc).add_(w_blk * out.to(acc_out.dtype))
-    acc_lse.copy_(new_lse)
+    if not rows_have_keys:
+        lse = finite_lse(lse)
+    weight = torch.sigmoid(lse - acc_lse)
+    if not rows_have_keys:
+        weight = weight.nan_to_num_(0.0)  # -inf - -inf: no keys in either
+    torch.logaddexp(acc_lse, lse, out=acc_lse)
+    weight = _from_heads_first(weight.unsqueeze(-1), layout)
+    acc_out.lerp_(out.to(acc_out.dtype), weight)
 
 
 # ----------------------------------------------------------------------------- kernel table
@@ -285,7 +323,8 @@ def merge_into(
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """One kernel: forward/backward callables on [b, s, n, d] and what it supports."""
+    """One kernel: forward/backward callables on [b, n, s, d] (SDPA's layout, so the fused
+    ops take their inputs as views) and what it supports."""
 
     name: str
     forward: object
@@ -333,10 +372,10 @@ def _measure_bottom_right(name: str, device: torch.device) -> bool:
     """Query 0 of 64 against 128 keys: bottom-right sees keys 0..64, top-left key 0 only;
     with v = one-hot key index the output's mass beyond key 0 tells them apart."""
     spec = _SPECS[name]
-    q = torch.zeros(1, 64, 1, 64, device=device, dtype=torch.bfloat16)
-    k = torch.zeros(1, 128, 1, 64, device=device, dtype=torch.bfloat16)
-    v = torch.zeros(1, 128, 1, 64, device=device, dtype=torch.bfloat16)
-    v[0, 1:, 0, 0] = 1.0  # every key but the first carries 1 in channel 0
+    q = torch.zeros(1, 1, 64, 64, device=device, dtype=torch.bfloat16)
+    k = torch.zeros(1, 1, 128, 64, device=device, dtype=torch.bfloat16)
+    v = torch.zeros(1, 1, 128, 64, device=device, dtype=torch.bfloat16)
+    v[0, 0, 1:, 0] = 1.0  # every key but the first carries 1 in channel 0
     out, _ = spec.forward(q, k, v, True, 1.0)
     return bool(out[0, 0, 0, 0].float() > 0.5)  # top-left: 0; bottom-right: 64/65
 
@@ -359,144 +398,91 @@ def varlen_available() -> bool:
 
 def _flash_forward(q, k, v, causal, scale):
     res = torch.ops.aten._scaled_dot_product_flash_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, False, scale=scale
+        q, k, v, 0.0, causal, False, scale=scale
     )
     _RNG_STATE.setdefault(("flash", q.device), (res[6], res[7]))
-    return res[0].transpose(1, 2), res[1]
+    return res[0], res[1]
 
 
 def _flash_backward(dout, q, k, v, out, lse, causal, scale):
-    s_q, s_k = q.shape[1], k.shape[1]
     seed, offset = _rng_state("flash", q.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout.transpose(1, 2),
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        out.transpose(1, 2),
-        lse.contiguous(),
-        _UNDEFINED,
-        _UNDEFINED,
-        s_q,
-        s_k,
-        0.0,
-        causal,
-        seed,
-        offset,
-        scale=scale,
-    )
-    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        dout, q, k, v, out, lse.contiguous(), _UNDEFINED, _UNDEFINED, q.shape[2], k.shape[2],
+        0.0, causal, seed, offset, scale=scale,
+    )  # fmt: skip
+    return dq, dk, dv
 
 
 def _efficient_forward(q, k, v, causal, scale):
+    """The efficient kernel takes [b, s, n, d]."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     res = torch.ops.aten._efficient_attention_forward(
         q, k, v, None, None, None, None, None, 0.0, 2 if causal else 0, True, scale=scale
     )
     _RNG_STATE.setdefault(("efficient", q.device), (res[2], res[3]))
-    return res[0], res[1][:, :, : q.shape[1]]
+    return res[0].transpose(1, 2), res[1][:, :, : q.shape[1]]
 
 
 def _efficient_backward(dout, q, k, v, out, lse, causal, scale):
+    dout, q, k, v, out = (x.transpose(1, 2) for x in (dout, q, k, v, out))
     s_q = q.shape[1]
     padded = 32 * math.ceil(s_q / 32)
     lse = torch.nn.functional.pad(lse, (0, padded - s_q)).contiguous()
     seed, offset = _rng_state("efficient", q.device)
     dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
-        dout.contiguous(),
-        q,
-        k,
-        v,
-        None,
-        out.contiguous(),
-        None,
-        None,
-        s_q,
-        k.shape[1],
-        lse,
-        0.0,
-        seed,
-        offset,
-        2 if causal else 0,
-        False,
-        scale=scale,
-    )
-    return dq, dk, dv
+        dout.contiguous(), q, k, v, None, out.contiguous(), None, None, s_q, k.shape[1], lse,
+        0.0, seed, offset, 2 if causal else 0, False, scale=scale,
+    )  # fmt: skip
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 def _cudnn_forward(q, k, v, causal, scale):
     res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, causal, False,
-        scale=scale,
-    )  # fmt: skip
+        q, k, v, None, True, 0.0, causal, False, scale=scale
+    )
     _RNG_STATE.setdefault(("cudnn", q.device), (res[6], res[7]))
-    b, n, s_q = q.shape[0], q.shape[2], q.shape[1]
-    return res[0].transpose(1, 2), res[1].reshape(b, n, s_q)
+    return res[0], res[1].reshape(q.shape[:3])
 
 
 def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):
-    s_q, s_k = q.shape[1], k.shape[1]
     seed, offset = _rng_state("cudnn", q.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        dout.transpose(1, 2),
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        out.transpose(1, 2),
-        lse.unsqueeze(-1).contiguous(),
-        seed,
-        offset,
-        _UNDEFINED,
-        _UNDEFINED,
-        _UNDEFINED,
-        s_q,
-        s_k,
-        0.0,
-        causal,
-        scale=scale,
-    )
-    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        dout, q, k, v, out, lse.unsqueeze(-1).contiguous(), seed, offset, _UNDEFINED,
+        _UNDEFINED, _UNDEFINED, q.shape[2], k.shape[2], 0.0, causal, scale=scale,
+    )  # fmt: skip
+    return dq, dk, dv
 
 
 def _cpu_forward(q, k, v, causal, scale):
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, scale=scale
     )
-    return out.transpose(1, 2), lse
 
 
 def _cpu_backward(dout, q, k, v, out, lse, causal, scale):
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout.transpose(1, 2),
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        out.transpose(1, 2),
-        lse.to(acc_dtype(q.dtype)).contiguous(),
-        0.0,
-        causal,
-        scale=scale,
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse.to(acc_dtype(q.dtype)).contiguous(), 0.0, causal, scale=scale
     )
-    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 def _math_forward(q, k, v, causal, scale):
     """Explicit block: lse = logsumexp(scale * Q K^T [+ bottom-right mask]), out = P V."""
-    qh, kh, vh = (x.transpose(1, 2).to(acc_dtype(q.dtype)) for x in (q, k, v))
+    qh, kh, vh = (x.to(acc_dtype(q.dtype)) for x in (q, k, v))
     probs, lse = _math_probs(qh, kh, None, causal, scale)
-    return (probs @ vh).to(q.dtype).transpose(1, 2), lse
+    return (probs @ vh).to(q.dtype), lse
 
 
 def _math_backward(dout, q, k, v, out, lse, causal, scale):
     """With P = exp(S - lse) and D = rowsum(dO * O): dS = P (dO V^T - D), dQ = scale dS K,
     dK = scale dS^T Q, dV = P^T dO (``out``/``lse`` may be a merge of several blocks)."""
     dtype = acc_dtype(q.dtype)
-    qh, kh, vh, do, oh = (x.transpose(1, 2).to(dtype) for x in (q, k, v, dout, out))
+    qh, kh, vh, do, oh = (x.to(dtype) for x in (q, k, v, dout, out))
     probs, _ = _math_probs(qh, kh, lse.to(dtype), causal, scale)
     dscores = probs * (do @ vh.transpose(-1, -2) - (do * oh).sum(-1, keepdim=True))
     dq = (dscores @ kh) * scale
     dk = (dscores.transpose(-1, -2) @ qh) * scale
     dv = probs.transpose(-1, -2) @ do
-    return tuple(g.to(q.dtype).transpose(1, 2) for g in (dq, dk, dv))
+    return tuple(g.to(q.dtype) for g in (dq, dk, dv))
 
 
 def _math_probs(qh, kh, lse, causal, scale):
@@ -541,41 +527,37 @@ _SPECS = {
 
 
 def _split_forward(q, k, v, scale, spec: KernelSpec):
-    """Bottom-right causal with s_q < s_k as a mask-free prefix plus a square causal block."""
-    s_q, s_k = q.shape[1], k.shape[1]
-    prefix = s_k - s_q
-    k_exp, v_exp = _expand_kv(k, v, q.shape[2], spec)
-    out, lse = spec.forward(q, k_exp[:, :prefix], v_exp[:, :prefix], False, scale)
-    acc = out.to(acc_dtype(q.dtype))
-    acc_lse = finite_lse(lse).to(acc.dtype)
-    o2, l2 = spec.forward(q, k_exp[:, prefix:], v_exp[:, prefix:], True, scale)
-    merge_into(acc, acc_lse, o2, l2)
+    """Bottom-right causal with s_q < s_k as a mask-free prefix plus a square causal block
+    ([b, n, s, d] tensors)."""
+    prefix = k.shape[2] - q.shape[2]
+    k_exp, v_exp = _expand_kv(k, v, q.shape[1], spec)
+    out, lse = spec.forward(q, k_exp[:, :, :prefix], v_exp[:, :, :prefix], False, scale)
+    acc, acc_lse = out.to(acc_dtype(q.dtype)), lse.to(acc_dtype(q.dtype))
+    o2, l2 = spec.forward(q, k_exp[:, :, prefix:], v_exp[:, :, prefix:], True, scale)
+    merge_into(acc, acc_lse, o2, l2, layout="bnsd", rows_have_keys=True)
     return acc.to(q.dtype), acc_lse
 
 
 def _split_backward(dout, q, k, v, out, lse, scale, spec: KernelSpec):
-    s_q, s_k, n_kv = q.shape[1], k.shape[1], k.shape[2]
-    prefix = s_k - s_q
-    k_exp, v_exp = _expand_kv(k, v, q.shape[2], spec)
-    lse = backward_lse(lse)
+    prefix, n_kv = k.shape[2] - q.shape[2], k.shape[1]
+    k_exp, v_exp = _expand_kv(k, v, q.shape[1], spec)
     dq1, dk1, dv1 = spec.backward(
-        dout, q, k_exp[:, :prefix], v_exp[:, :prefix], out, lse, False, scale
+        dout, q, k_exp[:, :, :prefix], v_exp[:, :, :prefix], out, lse, False, scale
     )
     dq2, dk2, dv2 = spec.backward(
-        dout, q, k_exp[:, prefix:], v_exp[:, prefix:], out, lse, True, scale
+        dout, q, k_exp[:, :, prefix:], v_exp[:, :, prefix:], out, lse, True, scale
     )
     dq = (dq1.to(acc_dtype(q.dtype)) + dq2).to(q.dtype)
-    dk = torch.cat([dk1, dk2], dim=1)
-    dv = torch.cat([dv1, dv2], dim=1)
-    if k_exp.shape[2] != n_kv:
+    dk = torch.cat([dk1, dk2], dim=2)
+    dv = torch.cat([dv1, dv2], dim=2)
+    if k_exp.shape[1] != n_kv:
         dk, dv = _sum_groups(dk, n_kv), _sum_groups(dv, n_kv)
     return dq, dk, dv
 
 
-def _expand_kv(k, v, n_q: int, spec: KernelSpec):
-    """Repeat each key/value head for its n_q / n_kv query heads (head dim 2 of [b, s, n, d]
-    or dim 1 of [t, n, d]) unless the kernel handles grouped-query attention itself."""
-    head_dim = k.dim() - 2
+def _expand_kv(k, v, n_q: int, spec: KernelSpec, head_dim: int = 1):
+    """Repeat each key/value head for its n_q / n_kv query heads (head dim 1 of [b, n, s, d]
+    or of [t, n, d]) unless the kernel handles grouped-query attention itself."""
     n_kv = k.shape[head_dim]
     if n_kv == n_q or spec.native_gqa:
         return k, v
@@ -584,9 +566,9 @@ def _expand_kv(k, v, n_q: int, spec: KernelSpec):
 
 
 def _sum_groups(grad: torch.Tensor, n_kv: int) -> torch.Tensor:
-    """Sum a [b, s, n_q, d] gradient over each group of n_q / n_kv heads, in float32."""
-    b, s, n_q, d = grad.shape
-    return grad.to(acc_dtype(grad.dtype)).view(b, s, n_kv, n_q // n_kv, d).sum(dim=3)
+    """Sum a [b, n_q, s, d] gradient over each group of n_q / n_kv heads, in float32."""
+    b, n_q, s, d = grad.shape
+    return grad.to(acc_dtype(grad.dtype)).view(b, n_kv, n_q // n_kv, s, d).sum(dim=2)
 
 
 def _segments(cu_q: torch.Tensor, cu_k: torch.Tensor) -> List[Tuple[Tuple[int, int], ...]]:
