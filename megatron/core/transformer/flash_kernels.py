@@ -126,21 +126,23 @@ def attention_backward(
     return tuple(_from_heads_first(x, layout) for x in (dq, dk, dv))
 
 
+# layout -> (the permutation to the kernels' [b, n, s, d], and back)
+_LAYOUTS = {
+    "bsnd": ((0, 2, 1, 3), (0, 2, 1, 3)),
+    "sbnd": ((1, 2, 0, 3), (2, 0, 1, 3)),
+    "bnsd": ((0, 1, 2, 3), (0, 1, 2, 3)),
+}
+
+
 def _heads_first(x: torch.Tensor, layout: str) -> torch.Tensor:
-    """[b, s, n, d] ("bsnd") or [s, b, n, d] ("sbnd") as the kernels' [b, n, s, d] (a view)."""
-    if layout == "bsnd":
-        return x.transpose(1, 2)
-    if layout == "sbnd":
-        return x.permute(1, 2, 0, 3)
-    if layout == "bnsd":
-        return x
-    raise ValueError(f"attention layout must be 'bsnd', 'sbnd' or 'bnsd', got {layout!r}")
+    """x in ``layout`` as the kernels' [b, n, s, d] (a view)."""
+    if layout not in _LAYOUTS:
+        raise ValueError(f"attention layout must be one of {sorted(_LAYOUTS)}, got {layout!r}")
+    return x.permute(_LAYOUTS[layout][0])
 
 
 def _from_heads_first(x: torch.Tensor, layout: str) -> torch.Tensor:
-    if layout == "bnsd":
-        return x
-    return x.transpose(1, 2) if layout == "bsnd" else x.permute(2, 0, 1, 3)
+    return x.permute(_LAYOUTS[layout][1])
 
 
 def varlen_forward(
@@ -238,9 +240,7 @@ def varlen_backward(
         if grads is not None:
             dq, dk, dv = grads
             if k_exp.shape[1] != n_kv:
-                dk, dv = (
-                    _sum_groups(x.transpose(0, 1)[None], n_kv)[0].transpose(0, 1) for x in (dk, dv)
-                )
+                dk, dv = (_sum_groups(x, n_kv) for x in (dk, dv))
             return dq, dk, dv
     dq = torch.zeros_like(query)
     dk = torch.zeros(key.shape, device=key.device, dtype=acc_dtype(key.dtype))
@@ -565,10 +565,12 @@ def _expand_kv(k, v, n_q: int, spec: KernelSpec, head_dim: int = 1):
     return (x.repeat_interleave(rep, dim=head_dim) for x in (k, v))
 
 
-def _sum_groups(grad: torch.Tensor, n_kv: int) -> torch.Tensor:
-    """Sum a [b, n_q, s, d] gradient over each group of n_q / n_kv heads, in float32."""
-    b, n_q, s, d = grad.shape
-    return grad.to(acc_dtype(grad.dtype)).view(b, n_kv, n_q // n_kv, s, d).sum(dim=2)
+def _sum_groups(grad: torch.Tensor, n_kv: int, head_dim: int = 1) -> torch.Tensor:
+    """Sum a gradient over each group of n_q / n_kv heads (head dim 1 of [b, n_q, s, d] or of
+    [t, n_q, d], as in ``_expand_kv``), in float32."""
+    shape = grad.shape
+    groups = shape[:head_dim] + (n_kv, shape[head_dim] // n_kv) + shape[head_dim + 1 :]
+    return grad.to(acc_dtype(grad.dtype)).view(groups).sum(dim=head_dim + 1)
 
 
 def _segments(cu_q: torch.Tensor, cu_k: torch.Tensor) -> List[Tuple[Tuple[int, int], ...]]:
