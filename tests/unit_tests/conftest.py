@@ -1,8 +1,9 @@
 """Test-session setup shared by every bucket.
 
 Under torchrun (WORLD_SIZE set) one gloo process group is created per session. Tests marked
-``@pytest.mark.world(4, 8)`` run only in launches of those sizes; other launches deselect
-them and say so in the summary, so nothing is skipped silently.
+``@pytest.mark.world(4, 8)`` run only in launches of those sizes (a test and its parameter may
+both be marked: every mark must allow the size); other launches deselect them and say so in
+the summary, so nothing is skipped silently.
 """
 
 import os
@@ -37,8 +38,8 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     keep, dropped = [], []
     for item in items:
-        marker = item.get_closest_marker("world")
-        if marker is not None and WORLD_SIZE not in marker.args:
+        # Every world mark must allow this size (a parameter's mark narrows its function's).
+        if any(WORLD_SIZE not in marker.args for marker in item.iter_markers("world")):
             dropped.append(item)
         else:
             keep.append(item)

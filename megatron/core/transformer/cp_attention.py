@@ -25,6 +25,11 @@ ways to bring the keys to the queries (``cp_comm_type``, megatron-core's names):
 - ``"a2a"``: heads all-to-all (Ulysses): every rank gets the whole sequence for n/C of the
   heads, runs one causal kernel call, and sends the result back. Needs n and n_kv divisible
   by C.
+- ``"a2a+p2p"`` (hierarchical, C = A x P): heads all-to-all within groups of A consecutive
+  CP ranks, after which each rank holds n/A heads of a load-balanced shard of a split over
+  P ranks; the p2p ring runs over those P ranks, and the heads go back. Needs n and n_kv
+  divisible by A. (The all-to-all suits fast links within a node, the ring the links
+  between nodes.)
 
 Packed sequences (``PackedSeqParams``, THD) work in every mode: each document is split over
 the ranks on its own, and each kernel call above becomes one varlen call over all documents
@@ -43,21 +48,20 @@ group for the whole sequence (all_gather) or of one peer (p2p).
 import functools
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from megatron.core.context_parallel import (
-    cp_gathered_positions,
+    cp_shard_positions,
     cp_size_and_rank,
     thd_document_positions,
     thd_partitioned_indices,
 )
 from megatron.core.tensor_parallel.mappings import _adjoint_pair
 from megatron.core.transformer import flash_kernels as fk
-
-CP_COMM_TYPES = ("all_gather", "p2p", "a2a")
+from megatron.core.transformer.transformer_config import CP_COMM_TYPES
 
 
 def context_parallel_attention(
@@ -65,7 +69,7 @@ def context_parallel_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     *,
-    cp_group: Optional[dist.ProcessGroup] = None,
+    cp_group: Union[None, dist.ProcessGroup, Sequence[dist.ProcessGroup]] = None,
     cp_comm_type: Optional[str] = "all_gather",
     softmax_scale: Optional[float] = None,
     packed_seq_params=None,
@@ -76,7 +80,11 @@ def context_parallel_attention(
 
     ``query`` is [s_local, b, np, d]; ``key`` and ``value`` are [s_local, b, ng, d] with np a
     multiple of ng (grouped-query attention: query head i uses key/value head i // (np/ng)).
-    ``cp_group`` None or of size 1 means the shard is the whole sequence. Returns
+    ``cp_group`` None or of size 1 means the shard is the whole sequence; for
+    ``cp_comm_type="a2a+p2p"`` it is the pair [all-to-all group of A ranks, ring group of P
+    ranks] that ``parallel_state.get_hierarchical_context_parallel_groups()`` returns for
+    ``hierarchical_context_parallel_sizes=[A, P]`` (the CP rank is ring rank * A + rank in
+    the all-to-all group). Returns
     [s_local, b, np, d]: softmax(scale * Q K^T + causal mask) V, scale = ``softmax_scale``
     or 1/sqrt(d).
 
@@ -90,12 +98,17 @@ def context_parallel_attention(
     split into (default: one, unless the gathered K/V would exceed 2 GiB; see
     ``_head_groups``).
     """
-    comm = _check_arguments(query, key, value, cp_comm_type, packed_seq_params)
-    cp_size, cp_rank = cp_size_and_rank(cp_group)
+    comm = _check_arguments(query, key, value, cp_comm_type, cp_group, packed_seq_params)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(query.shape[-1])
+    if comm == "a2a+p2p":
+        a2a_group, ring = cp_group
+        return _all_to_all_attention(
+            query, key, value, a2a_group, packed_seq_params, scale, kernel, ring
+        )
+    cp_size, cp_rank = cp_size_and_rank(cp_group)
     s_local = query.shape[0]
     if cp_size == 1:
-        plan = _local_plan(s_local, 1, packed_seq_params, query.device)
+        plan = _local_plan(s_local, packed_seq_params, query.device)
         return _LocalAttention.apply(query, key, value, plan, scale, kernel)
     if comm == "a2a":
         return _all_to_all_attention(query, key, value, cp_group, packed_seq_params, scale, kernel)
@@ -137,43 +150,57 @@ class _Part:
 
 @dataclass
 class _Plan:
-    """How this rank's attention is cut into kernel calls.
-
-    ``natural``: index taking gathered (rank-order) rows to natural (position) order, and
-    ``gathered`` its inverse (None: already natural). ``valid``: float mask of real local rows
-    [s_local, 1, 1, 1] (None: all real).
-    """
+    """How a whole (natural-order) sequence is cut into kernel calls. ``valid``: float mask of
+    real rows [s, 1, 1, 1] (None: all real)."""
 
     parts: List[_Part]
-    natural: Optional[torch.Tensor] = None
-    gathered: Optional[torch.Tensor] = None
     valid: Optional[torch.Tensor] = None
 
 
-def _local_plan(s_local: int, cp_size: int, packed, device) -> _Plan:
-    """The whole (gathered, natural-order) sequence at once: C = 1, or a2a after the exchange."""
-    total = s_local * cp_size
+def _local_plan(total: int, packed, device) -> _Plan:
+    """The whole natural-order sequence at once: C = 1, or a2a after the exchange."""
     if packed is None:
         return _Plan([_Part(slice(None), slice(None))])
-    docs = _documents(packed, total, cp_size)
+    docs = _documents(packed, total, 1)
     cu = torch.tensor(docs.padded_offsets, dtype=torch.int32, device=device)
     part = _Part(slice(None), slice(None), cu, cu, max(docs.lengths), max(docs.lengths))
-    natural = gathered = None
-    if cp_size > 1:
-        gathered = torch.cat(
-            [thd_partitioned_indices(cu, total, cp_size, r) for r in range(cp_size)]
-        ).to(device)
-        natural = torch.argsort(gathered)
-    positions = torch.arange(total, device=device)
-    return _Plan([part], natural, gathered, _valid_mask(docs, positions, device))
+    return _Plan([part], _valid_mask(docs, torch.arange(total, device=device), device))
+
+
+def _exchange_order(s_local: int, a2a_size: int, ring_size: int, ring_rank: int, packed, device):
+    """Rows of a heads exchange over CP ranks jA .. jA+A-1 (j = ``ring_rank``, A =
+    ``a2a_size``), in the order of ring rank j's load-balanced shard of a split over
+    P = ``ring_size`` ranks (P = 1: natural order), and the inverse permutation.
+
+    The exchanged rows are the shards of those A ranks in rank order (chunks jA+i and
+    2C-1-jA-i of 2C, C = A * P; packed: of every document); together they are exactly the
+    coarse chunks j and 2P-1-j of 2P, which the ring's plan expects.
+    """
+    cp_size, total = a2a_size * ring_size, s_local * a2a_size * ring_size
+    if packed is None:
+        return _dense_exchange_order(total, cp_size, a2a_size, ring_size, ring_rank, device)
+    members = range(ring_rank * a2a_size, (ring_rank + 1) * a2a_size)
+    offsets = _documents(packed, total, cp_size).padded_offsets
+    held = torch.cat([thd_partitioned_indices(offsets, total, cp_size, r) for r in members])
+    target = thd_partitioned_indices(offsets, total, ring_size, ring_rank)
+    return _inverse_lookup(held, target, total, device)
 
 
 @functools.lru_cache(maxsize=16)
-def _dense_orders(total: int, cp_size: int, device: torch.device):
-    """(natural, gathered) row orders of a gathered dense sequence, built once per shape:
-    gathered[j] is the position of gathered row j, natural its inverse permutation."""
-    gathered = cp_gathered_positions(total, cp_size).to(device)
-    return torch.argsort(gathered), gathered
+def _dense_exchange_order(total, cp_size, a2a_size, ring_size, ring_rank, device):
+    """``_exchange_order`` of a dense sequence, built once per shape."""
+    members = range(ring_rank * a2a_size, (ring_rank + 1) * a2a_size)
+    held = torch.cat([cp_shard_positions(total, cp_size, r) for r in members])
+    target = cp_shard_positions(total, ring_size, ring_rank)
+    return _inverse_lookup(held, target, total, device)
+
+
+def _inverse_lookup(held: torch.Tensor, target: torch.Tensor, total: int, device):
+    """(order, back): held[order] == target and order[back] == arange."""
+    row_of = torch.full((total,), -1, dtype=torch.long)
+    row_of[held] = torch.arange(held.numel())
+    order = row_of[target]
+    return order.to(device), torch.argsort(order).to(device)
 
 
 @dataclass
@@ -398,31 +425,47 @@ def _whole(plan: _Plan) -> bool:
     return len(plan.parts) == 1 and isinstance(rows, slice) and rows == slice(None)
 
 
-def _all_to_all_attention(query, key, value, group, packed, scale, kernel):
-    """Ulysses: sequence shards -> head shards, local causal attention, and back."""
-    cp_size = dist.get_world_size(group=group)
+def _all_to_all_attention(query, key, value, group, packed, scale, kernel, ring=None):
+    """Ulysses: sequence shards -> head shards over ``group``, causal attention, and back.
+
+    Without ``ring`` the exchanged rows are the whole sequence for n/C of the heads: one
+    local causal call. With ``ring`` (a2a+p2p; CP rank = ring rank * A + rank in ``group``)
+    they are ring rank j's load-balanced shard of the sequence split over the ring's P
+    ranks (``_exchange_order``), and the load-balanced ring attends them for n/A heads.
+    """
+    a2a_size = dist.get_world_size(group=group)
+    ring_size, ring_rank = cp_size_and_rank(ring)
     n_q, n_kv = query.shape[2], key.shape[2]
-    if n_q % cp_size or n_kv % cp_size:
+    if n_q % a2a_size or n_kv % a2a_size:
         raise ValueError(
             f"context_parallel_attention: cp_comm_type='a2a' needs the query heads ({n_q}) and "
-            f"key/value heads ({n_kv}) divisible by the CP size ({cp_size})"
+            f"key/value heads ({n_kv}) divisible by the all-to-all group size ({a2a_size})"
         )
     s_local = query.shape[0]
-    if packed is None:
-        natural, gathered = _dense_orders(s_local * cp_size, cp_size, query.device)
-        plan = _Plan([_Part(slice(None), slice(None))], natural, gathered)
-    else:
-        plan = _local_plan(s_local, cp_size, packed, query.device)
+    order, back = _exchange_order(s_local, a2a_size, ring_size, ring_rank, packed, query.device)
     # Heads [k_0..k_g, v_0..v_g] regrouped so that rank r's share holds its k heads then its
-    # v heads: [s, b, C, 2, ng / C, d] -> one exchange for both.
+    # v heads: [s, b, A, 2, ng / A, d] -> one exchange for both.
     s, b, _, d = key.shape
-    kv = torch.stack([x.view(s, b, cp_size, n_kv // cp_size, d) for x in (key, value)], dim=3)
+    kv = torch.stack([x.view(s, b, a2a_size, n_kv // a2a_size, d) for x in (key, value)], dim=3)
     kv = kv.view(s, b, 2 * n_kv, d)
-    q_full = _SeqToHeads.apply(query, group).index_select(0, plan.natural)
-    kv_full = _SeqToHeads.apply(kv.contiguous(), group).index_select(0, plan.natural)
-    k_full, v_full = kv_full.chunk(2, dim=2)
-    out = _LocalAttention.apply(q_full, k_full, v_full, plan, scale, kernel)
-    return _HeadsToSeq.apply(out.index_select(0, plan.gathered), group)
+    q_heads = _SeqToHeads.apply(query, group).index_select(0, order)
+    kv_heads = _SeqToHeads.apply(kv.contiguous(), group).index_select(0, order)
+    k_heads, v_heads = kv_heads.chunk(2, dim=2)
+    if ring is None:
+        plan = _local_plan(s_local * a2a_size, packed, query.device)
+        out = _LocalAttention.apply(q_heads, k_heads, v_heads, plan, scale, kernel)
+    else:
+        out = context_parallel_attention(
+            q_heads,
+            k_heads,
+            v_heads,
+            cp_group=ring,
+            cp_comm_type="p2p",
+            softmax_scale=scale,
+            packed_seq_params=packed,
+            kernel=kernel,
+        )
+    return _HeadsToSeq.apply(out.index_select(0, back), group)
 
 
 def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
@@ -943,13 +986,27 @@ class _WaitAll:
 # ----------------------------------------------------------------------------- checks
 
 
-def _check_arguments(query, key, value, cp_comm_type, packed) -> str:
+def _check_arguments(query, key, value, cp_comm_type, cp_group, packed) -> str:
     """Validate shapes and options before any collective; returns the comm type."""
     comm = "all_gather" if cp_comm_type is None else cp_comm_type
-    if comm not in CP_COMM_TYPES:
+    if not isinstance(comm, str) or comm not in CP_COMM_TYPES:
         raise ValueError(
             f"context_parallel_attention: cp_comm_type must be one of {CP_COMM_TYPES} or None, "
             f"got {cp_comm_type!r}"
+        )
+    pair = isinstance(cp_group, (list, tuple))
+    if comm == "a2a+p2p" and not (
+        pair and len(cp_group) == 2 and all(isinstance(g, dist.ProcessGroup) for g in cp_group)
+    ):
+        raise ValueError(
+            "context_parallel_attention: cp_comm_type='a2a+p2p' needs cp_group = [all-to-all "
+            "group, ring group] (parallel_state.get_hierarchical_context_parallel_groups() of "
+            f"hierarchical_context_parallel_sizes=[A, P]), got {cp_group!r}"
+        )
+    if comm != "a2a+p2p" and pair:
+        raise ValueError(
+            f"context_parallel_attention: cp_group is a list of groups, which only "
+            f"cp_comm_type='a2a+p2p' takes; got cp_comm_type={comm!r}"
         )
     if query.dim() != 4 or key.dim() != 4 or value.shape != key.shape:
         raise ValueError(

@@ -82,6 +82,7 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing!r}")
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
+        _check_cp_comm_type(self.cp_comm_type, self.num_layers)
         if not self.num_attention_heads:
             return
         if self.kv_channels is None:
@@ -100,6 +101,22 @@ class TransformerConfig(ModelParallelConfig):
         )
         _check_multiple("num_query_groups", self.num_query_groups, "tensor_model_parallel_size", tp)
         _check_multiple("ffn_hidden_size", self.ffn_hidden_size, "tensor_model_parallel_size", tp)
+
+
+CP_COMM_TYPES = ("all_gather", "p2p", "a2a", "a2a+p2p")
+
+
+def _check_cp_comm_type(cp_comm_type, num_layers: int) -> None:
+    """None, one of ``CP_COMM_TYPES``, or a list of them with one entry per layer."""
+    per_layer = isinstance(cp_comm_type, (list, tuple))
+    if per_layer and len(cp_comm_type) != num_layers:
+        raise ValueError(
+            f"cp_comm_type has {len(cp_comm_type)} entries; a per-layer list needs one per "
+            f"layer (num_layers = {num_layers})"
+        )
+    for kind in cp_comm_type if per_layer else [cp_comm_type]:
+        if kind is not None and kind not in CP_COMM_TYPES:
+            raise ValueError(f"cp_comm_type entries must be one of {CP_COMM_TYPES}, got {kind!r}")
 
 
 def _check_multiple(name: str, value: int, of_name: str, of_value: int) -> None:

@@ -13,6 +13,7 @@ float64 through the CPU flash kernel); ``TEST_BACKEND=nccl`` runs the same cases
 per rank (float32 through the efficient kernel) plus the bf16 error-ratio check.
 """
 
+import functools
 import math
 import os
 from typing import List
@@ -91,16 +92,37 @@ def reference(q, k, v, w, real=None, padded=None):
     return [out.detach()] + list(grads)
 
 
-def run_shard(q, k, v, w, positions, comm, packed=None, **kwargs):
-    """This rank's output and gradients of <w_shard, cp attention(shard)>."""
+def run_shard(q, k, v, w, positions, comm, packed=None, a2a_size=2, **kwargs):
+    """This rank's output and gradients of <w_shard, cp attention(shard)>; a2a+p2p runs
+    with hierarchical sizes [a2a_size, C / a2a_size]."""
     dev = device()
     local = [x[positions].to(dev).detach().clone().requires_grad_(True) for x in (q, k, v)]
     _, _, group = world()
+    if comm == "a2a+p2p":
+        group = hierarchical_groups(a2a_size)
     out = context_parallel_attention(
         *local, cp_group=group, cp_comm_type=comm, packed_seq_params=packed, **kwargs
     )
     grads = torch.autograd.grad((out * w[positions].to(dev)).sum(), local)
     return [out.detach()] + [g for g in grads]
+
+
+@functools.lru_cache(maxsize=None)
+def hierarchical_groups(a2a_size: int) -> list:
+    """[all-to-all group, ring group] of this rank for hierarchical sizes [A, C / A] over the
+    world, built here by hand: all-to-all groups are runs of A consecutive ranks, rings
+    take every A-th rank (CP rank = ring rank * A + all-to-all rank). Every rank creates
+    every group in the same order (the cache makes it once per process)."""
+    cp, rank, _ = world()
+    runs = [list(range(j * a2a_size, (j + 1) * a2a_size)) for j in range(cp // a2a_size)]
+    rings = [list(range(i, cp, a2a_size)) for i in range(a2a_size)]
+    mine = []
+    for ranks_of_level in (runs, rings):
+        for ranks in ranks_of_level:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine.append(group)
+    return mine
 
 
 def max_relative_errors(actual: List[torch.Tensor], expected: List[torch.Tensor], positions):
@@ -130,15 +152,21 @@ def packed_params(real, padded, dev) -> PackedSeqParams:
     )
 
 
-COMMS = ["all_gather", "p2p", "a2a"]
+COMMS = [
+    "all_gather",
+    "p2p",
+    "a2a",
+    pytest.param("a2a+p2p", marks=pytest.mark.world(2, 4, 8)),  # sizes [2, C / 2]
+]
 
 
-def heads_for(comm: str, heads: int, groups: int, cp: int) -> tuple:
-    """a2a splits heads over C: scale (heads, kv heads) up, keeping their ratio, until C
-    divides the kv heads (e.g. 8/4 -> 16/8 at C = 8)."""
-    if comm != "a2a" or groups % cp == 0:
+def heads_for(comm: str, heads: int, groups: int, cp: int, a2a_size: int = 2) -> tuple:
+    """a2a splits heads over C, a2a+p2p over its all-to-all group: scale (heads, kv heads)
+    up, keeping their ratio, until that size divides the kv heads (8/4 -> 16/8 at C = 8)."""
+    split = {"a2a": cp, "a2a+p2p": a2a_size}.get(comm, 1)
+    if groups % split == 0:
         return heads, groups
-    factor = cp // math.gcd(groups, cp)
+    factor = split // math.gcd(groups, split)
     return heads * factor, groups * factor
 
 
@@ -206,6 +234,7 @@ def test_packed_matches_per_document_attention(comm, case):
 def test_packed_rejects_bad_padding(comm):
     """Documents not padded to a multiple of 2C: a clear error before any collective."""
     _, _, group = world()
+    group = hierarchical_groups(2) if comm == "a2a+p2p" else group
     q = torch.zeros(8, 1, 2, 4, device=device())
     real = torch.tensor([0, 3, 16], dtype=torch.int32)
     bad = PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_q_padded=real)
@@ -213,6 +242,65 @@ def test_packed_rejects_bad_padding(comm):
         context_parallel_attention(
             q, q, q, cp_group=group, cp_comm_type=comm, packed_seq_params=bad
         )
+
+
+# ----------------------------------------------------------------------------- a2a+p2p
+
+
+@pytest.mark.world(4, 8)
+@pytest.mark.parametrize("case", ["dense", "spanning", "edges", "tail"])
+@pytest.mark.parametrize("a2a_size", [1, 2, 4, pytest.param(8, marks=pytest.mark.world(8))])
+def test_hierarchical_splits_match_full_sequence(a2a_size, case):
+    """a2a+p2p with every split [A, C / A] of the CP group (A = 1: the ring alone; A = C:
+    the all-to-all alone), dense and packed, equals the float64 oracle on this shard."""
+    cp, rank, _ = world()
+    heads, groups = heads_for("a2a+p2p", 8, 4, cp, a2a_size)
+    if case == "dense":
+        real = padded = None
+        total = 8 * cp
+        positions = cp_shard_positions(total, cp, rank)
+    else:
+        real, padded, total = packed_case(case, cp)
+        positions = thd_partitioned_indices(padded, total, cp, rank)
+    q, k, v, w = make_inputs(total, 1, heads, groups, 8, DTYPE, seed=4)
+    expected = reference(q, k, v, w, real, padded)
+    packed = None if real is None else packed_params(real, padded, device())
+    actual = run_shard(q, k, v, w, positions, "a2a+p2p", packed, a2a_size=a2a_size)
+    errors = max_relative_errors(actual, expected, positions)
+    assert max(errors.values()) <= TOLERANCE, errors
+
+
+@pytest.mark.world(4)
+def test_hierarchical_needs_consecutive_all_to_all_groups():
+    """Negative control: the same two levels handed over in the wrong roles (rings as the
+    all-to-all groups) put rows at other positions than the exchange assumes, and the
+    oracle sees it on some rank."""
+    cp, rank, _ = world()
+    total = 8 * cp
+    q, k, v, w = make_inputs(total, 1, 8, 4, 8, DTYPE, seed=4)
+    expected = reference(q, k, v, w)
+    positions = cp_shard_positions(total, cp, rank)
+    a2a, ring = hierarchical_groups(2)
+    local = [x[positions].to(device()) for x in (q, k, v)]
+    good = context_parallel_attention(*local, cp_group=[a2a, ring], cp_comm_type="a2a+p2p")
+    swapped = context_parallel_attention(*local, cp_group=[ring, a2a], cp_comm_type="a2a+p2p")
+    errors = [max_relative_errors([out], expected[:1], positions)["out"] for out in (good, swapped)]
+    worst = torch.tensor(errors, dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # rank 0's rows come out right either way
+    assert worst[0] <= TOLERANCE and worst[1] > 1e-3, worst
+
+
+@pytest.mark.world(2)
+def test_hierarchical_groups_are_checked():
+    """a2a+p2p without a pair of groups, or a pair with another mode: named errors."""
+    _, _, group = world()
+    q = torch.zeros(8, 1, 2, 4, device=device())
+    with pytest.raises(ValueError, match=r"a2a\+p2p' needs cp_group = \[all-to-all group"):
+        context_parallel_attention(q, q, q, cp_group=group, cp_comm_type="a2a+p2p")
+    with pytest.raises(
+        ValueError, match="only cp_comm_type='a2a\\+p2p' takes; got cp_comm_type='p2p'"
+    ):
+        context_parallel_attention(q, q, q, cp_group=[group, group], cp_comm_type="p2p")
 
 
 # ----------------------------------------------------------------------------- one process
