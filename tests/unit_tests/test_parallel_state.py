@@ -3,7 +3,8 @@
 The facts come from megatron-core itself (``tests/tools/record_mcore_facts.py``):
 ``rank_layouts`` (dense groups, default order), ``rank_generators`` (``RankGenerator`` over
 many orders, sizes and tokens) and ``init_layouts`` (every group ``initialize_model_parallel``
-builds, dense and expert, over orders with and without cp/ep, or the error it raises).
+builds, dense and expert, over orders with and without cp/ep, some with
+``hierarchical_context_parallel_sizes`` and the groups of each level, or the error it raises).
 """
 
 import dataclasses
@@ -223,7 +224,8 @@ def _init_id(x):
     if x is None:
         return "none"
     etp = "" if x["etp"] is None else f"-etp{x['etp']}"
-    return f"tp{x['tp']}-cp{x['cp']}-pp{x['pp']}-ep{x['ep']}{etp}-{x['order']}"
+    hcp = "" if "hcp" not in x else "-hcp" + "x".join(map(str, x["hcp"]))
+    return f"tp{x['tp']}-cp{x['cp']}-pp{x['pp']}-ep{x['ep']}{etp}-{x['order']}{hcp}"
 
 
 def _initialize(layout):
@@ -234,7 +236,17 @@ def _initialize(layout):
         expert_model_parallel_size=layout["ep"],
         expert_tensor_parallel_size=layout["etp"],
         order=layout["order"],
+        hierarchical_context_parallel_sizes=layout.get("hcp"),
     )
+
+
+def _assert_raises_like_megatron_core(layout):
+    """``initialize_model_parallel`` raises the recorded exception type (or a subclass) and
+    leaves nothing initialized."""
+    with pytest.raises(Exception) as info:
+        _initialize(layout)
+    assert layout["error"] in {c.__name__ for c in type(info.value).__mro__}, info.value
+    assert not ps.model_parallel_is_initialized()
 
 
 @pytest.mark.world(2, 4, 8)
@@ -244,10 +256,7 @@ def test_initialize_groups_equal_megatron_core(layout):
     ``initialize_model_parallel`` for this order and these sizes (or its exception type)."""
     reset_layout()
     if "error" in layout:
-        with pytest.raises(Exception) as info:
-            _initialize(layout)
-        assert layout["error"] in {c.__name__ for c in type(info.value).__mro__}, info.value
-        assert not ps.model_parallel_is_initialized()
+        _assert_raises_like_megatron_core(layout)
         return
     _initialize(layout)
     try:
@@ -406,6 +415,37 @@ def test_megatron_core_private_globals_read_the_state():
 
 
 # ----------------------------------------------------------------------------- hierarchical CP
+
+HCP_LAYOUTS = [x for x in INIT_LAYOUTS if x is not None and "hcp" in x] or [None]
+
+
+@pytest.mark.world(2, 4, 8)
+@pytest.mark.parametrize("layout", HCP_LAYOUTS, ids=[_init_id(x) for x in HCP_LAYOUTS])
+def test_hierarchical_cp_groups_equal_megatron_core(layout):
+    """This rank's group of every level equals the one megatron-core's own
+    ``initialize_model_parallel`` builds for these sizes (or its exception type); the other
+    groups of these layouts are checked by ``test_initialize_groups_equal_megatron_core``."""
+    reset_layout()
+    if "error" in layout:
+        _assert_raises_like_megatron_core(layout)
+        return
+    _initialize(layout)
+    try:
+        rank = dist.get_rank()
+        expected = [next((g for g in level if rank in g), None) for level in layout["hcp_groups"]]
+        groups = ps.get_hierarchical_context_parallel_groups()
+        got = [dist.get_process_group_ranks(group) for group in groups]
+        failures = []
+        if got != expected:
+            failures.append(f"rank {rank}: levels {got} != megatron-core {expected}")
+        ranks = ps.get_hierarchical_context_parallel_global_ranks()
+        if ranks != expected:
+            failures.append(f"rank {rank}: recorded ranks {ranks} != megatron-core {expected}")
+        if ProcessGroupCollection.use_mpu_process_groups().hcp != groups:
+            failures.append("use_mpu_process_groups().hcp is not parallel_state's")
+    finally:
+        reset_layout()
+    assert_no_failures(failures)
 
 
 @pytest.mark.world(1)
