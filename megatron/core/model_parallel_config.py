@@ -11,6 +11,10 @@ class ModelParallelConfig:
     """The fields of megatron-core's ModelParallelConfig that this core reads.
 
     ``microbatch_group_size_per_vp_stage`` defaults to the pipeline size (depth-first order).
+    ``hierarchical_context_parallel_sizes`` (ints >= 1 whose product is
+    ``context_parallel_size``) are the group sizes of the levels of hierarchical context
+    parallelism, level 0 (runs of consecutive ranks of a context-parallel group) first;
+    ``parallel_state.initialize_model_parallel`` builds the groups.
     """
 
     tensor_model_parallel_size: int = 1
@@ -18,6 +22,7 @@ class ModelParallelConfig:
     virtual_pipeline_model_parallel_size: Optional[int] = None
     sequence_parallel: bool = False
     context_parallel_size: int = 1
+    hierarchical_context_parallel_sizes: Optional[list[int]] = None
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: Optional[int] = None
     perform_initialization: bool = True
@@ -50,9 +55,30 @@ class ModelParallelConfig:
                 "sequence_parallel=True requires tensor_model_parallel_size > 1, got "
                 f"tensor_model_parallel_size={self.tensor_model_parallel_size}"
             )
+        if self.hierarchical_context_parallel_sizes is not None:
+            self._check_hierarchical_context_parallel_sizes()
         if self.overlap_p2p_comm and self.batch_p2p_comm:
             raise ValueError("Can not use both overlap_p2p_comm and batch_p2p_comm")
         if self.autocast_dtype is None:
             self.autocast_dtype = self.params_dtype
         if self.microbatch_group_size_per_vp_stage is None:
             self.microbatch_group_size_per_vp_stage = self.pipeline_model_parallel_size
+
+    def _check_hierarchical_context_parallel_sizes(self) -> None:
+        """``ValueError`` unless the sizes are ints >= 1 multiplying to the context-parallel
+        size (an empty list means none, as in ``initialize_model_parallel``)."""
+        sizes, cp = self.hierarchical_context_parallel_sizes, self.context_parallel_size
+        if not isinstance(sizes, (list, tuple)) or any(
+            not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes
+        ):
+            raise ValueError(
+                f"hierarchical_context_parallel_sizes must be a list of ints >= 1, got {sizes!r}"
+            )
+        total = 1
+        for size in sizes:
+            total *= size
+        if sizes and total != cp:
+            raise ValueError(
+                f"hierarchical_context_parallel_sizes={list(sizes)} multiply to {total}, but "
+                f"context_parallel_size is {cp}; their product must equal it"
+            )

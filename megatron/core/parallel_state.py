@@ -5,8 +5,10 @@ Ranks are laid out as megatron-core lays them out: the axes of ``order`` (defaul
 ``rank = tp_i + TP*(cp_i + CP*(ep_i + EP*(dp_i + DP*pp_i)))``. One ``RankGenerator`` computes
 every group; ``initialize_model_parallel`` uses two of them, as megatron-core does: one for
 the dense part (tp, cp, dp, pp) and one for the experts (expert tp, ep, expert dp, pp, with
-the same pipeline groups). Functions elsewhere take their groups explicitly and read this
-module only as a documented fallback.
+the same pipeline groups). With ``hierarchical_context_parallel_sizes`` each context-parallel
+group is also split into one level of sub-groups per size (``hierarchical_cp_rank_lists``).
+Functions elsewhere take their groups explicitly and read this module only as a documented
+fallback.
 
 Misuse that megatron-core reports with ``assert`` raises ``ParallelStateError``, an
 ``AssertionError`` (and a ``RuntimeError``) carrying a message that says what to do.
@@ -116,6 +118,39 @@ def generate_masked_orthogonal_rank_groups(
     return [[base + m for m in members] for base in offsets(outside)]
 
 
+def hierarchical_cp_rank_lists(cp_ranks: List[int], sizes: List[int]) -> List[List[List[int]]]:
+    """The sub-groups of one context-parallel group, per level, as megatron-core lays them out.
+
+    With ``sizes = [s0, s1, ...]`` (product ``len(cp_ranks)``), level ``k`` views ``cp_ranks``
+    as an array of shape ``(outer, s_k, inner)``, ``inner = prod(sizes[:k])`` fastest and
+    ``outer = prod(sizes[k+1:])`` slowest, and makes one group along the ``s_k`` axis for each
+    (outer, inner) pair, inner fastest: level 0 is runs of ``s0`` consecutive entries, level 1
+    takes every ``s0``-th entry, and so on. ``cp_ranks = range(8)``, ``sizes = [2, 4]``:
+    level 0 ``[0, 1], [2, 3], [4, 5], [6, 7]``; level 1 ``[0, 2, 4, 6], [1, 3, 5, 7]``.
+    """
+    total = 1
+    for size in sizes:
+        total *= size
+    if total != len(cp_ranks):
+        raise ValueError(
+            f"hierarchical_cp_rank_lists: prod(sizes={list(sizes)}) = {total} != "
+            f"{len(cp_ranks)} ranks in {list(cp_ranks)}"
+        )
+    levels = []
+    inner = 1
+    for size in sizes:
+        outer = total // (inner * size)
+        levels.append(
+            [
+                [cp_ranks[(o * size + j) * inner + i] for j in range(size)]
+                for o in range(outer)
+                for i in range(inner)
+            ]
+        )
+        inner *= size
+    return levels
+
+
 def default_embedding_ranks(pp_ranks: List[int]) -> List[int]:
     """First and last stage of a pipeline (one rank when PP = 1): the tied word embeddings."""
     return [pp_ranks[0]] if len(pp_ranks) == 1 else [pp_ranks[0], pp_ranks[-1]]
@@ -162,6 +197,10 @@ class _ParallelState:
     def __init__(self) -> None:
         self.groups: Dict[str, dist.ProcessGroup] = {}
         self.ranks: Dict[str, List[int]] = {}
+        # Hierarchical context parallelism: one group (and its ranks) per level; None when
+        # hierarchical_context_parallel_sizes was not given.
+        self.hcp_groups: Optional[List[dist.ProcessGroup]] = None
+        self.hcp_ranks: Optional[List[List[int]]] = None
 
 
 def initialize_model_parallel(
@@ -190,8 +229,15 @@ def initialize_model_parallel(
     position embedding) and the expert groups (ep, expert tp, tp_ep, tp_ep_pp, expert dp).
 
     DP = world / (TP*CP*PP); expert DP = world / (ETP*EP*PP) with ETP defaulting to TP. Any
-    ``order`` megatron-core accepts works (axes left out must have size 1). Options for
-    features this core does not implement (hierarchical or hybrid CP, several
+    ``order`` megatron-core accepts works (axes left out must have size 1).
+
+    ``hierarchical_context_parallel_sizes`` (a list of ints >= 1 whose product is
+    ``context_parallel_size``; None or empty: none) splits every context-parallel group into
+    one level of sub-groups per size, laid out as ``hierarchical_cp_rank_lists`` says; this
+    rank's groups, one per level, are ``get_hierarchical_context_parallel_groups()``. Each
+    level gets its own communicators, apart from every other group's.
+
+    Options for features this core does not implement (hybrid CP, several
     distributed-optimizer instances) raise ``NotImplementedError``; communication tuning
     options (sharp, nccl config, gloo groups, streams, pp backend) are ignored.
     """
@@ -201,7 +247,6 @@ def initialize_model_parallel(
             "torch.distributed.init_process_group first"
         )
     _reject_unsupported(
-        hierarchical_context_parallel_sizes=(hierarchical_context_parallel_sizes, None),
         hybrid_context_parallel=(hybrid_context_parallel, False),
         num_distributed_optimizer_instances=(num_distributed_optimizer_instances, 1),
     )
@@ -234,6 +279,7 @@ def initialize_model_parallel(
             f"expert_tensor_parallel_size ({etp}) x expert_model_parallel_size ({ep}) x "
             f"pipeline_model_parallel_size ({pp})"
         )
+    hcp_sizes = _check_hierarchical_cp_sizes(hierarchical_context_parallel_sizes, cp)
     if virtual_pipeline_model_parallel_size is not None and pp < 2:
         raise RuntimeError(
             "initialize_model_parallel: pipeline_model_parallel_size should be greater than 1 "
@@ -270,6 +316,19 @@ def initialize_model_parallel(
 
     for name, (generator, token) in _GROUP_TOKENS.items():
         build(name, generators[generator].get_ranks(token))
+    if hcp_sizes:
+        state.hcp_groups, state.hcp_ranks = [], []
+        per_cp_group = [
+            hierarchical_cp_rank_lists(ranks, hcp_sizes)
+            for ranks in generators["dense"].get_ranks("cp")
+        ]
+        for level in range(len(hcp_sizes)):
+            for levels in per_cp_group:
+                for ranks in levels[level]:
+                    group = _get_or_create_group(ranks, timeout, tag=f"hcp{level}")
+                    if me in ranks:
+                        state.hcp_groups.append(group)
+                        state.hcp_ranks.append(list(ranks))
     if create_all_gather_group:
         build("dp_cp_ag", generators["dense"].get_ranks("dp-cp"), tag="all_gather")
     pp_groups = generators["dense"].get_ranks("pp")
@@ -326,6 +385,30 @@ def get_pipeline_model_parallel_group(check_initialized=True):
 def get_context_parallel_group(check_initialized=True):
     """Context-parallel group: the ranks holding shards of the same sequences."""
     return _group("cp", check_initialized)
+
+
+def get_hierarchical_context_parallel_groups(check_initialized=True):
+    """This rank's hierarchical context-parallel groups, one per level of
+    ``hierarchical_context_parallel_sizes`` (a new list each call).
+
+    None with ``check_initialized=False`` when none were built (no state, or no
+    ``hierarchical_context_parallel_sizes``); ``ParallelStateError`` otherwise.
+    """
+    if _STATE is None or _STATE.hcp_groups is None:
+        if check_initialized:
+            _raise_no_hcp_groups()
+        return None
+    return list(_STATE.hcp_groups)
+
+
+def get_hierarchical_context_parallel_global_ranks(check_initialized=True):
+    """Global ranks of each of this rank's hierarchical context-parallel groups, level by
+    level (None or ``ParallelStateError`` as ``get_hierarchical_context_parallel_groups``)."""
+    if _STATE is None or _STATE.hcp_ranks is None:
+        if check_initialized:
+            _raise_no_hcp_groups()
+        return None
+    return [list(ranks) for ranks in _STATE.hcp_ranks]
 
 
 def get_data_parallel_group(
@@ -724,6 +807,8 @@ _LEGACY_OVERRIDES = {
 def __getattr__(name: str):
     """megatron-core's private module globals (read-only): a group, its global ranks, or a
     value set with a set_* function; None when not initialized."""
+    if name == "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS":
+        return get_hierarchical_context_parallel_groups(check_initialized=False)
     if name in _LEGACY_GROUPS:
         return None if _STATE is None else _STATE.groups.get(_LEGACY_GROUPS[name])
     if name in _LEGACY_RANKS:
@@ -790,6 +875,45 @@ def _get_or_create_group(ranks: List[int], timeout: timedelta, tag: str = "") ->
     if key not in _GROUP_CACHE:
         _GROUP_CACHE[key] = dist.new_group(ranks, timeout=timeout)
     return _GROUP_CACHE[key]
+
+
+def _raise_no_hcp_groups() -> None:
+    """The not-initialized error of the hierarchical context-parallel getters."""
+    if _STATE is None:
+        raise ParallelStateError(
+            "parallel_state: the hierarchical context-parallel groups are not initialized; "
+            "call initialize_model_parallel first (or pass the groups explicitly)"
+        )
+    raise ParallelStateError(
+        "parallel_state: no hierarchical context-parallel groups; pass "
+        "hierarchical_context_parallel_sizes to initialize_model_parallel"
+    )
+
+
+def _check_hierarchical_cp_sizes(sizes, context_parallel_size: int) -> Optional[List[int]]:
+    """``hierarchical_context_parallel_sizes`` as a list (None when not given or empty, as
+    megatron-core ignores it then); ``ValueError`` for something other than a list or tuple
+    of ints >= 1, ``ParallelStateError`` when their product is not ``context_parallel_size``
+    (megatron-core asserts)."""
+    if sizes is None:
+        return None
+    where = "initialize_model_parallel: hierarchical_context_parallel_sizes"
+    if not isinstance(sizes, (list, tuple)):
+        raise ValueError(f"{where} must be a list of ints >= 1, got {sizes!r}")
+    bad = [s for s in sizes if not isinstance(s, int) or isinstance(s, bool) or s < 1]
+    if bad:
+        raise ValueError(f"{where} must be a list of ints >= 1, got {list(sizes)} ({bad[0]!r})")
+    if not sizes:
+        return None
+    total = 1
+    for size in sizes:
+        total *= size
+    if total != context_parallel_size:
+        raise ParallelStateError(
+            f"{where}={list(sizes)} multiply to {total}, but context_parallel_size is "
+            f"{context_parallel_size}; their product must equal it"
+        )
+    return list(sizes)
 
 
 def _require_vp_stage(vp_stage) -> None:

@@ -14,8 +14,10 @@ class ProcessGroupCollection:
 
     A dataclass with megatron-core's fields, so ``dataclasses.fields`` lists them and
     ``dataclasses.replace(pgc, cp=group)`` copies the others. Unknown names raise
-    ``ValueError``. Groups of features this core lacks (hcp, the distributed-optimizer
-    instance groups) may be stored but are never built here.
+    ``ValueError``. ``hcp`` is a list of groups, one per level of hierarchical context
+    parallelism (``parallel_state.get_hierarchical_context_parallel_groups``). The
+    distributed-optimizer instance groups (``inter_dist_opt``, ``intra_dist_opt``) may be
+    stored but are never built here.
     """
 
     tp: Optional[dist.ProcessGroup] = None
@@ -62,7 +64,8 @@ class ProcessGroupCollection:
         cls, required_pgs: Optional[List[str]] = None
     ) -> "ProcessGroupCollection":
         """A collection filled from ``parallel_state`` (all groups it builds, or
-        ``required_pgs``)."""
+        ``required_pgs``); ``hcp`` is None unless ``initialize_model_parallel`` was given
+        ``hierarchical_context_parallel_sizes``."""
         ps = parallel_state
         getters = {
             "tp": ps.get_tensor_model_parallel_group,
@@ -72,6 +75,7 @@ class ProcessGroupCollection:
             "pos_embd": ps.get_position_embedding_group,
             "cp": ps.get_context_parallel_group,
             "tp_cp": ps.get_tensor_and_context_parallel_group,
+            "hcp": lambda: ps.get_hierarchical_context_parallel_groups(check_initialized=False),
             "ep": ps.get_expert_model_parallel_group,
             "expt_tp": ps.get_expert_tensor_parallel_group,
             "tp_ep": ps.get_expert_tensor_and_model_parallel_group,

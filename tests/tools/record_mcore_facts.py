@@ -25,7 +25,10 @@ It writes ``tests/unit_tests/data/mcore_facts.json`` with these sections (plus `
 - ``init_layouts``: the groups ``initialize_model_parallel`` builds (dense and expert, incl.
   orders without cp and ``expert_tensor_parallel_size``), recorded by running megatron-core's
   own function once per rank with ``torch.distributed`` replaced by a recorder of rank lists
-  (no process group is created), or the exception type it raises;
+  (no process group is created), or the exception type it raises. Layouts given
+  ``hierarchical_context_parallel_sizes`` (keys ending ``_hcp2x2`` etc.) also carry ``hcp``
+  (the sizes) and ``hcp_groups``: per level, every group of that level (sorted), as
+  ``get_hierarchical_context_parallel_groups`` returns them;
 - ``hyper_comm_grid``: ``HyperCommGrid(shape, dim_names, rank_offset).get_rank_enum(dims)``
   (needs ``einops``: put a directory holding it on PYTHONPATH);
 - ``schedule_helpers``: outputs of ``get_pp_rank_microbatches`` and ``get_schedule_table``;
@@ -140,6 +143,7 @@ _PS_EXTRA = [
     "RankGenerator.__init__",
     "RankGenerator.get_mask",
     "RankGenerator.get_ranks",
+    "get_hierarchical_context_parallel_groups",
 ]
 
 _PP_UTILS = [
@@ -222,6 +226,7 @@ _MODEL_PARALLEL_FIELDS = _PARALLEL_SIZES + [
     "enable_autocast",
     "autocast_dtype",
     "num_microbatches_with_partial_activation_checkpoints",
+    "hierarchical_context_parallel_sizes",
 ]
 
 CONFIG_TARGETS: list[tuple[str, str, list[str]]] = [
@@ -551,6 +556,25 @@ INIT_LAYOUTS: list[tuple[int, int, int, int, int, int | None, str]] = [
     (8, 2, 2, 1, 2, 4, "tp-cp-ep-dp-pp"),
 ]
 
+# (world, tp, cp, pp, ep, etp or None, order, hierarchical_context_parallel_sizes): the
+# levels over one context-parallel group, incl. a size-1 level, three levels, context-parallel
+# groups that are not contiguous ("tp-pp-dp-cp") and sizes whose product is not cp (error).
+HCP_INIT_LAYOUTS: list[tuple[int, int, int, int, int, int | None, str, list[int]]] = [
+    (2, 1, 2, 1, 1, None, "tp-cp-ep-dp-pp", [1, 2]),
+    (2, 1, 2, 1, 1, None, "tp-cp-ep-dp-pp", [2]),
+    (2, 1, 2, 1, 1, None, "tp-cp-ep-dp-pp", [2, 2]),
+    (4, 1, 4, 1, 1, None, "tp-cp-ep-dp-pp", [2, 2]),
+    (4, 1, 2, 2, 1, None, "tp-cp-ep-dp-pp", [2, 1]),
+    (4, 1, 4, 1, 1, None, "tp-cp-ep-dp-pp", [2, 3]),
+    (8, 2, 4, 1, 1, None, "tp-cp-ep-dp-pp", [2, 2]),
+    (8, 1, 8, 1, 1, None, "tp-cp-ep-dp-pp", [2, 4]),
+    (8, 1, 8, 1, 1, None, "tp-cp-ep-dp-pp", [4, 2]),
+    (8, 1, 8, 1, 1, None, "tp-cp-ep-dp-pp", [2, 2, 2]),
+    (8, 1, 4, 1, 1, None, "tp-pp-dp-cp", [2, 2]),
+    (8, 1, 4, 2, 2, None, "tp-cp-ep-dp-pp", [2, 2]),
+    (8, 1, 4, 1, 1, None, "tp-cp-ep-dp-pp", [8]),
+]
+
 # Group name -> megatron-core getter (called with no arguments unless a lambda).
 INIT_GETTERS = {
     "tp": "get_tensor_model_parallel_group",
@@ -596,9 +620,15 @@ def init_key(world: int, tp: int, cp: int, pp: int, ep: int, etp: int | None, or
     return f"w{world}_tp{tp}_cp{cp}_pp{pp}_ep{ep}_etp{etp}_{order}"
 
 
-def record_init_layout(world, tp, cp, pp, ep, etp, order) -> dict[str, Any]:
+def hcp_key(sizes: list[int]) -> str:
+    """Suffix of an ``init_layouts`` key for hierarchical context-parallel sizes."""
+    return "_hcp" + "x".join(str(s) for s in sizes)
+
+
+def record_init_layout(world, tp, cp, pp, ep, etp, order, hcp=None) -> dict[str, Any]:
     """Run megatron-core's initialize_model_parallel on each rank against a fake
-    torch.distributed; collect each group getter's ranks (every distinct group, sorted)."""
+    torch.distributed; collect each group getter's ranks (every distinct group, sorted), and
+    with ``hcp`` (hierarchical_context_parallel_sizes) the groups of each level."""
     from unittest import mock
 
     import torch.distributed as tdist
@@ -613,7 +643,10 @@ def record_init_layout(world, tp, cp, pp, ep, etp, order) -> dict[str, Any]:
         "etp": etp,
         "order": order,
     }
+    if hcp is not None:
+        fact["hcp"] = list(hcp)
     groups: dict[str, set] = {name: set() for name in INIT_GETTERS}
+    levels: list[set] = [set() for _ in hcp or []]
     patches = {
         "is_initialized": lambda: True,
         "get_world_size": lambda group=None: world,
@@ -634,6 +667,7 @@ def record_init_layout(world, tp, cp, pp, ep, etp, order) -> dict[str, Any]:
                     expert_tensor_parallel_size=etp,
                     order=order,
                     create_gloo_process_groups=False,
+                    hierarchical_context_parallel_sizes=hcp,
                 )
             except (AssertionError, RuntimeError, KeyError, ValueError) as exc:
                 ps.destroy_model_parallel()
@@ -643,14 +677,25 @@ def record_init_layout(world, tp, cp, pp, ep, etp, order) -> dict[str, Any]:
                 group = getattr(ps, fn)(**kwargs)
                 if group is not None and rank in group.ranks:
                     groups[name].add(tuple(group.ranks))
+            if hcp is not None:
+                mine = ps.get_hierarchical_context_parallel_groups(check_initialized=False)
+                assert len(mine) == len(hcp), (rank, hcp, mine)
+                for found, group in zip(levels, mine):
+                    assert rank in group.ranks, (rank, hcp, group.ranks)
+                    found.add(tuple(group.ranks))
             ps.destroy_model_parallel()
     fact["groups"] = {name: [list(g) for g in sorted(found)] for name, found in groups.items()}
+    if hcp is not None:
+        fact["hcp_groups"] = [[list(g) for g in sorted(found)] for found in levels]
     return fact
 
 
 def record_init_layouts() -> dict[str, Any]:
-    """Every INIT_LAYOUTS entry."""
-    return {init_key(*lay): record_init_layout(*lay) for lay in INIT_LAYOUTS}
+    """Every INIT_LAYOUTS entry, then every HCP_INIT_LAYOUTS entry."""
+    out = {init_key(*lay): record_init_layout(*lay) for lay in INIT_LAYOUTS}
+    for *lay, hcp in HCP_INIT_LAYOUTS:
+        out[init_key(*lay) + hcp_key(hcp)] = record_init_layout(*lay, hcp=hcp)
+    return out
 
 
 # ----------------------------------------------------------------------------- other helpers

@@ -3,7 +3,8 @@
 The facts come from megatron-core itself (``tests/tools/record_mcore_facts.py``):
 ``rank_layouts`` (dense groups, default order), ``rank_generators`` (``RankGenerator`` over
 many orders, sizes and tokens) and ``init_layouts`` (every group ``initialize_model_parallel``
-builds, dense and expert, over orders with and without cp/ep, or the error it raises).
+builds, dense and expert, over orders with and without cp/ep, some with
+``hierarchical_context_parallel_sizes`` and the groups of each level, or the error it raises).
 """
 
 import dataclasses
@@ -12,6 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
+from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.process_groups_config import ProcessGroupCollection
 from tests.unit_tests.dist_utils import WORLD_SIZE, assert_no_failures, reset_layout
 from tests.unit_tests.mcore_facts import facts_section, groups_of_rank
@@ -110,8 +112,6 @@ def test_bad_layouts_are_rejected():
     reset_layout()
     with pytest.raises(RuntimeError, match="not divisible"):
         ps.initialize_model_parallel(context_parallel_size=3)
-    with pytest.raises(NotImplementedError, match="hierarchical_context_parallel_sizes"):
-        ps.initialize_model_parallel(hierarchical_context_parallel_sizes=[2, 2])
     with pytest.raises(NotImplementedError, match="num_distributed_optimizer_instances"):
         ps.initialize_model_parallel(num_distributed_optimizer_instances=2)
     with pytest.raises(RuntimeError, match="expert_model_parallel_size"):
@@ -137,6 +137,9 @@ def test_uninitialized_state_reports_itself():
     with pytest.raises(AssertionError, match="initialize_model_parallel"):
         ps.get_expert_model_parallel_group()
     assert ps.get_context_parallel_group(check_initialized=False) is None
+    assert ps.get_hierarchical_context_parallel_groups(check_initialized=False) is None
+    with pytest.raises(AssertionError, match="initialize_model_parallel"):
+        ps.get_hierarchical_context_parallel_groups()
 
 
 # ----------------------------------------------------------------------------- RankGenerator
@@ -221,7 +224,8 @@ def _init_id(x):
     if x is None:
         return "none"
     etp = "" if x["etp"] is None else f"-etp{x['etp']}"
-    return f"tp{x['tp']}-cp{x['cp']}-pp{x['pp']}-ep{x['ep']}{etp}-{x['order']}"
+    hcp = "" if "hcp" not in x else "-hcp" + "x".join(map(str, x["hcp"]))
+    return f"tp{x['tp']}-cp{x['cp']}-pp{x['pp']}-ep{x['ep']}{etp}-{x['order']}{hcp}"
 
 
 def _initialize(layout):
@@ -232,7 +236,17 @@ def _initialize(layout):
         expert_model_parallel_size=layout["ep"],
         expert_tensor_parallel_size=layout["etp"],
         order=layout["order"],
+        hierarchical_context_parallel_sizes=layout.get("hcp"),
     )
+
+
+def _assert_raises_like_megatron_core(layout):
+    """``initialize_model_parallel`` raises the recorded exception type (or a subclass) and
+    leaves nothing initialized."""
+    with pytest.raises(Exception) as info:
+        _initialize(layout)
+    assert layout["error"] in {c.__name__ for c in type(info.value).__mro__}, info.value
+    assert not ps.model_parallel_is_initialized()
 
 
 @pytest.mark.world(2, 4, 8)
@@ -242,10 +256,7 @@ def test_initialize_groups_equal_megatron_core(layout):
     ``initialize_model_parallel`` for this order and these sizes (or its exception type)."""
     reset_layout()
     if "error" in layout:
-        with pytest.raises(Exception) as info:
-            _initialize(layout)
-        assert layout["error"] in {c.__name__ for c in type(info.value).__mro__}, info.value
-        assert not ps.model_parallel_is_initialized()
+        _assert_raises_like_megatron_core(layout)
         return
     _initialize(layout)
     try:
@@ -401,3 +412,132 @@ def test_megatron_core_private_globals_read_the_state():
     assert ps._MODEL_PARALLEL_GROUP is None and ps._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE is None
     with pytest.raises(AttributeError, match="_NO_SUCH_GROUP"):
         ps._NO_SUCH_GROUP  # noqa: B018
+
+
+# ----------------------------------------------------------------------------- hierarchical CP
+
+HCP_LAYOUTS = [x for x in INIT_LAYOUTS if x is not None and "hcp" in x] or [None]
+
+
+@pytest.mark.world(2, 4, 8)
+@pytest.mark.parametrize("layout", HCP_LAYOUTS, ids=[_init_id(x) for x in HCP_LAYOUTS])
+def test_hierarchical_cp_groups_equal_megatron_core(layout):
+    """This rank's group of every level equals the one megatron-core's own
+    ``initialize_model_parallel`` builds for these sizes (or its exception type); the other
+    groups of these layouts are checked by ``test_initialize_groups_equal_megatron_core``."""
+    reset_layout()
+    if "error" in layout:
+        _assert_raises_like_megatron_core(layout)
+        return
+    _initialize(layout)
+    try:
+        rank = dist.get_rank()
+        expected = [next((g for g in level if rank in g), None) for level in layout["hcp_groups"]]
+        groups = ps.get_hierarchical_context_parallel_groups()
+        got = [dist.get_process_group_ranks(group) for group in groups]
+        failures = []
+        if got != expected:
+            failures.append(f"rank {rank}: levels {got} != megatron-core {expected}")
+        ranks = ps.get_hierarchical_context_parallel_global_ranks()
+        if ranks != expected:
+            failures.append(f"rank {rank}: recorded ranks {ranks} != megatron-core {expected}")
+        if ProcessGroupCollection.use_mpu_process_groups().hcp != groups:
+            failures.append("use_mpu_process_groups().hcp is not parallel_state's")
+    finally:
+        reset_layout()
+    assert_no_failures(failures)
+
+
+@pytest.mark.world(1)
+def test_hierarchical_cp_rank_lists_split_one_group_level_by_level():
+    """megatron-core's docstring example: 16 ranks, sizes [2, 2, 4]; and a group that is not
+    contiguous (the levels index the group's own list, not global ranks)."""
+    levels = ps.hierarchical_cp_rank_lists(list(range(16)), [2, 2, 4])
+    assert levels[0] == [[2 * i, 2 * i + 1] for i in range(8)]
+    assert levels[1] == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert levels[2] == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    assert ps.hierarchical_cp_rank_lists([1, 3, 5, 7], [2, 2]) == [
+        [[1, 3], [5, 7]],
+        [[1, 5], [3, 7]],
+    ]
+    assert ps.hierarchical_cp_rank_lists([4, 5], [1, 2]) == [[[4], [5]], [[4, 5]]]
+    with pytest.raises(ValueError, match=r"prod\(sizes=\[2, 3\]\) = 6 != 4"):
+        ps.hierarchical_cp_rank_lists([0, 1, 2, 3], [2, 3])
+
+
+@pytest.mark.world(2, 4, 8)
+def test_hierarchical_cp_groups_are_built_per_level():
+    """Every level's group of this rank holds the ranks ``hierarchical_cp_rank_lists`` gives
+    for its context-parallel group; the getters and ProcessGroupCollection agree."""
+    reset_layout()
+    sizes = [2, WORLD_SIZE // 2]
+    ps.initialize_model_parallel(
+        context_parallel_size=WORLD_SIZE, hierarchical_context_parallel_sizes=sizes
+    )
+    try:
+        rank = dist.get_rank()
+        expected = [
+            next(g for g in level if rank in g)
+            for level in ps.hierarchical_cp_rank_lists(list(range(WORLD_SIZE)), sizes)
+        ]
+        groups = ps.get_hierarchical_context_parallel_groups()
+        assert [dist.get_process_group_ranks(g) for g in groups] == expected
+        assert ps.get_hierarchical_context_parallel_global_ranks() == expected
+        assert ProcessGroupCollection.use_mpu_process_groups().hcp == groups
+        assert ps._HIERARCHICAL_CONTEXT_PARALLEL_GROUPS == groups
+        assert all(g is not ps.get_context_parallel_group() for g in groups)
+    finally:
+        reset_layout()
+    ps.initialize_model_parallel(context_parallel_size=2)
+    try:
+        assert ps.get_hierarchical_context_parallel_groups(check_initialized=False) is None
+        assert ps.get_hierarchical_context_parallel_global_ranks(check_initialized=False) is None
+        with pytest.raises(AssertionError, match="pass hierarchical_context_parallel_sizes"):
+            ps.get_hierarchical_context_parallel_groups()
+        assert ProcessGroupCollection.use_mpu_process_groups().hcp is None
+        assert ProcessGroupCollection.use_mpu_process_groups(["hcp"]).hcp is None
+    finally:
+        reset_layout()
+
+
+@pytest.mark.world(2, 4, 8)
+@pytest.mark.parametrize(
+    "sizes, error, match",
+    [
+        ([2, 2], AssertionError, r"\[2, 2\] multiply to 4, but context_parallel_size is 2"),
+        ([1], AssertionError, r"\[1\] multiply to 1, but context_parallel_size is 2"),
+        (2, ValueError, "hierarchical_context_parallel_sizes must be a list of ints >= 1, got 2"),
+        ("2", ValueError, "must be a list of ints >= 1, got '2'"),
+        ([2, 0], ValueError, r"got \[2, 0\] \(0\)"),
+        ([-1, -2], ValueError, r"got \[-1, -2\] \(-1\)"),
+        ([2.0, 1], ValueError, r"\(2.0\)"),
+        ([True, 2], ValueError, r"\(True\)"),
+    ],
+    ids=["product", "product-1", "int", "str", "zero", "negative", "float", "bool"],
+)
+def test_bad_hierarchical_cp_sizes_are_named(sizes, error, match):
+    """A product that is not context_parallel_size raises an AssertionError (megatron-core
+    asserts); sizes that are not a list of positive ints a ValueError naming the culprit.
+    Nothing is left initialized."""
+    reset_layout()
+    with pytest.raises(error, match=match):
+        ps.initialize_model_parallel(
+            context_parallel_size=2, hierarchical_context_parallel_sizes=sizes
+        )
+    assert not ps.model_parallel_is_initialized()
+
+
+@pytest.mark.world(1)
+def test_model_parallel_config_checks_hierarchical_cp_sizes():
+    config = ModelParallelConfig(
+        context_parallel_size=8, hierarchical_context_parallel_sizes=[2, 4]
+    )
+    assert config.hierarchical_context_parallel_sizes == [2, 4]
+    assert ModelParallelConfig().hierarchical_context_parallel_sizes is None
+    ModelParallelConfig(context_parallel_size=4, hierarchical_context_parallel_sizes=[])
+    with pytest.raises(ValueError, match=r"\[2, 2\] multiply to 4, but context_parallel_size is 8"):
+        ModelParallelConfig(context_parallel_size=8, hierarchical_context_parallel_sizes=[2, 2])
+    with pytest.raises(ValueError, match=r"list of ints >= 1, got \[4, 0\]"):
+        ModelParallelConfig(context_parallel_size=4, hierarchical_context_parallel_sizes=[4, 0])
+    with pytest.raises(ValueError, match="list of ints >= 1, got 4"):
+        ModelParallelConfig(context_parallel_size=4, hierarchical_context_parallel_sizes=4)
