@@ -9,9 +9,10 @@ group exists, identically on every rank.
 
 import argparse
 from dataclasses import dataclass, fields
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence, Tuple, Union
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
+CP_COMM_TYPES = ("all_gather", "p2p", "a2a", "a2a+p2p")  # transformer_config's (no torch here)
 
 
 @dataclass
@@ -26,7 +27,8 @@ class TrainingConfig:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
     distributed_backend: str = "auto"
-    cp_comm_type: str = "all_gather"
+    cp_comm_type: Union[str, List[str]] = "all_gather"  # one kind, or one per layer
+    hierarchical_context_parallel_sizes: Optional[List[int]] = None  # [A, P] for a2a+p2p
     # Data and batches.
     micro_batch_size: int = 2
     global_batch_size: int = 8
@@ -87,6 +89,13 @@ class Layout:
     num_microbatches: int
     tensor_model_parallel_size: int = 1
     sequence_parallel: bool = False
+    hierarchical_context_parallel_sizes: Optional[Tuple[int, ...]] = None
+
+    @property
+    def hierarchical_sizes(self) -> Optional[List[int]]:
+        """``hierarchical_context_parallel_sizes`` as the list megatron-core takes, or None."""
+        sizes = self.hierarchical_context_parallel_sizes
+        return None if sizes is None else list(sizes)
 
     @property
     def name(self) -> str:
@@ -180,18 +189,7 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
                 f"(--global-batch-size {c.global_batch_size} / (--micro-batch-size "
                 f"{c.micro_batch_size} x DP {dp})) cannot be interleaved: {exc}"
             ) from None
-    _require(
-        c.cp_comm_type in ("all_gather", "p2p", "a2a"),
-        f"--cp-comm-type must be all_gather, p2p or a2a, got {c.cp_comm_type!r}",
-    )
-    tp = c.tensor_model_parallel_size
-    heads, groups = c.num_attention_heads, c.num_query_groups or c.num_attention_heads
-    _require(
-        c.cp_comm_type != "a2a" or (heads % (tp * cp) == 0 and groups % (tp * cp) == 0),
-        f"--cp-comm-type a2a splits each tensor-parallel rank's heads over CP: "
-        f"--num-attention-heads ({heads}) and the query groups ({groups}) must be divisible "
-        f"by --tp x --cp = {tp * cp}",
-    )
+    _check_cp_comm_type(c)
     if c.pack_sequences:
         # Imported here: the self-launching process checks layouts without importing torch.
         from megatron.training.data import PACK_PAD_MULTIPLE
@@ -249,7 +247,54 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
         c.distributed_backend in ("auto", "gloo", "nccl"),
         f"--distributed-backend must be auto, gloo or nccl, got {c.distributed_backend!r}",
     )
-    return Layout(world_size, cp, pp, vpp, dp, num_microbatches, tp, c.sequence_parallel)
+    hierarchical = c.hierarchical_context_parallel_sizes
+    return Layout(
+        world_size,
+        cp,
+        pp,
+        vpp,
+        dp,
+        num_microbatches,
+        tp,
+        c.sequence_parallel,
+        None if hierarchical is None else tuple(hierarchical),
+    )
+
+
+def _check_cp_comm_type(c: TrainingConfig) -> None:
+    """--cp-comm-type: one kind or one per layer; a2a splits each tensor-parallel rank's
+    heads over CP, a2a+p2p over the first of --hierarchical-context-parallel-sizes [A, P]
+    (A x P = CP)."""
+    kinds = [c.cp_comm_type] if isinstance(c.cp_comm_type, str) else list(c.cp_comm_type)
+    _require(
+        len(kinds) in (1, c.num_layers),
+        f"--cp-comm-type takes one kind or one per layer (--num-layers {c.num_layers}), got "
+        f"{len(kinds)}: {kinds}",
+    )
+    bad = [k for k in kinds if k not in CP_COMM_TYPES]
+    _require(not bad, f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got {bad}")
+    tp, cp = c.tensor_model_parallel_size, c.context_parallel_size
+    hierarchical = c.hierarchical_context_parallel_sizes
+    if hierarchical is not None:
+        _require(
+            len(hierarchical) == 2 and all(isinstance(x, int) and x >= 1 for x in hierarchical)
+            and hierarchical[0] * hierarchical[1] == cp,
+            f"--hierarchical-context-parallel-sizes takes two sizes [A, P] with A x P = --cp "
+            f"{cp}, got {list(hierarchical)}",
+        )  # fmt: skip
+    _require(
+        "a2a+p2p" not in kinds or cp == 1 or hierarchical is not None,
+        f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P (A x P = --cp "
+        f"{cp}): heads all-to-all within A ranks, the ring over P",
+    )
+    heads, groups = c.num_attention_heads, c.num_query_groups or c.num_attention_heads
+    for kind, split, flag in (("a2a", cp, "--cp"), ("a2a+p2p", (hierarchical or [1])[0], "A")):
+        _require(
+            kind not in kinds or (heads % (tp * split) == 0 and groups % (tp * split) == 0),
+            f"--cp-comm-type {kind} splits each tensor-parallel rank's heads over {flag}: "
+            f"--num-attention-heads ({heads}) and the query groups ({groups}) must be "
+            f"divisible by --tp x {flag} = {tp * split}",
+        )
 
 
 def _check_tensor_parallel(c: TrainingConfig) -> None:
@@ -317,6 +362,7 @@ def single_process_config(config: TrainingConfig) -> TrainingConfig:
         tensor_model_parallel_size=1,
         sequence_parallel=False,
         context_parallel_size=1,
+        hierarchical_context_parallel_sizes=None,
         pipeline_model_parallel_size=1,
         virtual_pipeline_model_parallel_size=None,
         compare_single_process=False,
@@ -393,11 +439,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     layout.add_argument(
         "--cp-comm-type",
-        choices=["all_gather", "p2p", "a2a"],
+        nargs="+",
+        choices=CP_COMM_TYPES,
         default=d.cp_comm_type,
+        metavar="KIND",
         help="how context-parallel attention brings keys to queries (megatron-core's "
-        "cp_comm_type): all-gather per head group, the load-balanced ring, or heads "
-        "all-to-all",
+        "cp_comm_type), one kind or one per layer: all_gather (K/V gathered per head "
+        "group), p2p (the load-balanced ring), a2a (heads all-to-all) or a2a+p2p (heads "
+        "all-to-all within A ranks, the ring over P)",
+    )
+    layout.add_argument(
+        "--hierarchical-context-parallel-sizes",
+        nargs=2,
+        type=int,
+        metavar=("A", "P"),
+        default=d.hierarchical_context_parallel_sizes,
+        help="the two levels of --cp for a2a+p2p: A consecutive ranks exchange heads, the "
+        "ring runs over P (A x P = --cp)",
     )
     layout.add_argument(
         "--distributed-backend",
@@ -579,6 +637,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Optional[Sequence[str]] = None) -> TrainingConfig:
     """Parse the command line into a ``TrainingConfig`` (no layout checks)."""
     args = build_parser().parse_args(argv)
+    if isinstance(args.cp_comm_type, list) and len(args.cp_comm_type) == 1:
+        args.cp_comm_type = args.cp_comm_type[0]  # one kind for every layer
     return TrainingConfig(**vars(args))
 
 

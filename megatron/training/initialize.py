@@ -60,6 +60,7 @@ def initialize_model_parallel_groups(layout: Layout) -> ProcessGroupCollection:
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
         context_parallel_size=layout.context_parallel_size,
+        hierarchical_context_parallel_sizes=layout.hierarchical_sizes,
         distributed_timeout_minutes=int(TIMEOUT.total_seconds() // 60),
     )
     return ProcessGroupCollection.use_mpu_process_groups()

@@ -91,6 +91,7 @@ def transformer_config_from(config: TrainingConfig, layout: Layout) -> Transform
         attention_dropout=0.0,
         init_method_std=config.init_method_std,
         context_parallel_size=layout.context_parallel_size,
+        hierarchical_context_parallel_sizes=layout.hierarchical_sizes,
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
         params_dtype=torch.float32,

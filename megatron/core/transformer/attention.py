@@ -64,6 +64,10 @@ class Attention(MegatronModule):
         self.num_query_groups_per_partition = config.num_query_groups // tp
         if cp_comm_type is None:
             cp_comm_type = config.cp_comm_type
+        if isinstance(cp_comm_type, (list, tuple)):
+            # One entry per layer: entry n - 1 for global layer number n (megatron-core
+            # 0.16.1 reads entry n, one past the end at the last layer; docs/compatibility.md).
+            cp_comm_type = cp_comm_type[layer_number - 1]
         self.core_attention = build_module(
             submodules.core_attention,
             config=config,

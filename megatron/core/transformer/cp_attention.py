@@ -438,8 +438,9 @@ def _all_to_all_attention(query, key, value, group, packed, scale, kernel, ring=
     n_q, n_kv = query.shape[2], key.shape[2]
     if n_q % a2a_size or n_kv % a2a_size:
         raise ValueError(
-            f"context_parallel_attention: cp_comm_type='a2a' needs the query heads ({n_q}) and "
-            f"key/value heads ({n_kv}) divisible by the all-to-all group size ({a2a_size})"
+            f"context_parallel_attention: cp_comm_type={'a2a' if ring is None else 'a2a+p2p'!r} "
+            f"needs the query heads ({n_q}) and key/value heads ({n_kv}) divisible by the "
+            f"all-to-all group size ({a2a_size})"
         )
     s_local = query.shape[0]
     order, back = _exchange_order(s_local, a2a_size, ring_size, ring_rank, packed, query.device)

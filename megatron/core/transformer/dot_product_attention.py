@@ -10,7 +10,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.cp_attention import context_parallel_attention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.parallel_groups import cp_group_of
+from megatron.core.transformer.parallel_groups import cp_group_of, hierarchical_cp_groups_of
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -54,7 +54,7 @@ class DotProductAttention(MegatronModule):
         if softmax_scale is None:
             softmax_scale = 1.0 / math.sqrt(config.kv_channels)
         self.softmax_scale = softmax_scale
-        cp_group_of(pg_collection, config)  # fail at build time on a mismatched group
+        self._cp_group()  # fail at build time on a mismatched group
 
     def forward(
         self,
@@ -76,12 +76,24 @@ class DotProductAttention(MegatronModule):
             query,
             key,
             value,
-            cp_group=cp_group_of(self.pg_collection, self.config),
-            cp_comm_type=self.cp_comm_type or "all_gather",
+            cp_group=self._cp_group(),
+            cp_comm_type=self._comm_type(),
             softmax_scale=self.softmax_scale,
             packed_seq_params=packed_seq_params,
         )
         return context.reshape(context.shape[0], context.shape[1], -1)
+
+    def _comm_type(self) -> str:
+        """``cp_comm_type`` (None: all_gather); a2a+p2p at CP = 1 is plain attention."""
+        if self.cp_comm_type == "a2a+p2p" and self.config.context_parallel_size == 1:
+            return "all_gather"
+        return self.cp_comm_type or "all_gather"
+
+    def _cp_group(self):
+        """The CP group, or the [all-to-all, ring] pair for a2a+p2p."""
+        if self._comm_type() == "a2a+p2p":
+            return hierarchical_cp_groups_of(self.pg_collection, self.config)
+        return cp_group_of(self.pg_collection, self.config)
 
 
 _WARNED = set()

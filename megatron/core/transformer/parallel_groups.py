@@ -5,7 +5,7 @@ Each getter checks the group's size against the config, so a mismatched collecti
 error at build time rather than a hang.
 """
 
-from typing import Optional
+from typing import List, Optional
 
 import torch.distributed as dist
 
@@ -42,6 +42,46 @@ def cp_group_of(
         "context_parallel_size",
         parallel_state.get_context_parallel_group,
     )
+
+
+def hierarchical_cp_groups_of(
+    pg_collection: Optional[ProcessGroupCollection], config
+) -> List[dist.ProcessGroup]:
+    """The [all-to-all, ring] groups of ``cp_comm_type="a2a+p2p"``: ``pg_collection.hcp``;
+    without a collection, ``parallel_state.get_hierarchical_context_parallel_groups()``.
+
+    They must be two levels that split this rank's CP group the way the attention assumes
+    (``initialize_model_parallel(hierarchical_context_parallel_sizes=[A, P])`` builds them
+    so): the all-to-all group is the run of A consecutive CP ranks holding this rank, the
+    ring every A-th CP rank from it, so that CP rank = ring rank * A + all-to-all rank.
+    """
+    cp_group = cp_group_of(pg_collection, config)
+    if pg_collection is not None:
+        groups = pg_collection.hcp
+    elif parallel_state.model_parallel_is_initialized():
+        groups = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
+    else:
+        groups = None
+    where = "pg_collection.hcp" if pg_collection is not None else "parallel_state"
+    if groups is None or len(groups) != 2:
+        raise ValueError(
+            "cp_comm_type='a2a+p2p' needs two hierarchical CP groups [all-to-all, ring] "
+            "(initialize_model_parallel(hierarchical_context_parallel_sizes=[A, P]) or "
+            f"pg_collection.hcp); {where} has {groups!r}"
+        )
+    cp_ranks = dist.get_process_group_ranks(cp_group)
+    index = cp_ranks.index(dist.get_rank())
+    a2a_size = get_pg_size(groups[0])
+    start = index - index % a2a_size
+    expected = [cp_ranks[start : start + a2a_size], cp_ranks[index % a2a_size :: a2a_size]]
+    actual = [dist.get_process_group_ranks(group) for group in groups]
+    if actual != expected:
+        raise ValueError(
+            f"cp_comm_type='a2a+p2p': the hierarchical CP groups of {where} are {actual}; for "
+            f"the CP group {cp_ranks} this rank needs {expected} (A consecutive CP ranks, "
+            "then every A-th)"
+        )
+    return list(groups)
 
 
 def pp_rank_of(pg_collection: Optional[ProcessGroupCollection], config) -> int:

@@ -6,6 +6,7 @@ Distributed cases run under ``torchrun --nproc-per-node 4 -m pytest tests/unit_t
 so a failed comparison on one rank cannot leave the others waiting.
 """
 
+import re
 from typing import Dict, List, Optional
 
 import pytest
@@ -244,6 +245,36 @@ def test_model_rejects_unsupported_layouts():
         later_stage(None, None)
 
 
+PER_LAYER = ["a2a+p2p", "p2p", "a2a", None]
+
+
+@pytest.mark.parametrize("pp", [1, 2], ids=["pp1", "pp2"])
+def test_per_layer_cp_comm_type_follows_global_layer_numbers(pp):
+    """A ``cp_comm_type`` list gives layer n (global, 1-based) entry n - 1, on every stage.
+    (megatron-core 0.16.1 reads entry n, which leaves the first entry unused and indexes
+    past the end at the last layer.)"""
+    config = make_config(pipeline_model_parallel_size=pp, cp_comm_type=PER_LAYER)
+    got = {}
+    for stage in range(pp):
+        model = GPTModel(
+            config, SPEC, VOCAB, SEQ, pre_process=stage == 0, post_process=stage == pp - 1,
+            pg_collection=no_groups(), pp_rank=stage,
+        )  # fmt: skip
+        for layer in model.decoder.layers:
+            got[layer.layer_number] = layer.self_attention.core_attention.cp_comm_type
+    assert got == {n: PER_LAYER[n - 1] for n in range(1, LAYERS + 1)}
+
+
+def test_cp_comm_type_is_checked():
+    """Unknown kinds, and per-layer lists of the wrong length, name what was wrong."""
+    with pytest.raises(ValueError, match=r"cp_comm_type entries must be one of .*got 'ring'"):
+        make_config(cp_comm_type="ring")
+    with pytest.raises(ValueError, match=r"cp_comm_type entries must be one of .*got 'a2a\+a2a'"):
+        make_config(cp_comm_type=["p2p", "a2a+a2a", "p2p", "p2p"])
+    with pytest.raises(ValueError, match=r"cp_comm_type has 3 entries.*num_layers = 4"):
+        make_config(cp_comm_type=["p2p"] * 3)
+
+
 # ----------------------------------------------------------------------------- distributed
 
 
@@ -275,6 +306,27 @@ def test_get_batch_on_this_cp_rank_uses_the_group(model_parallel, source):
     assert torch.equal(sliced["position_ids"], before["position_ids"][:, positions])
     assert torch.equal(sliced["tokens"], before["tokens"][:, positions])
     assert all(torch.equal(batch[k], before[k]) for k in batch)
+
+
+@pytest.mark.world(4)
+def test_a2a_p2p_checks_its_groups(model_parallel):
+    """a2a+p2p: the hierarchical groups come from pg_collection.hcp or parallel_state; a
+    collection without them, or with the levels swapped, is a named error at build time."""
+    model_parallel(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2])
+    group = parallel_state.get_context_parallel_group()
+    a2a, ring = parallel_state.get_hierarchical_context_parallel_groups()
+    config = make_config(context_parallel_size=4, cp_comm_type="a2a+p2p")
+    GPTModel(config, SPEC, VOCAB, SEQ)  # the MPU fallback
+    GPTModel(
+        config, SPEC, VOCAB, SEQ, pg_collection=ProcessGroupCollection(cp=group, hcp=[a2a, ring])
+    )
+    with pytest.raises(ValueError, match=r"needs two hierarchical CP groups.*pg_collection.hcp"):
+        GPTModel(config, SPEC, VOCAB, SEQ, pg_collection=ProcessGroupCollection(cp=group))
+    swapped = ProcessGroupCollection(cp=group, hcp=[ring, a2a])
+    rank = dist.get_rank()
+    needed = [[rank - rank % 2, rank - rank % 2 + 1], [rank % 2, rank % 2 + 2]]
+    with pytest.raises(ValueError, match=re.escape(f"this rank needs {needed}")):
+        GPTModel(config, SPEC, VOCAB, SEQ, pg_collection=swapped)
 
 
 CP_CASES = [

@@ -7,7 +7,7 @@ the load-balanced rule, ``get_thd_batch_on_this_cp_rank``) the shards must give 
 one-process model's losses on their positions and, summed over the CP group, its gradients.
 """
 
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Union
 
 import pytest
 import torch
@@ -75,7 +75,7 @@ def params_of(row) -> PackedSeqParams:
 def build(
     cp_size: int = 1,
     pg_collection: Optional[ProcessGroupCollection] = None,
-    cp_comm_type: str = "all_gather",
+    cp_comm_type: Union[str, List[str]] = "all_gather",
     position_embedding_type: str = "learned_absolute",
 ) -> GPTModel:
     """A float64 GPT (same weights for every layout) with room for TOTAL positions."""
@@ -134,23 +134,30 @@ def test_packed_row_equals_documents_run_alone(position_embedding_type):
     assert relative_error(mixed_losses[real_rows], expected_losses[real_rows]) > 1e-3
 
 
+PER_LAYER = ["a2a+p2p", "p2p", "all_gather", "a2a+p2p"]  # 2 heads: no plain a2a at C = 4
 PACKED_CP_CASES = [
-    pytest.param(2, "all_gather", "learned_absolute", id="C2-all_gather"),
-    pytest.param(4, "all_gather", "learned_absolute", id="C4-all_gather"),
-    pytest.param(2, "a2a", "learned_absolute", id="C2-a2a"),
-    pytest.param(2, "p2p", "learned_absolute", id="C2-p2p"),
-    pytest.param(2, "all_gather", "rope", id="C2-all_gather-rope"),
-    pytest.param(4, "p2p", "rope", id="C4-p2p-rope"),
+    pytest.param(2, "all_gather", "learned_absolute", None, id="C2-all_gather"),
+    pytest.param(4, "all_gather", "learned_absolute", None, id="C4-all_gather"),
+    pytest.param(2, "a2a", "learned_absolute", None, id="C2-a2a"),
+    pytest.param(2, "p2p", "learned_absolute", None, id="C2-p2p"),
+    pytest.param(2, "all_gather", "rope", None, id="C2-all_gather-rope"),
+    pytest.param(4, "p2p", "rope", None, id="C4-p2p-rope"),
+    pytest.param(4, "a2a+p2p", "rope", [2, 2], id="C4-a2a2xp2p2-rope"),
+    pytest.param(4, PER_LAYER, "learned_absolute", [2, 2], id="C4-per-layer"),
 ]
 
 
 @pytest.mark.world(4)
-@pytest.mark.parametrize("cp_size, comm, position_embedding_type", PACKED_CP_CASES)
-def test_packed_cp_matches_one_process(model_parallel, cp_size, comm, position_embedding_type):
+@pytest.mark.parametrize("cp_size, comm, position_embedding_type, hierarchical", PACKED_CP_CASES)
+def test_packed_cp_matches_one_process(
+    model_parallel, cp_size, comm, position_embedding_type, hierarchical
+):
     """Each rank's THD shard gives the one-process packed losses on its positions; gradients
-    summed over the CP group equal the one-process gradients (float64)."""
-    model_parallel(context_parallel_size=cp_size)
+    summed over the CP group equal the one-process gradients (float64). a2a+p2p runs over
+    ``hierarchical_context_parallel_sizes``; the per-layer list mixes every kind."""
+    model_parallel(context_parallel_size=cp_size, hierarchical_context_parallel_sizes=hierarchical)
     group = parallel_state.get_context_parallel_group()
+    hcp = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
     row = packed_row()
     ref_model = build(position_embedding_type=position_embedding_type)
     ref_losses, ref_grads = run(ref_model, row, params_of(row))
@@ -158,7 +165,8 @@ def test_packed_cp_matches_one_process(model_parallel, cp_size, comm, position_e
     local, packed = get_thd_batch_on_this_cp_rank(
         row, row["cu_seqlens"], row["cu_seqlens_padded"], row["max_seqlen"]
     )
-    model = build(cp_size, ProcessGroupCollection(cp=group), comm, position_embedding_type)
+    collection = ProcessGroupCollection(cp=group, hcp=hcp)
+    model = build(cp_size, collection, comm, position_embedding_type)
     losses, grads = run(model, local, packed)
     grads = all_reduce_sum(grads, group)
 

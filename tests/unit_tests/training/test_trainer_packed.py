@@ -28,6 +28,11 @@ PACKED_RUNS = [
         "p2p",
         id="cp2-pp2-p2p-llama",
     ),
+    pytest.param(
+        dict(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2]),
+        "a2a+p2p",
+        id="cp4-a2a2xp2p2",
+    ),
     pytest.param(dict(), "p2p", id="cp2-dp2-p2p", marks=pytest.mark.slow),
     pytest.param(
         dict(pipeline_model_parallel_size=2), "a2a", id="cp2-pp2-a2a", marks=pytest.mark.slow
@@ -40,8 +45,9 @@ PACKED_RUNS = [
 def test_packed_training_follows_the_one_process_run(layout, comm):
     """4 iterations of packed rows at CP = 2 (with PP = 2, or TP = 2: CP then splits each
     tensor-parallel rank's heads; GPT-2 style, or Llama style with RoPE restarting in every
-    document) equal the one-process run within 1e-5."""
-    config = TrainingConfig(
+    document), and at CP = 4 as a2a+p2p over [2, 2], equal the one-process run within
+    1e-5."""
+    fields = dict(
         context_parallel_size=2,
         pack_sequences=True,
         cp_comm_type=comm,
@@ -52,8 +58,8 @@ def test_packed_training_follows_the_one_process_run(layout, comm):
         compare_single_process=True,
         compare_tolerance=1e-5,
         progress=False,
-        **layout,
     )
+    config = TrainingConfig(**{**fields, **layout})
     with fresh_layout():
         result = pretrain(config)
     failures = [] if result.passed else ["the comparison with the one-process run failed"]
@@ -112,3 +118,53 @@ def test_flags_map_to_the_config():
     assert parse_args([]).cp_comm_type == "all_gather" and not parse_args([]).pack_sequences
     with pytest.raises(ValueError, match=r"a2a .* --num-attention-heads \(4\).*--tp x --cp = 8"):
         validate_config(TrainingConfig(cp_comm_type="a2a", context_parallel_size=8), 8)
+
+
+@pytest.mark.world(1)
+def test_hierarchical_and_per_layer_flags():
+    """--cp-comm-type takes one kind or one per layer; a2a+p2p needs
+    --hierarchical-context-parallel-sizes A P with A x P = --cp; errors name the flag."""
+    config = parse_args(
+        ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "4"]
+    )
+    assert config.cp_comm_type == "a2a+p2p"
+    assert config.hierarchical_context_parallel_sizes == [2, 4]
+    per_layer = parse_args(["--cp-comm-type", "p2p", "a2a", "a2a+p2p", "all_gather"])
+    assert per_layer.cp_comm_type == ["p2p", "a2a", "a2a+p2p", "all_gather"]
+    layout = validate_config(
+        TrainingConfig(
+            context_parallel_size=8,
+            cp_comm_type="a2a+p2p",
+            hierarchical_context_parallel_sizes=[2, 4],
+            seq_length=64,
+            global_batch_size=2,
+        ),
+        8,
+    )
+    assert layout.hierarchical_sizes == [2, 4]
+    bad = [
+        (dict(cp_comm_type="a2a+p2p"), r"a2a\+p2p needs --hierarchical-context-parallel-sizes"),
+        (
+            dict(cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 2]),
+            r"two sizes \[A, P\] with A x P = --cp 8, got \[2, 2\]",
+        ),
+        (
+            dict(cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[8, 1]),
+            r"over A: --num-attention-heads \(4\).*--tp x A = 8",
+        ),
+        (dict(cp_comm_type=["p2p", "a2a"]), r"one kind or one per layer \(--num-layers 4\)"),
+        (dict(cp_comm_type=["p2p", "ring", "a2a", "a2a"]), r"must be one of .*got \['ring'\]"),
+    ]
+    for changes, message in bad:
+        fields = dict(context_parallel_size=8, seq_length=64, global_batch_size=2, **changes)
+        with pytest.raises(ValueError, match=message):
+            validate_config(TrainingConfig(**fields), 8)
+
+
+@pytest.mark.world(1)
+def test_trainer_knows_every_cp_comm_type():
+    """The trainer's list (kept free of torch imports) is the core's."""
+    from megatron.core.transformer.transformer_config import CP_COMM_TYPES
+    from megatron.training.arguments import CP_COMM_TYPES as TRAINER_TYPES
+
+    assert TRAINER_TYPES == CP_COMM_TYPES
