@@ -15,6 +15,7 @@ Misuse that megatron-core reports with ``assert`` raises ``ParallelStateError``,
 """
 
 import itertools
+import math
 from datetime import timedelta
 from typing import Callable, Dict, List, Optional
 
@@ -128,9 +129,7 @@ def hierarchical_cp_rank_lists(cp_ranks: List[int], sizes: List[int]) -> List[Li
     takes every ``s0``-th entry, and so on. ``cp_ranks = range(8)``, ``sizes = [2, 4]``:
     level 0 ``[0, 1], [2, 3], [4, 5], [6, 7]``; level 1 ``[0, 2, 4, 6], [1, 3, 5, 7]``.
     """
-    total = 1
-    for size in sizes:
-        total *= size
+    total = math.prod(sizes)
     if total != len(cp_ranks):
         raise ValueError(
             f"hierarchical_cp_rank_lists: prod(sizes={list(sizes)}) = {total} != "
@@ -905,9 +904,7 @@ def _check_hierarchical_cp_sizes(sizes, context_parallel_size: int) -> Optional[
         raise ValueError(f"{where} must be a list of ints >= 1, got {list(sizes)} ({bad[0]!r})")
     if not sizes:
         return None
-    total = 1
-    for size in sizes:
-        total *= size
+    total = math.prod(sizes)
     if total != context_parallel_size:
         raise ParallelStateError(
             f"{where}={list(sizes)} multiply to {total}, but context_parallel_size is "
