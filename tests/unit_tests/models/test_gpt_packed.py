@@ -1,8 +1,9 @@
 """The GPT on packed sequences (THD, ``PackedSeqParams``), alone and under context parallelism.
 
 Reference: every document of a packed row run alone through the same float64 model (its own
-positions from 0). The packed row must give the same per-token losses on real tokens and the
-same gradients of sum(mask * loss); under CP (each padded document split over the ranks with
+positions from 0), and, for the losses, through the independent dense GPT (``dense_gpt.py``).
+The packed row must give the same per-token losses on real tokens and the same gradients of
+sum(mask * loss); under CP (each padded document split over the ranks with
 the load-balanced rule, ``get_thd_batch_on_this_cp_rank``) the shards must give the packed
 one-process model's losses on their positions and, summed over the CP group, its gradients.
 """
@@ -18,7 +19,11 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_thd_batch_on_this_cp_rank
+from tests.unit_tests.models.dense_gpt import Arch, dense_gpt_losses
 from tests.unit_tests.models.test_gpt_cp_attention import (
+    HEADS,
+    HIDDEN,
+    LAYERS,
     SPEC,
     VOCAB,
     all_reduce_sum,
@@ -132,6 +137,26 @@ def test_packed_row_equals_documents_run_alone(position_embedding_type):
 
     mixed_losses, _ = run(model, row, None)
     assert relative_error(mixed_losses[real_rows], expected_losses[real_rows]) > 1e-3
+
+    # The losses once more against the independent dense reference (plain torch ops on the
+    # same weights, each document from position 0), which shares no code with the model.
+    arch = Arch(
+        "packed", layers=LAYERS, hidden=HIDDEN, heads=HEADS, groups=HEADS, ffn=4 * HIDDEN,
+        vocab=VOCAB, norm="LayerNorm", swiglu=False, bias=True, tied=False,
+        rope=position_embedding_type == "rope",
+    )  # fmt: skip
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    dense_losses = torch.zeros(1, TOTAL, dtype=torch.float64)
+    start = 0
+    for real, padded in zip(REAL, PADDED):
+        doc = slice(start, start + real)
+        dense_losses[:, doc] = dense_gpt_losses(
+            params, arch, row["tokens"][:, doc], row["labels"][:, doc]
+        )
+        start += padded
+    # The model builds RoPE angles in float32, as megatron-core does; the reference in float64.
+    tolerance = 1e-6 if arch.rope else 1e-12
+    assert relative_error(packed_losses[real_rows], dense_losses[real_rows]) <= tolerance
 
 
 PER_LAYER = ["a2a+p2p", "p2p", "all_gather", "a2a+p2p"]  # 2 heads: no plain a2a at C = 4
