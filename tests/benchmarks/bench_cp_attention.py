@@ -9,7 +9,8 @@ Run with torchrun on 2 GPUs (nccl); every measurement is taken in the same run:
 ``attention``: one causal attention op (16 heads of 128, bf16, batch 1), forward + backward,
 at each length: (1) one GPU, the full sequence, ``F.scaled_dot_product_attention`` with the
 kernel pinned (the kernel's own rate); (2) one GPU through ``context_parallel_attention``
-(C = 1); (3) ours on 2 GPUs, cp_comm_type all_gather and p2p; (4) PyTorch's
+(C = 1); (3) ours on 2 GPUs, cp_comm_type all_gather, p2p, a2a (and a2a+p2p, which needs
+4 GPUs to differ from a2a); (4) PyTorch's
 ``torch.distributed.tensor.experimental.context_parallel`` (ring attention over the same
 SDPA kernel, load-balanced) on the same 2 GPUs. ``train``: a whole training step (forward,
 backward, CP gradient all-reduce, fused AdamW) of a ~1.07B-parameter GPT (4 layers, hidden
@@ -24,6 +25,7 @@ fwd + bwd = 3.5 x fwd. Results are appended as JSON lines to DIR/<what>.jsonl.
 """
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -198,6 +200,29 @@ def format_record(r: Dict) -> str:
 # ----------------------------------------------------------------------------- attention
 
 
+OURS = ("all_gather", "p2p", "a2a", "a2a+p2p")  # our cp_comm_types over all ranks
+
+
+@functools.lru_cache(maxsize=None)
+def our_group(variant: str):
+    """The CP group of one of OURS: the world, or for a2a+p2p the pair [all-to-all group of
+    2 consecutive ranks, ring over every 2nd rank] (hierarchical sizes [2, world / 2]; on 2
+    GPUs that is a2a with an extra reordering, so it means something from 4 GPUs on)."""
+    if variant != "a2a+p2p":
+        return dist.group.WORLD
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = []
+    for level in (
+        [[r, r + 1] for r in range(0, world, 2)],
+        [list(range(i, world, 2)) for i in (0, 1)],
+    ):
+        for ranks in level:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine.append(group)
+    return mine
+
+
 def bench_attention(args, length: int, variant: str, timer: Callable = None) -> List[float]:
     """Time one attention op (``timer``, default ``timed``, gets the step to run)."""
     timed_ = timer or timed
@@ -219,8 +244,8 @@ def bench_attention(args, length: int, variant: str, timer: Callable = None) -> 
 
         return timed_(step, args.min_time, sync_group=False, max_iters=args.max_iters)
 
-    if variant in ("one_gpu_ours", "all_gather", "p2p") or variant.startswith("all_gather_g"):
-        group = None if variant == "one_gpu_ours" else dist.group.WORLD
+    if variant == "one_gpu_ours" or variant in OURS or variant.startswith("all_gather_g"):
+        group = None if variant == "one_gpu_ours" else our_group(variant)
         cp = 1 if group is None else world
         local = length // cp
         q, k, v, dout = (rand(local, 1, heads, dim) for _ in range(4))
@@ -350,12 +375,13 @@ def bench_train(args, length: int, variant: str) -> List[float]:
         return timed(
             make_step(attend, inputs, positions, labels, 1), args.min_time, False, args.max_iters
         )
-    if variant in ("all_gather", "p2p"):
+    if variant in OURS:
         shard = cp_shard_positions(length, world, dist.get_rank()).cuda()
+        group = our_group(variant)
 
         def attend(q, k, v):
             return context_parallel_attention(
-                q, k, v, cp_group=dist.group.WORLD, cp_comm_type=variant, kernel=args.kernel
+                q, k, v, cp_group=group, cp_comm_type=variant, kernel=args.kernel
             )
 
         tok, pos, lab = (x[:, shard] for x in (inputs, positions, labels))
