@@ -7,6 +7,7 @@ builds, dense and expert, over orders with and without cp/ep, some with
 ``hierarchical_context_parallel_sizes`` and the groups of each level, or the error it raises).
 """
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -249,17 +250,30 @@ def _assert_raises_like_megatron_core(layout):
     assert not ps.model_parallel_is_initialized()
 
 
+@contextlib.contextmanager
+def _megatron_core_layout(layout):
+    """Initialize a recorded layout for the body (yields True) and reset it afterwards; a
+    recorded error is checked instead (yields False: the body has nothing to compare)."""
+    reset_layout()
+    if "error" in layout:
+        _assert_raises_like_megatron_core(layout)
+        yield False
+        return
+    _initialize(layout)
+    try:
+        yield True
+    finally:
+        reset_layout()
+
+
 @pytest.mark.world(2, 4, 8)
 @pytest.mark.parametrize("layout", INIT_LAYOUTS, ids=[_init_id(x) for x in INIT_LAYOUTS])
 def test_initialize_groups_equal_megatron_core(layout):
     """Dense and expert groups, sizes, ranks and source ranks of megatron-core's own
     ``initialize_model_parallel`` for this order and these sizes (or its exception type)."""
-    reset_layout()
-    if "error" in layout:
-        _assert_raises_like_megatron_core(layout)
-        return
-    _initialize(layout)
-    try:
+    with _megatron_core_layout(layout) as built:
+        if not built:
+            return
         rank = dist.get_rank()
         expected = {
             name: next((g for g in groups if rank in g), None)
@@ -301,8 +315,6 @@ def test_initialize_groups_equal_megatron_core(layout):
         for field in ("ep", "expt_tp", "tp_ep", "tp_ep_pp", "expt_dp"):
             if getattr(mpu, field) is not INIT_GETTERS[field]():
                 failures.append(f"use_mpu_process_groups().{field} is not parallel_state's")
-    finally:
-        reset_layout()
     assert_no_failures(failures)
 
 
@@ -425,12 +437,9 @@ def test_hierarchical_cp_groups_equal_megatron_core(layout):
     """This rank's group of every level equals the one megatron-core's own
     ``initialize_model_parallel`` builds for these sizes (or its exception type); the other
     groups of these layouts are checked by ``test_initialize_groups_equal_megatron_core``."""
-    reset_layout()
-    if "error" in layout:
-        _assert_raises_like_megatron_core(layout)
-        return
-    _initialize(layout)
-    try:
+    with _megatron_core_layout(layout) as built:
+        if not built:
+            return
         rank = dist.get_rank()
         expected = [next((g for g in level if rank in g), None) for level in layout["hcp_groups"]]
         groups = ps.get_hierarchical_context_parallel_groups()
@@ -443,8 +452,6 @@ def test_hierarchical_cp_groups_equal_megatron_core(layout):
             failures.append(f"rank {rank}: recorded ranks {ranks} != megatron-core {expected}")
         if ProcessGroupCollection.use_mpu_process_groups().hcp != groups:
             failures.append("use_mpu_process_groups().hcp is not parallel_state's")
-    finally:
-        reset_layout()
     assert_no_failures(failures)
 
 
