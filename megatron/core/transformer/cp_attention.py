@@ -47,8 +47,9 @@ group for the whole sequence (all_gather) or of one peer (p2p).
 
 import functools
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -161,6 +162,12 @@ def _local_plan(total: int, packed, device) -> _Plan:
     """The whole natural-order sequence at once: C = 1, or a2a after the exchange."""
     if packed is None:
         return _Plan([_Part(slice(None), slice(None))])
+    return _cached(
+        packed, ("local", total, device), lambda: _packed_local_plan(total, packed, device)
+    )
+
+
+def _packed_local_plan(total: int, packed, device) -> _Plan:
     docs = _documents(packed, total, 1)
     cu = torch.tensor(docs.padded_offsets, dtype=torch.int32, device=device)
     part = _Part(slice(None), slice(None), cu, cu, max(docs.lengths), max(docs.lengths))
@@ -179,9 +186,20 @@ def _exchange_order(s_local: int, a2a_size: int, ring_size: int, ring_rank: int,
     cp_size, total = a2a_size * ring_size, s_local * a2a_size * ring_size
     if packed is None:
         return _dense_exchange_order(total, cp_size, a2a_size, ring_size, ring_rank, device)
+    key = ("exchange", total, a2a_size, ring_size, ring_rank, device)
+    return _cached(
+        packed,
+        key,
+        lambda: _packed_exchange_order(total, a2a_size, ring_size, ring_rank, packed, device),
+    )
+
+
+def _packed_exchange_order(total, a2a_size, ring_size, ring_rank, packed, device):
     members = range(ring_rank * a2a_size, (ring_rank + 1) * a2a_size)
-    offsets = _documents(packed, total, cp_size).padded_offsets
-    held = torch.cat([thd_partitioned_indices(offsets, total, cp_size, r) for r in members])
+    offsets = _documents(packed, total, a2a_size * ring_size).padded_offsets
+    held = torch.cat(
+        [thd_partitioned_indices(offsets, total, a2a_size * ring_size, r) for r in members]
+    )
     target = thd_partitioned_indices(offsets, total, ring_size, ring_rank)
     return _inverse_lookup(held, target, total, device)
 
@@ -201,6 +219,40 @@ def _inverse_lookup(held: torch.Tensor, target: torch.Tensor, total: int, device
     row_of[held] = torch.arange(held.numel())
     order = row_of[target]
     return order.to(device), torch.argsort(order).to(device)
+
+
+_T = TypeVar("_T")
+_PLANS: "OrderedDict[tuple, tuple]" = OrderedDict()  # see _cached
+_PLANS_KEPT = 16
+
+
+def _cached(packed, key: tuple, build: Callable[[], _T]) -> _T:
+    """``build()`` for packed sequences, remembered per ``cu_seqlens`` tensors.
+
+    Written by hand because no library caches on a tensor's identity and version. Building a
+    packed plan reads ``cu_seqlens_q`` (and ``_padded``) on the host and copies index tensors
+    to the device: on a GPU each is a synchronization, and every layer of a forward pass
+    attends with the same ``PackedSeqParams``. The plan is kept for the same tensor objects
+    at the same ``_version`` (an in-place change bumps it; the entry holds the tensors, so
+    their ids cannot be reused while it lives): one forward pass synchronizes once, not once
+    per layer. The last ``_PLANS_KEPT`` plans are kept. Inference-mode tensors have no
+    version counter and are not cached.
+    """
+    tensors = (packed.cu_seqlens_q, packed.cu_seqlens_q_padded)
+    try:
+        versions = tuple(None if t is None else (id(t), t._version) for t in tensors)
+    except RuntimeError:  # inference tensors
+        return build()
+    full_key = key + versions
+    hit = _PLANS.get(full_key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], tensors)):
+        _PLANS.move_to_end(full_key)
+        return hit[1]
+    plan = build()
+    _PLANS[full_key] = (tensors, plan)
+    while len(_PLANS) > _PLANS_KEPT:
+        _PLANS.popitem(last=False)
+    return plan
 
 
 @dataclass
@@ -533,6 +585,13 @@ def _block_plan(s_local: int, cp_size: int, cp_rank: int, packed, device) -> _Bl
             lower=_Part(slice(None), slice(0, half), causal=False),
             upper=_Part(slice(half, None), slice(None), causal=False),
         )
+    key = ("block", s_local, cp_size, cp_rank, device)
+    return _cached(
+        packed, key, lambda: _packed_block_plan(s_local, cp_size, cp_rank, packed, device)
+    )
+
+
+def _packed_block_plan(s_local: int, cp_size: int, cp_rank: int, packed, device) -> _BlockPlan:
     docs = _documents(packed, s_local * cp_size, cp_size)
     halves = [length // (2 * cp_size) for length in docs.padded_lengths]
     first, second, start = [], [], 0

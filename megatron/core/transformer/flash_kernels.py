@@ -616,13 +616,11 @@ def _flash_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
         q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
     )
-    lse = finite_lse(lse.float())
-    # Rows past the last sequence are never written by the kernel.
-    tail = int(cu_q[-1])
-    if tail < q.shape[0]:
-        out[tail:] = 0
-        lse[:, tail:] = -math.inf
-    return out, lse
+    # Rows past the last sequence are never written by the kernel. They are found on the
+    # device: reading cu_q[-1] on the host would synchronize every call.
+    past = torch.arange(q.shape[0], device=q.device) >= cu_q[-1]
+    lse = torch.where((lse == math.inf) | past, -math.inf, lse.float())  # finite_lse, and past
+    return out.masked_fill_(past.view(-1, 1, 1), 0), lse
 
 
 def _flash_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):

@@ -244,6 +244,39 @@ def test_packed_rejects_bad_padding(comm):
         )
 
 
+@pytest.mark.world(1, 2, 4, 8)
+@pytest.mark.parametrize("comm", COMMS)
+def test_packed_plan_read_once_per_cu_seqlens(comm, monkeypatch):
+    """Every layer attends with the same PackedSeqParams: its cu_seqlens are read on the host
+    (on a GPU, a synchronization) for the first call only. Changing them in place is seen:
+    the next call reads them again and matches the oracle of the new documents."""
+    cp, rank, _ = world()
+    heads, groups = heads_for(comm, 8, 4, cp)
+    real, padded, total = packed_case("spanning", cp)
+    q, k, v, w = make_inputs(total, 1, heads, groups, 8, DTYPE, seed=2)
+    positions = thd_partitioned_indices(padded, total, cp, rank)
+    packed = packed_params(real, padded, device())
+    reads = []
+    read = cp_attention._documents
+    monkeypatch.setattr(cp_attention, "_documents", lambda *a: reads.append(a) or read(*a))
+
+    for call in range(3):
+        actual = run_shard(q, k, v, w, positions, comm, packed)
+        errors = max_relative_errors(actual, reference(q, k, v, w, real, padded), positions)
+        assert max(errors.values()) <= TOLERANCE, (call, errors)
+        if call == 0:
+            first_reads = len(reads)
+    assert first_reads > 0 and len(reads) == first_reads
+
+    with torch.no_grad():
+        packed.cu_seqlens_q[1:] -= 1  # the first document one token shorter
+    real = [real[0]] + [x - 1 for x in real[1:]]
+    actual = run_shard(q, k, v, w, positions, comm, packed)
+    errors = max_relative_errors(actual, reference(q, k, v, w, real, padded), positions)
+    assert max(errors.values()) <= TOLERANCE, errors
+    assert len(reads) > first_reads
+
+
 # ----------------------------------------------------------------------------- a2a+p2p
 
 
@@ -549,3 +582,61 @@ def test_varlen_falls_back_to_the_loop_when_the_op_fails(monkeypatch):
 
     with pytest.raises(torch.cuda.OutOfMemoryError):
         fk._guarded_varlen(oom)
+
+
+needs_cuda_varlen = pytest.mark.skipif(
+    not (torch.cuda.is_available() and fk.varlen_available()),
+    reason="needs a CUDA device with the flash varlen op (H200 run: docs/performance.md)",
+)
+
+
+@needs_cuda_varlen
+@pytest.mark.world(1)
+def test_varlen_rows_past_the_last_sequence_are_empty():
+    """The flash varlen op leaves rows past cu_q[-1] unwritten: they come back as out = 0 and
+    lse = -inf, found on the device (no host read of cu_q), the rest as the per-sequence
+    loop gives them."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (
+        torch.randn(40, 4, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3)
+    )
+    cu = torch.tensor([0, 9, 30], dtype=torch.int32, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, lse = fk.varlen_forward(q, k, v, cu, cu, 21, 21, True, 0.125)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not fk._VARLEN_FAILED
+    assert torch.equal(out[30:], torch.zeros_like(out[30:]))
+    assert torch.equal(lse[:, 30:], torch.full_like(lse[:, 30:], -math.inf))
+    loop_out, loop_lse = fk.varlen_forward(
+        q.double(), k.double(), v.double(), cu, cu, 21, 21, True, 0.125
+    )
+    torch.testing.assert_close(out[:30].double(), loop_out[:30], rtol=0, atol=2e-2)
+    torch.testing.assert_close(lse[:, :30].double(), loop_lse[:, :30], rtol=0, atol=1e-2)
+
+
+@needs_cuda_varlen
+@pytest.mark.world(1)
+@pytest.mark.parametrize("cached", [True, False], ids=["cached", "negative-control-uncached"])
+def test_packed_layers_after_the_first_never_synchronize(cached, monkeypatch):
+    """On a GPU, the layers after the first read nothing on the host: a second attention call
+    with the same PackedSeqParams passes sync debug mode "error", forward and backward.
+    Without the plan cache (negative control) it synchronizes."""
+    if not cached:
+        monkeypatch.setattr(cp_attention, "_cached", lambda packed, key, build: build())
+    real, padded, total = packed_case("spanning", 2)
+    q = torch.randn(total, 1, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    packed = packed_params(real, padded, torch.device("cuda"))
+    first = context_parallel_attention(q, q, q, packed_seq_params=packed)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        if cached:
+            second = context_parallel_attention(first, first, first, packed_seq_params=packed)
+            second.float().sum().backward()
+        else:
+            with pytest.raises(RuntimeError, match="synchroniz"):
+                context_parallel_attention(first, first, first, packed_seq_params=packed)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
