@@ -15,8 +15,11 @@ kernel pinned (the kernel's own rate); (2) one GPU through ``context_parallel_at
 SDPA kernel, load-balanced) on the same 2 GPUs. ``train``: a whole training step (forward,
 backward, CP gradient all-reduce, fused AdamW) of a ~1.07B-parameter GPT (4 layers, hidden
 4096, 32 heads of 128, FFN 16384, vocabulary 32768, sinusoidal positions, bf16) with the same
-three attention variants. ``probe``: each SDPA aten op's bottom-right causal semantics, LSE
-shape and speed, checked against a float64 reference.
+three attention variants; with ``--packed-docs N`` each sequence holds N packed documents
+(THD, new cu_seqlens tensors every step; ours only), and a variant named with the suffix
+``_uncached`` builds its packed plan in every attention call, as before the plan cache
+(the A/B of ``cp_attention._cached``). ``probe``: each SDPA aten op's bottom-right causal
+semantics, LSE shape and speed, checked against a float64 reference.
 
 Reported per configuration: seconds per iteration (median), tokens/s (global sequence
 tokens per second), peak allocated memory per GPU (max over ranks), and for attention the
@@ -25,10 +28,12 @@ fwd + bwd = 3.5 x fwd. Results are appended as JSON lines to DIR/<what>.jsonl.
 """
 
 import argparse
+import contextlib
 import functools
 import json
 import math
 import os
+import random
 import statistics
 import sys
 import time
@@ -41,7 +46,13 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megatron.core.context_parallel import cp_shard_positions  # noqa: E402
+from megatron.core.context_parallel import (  # noqa: E402
+    cp_shard_positions,
+    thd_document_positions,
+    thd_partitioned_indices,
+)
+from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
+from megatron.core.transformer import cp_attention  # noqa: E402
 from megatron.core.transformer import flash_kernels as fk  # noqa: E402
 from megatron.core.transformer.cp_attention import context_parallel_attention  # noqa: E402
 
@@ -66,6 +77,12 @@ def main() -> None:
         "--rounds", type=int, default=1, help="variants measured in turn, this many times"
     )
     parser.add_argument("--max-iters", type=int, default=20, help="timed calls per config, at most")
+    parser.add_argument(
+        "--packed-docs",
+        type=int,
+        default=0,
+        help="train: pack this many documents per sequence (THD; our variants only)",
+    )
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.what == "probe":
@@ -328,7 +345,42 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
 
 
+UNCACHED = "_uncached"  # variant suffix: every attention call builds its packed plan
+
+
+@contextlib.contextmanager
+def plans_uncached():
+    """The A/B of the packed-plan cache: each call reads cu_seqlens and builds its plan anew,
+    as before the cache (``cp_attention._cached`` replaced by a plain call)."""
+    saved = cp_attention._cached
+    cp_attention._cached = lambda packed, key, build: build()
+    try:
+        yield
+    finally:
+        cp_attention._cached = saved
+
+
+def packed_documents(length: int, docs: int, cp: int) -> tuple:
+    """Cumulative (real, padded) lengths of ``docs`` documents filling ``length`` tokens:
+    lengths 0.5-1.5x the mean (seeded), each padded to a multiple of 2 * cp, the real
+    length 0 to 2 * cp - 1 tokens shorter (SFT-like padding)."""
+    unit, gen = 2 * cp, random.Random(0)
+    weights = [gen.uniform(0.5, 1.5) for _ in range(docs)]
+    sizes = [max(unit, int(length * w / sum(weights)) // unit * unit) for w in weights[:-1]]
+    sizes.append(length - sum(sizes))
+    if sizes[-1] < unit:
+        raise ValueError(f"--packed-docs {docs} does not fit {length} tokens at C = {cp}")
+    real, padded = [0], [0]
+    for size in sizes:
+        padded.append(padded[-1] + size)
+        real.append(real[-1] + size - gen.randrange(unit))
+    return real, padded
+
+
 def bench_train(args, length: int, variant: str) -> List[float]:
+    if variant.endswith(UNCACHED):
+        with plans_uncached():
+            return bench_train(args, length, variant[: -len(UNCACHED)])
     world = dist.get_world_size()
     heads, vocab = args.hidden // 128, 32768
     torch.manual_seed(0)
@@ -357,8 +409,30 @@ def bench_train(args, length: int, variant: str) -> List[float]:
             )
         return out.permute(2, 0, 1, 3)
 
+    packed = [None]  # this step's PackedSeqParams (--packed-docs)
+    cp = world if variant in OURS else 1
+    if args.packed_docs:
+        if variant not in OURS + ("one_gpu_ours",):
+            raise ValueError(f"--packed-docs: variant {variant!r} has no packed sequences")
+        real, padded = packed_documents(length, args.packed_docs, cp)
+        starts = torch.tensor(padded, device="cuda")
+        positions = thd_document_positions(positions[0], starts, length)[1].unsqueeze(0)
+        host = [torch.tensor(x, dtype=torch.int32).pin_memory() for x in (real, padded)]
+
+    def new_batch():
+        """Each step's cu_seqlens arrive as a data loader brings them: new device tensors,
+        copied from pinned memory without a synchronization."""
+        if args.packed_docs:
+            cu, cu_padded = (x.to("cuda", non_blocking=True) for x in host)
+            longest = max(b - a for a, b in zip(padded[:-1], padded[1:]))
+            packed[0] = PackedSeqParams(
+                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
+                cu_seqlens_kv_padded=cu_padded, max_seqlen_q=longest, max_seqlen_kv=longest,
+            )  # fmt: skip
+
     def make_step(attend, tok, pos, lab, cp: int):
         def step():
+            new_batch()
             optimizer.zero_grad(set_to_none=False)
             loss = model(tok, pos, lab, attend) / length
             loss.backward()
@@ -370,19 +444,25 @@ def bench_train(args, length: int, variant: str) -> List[float]:
 
     if variant.startswith("one_gpu"):
         attend = sdpa if variant == "one_gpu_sdpa" else (
-            lambda q, k, v: context_parallel_attention(q, k, v, kernel=args.kernel)
+            lambda q, k, v: context_parallel_attention(
+                q, k, v, kernel=args.kernel, packed_seq_params=packed[0]
+            )
         )  # fmt: skip
         return timed(
             make_step(attend, inputs, positions, labels, 1), args.min_time, False, args.max_iters
         )
     if variant in OURS:
-        shard = cp_shard_positions(length, world, dist.get_rank()).cuda()
+        if args.packed_docs:
+            shard = thd_partitioned_indices(padded, length, world, dist.get_rank()).cuda()
+        else:
+            shard = cp_shard_positions(length, world, dist.get_rank()).cuda()
         group = our_group(variant)
 
         def attend(q, k, v):
             return context_parallel_attention(
-                q, k, v, cp_group=group, cp_comm_type=variant, kernel=args.kernel
-            )
+                q, k, v, cp_group=group, cp_comm_type=variant, kernel=args.kernel,
+                packed_seq_params=packed[0],
+            )  # fmt: skip
 
         tok, pos, lab = (x[:, shard] for x in (inputs, positions, labels))
         return timed(make_step(attend, tok, pos, lab, world), args.min_time, True, args.max_iters)
