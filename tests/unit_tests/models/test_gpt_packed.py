@@ -15,6 +15,7 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.context_parallel import thd_partitioned_indices
+from megatron.core.device import comm_device
 from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -41,7 +42,7 @@ PADDED = [8, 24, 0, 8]
 
 def packed_row() -> Dict[str, torch.Tensor]:
     """One [1, TOTAL] row: random tokens, prompt-like masks, positions restarting per
-    document, padding masked; plus the cumulative lengths."""
+    document, padding masked; plus the cumulative lengths (on the test backend's device)."""
     gen = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, VOCAB, (1, TOTAL), generator=gen)
     labels = torch.randint(0, VOCAB, (1, TOTAL), generator=gen)
@@ -54,7 +55,7 @@ def packed_row() -> Dict[str, torch.Tensor]:
         start += padded
     real = torch.tensor([0] + REAL, dtype=torch.int32).cumsum(0).int()
     padded = torch.tensor([0] + PADDED, dtype=torch.int32).cumsum(0).int()
-    return {
+    row = {
         "tokens": tokens,
         "labels": labels,
         "loss_mask": loss_mask,
@@ -63,6 +64,7 @@ def packed_row() -> Dict[str, torch.Tensor]:
         "cu_seqlens_padded": padded,
         "max_seqlen": torch.tensor([max(PADDED)], dtype=torch.int32),
     }
+    return {key: value.to(comm_device()) for key, value in row.items()}
 
 
 def params_of(row) -> PackedSeqParams:
@@ -117,13 +119,13 @@ def test_packed_row_equals_documents_run_alone(position_embedding_type):
     model = build(position_embedding_type=position_embedding_type)
     packed_losses, packed_grads = run(model, row, params_of(row))
 
-    expected_losses = torch.zeros(1, TOTAL, dtype=torch.float64)
+    expected_losses = torch.zeros(1, TOTAL, dtype=torch.float64, device=comm_device())
     expected_grads: Dict[str, torch.Tensor] = {}
     start = 0
     for real, padded in zip(REAL, PADDED):
         if real:
             doc = {k: row[k][:, start : start + real] for k in ("tokens", "labels", "loss_mask")}
-            doc["position_ids"] = torch.arange(real).unsqueeze(0)
+            doc["position_ids"] = torch.arange(real, device=comm_device()).unsqueeze(0)
             losses, grads = run(model, doc, None)
             expected_losses[:, start : start + real] = losses
             for k, g in grads.items():
@@ -145,17 +147,18 @@ def test_packed_row_equals_documents_run_alone(position_embedding_type):
         vocab=VOCAB, norm="LayerNorm", swiglu=False, bias=True, tied=False,
         rope=position_embedding_type == "rope",
     )  # fmt: skip
-    params = {name: p.detach() for name, p in model.named_parameters()}
+    params = {name: p.detach().cpu() for name, p in model.named_parameters()}  # on the CPU
     dense_losses = torch.zeros(1, TOTAL, dtype=torch.float64)
     start = 0
     for real, padded in zip(REAL, PADDED):
         doc = slice(start, start + real)
         dense_losses[:, doc] = dense_gpt_losses(
-            params, arch, row["tokens"][:, doc], row["labels"][:, doc]
+            params, arch, row["tokens"][:, doc].cpu(), row["labels"][:, doc].cpu()
         )
         start += padded
     # The model builds RoPE angles in float32, as megatron-core does; the reference in float64.
     tolerance = 1e-6 if arch.rope else 1e-12
+    real_rows, packed_losses = real_rows.cpu(), packed_losses.cpu()
     assert relative_error(packed_losses[real_rows], dense_losses[real_rows]) <= tolerance
 
 
