@@ -195,11 +195,10 @@ def _exchange_order(s_local: int, a2a_size: int, ring_size: int, ring_rank: int,
 
 
 def _packed_exchange_order(total, a2a_size, ring_size, ring_rank, packed, device):
+    cp_size = a2a_size * ring_size
     members = range(ring_rank * a2a_size, (ring_rank + 1) * a2a_size)
-    offsets = _documents(packed, total, a2a_size * ring_size).padded_offsets
-    held = torch.cat(
-        [thd_partitioned_indices(offsets, total, a2a_size * ring_size, r) for r in members]
-    )
+    offsets = _documents(packed, total, cp_size).padded_offsets
+    held = torch.cat([thd_partitioned_indices(offsets, total, cp_size, r) for r in members])
     target = thd_partitioned_indices(offsets, total, ring_size, ring_rank)
     return _inverse_lookup(held, target, total, device)
 
