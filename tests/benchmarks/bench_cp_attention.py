@@ -29,11 +29,13 @@ fwd + bwd = 3.5 x fwd. Results are appended as JSON lines to DIR/<what>.jsonl.
 
 import argparse
 import contextlib
+import faulthandler
 import functools
 import json
 import math
 import os
 import random
+import signal
 import statistics
 import sys
 import time
@@ -84,6 +86,7 @@ def main() -> None:
         help="train: pack this many documents per sequence (THD; our variants only)",
     )
     args = parser.parse_args()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: where a rank hangs
     os.makedirs(args.out, exist_ok=True)
     if args.what == "probe":
         probe(args)
@@ -173,8 +176,8 @@ def timed(
     step: Callable[[], None], min_time: float, sync_group: bool, max_iters: int = 20
 ) -> List[float]:
     """One warm-up call, then calls until ``min_time`` seconds are spent (2 to
-    ``max_iters``); with ``sync_group`` every rank runs as many calls as the rank that ran
-    the most."""
+    ``max_iters``); with ``sync_group`` every rank runs as many calls as the rank that would
+    run the most."""
 
     def one_call() -> float:
         if sync_group:
@@ -185,15 +188,22 @@ def timed(
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
+    def more() -> bool:
+        """Another call? With ``sync_group`` every rank decides alike before each call (the
+        calls hold collectives: a rank that stopped one call early would pair its next
+        collective with another rank's barrier and hang, as 64k launches did until run 9)."""
+        go = len(times) < 2 or (sum(times) < min_time and len(times) < max_iters)
+        if sync_group:
+            flag = torch.tensor([int(go)], device="cuda")
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            go = bool(flag.item())
+        return go
+
     step()
     torch.cuda.synchronize()
     times: List[float] = []
-    while len(times) < 2 or (sum(times) < min_time and len(times) < max_iters):
+    while more():
         times.append(one_call())
-    if sync_group:
-        count = torch.tensor([len(times)], device="cuda")
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        times += [one_call() for _ in range(int(count.item()) - len(times))]
     return times
 
 
