@@ -428,13 +428,13 @@ def bench_train(args, length: int, variant: str) -> List[float]:
         starts = torch.tensor(padded, device="cuda")
         positions = thd_document_positions(positions[0], starts, length)[1].unsqueeze(0)
         host = [torch.tensor(x, dtype=torch.int32).pin_memory() for x in (real, padded)]
+        longest = max(b - a for a, b in zip(padded[:-1], padded[1:]))
 
     def new_batch():
         """Each step's cu_seqlens arrive as a data loader brings them: new device tensors,
         copied from pinned memory without a synchronization."""
         if args.packed_docs:
             cu, cu_padded = (x.to("cuda", non_blocking=True) for x in host)
-            longest = max(b - a for a, b in zip(padded[:-1], padded[1:]))
             packed[0] = PackedSeqParams(
                 qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
                 cu_seqlens_kv_padded=cu_padded, max_seqlen_q=longest, max_seqlen_kv=longest,

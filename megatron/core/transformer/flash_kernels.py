@@ -619,7 +619,7 @@ def _flash_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     # Rows past the last sequence are never written by the kernel. They are found on the
     # device: reading cu_q[-1] on the host would synchronize every call.
     past = torch.arange(q.shape[0], device=q.device) >= cu_q[-1]
-    lse = torch.where((lse == math.inf) | past, -math.inf, lse.float())  # finite_lse, and past
+    lse = finite_lse(lse.float()).masked_fill_(past, -math.inf)
     return out.masked_fill_(past.view(-1, 1, 1), 0), lse
 
 
