@@ -66,13 +66,21 @@ class TrainingConfig:
     overlap_grad_reduce: bool = False
     gradient_accumulation_fusion: bool = False
     seed: int = 1234
+    # Mixed precision (megatron's flags; docs/mixed_precision.md).
+    bf16: bool = False
+    fp16: bool = False
+    loss_scale: Optional[float] = None
+    initial_loss_scale: float = 2**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: float = 1000
+    hysteresis: int = 2
     # Output and checks.
     save_metrics: Optional[str] = None
     save: Optional[str] = None
     load: Optional[str] = None
     save_interval: Optional[int] = None
     compare_single_process: bool = False
-    compare_tolerance: float = 1e-4
+    compare_tolerance: Optional[float] = None  # 1e-4 in fp32; bf16/fp16: derived
     progress: bool = True
 
 
@@ -247,6 +255,7 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
         c.distributed_backend in ("auto", "gloo", "nccl"),
         f"--distributed-backend must be auto, gloo or nccl, got {c.distributed_backend!r}",
     )
+    _check_precision(c)
     hierarchical = c.hierarchical_context_parallel_sizes
     return Layout(
         world_size,
@@ -258,6 +267,40 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
         tp,
         c.sequence_parallel,
         None if hierarchical is None else tuple(hierarchical),
+    )
+
+
+def _check_precision(c: TrainingConfig) -> None:
+    """--bf16 or --fp16 (not both); the loss-scale options are positive and, except
+    --loss-scale, only for --fp16 (bf16 needs no scaling)."""
+    _require(not (c.bf16 and c.fp16), "--bf16 and --fp16 were both given; expected at most one")
+    _require(
+        c.loss_scale is None or c.loss_scale > 0,
+        f"--loss-scale must be > 0, got {c.loss_scale}",
+    )
+    _require(
+        0 < c.min_loss_scale <= c.initial_loss_scale,
+        f"--min-loss-scale ({c.min_loss_scale}) and --initial-loss-scale "
+        f"({c.initial_loss_scale}) must satisfy 0 < min <= initial",
+    )
+    _require(
+        c.loss_scale_window >= 1 and c.hysteresis >= 1,
+        f"--loss-scale-window ({c.loss_scale_window}) and --hysteresis ({c.hysteresis}) must "
+        "be >= 1",
+    )
+    defaults = TrainingConfig()
+    changed = [
+        f"--{name.replace('_', '-')}"
+        for name in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
+        if getattr(c, name) != getattr(defaults, name)
+    ]
+    _require(
+        c.fp16 or not changed,
+        f"{', '.join(changed)} set the dynamic loss scaling of --fp16, which is not given",
+    )
+    _require(
+        c.compare_tolerance is None or c.compare_tolerance >= 0,
+        f"--compare-tolerance must be >= 0, got {c.compare_tolerance}",
     )
 
 
@@ -589,6 +632,39 @@ def build_parser() -> argparse.ArgumentParser:
         "GEMM (megatron-core's gradient_accumulation_fusion)",
     )
     _add(optim, "--seed", int, d.seed, "seed of the weights and of the generated data")
+    precision = parser.add_argument_group("mixed precision (docs/mixed_precision.md)")
+    precision.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bf16 weights and activations (Float16Module), fp32 main_grad and fp32 main "
+        "parameters in the optimizer, loss in fp32",
+    )
+    precision.add_argument(
+        "--fp16", action="store_true", help="as --bf16 in fp16, with dynamic loss scaling"
+    )
+    _add(
+        precision,
+        "--loss-scale",
+        float,
+        d.loss_scale,
+        "a fixed loss scale instead of the dynamic one (default: dynamic with --fp16)",
+    )
+    _add(precision, "--initial-loss-scale", float, d.initial_loss_scale, "--fp16: first scale")
+    _add(precision, "--min-loss-scale", float, d.min_loss_scale, "--fp16: smallest scale")
+    _add(
+        precision,
+        "--loss-scale-window",
+        float,
+        d.loss_scale_window,
+        "--fp16: clean steps before the scale doubles",
+    )
+    _add(
+        precision,
+        "--hysteresis",
+        int,
+        d.hysteresis,
+        "--fp16: overflowing steps before the scale halves",
+    )
     out = parser.add_argument_group("output and checks")
     out.add_argument(
         "--save-metrics",
@@ -607,7 +683,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--compare-tolerance",
         float,
         d.compare_tolerance,
-        "largest accepted |loss difference| per iteration",
+        "largest accepted |loss difference| per iteration; default 1e-4 in fp32, and "
+        "with --bf16/--fp16 three times the largest difference between the one-process run in "
+        "that precision and in fp32 (bf16's own rounding)",
     )
     ckpt = parser.add_argument_group("checkpoints (docs/checkpoints.md)")
     ckpt.add_argument(
