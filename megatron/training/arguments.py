@@ -11,8 +11,9 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import List, Optional, Sequence, Tuple, Union
 
+from megatron.attention_names import CP_COMM_TYPES  # torch-free, shared with TransformerConfig
+
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
-CP_COMM_TYPES = ("all_gather", "p2p", "a2a", "a2a+p2p")  # transformer_config's (no torch here)
 
 
 @dataclass

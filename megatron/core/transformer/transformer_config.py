@@ -5,6 +5,7 @@ from typing import Callable, List, Optional, Union
 
 import torch.nn.functional as F
 
+from megatron.attention_names import CP_COMM_TYPES
 from megatron.core.model_parallel_config import ModelParallelConfig
 
 
@@ -101,9 +102,6 @@ class TransformerConfig(ModelParallelConfig):
         )
         _check_multiple("num_query_groups", self.num_query_groups, "tensor_model_parallel_size", tp)
         _check_multiple("ffn_hidden_size", self.ffn_hidden_size, "tensor_model_parallel_size", tp)
-
-
-CP_COMM_TYPES = ("all_gather", "p2p", "a2a", "a2a+p2p")
 
 
 def _check_cp_comm_type(cp_comm_type, num_layers: int) -> None:
