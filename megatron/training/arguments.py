@@ -36,6 +36,7 @@ class TrainingConfig:
     vocab_size: int = 64
     data_path: Optional[str] = None
     tokenizer: Optional[str] = None
+    eod_token: Optional[str] = None
     pack_sequences: bool = False
     # Model.
     num_layers: int = 4
@@ -205,11 +206,6 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
             f"--seq-length ({c.seq_length}) must be a multiple of it and 2 x --cp "
             f"({2 * cp}) must divide it",
         )
-        _require(
-            c.data_path is None,
-            f"--pack-sequences packs the generated prompt/response pairs; it cannot be "
-            f"combined with --data-path (got {c.data_path!r})",
-        )
     _require(
         not (c.per_shard_loss_normalization and c.calculate_per_token_loss),
         "--per-shard-loss-normalization emulates the averaged mode; it cannot be combined "
@@ -241,6 +237,11 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
     _require(
         c.tokenizer is None or c.data_path is not None,
         f"--tokenizer {c.tokenizer!r} needs --data-path (the generated data has its own ids)",
+    )
+    _require(
+        c.eod_token is None or c.tokenizer not in (None, "byte-level"),
+        f"--eod-token {c.eod_token!r} needs --tokenizer DIR_OR_tokenizer.json (the byte-level "
+        "tokenizer's end-of-document id is fixed)",
     )
     _require(c.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables), got {c.clip_grad}")
     _require(
@@ -478,23 +479,34 @@ def build_parser() -> argparse.ArgumentParser:
         "--data-path",
         metavar="PATH",
         default=d.data_path,
-        help="train on a JSONL file (prompt/response or text records; the prompt is masked "
-        "out of the loss) or an indexed dataset prefix written by python -m "
-        "megatron.training.preprocess_data; the vocabulary is then the tokenizer's. "
+        help="train on a JSONL file (chat 'messages' records rendered with the tokenizer's "
+        "chat template, loss on assistant tokens only; prompt/completion, prompt/response or "
+        "text records, the prompt masked out of the loss) or an indexed dataset prefix "
+        "written by python -m megatron.training.preprocess_data; the vocabulary is then "
+        "the tokenizer's. "
         "Default: generated prompt/response pairs",
     )
     data.add_argument(
         "--tokenizer",
         metavar="T",
         default=d.tokenizer,
-        help="with --data-path: 'byte-level' (default; UTF-8 bytes, no file) or a "
-        "HuggingFace tokenizers JSON file",
+        help="with --data-path: 'byte-level' (default; UTF-8 bytes, no file), a HuggingFace "
+        "tokenizer folder (tokenizer.json + tokenizer_config.json with its chat template) or a "
+        "tokenizers JSON file",
+    )
+    data.add_argument(
+        "--eod-token",
+        metavar="TOKEN",
+        default=d.eod_token,
+        help="the end-of-document token of --tokenizer (appended to text records, used as "
+        "padding); default: the tokenizer config's eos_token, else <|endoftext|>, </s>, ...",
     )
     data.add_argument(
         "--pack-sequences",
         action="store_true",
-        help="pack prompt/response pairs into rows of --seq-length tokens (THD format: "
-        "documents never attend to each other, each padded to a multiple of 16, padding "
+        help="pack documents (generated pairs or --data-path records) into rows of "
+        "--seq-length tokens (THD format: documents never attend to each other, each "
+        "padded to a multiple of 16, padding "
         "and prompts masked out of the loss); needs --micro-batch-size 1",
     )
     model = parser.add_argument_group("model")
