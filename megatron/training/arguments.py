@@ -618,6 +618,20 @@ def _check_combinations(c: TrainingConfig) -> None:
         f"--eod-token {c.eod_token!r} needs --tokenizer DIR_OR_tokenizer.json (the byte-level "
         "tokenizer's end-of-document id is fixed)",
     )
+    _require(
+        c.data_path is None or c.vocab_size == _FIELDS["vocab_size"].default,
+        f"--vocab-size {c.vocab_size} is not used with --data-path: the vocabulary is the "
+        "tokenizer's (see --tokenizer); leave --vocab-size out",
+    )
+    _require(
+        c.min_lr == 0 or c.lr_decay_style != "constant",
+        f"--min-lr {c.min_lr} is the end of a decay, but --lr-decay-style constant keeps "
+        "--lr; use --lr-decay-style linear or cosine, or leave --min-lr out",
+    )
+    _require(
+        c.compare_single_process or c.compare_tolerance == _FIELDS["compare_tolerance"].default,
+        f"--compare-tolerance {c.compare_tolerance} needs --compare-single-process",
+    )
 
 
 def _check_packing(c: TrainingConfig) -> None:
@@ -653,6 +667,12 @@ def _check_cp_comm_type(c: TrainingConfig) -> None:
     bad = config_rules.unknown_cp_comm_types(c.cp_comm_type) + [k for k in kinds if k is None]
     _require(not bad, f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got {bad}")
     tp, cp = c.tensor_model_parallel_size, c.context_parallel_size
+    _require(
+        cp > 1 or set(kinds) == {_FIELDS["cp_comm_type"].default},
+        f"--cp-comm-type {' '.join(map(str, kinds))} chooses how context-parallel attention "
+        f"exchanges keys and values, but --cp is {cp}: nothing is exchanged; use --cp > 1 "
+        "or leave --cp-comm-type out",
+    )
     hierarchical = c.hierarchical_context_parallel_sizes
     if hierarchical is not None:
         _require(
@@ -724,22 +744,26 @@ def _check_tensor_parallel(c: TrainingConfig) -> None:
 
 
 def single_process_config(config: TrainingConfig) -> TrainingConfig:
-    """The same run on one process: TP = CP = PP = 1, no VPP, no comparison, no metrics."""
+    """The same run on one process: TP = CP = PP = 1, no VPP, no comparison, no metrics,
+    no checkpoints (those options back at their defaults)."""
     changes = {f.name: getattr(config, f.name) for f in fields(config)}
-    changes.update(
-        nproc_per_node=1,
-        tensor_model_parallel_size=1,
-        sequence_parallel=False,
-        context_parallel_size=1,
-        hierarchical_context_parallel_sizes=None,
-        pipeline_model_parallel_size=1,
-        virtual_pipeline_model_parallel_size=None,
-        compare_single_process=False,
-        save_metrics=None,
-        save=None,
-        load=None,
-        save_interval=None,
+    layout_and_output = (
+        "tensor_model_parallel_size",
+        "sequence_parallel",
+        "context_parallel_size",
+        "cp_comm_type",
+        "hierarchical_context_parallel_sizes",
+        "pipeline_model_parallel_size",
+        "virtual_pipeline_model_parallel_size",
+        "compare_single_process",
+        "compare_tolerance",
+        "save_metrics",
+        "save",
+        "load",
+        "save_interval",
     )
+    changes.update({name: _FIELDS[name].default for name in layout_and_output})
+    changes.update(nproc_per_node=1)
     return TrainingConfig(**changes)
 
 

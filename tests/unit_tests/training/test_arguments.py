@@ -206,3 +206,50 @@ def test_options_and_rules_load_without_torch():
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(cp_comm_type="p2p"), r"--cp-comm-type p2p chooses .* but --cp is 1"),
+        (dict(compare_tolerance=0.5), r"--compare-tolerance 0.5 needs --compare-single-process"),
+        (dict(min_lr=1e-4), r"--min-lr 0.0001 is the end of a decay, but --lr-decay-style const"),
+        (dict(data_path="d.jsonl", vocab_size=100), r"--vocab-size 100 is not used with --data"),
+        (dict(save_interval=2), r"--save-interval 2 needs --save DIR"),
+    ],
+)
+def test_options_that_would_be_ignored_are_refused(changes, message):
+    """A setting that changes nothing in this combination is refused by name."""
+    with pytest.raises(ValueError, match=message):
+        validate_config(TrainingConfig(**changes), 1)
+
+
+def test_the_one_process_config_drops_the_layout_only_options():
+    """The comparison run is valid: no CP exchange kind, no tolerance, no checkpoints."""
+    from megatron.training.arguments import single_process_config
+
+    config = TrainingConfig(
+        context_parallel_size=4,
+        cp_comm_type="a2a+p2p",
+        hierarchical_context_parallel_sizes=[2, 2],
+        seq_length=64,
+        compare_single_process=True,
+        compare_tolerance=1e-6,
+        lr_decay_style="cosine",
+        min_lr=1e-4,
+    )
+    validate_config(config, 4)
+    single = single_process_config(config)
+    validate_config(single, 1)
+    assert (single.cp_comm_type, single.compare_tolerance) == ("all_gather", 1e-4)
+    assert (single.min_lr, single.lr_decay_style) == (1e-4, "cosine")
+
+
+def test_pretrain_refuses_a_process_count_it_does_not_have(monkeypatch):
+    """pretrain() launches nothing: --nproc-per-node 4 on one process is an error."""
+    from megatron.training import pretrain
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match=r"--nproc-per-node 4, but this run has 1 process"):
+        pretrain(TrainingConfig(nproc_per_node=4, train_iters=1))
