@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.attention_names import CP_COMM_TYPES
+from megatron.core.config_rules import CP_COMM_TYPES
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.cp_attention import collectives
 from megatron.core.transformer.cp_attention.registry import STRATEGIES

@@ -6,7 +6,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from megatron.attention_names import CP_COMM_TYPES
+from megatron.core.config_rules import CP_COMM_TYPES
 from megatron.core.context_parallel import cp_size_and_rank
 from megatron.core.transformer.cp_attention.blocks import Kernel
 from megatron.core.transformer.cp_attention.local import local_attention
