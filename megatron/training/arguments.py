@@ -71,6 +71,10 @@ class TrainingConfig:
     save: Optional[str] = None
     load: Optional[str] = None
     save_interval: Optional[int] = None
+    ckpt_step: Optional[int] = None
+    finetune: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
     compare_single_process: bool = False
     compare_tolerance: float = 1e-4
     progress: bool = True
@@ -221,6 +225,7 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
             f"--save-interval must be an integer >= 1, got {c.save_interval}",
         )
         _require(c.save is not None, "--save-interval needs --save DIR")
+    _check_load_options(c)
     _require(
         not (c.compare_single_process and c.load),
         "--compare-single-process compares a whole run from iteration 1; it cannot be "
@@ -258,6 +263,21 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
         tp,
         c.sequence_parallel,
         None if hierarchical is None else tuple(hierarchical),
+    )
+
+
+def _check_load_options(c: TrainingConfig) -> None:
+    """--ckpt-step, --finetune, --no-load-optim, --no-load-rng act on --load."""
+    for flag, given in (
+        (f"--ckpt-step {c.ckpt_step}", c.ckpt_step is not None),
+        ("--finetune", c.finetune),
+        ("--no-load-optim", c.no_load_optim),
+        ("--no-load-rng", c.no_load_rng),
+    ):
+        _require(not given or c.load is not None, f"{flag} needs --load DIR (nothing is loaded)")
+    _require(
+        c.ckpt_step is None or (isinstance(c.ckpt_step, int) and c.ckpt_step >= 0),
+        f"--ckpt-step must be an integer >= 0, got {c.ckpt_step}",
     )
 
 
@@ -370,6 +390,10 @@ def single_process_config(config: TrainingConfig) -> TrainingConfig:
         save=None,
         load=None,
         save_interval=None,
+        ckpt_step=None,
+        finetune=False,
+        no_load_optim=False,
+        no_load_rng=False,
     )
     return TrainingConfig(**changes)
 
@@ -621,10 +645,35 @@ def build_parser() -> argparse.ArgumentParser:
         "--load",
         metavar="DIR",
         default=d.load,
-        help="resume from the newest complete checkpoint in DIR (any layout; starts from "
-        "scratch when DIR holds none)",
+        help="resume from the newest complete checkpoint in DIR, or from DIR itself when it "
+        "is one checkpoint's iter_NNNNNNN directory (any layout). No checkpoint there is an "
+        "error, except when DIR is also --save (auto-resume: starts from scratch). Settings "
+        "that change the model or the data must equal the saved ones",
     )
     _add(ckpt, "--save-interval", int, d.save_interval, "iterations between checkpoints")
+    ckpt.add_argument(
+        "--ckpt-step",
+        type=int,
+        metavar="N",
+        default=d.ckpt_step,
+        help="with --load DIR: load DIR/iter_N instead of the newest checkpoint",
+    )
+    ckpt.add_argument(
+        "--finetune",
+        action="store_true",
+        help="with --load: load the model weights only (no optimizer, scheduler or RNG "
+        "state) and start at iteration 0; --data-path may differ from the saved run's",
+    )
+    ckpt.add_argument(
+        "--no-load-optim",
+        action="store_true",
+        help="with --load: do not load the optimizer and scheduler state",
+    )
+    ckpt.add_argument(
+        "--no-load-rng",
+        action="store_true",
+        help="with --load: do not restore the RNG states",
+    )
     out.add_argument(
         "--no-progress",
         dest="progress",
