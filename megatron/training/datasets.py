@@ -18,7 +18,7 @@ the parallel layout.
 
 import json
 import os
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy
 import torch
@@ -38,18 +38,26 @@ def build_sft_dataset(config: Any):
     return FileSFTDataset(config.data_path, config.tokenizer, config.seq_length, config.seed)
 
 
-def build_training_tokenizer(tokenizer: Any):
-    """``None`` / ``"byte-level"``: UTF-8 bytes (no file); else a HuggingFace ``tokenizers``
-    JSON file."""
-    from megatron.training.tokenizer.tokenizer import _ByteLevelTokenizer, _TokenizersFileTokenizer
+def build_training_tokenizer(tokenizer: Any, eod_token: Optional[str] = None):
+    """``None`` / ``"byte-level"``: UTF-8 bytes (no file); else a HuggingFace tokenizer folder
+    or ``tokenizers`` JSON file (``load_hf_tokenizer``; ``eod_token`` overrides its
+    end-of-document token)."""
+    from megatron.training.tokenizer.hf_tokenizer import load_hf_tokenizer
+    from megatron.training.tokenizer.tokenizer import _ByteLevelTokenizer
 
     if tokenizer in (None, BYTE_LEVEL):
+        if eod_token is not None:
+            raise ValueError(
+                f"--eod-token {eod_token!r}: the byte-level tokenizer's end-of-document id is "
+                "fixed (256); --eod-token needs --tokenizer DIR_OR_tokenizer.json"
+            )
         return _ByteLevelTokenizer()
-    if not os.path.isfile(tokenizer):
-        raise ValueError(
-            f"--tokenizer {tokenizer!r}: expected 'byte-level' or a tokenizers JSON file"
+    if not os.path.exists(tokenizer):
+        raise FileNotFoundError(
+            f"--tokenizer {tokenizer!r}: no such file or folder (expected 'byte-level', a "
+            "tokenizers JSON file or a HuggingFace tokenizer folder)"
         )
-    return _TokenizersFileTokenizer(tokenizer)
+    return load_hf_tokenizer(tokenizer, eod_token=eod_token)
 
 
 class FileSFTDataset:

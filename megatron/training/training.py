@@ -14,6 +14,7 @@ over the global batch's microbatches of S / max(N, 1), or sum S / sum N with
 
 import dataclasses
 import functools
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +80,7 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
     """
     world_size = launched_world_size()
     layout = validate_config(config, world_size or 1)
+    _check_processes_per_node(config.nproc_per_node, world_size)
     created_group = world_size is not None and initialize_distributed(config, layout)
     try:
         groups = initialize_model_parallel_groups(layout) if dist.is_initialized() else None
@@ -108,6 +110,18 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
         parallel_state.destroy_model_parallel()
         if created_group:
             dist.destroy_process_group()
+
+
+def _check_processes_per_node(nproc_per_node: Optional[int], world_size: Optional[int]) -> None:
+    """``--nproc-per-node`` must be the processes per node this run has: ``pretrain``
+    runs in the processes that exist (it launches none; the command line does)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size or 1))
+    if nproc_per_node is not None and nproc_per_node != local:
+        raise ValueError(
+            f"--nproc-per-node {nproc_per_node}, but this run has {_processes(local)} per "
+            "node: pretrain() launches no processes; run python -m megatron.training "
+            f"--nproc-per-node {nproc_per_node} (or torchrun), or leave it out"
+        )
 
 
 def train(

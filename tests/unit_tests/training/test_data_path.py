@@ -196,5 +196,5 @@ def test_bad_data_is_rejected_with_the_place_and_the_expectation(tmp_path):
     )  # fmt: skip
     with pytest.raises(ValueError, match="token id 300, outside the tokenizer's vocabulary of 258"):
         FileSFTDataset(prefix, None, 8, seed=0)
-    with pytest.raises(ValueError, match="--tokenizer 'nope.json'"):
+    with pytest.raises(FileNotFoundError, match="--tokenizer 'nope.json'"):
         FileSFTDataset(str(text), "nope.json", 8, seed=0)
