@@ -238,9 +238,11 @@ class TrainingConfig:
         "--data-path",
         type=str,
         metavar="PATH",
-        help="train on a JSONL file (prompt/response or text records; the prompt is masked "
-        "out of the loss) or an indexed dataset prefix written by python -m "
-        "megatron.training.preprocess_data; the vocabulary is then the tokenizer's. "
+        help="train on a JSONL file (chat 'messages' records rendered with the tokenizer's "
+        "chat template, loss on assistant tokens only; prompt/completion, prompt/response or "
+        "text records, the prompt masked out of the loss) or an indexed dataset prefix "
+        "written by python -m megatron.training.preprocess_data; the vocabulary is then "
+        "the tokenizer's. "
         "Default: generated prompt/response pairs",
     )
     tokenizer: Optional[str] = option(
@@ -248,14 +250,24 @@ class TrainingConfig:
         "--tokenizer",
         type=str,
         metavar="T",
-        help="with --data-path: 'byte-level' (default; UTF-8 bytes, no file) or a "
-        "HuggingFace tokenizers JSON file",
+        help="with --data-path: 'byte-level' (default; UTF-8 bytes, no file), a HuggingFace "
+        "tokenizer folder (tokenizer.json + tokenizer_config.json with its chat template) or a "
+        "tokenizers JSON file",
+    )
+    eod_token: Optional[str] = option(
+        None,
+        "--eod-token",
+        type=str,
+        metavar="TOKEN",
+        help="the end-of-document token of --tokenizer (appended to text records, used as "
+        "padding); default: the tokenizer config's eos_token, else <|endoftext|>, </s>, ...",
     )
     pack_sequences: bool = option(
         False,
         "--pack-sequences",
-        help="pack prompt/response pairs into rows of --seq-length tokens (THD format: "
-        "documents never attend to each other, each padded to a multiple of 16, padding "
+        help="pack documents (generated pairs or --data-path records) into rows of "
+        "--seq-length tokens (THD format: documents never attend to each other, each "
+        "padded to a multiple of 16, padding "
         "and prompts masked out of the loss); needs --micro-batch-size 1",
     )
     # Model.
@@ -634,6 +646,11 @@ def _check_combinations(c: TrainingConfig) -> None:
         f"--tokenizer {c.tokenizer!r} needs --data-path (the generated data has its own ids)",
     )
     _require(
+        c.eod_token is None or c.tokenizer not in (None, "byte-level"),
+        f"--eod-token {c.eod_token!r} needs --tokenizer DIR_OR_tokenizer.json (the byte-level "
+        "tokenizer's end-of-document id is fixed)",
+    )
+    _require(
         c.data_path is None or c.vocab_size == _FIELDS["vocab_size"].default,
         f"--vocab-size {c.vocab_size} is not used with --data-path: the vocabulary is the "
         "tokenizer's (see --tokenizer); leave --vocab-size out",
@@ -666,11 +683,6 @@ def _check_packing(c: TrainingConfig) -> None:
         f"--pack-sequences pads documents to a multiple of {PACK_PAD_MULTIPLE}: "
         f"--seq-length ({c.seq_length}) must be a multiple of it and 2 x --cp "
         f"({2 * cp}) must divide it",
-    )
-    _require(
-        c.data_path is None,
-        f"--pack-sequences packs the generated prompt/response pairs; it cannot be "
-        f"combined with --data-path (got {c.data_path!r})",
     )
 
 

@@ -137,6 +137,8 @@ def train(
     Rank 0 shows a progress bar with the loss and tokens/s (``config.progress``).
     """
     dataset = build_sft_dataset(config)
+    for note in getattr(dataset, "notes", []):  # truncation and empty-loss counts
+        _print(note)
     if config.data_path:  # the model's vocabulary is the tokenizer's
         config = dataclasses.replace(config, vocab_size=dataset.vocab_size)
     model = build_model(config, layout, pg_collection)
@@ -431,7 +433,7 @@ def _data_description(config: TrainingConfig) -> str:
     """``64) on generated prompt/response pairs`` or the data path and tokenizer."""
     if not config.data_path:
         return f"{config.vocab_size}) on generated prompt/response pairs"
-    vocab = build_training_tokenizer(config.tokenizer).vocab_size
+    vocab = build_training_tokenizer(config.tokenizer, config.eod_token).vocab_size
     return f"{vocab}) on {config.data_path} ({config.tokenizer or 'byte-level'} tokenizer)"
 
 

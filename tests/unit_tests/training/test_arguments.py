@@ -31,6 +31,7 @@ NON_DEFAULT = dict(
     vocab_size=128,
     data_path="data.jsonl",
     tokenizer="tok.json",
+    eod_token="</s>",
     pack_sequences=True,
     num_layers=8,
     hidden_size=64,
