@@ -99,7 +99,7 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
             result.passed = _agree_on_rank_zero(
                 result.comparison is None or result.comparison.passed
             )
-        if config.save_metrics and is_rank_zero():
+        if config.save_metrics and is_rank_zero() and records:
             result.metrics_files = save_metrics(
                 config.save_metrics, records, label, result.reference
             )
@@ -136,6 +136,8 @@ def train(
     Rank 0 shows a progress bar with the loss and tokens/s (``config.progress``).
     """
     dataset = build_sft_dataset(config)
+    for note in getattr(dataset, "notes", []):  # truncation and empty-loss counts
+        _print(note)
     if config.data_path:  # the model's vocabulary is the tokenizer's
         config = dataclasses.replace(config, vocab_size=dataset.vocab_size)
     model = build_model(config, layout, pg_collection)
@@ -158,7 +160,18 @@ def train(
     start_iteration = 0
     if config.load:
         start_iteration, _, notes = load_checkpoint(
-            config.load, model, optimizer, scheduler, layout=_layout_record(layout)
+            config.load,
+            model,
+            optimizer,
+            scheduler,
+            layout=_layout_record(layout),
+            save_dir=config.save,
+            run_settings=_settings_record(config),
+            ckpt_step=config.ckpt_step,
+            finetune=config.finetune,
+            load_optim=not config.no_load_optim,
+            load_rng=not config.no_load_rng,
+            train_iters=config.train_iters,
         )
         for note in notes:
             _print(note)
@@ -443,6 +456,8 @@ def _agree_on_rank_zero(passed: bool) -> bool:
 
 def _summary(records: List[dict], layout: Layout, seconds: float) -> str:
     """One line: loss at the first and last iteration, time."""
+    if not records:
+        return f"{layout.name}: no iterations left to train, {seconds:.1f} s"
     first, last = records[0]["loss"], records[-1]["loss"]
     trend = "falls" if last < first else "does not fall"
     return (
@@ -472,7 +487,7 @@ def _data_description(config: TrainingConfig) -> str:
     """``64) on generated prompt/response pairs`` or the data path and tokenizer."""
     if not config.data_path:
         return f"{config.vocab_size}) on generated prompt/response pairs"
-    vocab = build_training_tokenizer(config.tokenizer).vocab_size
+    vocab = build_training_tokenizer(config.tokenizer, config.eod_token).vocab_size
     return f"{vocab}) on {config.data_path} ({config.tokenizer or 'byte-level'} tokenizer)"
 
 
