@@ -194,7 +194,8 @@ class TrainingConfig:
         "--distributed-backend",
         choices=DISTRIBUTED_BACKENDS,
         check=one_of(DISTRIBUTED_BACKENDS),
-        help="auto: nccl when every local process has a GPU, else gloo",
+        help="auto: nccl when every local process has a GPU, else gloo; one process "
+        "without torchrun then computes on cuda:0 too (a one-process nccl group)",
     )
     cp_comm_type: Union[str, List[str]] = option(
         "all_gather",

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from megatron.core import parallel_state
 from megatron.core.context_parallel import get_batch_on_this_cp_rank
-from megatron.core.device import comm_device
+from megatron.core.device import comm_device, describe_device
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -47,6 +47,7 @@ from megatron.training.datasets import build_sft_dataset, build_training_tokeniz
 from megatron.training.initialize import (
     initialize_distributed,
     initialize_model_parallel_groups,
+    initialize_single_gpu,
     is_rank_zero,
     launched_world_size,
     single_process_groups,
@@ -74,14 +75,19 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
     """Run the job on this process: one process without torchrun, else this rank's part.
 
     Validates the layout before any collective, starts torch.distributed when launched by
-    torchrun (reusing an existing default group), trains, compares with the one-process run
-    when asked (``--compare-single-process``), writes metrics on rank 0, and tears down the
-    model-parallel state (and the default group if it created it).
+    torchrun (reusing an existing default group) or, without torchrun, a one-process nccl
+    group when the backend means the GPU (``initialize_single_gpu``), trains, compares
+    with the one-process run when asked (``--compare-single-process``), writes metrics on
+    rank 0, and tears down the model-parallel state (and the default group if it created
+    it).
     """
     world_size = launched_world_size()
     layout = validate_config(config, world_size or 1)
     _check_processes_per_node(config.nproc_per_node, world_size)
-    created_group = world_size is not None and initialize_distributed(config, layout)
+    if world_size is None:
+        created_group = initialize_single_gpu(config)
+    else:
+        created_group = initialize_distributed(config, layout)
     try:
         groups = initialize_model_parallel_groups(layout) if dist.is_initialized() else None
         label = f"{layout.name} ({_processes(layout.world_size)})"
@@ -474,6 +480,7 @@ def _processes(count: int) -> str:
 def _print_header(config: TrainingConfig, layout: Layout) -> None:
     """What is being trained, how, on rank 0."""
     backend = dist.get_backend() if dist.is_initialized() else "no torch.distributed"
+    backend += f", {describe_device(comm_device())}"
     _print(
         f"SFT of a GPT ({config.num_layers} layers, hidden {config.hidden_size}, "
         f"{config.num_attention_heads} heads, vocab {_data_description(config)}; "
