@@ -393,6 +393,13 @@ class TrainingConfig:
         help="linear layers add their weight gradients into the fp32 main_grad inside the "
         "GEMM (megatron-core's gradient_accumulation_fusion)",
     )
+    compile: bool = option(
+        False,
+        "--compile",
+        help="torch.compile each transformer layer and the loss (an extra of this trainer; "
+        "megatron-core's fusion switches are set too): the same math, fewer memory passes "
+        "(docs/mixed_precision.md)",
+    )
     seed: int = option(
         1234,
         "--seed",

@@ -58,6 +58,8 @@ def build_model(
             seed=config.seed,
             pp_rank=pp_rank,
         )
+        if config.compile:
+            compile_layers(gpt)
         if config.bf16 or config.fp16:
             gpt = Float16Module(transformer_config, gpt)
         chunks.append(
@@ -110,7 +112,31 @@ def transformer_config_from(config: TrainingConfig, layout: Layout) -> Transform
         gradient_accumulation_fusion=config.gradient_accumulation_fusion,
         deallocate_pipeline_outputs=True,
         cp_comm_type=config.cp_comm_type,
+        **(FUSIONS if config.compile else {}),
     )
+
+
+# megatron-core's fusion switches, turned on by --compile (torch.compile'd functions).
+FUSIONS = dict(
+    bias_activation_fusion=True,
+    bias_dropout_fusion=True,
+    apply_rope_fusion=True,
+    persist_layer_norm=True,
+    cross_entropy_loss_fusion=True,
+)
+
+
+def compile_layers(gpt: GPTModel) -> None:
+    """``torch.compile`` every transformer layer of ``gpt`` in place (one graph per layer
+    shape, reused by all layers: dynamo's cache limit is raised to the layer count so that
+    no layer falls back to eager)."""
+    import torch._dynamo
+
+    layers = list(gpt.decoder.layers)
+    limit = torch._dynamo.config.cache_size_limit
+    torch._dynamo.config.cache_size_limit = max(limit, 2 * len(layers) + 8)
+    for layer in layers:
+        layer.compile()
 
 
 def precision_dtype(config: TrainingConfig) -> torch.dtype:
