@@ -31,11 +31,10 @@ during the variant. ``--profile`` adds a ``torch.profiler`` table of one ``ours`
 import argparse
 import dataclasses
 import json
-import math
 import os
 import statistics
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict
 
 import torch
 import torch.nn.functional as F
@@ -299,7 +298,7 @@ def main() -> None:
     flops_per_token = 6 * params + 6 * c.layers * c.hidden * c.seq
     print(f"\nparameters {params / 1e9:.3f}B, {tokens} tokens/step, "
           f"{flops_per_token * tokens / 1e12:.1f} model TFLOP/step")  # fmt: skip
-    print(f"| variant | step ms (median, min-max) | tokens/s | model TFLOP/s | peak GiB |")
+    print("| variant | step ms (median, min-max) | tokens/s | model TFLOP/s | peak GiB |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for variant, out in results.items():
         t = statistics.median(out["times"])
