@@ -34,6 +34,7 @@ import json
 import os
 import statistics
 import time
+import traceback
 from typing import Callable, Dict
 
 import torch
@@ -282,11 +283,17 @@ def main() -> None:
     params = None
     for variant in args.variants:
         start = time.perf_counter()
-        if variant.startswith("bare"):
-            out = time_bare(c, variant == "bare-compiled", args, device)
-            params = out["params"]
-        else:
-            out = time_ours(c, args, variant)
+        try:
+            if variant.startswith("bare"):
+                out = time_bare(c, variant == "bare-compiled", args, device)
+                params = out["params"]
+            else:
+                out = time_ours(c, args, variant)
+        except Exception as exc:  # report it and go on with the other variants
+            traceback.print_exc()
+            print(f"# {variant}: FAILED ({type(exc).__name__}: {exc})", flush=True)
+            torch.cuda.empty_cache()
+            continue
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         out["wall_s"] = time.perf_counter() - start
         results[variant] = out
