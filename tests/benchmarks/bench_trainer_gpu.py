@@ -210,8 +210,8 @@ FUSION_FIELDS = dict(
 )
 
 
-def time_ours(c: Shape, args, variant: str) -> Dict:
-    """``pretrain`` for warmup + steps iterations; the timed steps' iteration times."""
+def run_ours(c: Shape, args, variant: str, warmup: int, steps: int):
+    """``pretrain`` of ``variant`` for warmup + steps iterations; its result."""
     from megatron.training import model as trainer_model
     from megatron.training.training import pretrain
 
@@ -227,11 +227,17 @@ def time_ours(c: Shape, args, variant: str) -> Dict:
             return dataclasses.replace(original(config, layout), **FUSION_FIELDS)
 
         trainer_model.transformer_config_from = with_fusions
-    torch.cuda.reset_peak_memory_stats()
+    run_args = argparse.Namespace(**{**vars(args), "warmup": warmup, "steps": steps})
     try:
-        result = pretrain(trainer_config(c, args, **extra))
+        return pretrain(trainer_config(c, run_args, **extra))
     finally:
         trainer_model.transformer_config_from = original
+
+
+def time_ours(c: Shape, args, variant: str) -> Dict:
+    """The timed steps' own ``iteration_time_s``."""
+    torch.cuda.reset_peak_memory_stats()
+    result = run_ours(c, args, variant, args.warmup, args.steps)
     records = result.records[args.warmup :]
     return {
         "times": [r["iteration_time_s"] for r in records],
@@ -239,17 +245,32 @@ def time_ours(c: Shape, args, variant: str) -> Dict:
     }
 
 
-def profile_ours(c: Shape, args) -> str:
-    """A ``torch.profiler`` table (CUDA time) over 2 steps of ``ours`` after 2 warm-up."""
-    from torch.profiler import ProfilerActivity, profile
+def profile_ours(c: Shape, args, variant: str) -> str:
+    """A ``torch.profiler`` table (CUDA time) over 2 steps of ``variant`` (a fresh run whose
+    first steps warm compile caches and the allocator before the profiled ones)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
 
-    from megatron.training.training import pretrain
+    from megatron.training import training
 
-    short = argparse.Namespace(**{**vars(args), "warmup": 2, "steps": 0})
-    pretrain(trainer_config(c, short))  # compile caches, autotuning, allocator warm
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        pretrain(trainer_config(c, argparse.Namespace(**{**vars(args), "warmup": 0, "steps": 2})))
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+    original = training.forward_step
+    calls = [0]
+
+    with profile(
+        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+        schedule=schedule(wait=0, warmup=8, active=8),  # per microbatch: steps 3-4
+    ) as prof:
+
+        def counted(*a, **k):
+            calls[0] += 1
+            prof.step()
+            return original(*a, **k)
+
+        training.forward_step = counted
+        try:
+            run_ours(c, args, variant, 2, 2)
+        finally:
+            training.forward_step = original
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=45)
 
 
 # ----------------------------------------------------------------------------- main
@@ -266,7 +287,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--seq", type=int, default=8192)
-    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--profile", default=None, metavar="VARIANT", help="profile it")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -315,7 +336,7 @@ def main() -> None:
             f"{tokens / t * flops_per_token / 1e12:.0f} | {out['peak_gib']:.1f} |"
         )
     if args.profile:
-        print(profile_ours(c, args))
+        print(profile_ours(c, args, args.profile))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"args": vars(args), "params": params, "results": results}, handle)

@@ -147,3 +147,24 @@ def test_one_process_with_a_gpu_trains_on_it_without_torchrun(capsys):
     assert "(nccl, cuda:0 (" in output, output
     bf16, fp32 = ([r["loss"] for r in runs[k]] for k in ("bf16", "fp32"))
     assert bf16 == pytest.approx(fp32, abs=2e-2) and bf16 != fp32
+
+
+@pytest.mark.world(1)
+@pytest.mark.skipif(dist.is_initialized(), reason="checks runs that start their own group")
+def test_two_runs_in_one_process_each_start_their_own_group(monkeypatch):
+    """Two one-process runs that each start (and destroy) a default group, as two runs on a
+    GPU without torchrun do: the second must not reuse the first one's dead groups (found on
+    the H200: parallel_state cached them across the restart)."""
+    from megatron.training import training
+
+    def gloo_group(config):
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        return True
+
+    monkeypatch.setattr(training, "initialize_single_gpu", gloo_group)
+    losses = []
+    for _ in range(2):
+        with fresh_layout():
+            losses.append([r["loss"] for r in pretrain(TrainingConfig(train_iters=2)).records])
+        assert not dist.is_initialized()
+    assert losses[0] == losses[1]
