@@ -183,8 +183,10 @@ def train(
             _print(note)
         bar.update(start_iteration)
     records = []
-    for iteration in range(start_iteration + 1, config.train_iters + 1):
-        start = time.perf_counter()
+
+    def batch_of(iteration: int):
+        """The global batch of ``iteration`` and this rank's microbatches of it, on the
+        compute device."""
         global_batch = dataset.global_batch(iteration - 1, config.global_batch_size)
         microbatches = [
             _on_this_cp_rank(microbatch, pg_collection)
@@ -192,6 +194,12 @@ def train(
                 global_batch, config.micro_batch_size, layout.num_microbatches, dp_rank
             )
         ]
+        return global_batch, microbatches
+
+    upcoming = batch_of(start_iteration + 1) if start_iteration < config.train_iters else None
+    for iteration in range(start_iteration + 1, config.train_iters + 1):
+        start = time.perf_counter()
+        global_batch, microbatches = upcoming
         for chunk in model:
             chunk.zero_grad_buffer()
         reported = forward_backward_func(
@@ -209,6 +217,8 @@ def train(
         lr = optimizer.param_groups[0]["lr"]
         _, grad_norm, _ = optimizer.step()
         scheduler.step(increment=1)
+        # The next batch is made while the device finishes this step (the logged loss waits).
+        upcoming = batch_of(iteration + 1) if iteration < config.train_iters else None
         loss = logged_loss(reported, pg_collection)
         seconds = time.perf_counter() - start
         records.append(
