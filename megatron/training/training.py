@@ -14,6 +14,7 @@ over the global batch's microbatches of S / max(N, 1), or sum S / sum N with
 
 import dataclasses
 import functools
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +80,7 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
     """
     world_size = launched_world_size()
     layout = validate_config(config, world_size or 1)
+    _check_processes_per_node(config.nproc_per_node, world_size)
     created_group = world_size is not None and initialize_distributed(config, layout)
     try:
         groups = initialize_model_parallel_groups(layout) if dist.is_initialized() else None
@@ -98,7 +100,7 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
             result.passed = _agree_on_rank_zero(
                 result.comparison is None or result.comparison.passed
             )
-        if config.save_metrics and is_rank_zero():
+        if config.save_metrics and is_rank_zero() and records:
             result.metrics_files = save_metrics(
                 config.save_metrics, records, label, result.reference
             )
@@ -108,6 +110,18 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
         parallel_state.destroy_model_parallel()
         if created_group:
             dist.destroy_process_group()
+
+
+def _check_processes_per_node(nproc_per_node: Optional[int], world_size: Optional[int]) -> None:
+    """``--nproc-per-node`` must be the processes per node this run has: ``pretrain``
+    runs in the processes that exist (it launches none; the command line does)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size or 1))
+    if nproc_per_node is not None and nproc_per_node != local:
+        raise ValueError(
+            f"--nproc-per-node {nproc_per_node}, but this run has {_processes(local)} per "
+            "node: pretrain() launches no processes; run python -m megatron.training "
+            f"--nproc-per-node {nproc_per_node} (or torchrun), or leave it out"
+        )
 
 
 def train(
@@ -123,6 +137,8 @@ def train(
     Rank 0 shows a progress bar with the loss and tokens/s (``config.progress``).
     """
     dataset = build_sft_dataset(config)
+    for note in getattr(dataset, "notes", []):  # truncation and empty-loss counts
+        _print(note)
     if config.data_path:  # the model's vocabulary is the tokenizer's
         config = dataclasses.replace(config, vocab_size=dataset.vocab_size)
     model = build_model(config, layout, pg_collection)
@@ -143,7 +159,18 @@ def train(
     start_iteration = 0
     if config.load:
         start_iteration, _, notes = load_checkpoint(
-            config.load, model, optimizer, scheduler, layout=_layout_record(layout)
+            config.load,
+            model,
+            optimizer,
+            scheduler,
+            layout=_layout_record(layout),
+            save_dir=config.save,
+            run_settings=_settings_record(config),
+            ckpt_step=config.ckpt_step,
+            finetune=config.finetune,
+            load_optim=not config.no_load_optim,
+            load_rng=not config.no_load_rng,
+            train_iters=config.train_iters,
         )
         for note in notes:
             _print(note)
@@ -375,6 +402,8 @@ def _agree_on_rank_zero(passed: bool) -> bool:
 
 def _summary(records: List[dict], layout: Layout, seconds: float) -> str:
     """One line: loss at the first and last iteration, time."""
+    if not records:
+        return f"{layout.name}: no iterations left to train, {seconds:.1f} s"
     first, last = records[0]["loss"], records[-1]["loss"]
     trend = "falls" if last < first else "does not fall"
     return (
@@ -404,7 +433,7 @@ def _data_description(config: TrainingConfig) -> str:
     """``64) on generated prompt/response pairs`` or the data path and tokenizer."""
     if not config.data_path:
         return f"{config.vocab_size}) on generated prompt/response pairs"
-    vocab = build_training_tokenizer(config.tokenizer).vocab_size
+    vocab = build_training_tokenizer(config.tokenizer, config.eod_token).vocab_size
     return f"{vocab}) on {config.data_path} ({config.tokenizer or 'byte-level'} tokenizer)"
 
 
