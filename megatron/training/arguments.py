@@ -129,6 +129,7 @@ _SECTIONS = {
     "micro_batch_size": "data and batches",
     "num_layers": "model",
     "train_iters": "optimization",
+    "bf16": "mixed precision (docs/mixed_precision.md)",
     "save_metrics": "output and checks",
     "save": "checkpoints (docs/checkpoints.md)",
     "compare_single_process": "output and checks",
@@ -397,6 +398,38 @@ class TrainingConfig:
         check=non_negative,
         help="seed of the weights and of the generated data",
     )
+    # Mixed precision (megatron's flags; docs/mixed_precision.md).
+    bf16: bool = option(
+        False,
+        "--bf16",
+        help="bf16 weights and activations (Float16Module), fp32 main_grad and fp32 main "
+        "parameters in the optimizer, loss in fp32",
+    )
+    fp16: bool = option(
+        False, "--fp16", help="as --bf16 in fp16, with dynamic loss scaling (below)"
+    )
+    loss_scale: Optional[float] = option(
+        None,
+        "--loss-scale",
+        type=float,
+        check=positive_number,
+        help="a fixed loss scale instead of --fp16's dynamic one",
+    )
+    initial_loss_scale: float = option(
+        2.0**32, "--initial-loss-scale", check=positive_number, help="--fp16: the first scale"
+    )
+    min_loss_scale: float = option(
+        1.0, "--min-loss-scale", check=positive_number, help="--fp16: the smallest scale"
+    )
+    loss_scale_window: float = option(
+        1000.0,
+        "--loss-scale-window",
+        check=Check(">= 1", lambda v: _is_number(v) and v >= 1),
+        help="--fp16: clean steps before the scale doubles",
+    )
+    hysteresis: int = option(
+        2, "--hysteresis", check=positive, help="--fp16: overflowing steps before it halves"
+    )
     # Output and checks.
     save_metrics: Optional[str] = option(
         None,
@@ -418,8 +451,10 @@ class TrainingConfig:
         "--load",
         type=str,
         metavar="DIR",
-        help="resume from the newest complete checkpoint in DIR (any layout; starts from "
-        "scratch when DIR holds none)",
+        help="resume from the newest complete checkpoint in DIR, or from DIR itself when it "
+        "is one checkpoint's iter_NNNNNNN directory (any layout). No checkpoint there is an "
+        "error, except when DIR is also --save (auto-resume: starts from scratch). Settings "
+        "that change the model or the data must equal the saved ones",
     )
     save_interval: Optional[int] = option(
         None,
@@ -428,17 +463,42 @@ class TrainingConfig:
         check=positive,
         help="iterations between checkpoints",
     )
+    ckpt_step: Optional[int] = option(
+        None,
+        "--ckpt-step",
+        type=int,
+        metavar="N",
+        check=non_negative,
+        help="with --load DIR: load DIR/iter_N instead of the newest checkpoint",
+    )
+    finetune: bool = option(
+        False,
+        "--finetune",
+        help="with --load: load the model weights only (no optimizer, scheduler or RNG "
+        "state) and start at iteration 0; --data-path may differ from the saved run's",
+    )
+    no_load_optim: bool = option(
+        False,
+        "--no-load-optim",
+        help="with --load: do not load the optimizer and scheduler state",
+    )
+    no_load_rng: bool = option(
+        False, "--no-load-rng", help="with --load: do not restore the RNG states"
+    )
     compare_single_process: bool = option(
         False,
         "--compare-single-process",
         help="also train on one process and compare the losses per iteration; exit 1 when "
         "they differ by more than --compare-tolerance",
     )
-    compare_tolerance: float = option(
-        1e-4,
+    compare_tolerance: Optional[float] = option(
+        None,
         "--compare-tolerance",
+        type=float,
         check=non_negative_number,
-        help="largest accepted |loss difference| per iteration",
+        help="largest accepted |loss difference| per iteration; default 1e-4 in fp32, and "
+        "with --bf16/--fp16 three times the largest difference between the one-process run "
+        "in that precision and in fp32 (the precision's own rounding)",
     )
     progress: bool = option(
         True,
@@ -598,6 +658,14 @@ def _check_combinations(c: TrainingConfig) -> None:
         c.save_interval is None or c.save is not None,
         f"--save-interval {c.save_interval} needs --save DIR",
     )
+    for name in ("ckpt_step", "finetune", "no_load_optim", "no_load_rng"):
+        value = getattr(c, name)
+        _require(
+            value is None or value is False or c.load is not None,
+            f"{option_of(_FIELDS[name]).flag}"
+            f"{'' if isinstance(value, bool) else f' {value}'} needs --load DIR "
+            "(nothing is loaded)",
+        )
     _require(
         not (c.compare_single_process and c.load),
         "--compare-single-process compares a whole run from iteration 1; it cannot be "
@@ -631,6 +699,21 @@ def _check_combinations(c: TrainingConfig) -> None:
     _require(
         c.compare_single_process or c.compare_tolerance == _FIELDS["compare_tolerance"].default,
         f"--compare-tolerance {c.compare_tolerance} needs --compare-single-process",
+    )
+    _require(not (c.bf16 and c.fp16), "--bf16 and --fp16 were both given; expected at most one")
+    _require(
+        c.min_loss_scale <= c.initial_loss_scale,
+        f"--min-loss-scale {c.min_loss_scale} must be <= --initial-loss-scale "
+        f"{c.initial_loss_scale}",
+    )
+    dynamic = [
+        flag_of(name)
+        for name in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
+        if getattr(c, name) != _FIELDS[name].default
+    ]
+    _require(
+        c.fp16 or not dynamic,
+        f"{', '.join(dynamic)} set the dynamic loss scaling of --fp16, which is not given",
     )
 
 
@@ -761,6 +844,10 @@ def single_process_config(config: TrainingConfig) -> TrainingConfig:
         "save",
         "load",
         "save_interval",
+        "ckpt_step",
+        "finetune",
+        "no_load_optim",
+        "no_load_rng",
     )
     changes.update({name: _FIELDS[name].default for name in layout_and_output})
     changes.update(nproc_per_node=1)
