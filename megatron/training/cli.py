@@ -15,7 +15,13 @@ import tempfile
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from megatron.training.arguments import build_parser, parse_args, validate_config
+from megatron.training.arguments import (
+    build_parser,
+    explicit_options,
+    parse_args,
+    validate_config,
+)
+from megatron.training.hf.config import resolve_hf_model
 
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
 VERDICT_FILE_VARIABLE = "MEGATRON_TRAINING_VERDICT_FILE"
@@ -28,9 +34,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     config = parse_args(argv)
     under_torchrun = "WORLD_SIZE" in os.environ
     try:
+        config = resolve_hf_model(config, explicit_options(argv))
         world_size = _world_size(config.nproc_per_node, under_torchrun)
         validate_config(config, world_size)
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         build_parser().error(str(exc))
     if not under_torchrun and world_size > 1:
         return launch(argv, world_size)
