@@ -41,15 +41,19 @@ def build_sft_dataset(config: Any):
 def build_training_tokenizer(tokenizer: Any):
     """``None`` / ``"byte-level"``: UTF-8 bytes (no file); else a HuggingFace ``tokenizers``
     JSON file."""
-    from megatron.training.tokenizer.tokenizer import _ByteLevelTokenizer, _TokenizersFileTokenizer
+    from types import SimpleNamespace
+
+    from megatron.training.tokenizer.tokenizer import build_tokenizer
 
     if tokenizer in (None, BYTE_LEVEL):
-        return _ByteLevelTokenizer()
+        return build_tokenizer(SimpleNamespace(tokenizer_type="ByteLevelTokenizer"))
     if not os.path.isfile(tokenizer):
         raise ValueError(
             f"--tokenizer {tokenizer!r}: expected 'byte-level' or a tokenizers JSON file"
         )
-    return _TokenizersFileTokenizer(tokenizer)
+    return build_tokenizer(
+        SimpleNamespace(tokenizer_type="TokenizersFile", tokenizer_model=tokenizer)
+    )
 
 
 class FileSFTDataset:
