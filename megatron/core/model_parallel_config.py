@@ -5,6 +5,8 @@ from typing import Callable, Optional
 
 import torch
 
+from megatron.core import config_rules
+
 
 @dataclass
 class ModelParallelConfig:
@@ -50,7 +52,9 @@ class ModelParallelConfig:
 
     def __post_init__(self) -> None:
         """Fill derived defaults and reject settings this core does not implement."""
-        if self.sequence_parallel and self.tensor_model_parallel_size <= 1:
+        if not config_rules.sequence_parallel_allowed(
+            self.sequence_parallel, self.tensor_model_parallel_size
+        ):
             raise ValueError(
                 "sequence_parallel=True requires tensor_model_parallel_size > 1, got "
                 f"tensor_model_parallel_size={self.tensor_model_parallel_size}"
@@ -68,15 +72,11 @@ class ModelParallelConfig:
         """``ValueError`` unless the sizes are ints >= 1 multiplying to the context-parallel
         size (an empty list means none, as in ``initialize_model_parallel``)."""
         sizes, cp = self.hierarchical_context_parallel_sizes, self.context_parallel_size
-        if not isinstance(sizes, (list, tuple)) or any(
-            not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes
-        ):
+        if not config_rules.hierarchical_sizes_valid(sizes):
             raise ValueError(
                 f"hierarchical_context_parallel_sizes must be a list of ints >= 1, got {sizes!r}"
             )
-        total = 1
-        for size in sizes:
-            total *= size
+        total = config_rules.hierarchical_sizes_product(sizes)
         if sizes and total != cp:
             raise ValueError(
                 f"hierarchical_context_parallel_sizes={list(sizes)} multiply to {total}, but "

@@ -1,79 +1,458 @@
-"""The main job's settings: one dataclass, its command line, and the layout it implies.
+"""The main job's settings: one dataclass whose fields declare their command line, and the
+layout it implies.
+
+Each field of ``TrainingConfig`` is declared once, with ``option(default, "--flag", ...,
+help=..., check=...)``: its flag (the first one names it in errors; later ones are aliases,
+megatron's long names among them), its help text and the check of its own value. The
+``argparse`` parser is generated from the fields (``build_parser``), and ``command_line``
+writes a config back as flags. ``validate_config`` runs the per-field checks, then the rules
+between fields (the ones shared with ``TransformerConfig`` live in
+``megatron.core.config_rules``); it rejects impossible layouts with a message naming the flag,
+the value and what was expected, before any process group exists, identically on every rank.
 
 Every default (model size, batch sizes, sequence length, iterations) is independent of the
 parallel layout, so two runs that differ only in ``--cp/--pp/--vpp/--nproc-per-node`` train
-on the same data with the same objective. ``validate_config`` rejects impossible layouts
-with a message naming the flag, the value and what was expected; it runs before any process
-group exists, identically on every rank.
+on the same data with the same objective. This module imports no torch (the launcher parses
+and checks the command line before starting the workers).
 """
 
 import argparse
-from dataclasses import dataclass, fields
-from typing import List, Optional, Sequence, Tuple, Union
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+from megatron.core import config_rules
+from megatron.core.config_rules import CP_COMM_TYPES, NORMALIZATIONS
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
-CP_COMM_TYPES = ("all_gather", "p2p", "a2a", "a2a+p2p")  # transformer_config's (no torch here)
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
+
+__all__ = [
+    "CP_COMM_TYPES",
+    "Check",
+    "Layout",
+    "Option",
+    "TrainingConfig",
+    "build_parser",
+    "command_line",
+    "option",
+    "parse_args",
+    "single_process_config",
+    "validate_config",
+]
+
+
+# ----------------------------------------------------------------------------- declarations
+
+
+@dataclass(frozen=True)
+class Check:
+    """A rule on one option's own value: ``test(value)`` is True when it is accepted;
+    ``expected`` completes "--flag must be ..." in the error."""
+
+    expected: str
+    test: Callable[[Any], bool]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+positive = Check("an integer >= 1", lambda v: _is_int(v) and v >= 1)
+non_negative = Check("an integer >= 0", lambda v: _is_int(v) and v >= 0)
+positive_number = Check("> 0", lambda v: _is_number(v) and v > 0)
+non_negative_number = Check(">= 0", lambda v: _is_number(v) and v >= 0)
+unit_interval = Check("in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1)
+
+
+def one_of(choices: Sequence[str]) -> Check:
+    """The value is one of ``choices`` ("A or B", "one of A, B, C")."""
+    if len(choices) == 2:
+        expected = f"{choices[0]} or {choices[1]}"
+    else:
+        expected = f"one of {', '.join(choices)}"
+    return Check(expected, lambda v: v in choices)
+
+
+@dataclass(frozen=True)
+class Option:
+    """The command line of one ``TrainingConfig`` field (see ``option``)."""
+
+    flags: Tuple[str, ...]
+    help: str
+    check: Optional[Check] = None
+    type: Optional[Callable[[str], Any]] = None
+    choices: Optional[Sequence[str]] = None
+    nargs: Union[None, int, str] = None
+    metavar: Union[None, str, Tuple[str, ...]] = None
+    one_or_list: bool = False  # nargs "+": one value is kept as the value, not a 1-list
+
+    @property
+    def flag(self) -> str:
+        """The flag that names the option in errors."""
+        return self.flags[0]
+
+
+def option(
+    default: Any,
+    *flags: str,
+    help: str,
+    check: Optional[Check] = None,
+    type: Optional[Callable[[str], Any]] = None,
+    choices: Optional[Sequence[str]] = None,
+    nargs: Union[None, int, str] = None,
+    metavar: Union[None, str, Tuple[str, ...]] = None,
+    one_or_list: bool = False,
+) -> Any:
+    """A dataclass field with its command line: ``flags`` (the first names it in errors),
+    ``help``, and ``check`` on its own value (skipped when the value is None and the default
+    is None). A bool default makes a switch: ``store_true`` for False, ``store_false`` for
+    True. The value type is ``type``, else the default's type."""
+    if not flags or not all(f.startswith("--") for f in flags):
+        raise ValueError(f"option: flags must start with '--', got {flags!r}")
+    spec = Option(tuple(flags), help, check, type, choices, nargs, metavar, one_or_list)
+    return field(default=default, metadata={"option": spec})
+
+
+def option_of(config_field: Field) -> Option:
+    """The ``Option`` a ``TrainingConfig`` field was declared with."""
+    return config_field.metadata["option"]
+
+
+# --help sections: the field that opens each one (the following fields belong to it).
+_SECTIONS = {
+    "nproc_per_node": "layout",
+    "micro_batch_size": "data and batches",
+    "num_layers": "model",
+    "train_iters": "optimization",
+    "save_metrics": "output and checks",
+    "save": "checkpoints (docs/checkpoints.md)",
+    "compare_single_process": "output and checks",
+}
 
 
 @dataclass
 class TrainingConfig:
-    """Settings of one run (CLI flag ``--foo-bar`` is field ``foo_bar``)."""
+    """Settings of one run (CLI flag ``--foo-bar`` is field ``foo_bar``, with the aliases
+    ``--tp``, ``--cp``, ``--pp``, ``--vpp``)."""
 
     # Layout. DP = world / (TP * CP * PP).
-    nproc_per_node: Optional[int] = None
-    tensor_model_parallel_size: int = 1
-    sequence_parallel: bool = False
-    context_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: Optional[int] = None
-    distributed_backend: str = "auto"
-    cp_comm_type: Union[str, List[str]] = "all_gather"  # one kind, or one per layer
-    hierarchical_context_parallel_sizes: Optional[List[int]] = None  # [A, P] for a2a+p2p
+    nproc_per_node: Optional[int] = option(
+        None,
+        "--nproc-per-node",
+        type=int,
+        metavar="N",
+        check=positive,
+        help="processes to launch (with torch.distributed.run) when not already under "
+        "torchrun; default: 1. Under torchrun it must match the launch, or be left out",
+    )
+    tensor_model_parallel_size: int = option(
+        1,
+        "--tp",
+        "--tensor-model-parallel-size",
+        metavar="T",
+        check=positive,
+        help="tensor-parallel size T (heads, FFN and vocabulary split over T ranks)",
+    )
+    sequence_parallel: bool = option(
+        False,
+        "--sequence-parallel",
+        help="with --tp > 1: norms, dropout and residuals on a 1/T share of the sequence",
+    )
+    context_parallel_size: int = option(
+        1,
+        "--cp",
+        "--context-parallel-size",
+        metavar="C",
+        check=positive,
+        help="context-parallel size C (each sequence split into 2C chunks)",
+    )
+    pipeline_model_parallel_size: int = option(
+        1,
+        "--pp",
+        "--pipeline-model-parallel-size",
+        metavar="P",
+        check=positive,
+        help="pipeline-parallel size",
+    )
+    virtual_pipeline_model_parallel_size: Optional[int] = option(
+        None,
+        "--vpp",
+        "--num-virtual-stages-per-pipeline-rank",
+        type=int,
+        metavar="V",
+        check=positive,
+        help="model chunks per pipeline rank (interleaved schedule); default: none",
+    )
+    distributed_backend: str = option(
+        "auto",
+        "--distributed-backend",
+        choices=DISTRIBUTED_BACKENDS,
+        check=one_of(DISTRIBUTED_BACKENDS),
+        help="auto: nccl when every local process has a GPU, else gloo",
+    )
+    cp_comm_type: Union[str, List[str]] = option(
+        "all_gather",
+        "--cp-comm-type",
+        nargs="+",
+        choices=CP_COMM_TYPES,
+        metavar="KIND",
+        one_or_list=True,
+        help="how context-parallel attention brings keys to queries (megatron-core's "
+        "cp_comm_type), one kind or one per layer: all_gather (K/V gathered per head "
+        "group), p2p (the load-balanced ring), a2a (heads all-to-all) or a2a+p2p (heads "
+        "all-to-all within A ranks, the ring over P)",
+    )
+    hierarchical_context_parallel_sizes: Optional[List[int]] = option(
+        None,
+        "--hierarchical-context-parallel-sizes",
+        nargs=2,
+        type=int,
+        metavar=("A", "P"),
+        help="the two levels of --cp for --cp-comm-type a2a+p2p: A consecutive ranks "
+        "exchange heads, the ring runs over P (A x P = --cp)",
+    )
     # Data and batches.
-    micro_batch_size: int = 2
-    global_batch_size: int = 8
-    seq_length: int = 32
-    vocab_size: int = 64
-    data_path: Optional[str] = None
-    tokenizer: Optional[str] = None
-    pack_sequences: bool = False
+    micro_batch_size: int = option(
+        2, "--micro-batch-size", check=positive, help="sequences per microbatch"
+    )
+    global_batch_size: int = option(
+        8,
+        "--global-batch-size",
+        check=positive,
+        help="sequences per step, over all data-parallel replicas and microbatches",
+    )
+    seq_length: int = option(32, "--seq-length", check=positive, help="tokens per sequence")
+    vocab_size: int = option(
+        64,
+        "--vocab-size",
+        check=Check("an integer >= 5", lambda v: _is_int(v) and v >= 5),
+        help="vocabulary size (4 special tokens)",
+    )
+    data_path: Optional[str] = option(
+        None,
+        "--data-path",
+        type=str,
+        metavar="PATH",
+        help="train on a JSONL file (chat 'messages' records rendered with the tokenizer's "
+        "chat template, loss on assistant tokens only; prompt/completion, prompt/response or "
+        "text records, the prompt masked out of the loss) or an indexed dataset prefix "
+        "written by python -m megatron.training.preprocess_data; the vocabulary is then "
+        "the tokenizer's. "
+        "Default: generated prompt/response pairs",
+    )
+    tokenizer: Optional[str] = option(
+        None,
+        "--tokenizer",
+        type=str,
+        metavar="T",
+        help="with --data-path: 'byte-level' (default; UTF-8 bytes, no file), a HuggingFace "
+        "tokenizer folder (tokenizer.json + tokenizer_config.json with its chat template) or a "
+        "tokenizers JSON file",
+    )
+    eod_token: Optional[str] = option(
+        None,
+        "--eod-token",
+        type=str,
+        metavar="TOKEN",
+        help="the end-of-document token of --tokenizer (appended to text records, used as "
+        "padding); default: the tokenizer config's eos_token, else <|endoftext|>, </s>, ...",
+    )
+    pack_sequences: bool = option(
+        False,
+        "--pack-sequences",
+        help="pack documents (generated pairs or --data-path records) into rows of "
+        "--seq-length tokens (THD format: documents never attend to each other, each "
+        "padded to a multiple of 16, padding "
+        "and prompts masked out of the loss); needs --micro-batch-size 1",
+    )
     # Model.
-    num_layers: int = 4
-    hidden_size: int = 32
-    num_attention_heads: int = 4
-    num_query_groups: Optional[int] = None
-    ffn_hidden_size: Optional[int] = None
-    normalization: str = "LayerNorm"
-    swiglu: bool = False
-    position_embedding_type: str = "learned_absolute"
-    disable_bias_linear: bool = False
-    label_smoothing: float = 0.0
-    init_method_std: float = 0.02
-    untie_embeddings_and_output_weights: bool = False
+    num_layers: int = option(4, "--num-layers", check=positive, help="transformer layers")
+    hidden_size: int = option(32, "--hidden-size", check=positive, help="hidden size (model width)")
+    num_attention_heads: int = option(
+        4, "--num-attention-heads", check=positive, help="attention heads"
+    )
+    num_query_groups: Optional[int] = option(
+        None,
+        "--num-query-groups",
+        type=int,
+        check=positive,
+        help="key/value head groups (grouped-query attention); default: one per head",
+    )
+    ffn_hidden_size: Optional[int] = option(
+        None,
+        "--ffn-hidden-size",
+        type=int,
+        check=positive,
+        help="MLP hidden size; default: 4 x hidden size",
+    )
+    normalization: str = option(
+        "LayerNorm",
+        "--normalization",
+        choices=NORMALIZATIONS,
+        check=one_of(NORMALIZATIONS),
+        help="normalization layer",
+    )
+    swiglu: bool = option(
+        False, "--swiglu", help="gated MLP silu(x W_gate) * (x W_up) instead of gelu(x W_1)"
+    )
+    position_embedding_type: str = option(
+        "learned_absolute",
+        "--position-embedding-type",
+        choices=POSITION_EMBEDDING_TYPES,
+        check=one_of(POSITION_EMBEDDING_TYPES),
+        help="learned absolute positions or rotary embeddings",
+    )
+    disable_bias_linear: bool = option(
+        False, "--disable-bias-linear", help="no biases in the linear layers"
+    )
+    label_smoothing: float = option(
+        0.0,
+        "--label-smoothing",
+        check=Check("in [0, 1)", config_rules.label_smoothing_allowed),
+        help="label smoothing of the cross-entropy over the whole vocabulary",
+    )
+    init_method_std: float = option(
+        0.02, "--init-method-std", check=non_negative_number, help="std of initial weights"
+    )
+    untie_embeddings_and_output_weights: bool = option(
+        False,
+        "--untie-embeddings-and-output-weights",
+        help="separate output layer (default: tied to the word embeddings)",
+    )
     # Optimization.
-    train_iters: int = 20
-    lr: float = 3e-3
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    weight_decay: float = 0.0
-    lr_warmup_iters: int = 0
-    lr_decay_style: str = "constant"
-    min_lr: float = 0.0
-    clip_grad: float = 1.0
-    calculate_per_token_loss: bool = False
-    per_shard_loss_normalization: bool = False
-    overlap_grad_reduce: bool = False
-    gradient_accumulation_fusion: bool = False
-    seed: int = 1234
+    train_iters: int = option(20, "--train-iters", check=positive, help="training iterations")
+    lr: float = option(3e-3, "--lr", check=positive_number, help="peak Adam learning rate")
+    adam_beta1: float = option(
+        0.9, "--adam-beta1", check=unit_interval, help="Adam's first-moment decay"
+    )
+    adam_beta2: float = option(
+        0.999, "--adam-beta2", check=unit_interval, help="Adam's second-moment decay"
+    )
+    adam_eps: float = option(
+        1e-8,
+        "--adam-eps",
+        check=positive_number,
+        help="Adam's epsilon added to the root of the second moment",
+    )
+    weight_decay: float = option(
+        0.0,
+        "--weight-decay",
+        check=non_negative_number,
+        help="decoupled weight decay (AdamW)",
+    )
+    lr_warmup_iters: int = option(
+        0, "--lr-warmup-iters", check=non_negative, help="linear warm-up from 0"
+    )
+    lr_decay_style: str = option(
+        "constant",
+        "--lr-decay-style",
+        choices=LR_DECAY_STYLES,
+        check=one_of(LR_DECAY_STYLES),
+        help="learning-rate decay after warm-up, down to --min-lr at --train-iters",
+    )
+    min_lr: float = option(
+        0.0,
+        "--min-lr",
+        check=non_negative_number,
+        help="learning rate at the end of the decay",
+    )
+    clip_grad: float = option(
+        1.0,
+        "--clip-grad",
+        check=Check(">= 0 (0 disables)", lambda v: _is_number(v) and v >= 0),
+        help="gradient-norm clipping threshold, 0: off",
+    )
+    calculate_per_token_loss: bool = option(
+        False,
+        "--calculate-per-token-loss",
+        help="train sum(loss)/sum(tokens) over the global batch instead of the mean over "
+        "microbatches of each microbatch's token mean",
+    )
+    per_shard_loss_normalization: bool = option(
+        False,
+        "--per-shard-loss-normalization",
+        help="negative control: train megatron-core 0.16.1's objective, each CP shard's "
+        "loss divided by its own valid-token count and averaged over shards; with --cp > 1 "
+        "on prompt-masked data it drifts from the one-process run",
+    )
+    overlap_grad_reduce: bool = option(
+        False,
+        "--overlap-grad-reduce",
+        help="reduce gradient buckets asynchronously during the backward",
+    )
+    gradient_accumulation_fusion: bool = option(
+        False,
+        "--gradient-accumulation-fusion",
+        help="linear layers add their weight gradients into the fp32 main_grad inside the "
+        "GEMM (megatron-core's gradient_accumulation_fusion)",
+    )
+    seed: int = option(
+        1234,
+        "--seed",
+        check=non_negative,
+        help="seed of the weights and of the generated data",
+    )
     # Output and checks.
-    save_metrics: Optional[str] = None
-    save: Optional[str] = None
-    load: Optional[str] = None
-    save_interval: Optional[int] = None
-    compare_single_process: bool = False
-    compare_tolerance: float = 1e-4
-    progress: bool = True
+    save_metrics: Optional[str] = option(
+        None,
+        "--save-metrics",
+        type=str,
+        metavar="DIR",
+        help="write DIR/metrics.jsonl (one line per iteration) and DIR/loss.png",
+    )
+    save: Optional[str] = option(
+        None,
+        "--save",
+        type=str,
+        metavar="DIR",
+        help="save checkpoints to DIR/iter_NNNNNNN (every --save-interval iterations and at "
+        "the end) and point DIR/latest_checkpointed_iteration.txt at the newest",
+    )
+    load: Optional[str] = option(
+        None,
+        "--load",
+        type=str,
+        metavar="DIR",
+        help="resume from the newest complete checkpoint in DIR (any layout; starts from "
+        "scratch when DIR holds none)",
+    )
+    save_interval: Optional[int] = option(
+        None,
+        "--save-interval",
+        type=int,
+        check=positive,
+        help="iterations between checkpoints",
+    )
+    compare_single_process: bool = option(
+        False,
+        "--compare-single-process",
+        help="also train on one process and compare the losses per iteration; exit 1 when "
+        "they differ by more than --compare-tolerance",
+    )
+    compare_tolerance: float = option(
+        1e-4,
+        "--compare-tolerance",
+        check=non_negative_number,
+        help="largest accepted |loss difference| per iteration",
+    )
+    progress: bool = option(
+        True,
+        "--no-progress",
+        help="hide the progress bar (rank 0 shows one by default)",
+    )
+
+
+def flag_of(name: str) -> str:
+    """The flag naming ``TrainingConfig`` field ``name`` in messages (e.g. ``--tp``)."""
+    return option_of(_FIELDS[name]).flag
+
+
+_FIELDS: Dict[str, Field] = {f.name: f for f in fields(TrainingConfig)}
 
 
 @dataclass(frozen=True)
@@ -112,29 +491,20 @@ class Layout:
 def validate_config(config: TrainingConfig, world_size: int) -> Layout:
     """The layout of ``config`` on ``world_size`` processes, or ValueError saying why not.
 
-    DP = world / (TP * CP * PP); M = GBS / (micro batch * DP). Checks: positive sizes;
-    world divisible by TP * CP * PP; seq_length divisible by 2 * CP (load-balanced CP
-    split), times TP under sequence parallelism; heads, query groups, FFN size and
-    vocabulary divisible by TP; sequence parallelism only with TP > 1; layers divisible by
-    PP * VPP; GBS divisible by micro batch * DP; VPP only with PP >= 2 and a microbatch
-    count the interleaved schedule can run.
+    First each option's own check (``option(..., check=...)``), then the rules between
+    options. DP = world / (TP * CP * PP); M = GBS / (micro batch * DP). Rules: world
+    divisible by TP * CP * PP; seq_length divisible by 2 * CP (load-balanced CP split), times
+    TP under sequence parallelism; heads, query groups, FFN size and vocabulary divisible by
+    TP; sequence parallelism only with TP > 1; layers divisible by PP * VPP; GBS divisible by
+    micro batch * DP; VPP only with PP >= 2 and a microbatch count the interleaved schedule
+    can run; the cp_comm_type rules; combinations of options that one of them would ignore.
     """
     c = config
-    for flag, value in [
-        ("--nproc-per-node", world_size),
-        ("--tp", c.tensor_model_parallel_size),
-        ("--cp", c.context_parallel_size),
-        ("--pp", c.pipeline_model_parallel_size),
-        ("--micro-batch-size", c.micro_batch_size),
-        ("--global-batch-size", c.global_batch_size),
-        ("--num-layers", c.num_layers),
-        ("--hidden-size", c.hidden_size),
-        ("--num-attention-heads", c.num_attention_heads),
-        ("--train-iters", c.train_iters),
-    ]:
-        _require(
-            isinstance(value, int) and value >= 1, f"{flag} must be an integer >= 1, got {value}"
-        )
+    _require(
+        _is_int(world_size) and world_size >= 1,
+        f"--nproc-per-node must be an integer >= 1, got {world_size}",
+    )
+    _check_fields(c)
     tp, cp, pp, vpp = (
         c.tensor_model_parallel_size,
         c.context_parallel_size,
@@ -156,7 +526,6 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
     )
     _check_tensor_parallel(c)
     if vpp is not None:
-        _require(isinstance(vpp, int) and vpp >= 1, f"--vpp must be an integer >= 1, got {vpp}")
         _require(pp >= 2, f"--vpp {vpp} needs pipeline parallelism: --pp must be >= 2, got {pp}")
     chunks = pp * (vpp or 1)
     _require(
@@ -169,7 +538,6 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
         f"--hidden-size {c.hidden_size} is not divisible by --num-attention-heads "
         f"{c.num_attention_heads}",
     )
-    _require(c.vocab_size >= 5, f"--vocab-size must be >= 5, got {c.vocab_size}")
     per_step = c.micro_batch_size * dp
     _require(
         c.global_batch_size % per_step == 0,
@@ -191,62 +559,8 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
             ) from None
     _check_cp_comm_type(c)
     if c.pack_sequences:
-        # Imported here: the self-launching process checks layouts without importing torch.
-        from megatron.training.data import PACK_PAD_MULTIPLE
-
-        _require(
-            c.micro_batch_size == 1,
-            f"--pack-sequences packs documents into one row per microbatch: "
-            f"--micro-batch-size must be 1, got {c.micro_batch_size}",
-        )
-        _require(
-            c.seq_length % PACK_PAD_MULTIPLE == 0 and PACK_PAD_MULTIPLE % (2 * cp) == 0,
-            f"--pack-sequences pads documents to a multiple of {PACK_PAD_MULTIPLE}: "
-            f"--seq-length ({c.seq_length}) must be a multiple of it and 2 x --cp "
-            f"({2 * cp}) must divide it",
-        )
-        _require(
-            c.data_path is None,
-            f"--pack-sequences packs the generated prompt/response pairs; it cannot be "
-            f"combined with --data-path (got {c.data_path!r})",
-        )
-    _require(
-        not (c.per_shard_loss_normalization and c.calculate_per_token_loss),
-        "--per-shard-loss-normalization emulates the averaged mode; it cannot be combined "
-        "with --calculate-per-token-loss",
-    )
-    if c.save_interval is not None:
-        _require(
-            isinstance(c.save_interval, int) and c.save_interval >= 1,
-            f"--save-interval must be an integer >= 1, got {c.save_interval}",
-        )
-        _require(c.save is not None, "--save-interval needs --save DIR")
-    _require(
-        not (c.compare_single_process and c.load),
-        "--compare-single-process compares a whole run from iteration 1; it cannot be "
-        f"combined with --load {c.load}",
-    )
-    _require(c.lr > 0, f"--lr must be > 0, got {c.lr}")
-    _require(
-        c.lr_decay_style in LR_DECAY_STYLES,
-        f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}, got {c.lr_decay_style!r}",
-    )
-    _require(
-        isinstance(c.lr_warmup_iters, int) and 0 <= c.lr_warmup_iters < c.train_iters,
-        f"--lr-warmup-iters must be >= 0 and < --train-iters {c.train_iters}, "
-        f"got {c.lr_warmup_iters}",
-    )
-    _require(0 <= c.min_lr <= c.lr, f"--min-lr must be in [0, --lr {c.lr}], got {c.min_lr}")
-    _require(c.weight_decay >= 0, f"--weight-decay must be >= 0, got {c.weight_decay}")
-    _require(
-        c.tokenizer is None or c.data_path is not None,
-        f"--tokenizer {c.tokenizer!r} needs --data-path (the generated data has its own ids)",
-    )
-    _require(c.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables), got {c.clip_grad}")
-    _require(
-        c.distributed_backend in ("auto", "gloo", "nccl"),
-        f"--distributed-backend must be auto, gloo or nccl, got {c.distributed_backend!r}",
-    )
+        _check_packing(c)
+    _check_combinations(c)
     hierarchical = c.hierarchical_context_parallel_sizes
     return Layout(
         world_size,
@@ -261,27 +575,119 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
     )
 
 
+def _check_fields(c: TrainingConfig) -> None:
+    """Each option's own check, in declaration order; switches must be True or False."""
+    for config_field in fields(c):
+        spec, value = option_of(config_field), getattr(c, config_field.name)
+        if isinstance(config_field.default, bool):
+            _require(isinstance(value, bool), f"{spec.flag} must be True or False, got {value!r}")
+        elif spec.check is not None and not (value is None and config_field.default is None):
+            _require(
+                spec.check.test(value), f"{spec.flag} must be {spec.check.expected}, got {value!r}"
+            )
+
+
+def _check_combinations(c: TrainingConfig) -> None:
+    """Options that need, or exclude, another one (so none is silently ignored)."""
+    _require(
+        not (c.per_shard_loss_normalization and c.calculate_per_token_loss),
+        "--per-shard-loss-normalization emulates the averaged mode; it cannot be combined "
+        "with --calculate-per-token-loss",
+    )
+    _require(
+        c.save_interval is None or c.save is not None,
+        f"--save-interval {c.save_interval} needs --save DIR",
+    )
+    _require(
+        not (c.compare_single_process and c.load),
+        "--compare-single-process compares a whole run from iteration 1; it cannot be "
+        f"combined with --load {c.load}",
+    )
+    _require(
+        c.lr_warmup_iters < c.train_iters,
+        f"--lr-warmup-iters must be >= 0 and < --train-iters {c.train_iters}, "
+        f"got {c.lr_warmup_iters}",
+    )
+    _require(c.min_lr <= c.lr, f"--min-lr must be in [0, --lr {c.lr}], got {c.min_lr}")
+    _require(
+        c.tokenizer is None or c.data_path is not None,
+        f"--tokenizer {c.tokenizer!r} needs --data-path (the generated data has its own ids)",
+    )
+    _require(
+        c.eod_token is None or c.tokenizer not in (None, "byte-level"),
+        f"--eod-token {c.eod_token!r} needs --tokenizer DIR_OR_tokenizer.json (the byte-level "
+        "tokenizer's end-of-document id is fixed)",
+    )
+    _require(
+        c.data_path is None or c.vocab_size == _FIELDS["vocab_size"].default,
+        f"--vocab-size {c.vocab_size} is not used with --data-path: the vocabulary is the "
+        "tokenizer's (see --tokenizer); leave --vocab-size out",
+    )
+    _require(
+        c.min_lr == 0 or c.lr_decay_style != "constant",
+        f"--min-lr {c.min_lr} is the end of a decay, but --lr-decay-style constant keeps "
+        "--lr; use --lr-decay-style linear or cosine, or leave --min-lr out",
+    )
+    _require(
+        c.compare_single_process or c.compare_tolerance == _FIELDS["compare_tolerance"].default,
+        f"--compare-tolerance {c.compare_tolerance} needs --compare-single-process",
+    )
+
+
+def _check_packing(c: TrainingConfig) -> None:
+    """--pack-sequences: one packed row per microbatch, documents padded to a multiple of
+    PACK_PAD_MULTIPLE that the 2C context-parallel chunks divide."""
+    # Imported here: the self-launching process checks layouts without importing torch.
+    from megatron.training.data import PACK_PAD_MULTIPLE
+
+    cp = c.context_parallel_size
+    _require(
+        c.micro_batch_size == 1,
+        f"--pack-sequences packs documents into one row per microbatch: "
+        f"--micro-batch-size must be 1, got {c.micro_batch_size}",
+    )
+    _require(
+        c.seq_length % PACK_PAD_MULTIPLE == 0 and PACK_PAD_MULTIPLE % (2 * cp) == 0,
+        f"--pack-sequences pads documents to a multiple of {PACK_PAD_MULTIPLE}: "
+        f"--seq-length ({c.seq_length}) must be a multiple of it and 2 x --cp "
+        f"({2 * cp}) must divide it",
+    )
+
+
 def _check_cp_comm_type(c: TrainingConfig) -> None:
     """--cp-comm-type: one kind or one per layer; a2a splits each tensor-parallel rank's
     heads over CP, a2a+p2p over the first of --hierarchical-context-parallel-sizes [A, P]
-    (A x P = CP)."""
-    kinds = [c.cp_comm_type] if isinstance(c.cp_comm_type, str) else list(c.cp_comm_type)
+    (A x P = CP), which only a2a+p2p uses."""
+    kinds = config_rules.cp_comm_kinds(c.cp_comm_type)
     _require(
-        len(kinds) in (1, c.num_layers),
+        config_rules.cp_comm_type_length_ok(c.cp_comm_type, c.num_layers),
         f"--cp-comm-type takes one kind or one per layer (--num-layers {c.num_layers}), got "
         f"{len(kinds)}: {kinds}",
     )
-    bad = [k for k in kinds if k not in CP_COMM_TYPES]
+    bad = config_rules.unknown_cp_comm_types(c.cp_comm_type) + [k for k in kinds if k is None]
     _require(not bad, f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got {bad}")
     tp, cp = c.tensor_model_parallel_size, c.context_parallel_size
+    _require(
+        cp > 1 or set(kinds) == {_FIELDS["cp_comm_type"].default},
+        f"--cp-comm-type {' '.join(map(str, kinds))} chooses how context-parallel attention "
+        f"exchanges keys and values, but --cp is {cp}: nothing is exchanged; use --cp > 1 "
+        "or leave --cp-comm-type out",
+    )
     hierarchical = c.hierarchical_context_parallel_sizes
     if hierarchical is not None:
         _require(
-            len(hierarchical) == 2 and all(isinstance(x, int) and x >= 1 for x in hierarchical)
-            and hierarchical[0] * hierarchical[1] == cp,
+            config_rules.hierarchical_sizes_valid(hierarchical)
+            and len(hierarchical) == 2
+            and config_rules.hierarchical_sizes_product(hierarchical) == cp,
             f"--hierarchical-context-parallel-sizes takes two sizes [A, P] with A x P = --cp "
-            f"{cp}, got {list(hierarchical)}",
-        )  # fmt: skip
+            f"{cp}, got {hierarchical!r}",
+        )
+        _require(
+            "a2a+p2p" in kinds,
+            f"--hierarchical-context-parallel-sizes {' '.join(map(str, hierarchical))} is "
+            f"used only by --cp-comm-type a2a+p2p; got --cp-comm-type "
+            f"{' '.join(map(str, kinds))}: drop the sizes or use a2a+p2p",
+        )
     _require(
         "a2a+p2p" not in kinds or cp == 1 or hierarchical is not None,
         f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P (A x P = --cp "
@@ -298,47 +704,30 @@ def _check_cp_comm_type(c: TrainingConfig) -> None:
 
 
 def _check_tensor_parallel(c: TrainingConfig) -> None:
-    """The model options and the sizes TP splits: heads, query groups, FFN, vocabulary; the
-    sequence under sequence parallelism (2C chunks, each split over TP)."""
+    """The sizes TP splits (heads, query groups, FFN, vocabulary: the shared rule of
+    ``config_rules``); the sequence under sequence parallelism (2C chunks, each split over
+    TP); an even head size for rotary embeddings."""
     tp, cp = c.tensor_model_parallel_size, c.context_parallel_size
     _require(
-        c.normalization in ("LayerNorm", "RMSNorm"),
-        f"--normalization must be LayerNorm or RMSNorm, got {c.normalization!r}",
-    )
-    _require(
-        c.position_embedding_type in ("learned_absolute", "rope"),
-        f"--position-embedding-type must be learned_absolute or rope, got "
-        f"{c.position_embedding_type!r}",
-    )
-    _require(
-        0.0 <= c.label_smoothing < 1.0,
-        f"--label-smoothing must be in [0, 1), got {c.label_smoothing}",
-    )
-    _require(
-        not c.sequence_parallel or tp > 1,
+        config_rules.sequence_parallel_allowed(c.sequence_parallel, tp),
         f"--sequence-parallel needs tensor parallelism: --tp must be > 1, got {tp}",
     )
     heads = c.num_attention_heads
-    _require(
-        heads % tp == 0,
-        f"--num-attention-heads {heads} is not divisible by --tp {tp}",
-    )
     groups = heads if c.num_query_groups is None else c.num_query_groups
     _require(
-        isinstance(groups, int) and groups >= 1 and heads % groups == 0,
+        config_rules.is_positive_multiple(heads, groups),
         f"--num-query-groups {groups} must be an integer >= 1 dividing --num-attention-heads "
         f"{heads}",
     )
-    _require(groups % tp == 0, f"--num-query-groups {groups} is not divisible by --tp {tp}")
     ffn = 4 * c.hidden_size if c.ffn_hidden_size is None else c.ffn_hidden_size
-    _require(
-        isinstance(ffn, int) and ffn >= 1 and ffn % tp == 0,
-        f"--ffn-hidden-size {ffn} must be an integer >= 1 divisible by --tp {tp}",
-    )
-    _require(
-        c.vocab_size % tp == 0,
-        f"--vocab-size {c.vocab_size} is not divisible by --tp {tp}",
-    )
+    splits = {
+        "num_attention_heads": heads,
+        "num_query_groups": groups,
+        "ffn_hidden_size": ffn,
+        "vocab_size": c.vocab_size,
+    }
+    for name, value in config_rules.tensor_parallel_misfits(tp, splits):
+        raise ValueError(f"{flag_of(name)} {value} is not divisible by --tp {tp}")
     if c.position_embedding_type == "rope":
         head_dim = c.hidden_size // heads
         _require(
@@ -355,291 +744,103 @@ def _check_tensor_parallel(c: TrainingConfig) -> None:
 
 
 def single_process_config(config: TrainingConfig) -> TrainingConfig:
-    """The same run on one process: TP = CP = PP = 1, no VPP, no comparison, no metrics."""
+    """The same run on one process: TP = CP = PP = 1, no VPP, no comparison, no metrics,
+    no checkpoints (those options back at their defaults)."""
     changes = {f.name: getattr(config, f.name) for f in fields(config)}
-    changes.update(
-        nproc_per_node=1,
-        tensor_model_parallel_size=1,
-        sequence_parallel=False,
-        context_parallel_size=1,
-        hierarchical_context_parallel_sizes=None,
-        pipeline_model_parallel_size=1,
-        virtual_pipeline_model_parallel_size=None,
-        compare_single_process=False,
-        save_metrics=None,
-        save=None,
-        load=None,
-        save_interval=None,
+    layout_and_output = (
+        "tensor_model_parallel_size",
+        "sequence_parallel",
+        "context_parallel_size",
+        "cp_comm_type",
+        "hierarchical_context_parallel_sizes",
+        "pipeline_model_parallel_size",
+        "virtual_pipeline_model_parallel_size",
+        "compare_single_process",
+        "compare_tolerance",
+        "save_metrics",
+        "save",
+        "load",
+        "save_interval",
     )
+    changes.update({name: _FIELDS[name].default for name in layout_and_output})
+    changes.update(nproc_per_node=1)
     return TrainingConfig(**changes)
 
 
+# ----------------------------------------------------------------------------- command line
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``python -m megatron.training`` / ``megatron-train`` command line."""
-    d = TrainingConfig()
+    """The ``python -m megatron.training`` / ``megatron-train`` command line, one option per
+    ``TrainingConfig`` field (dest = the field name, default = the field's default)."""
     parser = argparse.ArgumentParser(
         prog="python -m megatron.training",
         description=(
             "Supervised fine-tuning of a small GPT on generated prompt/response pairs "
-            "(prompt tokens masked out of the loss), under any context/pipeline/virtual-"
-            "pipeline/data-parallel layout. CPU (gloo) by default, NCCL when every process "
-            "has a GPU. The logged loss is the same for every layout."
+            "(prompt tokens masked out of the loss), under any tensor/context/pipeline/"
+            "virtual-pipeline/data-parallel layout. CPU (gloo) by default, NCCL when every "
+            "process has a GPU. The logged loss is the same for every layout."
         ),
         formatter_class=_HelpFormatter,
     )
-    layout = parser.add_argument_group("layout")
-    layout.add_argument(
-        "--nproc-per-node",
-        type=int,
-        metavar="N",
-        default=d.nproc_per_node,
-        help="processes to launch (with torch.distributed.run) when not already under "
-        "torchrun; default: 1. Under torchrun it must match the launch, or be left out",
-    )
-    layout.add_argument(
-        "--tp",
-        "--tensor-model-parallel-size",
-        dest="tensor_model_parallel_size",
-        type=int,
-        metavar="T",
-        default=d.tensor_model_parallel_size,
-        help="tensor-parallel size T (heads, FFN and vocabulary split over T ranks)",
-    )
-    layout.add_argument(
-        "--sequence-parallel",
-        action="store_true",
-        help="with --tp > 1: norms, dropout and residuals on a 1/T share of the sequence",
-    )
-    layout.add_argument(
-        "--cp",
-        "--context-parallel-size",
-        dest="context_parallel_size",
-        type=int,
-        metavar="C",
-        default=d.context_parallel_size,
-        help="context-parallel size C (each sequence split into 2C chunks)",
-    )
-    layout.add_argument(
-        "--pp",
-        "--pipeline-model-parallel-size",
-        dest="pipeline_model_parallel_size",
-        type=int,
-        metavar="P",
-        default=d.pipeline_model_parallel_size,
-        help="pipeline-parallel size",
-    )
-    layout.add_argument(
-        "--vpp",
-        "--num-virtual-stages-per-pipeline-rank",
-        dest="virtual_pipeline_model_parallel_size",
-        type=int,
-        metavar="V",
-        default=d.virtual_pipeline_model_parallel_size,
-        help="model chunks per pipeline rank (interleaved schedule); default: none",
-    )
-    layout.add_argument(
-        "--cp-comm-type",
-        nargs="+",
-        choices=CP_COMM_TYPES,
-        default=d.cp_comm_type,
-        metavar="KIND",
-        help="how context-parallel attention brings keys to queries (megatron-core's "
-        "cp_comm_type), one kind or one per layer: all_gather (K/V gathered per head "
-        "group), p2p (the load-balanced ring), a2a (heads all-to-all) or a2a+p2p (heads "
-        "all-to-all within A ranks, the ring over P)",
-    )
-    layout.add_argument(
-        "--hierarchical-context-parallel-sizes",
-        nargs=2,
-        type=int,
-        metavar=("A", "P"),
-        default=d.hierarchical_context_parallel_sizes,
-        help="the two levels of --cp for a2a+p2p: A consecutive ranks exchange heads, the "
-        "ring runs over P (A x P = --cp)",
-    )
-    layout.add_argument(
-        "--distributed-backend",
-        choices=["auto", "gloo", "nccl"],
-        default=d.distributed_backend,
-        help="auto: nccl when every local process has a GPU, else gloo",
-    )
-    data = parser.add_argument_group("data and batches")
-    _add(data, "--micro-batch-size", int, d.micro_batch_size, "sequences per microbatch")
-    _add(
-        data,
-        "--global-batch-size",
-        int,
-        d.global_batch_size,
-        "sequences per step, over all data-parallel replicas and microbatches",
-    )
-    _add(data, "--seq-length", int, d.seq_length, "tokens per sequence")
-    _add(data, "--vocab-size", int, d.vocab_size, "vocabulary size (4 special tokens)")
-    data.add_argument(
-        "--data-path",
-        metavar="PATH",
-        default=d.data_path,
-        help="train on a JSONL file (prompt/response or text records; the prompt is masked "
-        "out of the loss) or an indexed dataset prefix written by python -m "
-        "megatron.training.preprocess_data; the vocabulary is then the tokenizer's. "
-        "Default: generated prompt/response pairs",
-    )
-    data.add_argument(
-        "--tokenizer",
-        metavar="T",
-        default=d.tokenizer,
-        help="with --data-path: 'byte-level' (default; UTF-8 bytes, no file) or a "
-        "HuggingFace tokenizers JSON file",
-    )
-    data.add_argument(
-        "--pack-sequences",
-        action="store_true",
-        help="pack prompt/response pairs into rows of --seq-length tokens (THD format: "
-        "documents never attend to each other, each padded to a multiple of 16, padding "
-        "and prompts masked out of the loss); needs --micro-batch-size 1",
-    )
-    model = parser.add_argument_group("model")
-    _add(model, "--num-layers", int, d.num_layers, "transformer layers")
-    _add(model, "--hidden-size", int, d.hidden_size, "hidden size")
-    _add(model, "--num-attention-heads", int, d.num_attention_heads, "attention heads")
-    model.add_argument(
-        "--num-query-groups",
-        type=int,
-        default=d.num_query_groups,
-        help="key/value head groups (grouped-query attention); default: one per head",
-    )
-    model.add_argument(
-        "--ffn-hidden-size",
-        type=int,
-        default=d.ffn_hidden_size,
-        help="MLP hidden size; default: 4 x hidden size",
-    )
-    model.add_argument(
-        "--normalization",
-        choices=["LayerNorm", "RMSNorm"],
-        default=d.normalization,
-        help="normalization layer",
-    )
-    model.add_argument(
-        "--swiglu",
-        action="store_true",
-        help="gated MLP silu(x W_gate) * (x W_up) instead of gelu(x W_1)",
-    )
-    model.add_argument(
-        "--position-embedding-type",
-        choices=["learned_absolute", "rope"],
-        default=d.position_embedding_type,
-        help="learned absolute positions or rotary embeddings",
-    )
-    model.add_argument(
-        "--disable-bias-linear",
-        action="store_true",
-        help="no biases in the linear layers",
-    )
-    _add(
-        model,
-        "--label-smoothing",
-        float,
-        d.label_smoothing,
-        "label smoothing of the cross-entropy over the whole vocabulary",
-    )
-    _add(model, "--init-method-std", float, d.init_method_std, "std of initial weights")
-    model.add_argument(
-        "--untie-embeddings-and-output-weights",
-        action="store_true",
-        help="separate output layer (default: tied to the word embeddings)",
-    )
-    optim = parser.add_argument_group("optimization")
-    _add(optim, "--train-iters", int, d.train_iters, "training iterations")
-    _add(optim, "--lr", float, d.lr, "peak Adam learning rate")
-    _add(optim, "--min-lr", float, d.min_lr, "learning rate at the end of the decay")
-    _add(optim, "--lr-warmup-iters", int, d.lr_warmup_iters, "linear warm-up from 0")
-    optim.add_argument(
-        "--lr-decay-style",
-        choices=LR_DECAY_STYLES,
-        default=d.lr_decay_style,
-        help="learning-rate decay after warm-up, down to --min-lr at --train-iters",
-    )
-    _add(optim, "--adam-beta1", float, d.adam_beta1, "Adam beta1")
-    _add(optim, "--adam-beta2", float, d.adam_beta2, "Adam beta2")
-    _add(optim, "--adam-eps", float, d.adam_eps, "Adam epsilon")
-    _add(optim, "--weight-decay", float, d.weight_decay, "decoupled weight decay (AdamW)")
-    _add(optim, "--clip-grad", float, d.clip_grad, "gradient-norm clipping threshold, 0: off")
-    optim.add_argument(
-        "--calculate-per-token-loss",
-        action="store_true",
-        help="train sum(loss)/sum(tokens) over the global batch instead of the mean over "
-        "microbatches of each microbatch's token mean",
-    )
-    optim.add_argument(
-        "--per-shard-loss-normalization",
-        action="store_true",
-        help="negative control: train megatron-core 0.16.1's objective, each CP shard's "
-        "loss divided by its own valid-token count and averaged over shards; with --cp > 1 "
-        "on prompt-masked data it drifts from the one-process run",
-    )
-    optim.add_argument(
-        "--overlap-grad-reduce",
-        action="store_true",
-        help="reduce gradient buckets asynchronously during the backward",
-    )
-    optim.add_argument(
-        "--gradient-accumulation-fusion",
-        action="store_true",
-        help="linear layers add their weight gradients into the fp32 main_grad inside the "
-        "GEMM (megatron-core's gradient_accumulation_fusion)",
-    )
-    _add(optim, "--seed", int, d.seed, "seed of the weights and of the generated data")
-    out = parser.add_argument_group("output and checks")
-    out.add_argument(
-        "--save-metrics",
-        metavar="DIR",
-        default=d.save_metrics,
-        help="write DIR/metrics.jsonl (one line per iteration) and DIR/loss.png",
-    )
-    out.add_argument(
-        "--compare-single-process",
-        action="store_true",
-        help="also train on one process and compare the losses per iteration; exit 1 when "
-        "they differ by more than --compare-tolerance",
-    )
-    _add(
-        out,
-        "--compare-tolerance",
-        float,
-        d.compare_tolerance,
-        "largest accepted |loss difference| per iteration",
-    )
-    ckpt = parser.add_argument_group("checkpoints (docs/checkpoints.md)")
-    ckpt.add_argument(
-        "--save",
-        metavar="DIR",
-        default=d.save,
-        help="save checkpoints to DIR/iter_NNNNNNN (every --save-interval iterations and at "
-        "the end) and point DIR/latest_checkpointed_iteration.txt at the newest",
-    )
-    ckpt.add_argument(
-        "--load",
-        metavar="DIR",
-        default=d.load,
-        help="resume from the newest complete checkpoint in DIR (any layout; starts from "
-        "scratch when DIR holds none)",
-    )
-    _add(ckpt, "--save-interval", int, d.save_interval, "iterations between checkpoints")
-    out.add_argument(
-        "--no-progress",
-        dest="progress",
-        action="store_false",
-        help="hide the progress bar (rank 0 shows one by default)",
-    )
+    groups: Dict[str, argparse._ArgumentGroup] = {}
+    section = None
+    for config_field in fields(TrainingConfig):
+        section = _SECTIONS.get(config_field.name, section)
+        if section not in groups:
+            groups[section] = parser.add_argument_group(section)
+        _add_option(groups[section], config_field)
     return parser
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> TrainingConfig:
-    """Parse the command line into a ``TrainingConfig`` (no layout checks)."""
-    args = build_parser().parse_args(argv)
-    if isinstance(args.cp_comm_type, list) and len(args.cp_comm_type) == 1:
-        args.cp_comm_type = args.cp_comm_type[0]  # one kind for every layer
-    return TrainingConfig(**vars(args))
+    """Parse the command line into a ``TrainingConfig`` (no checks: ``validate_config``)."""
+    args = vars(build_parser().parse_args(argv))
+    for config_field in fields(TrainingConfig):
+        value = args[config_field.name]
+        if option_of(config_field).one_or_list and isinstance(value, list) and len(value) == 1:
+            args[config_field.name] = value[0]
+    return TrainingConfig(**args)
+
+
+def command_line(config: TrainingConfig) -> List[str]:
+    """The flags that ``parse_args`` turns back into ``config`` (defaults left out)."""
+    argv: List[str] = []
+    for config_field in fields(config):
+        value, default = getattr(config, config_field.name), config_field.default
+        if value == default:
+            continue
+        flag = option_of(config_field).flag
+        if isinstance(default, bool):
+            argv.append(flag)
+        elif value is None:
+            raise ValueError(f"{flag}: None cannot be written as a flag (default {default!r})")
+        elif isinstance(value, (list, tuple)):
+            argv += [flag, *map(str, value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _add_option(group: argparse._ArgumentGroup, config_field: Field) -> None:
+    """Add the argparse option of one field."""
+    spec, default = option_of(config_field), config_field.default
+    if default is MISSING:
+        raise TypeError(f"TrainingConfig.{config_field.name} needs a default")
+    if isinstance(default, bool):
+        action = "store_false" if default else "store_true"
+        group.add_argument(*spec.flags, dest=config_field.name, action=action, help=spec.help)
+        return
+    kind = spec.type or (None if default is None else type(default))
+    extras: Dict[str, Any] = {}
+    for name in ("choices", "nargs", "metavar"):
+        if getattr(spec, name) is not None:
+            extras[name] = getattr(spec, name)
+    if kind is not None:
+        extras["type"] = kind
+    group.add_argument(
+        *spec.flags, dest=config_field.name, default=default, help=spec.help, **extras
+    )
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -651,9 +852,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _add(group, flag: str, kind: type, default, help_text: str) -> None:
-    """Add a plain ``--flag VALUE`` option."""
-    group.add_argument(flag, type=kind, default=default, help=help_text)
+# ----------------------------------------------------------------------------- checks
 
 
 def _require(condition: bool, message: str) -> None:

@@ -14,6 +14,7 @@ over the global batch's microbatches of S / max(N, 1), or sum S / sum N with
 
 import dataclasses
 import functools
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +81,7 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
     """
     world_size = launched_world_size()
     layout = validate_config(config, world_size or 1)
+    _check_processes_per_node(config.nproc_per_node, world_size)
     created_group = world_size is not None and initialize_distributed(config, layout)
     try:
         groups = initialize_model_parallel_groups(layout) if dist.is_initialized() else None
@@ -111,6 +113,18 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
             dist.destroy_process_group()
 
 
+def _check_processes_per_node(nproc_per_node: Optional[int], world_size: Optional[int]) -> None:
+    """``--nproc-per-node`` must be the processes per node this run has: ``pretrain``
+    runs in the processes that exist (it launches none; the command line does)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size or 1))
+    if nproc_per_node is not None and nproc_per_node != local:
+        raise ValueError(
+            f"--nproc-per-node {nproc_per_node}, but this run has {_processes(local)} per "
+            "node: pretrain() launches no processes; run python -m megatron.training "
+            f"--nproc-per-node {nproc_per_node} (or torchrun), or leave it out"
+        )
+
+
 def train(
     config: TrainingConfig,
     layout: Layout,
@@ -124,6 +138,8 @@ def train(
     Rank 0 shows a progress bar with the loss and tokens/s (``config.progress``).
     """
     dataset = build_sft_dataset(config)
+    for note in getattr(dataset, "notes", []):  # truncation and empty-loss counts
+        _print(note)
     if config.data_path:  # the model's vocabulary is the tokenizer's
         config = dataclasses.replace(config, vocab_size=dataset.vocab_size)
     model = build_model(config, layout, pg_collection)
@@ -391,7 +407,7 @@ def _data_description(config: TrainingConfig) -> str:
     """``64) on generated prompt/response pairs`` or the data path and tokenizer."""
     if not config.data_path:
         return f"{config.vocab_size}) on generated prompt/response pairs"
-    vocab = build_training_tokenizer(config.tokenizer).vocab_size
+    vocab = build_training_tokenizer(config.tokenizer, config.eod_token).vocab_size
     return f"{vocab}) on {config.data_path} ({config.tokenizer or 'byte-level'} tokenizer)"
 
 

@@ -107,7 +107,12 @@ class TokenizersFileTokenizer:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"tokenizer path={path!r}: expected a tokenizers JSON file")
         self.path = path
-        self._tok = Tokenizer.from_file(path)
+        try:
+            self._tok = Tokenizer.from_file(path)
+        except Exception as err:  # the library raises a bare Exception on a bad file
+            raise ValueError(
+                f"tokenizer file {path}: not a valid HuggingFace tokenizers JSON file ({err})"
+            ) from None
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.vocab = vocab
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)

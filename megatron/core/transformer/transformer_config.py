@@ -5,6 +5,8 @@ from typing import Callable, List, Optional, Union
 
 import torch.nn.functional as F
 
+from megatron.core import config_rules
+from megatron.core.config_rules import CP_COMM_TYPES
 from megatron.core.model_parallel_config import ModelParallelConfig
 
 
@@ -74,11 +76,10 @@ class TransformerConfig(ModelParallelConfig):
             raise NotImplementedError("mtp_num_layers is not supported by this core")
         if self.multi_latent_attention:
             raise NotImplementedError("multi_latent_attention is not supported by this core")
-        if self.normalization not in ("LayerNorm", "RMSNorm"):
-            raise ValueError(
-                f"normalization must be 'LayerNorm' or 'RMSNorm', got {self.normalization!r}"
-            )
-        if not 0.0 <= self.label_smoothing < 1.0:
+        if self.normalization not in config_rules.NORMALIZATIONS:
+            expected = " or ".join(repr(n) for n in config_rules.NORMALIZATIONS)
+            raise ValueError(f"normalization must be {expected}, got {self.normalization!r}")
+        if not config_rules.label_smoothing_allowed(self.label_smoothing):
             raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing!r}")
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
@@ -89,39 +90,38 @@ class TransformerConfig(ModelParallelConfig):
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
-        tp = self.tensor_model_parallel_size
         _check_multiple(
             "num_attention_heads",
             self.num_attention_heads,
             "num_query_groups",
             self.num_query_groups,
         )
-        _check_multiple(
-            "num_attention_heads", self.num_attention_heads, "tensor_model_parallel_size", tp
-        )
-        _check_multiple("num_query_groups", self.num_query_groups, "tensor_model_parallel_size", tp)
-        _check_multiple("ffn_hidden_size", self.ffn_hidden_size, "tensor_model_parallel_size", tp)
-
-
-CP_COMM_TYPES = ("all_gather", "p2p", "a2a", "a2a+p2p")
+        tp = self.tensor_model_parallel_size
+        splits = {
+            name: getattr(self, name)
+            for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size")
+        }
+        for name, value in config_rules.tensor_parallel_misfits(tp, splits):
+            raise ValueError(
+                f"{name} ({value!r}) must be a positive multiple of tensor_model_parallel_size "
+                f"({tp})"
+            )
 
 
 def _check_cp_comm_type(cp_comm_type, num_layers: int) -> None:
     """None, one of ``CP_COMM_TYPES``, or a list of them with one entry per layer."""
-    per_layer = isinstance(cp_comm_type, (list, tuple))
-    if per_layer and len(cp_comm_type) != num_layers:
+    if not config_rules.cp_comm_type_length_ok(cp_comm_type, num_layers):
         raise ValueError(
             f"cp_comm_type has {len(cp_comm_type)} entries; a per-layer list needs one per "
             f"layer (num_layers = {num_layers})"
         )
-    for kind in cp_comm_type if per_layer else [cp_comm_type]:
-        if kind is not None and kind not in CP_COMM_TYPES:
-            raise ValueError(f"cp_comm_type entries must be one of {CP_COMM_TYPES}, got {kind!r}")
+    for kind in config_rules.unknown_cp_comm_types(cp_comm_type):
+        raise ValueError(f"cp_comm_type entries must be one of {CP_COMM_TYPES}, got {kind!r}")
 
 
 def _check_multiple(name: str, value: int, of_name: str, of_value: int) -> None:
     """Raise naming both fields unless ``value`` is a positive multiple of ``of_value``."""
-    if not isinstance(value, int) or value < 1 or value % of_value != 0:
+    if not config_rules.is_positive_multiple(value, of_value):
         raise ValueError(
             f"{name} ({value!r}) must be a positive multiple of {of_name} ({of_value})"
         )

@@ -1,0 +1,213 @@
+"""Chat conversations rendered with a tokenizer's Jinja chat template, and the exact set of
+tokens that belong to the assistant (the tokens SFT trains on).
+
+``tokenize_conversation(tokenizer, messages)`` returns the ids of the rendered conversation and
+a 0/1 mask over them, 1 on assistant tokens. How the assistant's tokens are found:
+
+1. The template is rendered to one string ``T`` (``bos_token``, ``eos_token``, ... from the
+   tokenizer's config are template variables, as HuggingFace passes them), and ``T`` is
+   tokenized once, without added special tokens (the template writes those itself), with
+   each token's character span ``[a, b)`` in ``T``.
+2. The assistant's character spans in ``T``:
+
+   - templates with ``{% generation %}...{% endgeneration %}`` blocks (HuggingFace's marker
+     for "the model writes this"): the text each block outputs. The block emits two private-use
+     sentinel characters around its output; they are located and removed after rendering, so
+     the spans are the blocks' exact output (a message containing a sentinel is refused).
+   - other templates, by incremental rendering: for assistant message ``k``,
+     ``P = render(messages[:k], add_generation_prompt=True)`` and
+     ``Q = render(messages[:k + 1])``; the span is ``[len(P), len(Q))``, i.e. everything the
+     assistant turn adds after its generation prompt (its content and the end-of-turn
+     marker the template writes). This needs ``P`` to be a prefix of ``Q`` and ``Q`` of ``T``;
+     a template that renders earlier turns differently once later turns exist is refused
+     with an error asking for ``{% generation %}`` blocks.
+3. Token ``i`` is an assistant token iff its span overlaps an assistant span
+   (``a < span_end`` and ``b > span_start``).
+
+Rendering uses jinja2's immutable sandbox with ``trim_blocks`` and ``lstrip_blocks`` (as
+HuggingFace renders templates), the ``tojson`` filter, and ``raise_exception`` /
+``strftime_now`` globals.
+"""
+
+import datetime
+import json
+from functools import lru_cache
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+_OPEN, _CLOSE = "\ue000", "\ue001"  # sentinels around {% generation %} output
+ROLES = ("system", "user", "assistant", "tool")
+
+Message = Dict[str, Any]
+
+
+class ChatTemplateError(ValueError):
+    """A conversation or template problem (the caller adds the file and line)."""
+
+
+def tokenize_conversation(
+    tokenizer: Any, messages: Sequence[Message], chat_template: Optional[str] = None
+) -> Tuple[List[int], List[int]]:
+    """``(ids, assistant_mask)`` of ``messages`` rendered with ``chat_template`` (default:
+    ``tokenizer.chat_template``). ``tokenizer`` needs ``encode_with_offsets(text)`` and
+    ``special_tokens`` (``HuggingFaceTokenizer`` has both). See the module docstring."""
+    template = chat_template if chat_template is not None else tokenizer.chat_template
+    if not template:
+        raise ChatTemplateError(
+            f"tokenizer {getattr(tokenizer, 'path', tokenizer)!r} has no chat template "
+            "(expected chat_template in tokenizer_config.json or a chat_template.jinja file)"
+        )
+    _check_messages(messages)
+    variables = dict(getattr(tokenizer, "special_tokens", {}))
+    text, spans = render_with_assistant_spans(template, messages, variables)
+    ids, offsets = tokenizer.encode_with_offsets(text)
+    mask = [0] * len(ids)
+    for i, (a, b) in enumerate(offsets):
+        if any(a < end and b > start for start, end in spans):
+            mask[i] = 1
+    return list(ids), mask
+
+
+def render_with_assistant_spans(
+    template: str, messages: Sequence[Message], variables: Dict[str, Any]
+) -> Tuple[str, List[Tuple[int, int]]]:
+    """The rendered conversation and the assistant's ``(start, end)`` character spans in it
+    (module docstring, step 2)."""
+    compiled = _compile(template)
+    if "generation" in template and _has_generation_block(template):
+        return _strip_sentinels(_render(compiled, messages, False, variables, keep_marks=True))
+    full = _render(compiled, messages, False, variables)
+    spans = []
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = _render(compiled, messages[:k], True, variables)
+        through = _render(compiled, messages[: k + 1], False, variables)
+        if not (through.startswith(before) and full.startswith(through)):
+            raise ChatTemplateError(
+                f"the chat template renders message {k} (assistant) differently once later "
+                "turns follow, so the assistant's tokens cannot be found by incremental "
+                "rendering; wrap the assistant's output in {% generation %}...{% endgeneration "
+                "%} in the template"
+            )
+        if len(through) > len(before):
+            spans.append((len(before), len(through)))
+    return full, spans
+
+
+def _render(
+    compiled: Any,
+    messages: Sequence[Message],
+    prompt: bool,
+    variables: Dict[str, Any],
+    keep_marks: bool = False,
+) -> str:
+    try:
+        text = compiled.render(messages=list(messages), add_generation_prompt=prompt, **variables)
+    except ChatTemplateError:
+        raise
+    except Exception as err:  # jinja2's undefined/sandbox errors, a template's TypeError
+        raise ChatTemplateError(
+            f"the chat template failed on this conversation ({type(err).__name__}: {err})"
+        ) from None
+    return text if keep_marks else text.replace(_OPEN, "").replace(_CLOSE, "")
+
+
+def _strip_sentinels(marked: str) -> Tuple[str, List[Tuple[int, int]]]:
+    out: List[str] = []
+    spans: List[Tuple[int, int]] = []
+    length, start = 0, None
+    for piece in marked.replace(_CLOSE, _OPEN + _CLOSE).split(_OPEN):
+        if piece.startswith(_CLOSE):
+            if start is None:
+                raise ChatTemplateError("unbalanced {% generation %} blocks in the chat template")
+            spans.append((start, length))
+            start, piece = None, piece[1:]
+        elif out:  # every piece after the first follows an opening sentinel
+            if start is not None:
+                raise ChatTemplateError("nested {% generation %} blocks in the chat template")
+            start = length
+        out.append(piece)
+        length += len(piece)
+    if start is not None:
+        raise ChatTemplateError("unbalanced {% generation %} blocks in the chat template")
+    return "".join(out), [(a, b) for a, b in spans if b > a]
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ChatTemplateError(
+            f"'messages' must be a non-empty list of {{'role', 'content'}} objects, got "
+            f"{type(messages).__name__}"
+        )
+    for k, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message:
+            raise ChatTemplateError(
+                f"messages[{k}]: expected an object with 'role' and 'content', got "
+                f"{json.dumps(message)[:80]}"
+            )
+        if message["role"] not in ROLES:
+            raise ChatTemplateError(
+                f"messages[{k}]: role {message['role']!r}; expected one of {', '.join(ROLES)}"
+            )
+        content = message.get("content")
+        if isinstance(content, str) and (_OPEN in content or _CLOSE in content):
+            raise ChatTemplateError(
+                f"messages[{k}]: content holds a private-use character U+E000/U+E001 that the "
+                "renderer reserves"
+            )
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ChatTemplateError("no 'assistant' message: nothing to train on")
+
+
+def _has_generation_block(template: str) -> bool:
+    import re
+
+    return re.search(r"{%-?\s*generation\s*-?%}", template) is not None
+
+
+@lru_cache(maxsize=8)
+def _compile(template: str) -> Any:
+    try:
+        import jinja2
+        from jinja2.ext import Extension
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "chat templates need the 'jinja2' package (pip install -e '.[hf]')"
+        ) from err
+
+    class _Generation(Extension):
+        """``{% generation %}body{% endgeneration %}`` outputs body between sentinels."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            call = self.call_method("_mark")
+            return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+        def _mark(self, caller: Any) -> str:
+            return _OPEN + caller() + _CLOSE
+
+    def raise_exception(message: str) -> None:
+        raise ChatTemplateError(f"the chat template refused the conversation: {message}")
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, **kw: Any) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **kw)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as err:
+        raise ChatTemplateError(
+            f"the chat template is not valid Jinja (template line {err.lineno}: {err.message})"
+        ) from None

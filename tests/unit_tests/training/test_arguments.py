@@ -1,0 +1,255 @@
+"""Trainer options are declared once: every ``TrainingConfig`` field carries its flag, help
+and check; the parser is generated from the fields; the rules shared with
+``TransformerConfig`` live in ``megatron.core.config_rules``."""
+
+import subprocess
+import sys
+from dataclasses import fields
+
+import pytest
+
+from megatron.core import config_rules
+from megatron.training import TrainingConfig, validate_config
+from megatron.training.arguments import build_parser, command_line, option_of, parse_args
+
+pytestmark = pytest.mark.world(1)
+
+# A value other than the default for every field (the round trip must cover them all).
+NON_DEFAULT = dict(
+    nproc_per_node=8,
+    tensor_model_parallel_size=2,
+    sequence_parallel=True,
+    context_parallel_size=2,
+    pipeline_model_parallel_size=2,
+    virtual_pipeline_model_parallel_size=2,
+    distributed_backend="gloo",
+    cp_comm_type="a2a+p2p",
+    hierarchical_context_parallel_sizes=[1, 2],
+    micro_batch_size=1,
+    global_batch_size=16,
+    seq_length=64,
+    vocab_size=128,
+    data_path="data.jsonl",
+    tokenizer="tok.json",
+    eod_token="</s>",
+    pack_sequences=True,
+    num_layers=8,
+    hidden_size=64,
+    num_attention_heads=8,
+    num_query_groups=4,
+    ffn_hidden_size=96,
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+    disable_bias_linear=True,
+    label_smoothing=0.1,
+    init_method_std=0.01,
+    untie_embeddings_and_output_weights=True,
+    train_iters=7,
+    lr=0.01,
+    adam_beta1=0.8,
+    adam_beta2=0.95,
+    adam_eps=1e-6,
+    weight_decay=0.1,
+    lr_warmup_iters=2,
+    lr_decay_style="cosine",
+    min_lr=1e-4,
+    clip_grad=0.5,
+    calculate_per_token_loss=True,
+    per_shard_loss_normalization=True,
+    overlap_grad_reduce=True,
+    gradient_accumulation_fusion=True,
+    seed=5,
+    save_metrics="out",
+    save="ck",
+    load="ck",
+    save_interval=3,
+    compare_single_process=True,
+    compare_tolerance=1e-3,
+    progress=False,
+)
+
+
+def test_every_field_has_a_flag_and_a_help_text():
+    """Each field declares an option: ``--field-name`` among its flags (``--no-field`` for
+    a switch that is on by default), a help text, and no flag shared with another field."""
+    seen = {}
+    for config_field in fields(TrainingConfig):
+        spec = option_of(config_field)
+        dashed = config_field.name.replace("_", "-")
+        expected = f"--no-{dashed}" if config_field.default is True else f"--{dashed}"
+        assert expected in spec.flags or (
+            # megatron's long name is an alias of the short --tp/--cp/--pp/--vpp
+            spec.flags[0]
+            in ("--tp", "--cp", "--pp", "--vpp")
+        ), (config_field.name, spec.flags)
+        assert len(spec.help.split()) >= 2, config_field.name
+        for flag in spec.flags:
+            assert flag not in seen, f"{flag} declared by {seen.get(flag)} and {config_field.name}"
+            seen[flag] = config_field.name
+    parser_flags = {s for a in build_parser()._actions for s in a.option_strings}
+    assert set(seen) <= parser_flags
+
+
+def test_the_generated_parser_round_trips_a_non_default_config():
+    """parse(command_line(config)) == config with every field changed from its default."""
+    assert set(NON_DEFAULT) == {f.name for f in fields(TrainingConfig)}
+    config = TrainingConfig(**NON_DEFAULT)
+    for config_field in fields(TrainingConfig):
+        assert getattr(config, config_field.name) != config_field.default, config_field.name
+    argv = command_line(config)
+    assert parse_args(argv) == config
+    assert command_line(TrainingConfig()) == [] and parse_args([]) == TrainingConfig()
+    per_layer = TrainingConfig(cp_comm_type=["p2p", "a2a", "a2a+p2p", "all_gather"])
+    assert parse_args(command_line(per_layer)) == per_layer
+
+
+def test_megatron_long_names_and_short_aliases():
+    """--tp/--cp/--pp/--vpp and megatron's long names set the same field."""
+    short = parse_args("--tp 2 --cp 4 --pp 2 --vpp 3".split())
+    long = parse_args(
+        "--tensor-model-parallel-size 2 --context-parallel-size 4 "
+        "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 3".split()
+    )
+    assert short == long
+    assert (short.tensor_model_parallel_size, short.context_parallel_size) == (2, 4)
+    assert short.virtual_pipeline_model_parallel_size == 3
+
+
+def _rejected_value(check):
+    """A value ``check`` refuses."""
+    for candidate in (0, -1, -1.0, 0.0, 1.0, 4, "not-a-choice"):
+        if not check.test(candidate):
+            return candidate
+    raise AssertionError(f"no candidate refused by {check}")
+
+
+@pytest.mark.parametrize(
+    "name", [f.name for f in fields(TrainingConfig) if option_of(f).check is not None]
+)
+def test_each_field_check_names_its_flag_and_value(name):
+    """A value the field's own check refuses fails validate_config naming the flag, what was
+    expected and the value."""
+    spec = option_of({f.name: f for f in fields(TrainingConfig)}[name])
+    bad = _rejected_value(spec.check)
+    with pytest.raises(ValueError) as error:
+        validate_config(TrainingConfig(**{name: bad}), 1)
+    assert str(error.value) == f"{spec.flag} must be {spec.check.expected}, got {bad!r}"
+
+
+def test_switches_must_be_booleans():
+    with pytest.raises(ValueError, match=r"--swiglu must be True or False, got 'yes'"):
+        validate_config(TrainingConfig(swiglu="yes"), 1)
+
+
+def test_shared_rules_agree_with_transformer_config():
+    """The tensor-parallel split rule is the same for TransformerConfig and the trainer: for
+    each case both accept or both refuse (naming the same size)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cases = [(2, 4, 2, 64), (2, 6, 3, 64), (4, 8, 2, 64), (2, 4, 4, 66), (1, 4, 1, 33)]
+    for tp, heads, groups, ffn in cases:
+        trainer, library = None, None
+        try:
+            validate_config(
+                TrainingConfig(
+                    tensor_model_parallel_size=tp,
+                    num_attention_heads=heads,
+                    num_query_groups=groups,
+                    hidden_size=8 * heads,
+                    ffn_hidden_size=ffn,
+                ),
+                tp,
+            )
+        except ValueError as exc:
+            trainer = str(exc).split()[0].lstrip("-").replace("-", "_")
+        try:
+            TransformerConfig(
+                num_layers=2,
+                hidden_size=8 * heads,
+                num_attention_heads=heads,
+                num_query_groups=groups,
+                ffn_hidden_size=ffn,
+                tensor_model_parallel_size=tp,
+            )
+        except ValueError as exc:
+            library = str(exc).split()[0]
+        assert trainer == library, (tp, heads, groups, ffn, trainer, library)
+    assert config_rules.tensor_parallel_misfits(2, {"a": 4, "b": 3, "c": 0}) == [("b", 3), ("c", 0)]
+
+
+def test_hierarchical_sizes_need_a2a_p2p():
+    """--hierarchical-context-parallel-sizes is refused by name when no layer uses a2a+p2p
+    (it would be ignored)."""
+    fields_ = dict(context_parallel_size=4, seq_length=64, global_batch_size=2)
+    for kind in ("p2p", "all_gather", "a2a"):
+        with pytest.raises(ValueError, match=r"--hierarchical-context-parallel-sizes 2 2 is used"):
+            validate_config(
+                TrainingConfig(
+                    cp_comm_type=kind, hierarchical_context_parallel_sizes=[2, 2], **fields_
+                ),
+                4,
+            )
+    mixed = ["a2a+p2p", "p2p", "p2p", "p2p"]
+    layout = validate_config(
+        TrainingConfig(cp_comm_type=mixed, hierarchical_context_parallel_sizes=[2, 2], **fields_),
+        4,
+    )
+    assert layout.hierarchical_sizes == [2, 2]
+
+
+def test_options_and_rules_load_without_torch():
+    """The launcher parses and checks a command line without importing torch."""
+    code = (
+        "import sys; import megatron.training.arguments as a; "
+        "a.validate_config(a.parse_args(['--cp', '2']), 2); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(cp_comm_type="p2p"), r"--cp-comm-type p2p chooses .* but --cp is 1"),
+        (dict(compare_tolerance=0.5), r"--compare-tolerance 0.5 needs --compare-single-process"),
+        (dict(min_lr=1e-4), r"--min-lr 0.0001 is the end of a decay, but --lr-decay-style const"),
+        (dict(data_path="d.jsonl", vocab_size=100), r"--vocab-size 100 is not used with --data"),
+        (dict(save_interval=2), r"--save-interval 2 needs --save DIR"),
+    ],
+)
+def test_options_that_would_be_ignored_are_refused(changes, message):
+    """A setting that changes nothing in this combination is refused by name."""
+    with pytest.raises(ValueError, match=message):
+        validate_config(TrainingConfig(**changes), 1)
+
+
+def test_the_one_process_config_drops_the_layout_only_options():
+    """The comparison run is valid: no CP exchange kind, no tolerance, no checkpoints."""
+    from megatron.training.arguments import single_process_config
+
+    config = TrainingConfig(
+        context_parallel_size=4,
+        cp_comm_type="a2a+p2p",
+        hierarchical_context_parallel_sizes=[2, 2],
+        seq_length=64,
+        compare_single_process=True,
+        compare_tolerance=1e-6,
+        lr_decay_style="cosine",
+        min_lr=1e-4,
+    )
+    validate_config(config, 4)
+    single = single_process_config(config)
+    validate_config(single, 1)
+    assert (single.cp_comm_type, single.compare_tolerance) == ("all_gather", 1e-4)
+    assert (single.min_lr, single.lr_decay_style) == (1e-4, "cosine")
+
+
+def test_pretrain_refuses_a_process_count_it_does_not_have(monkeypatch):
+    """pretrain() launches nothing: --nproc-per-node 4 on one process is an error."""
+    from megatron.training import pretrain
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match=r"--nproc-per-node 4, but this run has 1 process"):
+        pretrain(TrainingConfig(nproc_per_node=4, train_iters=1))

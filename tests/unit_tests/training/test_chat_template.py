@@ -1,0 +1,193 @@
+"""Chat templates and assistant-only masks against HuggingFace ``transformers``.
+
+The reference is ``transformers``' own ``apply_chat_template(..., tokenize=True,
+return_dict=True, return_assistant_tokens_mask=True)`` on a tokenizer built here (a byte-level
+BPE trained on a few sentences, wrapped as ``PreTrainedTokenizerFast`` and saved with
+``save_pretrained``); our side reads the saved folder with ``load_hf_tokenizer`` only.
+``transformers`` needs ``{% generation %}`` blocks to produce its mask; our incremental
+rendering (templates without them) is compared with ``transformers``' mask of the same template
+with the blocks added around exactly what the assistant writes.
+"""
+
+import json
+import os
+
+import pytest
+
+from megatron.training.tokenizer import load_hf_tokenizer
+from megatron.training.tokenizer.chat_template import ChatTemplateError, tokenize_conversation
+
+pytestmark = pytest.mark.world(1)
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers (test-only, the dev extra) is not installed"
+)
+tokenizers = pytest.importorskip("tokenizers", reason="the tokenizers package is not installed")
+
+SPECIAL = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
+SPECIAL += ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+
+# ChatML with {% generation %} around what the assistant writes (content + <|im_end|>).
+CHATML = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\\n' }}{% generation %}{{ m['content'] + '<|im_end|>' }}"
+    "{% endgeneration %}{{ '\\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Llama-3 style, written for this test; GEN_OPEN/GEN_CLOSE become the generation tags or "".
+LLAMA3 = (
+    "{{ bos_token }}"
+    "{% for m in messages %}"
+    "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{% if m['role'] == 'assistant' %}GEN_OPEN{{ m['content'] | trim + '<|eot_id|>' }}GEN_CLOSE"
+    "{% else %}{{ m['content'] | trim + '<|eot_id|>' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+LLAMA3_GEN = LLAMA3.replace("GEN_OPEN", "{% generation %}").replace(
+    "GEN_CLOSE", "{% endgeneration %}"
+)
+LLAMA3_PLAIN = LLAMA3.replace("GEN_OPEN", "").replace("GEN_CLOSE", "")
+
+CONVERSATIONS = [
+    [
+        {"role": "system", "content": "You are brief."},
+        {"role": "user", "content": "hello world, how are you?"},
+        {"role": "assistant", "content": "the quick brown fox"},
+        {"role": "user", "content": "and the dog?"},
+        {"role": "assistant", "content": "lazy, today. Ünïcode ok"},
+    ],
+    [
+        {"role": "user", "content": "jumps over"},
+        {"role": "assistant", "content": "the lazy dog"},
+    ],
+]
+
+TEXT = [
+    "the quick brown fox jumps over the lazy dog.",
+    "hello world, how are you today? You are brief.",
+] * 10
+
+
+def _tokenizer_object():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(TEXT, trainer)
+    return tok
+
+
+def _save(directory, template, eos="<|eot_id|>"):
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=_tokenizer_object(),
+        bos_token="<|begin_of_text|>",
+        eos_token=eos,
+        pad_token="<|endoftext|>",
+    )
+    fast.chat_template = template
+    fast.save_pretrained(str(directory))
+    return fast
+
+
+def _reference(fast, messages):
+    out = fast.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    return list(out["input_ids"]), list(out["assistant_masks"])
+
+
+@pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
+def test_generation_blocks_give_transformers_ids_and_assistant_mask(tmp_path, conversation):
+    messages = CONVERSATIONS[conversation]
+    fast = _save(tmp_path, CHATML, eos="<|im_end|>")
+    ours = load_hf_tokenizer(str(tmp_path))
+    ids, mask = tokenize_conversation(ours, messages)
+    ref_ids, ref_mask = _reference(fast, messages)
+    assert ids == ref_ids
+    assert mask == ref_mask
+    assert 0 < sum(mask) < len(mask)
+    # what the mask selects is exactly the assistant's words and end-of-turn markers
+    chosen = ours.detokenize([i for i, m in zip(ids, mask) if m])
+    expected = "".join(m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant")
+    assert chosen == expected
+
+
+@pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
+def test_incremental_rendering_equals_transformers_generation_mask(tmp_path, conversation):
+    """Our folder's template has no generation tags (incremental rendering); the reference
+    tokenizer has the same template with tags around the assistant's content + <|eot_id|>."""
+    messages = CONVERSATIONS[conversation]
+    fast = _save(tmp_path / "ref", LLAMA3_GEN)
+    _save(tmp_path / "plain", LLAMA3_PLAIN)
+    ours = load_hf_tokenizer(str(tmp_path / "plain"))
+    assert ours.chat_template == LLAMA3_PLAIN and ours.eod == ours.vocab["<|eot_id|>"]
+    ids, mask = tokenize_conversation(ours, messages)
+    ref_ids, ref_mask = _reference(fast, messages)
+    assert ids == ref_ids and ids[0] == ours.vocab["<|begin_of_text|>"]
+    assert mask == ref_mask
+
+
+def test_template_that_rewrites_earlier_turns_is_refused(tmp_path):
+    """Incremental rendering needs each prefix of the conversation to render as a prefix of
+    the whole; a template that marks the last message differently breaks that."""
+    template = (
+        "{% for m in messages %}{{ m['role'] + ':' + m['content'] }}"
+        "{% if loop.last %}[END]{% endif %}\n{% endfor %}"
+    )
+    _save(tmp_path, template)
+    with pytest.raises(ChatTemplateError, match="generation"):
+        tokenize_conversation(load_hf_tokenizer(str(tmp_path)), CONVERSATIONS[0])
+
+
+def test_bad_conversations_name_what_is_wrong(tmp_path):
+    _save(tmp_path, CHATML)
+    tok = load_hf_tokenizer(str(tmp_path))
+    for messages, match in [
+        ([], "non-empty list"),
+        ([{"content": "x"}], r"messages\[0\]"),
+        ([{"role": "robot", "content": "x"}], "role 'robot'"),
+        ([{"role": "user", "content": "x"}], "no 'assistant' message"),
+    ]:
+        with pytest.raises(ChatTemplateError, match=match):
+            tokenize_conversation(tok, messages)
+
+
+def test_load_hf_tokenizer_names_the_file_on_every_problem(tmp_path):
+    _save(tmp_path / "ok", CHATML)
+    assert load_hf_tokenizer(str(tmp_path / "ok" / "tokenizer.json")).chat_template == CHATML
+    with pytest.raises(FileNotFoundError, match="missing"):
+        load_hf_tokenizer(str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+        load_hf_tokenizer(str(tmp_path / "empty"))
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"version": "1.0", "model": ')
+    with pytest.raises(ValueError, match="bad.json: not a valid"):
+        load_hf_tokenizer(str(bad))
+    config = tmp_path / "ok" / "tokenizer_config.json"
+    config.write_text('{\n  "eos_token": "<|eot_id|>",\n  oops\n}')
+    with pytest.raises(ValueError, match=r"tokenizer_config.json:3: not valid JSON"):
+        load_hf_tokenizer(str(tmp_path / "ok"))
+    config.write_text(json.dumps({"eos_token": "<|eot_id|>"}))
+    tok = load_hf_tokenizer(str(tmp_path / "ok"))
+    assert tok.eod == tok.vocab["<|eot_id|>"]
+    assert load_hf_tokenizer(str(tmp_path / "ok"), eod_token="<|im_end|>").eod == (
+        tok.vocab["<|im_end|>"]
+    )
+    with pytest.raises(ValueError, match="--eod-token '<nope>'"):
+        load_hf_tokenizer(str(tmp_path / "ok"), eod_token="<nope>")
+    os.remove(tmp_path / "ok" / "chat_template.jinja")
+    with pytest.raises(ChatTemplateError, match="has no chat template"):
+        tokenize_conversation(load_hf_tokenizer(str(tmp_path / "ok")), CONVERSATIONS[1])
