@@ -418,8 +418,10 @@ class TrainingConfig:
         "--load",
         type=str,
         metavar="DIR",
-        help="resume from the newest complete checkpoint in DIR (any layout; starts from "
-        "scratch when DIR holds none)",
+        help="resume from the newest complete checkpoint in DIR, or from DIR itself when it "
+        "is one checkpoint's iter_NNNNNNN directory (any layout). No checkpoint there is an "
+        "error, except when DIR is also --save (auto-resume: starts from scratch). Settings "
+        "that change the model or the data must equal the saved ones",
     )
     save_interval: Optional[int] = option(
         None,
@@ -427,6 +429,28 @@ class TrainingConfig:
         type=int,
         check=positive,
         help="iterations between checkpoints",
+    )
+    ckpt_step: Optional[int] = option(
+        None,
+        "--ckpt-step",
+        type=int,
+        metavar="N",
+        check=non_negative,
+        help="with --load DIR: load DIR/iter_N instead of the newest checkpoint",
+    )
+    finetune: bool = option(
+        False,
+        "--finetune",
+        help="with --load: load the model weights only (no optimizer, scheduler or RNG "
+        "state) and start at iteration 0; --data-path may differ from the saved run's",
+    )
+    no_load_optim: bool = option(
+        False,
+        "--no-load-optim",
+        help="with --load: do not load the optimizer and scheduler state",
+    )
+    no_load_rng: bool = option(
+        False, "--no-load-rng", help="with --load: do not restore the RNG states"
     )
     compare_single_process: bool = option(
         False,
@@ -598,6 +622,14 @@ def _check_combinations(c: TrainingConfig) -> None:
         c.save_interval is None or c.save is not None,
         f"--save-interval {c.save_interval} needs --save DIR",
     )
+    for name in ("ckpt_step", "finetune", "no_load_optim", "no_load_rng"):
+        value = getattr(c, name)
+        _require(
+            value is None or value is False or c.load is not None,
+            f"{option_of(_FIELDS[name]).flag}"
+            f"{'' if isinstance(value, bool) else f' {value}'} needs --load DIR "
+            "(nothing is loaded)",
+        )
     _require(
         not (c.compare_single_process and c.load),
         "--compare-single-process compares a whole run from iteration 1; it cannot be "
@@ -761,6 +793,10 @@ def single_process_config(config: TrainingConfig) -> TrainingConfig:
         "save",
         "load",
         "save_interval",
+        "ckpt_step",
+        "finetune",
+        "no_load_optim",
+        "no_load_rng",
     )
     changes.update({name: _FIELDS[name].default for name in layout_and_output})
     changes.update(nproc_per_node=1)

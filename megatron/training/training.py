@@ -101,7 +101,7 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
             result.passed = _agree_on_rank_zero(
                 result.comparison is None or result.comparison.passed
             )
-        if config.save_metrics and is_rank_zero():
+        if config.save_metrics and is_rank_zero() and records:
             result.metrics_files = save_metrics(
                 config.save_metrics, records, label, result.reference
             )
@@ -160,7 +160,18 @@ def train(
     start_iteration = 0
     if config.load:
         start_iteration, _, notes = load_checkpoint(
-            config.load, model, optimizer, scheduler, layout=_layout_record(layout)
+            config.load,
+            model,
+            optimizer,
+            scheduler,
+            layout=_layout_record(layout),
+            save_dir=config.save,
+            run_settings=_settings_record(config),
+            ckpt_step=config.ckpt_step,
+            finetune=config.finetune,
+            load_optim=not config.no_load_optim,
+            load_rng=not config.no_load_rng,
+            train_iters=config.train_iters,
         )
         for note in notes:
             _print(note)
@@ -378,6 +389,8 @@ def _agree_on_rank_zero(passed: bool) -> bool:
 
 def _summary(records: List[dict], layout: Layout, seconds: float) -> str:
     """One line: loss at the first and last iteration, time."""
+    if not records:
+        return f"{layout.name}: no iterations left to train, {seconds:.1f} s"
     first, last = records[0]["loss"], records[-1]["loss"]
     trend = "falls" if last < first else "does not fall"
     return (

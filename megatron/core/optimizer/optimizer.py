@@ -482,6 +482,20 @@ class ChainedOptimizer(MegatronOptimizer):
     def get_grad_stats_parallel_group(self) -> Optional[dist.ProcessGroup]:
         return self.chained_optimizers[0].get_grad_stats_parallel_group()
 
+    @torch.no_grad()
+    def get_grad_norm(self) -> float:
+        """The global norm: the one optimizer's (the distributed optimizer reduces over its
+        shards), else over all optimizers' grads together."""
+        if len(self.chained_optimizers) == 1:
+            return self.chained_optimizers[0].get_grad_norm()
+        return super().get_grad_norm()
+
+    def count_zeros(self) -> float:
+        """Zero gradient elements over the model (each counted once)."""
+        if len(self.chained_optimizers) == 1:
+            return self.chained_optimizers[0].count_zeros()
+        return super().count_zeros()
+
     def _tp_group(self) -> Optional[dist.ProcessGroup]:
         return self.chained_optimizers[0]._tp_group()
 

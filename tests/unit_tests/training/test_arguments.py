@@ -64,6 +64,10 @@ NON_DEFAULT = dict(
     save="ck",
     load="ck",
     save_interval=3,
+    ckpt_step=4,
+    finetune=True,
+    no_load_optim=True,
+    no_load_rng=True,
     compare_single_process=True,
     compare_tolerance=1e-3,
     progress=False,
@@ -216,6 +220,10 @@ def test_options_and_rules_load_without_torch():
         (dict(min_lr=1e-4), r"--min-lr 0.0001 is the end of a decay, but --lr-decay-style const"),
         (dict(data_path="d.jsonl", vocab_size=100), r"--vocab-size 100 is not used with --data"),
         (dict(save_interval=2), r"--save-interval 2 needs --save DIR"),
+        (dict(ckpt_step=0), r"--ckpt-step 0 needs --load DIR"),
+        (dict(finetune=True), r"--finetune needs --load DIR"),
+        (dict(no_load_optim=True), r"--no-load-optim needs --load DIR"),
+        (dict(no_load_rng=True), r"--no-load-rng needs --load DIR"),
     ],
 )
 def test_options_that_would_be_ignored_are_refused(changes, message):
