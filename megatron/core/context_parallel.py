@@ -199,12 +199,6 @@ def gather_from_context_parallel_region(
     return _GatherFromContextParallelRegion.apply(tensor, cp_group)
 
 
-def cp_size_and_rank(cp_group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
-    """``(get_pg_size(cp_group), get_pg_rank(cp_group))``; kept only for
-    ``transformer/cp_attention.py`` until its split into a package calls those directly."""
-    return get_pg_size(cp_group), get_pg_rank(cp_group)
-
-
 class _GatherFromContextParallelRegion(torch.autograd.Function):
     """Autograd wrapper of the CP all-gather along dim 0.
 

@@ -23,11 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Private names imported across packages that another change in flight removes; each entry
 # names the change. ``test_pending_exceptions_still_occur`` fails once an entry is obsolete.
-PENDING: Set[Tuple[str, str]] = {
-    # issue 22: the context-parallel attention becomes a package that imports the public
-    # ``adjoint_pair`` (cp_attention.py is being split; it is not edited meanwhile).
-    ("megatron.core.transformer.cp_attention", "_adjoint_pair"),
-}
+PENDING: Set[Tuple[str, str]] = set()
 
 
 class Module(NamedTuple):

@@ -217,9 +217,6 @@ def adjoint_pair(name: str, doc: str, forward, backward) -> type:
     return _Mapping
 
 
-_adjoint_pair = adjoint_pair  # the old name, until transformer/cp_attention.py uses the new one
-
-
 def _identity(input_: torch.Tensor, group) -> torch.Tensor:
     """y = x (a view, so autograd sees a new tensor)."""
     return input_.view_as(input_)
