@@ -53,7 +53,7 @@ from megatron.training.initialize import (
     single_process_groups,
 )
 from megatron.training.metrics import save_metrics
-from megatron.training.model import build_model
+from megatron.training.model import build_model, precision_dtype
 
 LOSS_KEY = "lm loss"
 
@@ -93,10 +93,9 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
         _print(_summary(records, layout, time.perf_counter() - started))
         if config.compare_single_process:
             result.reference = train_single_process(config)
+            tolerance = comparison_tolerance(config, result.reference)
             if is_rank_zero():
-                result.comparison = compare_losses(
-                    records, result.reference, config.compare_tolerance
-                )
+                result.comparison = compare_losses(records, result.reference, tolerance)
                 _print(format_comparison(result.comparison, label, "1 process"))
             result.passed = _agree_on_rank_zero(
                 result.comparison is None or result.comparison.passed
@@ -144,6 +143,8 @@ def train(
         config = dataclasses.replace(config, vocab_size=dataset.vocab_size)
     model = build_model(config, layout, pg_collection)
     optimizer, scheduler = build_optimizer(config, model, pg_collection)
+    if config.fp16 or config.loss_scale is not None:  # the schedule scales the loss
+        model[0].config.grad_scale_func = optimizer.scale_loss
     vpp = layout.virtual_pipeline_model_parallel_size
     forward_backward_func = get_forward_backward_func(layout.pipeline_model_parallel_size, vpp)
     dp_rank = 0 if pg_collection is None else pg_collection.dp.rank()
@@ -238,7 +239,8 @@ def build_optimizer(
     model: List[torch.nn.Module],
     pg_collection: Optional[ProcessGroupCollection],
 ):
-    """megatron-core's optimizer (AdamW, fp32, clipping by the global gradient norm) and its
+    """megatron-core's optimizer (AdamW, clipping by the global gradient norm; fp32 main
+    parameters and, with ``--fp16``, loss scaling for half-precision weights) and its
     learning-rate schedule: linear warm-up from 0 over ``--lr-warmup-iters``, then
     ``--lr-decay-style`` down to ``--min-lr`` at ``--train-iters``; constant weight decay
     (none on biases and 1-D parameters, as megatron)."""
@@ -252,6 +254,14 @@ def build_optimizer(
             adam_beta2=config.adam_beta2,
             adam_eps=config.adam_eps,
             clip_grad=config.clip_grad,
+            bf16=config.bf16,
+            fp16=config.fp16,
+            params_dtype=precision_dtype(config),
+            loss_scale=config.loss_scale,
+            initial_loss_scale=config.initial_loss_scale,
+            min_loss_scale=config.min_loss_scale,
+            loss_scale_window=config.loss_scale_window,
+            hysteresis=config.hysteresis,
         ),
         model,
         pg_collection=pg_collection,
@@ -294,6 +304,50 @@ def _settings_record(config: TrainingConfig) -> Dict[str, object]:
     return {
         k: v for k, v in vars(config).items() if isinstance(v, (int, float, str, bool, type(None)))
     }
+
+
+PRECISION_FIELDS = (
+    "bf16",
+    "fp16",
+    "loss_scale",
+    "initial_loss_scale",
+    "min_loss_scale",
+    "loss_scale_window",
+    "hysteresis",
+)
+FP32_COMPARE_TOLERANCE = 1e-4
+HALF_PRECISION_TOLERANCE_FACTOR = 3.0
+
+
+def comparison_tolerance(config: TrainingConfig, reference: Optional[List[dict]]) -> float:
+    """``--compare-tolerance`` when given; else 1e-4 in fp32 and, with ``--bf16``/``--fp16``,
+
+        tolerance = 3 * max_i |loss_i(one process, half precision) - loss_i(one process, fp32)|
+
+    A layout's rounding and the one-process run's are independent, each about as large as
+    the one-process half-vs-fp32 difference, so the two runs can differ by about twice it;
+    3x leaves room, and a layout whose losses leave that band differs by more than rounding
+    (the fp32 one-process run is trained here, on rank 0, to measure it). Printed on rank
+    0."""
+    if config.compare_tolerance is not None:
+        return config.compare_tolerance
+    if not (config.bf16 or config.fp16):
+        return FP32_COMPARE_TOLERANCE
+    defaults = TrainingConfig()
+    fp32 = dataclasses.replace(
+        config, **{name: getattr(defaults, name) for name in PRECISION_FIELDS}
+    )
+    fp32_records = train_single_process(fp32)
+    tolerance = 0.0
+    if is_rank_zero():
+        rounding = max(abs(a["loss"] - b["loss"]) for a, b in zip(reference, fp32_records))
+        tolerance = HALF_PRECISION_TOLERANCE_FACTOR * rounding
+        precision = "bf16" if config.bf16 else "fp16"
+        _print(
+            f"tolerance {tolerance:.2e} = {HALF_PRECISION_TOLERANCE_FACTOR:g} x the largest "
+            f"|one process {precision} - one process fp32| loss difference ({rounding:.2e})"
+        )
+    return tolerance
 
 
 def train_single_process(config: TrainingConfig) -> Optional[List[dict]]:
