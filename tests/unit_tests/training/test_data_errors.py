@@ -124,6 +124,14 @@ def test_eod_token_chooses_the_end_of_document_id(tmp_path):
     assert default[0]["tokens"].tolist() == [3, 3, 1, 0]
     chosen = FileSFTDataset(path, str(tmp_path), 4, seed=0, eod_token="</doc>")
     assert chosen.eod == 4 and chosen[0]["tokens"].tolist() == [3, 3, 4, 0]
+    (prefix,) = preprocess(
+        ["--input", path, "--output-prefix", str(tmp_path / "p"), "--append-eod",
+         "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path),
+         "--eod-token", "</doc>"]
+    )  # fmt: skip
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    assert IndexedDataset(prefix)[0].tolist() == [3, 3, 4]
     with pytest.raises(ValueError, match="--eod-token '<nope>': not a token of"):
         FileSFTDataset(path, str(tmp_path), 4, seed=0, eod_token="<nope>")
     with pytest.raises(ValueError, match="--eod-token '</doc>': the byte-level"):
