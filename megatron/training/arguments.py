@@ -129,6 +129,7 @@ _SECTIONS = {
     "micro_batch_size": "data and batches",
     "num_layers": "model",
     "train_iters": "optimization",
+    "bf16": "mixed precision (docs/mixed_precision.md)",
     "save_metrics": "output and checks",
     "save": "checkpoints (docs/checkpoints.md)",
     "compare_single_process": "output and checks",
@@ -397,6 +398,38 @@ class TrainingConfig:
         check=non_negative,
         help="seed of the weights and of the generated data",
     )
+    # Mixed precision (megatron's flags; docs/mixed_precision.md).
+    bf16: bool = option(
+        False,
+        "--bf16",
+        help="bf16 weights and activations (Float16Module), fp32 main_grad and fp32 main "
+        "parameters in the optimizer, loss in fp32",
+    )
+    fp16: bool = option(
+        False, "--fp16", help="as --bf16 in fp16, with dynamic loss scaling (below)"
+    )
+    loss_scale: Optional[float] = option(
+        None,
+        "--loss-scale",
+        type=float,
+        check=positive_number,
+        help="a fixed loss scale instead of --fp16's dynamic one",
+    )
+    initial_loss_scale: float = option(
+        2.0**32, "--initial-loss-scale", check=positive_number, help="--fp16: the first scale"
+    )
+    min_loss_scale: float = option(
+        1.0, "--min-loss-scale", check=positive_number, help="--fp16: the smallest scale"
+    )
+    loss_scale_window: float = option(
+        1000.0,
+        "--loss-scale-window",
+        check=Check(">= 1", lambda v: _is_number(v) and v >= 1),
+        help="--fp16: clean steps before the scale doubles",
+    )
+    hysteresis: int = option(
+        2, "--hysteresis", check=positive, help="--fp16: overflowing steps before it halves"
+    )
     # Output and checks.
     save_metrics: Optional[str] = option(
         None,
@@ -458,11 +491,14 @@ class TrainingConfig:
         help="also train on one process and compare the losses per iteration; exit 1 when "
         "they differ by more than --compare-tolerance",
     )
-    compare_tolerance: float = option(
-        1e-4,
+    compare_tolerance: Optional[float] = option(
+        None,
         "--compare-tolerance",
+        type=float,
         check=non_negative_number,
-        help="largest accepted |loss difference| per iteration",
+        help="largest accepted |loss difference| per iteration; default 1e-4 in fp32, and "
+        "with --bf16/--fp16 three times the largest difference between the one-process run "
+        "in that precision and in fp32 (the precision's own rounding)",
     )
     progress: bool = option(
         True,
@@ -663,6 +699,21 @@ def _check_combinations(c: TrainingConfig) -> None:
     _require(
         c.compare_single_process or c.compare_tolerance == _FIELDS["compare_tolerance"].default,
         f"--compare-tolerance {c.compare_tolerance} needs --compare-single-process",
+    )
+    _require(not (c.bf16 and c.fp16), "--bf16 and --fp16 were both given; expected at most one")
+    _require(
+        c.min_loss_scale <= c.initial_loss_scale,
+        f"--min-loss-scale {c.min_loss_scale} must be <= --initial-loss-scale "
+        f"{c.initial_loss_scale}",
+    )
+    dynamic = [
+        flag_of(name)
+        for name in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
+        if getattr(c, name) != _FIELDS[name].default
+    ]
+    _require(
+        c.fp16 or not dynamic,
+        f"{', '.join(dynamic)} set the dynamic loss scaling of --fp16, which is not given",
     )
 
 

@@ -18,22 +18,23 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 from megatron.core import parallel_state
-from megatron.core.context_parallel import get_batch_on_this_cp_rank
+from megatron.core.context_parallel import (
+    get_batch_on_this_cp_rank,
+    get_thd_batch_on_this_cp_rank,
+)
 from megatron.core.device import comm_device
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.loss_reporting import reduce_reported_losses
-from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.utils import get_thd_batch_on_this_cp_rank
+from megatron.core.process_groups_config import ProcessGroupCollection, get_pg_rank, get_pg_size
 from megatron.training.arguments import (
     Layout,
     TrainingConfig,
@@ -52,7 +53,7 @@ from megatron.training.initialize import (
     single_process_groups,
 )
 from megatron.training.metrics import save_metrics
-from megatron.training.model import build_model
+from megatron.training.model import build_model, precision_dtype
 
 LOSS_KEY = "lm loss"
 
@@ -92,10 +93,9 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
         _print(_summary(records, layout, time.perf_counter() - started))
         if config.compare_single_process:
             result.reference = train_single_process(config)
+            tolerance = comparison_tolerance(config, result.reference)
             if is_rank_zero():
-                result.comparison = compare_losses(
-                    records, result.reference, config.compare_tolerance
-                )
+                result.comparison = compare_losses(records, result.reference, tolerance)
                 _print(format_comparison(result.comparison, label, "1 process"))
             result.passed = _agree_on_rank_zero(
                 result.comparison is None or result.comparison.passed
@@ -143,6 +143,8 @@ def train(
         config = dataclasses.replace(config, vocab_size=dataset.vocab_size)
     model = build_model(config, layout, pg_collection)
     optimizer, scheduler = build_optimizer(config, model, pg_collection)
+    if config.fp16 or config.loss_scale is not None:  # the schedule scales the loss
+        model[0].config.grad_scale_func = optimizer.scale_loss
     vpp = layout.virtual_pipeline_model_parallel_size
     forward_backward_func = get_forward_backward_func(layout.pipeline_model_parallel_size, vpp)
     dp_rank = 0 if pg_collection is None else pg_collection.dp.rank()
@@ -237,7 +239,8 @@ def build_optimizer(
     model: List[torch.nn.Module],
     pg_collection: Optional[ProcessGroupCollection],
 ):
-    """megatron-core's optimizer (AdamW, fp32, clipping by the global gradient norm) and its
+    """megatron-core's optimizer (AdamW, clipping by the global gradient norm; fp32 main
+    parameters and, with ``--fp16``, loss scaling for half-precision weights) and its
     learning-rate schedule: linear warm-up from 0 over ``--lr-warmup-iters``, then
     ``--lr-decay-style`` down to ``--min-lr`` at ``--train-iters``; constant weight decay
     (none on biases and 1-D parameters, as megatron)."""
@@ -251,6 +254,14 @@ def build_optimizer(
             adam_beta2=config.adam_beta2,
             adam_eps=config.adam_eps,
             clip_grad=config.clip_grad,
+            bf16=config.bf16,
+            fp16=config.fp16,
+            params_dtype=precision_dtype(config),
+            loss_scale=config.loss_scale,
+            initial_loss_scale=config.initial_loss_scale,
+            min_loss_scale=config.min_loss_scale,
+            loss_scale_window=config.loss_scale_window,
+            hysteresis=config.hysteresis,
         ),
         model,
         pg_collection=pg_collection,
@@ -295,6 +306,50 @@ def _settings_record(config: TrainingConfig) -> Dict[str, object]:
     }
 
 
+PRECISION_FIELDS = (
+    "bf16",
+    "fp16",
+    "loss_scale",
+    "initial_loss_scale",
+    "min_loss_scale",
+    "loss_scale_window",
+    "hysteresis",
+)
+FP32_COMPARE_TOLERANCE = 1e-4
+HALF_PRECISION_TOLERANCE_FACTOR = 3.0
+
+
+def comparison_tolerance(config: TrainingConfig, reference: Optional[List[dict]]) -> float:
+    """``--compare-tolerance`` when given; else 1e-4 in fp32 and, with ``--bf16``/``--fp16``,
+
+        tolerance = 3 * max_i |loss_i(one process, half precision) - loss_i(one process, fp32)|
+
+    A layout's rounding and the one-process run's are independent, each about as large as
+    the one-process half-vs-fp32 difference, so the two runs can differ by about twice it;
+    3x leaves room, and a layout whose losses leave that band differs by more than rounding
+    (the fp32 one-process run is trained here, on rank 0, to measure it). Printed on rank
+    0."""
+    if config.compare_tolerance is not None:
+        return config.compare_tolerance
+    if not (config.bf16 or config.fp16):
+        return FP32_COMPARE_TOLERANCE
+    defaults = TrainingConfig()
+    fp32 = dataclasses.replace(
+        config, **{name: getattr(defaults, name) for name in PRECISION_FIELDS}
+    )
+    fp32_records = train_single_process(fp32)
+    tolerance = 0.0
+    if is_rank_zero():
+        rounding = max(abs(a["loss"] - b["loss"]) for a, b in zip(reference, fp32_records))
+        tolerance = HALF_PRECISION_TOLERANCE_FACTOR * rounding
+        precision = "bf16" if config.bf16 else "fp16"
+        _print(
+            f"tolerance {tolerance:.2e} = {HALF_PRECISION_TOLERANCE_FACTOR:g} x the largest "
+            f"|one process {precision} - one process fp32| loss difference ({rounding:.2e})"
+        )
+    return tolerance
+
+
 def train_single_process(config: TrainingConfig) -> Optional[List[dict]]:
     """The same training on one process: here when there is no torch.distributed, else on
     global rank 0 with groups of its own while the other ranks wait. Returns the records
@@ -316,7 +371,7 @@ def forward_step(data_iterator, model, per_shard_cp_size: Optional[int] = None):
     ``per_shard_cp_size``: see ``loss_func`` (None: the exact objective).
     """
     batch = next(data_iterator)
-    packed = packed_seq_params_of(batch)
+    packed = batch.get("packed_seq_params")  # built once, by _on_this_cp_rank
     extra = {} if packed is None else {"packed_seq_params": packed}
     output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], **extra)
     return output, functools.partial(loss_func, batch["loss_mask"], per_shard_cp_size)
@@ -353,42 +408,28 @@ def logged_loss(reported: List[dict], pg_collection: Optional[ProcessGroupCollec
     return value.item()
 
 
-def packed_seq_params_of(batch: Dict[str, torch.Tensor]) -> Optional[PackedSeqParams]:
-    """``PackedSeqParams`` (THD) of a packed microbatch (one row), None for a plain one."""
-    if "cu_seqlens" not in batch:
-        return None
-    real, padded = batch["cu_seqlens"][0], batch["cu_seqlens_padded"][0]
-    longest = int(batch["max_seqlen"].reshape(-1)[0])
-    return PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=real,
-        cu_seqlens_kv=real,
-        cu_seqlens_q_padded=padded,
-        cu_seqlens_kv_padded=padded,
-        max_seqlen_q=longest,
-        max_seqlen_kv=longest,
-    )
-
-
 def _on_this_cp_rank(
     microbatch: Dict[str, torch.Tensor], pg_collection: Optional[ProcessGroupCollection]
-) -> Dict[str, torch.Tensor]:
+) -> Dict[str, Any]:
     """This CP rank's shard (2C chunks, rank r keeps r and 2C-1-r; of every document for
-    packed rows) on the compute device."""
-    if pg_collection is not None and "cu_seqlens" in microbatch:
-        cp = pg_collection.cp
-        microbatch, _ = get_thd_batch_on_this_cp_rank(
+    packed rows) on the compute device; a packed row also gets its ``PackedSeqParams`` under
+    ``"packed_seq_params"`` (built here, once per microbatch)."""
+    device = comm_device()
+    microbatch = {key: value.to(device) for key, value in microbatch.items()}
+    cp = None if pg_collection is None else pg_collection.cp
+    if "cu_seqlens" in microbatch:
+        microbatch, params = get_thd_batch_on_this_cp_rank(
             microbatch,
             microbatch["cu_seqlens"][0],
             microbatch["cu_seqlens_padded"][0],
             microbatch["max_seqlen"][0],
-            cp_size=1 if cp is None else cp.size(),
-            cp_rank=0 if cp is None else cp.rank(),
+            cp_size=get_pg_size(cp),
+            cp_rank=get_pg_rank(cp),
         )
+        microbatch["packed_seq_params"] = params
     elif pg_collection is not None:
-        microbatch = get_batch_on_this_cp_rank(microbatch, pg_collection.cp)
-    device = comm_device()
-    return {key: value.to(device) for key, value in microbatch.items()}
+        microbatch = get_batch_on_this_cp_rank(microbatch, cp)
+    return microbatch
 
 
 def _agree_on_rank_zero(passed: bool) -> bool:

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from megatron.core import config_rules
 from megatron.core.config_rules import CP_COMM_TYPES
-from megatron.core.context_parallel import cp_size_and_rank
+from megatron.core.process_groups_config import get_pg_size
 from megatron.core.transformer.cp_attention.blocks import Kernel
 from megatron.core.transformer.cp_attention.local import local_attention
 from megatron.core.transformer.cp_attention.registry import STRATEGIES
@@ -53,7 +53,7 @@ def context_parallel_attention(
     at C = 1 and with a2a (``check_window_size`` says which settings can have one).
     """
     strategy = _check_arguments(query, key, value, cp_comm_type, cp_group, packed_seq_params)
-    cp_size = 0 if strategy.group_pair else cp_size_and_rank(cp_group)[0]
+    cp_size = 0 if strategy.group_pair else get_pg_size(cp_group)
     window = check_window_size(window_size, strategy.name, cp_size)
     strategy.validate(query, key, cp_group)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(query.shape[-1])
