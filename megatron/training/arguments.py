@@ -130,6 +130,7 @@ _SECTIONS = {
     "micro_batch_size": "data and batches",
     "num_layers": "model",
     "train_iters": "optimization",
+    "bf16": "mixed precision (docs/mixed_precision.md)",
     "save_metrics": "output and checks",
     "save": "checkpoints (docs/checkpoints.md)",
     "compare_single_process": "output and checks",
@@ -239,9 +240,11 @@ class TrainingConfig:
         "--data-path",
         type=str,
         metavar="PATH",
-        help="train on a JSONL file (prompt/response or text records; the prompt is masked "
-        "out of the loss) or an indexed dataset prefix written by python -m "
-        "megatron.training.preprocess_data; the vocabulary is then the tokenizer's. "
+        help="train on a JSONL file (chat 'messages' records rendered with the tokenizer's "
+        "chat template, loss on assistant tokens only; prompt/completion, prompt/response or "
+        "text records, the prompt masked out of the loss) or an indexed dataset prefix "
+        "written by python -m megatron.training.preprocess_data; the vocabulary is then "
+        "the tokenizer's. "
         "Default: generated prompt/response pairs",
     )
     tokenizer: Optional[str] = option(
@@ -249,14 +252,24 @@ class TrainingConfig:
         "--tokenizer",
         type=str,
         metavar="T",
-        help="with --data-path: 'byte-level' (default; UTF-8 bytes, no file) or a "
-        "HuggingFace tokenizers JSON file",
+        help="with --data-path: 'byte-level' (default; UTF-8 bytes, no file), a HuggingFace "
+        "tokenizer folder (tokenizer.json + tokenizer_config.json with its chat template) or a "
+        "tokenizers JSON file",
+    )
+    eod_token: Optional[str] = option(
+        None,
+        "--eod-token",
+        type=str,
+        metavar="TOKEN",
+        help="the end-of-document token of --tokenizer (appended to text records, used as "
+        "padding); default: the tokenizer config's eos_token, else <|endoftext|>, </s>, ...",
     )
     pack_sequences: bool = option(
         False,
         "--pack-sequences",
-        help="pack prompt/response pairs into rows of --seq-length tokens (THD format: "
-        "documents never attend to each other, each padded to a multiple of 16, padding "
+        help="pack documents (generated pairs or --data-path records) into rows of "
+        "--seq-length tokens (THD format: documents never attend to each other, each "
+        "padded to a multiple of 16, padding "
         "and prompts masked out of the loss); needs --micro-batch-size 1",
     )
     # Model.
@@ -386,6 +399,38 @@ class TrainingConfig:
         check=non_negative,
         help="seed of the weights and of the generated data",
     )
+    # Mixed precision (megatron's flags; docs/mixed_precision.md).
+    bf16: bool = option(
+        False,
+        "--bf16",
+        help="bf16 weights and activations (Float16Module), fp32 main_grad and fp32 main "
+        "parameters in the optimizer, loss in fp32",
+    )
+    fp16: bool = option(
+        False, "--fp16", help="as --bf16 in fp16, with dynamic loss scaling (below)"
+    )
+    loss_scale: Optional[float] = option(
+        None,
+        "--loss-scale",
+        type=float,
+        check=positive_number,
+        help="a fixed loss scale instead of --fp16's dynamic one",
+    )
+    initial_loss_scale: float = option(
+        2.0**32, "--initial-loss-scale", check=positive_number, help="--fp16: the first scale"
+    )
+    min_loss_scale: float = option(
+        1.0, "--min-loss-scale", check=positive_number, help="--fp16: the smallest scale"
+    )
+    loss_scale_window: float = option(
+        1000.0,
+        "--loss-scale-window",
+        check=Check(">= 1", lambda v: _is_number(v) and v >= 1),
+        help="--fp16: clean steps before the scale doubles",
+    )
+    hysteresis: int = option(
+        2, "--hysteresis", check=positive, help="--fp16: overflowing steps before it halves"
+    )
     # Output and checks.
     save_metrics: Optional[str] = option(
         None,
@@ -407,8 +452,10 @@ class TrainingConfig:
         "--load",
         type=str,
         metavar="DIR",
-        help="resume from the newest complete checkpoint in DIR (any layout; starts from "
-        "scratch when DIR holds none)",
+        help="resume from the newest complete checkpoint in DIR, or from DIR itself when it "
+        "is one checkpoint's iter_NNNNNNN directory (any layout). No checkpoint there is an "
+        "error, except when DIR is also --save (auto-resume: starts from scratch). Settings "
+        "that change the model or the data must equal the saved ones",
     )
     save_interval: Optional[int] = option(
         None,
@@ -417,17 +464,42 @@ class TrainingConfig:
         check=positive,
         help="iterations between checkpoints",
     )
+    ckpt_step: Optional[int] = option(
+        None,
+        "--ckpt-step",
+        type=int,
+        metavar="N",
+        check=non_negative,
+        help="with --load DIR: load DIR/iter_N instead of the newest checkpoint",
+    )
+    finetune: bool = option(
+        False,
+        "--finetune",
+        help="with --load: load the model weights only (no optimizer, scheduler or RNG "
+        "state) and start at iteration 0; --data-path may differ from the saved run's",
+    )
+    no_load_optim: bool = option(
+        False,
+        "--no-load-optim",
+        help="with --load: do not load the optimizer and scheduler state",
+    )
+    no_load_rng: bool = option(
+        False, "--no-load-rng", help="with --load: do not restore the RNG states"
+    )
     compare_single_process: bool = option(
         False,
         "--compare-single-process",
         help="also train on one process and compare the losses per iteration; exit 1 when "
         "they differ by more than --compare-tolerance",
     )
-    compare_tolerance: float = option(
-        1e-4,
+    compare_tolerance: Optional[float] = option(
+        None,
         "--compare-tolerance",
+        type=float,
         check=non_negative_number,
-        help="largest accepted |loss difference| per iteration",
+        help="largest accepted |loss difference| per iteration; default 1e-4 in fp32, and "
+        "with --bf16/--fp16 three times the largest difference between the one-process run "
+        "in that precision and in fp32 (the precision's own rounding)",
     )
     progress: bool = option(
         True,
@@ -593,6 +665,14 @@ def _check_combinations(c: TrainingConfig) -> None:
         c.save_interval is None or c.save is not None,
         f"--save-interval {c.save_interval} needs --save DIR",
     )
+    for name in ("ckpt_step", "finetune", "no_load_optim", "no_load_rng"):
+        value = getattr(c, name)
+        _require(
+            value is None or value is False or c.load is not None,
+            f"{option_of(_FIELDS[name]).flag}"
+            f"{'' if isinstance(value, bool) else f' {value}'} needs --load DIR "
+            "(nothing is loaded)",
+        )
     _require(
         not (c.compare_single_process and c.load),
         "--compare-single-process compares a whole run from iteration 1; it cannot be "
@@ -609,6 +689,11 @@ def _check_combinations(c: TrainingConfig) -> None:
         f"--tokenizer {c.tokenizer!r} needs --data-path (the generated data has its own ids)",
     )
     _require(
+        c.eod_token is None or c.tokenizer not in (None, "byte-level"),
+        f"--eod-token {c.eod_token!r} needs --tokenizer DIR_OR_tokenizer.json (the byte-level "
+        "tokenizer's end-of-document id is fixed)",
+    )
+    _require(
         c.data_path is None or c.vocab_size == _FIELDS["vocab_size"].default,
         f"--vocab-size {c.vocab_size} is not used with --data-path: the vocabulary is the "
         "tokenizer's (see --tokenizer); leave --vocab-size out",
@@ -621,6 +706,21 @@ def _check_combinations(c: TrainingConfig) -> None:
     _require(
         c.compare_single_process or c.compare_tolerance == _FIELDS["compare_tolerance"].default,
         f"--compare-tolerance {c.compare_tolerance} needs --compare-single-process",
+    )
+    _require(not (c.bf16 and c.fp16), "--bf16 and --fp16 were both given; expected at most one")
+    _require(
+        c.min_loss_scale <= c.initial_loss_scale,
+        f"--min-loss-scale {c.min_loss_scale} must be <= --initial-loss-scale "
+        f"{c.initial_loss_scale}",
+    )
+    dynamic = [
+        flag_of(name)
+        for name in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
+        if getattr(c, name) != _FIELDS[name].default
+    ]
+    _require(
+        c.fp16 or not dynamic,
+        f"{', '.join(dynamic)} set the dynamic loss scaling of --fp16, which is not given",
     )
 
 
@@ -641,11 +741,6 @@ def _check_packing(c: TrainingConfig) -> None:
         f"--pack-sequences pads documents to a multiple of {PACK_PAD_MULTIPLE}: "
         f"--seq-length ({c.seq_length}) must be a multiple of it and 2 x --cp "
         f"({2 * cp}) must divide it",
-    )
-    _require(
-        c.data_path is None,
-        f"--pack-sequences packs the generated prompt/response pairs; it cannot be "
-        f"combined with --data-path (got {c.data_path!r})",
     )
 
 
@@ -756,6 +851,10 @@ def single_process_config(config: TrainingConfig) -> TrainingConfig:
         "save",
         "load",
         "save_interval",
+        "ckpt_step",
+        "finetune",
+        "no_load_optim",
+        "no_load_rng",
     )
     changes.update({name: _FIELDS[name].default for name in layout_and_output})
     changes.update(nproc_per_node=1)

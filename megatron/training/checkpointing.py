@@ -9,6 +9,13 @@ with ``metadata.json`` and a barrier), so an interrupted save leaves the tracker
 previous checkpoint; ``load_checkpoint`` also skips any ``iter_*`` directory without
 ``metadata.json``.
 
+Nothing that changes what is loaded happens silently (``load_checkpoint``): ``--load`` with no
+checkpoint is an error naming it, except megatron's auto-resume idiom (``--load`` = ``--save``);
+the saved settings that change the model (and the data path) must equal the run's; every
+tensor the model asks for must be in the checkpoint and every tensor in it must be asked
+for, except the parts deliberately not loaded (``--finetune``, ``--no-load-optim``,
+``--no-load-rng``, RNG states at another layout), each said in a line.
+
 The model and optimizer are stored by global keys and boxes, so a run may resume at another
 (TP, CP, PP, VPP, DP) layout. Each rank's RNG states are saved too and restored when the
 layout is the same (at another layout the ranks do not correspond; the trainer draws no
@@ -17,15 +24,18 @@ random numbers after building the model, whose weights are seeded per parameter)
 
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedObject
+from megatron.core.dist_checkpointing.core import CONFIG_FNAME
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 
@@ -49,8 +59,10 @@ def save_checkpoint(
 
     ``model``: this rank's chunks (DDP-wrapped or not). ``optimizer``: anything with
     ``sharded_state_dict(model_sharded_state_dict)``. ``layout`` and ``run_settings`` are
-    plain dicts kept in the common state (for the RNG decision and for the record).
+    plain dicts kept in the common state (for the RNG decision and for the comparison on
+    resume). Rank 0 prints one line: iteration, directory, size and time.
     """
+    started = time.perf_counter()
     directory = checkpoint_dir(save_dir, iteration)
     if _rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
@@ -78,6 +90,11 @@ def save_checkpoint(
             os.fsync(f.fileno())
         os.replace(tmp, tracker)
     _barrier()
+    if _rank() == 0:
+        tqdm.write(
+            f"saved checkpoint at iteration {iteration} to {directory} "
+            f"({_directory_bytes(directory) / 1e6:.1f} MB, {time.perf_counter() - started:.2f} s)"
+        )
     return directory
 
 
@@ -117,48 +134,276 @@ def load_checkpoint(
     optimizer,
     opt_param_scheduler=None,
     layout: Optional[Dict[str, Any]] = None,
+    *,
+    save_dir: Optional[str] = None,
+    run_settings: Optional[Dict[str, Any]] = None,
+    ckpt_step: Optional[int] = None,
+    finetune: bool = False,
+    load_optim: bool = True,
+    load_rng: bool = True,
+    train_iters: Optional[int] = None,
 ) -> Tuple[int, int, List[str]]:
-    """Collective: restore model, optimizer (and scheduler) from the newest complete
-    checkpoint in ``load_dir``. Returns (iteration, consumed_samples, notes); (0, 0, notes)
-    when there is none. RNG states are restored only when the saved ``layout`` equals
-    ``layout``."""
-    if not Path(load_dir).exists():  # megatron's auto-resume: --load DIR --save DIR
-        return 0, 0, [f"--load {load_dir}: no such directory yet; starting from scratch"]
-    if not Path(load_dir).is_dir():
-        raise NotADirectoryError(f"--load {load_dir!r} is a file; expected a directory")
-    iteration, notes = _agree(find_latest_checkpoint(load_dir))
-    if iteration is None:
-        notes.append(f"no complete checkpoint in {load_dir}; starting from scratch")
+    """Collective: restore model, optimizer (and scheduler) from the checkpoint that
+    ``--load load_dir`` names (``resolve_checkpoint``). Returns (iteration,
+    consumed_samples, notes); (0, 0, notes) only for the auto-resume idiom (``save_dir`` is
+    ``load_dir`` and holds no checkpoint yet).
+
+    Refused with an error naming the flags: ``run_settings`` that change the model (or the
+    data, unless ``finetune``) against the saved ones (``compare_run_settings``); a
+    checkpoint beyond ``train_iters``; keys the model asks for that the checkpoint lacks,
+    and keys the checkpoint holds that nothing asks for (other than the optimizer state
+    without ``load_optim`` and RNG states not restored). ``finetune``: the model only,
+    iteration 0 (megatron's ``--finetune``). RNG states are restored only when the saved
+    ``layout`` equals ``layout`` (and ``load_rng``).
+    """
+    directory, notes = _agree_or_raise(lambda: resolve_checkpoint(load_dir, save_dir, ckpt_step))
+    if directory is None:
         return 0, 0, notes
-    directory = checkpoint_dir(load_dir, iteration)
+    started = time.perf_counter()
     common = dist_checkpointing.load_common_state_dict(str(directory))
+    saved_iteration = int(common.get("iteration", 0))
+    if run_settings is not None:
+        compare_run_settings(common.get("run_settings"), run_settings, directory, finetune)
+    if not finetune and train_iters is not None and saved_iteration > train_iters:
+        raise ValueError(
+            f"--load {load_dir}: checkpoint {directory} is at iteration {saved_iteration}, "
+            f"beyond --train-iters {train_iters}; raise --train-iters, or pass --finetune to "
+            "train its weights from iteration 0"
+        )
+    load_optim = load_optim and not finetune
     same_layout = common.get("layout") == dict(layout or {})
+    restore_rng = load_rng and not finetune and same_layout
     model_state = _model_sharded_state_dict(model)
-    request = {
-        **model_state,
-        "optimizer": optimizer.sharded_state_dict(model_state, is_loading=True),
-    }
-    if same_layout:
+    request: Dict[str, Any] = dict(model_state)
+    if load_optim:
+        request["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=True)
+    if restore_rng:
         request["rng_state"] = _rng_object(data=None)
-    loaded = dist_checkpointing.load(request, str(directory))
+    loaded, missing, unexpected = dist_checkpointing.load(
+        request, str(directory), strict="return_all"
+    )
+    skipped = () if load_optim else (OPTIMIZER_KEY_PREFIX,)
+    skipped += () if restore_rng else (RNG_KEY_PREFIX,)
+    _check_keys(directory, missing, unexpected, skipped)
+
     chunks = [getattr(chunk, "module", chunk) for chunk in model]
     if len(chunks) == 1:
         chunks[0].load_state_dict(loaded["model"])
     else:
         for i, chunk in enumerate(chunks):
             chunk.load_state_dict(loaded[f"model{i}"])
-    optimizer.load_state_dict(loaded["optimizer"])
-    if opt_param_scheduler is not None and "opt_param_scheduler" in loaded:
-        opt_param_scheduler.load_state_dict(loaded["opt_param_scheduler"])
-    if same_layout:
+    if load_optim:
+        optimizer.load_state_dict(loaded["optimizer"])
+        if opt_param_scheduler is not None and "opt_param_scheduler" in loaded:
+            opt_param_scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    if restore_rng:
         _set_rng_state(loaded["rng_state"])
-    else:
+    iteration = 0 if finetune else saved_iteration
+    consumed = 0 if finetune else int(loaded.get("consumed_samples", 0))
+    megabytes = _directory_bytes(directory) / 1e6
+    notes.append(
+        f"loaded checkpoint of iteration {saved_iteration} from {directory} "
+        f"({megabytes:.1f} MB, {time.perf_counter() - started:.2f} s)"
+    )
+    if finetune:
+        notes.append("--finetune: model weights only; training starts at iteration 0")
+    elif not load_optim:
         notes.append(
-            f"layout changed ({common.get('layout')} -> {dict(layout or {})}): RNG states "
+            "--no-load-optim: optimizer state not loaded (Adam moments start at zero; the "
+            f"learning-rate schedule continues from iteration {iteration})"
+        )
+    if not finetune and not restore_rng:
+        notes.append(
+            "--no-load-rng: RNG states not restored"
+            if not load_rng
+            else f"layout changed ({common.get('layout')} -> {dict(layout or {})}): RNG states "
             "not restored (weights, optimizer state and data position are)"
         )
-    notes.append(f"resumed from {directory} (iteration {iteration})")
-    return int(loaded["iteration"]), int(loaded.get("consumed_samples", 0)), notes
+    if not finetune and train_iters is not None and iteration == train_iters:
+        notes.append(f"the checkpoint is at --train-iters {train_iters}: nothing left to train")
+    return iteration, consumed, notes
+
+
+def resolve_checkpoint(
+    load_dir: str, save_dir: Optional[str] = None, ckpt_step: Optional[int] = None
+) -> Tuple[Optional[Path], List[str]]:
+    """(the checkpoint directory ``--load load_dir`` names, notes).
+
+    ``load_dir`` may be a complete checkpoint's own directory (``.../iter_0000004``), or a
+    ``--save`` directory: then ``DIR/iter_<ckpt_step>`` when ``ckpt_step`` is given, else the
+    newest complete checkpoint (``find_latest_checkpoint``). A path with no checkpoint is an
+    error naming ``--load``, except megatron's auto-resume idiom (``save_dir`` is the same
+    directory): then (None, notes) and the notes say "starting from scratch".
+    """
+    root = Path(load_dir)
+    auto_resume = save_dir is not None and _same_path(load_dir, save_dir)
+    scratch = f"--load {load_dir} is the --save directory and holds no checkpoint yet: "
+    scratch += "starting from scratch"
+    if not root.exists():
+        if auto_resume:
+            return None, [scratch]
+        raise ValueError(
+            f"--load {load_dir}: no such directory; expected a --save directory or one "
+            f"checkpoint's iter_NNNNNNN directory (to resume automatically when a checkpoint "
+            f"exists, pass the same DIR to --save and --load)"
+        )
+    if not root.is_dir():
+        raise ValueError(f"--load {load_dir} is a file; expected a checkpoint directory")
+    if dist_checkpointing.check_is_distributed_checkpoint(str(root)):
+        step = _iteration_of(root)
+        if ckpt_step is not None and step is not None and step != ckpt_step:
+            raise ValueError(
+                f"--ckpt-step {ckpt_step} contradicts --load {load_dir}, the checkpoint of "
+                f"iteration {step}; give the --save directory with --ckpt-step, or one of them"
+            )
+        return root, []
+    if _iteration_of(root) is not None:
+        raise ValueError(
+            f"--load {load_dir}: an incomplete checkpoint (no {CONFIG_FNAME}: its save did not "
+            f"finish); load the --save directory {root.parent} to take its newest complete "
+            "checkpoint"
+        )
+    if ckpt_step is not None:
+        directory = checkpoint_dir(load_dir, ckpt_step)
+        if not dist_checkpointing.check_is_distributed_checkpoint(str(directory)):
+            have = sorted(
+                p.name
+                for p in root.glob("iter_*")
+                if dist_checkpointing.check_is_distributed_checkpoint(str(p))
+            )
+            raise ValueError(
+                f"--ckpt-step {ckpt_step}: {directory} is not a complete checkpoint; "
+                f"{load_dir} holds {', '.join(have) if have else 'none'}"
+            )
+        return directory, []
+    iteration, notes = find_latest_checkpoint(load_dir)
+    if iteration is None:
+        if auto_resume:
+            return None, notes + [scratch]
+        skipped = f" ({'; '.join(notes)})" if notes else ""
+        raise ValueError(
+            f"--load {load_dir}: no complete checkpoint in this directory{skipped}; expected "
+            f"iter_NNNNNNN/ directories with {CONFIG_FNAME}, as --save writes them (to "
+            "resume automatically when one exists, pass the same DIR to --save and --load)"
+        )
+    return checkpoint_dir(load_dir, iteration), notes
+
+
+# Run settings that change the model (saved weights would not fit, or would mean something
+# else), as (TrainingConfig field, flag); checked on resume by ``compare_run_settings``.
+MODEL_SETTINGS = (
+    ("num_layers", "--num-layers"),
+    ("hidden_size", "--hidden-size"),
+    ("num_attention_heads", "--num-attention-heads"),
+    ("num_query_groups", "--num-query-groups"),
+    ("ffn_hidden_size", "--ffn-hidden-size"),
+    ("normalization", "--normalization"),
+    ("position_embedding_type", "--position-embedding-type"),
+    ("swiglu", "--swiglu"),
+    ("disable_bias_linear", "--disable-bias-linear"),
+    ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
+    ("vocab_size", "--vocab-size"),
+    ("tokenizer", "--tokenizer"),
+    ("seq_length", "--seq-length"),
+)
+# The data the run trains on (a resumed run continues its position in it).
+DATA_SETTINGS = (("data_path", "--data-path"),)
+
+
+def compare_run_settings(
+    saved: Optional[Dict[str, Any]],
+    current: Dict[str, Any],
+    directory: Path,
+    finetune: bool = False,
+) -> None:
+    """Refuse to resume with settings that change the model (``MODEL_SETTINGS``) or, unless
+    ``finetune``, the data (``DATA_SETTINGS``): a ValueError naming every differing flag
+    with its saved and current value. Settings the checkpoint did not record are not
+    compared. Defaults are resolved first (query groups = heads, FFN = 4 x hidden, the
+    byte-level tokenizer with a data path); ``--seq-length`` counts only with learned
+    absolute positions (their table has one row per position), ``--tokenizer`` only when
+    both runs read a data path."""
+    if not saved:
+        return
+    before, now = _effective_settings(saved), _effective_settings(current)
+    checked = MODEL_SETTINGS + (() if finetune else DATA_SETTINGS)
+    differences = [
+        f"{flag} {_shown(before[name])} when saved, {_shown(now[name])} now"
+        for name, flag in checked
+        if name in before and name in now and before[name] != now[name]
+    ]
+    if differences:
+        escape = "" if finetune else " (--finetune allows other data, not another model)"
+        raise ValueError(
+            f"--load: checkpoint {directory} was saved with other settings: "
+            f"{'; '.join(differences)}. Resume with the saved values{escape}"
+        )
+
+
+def _effective_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
+    """``settings`` with defaults resolved as the model resolves them."""
+    out = dict(settings)
+    if out.get("num_query_groups") is None and "num_attention_heads" in out:
+        out["num_query_groups"] = out["num_attention_heads"]
+    if out.get("ffn_hidden_size") is None and "hidden_size" in out:
+        out["ffn_hidden_size"] = 4 * out["hidden_size"]
+    if out.get("data_path"):
+        out["data_path"] = os.path.normpath(out["data_path"])
+        out["tokenizer"] = out.get("tokenizer") or "byte-level"
+    else:
+        out.pop("tokenizer", None)  # generated data: its ids are the vocabulary
+    if out.get("position_embedding_type", "learned_absolute") != "learned_absolute":
+        out.pop("seq_length", None)
+    return out
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "not given"
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+OPTIMIZER_KEY_PREFIX = "optimizer."
+RNG_KEY_PREFIX = "rng_state/"
+
+
+def _check_keys(directory: Path, missing, unexpected, skipped: Tuple[str, ...]) -> None:
+    """Every rank: refuse keys the model asked for that the checkpoint lacks (any rank's)
+    and checkpoint keys nothing asked for, except the parts deliberately not loaded."""
+    unexpected = set().union(*_all_gather(sorted(unexpected)))
+    dropped = sorted(k for k in missing if not k.startswith(skipped))
+    problems = []
+    if unexpected:
+        problems.append(f"the model asks for {_few(unexpected)}, which the checkpoint lacks")
+    if dropped:
+        problems.append(
+            f"the checkpoint holds {_few(dropped)}, which this model does not ask for (they "
+            "would be dropped)"
+        )
+    if problems:
+        raise dist_checkpointing.CheckpointingException(
+            f"--load: checkpoint {directory} does not fit this model: {'; '.join(problems)}"
+        )
+
+
+def _few(keys, limit: int = 6) -> str:
+    keys = sorted(keys)
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more
+
+
+def _iteration_of(path: Path) -> Optional[int]:
+    """N for a directory named ``iter_N`` (digits), else None."""
+    suffix = path.name[len("iter_") :]
+    return int(suffix) if path.name.startswith("iter_") and suffix.isdigit() else None
+
+
+def _same_path(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _directory_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in Path(directory).iterdir() if p.is_file())
 
 
 def _model_sharded_state_dict(model: List[torch.nn.Module]) -> Dict[str, Any]:
@@ -217,6 +462,32 @@ def _agree(value):
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _agree_or_raise(compute):
+    """``compute()`` on rank 0, its result on every rank; when it raised, the same error
+    (its type and message) on every rank instead of rank 0 alone."""
+    if not dist.is_initialized():
+        return compute()
+    outcome = None
+    if _rank() == 0:
+        try:
+            outcome = ("value", compute())
+        except (ValueError, dist_checkpointing.CheckpointingException) as err:
+            outcome = ("error", type(err), str(err))
+    outcome = _agree(outcome)
+    if outcome[0] == "error":
+        raise outcome[1](outcome[2])
+    return outcome[1]
+
+
+def _all_gather(value) -> list:
+    """Every rank's ``value`` (``[value]`` without torch.distributed)."""
+    if not dist.is_initialized():
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
 
 
 def _rank() -> int:

@@ -10,7 +10,7 @@ parallel layout, only on ``--seed``.
 
 import hashlib
 import math
-from typing import Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -105,12 +105,16 @@ def _sample_seed(seed: int, index: int) -> int:
 
 
 class PackedSFTDataset:
-    """``--pack-sequences``: the SFT documents of ``SFTDataset`` packed into rows of
-    ``seq_length`` tokens (megatron-core's THD format, one row per microbatch).
+    """``--pack-sequences``: SFT documents packed into rows of ``seq_length`` tokens
+    (megatron-core's THD format, one row per microbatch).
 
-    Document j is sample j's real part (its 2L + 2 tokens and labels, prompt masked). It
-    is appended to the current row, padded with PAD to a multiple of ``PACK_PAD_MULTIPLE``;
-    a document that does not fit starts the next row, and the rest of a row is padding.
+    The documents come from ``documents.document(j)`` (``tokens``, ``labels``, ``loss_mask``
+    of one unpadded document, at most ``seq_length`` positions), by default the generated
+    samples of ``SFTDataset`` (document j is sample j's real part: its 2L + 2 tokens and
+    labels, prompt masked); ``FileSFTDataset`` supplies file records the same way. Each
+    document is appended to the current row, padded with PAD to a multiple of
+    ``PACK_PAD_MULTIPLE``; a document that does not fit starts the next row, and the rest of a
+    row is padding; an empty document (one token, no label) is skipped.
     ``dataset[i]`` has [seq_length] ``tokens``, ``labels``, ``loss_mask`` (0 on prompts and
     padding) and ``position_ids`` (restarting at 0 in every document), plus
     ``cu_seqlens`` / ``cu_seqlens_padded`` (cumulative real / padded lengths, int32,
@@ -118,14 +122,22 @@ class PackedSFTDataset:
     ``max_seqlen`` [1] (the longest padded document).
     """
 
-    def __init__(self, seq_length: int, vocab_size: int, seed: int) -> None:
+    def __init__(
+        self, seq_length: int, vocab_size: int, seed: int, documents: Optional[Any] = None
+    ) -> None:
         if seq_length % PACK_PAD_MULTIPLE:
             raise ValueError(
                 f"PackedSFTDataset: seq_length must be a multiple of {PACK_PAD_MULTIPLE}, "
                 f"got {seq_length}"
             )
-        self.documents = SFTDataset(seq_length, vocab_size, seed)
+        self.documents = (
+            documents
+            if documents is not None
+            else _GeneratedDocuments(SFTDataset(seq_length, vocab_size, seed))
+        )
         self.seq_length = seq_length
+        self.vocab_size = vocab_size
+        self.notes: List[str] = list(getattr(self.documents, "notes", []))
         self.max_documents = seq_length // PACK_PAD_MULTIPLE
         self._rows: List[Batch] = []
         self._next_document = 0
@@ -151,14 +163,22 @@ class PackedSFTDataset:
         }
         real, padded = [0], [0]
         while True:
-            sample = self.documents[self._next_document]
-            length = int(sample["loss_mask"].nonzero().max()) + 1  # 2L + 2: up to EOS
+            document = self.documents.document(self._next_document)
+            length = int(document["tokens"].numel())
+            if length == 0:
+                self._next_document += 1
+                continue
+            if length > s:
+                raise ValueError(
+                    f"PackedSFTDataset: document {self._next_document} has {length} positions, "
+                    f"more than seq_length {s}"
+                )
             padded_length = math.ceil(length / PACK_PAD_MULTIPLE) * PACK_PAD_MULTIPLE
             start = padded[-1]
             if start + padded_length > s:
                 break
             for key in ("tokens", "labels", "loss_mask"):
-                row[key][start : start + length] = sample[key][:length]
+                row[key][start : start + length] = document[key]
             row["position_ids"][start : start + padded_length] = torch.arange(padded_length)
             real.append(real[-1] + length)
             padded.append(start + padded_length)
@@ -169,3 +189,15 @@ class PackedSFTDataset:
         longest = max(b - a for a, b in zip(padded[:-1], padded[1:]))
         row["max_seqlen"] = torch.tensor([longest], dtype=torch.int32)
         return row
+
+
+class _GeneratedDocuments:
+    """Document j of the generated data: sample j up to its EOS label (2L + 2 positions)."""
+
+    def __init__(self, samples: SFTDataset) -> None:
+        self.samples = samples
+
+    def document(self, index: int) -> Batch:
+        sample = self.samples[index]
+        length = int(sample["loss_mask"].nonzero().max()) + 1
+        return {key: sample[key][:length] for key in ("tokens", "labels", "loss_mask")}

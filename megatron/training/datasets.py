@@ -1,19 +1,34 @@
-"""SFT data read from files: JSONL (prompt/response or text) or megatron's indexed format.
+"""SFT data read from files: JSONL (chat, prompt/completion, prompt/response or text) or
+megatron's indexed format.
 
 ``--data-path`` is either
 
-- a ``.jsonl`` file: one record per line with ``prompt`` and ``response`` strings (the
-  prompt is masked out of the loss) or a ``text`` string (every token trained), tokenized
-  when the job starts; or
+- a JSONL file, one record per line, tokenized when the job starts:
+
+  - ``{"messages": [{"role": ..., "content": ...}, ...]}``: a conversation (system, user,
+    assistant, tool turns; several rounds) rendered with the tokenizer's chat template; only
+    the assistant's tokens are trained (``megatron.training.tokenizer.chat_template``: exact
+    assistant spans from ``{% generation %}`` blocks or incremental rendering). Nothing is
+    appended: the template writes its own end-of-turn tokens.
+  - ``{"prompt": [messages], "completion": [messages]}``: the same, the conversation being
+    prompt + completion (TRL's conversational prompt/completion form).
+  - ``{"prompt": str, "completion": str}`` or ``{"prompt": str, "response": str}``: plain text,
+    ``prompt + completion + [EOD]``, the prompt masked out of the loss (no chat template).
+  - ``{"text": str}``: ``text + [EOD]``, every token trained.
+
 - the prefix of an indexed dataset (``PREFIX.bin`` / ``PREFIX.idx``) written by
   ``python -m megatron.training.preprocess_data``: a document of two sequences is
   (prompt, response), a document of one sequence is all trained.
 
-Sample ``i`` is record ``perm_e[i mod R]`` of epoch ``e = i div R`` (``perm_e``: a permutation
-drawn from ``(seed, e)``), laid out as ``prompt + response + [EOD]``, cut or padded to
-``seq_length + 1`` tokens; ``tokens = x[:-1]``, ``labels = x[1:]``; the loss mask keeps the
-labels that are response tokens or the EOD. As with the generated data, nothing depends on
-the parallel layout.
+Every record becomes ids ``x`` with a 0/1 mask ``m`` over them (1 = a token the model learns to
+write). Sample ``i`` is record ``perm_e[i mod R]`` of epoch ``e = i div R`` (``perm_e``: a
+permutation drawn from ``(seed, e)``), cut or padded to ``seq_length + 1`` tokens;
+``tokens = x[:-1]``, ``labels = x[1:]``, ``loss_mask[t] = m[t + 1]`` (0 on padding). With
+``--pack-sequences`` the records, in the same order, are packed into rows instead
+(``megatron.training.data.PackedSFTDataset``). Nothing depends on the parallel layout.
+
+Records longer than ``seq_length + 1`` tokens are cut; the job reports how many (and how many
+records have no trained token left), and refuses data with no trained token at all.
 """
 
 import json
@@ -27,15 +42,26 @@ from megatron.training.data import Batch, PackedSFTDataset, SFTDataset
 
 BYTE_LEVEL = "byte-level"
 
+Record = Tuple[numpy.ndarray, numpy.ndarray]  # (ids int64, mask uint8), same length
+
 
 def build_sft_dataset(config: Any):
     """The generated ``SFTDataset`` without ``--data-path`` (``PackedSFTDataset`` with
-    ``--pack-sequences``), else a ``FileSFTDataset``."""
-    if config.pack_sequences:
-        return PackedSFTDataset(config.seq_length, config.vocab_size, config.seed)
+    ``--pack-sequences``), else a ``FileSFTDataset`` (packed with ``--pack-sequences``)."""
     if not config.data_path:
+        if config.pack_sequences:
+            return PackedSFTDataset(config.seq_length, config.vocab_size, config.seed)
         return SFTDataset(config.seq_length, config.vocab_size, config.seed)
-    return FileSFTDataset(config.data_path, config.tokenizer, config.seq_length, config.seed)
+    dataset = FileSFTDataset(
+        config.data_path,
+        config.tokenizer,
+        config.seq_length,
+        config.seed,
+        eod_token=getattr(config, "eod_token", None),
+    )
+    if config.pack_sequences:
+        return PackedSFTDataset(config.seq_length, dataset.vocab_size, config.seed, dataset)
+    return dataset
 
 
 def build_training_tokenizer(tokenizer: Any, eod_token: Optional[str] = None):
@@ -61,45 +87,69 @@ def build_training_tokenizer(tokenizer: Any, eod_token: Optional[str] = None):
 
 
 class FileSFTDataset:
-    """Prompt-masked samples from a JSONL file or an indexed dataset (module docstring)."""
+    """Masked samples from a JSONL file or an indexed dataset (module docstring).
 
-    def __init__(self, data_path: str, tokenizer: Any, seq_length: int, seed: int) -> None:
-        self.tokenizer = build_training_tokenizer(tokenizer)
+    ``notes`` holds the lines the trainer prints on rank 0 (truncation and records without
+    trained tokens, with counts); ``document(j)`` is record j of the sample order as one
+    unpadded document (for packing).
+    """
+
+    def __init__(
+        self,
+        data_path: str,
+        tokenizer: Any,
+        seq_length: int,
+        seed: int,
+        eod_token: Optional[str] = None,
+    ) -> None:
+        self.tokenizer = build_training_tokenizer(tokenizer, eod_token)
         self.seq_length, self.seed = seq_length, seed
         self.eod, self.pad = self.tokenizer.eod, self.tokenizer.pad
         self.vocab_size = self.tokenizer.vocab_size
-        if data_path.endswith(".jsonl") or data_path.endswith(".json"):
+        self.data_path = data_path
+        if os.path.isfile(data_path) and not data_path.endswith((".bin", ".idx")):
             self.records = _read_jsonl(data_path, self.tokenizer)
         else:
             self.records = _read_indexed(data_path, self.eod)
         if not self.records:
-            raise ValueError(f"--data-path {data_path!r}: no records")
-        top = max(int(max(p.max(initial=0), r.max(initial=0))) for p, r in self.records)
+            raise ValueError(f"--data-path {data_path!r}: no records (the file is empty)")
+        top = max(int(ids.max(initial=0)) for ids, _ in self.records)
         if top >= self.vocab_size:
             raise ValueError(
                 f"--data-path {data_path!r} holds token id {top}, outside the tokenizer's "
                 f"vocabulary of {self.vocab_size} (was it written with another --tokenizer?)"
             )
+        self.notes = self._check_lengths()
         self._perms: Dict[int, List[int]] = {}
 
     def __len__(self) -> int:
         return len(self.records)
 
     def __getitem__(self, index: int) -> Batch:
-        epoch, k = divmod(index, len(self.records))
-        prompt, response = self.records[self._perm(epoch)[k]]
-        body = numpy.concatenate([prompt, response, [self.eod]]).astype(numpy.int64)
-        x = torch.full((self.seq_length + 1,), self.pad, dtype=torch.long)
-        n = min(body.size, self.seq_length + 1)
-        x[:n] = torch.from_numpy(body[:n])
-        positions = torch.arange(self.seq_length)
-        # label t is x[t + 1]; train on labels inside the body that follow the prompt
-        loss_mask = ((positions + 1 >= prompt.size) & (positions + 1 < n)).float()
+        ids, mask = self._record(index)
+        s = self.seq_length
+        n = min(ids.size, s + 1)
+        x = torch.full((s + 1,), self.pad, dtype=torch.long)
+        x[:n] = torch.from_numpy(ids[:n])
+        loss_mask = torch.zeros(s)
+        loss_mask[: n - 1] = torch.from_numpy(mask[1:n].astype(numpy.float32))
         return {
             "tokens": x[:-1].clone(),
             "labels": x[1:].clone(),
             "loss_mask": loss_mask,
-            "position_ids": positions,
+            "position_ids": torch.arange(s),
+        }
+
+    def document(self, index: int) -> Batch:
+        """Sample ``index``'s record as a document of ``min(len - 1, seq_length)`` positions:
+        ``tokens``, ``labels``, ``loss_mask`` without padding."""
+        ids, mask = self._record(index)
+        n = min(ids.size, self.seq_length + 1)
+        x = torch.from_numpy(ids[:n])
+        return {
+            "tokens": x[:-1].clone(),
+            "labels": x[1:].clone(),
+            "loss_mask": torch.from_numpy(mask[1:n].astype(numpy.float32)),
         }
 
     def global_batch(self, iteration: int, global_batch_size: int) -> Batch:
@@ -108,36 +158,135 @@ class FileSFTDataset:
         samples = [self[start + i] for i in range(global_batch_size)]
         return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
 
+    def _record(self, index: int) -> Record:
+        epoch, k = divmod(index, len(self.records))
+        return self.records[self._perm(epoch)[k]]
+
     def _perm(self, epoch: int) -> List[int]:
         if epoch not in self._perms:
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             self._perms[epoch] = torch.randperm(len(self.records), generator=generator).tolist()
         return self._perms[epoch]
 
+    def _check_lengths(self) -> List[str]:
+        """Count records cut to ``seq_length + 1`` tokens and records with no trained label
+        left; raise when no record has one."""
+        s, total = self.seq_length, len(self.records)
+        cut = sum(1 for ids, _ in self.records if ids.size > s + 1)
+        trained = [int(mask[1 : s + 1].sum()) for _, mask in self.records]
+        empty = sum(1 for t in trained if t == 0)
+        if sum(trained) == 0:
+            raise ValueError(
+                f"--data-path {self.data_path!r}: nothing to train on at --seq-length {s}: "
+                f"none of the {total} records has a loss token within its first {s + 1} "
+                f"tokens ({cut} of {total} records are longer than that and would be cut); "
+                "raise --seq-length or shorten the prompts"
+            )
+        notes = []
+        if cut:
+            notes.append(f"{cut} of {total} records truncated to --seq-length {s}")
+        if empty:
+            notes.append(
+                f"warning: {empty} of {total} records have no loss tokens within --seq-length "
+                f"{s} (their prompt fills the sequence, or they train nothing); they add no "
+                "gradient"
+            )
+        return notes
 
-def _read_jsonl(path: str, tokenizer: Any) -> List[Tuple[numpy.ndarray, numpy.ndarray]]:
+
+# --------------------------------------------------------------------------- readers
+
+_RECORD_FORMS = (
+    "a JSON object with 'messages', 'prompt' and 'completion', 'prompt' and 'response', or "
+    "'text'"
+)
+
+
+def _read_jsonl(path: str, tokenizer: Any) -> List[Record]:
     records = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            where = f"{path}:{line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"{where}: not UTF-8 text ({err.reason} at byte {err.start})"
+                ) from None
             if not line.strip():
                 continue
-            record = json.loads(line)
-            if "prompt" in record and "response" in record:
-                prompt, response = record["prompt"], record["response"]
-            elif "text" in record:
-                prompt, response = "", record["text"]
-            else:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
                 raise ValueError(
-                    f"{path}:{line_no}: keys {sorted(record)}; expected 'prompt' and "
-                    "'response', or 'text'"
-                )
-            records.append((_ids(tokenizer.tokenize(prompt)), _ids(tokenizer.tokenize(response))))
+                    f"{where}: not valid JSON ({err.msg} at column {err.colno}); expected "
+                    f"{_RECORD_FORMS}"
+                ) from None
+            records.append(_tokenize_record(record, tokenizer, where))
     return records
 
 
-def _read_indexed(prefix: str, eod: int) -> List[Tuple[numpy.ndarray, numpy.ndarray]]:
+def _tokenize_record(record: Any, tokenizer: Any, where: str) -> Record:
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected {_RECORD_FORMS}; got {type(record).__name__}")
+    if "messages" in record:
+        return _conversation(record["messages"], tokenizer, where)
+    if "prompt" in record and ("completion" in record or "response" in record):
+        key = "completion" if "completion" in record else "response"
+        prompt, answer = record["prompt"], record[key]
+        if isinstance(prompt, list) and isinstance(answer, list):
+            return _conversation(prompt + answer, tokenizer, where)
+        _require_strings(where, prompt=prompt, **{key: answer})
+        prompt_ids = _ids(tokenizer.tokenize(prompt))
+        answer_ids = _ids(list(tokenizer.tokenize(answer)) + [tokenizer.eod])
+        ids = numpy.concatenate([prompt_ids, answer_ids])
+        mask = numpy.concatenate(
+            [numpy.zeros(prompt_ids.size, numpy.uint8), numpy.ones(answer_ids.size, numpy.uint8)]
+        )
+        return ids, mask
+    if "text" in record:
+        _require_strings(where, text=record["text"])
+        ids = _ids(list(tokenizer.tokenize(record["text"])) + [tokenizer.eod])
+        return ids, numpy.ones(ids.size, numpy.uint8)
+    raise ValueError(f"{where}: keys {sorted(record)}; expected {_RECORD_FORMS}")
+
+
+def _conversation(messages: Any, tokenizer: Any, where: str) -> Record:
+    from megatron.training.tokenizer.chat_template import ChatTemplateError, tokenize_conversation
+
+    if not hasattr(tokenizer, "encode_with_offsets"):
+        raise ValueError(
+            f"{where}: a chat record needs a tokenizer with a chat template: pass --tokenizer "
+            "with a HuggingFace tokenizer folder (tokenizer.json + tokenizer_config.json "
+            "holding chat_template) or its tokenizer.json"
+        )
+    try:
+        ids, mask = tokenize_conversation(tokenizer, messages)
+    except ChatTemplateError as err:
+        raise ValueError(f"{where}: {err}") from None
+    return _ids(ids), numpy.asarray(mask, dtype=numpy.uint8)
+
+
+def _require_strings(where: str, **values: Any) -> None:
+    for key, value in values.items():
+        if not isinstance(value, str):
+            raise ValueError(
+                f"{where}: {key!r} is {type(value).__name__}; expected a string (or, for "
+                "'prompt'/'completion', two lists of chat messages)"
+            )
+
+
+def _read_indexed(prefix: str, eod: int) -> List[Record]:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+    if prefix.endswith((".bin", ".idx")):
+        prefix = prefix[:-4]
+    if not IndexedDataset.exists(prefix):
+        raise FileNotFoundError(
+            f"--data-path {prefix!r}: no such file, and no {prefix}.bin + {prefix}.idx pair "
+            "(expected a JSONL file or the prefix of an indexed dataset written by python -m "
+            "megatron.training.preprocess_data)"
+        )
     dataset = IndexedDataset(prefix)
     bounds = dataset.document_indices
     records = []
@@ -154,9 +303,13 @@ def _read_indexed(prefix: str, eod: int) -> List[Tuple[numpy.ndarray, numpy.ndar
                 f"--data-path {prefix!r}: document {d} has {len(parts)} sequences; expected 1 "
                 "(text) or 2 (prompt, response)"
             )
-        if response.size and response[-1] == eod:  # the tool appends the EOD; we add it
-            response = response[:-1]
-        records.append((prompt, response))
+        if not (response.size and response[-1] == eod):  # the tool appends the EOD
+            response = numpy.concatenate([response, [eod]])
+        ids = numpy.concatenate([prompt, response]).astype(numpy.int64)
+        mask = numpy.concatenate(
+            [numpy.zeros(prompt.size, numpy.uint8), numpy.ones(response.size, numpy.uint8)]
+        )
+        records.append((ids, mask))
     return records
 
 

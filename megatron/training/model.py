@@ -20,6 +20,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
 from megatron.training.arguments import Layout, TrainingConfig
 
 
@@ -30,6 +31,8 @@ def build_model(
 
     Hooks on the shared TransformerConfig: ``no_sync_func`` (per chunk with VPP),
     ``grad_sync_func`` with ``--overlap-grad-reduce``, and ``finalize_model_grads_func``.
+    With ``--bf16``/``--fp16`` each GPT is wrapped in ``Float16Module`` (half-precision
+    weights and activations, fp32 loss) inside DDP, whose ``main_grad`` stays fp32.
     """
     transformer_config = transformer_config_from(config, layout)
     ddp_config = DistributedDataParallelConfig(
@@ -55,6 +58,8 @@ def build_model(
             seed=config.seed,
             pp_rank=pp_rank,
         )
+        if config.bf16 or config.fp16:
+            gpt = Float16Module(transformer_config, gpt)
         chunks.append(
             DistributedDataParallel(
                 config=transformer_config,
@@ -72,8 +77,11 @@ def build_model(
 
 
 def transformer_config_from(config: TrainingConfig, layout: Layout) -> TransformerConfig:
-    """The TransformerConfig of a run: float32, no dropout, the layout's parallel sizes, the
-    architecture flags (``--swiglu``: gated linear unit with silu)."""
+    """The TransformerConfig of a run: float32 (or bf16/fp16 with ``--bf16``/``--fp16``:
+    ``params_dtype`` and ``pipeline_dtype`` too, as megatron's arguments set them), no
+    dropout, the layout's parallel sizes, the architecture flags (``--swiglu``: gated linear
+    unit with silu)."""
+    dtype = precision_dtype(config)
     return TransformerConfig(
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,
@@ -94,10 +102,17 @@ def transformer_config_from(config: TrainingConfig, layout: Layout) -> Transform
         hierarchical_context_parallel_sizes=layout.hierarchical_sizes,
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
+        bf16=config.bf16,
+        fp16=config.fp16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
         calculate_per_token_loss=config.calculate_per_token_loss,
         gradient_accumulation_fusion=config.gradient_accumulation_fusion,
         deallocate_pipeline_outputs=True,
         cp_comm_type=config.cp_comm_type,
     )
+
+
+def precision_dtype(config: TrainingConfig) -> torch.dtype:
+    """The weights' dtype: bf16 (``--bf16``), fp16 (``--fp16``) or float32."""
+    return torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else torch.float32

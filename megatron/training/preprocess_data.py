@@ -9,11 +9,14 @@ Plain mode (megatron-LM's tool): for every key in ``--json-keys`` one dataset
 ``--append-eod``. ``--sft``: one dataset ``{prefix}_sft_document`` whose documents hold two
 sequences, the tokenized ``prompt`` and ``response`` (+ EOD), which the trainer's
 ``--data-path`` reads with the prompt masked out of the loss. Token ids are stored as uint16
-when the vocabulary has fewer than 65500 ids, else int32 (as megatron does).
+when the vocabulary has fewer than 65500 ids, else int32 (as megatron does). The folder of
+``--output-prefix`` must exist (megatron-LM's tool does not create it either); a bad line is an
+error naming ``FILE:LINE``.
 """
 
 import argparse
 import json
+import os
 import sys
 from types import SimpleNamespace
 from typing import List, Optional, Sequence
@@ -28,11 +31,27 @@ from megatron.training.tokenizer.tokenizer import build_tokenizer
 def main(argv: Optional[Sequence[str]] = None) -> List[str]:
     """Run the tool; returns the written prefixes."""
     args = _parser().parse_args(argv)
+    folder = os.path.dirname(args.output_prefix) or "."
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(
+            f"--output-prefix {args.output_prefix!r}: the folder {folder!r} does not exist "
+            "(create it first; like megatron-LM's tool, this one does not create folders)"
+        )
+    if not os.path.isfile(args.input):
+        raise FileNotFoundError(f"--input {args.input!r}: no such file (expected a JSONL file)")
+    if args.tokenizer_type in ("HuggingFaceTokenizer", "TokenizersFile") and not (
+        args.tokenizer_model and os.path.exists(args.tokenizer_model)
+    ):
+        raise FileNotFoundError(
+            f"--tokenizer-model {args.tokenizer_model!r}: no such file (--tokenizer-type "
+            f"{args.tokenizer_type} needs a tokenizers JSON file)"
+        )
     tokenizer = build_tokenizer(
         SimpleNamespace(
             tokenizer_type=args.tokenizer_type,
             tokenizer_model=args.tokenizer_model,
             vocab_size=args.vocab_size,
+            eod_token=args.eod_token,
         )
     )
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
@@ -46,11 +65,21 @@ def main(argv: Optional[Sequence[str]] = None) -> List[str]:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            record = json.loads(line)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(
+                    f"{args.input}:{line_no}: not valid JSON ({err.msg} at column {err.colno})"
+                ) from None
+            if not isinstance(record, dict):
+                raise ValueError(
+                    f"{args.input}:{line_no}: expected a JSON object with the keys "
+                    f"{[args.prompt_key, args.response_key] if args.sft else args.json_keys}; "
+                    f"got {type(record).__name__}"
+                )
             if args.sft:
                 for key in (args.prompt_key, args.response_key):
-                    if key not in record:
-                        raise ValueError(f"{args.input}:{line_no}: no {key!r} key (--sft)")
+                    _check_text(record, key, f"{args.input}:{line_no}")
                 prompt = list(tokenizer.tokenize(record[args.prompt_key]))
                 response = list(tokenizer.tokenize(record[args.response_key])) + [tokenizer.eod]
                 builders[0].add_item(torch.tensor(prompt, dtype=torch.int64))
@@ -58,8 +87,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[str]:
                 builders[0].end_document()
             else:
                 for key, builder in zip(args.json_keys, builders):
-                    if key not in record:
-                        raise ValueError(f"{args.input}:{line_no}: no {key!r} key")
+                    _check_text(record, key, f"{args.input}:{line_no}")
                     ids = list(tokenizer.tokenize(record[key]))
                     if args.append_eod:
                         ids.append(tokenizer.eod)
@@ -74,6 +102,13 @@ def main(argv: Optional[Sequence[str]] = None) -> List[str]:
         file=sys.stderr,
     )
     return prefixes
+
+
+def _check_text(record: dict, key: str, where: str) -> None:
+    if key not in record:
+        raise ValueError(f"{where}: no {key!r} key (keys: {sorted(record)})")
+    if not isinstance(record[key], str):
+        raise ValueError(f"{where}: {key!r} is {type(record[key]).__name__}; expected a string")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -92,6 +127,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-model", default=None, help="tokenizers JSON file")
     p.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer only")
     p.add_argument("--append-eod", action="store_true")
+    p.add_argument(
+        "--eod-token",
+        default=None,
+        help="HuggingFaceTokenizer: the end-of-document token (as the trainer's --eod-token)",
+    )
     p.add_argument("--workers", type=int, default=1, help="accepted; one process is used")
     return p
 

@@ -52,7 +52,7 @@ from megatron.training.initialize import (
     single_process_groups,
 )
 from megatron.training.metrics import save_metrics
-from megatron.training.model import build_model
+from megatron.training.model import build_model, precision_dtype
 
 LOSS_KEY = "lm loss"
 
@@ -92,15 +92,14 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
         _print(_summary(records, layout, time.perf_counter() - started))
         if config.compare_single_process:
             result.reference = train_single_process(config)
+            tolerance = comparison_tolerance(config, result.reference)
             if is_rank_zero():
-                result.comparison = compare_losses(
-                    records, result.reference, config.compare_tolerance
-                )
+                result.comparison = compare_losses(records, result.reference, tolerance)
                 _print(format_comparison(result.comparison, label, "1 process"))
             result.passed = _agree_on_rank_zero(
                 result.comparison is None or result.comparison.passed
             )
-        if config.save_metrics and is_rank_zero():
+        if config.save_metrics and is_rank_zero() and records:
             result.metrics_files = save_metrics(
                 config.save_metrics, records, label, result.reference
             )
@@ -137,10 +136,14 @@ def train(
     Rank 0 shows a progress bar with the loss and tokens/s (``config.progress``).
     """
     dataset = build_sft_dataset(config)
+    for note in getattr(dataset, "notes", []):  # truncation and empty-loss counts
+        _print(note)
     if config.data_path:  # the model's vocabulary is the tokenizer's
         config = dataclasses.replace(config, vocab_size=dataset.vocab_size)
     model = build_model(config, layout, pg_collection)
     optimizer, scheduler = build_optimizer(config, model, pg_collection)
+    if config.fp16 or config.loss_scale is not None:  # the schedule scales the loss
+        model[0].config.grad_scale_func = optimizer.scale_loss
     vpp = layout.virtual_pipeline_model_parallel_size
     forward_backward_func = get_forward_backward_func(layout.pipeline_model_parallel_size, vpp)
     dp_rank = 0 if pg_collection is None else pg_collection.dp.rank()
@@ -157,7 +160,18 @@ def train(
     start_iteration = 0
     if config.load:
         start_iteration, _, notes = load_checkpoint(
-            config.load, model, optimizer, scheduler, layout=_layout_record(layout)
+            config.load,
+            model,
+            optimizer,
+            scheduler,
+            layout=_layout_record(layout),
+            save_dir=config.save,
+            run_settings=_settings_record(config),
+            ckpt_step=config.ckpt_step,
+            finetune=config.finetune,
+            load_optim=not config.no_load_optim,
+            load_rng=not config.no_load_rng,
+            train_iters=config.train_iters,
         )
         for note in notes:
             _print(note)
@@ -224,7 +238,8 @@ def build_optimizer(
     model: List[torch.nn.Module],
     pg_collection: Optional[ProcessGroupCollection],
 ):
-    """megatron-core's optimizer (AdamW, fp32, clipping by the global gradient norm) and its
+    """megatron-core's optimizer (AdamW, clipping by the global gradient norm; fp32 main
+    parameters and, with ``--fp16``, loss scaling for half-precision weights) and its
     learning-rate schedule: linear warm-up from 0 over ``--lr-warmup-iters``, then
     ``--lr-decay-style`` down to ``--min-lr`` at ``--train-iters``; constant weight decay
     (none on biases and 1-D parameters, as megatron)."""
@@ -238,6 +253,14 @@ def build_optimizer(
             adam_beta2=config.adam_beta2,
             adam_eps=config.adam_eps,
             clip_grad=config.clip_grad,
+            bf16=config.bf16,
+            fp16=config.fp16,
+            params_dtype=precision_dtype(config),
+            loss_scale=config.loss_scale,
+            initial_loss_scale=config.initial_loss_scale,
+            min_loss_scale=config.min_loss_scale,
+            loss_scale_window=config.loss_scale_window,
+            hysteresis=config.hysteresis,
         ),
         model,
         pg_collection=pg_collection,
@@ -280,6 +303,50 @@ def _settings_record(config: TrainingConfig) -> Dict[str, object]:
     return {
         k: v for k, v in vars(config).items() if isinstance(v, (int, float, str, bool, type(None)))
     }
+
+
+PRECISION_FIELDS = (
+    "bf16",
+    "fp16",
+    "loss_scale",
+    "initial_loss_scale",
+    "min_loss_scale",
+    "loss_scale_window",
+    "hysteresis",
+)
+FP32_COMPARE_TOLERANCE = 1e-4
+HALF_PRECISION_TOLERANCE_FACTOR = 3.0
+
+
+def comparison_tolerance(config: TrainingConfig, reference: Optional[List[dict]]) -> float:
+    """``--compare-tolerance`` when given; else 1e-4 in fp32 and, with ``--bf16``/``--fp16``,
+
+        tolerance = 3 * max_i |loss_i(one process, half precision) - loss_i(one process, fp32)|
+
+    A layout's rounding and the one-process run's are independent, each about as large as
+    the one-process half-vs-fp32 difference, so the two runs can differ by about twice it;
+    3x leaves room, and a layout whose losses leave that band differs by more than rounding
+    (the fp32 one-process run is trained here, on rank 0, to measure it). Printed on rank
+    0."""
+    if config.compare_tolerance is not None:
+        return config.compare_tolerance
+    if not (config.bf16 or config.fp16):
+        return FP32_COMPARE_TOLERANCE
+    defaults = TrainingConfig()
+    fp32 = dataclasses.replace(
+        config, **{name: getattr(defaults, name) for name in PRECISION_FIELDS}
+    )
+    fp32_records = train_single_process(fp32)
+    tolerance = 0.0
+    if is_rank_zero():
+        rounding = max(abs(a["loss"] - b["loss"]) for a, b in zip(reference, fp32_records))
+        tolerance = HALF_PRECISION_TOLERANCE_FACTOR * rounding
+        precision = "bf16" if config.bf16 else "fp16"
+        _print(
+            f"tolerance {tolerance:.2e} = {HALF_PRECISION_TOLERANCE_FACTOR:g} x the largest "
+            f"|one process {precision} - one process fp32| loss difference ({rounding:.2e})"
+        )
+    return tolerance
 
 
 def train_single_process(config: TrainingConfig) -> Optional[List[dict]]:
@@ -389,6 +456,8 @@ def _agree_on_rank_zero(passed: bool) -> bool:
 
 def _summary(records: List[dict], layout: Layout, seconds: float) -> str:
     """One line: loss at the first and last iteration, time."""
+    if not records:
+        return f"{layout.name}: no iterations left to train, {seconds:.1f} s"
     first, last = records[0]["loss"], records[-1]["loss"]
     trend = "falls" if last < first else "does not fall"
     return (
@@ -418,7 +487,7 @@ def _data_description(config: TrainingConfig) -> str:
     """``64) on generated prompt/response pairs`` or the data path and tokenizer."""
     if not config.data_path:
         return f"{config.vocab_size}) on generated prompt/response pairs"
-    vocab = build_training_tokenizer(config.tokenizer).vocab_size
+    vocab = build_training_tokenizer(config.tokenizer, config.eod_token).vocab_size
     return f"{vocab}) on {config.data_path} ({config.tokenizer or 'byte-level'} tokenizer)"
 
 

@@ -18,7 +18,7 @@ backward, CP gradient all-reduce, fused AdamW) of a ~1.07B-parameter GPT (4 laye
 three attention variants; with ``--packed-docs N`` each sequence holds N packed documents
 (THD, new cu_seqlens tensors every step; ours only), and a variant named with the suffix
 ``_uncached`` builds its packed plan in every attention call, as before the plan cache
-(the A/B of ``cp_attention._cached``). ``probe``: each SDPA aten op's bottom-right causal
+(the A/B of ``cp_attention.plans.cached``). ``probe``: each SDPA aten op's bottom-right causal
 semantics, LSE shape and speed, checked against a float64 reference.
 
 Reported per configuration: seconds per iteration (median), tokens/s (global sequence
@@ -48,15 +48,14 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+import megatron.core.transformer.cp_attention.kernels as fk  # noqa: E402
 from megatron.core.context_parallel import (  # noqa: E402
     cp_shard_positions,
     thd_document_positions,
     thd_partitioned_indices,
 )
 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
-from megatron.core.transformer import cp_attention  # noqa: E402
-from megatron.core.transformer import flash_kernels as fk  # noqa: E402
-from megatron.core.transformer.cp_attention import context_parallel_attention  # noqa: E402
+from megatron.core.transformer.cp_attention import context_parallel_attention, plans  # noqa: E402
 
 BACKENDS = {
     "flash": "FLASH_ATTENTION",
@@ -361,13 +360,13 @@ UNCACHED = "_uncached"  # variant suffix: every attention call builds its packed
 @contextlib.contextmanager
 def plans_uncached():
     """The A/B of the packed-plan cache: each call reads cu_seqlens and builds its plan anew,
-    as before the cache (``cp_attention._cached`` replaced by a plain call)."""
-    saved = cp_attention._cached
-    cp_attention._cached = lambda packed, key, build: build()
+    as before the cache (``cp_attention.plans.cached`` replaced by a plain call)."""
+    saved = plans.cached
+    plans.cached = lambda packed, key, build: build()
     try:
         yield
     finally:
-        cp_attention._cached = saved
+        plans.cached = saved
 
 
 def packed_documents(length: int, docs: int, cp: int) -> tuple:

@@ -432,16 +432,20 @@ def test_data_iterator_running_out_raises_naming_it_and_the_microbatch(monkeypat
 
 
 @pytest.mark.parametrize(
-    "options, match",
+    "options, error, match",
     [
-        (dict(use_distributed_optimizer=True), r"use_distributed_optimizer=True .*use False"),
-        (dict(num_distributed_optimizer_instances=2), r"_instances=2 .*expected 1"),
+        (
+            dict(overlap_param_gather=True),
+            ValueError,
+            r"overlap_param_gather=True needs use_distributed_optimizer=True",
+        ),
+        (dict(num_distributed_optimizer_instances=2), NotImplementedError, r"_instances=2 .*1"),
     ],
 )
-def test_ddp_options_this_core_lacks_raise_naming_them(options, match):
+def test_ddp_options_this_core_lacks_raise_naming_them(options, error, match):
     config = parity.TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
     chunk = TokenwiseChunk(config, [0], True, True, False, initial_params(False))
-    with pytest.raises(NotImplementedError, match=match):
+    with pytest.raises(error, match=match):
         DistributedDataParallel(config, DistributedDataParallelConfig(**options), chunk)
 
 
@@ -508,7 +512,7 @@ DOCUMENTED = [
     "must lie in [pipeline_model_parallel_size=",
     "leaves a last group of",
     "adjust_tensor_shapes_fn is not supported by the interleaved schedule",
-    "use_distributed_optimizer=True is not supported by this core; use False",
+    "overlap_param_gather=True needs use_distributed_optimizer=True",
     "is not supported by this core; expected 1",
     "average_in_collective=True cannot be combined with calculate_per_token_loss=True",
     "found NaN in the local gradient of parameter",

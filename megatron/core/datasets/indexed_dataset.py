@@ -122,6 +122,12 @@ class IndexedDataset(torch.utils.data.Dataset):
                 )
         self.index = _IndexReader(idx_path, multimodal)
         self.bin_reader: _BinReader = _MMapBinReader(bin_path) if mmap else _FileBinReader(bin_path)
+        needed, size = self.index.data_end(), os.path.getsize(bin_path)
+        if size < needed:
+            raise ValueError(
+                f"{bin_path}: truncated data file: {idx_path} indexes {len(self.index)} "
+                f"sequences ending at byte {needed}, the file has {size} bytes"
+            )
 
     def __getstate__(self) -> Tuple[str, bool, bool]:
         return self.path_prefix, self.multimodal, self.mmap
@@ -159,6 +165,12 @@ class IndexedDataset(torch.utils.data.Dataset):
         pointer, seq_length, mode = self.index[idx]
         if length is None:
             length = seq_length - offset
+        if offset < 0 or length < 0 or offset + length > seq_length:
+            raise ValueError(
+                f"get(idx={idx}, offset={offset}, length={length}): sequence {idx} of "
+                f"{self.path_prefix!r} has {seq_length} tokens; expected 0 <= offset and "
+                "offset + length <= its length"
+            )
         pointer += offset * DType.size(self.index.dtype)
         sequence = self.bin_reader.read(self.index.dtype, length, pointer)
         return (sequence, mode) if mode is not None else sequence
@@ -310,7 +322,8 @@ def _write_index(
 
 
 class _IndexReader:
-    """Parse an ``.idx`` file into numpy views over one memory map."""
+    """Parse an ``.idx`` file into numpy views over one memory map; every size is checked
+    against the file's, so a truncated or corrupt index is an error naming the file."""
 
     def __init__(self, idx_path: str, multimodal: bool) -> None:
         with open(idx_path, "rb") as f:
@@ -320,18 +333,30 @@ class _IndexReader:
                     f"{idx_path}: header {header!r} is not megatron's index header "
                     f"{_INDEX_HEADER!r}"
                 )
-            (version,) = struct.unpack("<Q", f.read(8))
+            (version,) = struct.unpack("<Q", _read_exact(f, 8, idx_path, "the version"))
             if version != _INDEX_VERSION:
                 raise ValueError(f"{idx_path}: index version {version}, expected 1")
-            (code,) = struct.unpack("<B", f.read(1))
+            (code,) = struct.unpack("<B", _read_exact(f, 1, idx_path, "the dtype code"))
+            if code not in {d.value for d in DType}:
+                raise ValueError(
+                    f"{idx_path}: dtype code {code} in the header is not a valid DType "
+                    f"(expected one of {', '.join(f'{d.value}={d.name}' for d in DType)})"
+                )
             self.dtype = DType.dtype_from_code(code)
             self.dtype_size = DType.size(self.dtype)
-            (self.sequence_count,) = struct.unpack("<Q", f.read(8))
-            (self.document_count,) = struct.unpack("<Q", f.read(8))
+            counts = _read_exact(f, 16, idx_path, "the sequence and document counts")
+            self.sequence_count, self.document_count = struct.unpack("<QQ", counts)
             offset = f.tell()
+        s, d = self.sequence_count, self.document_count
+        expected = offset + 4 * s + 8 * s + 8 * d + (s if multimodal else 0)
+        actual = os.path.getsize(idx_path)
+        if actual < expected:
+            raise ValueError(
+                f"{idx_path}: truncated index: {s} sequences and {d} document boundaries need "
+                f"{expected} bytes, the file has {actual}"
+            )
         self._mmap = numpy.memmap(idx_path, mode="r", order="C")
         buffer = memoryview(self._mmap)
-        s, d = self.sequence_count, self.document_count
         self.sequence_lengths = numpy.frombuffer(buffer, numpy.int32, s, offset)
         offset += 4 * s
         self.sequence_pointers = numpy.frombuffer(buffer, numpy.int64, s, offset)
@@ -346,6 +371,15 @@ class _IndexReader:
                 f"{idx_path}: document indices end at "
                 f"{self.document_indices[-1] if d else None}, expected {s} sequences"
             )
+        if s and (self.sequence_lengths.min() < 0 or self.sequence_pointers.min() < 0):
+            raise ValueError(f"{idx_path}: negative sequence lengths or pointers")
+
+    def data_end(self) -> int:
+        """Bytes the ``.bin`` must hold: the end of the sequence that ends last."""
+        if not self.sequence_count:
+            return 0
+        ends = self.sequence_pointers + self.sequence_lengths.astype(numpy.int64) * self.dtype_size
+        return int(ends.max())
 
     def __len__(self) -> int:
         return self.sequence_count
@@ -355,8 +389,34 @@ class _IndexReader:
         return int(self.sequence_pointers[idx]), int(self.sequence_lengths[idx]), mode
 
 
+def _read_exact(f: Any, count: int, path: str, what: str) -> bytes:
+    data = f.read(count)
+    if len(data) != count:
+        raise ValueError(
+            f"{path}: truncated index: {what} needs {count} bytes at offset "
+            f"{f.tell() - len(data)}, the file ends after {len(data)}"
+        )
+    return data
+
+
 class _BinReader:
+    """Reads ``count`` elements at byte ``offset`` of the ``.bin``; a read past the end of the
+    file is an error naming the file, the bytes asked for and the file's size."""
+
+    def __init__(self, bin_path: str) -> None:
+        self._path = bin_path
+        self._size = os.path.getsize(bin_path)
+
     def read(self, dtype: Type[numpy.number], count: int, offset: int) -> numpy.ndarray:
+        end = offset + count * DType.size(dtype)
+        if count < 0 or offset < 0 or end > self._size:
+            raise ValueError(
+                f"{self._path}: truncated or wrong data file: reading {count} tokens at byte "
+                f"{offset} needs {end} bytes, the file has {self._size}"
+            )
+        return self._read(dtype, count, offset)
+
+    def _read(self, dtype: Type[numpy.number], count: int, offset: int) -> numpy.ndarray:
         raise NotImplementedError
 
 
@@ -364,23 +424,25 @@ class _MMapBinReader(_BinReader):
     """Views into one read-only memory map of the ``.bin``."""
 
     def __init__(self, bin_path: str) -> None:
-        size = os.path.getsize(bin_path)
-        self._mmap = numpy.memmap(bin_path, mode="r", order="C") if size else None
-        self._buffer = memoryview(self._mmap) if size else memoryview(b"")
+        super().__init__(bin_path)
+        self._mmap = numpy.memmap(bin_path, mode="r", order="C") if self._size else None
+        self._buffer = memoryview(self._mmap) if self._size else memoryview(b"")
 
-    def read(self, dtype: Type[numpy.number], count: int, offset: int) -> numpy.ndarray:
+    def _read(self, dtype: Type[numpy.number], count: int, offset: int) -> numpy.ndarray:
         return numpy.frombuffer(self._buffer, dtype=dtype, count=count, offset=offset)
 
 
 class _FileBinReader(_BinReader):
     """Plain file reads (``mmap=False``)."""
 
-    def __init__(self, bin_path: str) -> None:
-        self._path = bin_path
-
-    def read(self, dtype: Type[numpy.number], count: int, offset: int) -> numpy.ndarray:
+    def _read(self, dtype: Type[numpy.number], count: int, offset: int) -> numpy.ndarray:
         out = numpy.empty(count, dtype=dtype)
         with open(self._path, "rb", buffering=0) as f:
             f.seek(offset)
-            f.readinto(memoryview(out).cast("B"))
+            got = f.readinto(memoryview(out).cast("B"))
+        if got != out.nbytes:  # the file shrank since it was opened
+            raise ValueError(
+                f"{self._path}: read {got} of {out.nbytes} bytes at byte {offset}: the file is "
+                "truncated"
+            )
         return out

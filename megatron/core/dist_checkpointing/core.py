@@ -35,12 +35,24 @@ def check_is_distributed_checkpoint(checkpoint_dir: Union[str, Path]) -> bool:
 
 
 def maybe_load_config(checkpoint_dir: Union[str, Path]) -> Optional[CheckpointingConfig]:
-    """The checkpoint's config, or None when ``metadata.json`` is absent."""
+    """The checkpoint's config, or None when ``metadata.json`` is absent; an error naming
+    the file when it is empty or not the JSON that ``save`` writes."""
     path = Path(checkpoint_dir) / CONFIG_FNAME
     if not path.exists():
         return None
-    with open(path) as f:
-        fields = json.load(f)
+    text = path.read_bytes()
+    expected = (
+        'expected the JSON object {"sharded_backend": ..., ...} that save writes last; '
+        "the marker is damaged, so the checkpoint cannot be trusted"
+    )
+    if not text.strip():
+        raise CheckpointingException(f"{path}: empty ({len(text)} bytes); {expected}")
+    try:
+        fields = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointingException(f"{path}: not valid JSON ({err}); {expected}") from None
+    if not isinstance(fields, dict) or not isinstance(fields.get("sharded_backend"), str):
+        raise CheckpointingException(f"{path}: holds {fields!r}; {expected}")
     known = {k: v for k, v in fields.items() if k in CheckpointingConfig.__dataclass_fields__}
     return CheckpointingConfig(**known)
 

@@ -96,8 +96,8 @@ class ShardedTensor(ShardedBase):
         if self.flattened_range is not None:
             raise CheckpointingException(
                 f"ShardedTensor {self.key!r}: flattened_range={self.flattened_range!r} is not "
-                "supported (it serves megatron-core's distributed optimizer, which this "
-                "package does not implement); expected None"
+                "supported (megatron-core's flat-range optimizer format; this package's "
+                "distributed optimizer stores whole per-parameter tensors); expected None"
             )
         ndim = len(self.global_shape)
         if len(self.local_shape) != ndim or len(self.global_offset) != ndim:
@@ -160,7 +160,8 @@ class ShardedTensor(ShardedBase):
         if flattened_range is not None:
             raise CheckpointingException(
                 f"ShardedTensor.from_rank_offsets({key!r}): flattened_range="
-                f"{flattened_range!r} is not supported (no distributed optimizer); expected None"
+                f"{flattened_range!r} is not supported (the distributed optimizer stores whole "
+                "per-parameter tensors); expected None"
             )
         if not isinstance(data, torch.Tensor):
             raise CheckpointingException(

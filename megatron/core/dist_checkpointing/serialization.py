@@ -7,13 +7,23 @@ finished writing. ``save`` first removes an old ``metadata.json`` from the direc
 that dies part-way (a rank killed while writing) leaves a directory that ``load`` refuses
 with a clear error instead of a mix of old and new files that loads silently.
 
+Integrity: ``checksums.json`` (written before ``metadata.json``) holds the CRC-32 of
+``common.pt``, of ``.metadata`` and of every item's stored bytes in the DCP files; ``load``
+checks each before unpickling it and names the file on a mismatch.
+
 Loading never unpickles arbitrary objects: ``common.pt`` and every ShardedObject are read with
 ``torch.load(weights_only=True)``, DCP's metadata with an unpickler that admits only its own
 types (``storage.py``); a checkpoint that needs more is refused with an error naming what.
+
+One module of a little over 600 lines: ``save`` and ``load`` are megatron-core's two entry
+points and share every helper below (splitting sharded from common values, the piece
+boxes, the agreement and coverage checks); the file format lives in ``storage.py``.
 """
 
+import io
 import logging
 import os
+import zlib
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
@@ -134,9 +144,20 @@ def save(
     _barrier()  # nobody writes before the old marker is gone
     if _rank() == 0:
         _write_file(checkpoint_dir / COMMON_FNAME, common_payload)
-    storage.write_pieces(checkpoint_dir, boxes, objects)
-    _barrier()  # every rank's files are written and synced
+    item_sums = storage.write_pieces(checkpoint_dir, boxes, objects)
+    everyone_sums = _all_gather(item_sums)  # also: every rank's files are written and synced
     if _rank() == 0:
+        items: storage.ItemChecksums = {}
+        for sums in everyone_sums:
+            for name, entries in sums.items():
+                items.setdefault(name, {}).update(entries)
+        files = {
+            COMMON_FNAME: zlib.crc32(common_payload),
+            storage.DCP_METADATA_FNAME: zlib.crc32(
+                (checkpoint_dir / storage.DCP_METADATA_FNAME).read_bytes()
+            ),
+        }
+        storage.write_checksums(checkpoint_dir, items, files)
         save_config(CheckpointingConfig(SHARDED_BACKEND, 1), checkpoint_dir)
     _barrier()
 
@@ -169,6 +190,13 @@ def load(
     _check_strategy(common_strategy, "common_strategy", "torch")
     strict = parse_strict_flag(strict)
     checkpoint_dir = _complete_checkpoint(checkpoint_dir, "load")
+    if storage.read_checksums(checkpoint_dir) is None and _rank() == 0:
+        logger.warning(
+            "load: %s has no %s (written by another writer or an older version): its "
+            "files are not checked for damage",
+            checkpoint_dir,
+            storage.CHECKSUMS_FNAME,
+        )
     common_state = load_common_state_dict(checkpoint_dir)
     metadata = storage.read_metadata(checkpoint_dir)
     stored_shapes = storage.stored_tensor_shapes(metadata)
@@ -247,8 +275,11 @@ def load_common_state_dict(checkpoint_dir: Union[str, Path]) -> StateDict:
     path = checkpoint_dir / COMMON_FNAME
     if not path.exists():
         raise CheckpointingException(f"{checkpoint_dir}: {COMMON_FNAME} is missing")
-    with open(path, "rb") as f:
-        return storage.safe_load_bytes(f, str(path))
+    payload = path.read_bytes()
+    storage.verify_bytes(
+        checkpoint_dir, COMMON_FNAME, payload, storage.read_checksums(checkpoint_dir)
+    )
+    return storage.safe_load_bytes(io.BytesIO(payload), str(path))
 
 
 def load_tensors_metadata(

@@ -14,14 +14,22 @@ per rank"): two small planners that speak in boxes, and safe reading. DCP pickle
 dtypes/sizes/layouts and paths. DCP reads tensor data with ``torch.load(weights_only=True)``
 already; byte entries we load with ``weights_only=True`` as well. Nothing else is
 unpickled.
+
+Integrity: after writing, each rank reads back the items of its own file (from the page
+cache) and records a CRC-32 of each item's stored bytes; ``save`` keeps them, with the CRC-32
+of ``common.pt`` and ``.metadata``, in ``checksums.json``. Our reader reads each item's bytes
+itself, checks the CRC before unpickling anything, and names the file on a mismatch.
 """
 
 import contextlib
 import dataclasses
 import inspect
 import io
+import json
+import os
 import pickle
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -49,10 +57,16 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.futures import Future
 
-from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.core import CheckpointingException, _fsync_dir
 
 DCP_METADATA_FNAME = ".metadata"
+CHECKSUMS_FNAME = "checksums.json"
+CHECKSUM_ALGORITHM = "crc32"
+
+# {file name: {str(offset): [length, crc32]}}: the stored bytes of each DCP item
+ItemChecksums = Dict[str, Dict[str, List[int]]]
 
 
 @dataclasses.dataclass
@@ -68,19 +82,103 @@ class TensorBox:
 
 def write_pieces(
     checkpoint_dir: Path, boxes: Sequence[TensorBox], objects: Dict[str, bytes]
-) -> None:
-    """Collective: DCP-save this rank's main-replica ``boxes`` and serialized ``objects``."""
+) -> ItemChecksums:
+    """Collective: DCP-save this rank's main-replica ``boxes`` and serialized ``objects``;
+    returns the CRC-32 of the stored bytes of each item this rank wrote (read back)."""
     planner = _BoxSavePlanner(boxes, objects)
     options = {"single_file_per_rank": True, "sync_files": True}
     if "overwrite" in inspect.signature(FileSystemWriter.__init__).parameters:
         options["overwrite"] = True  # save() has already retired the old checkpoint's marker
     writer = FileSystemWriter(str(checkpoint_dir), **options)
     with _quiet_single_process(), _plain_errors("save"):
-        dcp.save({}, storage_writer=writer, planner=planner, no_dist=not _distributed())
+        metadata = dcp.save({}, storage_writer=writer, planner=planner, no_dist=not _distributed())
+    written = [metadata.storage_data[item.index] for item in planner.plan.items]
+    return item_checksums(checkpoint_dir, written)
+
+
+def item_checksums(checkpoint_dir: Path, infos: Sequence[Any]) -> ItemChecksums:
+    """CRC-32 of the bytes ``[offset, offset + length)`` of each DCP storage item ``infos``
+    (``relative_path``, ``offset``, ``length``), read in file order."""
+    out: ItemChecksums = {}
+    by_file: Dict[str, list] = {}
+    for info in infos:
+        by_file.setdefault(info.relative_path, []).append(info)
+    for name, entries in by_file.items():
+        sums = out.setdefault(name, {})
+        with open(Path(checkpoint_dir) / name, "rb") as f:
+            for info in sorted(entries, key=lambda i: i.offset):
+                f.seek(info.offset)
+                sums[str(info.offset)] = [info.length, zlib.crc32(f.read(info.length))]
+    return out
+
+
+def write_checksums(checkpoint_dir: Path, items: ItemChecksums, files: Dict[str, int]) -> None:
+    """Write ``checksums.json`` atomically: the CRC-32 of whole ``files`` and of every DCP
+    item, and a CRC-32 of that content itself (so a damaged entry is not taken for a
+    damaged shard)."""
+    body = {"algorithm": CHECKSUM_ALGORITHM, "files": files, "items": items}
+    record = dict(body, self_crc32=zlib.crc32(_canonical(body)))
+    path = Path(checkpoint_dir) / CHECKSUMS_FNAME
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def read_checksums(checkpoint_dir: Path) -> Optional[dict]:
+    """The checkpoint's ``checksums.json`` (None when it has none: another writer's
+    checkpoint); a clear error naming the file when it is damaged."""
+    path = Path(checkpoint_dir) / CHECKSUMS_FNAME
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_bytes())
+        body = {k: record[k] for k in ("algorithm", "files", "items")}
+        intact = record["self_crc32"] == zlib.crc32(_canonical(body))
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointingException(
+            f"{path}: damaged ({type(err).__name__}: {err}); expected the JSON object with "
+            "'algorithm', 'files', 'items', 'self_crc32' that save writes"
+        ) from None
+    if not intact:
+        raise CheckpointingException(
+            f"{path}: its content does not match its own CRC-32 (self_crc32); the file is "
+            "damaged, so the checkpoint cannot be verified"
+        )
+    if body["algorithm"] != CHECKSUM_ALGORITHM:
+        raise CheckpointingException(
+            f"{path}: algorithm {body['algorithm']!r}; expected {CHECKSUM_ALGORITHM!r}"
+        )
+    return body
+
+
+def verify_bytes(checkpoint_dir: Path, name: str, payload: bytes, checksums: Optional[dict]):
+    """Check a whole file's bytes against its recorded CRC-32 (no-op without checksums)."""
+    if checksums is None:
+        return
+    expected = checksums["files"].get(name)
+    if expected is None:
+        raise CheckpointingException(
+            f"{Path(checkpoint_dir) / name}: {CHECKSUMS_FNAME} records no checksum for it"
+        )
+    actual = zlib.crc32(payload)
+    if actual != expected:
+        raise CheckpointingException(
+            f"{Path(checkpoint_dir) / name}: checksum mismatch (CRC-32 {actual:#010x}, "
+            f"{expected:#010x} when saved): the file was damaged or changed after the save"
+        )
+
+
+def _canonical(body: dict) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
 def read_metadata(checkpoint_dir: Path) -> Metadata:
-    """DCP's metadata of the checkpoint, read without unpickling anything but its own types."""
+    """DCP's metadata of the checkpoint (checksum verified), read without unpickling
+    anything but its own types."""
     return SafeFileSystemReader(str(checkpoint_dir)).read_metadata()
 
 
@@ -97,16 +195,37 @@ def read_pieces(
 
 
 def safe_load_bytes(buffer: io.BytesIO, what: str) -> Any:
-    """``torch.load(weights_only=True)``; a clear refusal when the payload needs more."""
+    """``torch.load(weights_only=True)``; a clear refusal when the payload needs more.
+
+    The refusal keeps only the unpickler's reason (the refused global); torch's advice to
+    retry with ``weights_only=False``, which would run the payload, is not passed on."""
     try:
         return torch.load(buffer, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointingException(
-            f"{what}: refusing to load, it needs objects that torch.load(weights_only=True) "
-            f"does not allow ({reason}). This loader never unpickles arbitrary objects; save "
-            "tensors, numbers, strings, and lists/tuples/dicts of these instead"
-        ) from err
+            f"{what}: refused, it holds a pickled object that loading would have to run "
+            f"({_unpickler_reason(err)}). This loader never unpickles arbitrary objects "
+            "(torch.load(weights_only=True) only); save tensors, numbers, strings, and "
+            "lists/tuples/dicts of these instead"
+        ) from None
+    except (RuntimeError, EOFError, ValueError) as err:
+        raise CheckpointingException(
+            f"{what}: not a readable torch.save payload ({type(err).__name__}: "
+            f"{str(err).strip().splitlines()[0] if str(err).strip() else ''})"
+        ) from None
+
+
+def _unpickler_reason(err: Exception) -> str:
+    """The line of torch's weights-only error that says what was refused, without its
+    advice to load with ``weights_only=False``."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    for line in lines:
+        if line.startswith("WeightsUnpickler error:"):
+            return line[len("WeightsUnpickler error:") :].strip()
+    for line in lines:
+        if "weights_only" not in line and "trust" not in line:
+            return line
+    return type(err).__name__
 
 
 def serialize_checked(obj: Any, what: str) -> bytes:
@@ -128,7 +247,13 @@ def serialize_checked(obj: Any, what: str) -> bytes:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader with ``.metadata`` read by ``_MetadataUnpickler``."""
+    """DCP's file reader with ``.metadata`` read by ``_MetadataUnpickler`` and item data read
+    by ``read_data`` below: each item's bytes checked against ``checksums.json`` (when the
+    checkpoint has one) before ``torch.load(weights_only=True)``."""
+
+    def __init__(self, path: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__(path, *args, **kwargs)
+        self.checksums = read_checksums(Path(str(path)))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = Path(str(self.path)) / DCP_METADATA_FNAME
@@ -137,8 +262,14 @@ class SafeFileSystemReader(FileSystemReader):
                 f"{path.parent}: DCP metadata file {DCP_METADATA_FNAME!r} is missing; the "
                 "checkpoint is incomplete or not a torch.distributed.checkpoint checkpoint"
             )
-        with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f, path).load()
+        payload = path.read_bytes()
+        verify_bytes(path.parent, DCP_METADATA_FNAME, payload, self.checksums)
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(payload), path).load()
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as err:
+            raise CheckpointingException(
+                f"{path}: not readable DCP metadata ({type(err).__name__}: {err})"
+            ) from None
         if not isinstance(metadata, Metadata):
             raise CheckpointingException(
                 f"{path}: expected DCP Metadata, found {type(metadata).__name__}"
@@ -148,6 +279,81 @@ class SafeFileSystemReader(FileSystemReader):
         if hasattr(self, "load_id"):
             metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan: LoadPlan, planner: Any) -> Future:
+        """Read each planned item's stored bytes, check their CRC-32, then load them with
+        ``torch.load(weights_only=True)`` into the planner's destination (DCP's reader
+        does the same without the check)."""
+        root = Path(str(self.path))
+        per_file: Dict[str, List[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
+                item
+            )
+        for name, items in per_file.items():
+            path = root / name
+            if not path.exists():
+                raise CheckpointingException(f"{path}: missing; the DCP metadata names it")
+            with open(path, "rb") as f:
+                verified: Dict[int, bytes] = {}
+                for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
+                    info = self.storage_data[item.storage_index]
+                    if info.offset not in verified:
+                        verified = {info.offset: self._item_bytes(f, path, info, item)}
+                    self._deliver(item, verified[info.offset], path, planner)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    def _item_bytes(self, f, path: Path, info: Any, item: ReadItem) -> bytes:
+        what = f"{path}: item {item.storage_index.fqn!r} at bytes {info.offset}"
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointingException(
+                f"{what}: stored with transforms {list(info.transform_descriptors)}, which "
+                "this loader does not apply"
+            )
+        f.seek(info.offset)
+        payload = f.read(info.length)
+        if len(payload) != info.length:
+            raise CheckpointingException(
+                f"{what}: the file ends after {len(payload)} of the item's {info.length} bytes "
+                "(truncated)"
+            )
+        if self.checksums is not None:
+            expected = self.checksums["items"].get(path.name, {}).get(str(info.offset))
+            if expected is None or expected[0] != info.length:
+                raise CheckpointingException(
+                    f"{what}: {CHECKSUMS_FNAME} records no checksum for this item; it does not "
+                    "belong to this checkpoint's files"
+                )
+            actual = zlib.crc32(payload)
+            if actual != expected[1]:
+                raise CheckpointingException(
+                    f"{what}: checksum mismatch (CRC-32 {actual:#010x}, {expected[1]:#010x} "
+                    "when saved): the shard file was damaged or changed after the save"
+                )
+        return payload
+
+    @staticmethod
+    def _deliver(item: ReadItem, payload: bytes, path: Path, planner: Any) -> None:
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(payload))
+            return
+        what = f"{path}: tensor {item.storage_index.fqn!r}"
+        tensor = safe_load_bytes(io.BytesIO(payload), what)
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointingException(
+                f"{what}: the stored item holds a {type(tensor).__name__}, not a tensor"
+            )
+        tensor = _narrow_exact(tensor, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != tensor.size():
+            raise CheckpointingException(
+                f"{what}: read {tuple(tensor.size())} for a destination of "
+                f"{tuple(target.size())}; the DCP metadata does not match the data"
+            )
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)
 
 
 _METADATA_CLASSES = {
@@ -328,6 +534,20 @@ def _plain_errors(what: str):
 
 def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _narrow_exact(
+    tensor: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]
+) -> torch.Tensor:
+    """``tensor[offsets : offsets + sizes]`` per dimension; an error when it does not fit."""
+    if tensor.dim() != len(offsets) or any(
+        o + n > s for o, n, s in zip(offsets, sizes, tensor.shape)
+    ):
+        raise CheckpointingException(
+            f"stored tensor of shape {tuple(tensor.shape)} has no box at offsets "
+            f"{tuple(offsets)} of size {tuple(sizes)}"
+        )
+    return _narrow(tensor, offsets, sizes)
 
 
 def _narrow(tensor: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """DistributedDataParallel: gradients accumulate in contiguous buffers and are reduced over
-the data-parallel x context-parallel group in buckets."""
+the data-parallel x context-parallel group in buckets (all-reduced, or reduce-scattered into
+each rank's shard for the distributed optimizer, which then all-gathers the parameters)."""
 
 import contextlib
 from typing import Dict, Iterator, List, Optional
@@ -14,8 +15,10 @@ from megatron.core.distributed.distributed_data_parallel_config import (
 from megatron.core.distributed.param_and_grad_buffer import (
     GradBucket,
     GradBuffer,
+    gather_bucket_params,
     reduce_bucket,
     wait_bucket,
+    wait_param_gather,
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -30,6 +33,13 @@ class DistributedDataParallel(torch.nn.Module):
     or the plain sum in per-token mode (``config.calculate_per_token_loss``), where
     ``finalize_model_grads`` divides by the token count. Group: ``pg_collection.dp_cp``, else
     ``parallel_state``'s dp x cp group (MPU fallback), else none (one process).
+
+    ``use_distributed_optimizer``: the same scaling, but each bucket is reduce-scattered, so
+    only this rank's shard of it holds the reduced sum (``param_and_grad_buffer``); the
+    parameters live in a contiguous buffer that ``start_param_sync`` all-gathers after the
+    optimizer step. With ``overlap_param_gather`` that gather is asynchronous and a forward
+    pre-hook on each module waits for the buckets of its parameters, so the next forward
+    overlaps with the gathers of later buckets.
     """
 
     def __init__(
@@ -58,7 +68,10 @@ class DistributedDataParallel(torch.nn.Module):
             bucket_size = max(40_000_000, 1_000_000 * dp_cp_size)
         if disable_bucketing or not ddp_config.overlap_grad_reduce:
             bucket_size = None
-        self.buffers = _make_buffers(module, ddp_config.grad_reduce_in_fp32, bucket_size)
+        self.shard_size = dp_cp_size if ddp_config.use_distributed_optimizer else None
+        self.buffers = _make_buffers(
+            module, ddp_config.grad_reduce_in_fp32, bucket_size, self.shard_size
+        )
         self.param_to_bucket: Dict[torch.nn.Parameter, GradBucket] = {}
         for buffer in self.buffers:
             self.param_to_bucket.update(buffer.param_to_bucket)
@@ -67,6 +80,9 @@ class DistributedDataParallel(torch.nn.Module):
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad) for p in self.param_to_bucket
         ]
+        self._param_gather_hooks: list = []
+        if ddp_config.use_distributed_optimizer and ddp_config.overlap_param_gather:
+            self.enable_forward_pre_hook()
 
     def forward(self, *args, **kwargs):
         """Run the wrapped module."""
@@ -96,6 +112,45 @@ class DistributedDataParallel(torch.nn.Module):
             wait_bucket(bucket)
             bucket.reset()
 
+    def start_param_sync(
+        self, *unused, force_sync: bool = False, force_dispatch: bool = False
+    ) -> None:
+        """All-gather the updated parameter shards (distributed optimizer; a no-op
+        otherwise): asynchronously with ``overlap_param_gather`` (the forward pre-hooks wait),
+        synchronously without it or with ``force_sync``. Buckets are dispatched in the order
+        the forward uses them (the last bucket first)."""
+        if not self.ddp_config.use_distributed_optimizer:
+            return
+        overlap = self.ddp_config.overlap_param_gather and not force_sync
+        for bucket in reversed(self._buckets()):
+            wait_param_gather(bucket)
+            gather_bucket_params(bucket, self.dp_cp_group, async_op=overlap)
+            if not overlap:
+                wait_param_gather(bucket)
+
+    def finish_param_sync(self) -> None:
+        """Wait for every parameter all-gather still in flight."""
+        for bucket in self._buckets():
+            wait_param_gather(bucket)
+
+    def enable_forward_pre_hook(self) -> None:
+        """Register the forward pre-hooks that wait for a module's parameter gathers."""
+        if self._param_gather_hooks:
+            return
+        for module in self.module.modules():
+            if any(p in self.param_to_bucket for p in module.parameters(recurse=False)):
+                self._param_gather_hooks.append(
+                    module.register_forward_pre_hook(self._wait_for_params)
+                )
+
+    def disable_forward_pre_hook(self, param_sync: bool = True) -> None:
+        """Remove the forward pre-hooks; ``param_sync``: finish the gathers now."""
+        for handle in self._param_gather_hooks:
+            handle.remove()
+        self._param_gather_hooks = []
+        if param_sync:
+            self.finish_param_sync()
+
     def scale_gradients(self, scaling_factor: float) -> None:
         """Multiply every ``main_grad`` by ``scaling_factor``."""
         for buffer in self.buffers:
@@ -119,7 +174,8 @@ class DistributedDataParallel(torch.nn.Module):
             dist.broadcast(param.data, src=src, group=self.dp_cp_group)
 
     def state_dict(self, *args, **kwargs):
-        """The wrapped module's state dict."""
+        """The wrapped module's state dict (parameter gathers in flight finished first)."""
+        self.finish_param_sync()
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True):
@@ -142,6 +198,13 @@ class DistributedDataParallel(torch.nn.Module):
             if len(bucket.ready) == len(bucket.params) and not bucket.launched:
                 self._launch(bucket)
 
+    def _wait_for_params(self, module: torch.nn.Module, args) -> None:
+        """Forward pre-hook: the gathers of the buckets holding ``module``'s parameters."""
+        for param in module.parameters(recurse=False):
+            bucket = self.param_to_bucket.get(param)
+            if bucket is not None and bucket.gather_handle is not None:
+                wait_param_gather(bucket)
+
     def _launch(self, bucket: GradBucket) -> None:
         """Check (optionally) and start reducing one bucket."""
         if self.ddp_config.check_for_nan_in_grad:
@@ -152,6 +215,7 @@ class DistributedDataParallel(torch.nn.Module):
             self.pre_scale,
             self.average,
             async_op=self.ddp_config.overlap_grad_reduce,
+            scatter=self.ddp_config.use_distributed_optimizer,
         )
 
     def _check_finite(self, bucket: GradBucket) -> None:
@@ -174,14 +238,22 @@ class DistributedDataParallel(torch.nn.Module):
         return [bucket for buffer in self.buffers for bucket in buffer.buckets]
 
 
-def _make_buffers(module, grad_reduce_in_fp32: bool, bucket_size) -> List[GradBuffer]:
-    """One buffer per gradient dtype (fp32 when ``grad_reduce_in_fp32``)."""
-    by_dtype: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
+def _make_buffers(
+    module, grad_reduce_in_fp32: bool, bucket_size, shard_size: Optional[int]
+) -> List[GradBuffer]:
+    """One buffer per gradient dtype (fp32 when ``grad_reduce_in_fp32``), and with the
+    distributed optimizer (``shard_size``) per parameter dtype as well (a parameter buffer
+    holds one dtype)."""
+    by_dtype: Dict[tuple, List[torch.nn.Parameter]] = {}
     for param in module.parameters():
         if param.requires_grad:
             dtype = torch.float32 if grad_reduce_in_fp32 else param.dtype
-            by_dtype.setdefault(dtype, []).append(param)
-    return [GradBuffer(params, dtype, bucket_size) for dtype, params in by_dtype.items()]
+            key = (dtype, param.dtype if shard_size is not None else None)
+            by_dtype.setdefault(key, []).append(param)
+    return [
+        GradBuffer(params, dtype, bucket_size, shard_size)
+        for (dtype, _), params in by_dtype.items()
+    ]
 
 
 def _dp_cp_group(pg_collection: Optional[ProcessGroupCollection]):
@@ -204,10 +276,13 @@ def _dp_cp_group(pg_collection: Optional[ProcessGroupCollection]):
 
 
 def _reject_unsupported(ddp_config: DistributedDataParallelConfig) -> None:
-    """Fail loudly for features this core does not implement."""
-    if ddp_config.use_distributed_optimizer:
-        raise NotImplementedError(
-            "use_distributed_optimizer=True is not supported by this core; use False"
+    """Fail loudly for features this core does not implement and settings that need each
+    other (Megatron-LM's argument checks, named by their config fields)."""
+    if ddp_config.overlap_param_gather and not ddp_config.use_distributed_optimizer:
+        raise ValueError(
+            "DistributedDataParallelConfig: overlap_param_gather=True needs "
+            "use_distributed_optimizer=True (--overlap-param-gather only supported with "
+            "distributed optimizer); got use_distributed_optimizer=False"
         )
     if ddp_config.num_distributed_optimizer_instances != 1:
         raise NotImplementedError(

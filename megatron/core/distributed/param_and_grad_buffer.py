@@ -1,59 +1,143 @@
-"""Contiguous gradient buffers split into buckets that are reduced as one tensor each."""
+"""Contiguous gradient buffers split into buckets that are reduced as one tensor each.
 
-from typing import Dict, List, Optional
+With the distributed optimizer (``use_distributed_optimizer=True``) a buffer also holds the
+parameters: ``param.data`` becomes a view of a contiguous parameter buffer with the same
+layout as the gradient buffer. Every bucket is padded to a multiple of the data-parallel size
+D (the dp x cp group), and rank r owns the r-th of the D equal pieces of each bucket, its
+*shard*: the bucket's gradients are reduce-scattered (the shard receives the sum over the
+group) and, after the optimizer has updated the shards, the parameters are all-gathered.
+A parameter marked ``shared_embedding`` (tied word embeddings) gets a bucket of its own, so
+its shard is the same element range on the first and the last pipeline stage (their
+gradients are summed elementwise over the embedding group after the reduce-scatter).
+"""
+
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from megatron.core.device import supports_avg
+from megatron.core.device import comm_device, supports_avg
 
 
 class GradBucket:
-    """A slice of a gradient buffer holding the ``main_grad`` of some parameters.
+    """A slice ``[start, end)`` of a buffer holding the ``main_grad`` (and, with the
+    distributed optimizer, the parameters) of some parameters.
 
     Reduction: ``grad <- op_{dp_cp}(grad * pre_scale)``, then ``/ size`` where AVG must be
-    emulated (gloo has no AVG).
+    emulated (gloo has no AVG); with the distributed optimizer only this rank's shard
+    ``[start + r * n / D, start + (r + 1) * n / D)`` is guaranteed to hold the result.
     """
 
-    def __init__(self, params: List[torch.nn.Parameter], grad_data: torch.Tensor, index: int):
+    def __init__(
+        self,
+        params: List[torch.nn.Parameter],
+        grad_data: torch.Tensor,
+        index: int,
+        start: int = 0,
+        param_data: Optional[torch.Tensor] = None,
+    ):
         self.params, self.grad_data, self.index = params, grad_data, index
+        self.start, self.end = start, start + grad_data.numel()
+        self.param_data = param_data
         self.ready: set = set()
         self.handle: Optional[dist.Work] = None
         self.launched, self.post_divisor = False, 1
+        self.gather_handle: Optional[dist.Work] = None
 
     def reset(self) -> None:
         """Forget readiness and in-flight reductions (start of a new iteration)."""
         self.ready.clear()
         self.handle, self.launched, self.post_divisor = None, False, 1
 
+    def shard_range(self, rank: int, size: int) -> Tuple[int, int]:
+        """Buffer coordinates ``[lo, hi)`` of rank ``rank``'s shard (bucket split in ``size``)."""
+        piece = self.grad_data.numel() // size
+        return self.start + rank * piece, self.start + (rank + 1) * piece
+
 
 class GradBuffer:
-    """One contiguous buffer per gradient dtype; parameters are laid out in reverse order of
-    registration (roughly the order their gradients arrive) and cut into buckets of at least
-    ``bucket_size`` elements (one bucket when None)."""
+    """One contiguous buffer per (parameter dtype, gradient dtype); parameters are laid out
+    in reverse order of registration (roughly the order their gradients arrive) and cut into
+    buckets of at least ``bucket_size`` elements (one bucket when None).
+
+    ``shard_size`` (the dp x cp size, distributed optimizer only): buckets padded to a
+    multiple of it, parameters moved into ``param_data``, ``shared_embedding`` parameters in
+    a bucket of their own. ``param_ranges[p] = (start, end)`` in buffer coordinates.
+    """
 
     def __init__(
         self,
         params: List[torch.nn.Parameter],
         grad_dtype: torch.dtype,
         bucket_size: Optional[int],
+        shard_size: Optional[int] = None,
     ) -> None:
         self.params = list(reversed(params))
-        numel = sum(p.numel() for p in self.params)
-        self.data = torch.zeros(numel, dtype=grad_dtype, device=self.params[0].device)
+        self.grad_dtype = grad_dtype
+        self.param_dtype = self.params[0].dtype
+        self.shard_size = shard_size
+        layout = _bucket_layout(self.params, bucket_size, shard_size)
+        numel = layout[-1][1] if layout else 0
+        device = self.params[0].device
+        self.data = torch.zeros(numel, dtype=grad_dtype, device=device)
+        self.param_data: Optional[torch.Tensor] = None
+        if shard_size is not None:
+            self.param_data = torch.zeros(numel, dtype=self.param_dtype, device=device)
         self.buckets: List[GradBucket] = []
         self.param_to_bucket: Dict[torch.nn.Parameter, GradBucket] = {}
-        start, offset, members = 0, 0, []
-        for i, param in enumerate(self.params):
-            param.main_grad = self.data[offset : offset + param.numel()].view(param.shape)
-            offset += param.numel()
-            members.append(param)
-            last = i == len(self.params) - 1
-            if last or (bucket_size is not None and offset - start >= bucket_size):
-                bucket = GradBucket(members, self.data[start:offset], len(self.buckets))
-                self.buckets.append(bucket)
-                self.param_to_bucket.update({p: bucket for p in members})
-                start, members = offset, []
+        self.param_ranges: Dict[torch.nn.Parameter, Tuple[int, int]] = {}
+        for start, end, members in layout:
+            offset = start
+            for param in members:
+                lo, hi = offset, offset + param.numel()
+                self.param_ranges[param] = (lo, hi)
+                param.main_grad = self.data[lo:hi].view(param.shape)
+                if self.param_data is not None:
+                    view = self.param_data[lo:hi].view(param.shape)
+                    view.copy_(param.data)
+                    param.data = view
+                offset = hi
+            bucket = GradBucket(
+                members,
+                self.data[start:end],
+                len(self.buckets),
+                start,
+                None if self.param_data is None else self.param_data[start:end],
+            )
+            self.buckets.append(bucket)
+            self.param_to_bucket.update({p: bucket for p in members})
+
+
+def _bucket_layout(
+    params: List[torch.nn.Parameter], bucket_size: Optional[int], shard_size: Optional[int]
+) -> List[Tuple[int, int, List[torch.nn.Parameter]]]:
+    """``(start, end, params)`` per bucket: a bucket closes once it holds ``bucket_size``
+    elements (or at the end); with ``shard_size`` its end is padded up to a multiple of it and
+    a ``shared_embedding`` parameter closes the bucket before and after itself."""
+    layout: List[Tuple[int, int, List[torch.nn.Parameter]]] = []
+    start, offset, members = 0, 0, []
+
+    def close() -> None:
+        nonlocal start, offset, members
+        if not members:
+            return
+        end = offset
+        if shard_size is not None:
+            end = -(-offset // shard_size) * shard_size
+        layout.append((start, end, members))
+        start = offset = end
+        members = []
+
+    for param in params:
+        alone = shard_size is not None and getattr(param, "shared_embedding", False)
+        if alone:
+            close()
+        members.append(param)
+        offset += param.numel()
+        if alone or (bucket_size is not None and offset - start >= bucket_size):
+            close()
+    close()
+    return layout
 
 
 def reduce_bucket(
@@ -62,10 +146,14 @@ def reduce_bucket(
     pre_scale: float,
     average: bool,
     async_op: bool,
+    scatter: bool = False,
 ) -> None:
     """Start reducing ``bucket`` over ``group``: SUM of pre-scaled grads, or AVG.
 
     AVG runs in the collective where the backend has it, else as SUM then division.
+    ``scatter`` (distributed optimizer): a reduce-scatter into this rank's shard of the
+    bucket; gloo has none, so there the whole bucket is all-reduced (the shard gets the same
+    sum; CPU runs are for correctness).
     """
     bucket.launched = True
     if pre_scale != 1.0:
@@ -78,6 +166,13 @@ def reduce_bucket(
             op = dist.ReduceOp.AVG
         else:
             bucket.post_divisor = group.size()
+    if scatter and comm_device(group).type != "cpu":
+        size, rank = group.size(), group.rank()
+        shard = bucket.grad_data.view(size, -1)[rank]
+        bucket.handle = dist.reduce_scatter_tensor(
+            shard, bucket.grad_data, op=op, group=group, async_op=async_op
+        )
+        return
     bucket.handle = dist.all_reduce(bucket.grad_data, op=op, group=group, async_op=async_op)
 
 
@@ -87,3 +182,31 @@ def wait_bucket(bucket: GradBucket) -> None:
         bucket.handle.wait()
     if bucket.post_divisor != 1:
         bucket.grad_data.div_(bucket.post_divisor)
+
+
+def gather_bucket_params(
+    bucket: GradBucket, group: Optional[dist.ProcessGroup], async_op: bool
+) -> None:
+    """Start all-gathering the bucket's parameter shards over ``group`` (distributed
+    optimizer): afterwards every rank's ``param_data`` slice holds every rank's shard."""
+    bucket.gather_handle = None
+    if group is None or group.size() == 1:
+        return
+    size, rank = group.size(), group.rank()
+    pieces = bucket.param_data.view(size, -1)
+    if comm_device(group).type != "cpu":
+        bucket.gather_handle = dist.all_gather_into_tensor(
+            bucket.param_data, pieces[rank], group=group, async_op=async_op
+        )
+        return
+    local = pieces[rank].clone()  # gloo: list all-gather, the input not aliasing an output
+    bucket.gather_handle = dist.all_gather(
+        list(pieces.unbind(0)), local, group=group, async_op=async_op
+    )
+
+
+def wait_param_gather(bucket: GradBucket) -> None:
+    """Wait for the bucket's parameter all-gather (if one is in flight)."""
+    if bucket.gather_handle is not None and hasattr(bucket.gather_handle, "wait"):
+        bucket.gather_handle.wait()
+    bucket.gather_handle = None

@@ -4,9 +4,11 @@
 without decoupled weight decay, or ``SGD``) over the chunks' parameters in two groups (weight
 decay multiplier 1, and 0 for biases and 1-D parameters, as megatron-core does), fused
 kernels when every parameter is on a CUDA device, foreach kernels on other accelerators,
-plain loops on CPU. It wraps it in ``FP32Optimizer`` (fp32 parameters) or
-``Float16OptimizerWithFloat16Params`` (bf16/fp16 parameters, fp32 main copies) and returns a
-``ChainedOptimizer`` of that one optimizer, as megatron-core 0.16.1 does.
+plain loops on CPU. It wraps it in ``FP32Optimizer`` (fp32 parameters),
+``Float16OptimizerWithFloat16Params`` (bf16/fp16 parameters, fp32 main copies) or, with
+``use_distributed_optimizer``, ``DistributedOptimizer`` (fp32 main parameters and state for
+this rank's shard only; ``distrib_optimizer``) and returns a ``ChainedOptimizer`` of that one
+optimizer, as megatron-core 0.16.1 does.
 """
 
 from typing import Any, Dict, List, Optional
@@ -18,6 +20,7 @@ from megatron.core.optimizer.clip_grads import (
     count_zeros_fp32,
     get_grad_norm_fp32,
 )
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron.core.optimizer.optimizer import (
     ChainedOptimizer,
@@ -36,6 +39,7 @@ __all__ = [
     "FP32Optimizer",
     "Float16OptimizerWithFloat16Params",
     "ChainedOptimizer",
+    "DistributedOptimizer",
     "ConstantGradScaler",
     "DynamicGradScaler",
     "get_grad_norm_fp32",
@@ -84,37 +88,34 @@ def get_megatron_optimizer(
                     "model-parallel (mp) and tensor-parallel (tp) groups"
                 )
 
+    _check_distributed_optimizer_settings(config, model_chunks)
+
     param_groups = _get_param_groups(model_chunks, config, config_overrides)
     params = [p for g in param_groups for p in g["params"]]
     if not params:
         raise ValueError("model_chunks have no trainable parameters")
     optimizer = _build_torch_optimizer(param_groups, config, params)
 
-    if config.fp16 or config.bf16:
-        grad_scaler = None
-        device = params[0].device
-        if config.loss_scale:
-            grad_scaler = ConstantGradScaler(config.loss_scale, device=device)
-        elif config.fp16:
-            grad_scaler = DynamicGradScaler(
-                initial_scale=config.initial_loss_scale,
-                min_scale=config.min_loss_scale,
-                growth_factor=2.0,
-                backoff_factor=0.5,
-                growth_interval=int(config.loss_scale_window),
-                hysteresis=config.hysteresis,
-                device=device,
-            )
-        inner: MegatronOptimizer = Float16OptimizerWithFloat16Params(
-            optimizer, config, grad_scaler, _init_state_fn
-        )
-    else:
+    if not (config.fp16 or config.bf16):
         for p in params:
             if p.dtype != torch.float32:
                 raise TypeError(
                     f"a parameter has dtype {p.dtype} but bf16=fp16=False; expected float32 "
                     "parameters (set bf16/fp16 in OptimizerConfig for half precision)"
                 )
+    grad_scaler = _grad_scaler(config, params[0].device)
+    if config.use_distributed_optimizer:
+        inner: MegatronOptimizer = DistributedOptimizer(
+            optimizer,
+            config,
+            grad_scaler,
+            None,
+            model_chunks=model_chunks,
+            data_parallel_group=None if pg_collection is None else pg_collection.dp_cp,
+        )
+    elif config.fp16 or config.bf16:
+        inner = Float16OptimizerWithFloat16Params(optimizer, config, grad_scaler, _init_state_fn)
+    else:
         inner = FP32Optimizer(optimizer, config, _init_state_fn)
     if pg_collection is not None:
         inner.grad_stats_parallel_group = pg_collection.mp
@@ -122,6 +123,53 @@ def get_megatron_optimizer(
     chained = ChainedOptimizer([inner])
     chained.model_chunks = list(model_chunks)
     return chained
+
+
+def _grad_scaler(config: OptimizerConfig, device: torch.device):
+    """Constant scaler with ``loss_scale``, dynamic for fp16 without it, else None."""
+    if config.loss_scale:
+        return ConstantGradScaler(config.loss_scale, device=device)
+    if config.fp16:
+        return DynamicGradScaler(
+            initial_scale=config.initial_loss_scale,
+            min_scale=config.min_loss_scale,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=int(config.loss_scale_window),
+            hysteresis=config.hysteresis,
+            device=device,
+        )
+    return None
+
+
+def _check_distributed_optimizer_settings(
+    config: OptimizerConfig, model_chunks: List[torch.nn.Module]
+) -> None:
+    """The optimizer and the DDP chunks agree on ``use_distributed_optimizer`` (a plain
+    optimizer over reduce-scattered gradients would step on unreduced values) and on
+    ``overlap_param_gather``."""
+    for index, chunk in enumerate(model_chunks):
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is None:
+            continue
+        if ddp_config.use_distributed_optimizer != config.use_distributed_optimizer:
+            raise ValueError(
+                f"OptimizerConfig.use_distributed_optimizer={config.use_distributed_optimizer} "
+                f"but model chunk {index} was wrapped with DistributedDataParallelConfig("
+                f"use_distributed_optimizer={ddp_config.use_distributed_optimizer}); expected "
+                "the same value in both"
+            )
+        if config.overlap_param_gather and not ddp_config.overlap_param_gather:
+            raise ValueError(
+                "OptimizerConfig.overlap_param_gather=True but model chunk "
+                f"{index} was wrapped with DistributedDataParallelConfig(overlap_param_gather="
+                "False); expected the same value in both"
+            )
+    if config.overlap_param_gather and not config.use_distributed_optimizer:
+        raise ValueError(
+            "OptimizerConfig.overlap_param_gather=True needs use_distributed_optimizer=True "
+            "(--overlap-param-gather only supported with distributed optimizer)"
+        )
 
 
 def _get_param_groups(

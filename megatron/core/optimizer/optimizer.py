@@ -28,9 +28,14 @@ from megatron.core.optimizer.clip_grads import (
     param_is_not_shared,
 )
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
+from megatron.core.optimizer.main_params import (
+    HALF_DTYPES,
+    copy_main_params_to_model_params,
+    copy_model_grads_to_main_grads,
+    copy_model_params_to_main_params,
+    make_main_param,
+)
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
-
-_TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")
 
 
 class MegatronOptimizer(ABC):
@@ -242,8 +247,9 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
 
     Each half-precision parameter ``p`` gets ``p.main_param`` (fp32, carrying ``p``'s tensor-
     parallel attributes and ``shared``), which replaces it in the optimizer's param groups;
-    ``main_param.grad = p.main_grad.float()`` before the step, ``p <- main_param`` after.
-    fp32 model parameters are stepped directly.
+    ``main_param.grad = p.main_grad.float()`` before the step, ``p <- main_param`` after
+    (``main_params``: the bookkeeping, shared with other optimizers). fp32 model parameters
+    are stepped directly.
     """
 
     def __init__(
@@ -262,13 +268,9 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
             for i, param in enumerate(group["params"]):
                 if not param.requires_grad:
                     continue
-                if param.dtype in (torch.float16, torch.bfloat16):
-                    main_param = torch.nn.Parameter(param.detach().clone().float())
-                    for attr in _TP_ATTRIBUTES + ("shared",):
-                        if hasattr(param, attr):
-                            setattr(main_param, attr, getattr(param, attr))
+                if param.dtype in HALF_DTYPES:
+                    main_param = make_main_param(param)
                     group["params"][i] = main_param
-                    param.main_param = main_param
                     if param in self.optimizer.state:
                         self.optimizer.state[main_param] = self.optimizer.state.pop(param)
                     half.append(param)
@@ -304,12 +306,7 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
 
     def _copy_model_grads_to_main_grads(self) -> None:
         for half_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
-            for param, main_param in zip(half_group, main_group):
-                grad = getattr(param, "main_grad", None)
-                if grad is None:
-                    grad = param.grad
-                main_param.grad = None if grad is None else grad.float()
-                param.grad = None
+            copy_model_grads_to_main_grads(half_group, main_group)
         for group in self.fp32_from_fp32_groups:
             for param in group:
                 if hasattr(param, "main_grad"):
@@ -317,15 +314,13 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
 
     def _copy_main_params_to_model_params(self) -> None:
         for half_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
-            for param, main_param in zip(half_group, main_group):
-                param.data.copy_(main_param.data)
+            copy_main_params_to_model_params(half_group, main_group)
 
     def reload_model_params(self, state_dict=None) -> None:
         if state_dict is not None:
             raise NotImplementedError("reload_model_params(state_dict=...) is not supported")
         for half_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
-            for param, main_param in zip(half_group, main_group):
-                main_param.data.copy_(param.data)
+            copy_model_params_to_main_params(half_group, main_group)
 
     def state_dict(self, is_loading: bool = False) -> Dict:
         if is_loading:
@@ -486,6 +481,20 @@ class ChainedOptimizer(MegatronOptimizer):
 
     def get_grad_stats_parallel_group(self) -> Optional[dist.ProcessGroup]:
         return self.chained_optimizers[0].get_grad_stats_parallel_group()
+
+    @torch.no_grad()
+    def get_grad_norm(self) -> float:
+        """The global norm: the one optimizer's (the distributed optimizer reduces over its
+        shards), else over all optimizers' grads together."""
+        if len(self.chained_optimizers) == 1:
+            return self.chained_optimizers[0].get_grad_norm()
+        return super().get_grad_norm()
+
+    def count_zeros(self) -> float:
+        """Zero gradient elements over the model (each counted once)."""
+        if len(self.chained_optimizers) == 1:
+            return self.chained_optimizers[0].count_zeros()
+        return super().count_zeros()
 
     def _tp_group(self) -> Optional[dist.ProcessGroup]:
         return self.chained_optimizers[0]._tp_group()

@@ -4,9 +4,10 @@ Implemented here: ``optimizer`` "adam" (AdamW with ``decoupled_weight_decay``, e
 "sgd", ``lr``/``min_lr``, ``weight_decay``, Adam betas/eps, ``sgd_momentum``, ``bf16``/``fp16``
 with fp32 main parameters, ``loss_scale`` / dynamic loss scaling (``initial_loss_scale``,
 ``min_loss_scale``, ``loss_scale_window``, ``hysteresis``), ``clip_grad``,
-``log_num_zeros_in_grad``. The other fields are accepted; ``get_megatron_optimizer`` raises a
-clear error for a value that asks for something missing here (distributed optimizer, CPU
-offload, precision-aware optimizer, muon, ...).
+``log_num_zeros_in_grad``, ``use_distributed_optimizer`` / ``overlap_param_gather`` (with DDP
+chunks built the same way). The other fields are accepted; ``get_megatron_optimizer`` raises a
+clear error for a value that asks for something missing here (CPU offload, precision-aware
+optimizer, muon, ...).
 """
 
 from dataclasses import dataclass
@@ -87,7 +88,6 @@ class OptimizerConfig:
 def unsupported_settings(config: OptimizerConfig) -> list:
     """``(field, value, expected)`` for each setting this project does not implement."""
     wanted: list[tuple[str, Any]] = [
-        ("use_distributed_optimizer", False),
         ("optimizer_cpu_offload", False),
         ("use_precision_aware_optimizer", False),
         ("overlap_param_gather_with_optimizer_step", False),

@@ -198,7 +198,7 @@ def _reduce_scatter_along_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-def _adjoint_pair(name: str, doc: str, forward, backward) -> type:
+def adjoint_pair(name: str, doc: str, forward, backward) -> type:
     """An autograd Function ``y = forward(x, group)`` whose backward is
     ``dL/dx = backward(dL/dy, group)`` (the adjoint of ``forward``); ``group`` gets no
     gradient. The class is named ``name`` in ``forward``'s module."""
@@ -224,49 +224,49 @@ def _identity(input_: torch.Tensor, group) -> torch.Tensor:
     return input_.view_as(input_)
 
 
-_CopyToModelParallelRegion = _adjoint_pair(
+_CopyToModelParallelRegion = adjoint_pair(
     "_CopyToModelParallelRegion",
     "y = x; dL/dx = sum over ranks of dL/dy.",
     _identity,
     _reduce,
 )
-_ReduceFromModelParallelRegion = _adjoint_pair(
+_ReduceFromModelParallelRegion = adjoint_pair(
     "_ReduceFromModelParallelRegion",
     "y = sum over ranks of x; dL/dx = dL/dy.",
     _reduce,
     lambda grad_output, group: grad_output,
 )
-_ScatterToModelParallelRegion = _adjoint_pair(
+_ScatterToModelParallelRegion = adjoint_pair(
     "_ScatterToModelParallelRegion",
     "y = own last-dim block of x; dL/dx = all-gather of dL/dy along the last dim.",
     _split_along_last_dim,
     _gather_along_last_dim,
 )
-_GatherFromModelParallelRegion = _adjoint_pair(
+_GatherFromModelParallelRegion = adjoint_pair(
     "_GatherFromModelParallelRegion",
     "y = cat over ranks along the last dim; dL/dx = own block of dL/dy.",
     _gather_along_last_dim,
     _split_along_last_dim,
 )
-_ScatterToSequenceParallelRegion = _adjoint_pair(
+_ScatterToSequenceParallelRegion = adjoint_pair(
     "_ScatterToSequenceParallelRegion",
     "y = own dim-0 block of x; dL/dx = all-gather of dL/dy along dim 0.",
     _split_along_first_dim,
     _gather_along_first_dim,
 )
-_ReduceScatterToSequenceParallelRegion = _adjoint_pair(
+_ReduceScatterToSequenceParallelRegion = adjoint_pair(
     "_ReduceScatterToSequenceParallelRegion",
     "y = own dim-0 block of the sum over ranks; dL/dx = all-gather of dL/dy along dim 0.",
     _reduce_scatter_along_first_dim,
     _gather_along_first_dim,
 )
-_AllGatherFromTensorParallelRegion = _adjoint_pair(
+_AllGatherFromTensorParallelRegion = adjoint_pair(
     "_AllGatherFromTensorParallelRegion",
     "y = cat over ranks along the last dim; dL/dx = own block of the sum of dL/dy.",
     _gather_along_last_dim,
     _reduce_scatter_along_last_dim,
 )
-_ReduceScatterToTensorParallelRegion = _adjoint_pair(
+_ReduceScatterToTensorParallelRegion = adjoint_pair(
     "_ReduceScatterToTensorParallelRegion",
     "y = own last-dim block of the sum over ranks; dL/dx = all-gather along the last dim.",
     _reduce_scatter_along_last_dim,

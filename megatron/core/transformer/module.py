@@ -1,6 +1,8 @@
-"""The base class of megatron modules: an ``nn.Module`` that keeps its config."""
+"""The base class of megatron modules (an ``nn.Module`` that keeps its config) and
+``Float16Module``, the wrapper that runs a model chunk in bf16/fp16 (megatron-core's names).
+"""
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -36,3 +38,98 @@ class MegatronModule(torch.nn.Module):
 def leave_as_allocated(weight: torch.Tensor) -> None:
     """The ``init_method`` the GPT's layers are built with: a no-op, because GPTModel fills
     every parameter afterwards from its own seeded generator (layout-independent)."""
+
+
+class Float16Module(MegatronModule):
+    """Runs ``module`` in half precision (megatron-core 0.16.1's wrapper): its parameters
+    and buffers are cast to bf16 (``config.bf16``) or fp16 (``config.fp16``) once, here.
+
+    ``forward``: on the chunk that embeds (the first pipeline stage) floating-point inputs
+    are cast to the half dtype; on the chunk that computes the output (the last stage) the
+    floating-point outputs are cast to fp32 when ``fp32_output`` (the default), so the loss
+    and everything after it are computed in fp32. Integer tensors (token ids, labels) are
+    left alone. First/last stage: the wrapped chunk's ``pre_process`` / ``post_process``
+    (what a GPT chunk is built with, whatever its pipeline and virtual stage); a module
+    without them counts as both. fp32 master weights live in the optimizer
+    (``Float16OptimizerWithFloat16Params``), gradients in DDP's ``main_grad``.
+    """
+
+    def __init__(self, config: TransformerConfig, module: torch.nn.Module) -> None:
+        super().__init__(config)
+        self.fp16, self.bf16 = config.fp16, config.bf16
+        if self.fp16 == self.bf16:
+            raise ValueError(
+                f"Float16Module: config.fp16={config.fp16}, config.bf16={config.bf16}; "
+                "expected exactly one of them True"
+            )
+        self.dtype = torch.float16 if self.fp16 else torch.bfloat16
+        self.vp_stage = getattr(module, "vp_stage", None)
+        self.pg_collection = getattr(module, "pg_collection", None)
+        self.add_module("module", module.to(self.dtype))
+
+    def float16_convertor(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` in the module's half dtype."""
+        return value.to(self.dtype)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Hand the previous stage's activations to the wrapped chunk."""
+        return self.module.set_input_tensor(input_tensor)
+
+    def forward(self, *inputs, fp32_output: bool = True, **kwargs):
+        """The wrapped chunk on half-precision inputs; fp32 outputs on the last stage."""
+        if getattr(self.module, "pre_process", True):
+            inputs = fp32_to_float16(inputs, self.float16_convertor)
+            kwargs = {k: fp32_to_float16(v, self.float16_convertor) for k, v in kwargs.items()}
+        outputs = self.module(*inputs, **kwargs)
+        if fp32_output and getattr(self.module, "post_process", True):
+            outputs = float16_to_fp32(outputs)
+        return outputs
+
+    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The wrapped chunk's state dict (no ``module.`` prefix)."""
+        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
+        """The wrapped chunk's state dict for a checkpoint."""
+        return self.module.state_dict_for_save_checkpoint(prefix=prefix, keep_vars=keep_vars)
+
+    def sharded_state_dict(self, prefix: str = "", *args, **kwargs) -> Dict[str, Any]:
+        """The wrapped chunk's sharded state dict (same keys as without the wrapper)."""
+        return self.module.sharded_state_dict(prefix, *args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        """Load into the wrapped chunk (values are cast to its dtype by ``copy_``)."""
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+
+def conversion_helper(value: Any, conversion: Callable[[Any], Any]) -> Any:
+    """``conversion`` applied to ``value``, or to every leaf of nested tuples/lists (the
+    container types are kept)."""
+    if not isinstance(value, (tuple, list)):
+        return conversion(value)
+    converted = [conversion_helper(v, conversion) for v in value]
+    return tuple(converted) if isinstance(value, tuple) else converted
+
+
+def fp32_to_float16(value: Any, float16_convertor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """fp32 tensors (leaves of nested tuples/lists) through ``float16_convertor``; every
+    other value unchanged."""
+
+    def convert(v):
+        if isinstance(v, torch.Tensor) and v.dtype == torch.float32:
+            return float16_convertor(v)
+        return v
+
+    return conversion_helper(value, convert)
+
+
+def float16_to_fp32(value: Any) -> Any:
+    """bf16/fp16 tensors (leaves of nested tuples/lists) as fp32; every other value
+    unchanged."""
+
+    def convert(v):
+        if isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16):
+            return v.float()
+        return v
+
+    return conversion_helper(value, convert)

@@ -70,6 +70,11 @@ class TransformerConfig(ModelParallelConfig):
     def __post_init__(self) -> None:
         """Derive ffn, kv and query-group sizes; check every TP split is even."""
         super().__post_init__()
+        if self.fp16 and self.bf16:
+            raise ValueError(
+                f"TransformerConfig: fp16={self.fp16} and bf16={self.bf16}; expected at most one "
+                "of them True"
+            )
         if self.num_moe_experts is not None:
             raise NotImplementedError("num_moe_experts is not supported by this core")
         if self.mtp_num_layers is not None:

@@ -35,6 +35,16 @@ from megatron.core.dist_checkpointing.utils import apply_prefix_mapping
 Offsets = Tuple[Tuple[int, int, int], ...]
 
 
+def gelu_impl(x: torch.Tensor) -> torch.Tensor:
+    """OpenAI's GELU (tanh approximation): 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))."""
+    return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * x * (1.0 + 0.044715 * x * x)))
+
+
+def openai_gelu(x: torch.Tensor) -> torch.Tensor:
+    """``gelu_impl`` (megatron's ``--openai-gelu``; GPT-2's ``gelu_new``)."""
+    return gelu_impl(x)
+
+
 def sharded_state_dict_default(
     module: torch.nn.Module,
     prefix: str = "",

@@ -193,6 +193,63 @@ def test_padding_sample_and_bad_input(tmp_path):
         BlendedMegatronDatasetBuilder(GPTDataset, [1, 2], lambda: True, config)
 
 
+def _copy_fixture(tmp_path, name="tiny_int32"):
+    prefix = str(tmp_path / name)
+    for ext in (".bin", ".idx"):
+        with open(os.path.join(FIXTURE, name + ext), "rb") as src, open(prefix + ext, "wb") as dst:
+            dst.write(src.read())
+    return prefix
+
+
+@pytest.mark.parametrize("mmap", [True, False], ids=["mmap", "file"])
+def test_corrupt_files_are_named_with_what_is_wrong(tmp_path, mmap):
+    """A truncated .bin, a bad dtype code, a truncated .idx: errors naming the file and the
+    expected vs actual size (never uninitialised memory read as token ids)."""
+    prefix = _copy_fixture(tmp_path)
+    good = IndexedDataset(prefix, mmap=mmap)
+    size = os.path.getsize(prefix + ".bin")
+    assert good.index.data_end() == size
+    with pytest.raises(
+        ValueError,
+        match=f"tiny_int32.bin: truncated or wrong data file: reading "
+        f"2 tokens at byte {size - 4} needs {size + 4} bytes, the file has {size}",
+    ):
+        good.bin_reader.read(good.index.dtype, 2, size - 4)
+    with pytest.raises(ValueError, match="offset \\+ length <= its length"):
+        good.get(0, offset=1, length=int(good.sequence_lengths[0]))
+    with open(prefix + ".bin", "r+b") as f:
+        f.truncate(size - 4)
+    with pytest.raises(
+        ValueError,
+        match=f"tiny_int32.bin: truncated data file.*ending at byte "
+        f"{size}, the file has {size - 4} bytes",
+    ):
+        IndexedDataset(prefix, mmap=mmap)
+    if not mmap:  # opened before the file shrank: the plain read is checked too
+        with pytest.raises(ValueError, match="tiny_int32.bin: read 0 of 4 bytes .* truncated"):
+            good.get(len(good) - 1, offset=int(good.sequence_lengths[-1]) - 1)
+    prefix = _copy_fixture(tmp_path)
+    with open(prefix + ".idx", "r+b") as f:
+        f.seek(17)
+        f.write(bytes([99]))
+    with pytest.raises(ValueError, match="tiny_int32.idx: dtype code 99 .*not a valid DType"):
+        IndexedDataset(prefix, mmap=mmap)
+    prefix = _copy_fixture(tmp_path)
+    idx_size = os.path.getsize(prefix + ".idx")
+    with open(prefix + ".idx", "r+b") as f:
+        f.truncate(idx_size - 8)
+    with pytest.raises(
+        ValueError,
+        match=f"tiny_int32.idx: truncated index: .* need {idx_size} "
+        f"bytes, the file has {idx_size - 8}",
+    ):
+        IndexedDataset(prefix, mmap=mmap)
+    with open(prefix + ".idx", "r+b") as f:
+        f.truncate(20)
+    with pytest.raises(ValueError, match="tiny_int32.idx: truncated index: the sequence and"):
+        IndexedDataset(prefix, mmap=mmap)
+
+
 _MCORE_READS_OURS = r"""
 import json, sys
 from megatron.core.datasets.indexed_dataset import IndexedDataset

@@ -14,6 +14,8 @@
 import io
 import os
 import pickle
+import traceback
+import zlib
 from pathlib import Path
 
 import pytest
@@ -79,6 +81,7 @@ def test_round_trip_returns_the_request_structure_with_saved_values(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [
         ".metadata",
         "__0_0.distcp",
+        "checksums.json",
         "common.pt",
         "metadata.json",
     ]
@@ -131,13 +134,34 @@ class _Payload:
         return (open, (self.marker, "w"))
 
 
+def _printed(error: BaseException) -> str:
+    """What a user sees: the error with its whole chain of causes, as a traceback prints it."""
+    return "".join(traceback.format_exception(error))
+
+
+def _reseal(directory: Path) -> None:
+    """Record the checksums of the files as they are now (what a writer that changed them
+    on purpose would do), so that the refusal tested is the unpickler's, not the CRC's."""
+    (directory / "checksums.json").unlink()
+    metadata = ckpt_storage.read_metadata(directory)
+    items = ckpt_storage.item_checksums(directory, list(metadata.storage_data.values()))
+    files = {
+        name: zlib.crc32((directory / name).read_bytes()) for name in ("common.pt", ".metadata")
+    }
+    ckpt_storage.write_checksums(directory, items, files)
+
+
 def test_common_state_that_needs_unpickling_is_refused_without_running_it(tmp_path):
     dist_checkpointing.save(_state(), str(tmp_path))
     marker = tmp_path / "pwned"
     _Payload.marker = str(marker)
     torch.save({"iteration": 11, "evil": _Payload()}, tmp_path / "common.pt")
-    with pytest.raises(CheckpointingException, match="weights_only"):
+    with pytest.raises(CheckpointingException, match="common.pt: checksum mismatch"):
         dist_checkpointing.load(_state(), str(tmp_path))
+    _reseal(tmp_path)
+    with pytest.raises(CheckpointingException, match="holds a pickled object") as refused:
+        dist_checkpointing.load(_state(), str(tmp_path))
+    assert "weights_only=False" not in _printed(refused.value)
     with pytest.raises(CheckpointingException, match="never unpickles arbitrary objects"):
         dist_checkpointing.load_common_state_dict(str(tmp_path))
     assert not marker.exists()
@@ -151,8 +175,37 @@ def test_dcp_metadata_with_foreign_classes_is_refused_without_running_it(tmp_pat
     metadata.planner_data = _Payload()
     with open(tmp_path / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
+    with pytest.raises(CheckpointingException, match=r"\.metadata: checksum mismatch"):
+        dist_checkpointing.load(_state(), str(tmp_path))
+    (tmp_path / "checksums.json").unlink()  # as another writer's checkpoint: no checksums
     with pytest.raises(CheckpointingException, match="refusing to unpickle it"):
         dist_checkpointing.load(_state(), str(tmp_path))
+    assert not marker.exists()
+
+
+def test_a_tensor_item_holding_a_pickle_is_refused_without_running_it(tmp_path):
+    """A tensor's stored bytes replaced by torch.save of an object whose unpickling runs
+    code: refused, naming the file and the refused global, without torch's advice to load
+    with weights_only=False."""
+    weight = {"w": ShardedTensor.from_rank_offsets("w", WEIGHT.clone())}
+    dist_checkpointing.save(weight, str(tmp_path))
+    marker = tmp_path / "pwned"
+    _Payload.marker = str(marker)
+    evil = io.BytesIO()
+    torch.save(_Payload(), evil)
+    shard = tmp_path / "__0_0.distcp"
+    shard.write_bytes(evil.getvalue())
+    metadata = ckpt_storage.read_metadata(tmp_path)
+    info = next(iter(metadata.storage_data.values()))
+    info.offset, info.length = 0, len(evil.getvalue())
+    with open(tmp_path / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    _reseal(tmp_path)
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 6))}
+    with pytest.raises(CheckpointingException, match="__0_0.distcp: tensor 'w'.*pickled") as err:
+        dist_checkpointing.load(request, str(tmp_path))
+    assert "weights_only=False" not in _printed(err.value)
+    assert "_Payload" in str(err.value) or "open" in str(err.value), err.value
     assert not marker.exists()
 
 
@@ -288,3 +341,72 @@ def test_unsupported_options_are_refused(tmp_path, call, message):
 def test_impossible_pieces_are_rejected_when_built(make, message):
     with pytest.raises(CheckpointingException, match=message):
         make()
+
+
+def _flip_one_byte_of(path: Path, needle: bytes) -> None:
+    """Flip the high bit of a byte inside the first occurrence of ``needle`` in ``path``."""
+    data = bytearray(path.read_bytes())
+    at = data.find(needle)
+    assert at >= 0, f"{needle!r} not found in {path}"
+    data[at + len(needle) // 2] ^= 0x80
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_in_shard_data_is_an_error_naming_the_file(tmp_path, monkeypatch):
+    """One byte of the stored tensor data flipped: load refuses, naming the shard file. The
+    negative control loads the same damaged file with the checksum check switched off and
+    gets wrong values silently: the check is what catches it."""
+    weight = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", weight)}, str(tmp_path))
+    shard = tmp_path / "__0_0.distcp"
+    _flip_one_byte_of(shard, weight.numpy().tobytes())
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(64, 32))}
+    with pytest.raises(CheckpointingException, match=f"{shard}: item 'w'.*checksum mismatch"):
+        dist_checkpointing.load(request, str(tmp_path))
+
+    monkeypatch.setattr(ckpt_storage, "read_checksums", lambda directory: None)
+    loaded = dist_checkpointing.load(request, str(tmp_path))["w"]
+    changed = (loaded != weight).sum().item()
+    assert changed == 1, f"without the check one value is silently wrong; {changed} differ"
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda p: p.write_text(""), "metadata.json: empty"),
+        (lambda p: p.write_text(p.read_text()[:7]), "metadata.json: not valid JSON"),
+        (lambda p: p.write_text("[1, 2]"), r"metadata.json: holds \[1, 2\]"),
+    ],
+    ids=["empty", "truncated", "not-an-object"],
+)
+def test_a_damaged_metadata_json_is_named(tmp_path, damage, message):
+    dist_checkpointing.save(_state(), str(tmp_path))
+    damage(tmp_path / "metadata.json")
+    for call in (
+        lambda: dist_checkpointing.load(_state(), str(tmp_path)),
+        lambda: dist_checkpointing.load_common_state_dict(str(tmp_path)),
+        lambda: dist_checkpointing.check_is_distributed_checkpoint(str(tmp_path)),
+    ):
+        with pytest.raises(CheckpointingException, match=message):
+            call()
+
+
+def test_a_damaged_checksums_file_is_named(tmp_path):
+    dist_checkpointing.save(_state(), str(tmp_path))
+    sums = tmp_path / "checksums.json"
+    record = sums.read_text()
+    sums.write_text(record[: len(record) // 2])
+    with pytest.raises(CheckpointingException, match="checksums.json: damaged"):
+        dist_checkpointing.load(_state(), str(tmp_path))
+    digit = next(i for i, c in enumerate(record) if c.isdigit() and i > record.find('"items"'))
+    sums.write_text(record[:digit] + str((int(record[digit]) + 1) % 10) + record[digit + 1 :])
+    with pytest.raises(CheckpointingException, match="checksums.json: its content does not"):
+        dist_checkpointing.load(_state(), str(tmp_path))
+
+
+def test_a_truncated_shard_file_is_named(tmp_path):
+    dist_checkpointing.save(_state(), str(tmp_path))
+    shard = tmp_path / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CheckpointingException, match=f"{shard}: item .*truncated"):
+        dist_checkpointing.load(_state(), str(tmp_path))

@@ -149,7 +149,7 @@ def test_state_dict_round_trip_continues_identically():
 
 
 def test_unsupported_settings_raise():
-    with pytest.raises(NotImplementedError, match="use_distributed_optimizer=True"):
+    with pytest.raises(TypeError, match="not wrapped in DistributedDataParallel"):
         get_megatron_optimizer(OptimizerConfig(lr=1.0, use_distributed_optimizer=True), [Toy()])
     with pytest.raises(ValueError, match="optimizer='lamb'"):
         OptimizerConfig(lr=1.0, optimizer="lamb")

@@ -17,23 +17,30 @@ import pytest
 import torch.distributed as dist
 
 from megatron.core import dist_checkpointing
-from megatron.training import TrainingConfig
+from megatron.core.dist_checkpointing import CheckpointingException
+from megatron.training import TrainingConfig, checkpointing
 from megatron.training.checkpointing import (
     TRACKER_FILENAME,
     find_latest_checkpoint,
-    load_checkpoint,
+    resolve_checkpoint,
 )
 from megatron.training.training import pretrain
 from tests.unit_tests.dist_utils import assert_no_failures, fresh_layout
 from tests.unit_tests.launch import run_torchrun
 
 SMALL = dict(num_layers=4, hidden_size=16, seq_length=16, global_batch_size=8, progress=False)
+TINY = dict(SMALL, num_layers=2, global_batch_size=4)
 
 
 def _run(**changes) -> List[float]:
     with fresh_layout():
-        result = pretrain(TrainingConfig(**SMALL, **changes))
+        result = pretrain(TrainingConfig(**{**SMALL, **changes}))
     return [r["loss"] for r in result.records]
+
+
+def _tiny(**changes) -> List[float]:
+    """A smaller run for the checks of what --load accepts (2 layers, 4 sequences)."""
+    return _run(**{**TINY, **changes})
 
 
 def _shared_dir() -> str:
@@ -97,16 +104,146 @@ def test_resume_equals_the_uninterrupted_run_same_layout_bitwise_other_layout_1e
 
 
 @pytest.mark.world(1)
-def test_load_from_a_missing_or_empty_directory_starts_from_scratch(tmp_path):
-    """Megatron's auto-resume (``--load DIR --save DIR``): no checkpoint yet is no error."""
-    iteration, _, notes = load_checkpoint(str(tmp_path / "not-yet"), [], None)
-    assert iteration == 0 and "no such directory yet" in notes[0]
+def test_load_without_a_checkpoint_is_an_error_except_the_auto_resume_idiom(tmp_path):
+    """A mistyped --load is an error naming the flag and path; --load = --save (megatron's
+    auto-resume) starts from scratch and says so once."""
+    missing = str(tmp_path / "not-yet")
+    with pytest.raises(ValueError, match=f"--load {missing}: no such directory"):
+        resolve_checkpoint(missing)
+    with pytest.raises(ValueError, match=f"--load {missing}: no such directory"):
+        resolve_checkpoint(missing, save_dir=str(tmp_path / "other"))
+    directory, notes = resolve_checkpoint(missing, save_dir=missing + "/")
+    assert directory is None and len(notes) == 1 and "starting from scratch" in notes[0]
+    with pytest.raises(ValueError, match=f"--load {tmp_path}: no complete checkpoint"):
+        resolve_checkpoint(str(tmp_path))
     (tmp_path / "iter_0000004").mkdir()  # a save that never finished
-    iteration, _, notes = load_checkpoint(str(tmp_path), [], None)
-    assert iteration == 0 and any("iter_0000004 is incomplete" in n for n in notes), notes
+    with pytest.raises(ValueError, match="iter_0000004 is incomplete"):
+        resolve_checkpoint(str(tmp_path))
+    directory, notes = resolve_checkpoint(str(tmp_path), save_dir=str(tmp_path))
+    assert directory is None and "iter_0000004 is incomplete" in notes[0], notes
+    assert "starting from scratch" in notes[-1]
+    with pytest.raises(ValueError, match="iter_0000004: an incomplete checkpoint"):
+        resolve_checkpoint(str(tmp_path / "iter_0000004"))
     (tmp_path / "file").write_text("x")
-    with pytest.raises(NotADirectoryError, match="is a file"):
-        load_checkpoint(str(tmp_path / "file"), [], None)
+    with pytest.raises(ValueError, match="is a file"):
+        resolve_checkpoint(str(tmp_path / "file"))
+
+
+@pytest.fixture(scope="module")
+def saved_run():
+    """One process, 2 iterations saved at 1 and 2: (directory, losses of 4 straight
+    iterations). Shared by the world-1 tests below (each only reads it)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        pytest.skip("world-1 fixture")
+    directory = tempfile.mkdtemp(prefix="resume-test-")
+    straight = _tiny(train_iters=4)
+    _tiny(train_iters=2, save=directory, save_interval=1)
+    yield directory, straight
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.world(1)
+def test_an_iteration_directory_or_ckpt_step_loads_that_iteration(saved_run, capsys):
+    directory, straight = saved_run
+    own = f"{directory}/iter_0000001"
+    assert _tiny(train_iters=4, load=own) == straight[1:], "--load DIR/iter_0000001"
+    out = capsys.readouterr().out
+    assert f"loaded checkpoint of iteration 1 from {own}" in out and "scratch" not in out
+    assert _tiny(train_iters=4, load=directory, ckpt_step=1) == straight[1:], "--ckpt-step 1"
+    assert _tiny(train_iters=4, load=directory) == straight[2:], "newest"
+    with pytest.raises(ValueError, match="--ckpt-step 3: .*iter_0000003 is not a complete.*"):
+        _tiny(train_iters=4, load=directory, ckpt_step=3)
+    with pytest.raises(ValueError, match="--ckpt-step 2 contradicts"):
+        _tiny(train_iters=4, load=own, ckpt_step=2)
+
+
+@pytest.mark.world(1)
+def test_resuming_with_settings_that_change_the_model_is_refused_naming_each_flag(saved_run):
+    directory, _ = saved_run
+    with pytest.raises(ValueError) as refused:
+        _tiny(
+            train_iters=4, load=directory, normalization="RMSNorm", position_embedding_type="rope"
+        )
+    message = str(refused.value)
+    assert "--normalization 'LayerNorm' when saved, 'RMSNorm' now" in message, message
+    assert "--position-embedding-type 'learned_absolute' when saved, 'rope' now" in message
+    with pytest.raises(ValueError, match="--seq-length 16 when saved, 32 now"):
+        _tiny(train_iters=4, load=directory, seq_length=32)
+    with pytest.raises(ValueError, match="--hidden-size 16 when saved, 32 now"):
+        _tiny(train_iters=4, load=directory, hidden_size=32, finetune=True)
+
+
+@pytest.mark.world(1)
+def test_without_the_settings_check_the_key_check_still_refuses_dropped_tensors(
+    saved_run, monkeypatch
+):
+    """Negative control of the settings comparison, positive test of the key check: with
+    the comparison switched off, the LayerNorm checkpoint loaded into an RMSNorm / RoPE
+    model is still refused because its norm biases and position embeddings would be
+    dropped (they were silently before)."""
+    directory, _ = saved_run
+    monkeypatch.setattr(checkpointing, "compare_run_settings", lambda *args, **kwargs: None)
+    with pytest.raises(CheckpointingException, match="does not fit this model") as refused:
+        _tiny(
+            train_iters=4, load=directory, normalization="RMSNorm", position_embedding_type="rope"
+        )
+    message = str(refused.value)
+    assert "embedding.position_embeddings.weight" in message and "layer_norm_bias" in message
+    assert "would be dropped" in message
+
+
+@pytest.mark.world(1)
+def test_a_checkpoint_beyond_train_iters_is_named_and_one_at_it_trains_nothing(saved_run):
+    directory, _ = saved_run
+    with pytest.raises(ValueError, match="is at iteration 2, beyond --train-iters 1"):
+        _tiny(train_iters=1, load=directory)
+    assert _tiny(train_iters=2, load=directory) == []
+
+
+@pytest.mark.world(1)
+def test_finetune_and_no_load_optim(saved_run, capsys):
+    """--finetune: the saved weights, iteration 1 onwards (its first loss is the loss of the
+    iteration-2 weights on batch 0, not the fresh model's). --no-load-optim: the weights
+    (iteration 3 equals the straight run, its loss is taken before the step) but fresh Adam
+    moments (iteration 4 differs)."""
+    directory, straight = saved_run
+    tuned = _tiny(train_iters=2, load=directory, finetune=True)
+    assert len(tuned) == 2 and tuned[0] != straight[0]
+    assert "--finetune: model weights only" in capsys.readouterr().out
+    fresh_adam = _tiny(train_iters=4, load=directory, no_load_optim=True)
+    assert fresh_adam[0] == straight[2] and fresh_adam[1] != straight[3], (fresh_adam, straight)
+
+
+@pytest.mark.world(1)
+def test_resuming_without_the_saved_data_path_names_the_flag(tmp_path):
+    data = tmp_path / "sft.jsonl"
+    data.write_text('{"prompt": "ab", "response": "ba"}\n{"prompt": "xyz", "response": "zyx"}\n')
+    _tiny(train_iters=1, save=str(tmp_path / "ck"), data_path=str(data))
+    with pytest.raises(ValueError, match=f"--data-path '{data}' when saved, not given now"):
+        _tiny(train_iters=2, load=str(tmp_path / "ck"))
+    other = tmp_path / "other.jsonl"
+    other.write_text(data.read_text())
+    with pytest.raises(ValueError, match=f"--data-path '{data}' when saved, '{other}' now"):
+        _tiny(train_iters=2, load=str(tmp_path / "ck"), data_path=str(other))
+    assert (
+        len(_tiny(train_iters=1, load=str(tmp_path / "ck"), data_path=str(other), finetune=True))
+        == 1
+    )
+
+
+@pytest.mark.world(2)
+def test_load_errors_are_raised_on_every_rank(tmp_path):
+    """2 ranks: a mistyped --load and a settings mismatch end every rank with the error
+    (no rank left waiting in a collective)."""
+    directory = _shared_dir()
+    with pytest.raises(ValueError, match="no such directory"):
+        _tiny(train_iters=2, load=directory + "-typo", context_parallel_size=2)
+    _tiny(train_iters=1, save=directory, context_parallel_size=2)
+    with pytest.raises(ValueError, match="--num-layers 2 when saved, 4 now"):
+        _tiny(train_iters=2, load=directory, num_layers=4, tensor_model_parallel_size=2)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 KILL_SCRIPT = "tests.unit_tests.training.fault_scripts.killed_save"

@@ -186,7 +186,9 @@ def test_indexed_data_with_warmup_and_cosine_follows_the_one_process_run():
 def test_bad_data_is_rejected_with_the_place_and_the_expectation(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n" + json.dumps({"q": 1}))
-    with pytest.raises(ValueError, match=r"bad.jsonl:2: keys \['q'\]; expected 'prompt'"):
+    with pytest.raises(
+        ValueError, match=r"bad.jsonl:2: keys \['q'\]; expected a JSON object with 'messages'"
+    ):
         FileSFTDataset(str(bad), None, 8, seed=0)
     text = tmp_path / "ids.jsonl"
     text.write_text(json.dumps({"text": "300 1 2"}) + "\n")

@@ -22,12 +22,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import megatron.core.transformer.cp_attention.kernels as fk
 from megatron.core.context_parallel import cp_shard_positions, thd_partitioned_indices
 from megatron.core.device import comm_device
 from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.transformer import cp_attention
-from megatron.core.transformer import flash_kernels as fk
-from megatron.core.transformer.cp_attention import context_parallel_attention
+from megatron.core.transformer.cp_attention import context_parallel_attention, plans, rescale
 from tests.unit_tests.transformer.attention_oracle import reference_attention
 
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
@@ -257,8 +256,8 @@ def test_packed_plan_read_once_per_cu_seqlens(comm, monkeypatch):
     positions = thd_partitioned_indices(padded, total, cp, rank)
     packed = packed_params(real, padded, device())
     reads = []
-    read = cp_attention._documents
-    monkeypatch.setattr(cp_attention, "_documents", lambda *a: reads.append(a) or read(*a))
+    read = plans.documents
+    monkeypatch.setattr(plans, "documents", lambda *a: reads.append(a) or read(*a))
 
     for call in range(3):
         actual = run_shard(q, k, v, w, positions, comm, packed)
@@ -505,7 +504,7 @@ def test_bf16_factors_on_host_or_device_agree_bitwise(comm, forward, backward, m
     positions = cp_shard_positions(total, cp, rank)
     host = run_shard(q, k, v, w, positions, comm)
     passes = iter([forward, backward])
-    monkeypatch.setattr(cp_attention, "_device_idle", lambda x: next(passes))
+    monkeypatch.setattr(rescale, "device_idle", lambda x: next(passes))
     mixed = run_shard(q, k, v, w, positions, comm)
     assert all(torch.equal(a, b) for a, b in zip(host, mixed))
 
@@ -515,7 +514,7 @@ def test_bf16_factors_on_host_or_device_agree_bitwise(comm, forward, backward, m
 def test_bf16_kernels_alone_miss_the_target(comm, monkeypatch):
     """Negative control: with the bf16 kernels' own outputs summed (``HALF_PARTIALS`` off),
     the values summed over several kernel calls exceed the 1.05x limit on every rank."""
-    monkeypatch.setattr(cp_attention, "HALF_PARTIALS", False)
+    monkeypatch.setattr(rescale, "HALF_PARTIALS", False)
     _, ratios = bf16_ratios(comm, "random", total=1024, heads=8, groups=8)
     assert max(ratios.values()) > 1.1, ratios
 
@@ -624,7 +623,7 @@ def test_packed_layers_after_the_first_never_synchronize(cached, monkeypatch):
     with the same PackedSeqParams passes sync debug mode "error", forward and backward.
     Without the plan cache (negative control) it synchronizes."""
     if not cached:
-        monkeypatch.setattr(cp_attention, "_cached", lambda packed, key, build: build())
+        monkeypatch.setattr(plans, "cached", lambda packed, key, build: build())
     real, padded, total = packed_case("spanning", 2)
     q = torch.randn(total, 1, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     packed = packed_params(real, padded, torch.device("cuda"))

@@ -1,5 +1,5 @@
 """Host synchronizations of a packed multi-layer attention fwd+bwd on one GPU, with the
-packed-plan cache (shipped) and without it (``cp_attention._cached`` replaced by a plain
+packed-plan cache (shipped) and without it (``cp_attention.plans.cached`` replaced by a plain
 call). Run from the repository root:
 ``python tests/benchmarks/results/cp_attention/run8_sync_count.py``.
 """

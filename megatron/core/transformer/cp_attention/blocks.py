@@ -1,0 +1,215 @@
+"""Kernel calls on plan parts: forward blocks merged by log-sum-exp, backward blocks summed.
+
+Tensors are [rows, b, n, d] (megatron's layout); LSEs [b, n, rows]. A part's rows are a
+slice (dense) or an index tensor (packed). ``Kernel`` says how each block is computed;
+``Accumulator`` holds the float32 running output and LSE of a forward; ``QuerySide`` the
+query-side tensors a backward block reads and the float32 query gradient it adds into.
+"""
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from megatron.core.transformer.cp_attention import kernels as fk
+from megatron.core.transformer.cp_attention.plans import Part, Rows
+from megatron.core.transformer.cp_attention.rescale import Factor, GradFactors
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """How every block of a call is computed: the kernel (``kernels``' names; None: the
+    default for the tensors) and the softmax scale."""
+
+    name: Optional[str]
+    scale: float
+
+
+@dataclass
+class KeyValues:
+    """Keys and values (or their gradients) of one source, [rows, b, n_kv, d] each."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def heads(self, heads: slice) -> "KeyValues":
+        return KeyValues(heads_of(self.k, heads), heads_of(self.v, heads))
+
+
+@dataclass
+class Accumulator:
+    """Float32 (float64 for float64) running output [s, b, n, d] and LSE [b, n, s]."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+
+    @classmethod
+    def like(cls, query: torch.Tensor) -> "Accumulator":
+        s, b, n, d = query.shape
+        out = torch.empty((s, b, n, d), device=query.device, dtype=fk.acc_dtype(query.dtype))
+        return cls(out, query.new_empty((b, n, s), dtype=out.dtype))
+
+    def heads(self, heads: slice) -> "Accumulator":
+        return Accumulator(heads_of(self.out, heads), heads_of(self.lse, heads, 1))
+
+
+@dataclass
+class QuerySide:
+    """What the backward blocks of one head group share: dO, Q and O as the kernels take
+    them, the merged LSE, and the float32 query gradient ``dq`` the blocks add into."""
+
+    do: torch.Tensor
+    q: torch.Tensor
+    o: torch.Tensor
+    lse: torch.Tensor
+    dq: torch.Tensor
+
+    def heads(self, heads: slice) -> "QuerySide":
+        do, q, o, dq = (heads_of(x, heads) for x in (self.do, self.q, self.o, self.dq))
+        return QuerySide(do, q, o, heads_of(self.lse, heads, 1), dq)
+
+
+def attend(part: Part, q, k, v, kernel: Kernel) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Kernel forward on [rows, b, n, d] tensors -> (out [rows, b, n, d], lse [b, n, rows])."""
+    if part.cu_q is None:
+        return fk.attention_forward(q, k, v, part.causal, kernel.scale, kernel.name, layout="sbnd")
+    out, lse = fk.varlen_forward(
+        q[:, 0], k[:, 0], v[:, 0], part.cu_q, part.cu_k, part.max_q, part.max_k, part.causal,
+        kernel.scale, kernel.name,
+    )  # fmt: skip
+    return out.unsqueeze(1), lse.unsqueeze(0)
+
+
+def attend_backward(part: Part, dout, q, k, v, out, lse, kernel: Kernel):
+    """Kernel backward on [rows, b, n, d] tensors -> (dq, dk, dv) in the same layout."""
+    if part.cu_q is None:
+        return fk.attention_backward(
+            dout, q, k, v, out, lse, part.causal, kernel.scale, kernel.name, layout="sbnd"
+        )
+    grads = fk.varlen_backward(
+        dout[:, 0], q[:, 0], k[:, 0], v[:, 0], out[:, 0], lse[0], part.cu_q, part.cu_k,
+        part.max_q, part.max_k, part.causal, kernel.scale, kernel.name,
+    )  # fmt: skip
+    return tuple(g.unsqueeze(1) for g in grads)
+
+
+def forward_block(
+    part: Part, q, kv: KeyValues, kernel: Kernel, acc: Accumulator, first: bool = False
+) -> None:
+    """One kernel call of ``part``; ``first`` (the local part: every row, each with at least
+    its own key) starts the accumulators, later parts are merged into them by LSE."""
+    k, v = rows_of(kv.k, part.k_rows), rows_of(kv.v, part.k_rows)
+    o, lse = attend(part, rows_of(q, part.q_rows), k, v, kernel)
+    if first:
+        acc.out.copy_(o)
+        acc.lse.copy_(lse)
+        return
+    rows = part.q_rows
+    acc_rows, lse_rows = rows_of(acc.out, rows), lse_rows_of(acc.lse, rows)
+    if isinstance(rows, slice):  # dense: every query row has keys in every part
+        fk.merge_into(acc_rows, lse_rows, o, lse, layout="sbnd", rows_have_keys=True)
+        return
+    lse_rows = lse_rows.clone()  # index rows: merge copies, then put them back
+    fk.merge_into(acc_rows, lse_rows, o, lse, layout="sbnd")
+    put_rows(acc.out, rows, acc_rows)
+    put_lse_rows(acc.lse, rows, lse_rows)
+
+
+def block_grads(
+    part: Part, side: QuerySide, kv: KeyValues, kernel: Kernel, factors: GradFactors
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Kernel backward of ``part``: adds its query gradient (times ``factors.dq``) into
+    ``side.dq`` and returns its key and value gradients (rows ``part.k_rows`` of kv)."""
+    rows = part.q_rows
+    gq, gk, gv = attend_backward(
+        part,
+        rows_of(side.do, rows),
+        rows_of(side.q, rows),
+        rows_of(kv.k, part.k_rows),
+        rows_of(kv.v, part.k_rows),
+        rows_of(side.o, rows),
+        lse_rows_of(side.lse, rows),
+        kernel,
+    )
+    add_rows(side.dq, rows, gq, factors.dq)
+    return gk, gv
+
+
+def backward_block(
+    part: Part,
+    side: QuerySide,
+    kv: KeyValues,
+    kernel: Kernel,
+    factors: GradFactors,
+    grads: KeyValues,
+) -> None:
+    """Kernel backward of ``part``, its gradients (times ``factors``) added into the float32
+    ``side.dq`` and ``grads`` (the key and value gradients of kv's source)."""
+    gk, gv = block_grads(part, side, kv, kernel, factors)
+    add_rows(grads.k, part.k_rows, gk, factors.dk)
+    add_rows(grads.v, part.k_rows, gv, factors.dv)
+
+
+def add_scaled(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, factor: Factor) -> None:
+    """dst = a + b * factor (None: 1; a float or a 0-d tensor) in one pass, rounded once to
+    dst's dtype."""
+    if factor is None:
+        torch.add(a, b, out=dst)
+    elif isinstance(factor, torch.Tensor):
+        torch.addcmul(a, b, factor, out=dst)
+    else:
+        torch.add(a, b, alpha=factor, out=dst)
+
+
+# ----------------------------------------------------------------------------- rows and heads
+
+
+def rows_of(x: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """Rows ``rows`` of x along dim 0 (x itself for all of them)."""
+    if isinstance(rows, slice):
+        return x if rows == slice(None) else x[rows]
+    return x.index_select(0, rows)
+
+
+def put_rows(dst: torch.Tensor, rows: Rows, src: torch.Tensor) -> None:
+    """dst[rows] = src."""
+    if isinstance(rows, slice):
+        dst[rows] = src
+    else:
+        dst.index_copy_(0, rows, src.to(dst.dtype))
+
+
+def add_rows(dst: torch.Tensor, rows: Rows, src: torch.Tensor, factor: Factor = None) -> None:
+    """dst[rows] += src (times ``factor``, a float or a 0-d tensor, when given)."""
+    if factor is None or not isinstance(factor, torch.Tensor):
+        alpha = 1.0 if factor is None else factor
+        if isinstance(rows, slice):
+            rows_of(dst, rows).add_(src, alpha=alpha)
+        else:
+            dst.index_add_(0, rows, src.to(dst.dtype), alpha=alpha)
+    elif isinstance(rows, slice):
+        rows_of(dst, rows).addcmul_(src, factor)
+    else:
+        dst.index_add_(0, rows, src.to(dst.dtype) * factor)
+
+
+def lse_rows_of(lse: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """Rows ``rows`` of an LSE [b, n, s] (along its last dim)."""
+    if isinstance(rows, slice):
+        return lse if rows == slice(None) else lse[:, :, rows]
+    return lse.index_select(2, rows)
+
+
+def put_lse_rows(dst: torch.Tensor, rows: Rows, src: torch.Tensor) -> None:
+    """dst[:, :, rows] = src."""
+    if isinstance(rows, slice):
+        dst[:, :, rows] = src
+    else:
+        dst.index_copy_(2, rows, src)
+
+
+def heads_of(x: torch.Tensor, heads: slice, dim: int = 2) -> torch.Tensor:
+    """Heads ``heads`` of x along ``dim`` (x itself when that is all of them)."""
+    if heads.start == 0 and heads.stop == x.shape[dim]:
+        return x
+    return x.narrow(dim, heads.start, heads.stop - heads.start)

@@ -1,0 +1,43 @@
+"""The CP attention registry: one entry per cp_comm_type, the config's names, the backend rule."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core.config_rules import CP_COMM_TYPES
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.cp_attention import collectives
+from megatron.core.transformer.cp_attention.registry import STRATEGIES
+from megatron.core.transformer.cp_attention.strategy import Strategy
+
+
+@pytest.mark.world(1)
+def test_registry_holds_exactly_the_configurable_comm_types():
+    """Every name TransformerConfig accepts has one strategy, and nothing else is accepted."""
+    assert tuple(STRATEGIES) == CP_COMM_TYPES
+    for name, strategy in STRATEGIES.items():
+        assert isinstance(strategy, Strategy) and strategy.name == name
+        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, cp_comm_type=name)
+    with pytest.raises(ValueError, match="cp_comm_type entries must be one of"):
+        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, cp_comm_type="ring")
+
+
+@pytest.mark.world(1)
+@pytest.mark.parametrize(
+    "backend, cuda, expected",
+    [
+        ("nccl", True, True),
+        ("undefined", True, True),
+        ("undefined", False, False),
+        ("gloo", True, False),
+    ],
+)
+def test_collectives_ask_the_device_module(backend, cuda, expected, monkeypatch):
+    """The lazy "undefined" backend (init_process_group() without a backend) creates nccl for
+    CUDA tensors, so with CUDA it takes the single-tensor collectives, as device.py says; the
+    old name match ("nccl" in the backend name) sent it down the gloo path."""
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert collectives._tensor_collectives(None) is expected
