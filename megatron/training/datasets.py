@@ -71,8 +71,10 @@ def build_training_tokenizer(tokenizer: Any, eod_token: Optional[str] = None):
     """``None`` / ``"byte-level"``: UTF-8 bytes (no file); else a HuggingFace tokenizer folder
     or ``tokenizers`` JSON file (``load_hf_tokenizer``; ``eod_token`` overrides its
     end-of-document token)."""
+    from types import SimpleNamespace
+
     from megatron.training.tokenizer.hf_tokenizer import load_hf_tokenizer
-    from megatron.training.tokenizer.tokenizer import _ByteLevelTokenizer
+    from megatron.training.tokenizer.tokenizer import build_tokenizer
 
     if tokenizer in (None, BYTE_LEVEL):
         if eod_token is not None:
@@ -80,7 +82,7 @@ def build_training_tokenizer(tokenizer: Any, eod_token: Optional[str] = None):
                 f"--eod-token {eod_token!r}: the byte-level tokenizer's end-of-document id is "
                 "fixed (256); --eod-token needs --tokenizer DIR_OR_tokenizer.json"
             )
-        return _ByteLevelTokenizer()
+        return build_tokenizer(SimpleNamespace(tokenizer_type="ByteLevelTokenizer"))
     if not os.path.exists(tokenizer):
         raise FileNotFoundError(
             f"--tokenizer {tokenizer!r}: no such file or folder (expected 'byte-level', a "
