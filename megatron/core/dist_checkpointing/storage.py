@@ -336,7 +336,10 @@ class SafeFileSystemReader(FileSystemReader):
     @staticmethod
     def _deliver(item: ReadItem, payload: bytes, path: Path, planner: Any) -> None:
         if item.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(item, io.BytesIO(payload))
+            try:
+                planner.load_bytes(item, io.BytesIO(payload))
+            except CheckpointingException as err:
+                raise CheckpointingException(f"{path}: {err}") from None
             return
         what = f"{path}: tensor {item.storage_index.fqn!r}"
         tensor = safe_load_bytes(io.BytesIO(payload), what)
