@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.config_rules import CP_COMM_TYPES
-from megatron.core.context_parallel import cp_size_and_rank
+from megatron.core.process_groups_config import get_pg_size
 from megatron.core.transformer.cp_attention.blocks import Kernel
 from megatron.core.transformer.cp_attention.local import local_attention
 from megatron.core.transformer.cp_attention.registry import STRATEGIES
@@ -52,7 +52,7 @@ def context_parallel_attention(
     strategy.validate(query, key, cp_group)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(query.shape[-1])
     call = AttentionCall(Kernel(kernel, scale), packed_seq_params, num_head_groups)
-    if not strategy.group_pair and cp_size_and_rank(cp_group)[0] == 1:
+    if not strategy.group_pair and get_pg_size(cp_group) == 1:
         return local_attention(query, key, value, packed_seq_params, call.kernel)
     return strategy.run(query, key, value, cp_group, call)
 
