@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from megatron.core import config_rules
 from megatron.core.config_rules import CP_COMM_TYPES, NORMALIZATIONS
+from megatron.training.errors import UsageError
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
@@ -565,6 +566,12 @@ class TrainingConfig:
         "--no-progress",
         help="hide the progress bar (rank 0 shows one by default)",
     )
+    debug: bool = option(
+        False,
+        "--debug",
+        help="show the traceback of every error (also MEGATRON_DEBUG=1); without it an "
+        "error in a flag, a file or the data is printed once, as one line",
+    )
 
 
 def flag_of(name: str) -> str:
@@ -672,7 +679,7 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
         try:
             interleaved_schedule_table(num_microbatches, vpp, pp, pp)
         except ValueError as exc:
-            raise ValueError(
+            raise UsageError(
                 f"--vpp {vpp}: {num_microbatches} microbatches per data-parallel replica "
                 f"(--global-batch-size {c.global_batch_size} / (--micro-batch-size "
                 f"{c.micro_batch_size} x DP {dp})) cannot be interleaved: {exc}"
@@ -887,7 +894,7 @@ def _check_tensor_parallel(c: TrainingConfig) -> None:
         "vocab_size": c.vocab_size,
     }
     for name, value in config_rules.tensor_parallel_misfits(tp, splits):
-        raise ValueError(f"{flag_of(name)} {value} is not divisible by --tp {tp}")
+        raise UsageError(f"{flag_of(name)} {value} is not divisible by --tp {tp}")
     if c.position_embedding_type == "rope":
         head_dim = c.kv_channels or c.hidden_size // heads
         _require(
@@ -938,7 +945,7 @@ def single_process_config(config: TrainingConfig) -> TrainingConfig:
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m megatron.training`` / ``megatron-train`` command line, one option per
     ``TrainingConfig`` field (dest = the field name, default = the field's default)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m megatron.training",
         description=(
             "Supervised fine-tuning of a small GPT on generated prompt/response pairs "
@@ -1016,6 +1023,14 @@ def _add_option(group: argparse._ArgumentGroup, config_field: Field) -> None:
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a mistake on the command line raised as ``UsageError`` (reported as
+    one line, once per launch) instead of printing the usage and exiting."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (--help lists the options)")
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Show the default of options that take a value (not of switches, not of None)."""
 
@@ -1029,6 +1044,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _require(condition: bool, message: str) -> None:
-    """Raise ValueError(message) unless ``condition``."""
+    """Raise UsageError(message) (a ValueError) unless ``condition``."""
     if not condition:
-        raise ValueError(message)
+        raise UsageError(message)

@@ -9,6 +9,13 @@ with ``metadata.json`` and a barrier), so an interrupted save leaves the tracker
 previous checkpoint; ``load_checkpoint`` also skips any ``iter_*`` directory without
 ``metadata.json``.
 
+Nothing that changes what is loaded happens silently (``load_checkpoint``): ``--load`` with no
+checkpoint is an error naming it, except megatron's auto-resume idiom (``--load`` = ``--save``);
+the saved settings that change the model (and the data path) must equal the run's; every
+tensor the model asks for must be in the checkpoint and every tensor in it must be asked
+for, except the parts deliberately not loaded (``--finetune``, ``--no-load-optim``,
+``--no-load-rng``, RNG states at another layout), each said in a line.
+
 The model and optimizer are stored by global keys and boxes, so a run may resume at another
 (TP, CP, PP, VPP, DP) layout. Each rank's RNG states are saved too and restored when the
 layout is the same (at another layout the ranks do not correspond; the trainer draws no

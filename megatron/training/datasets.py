@@ -16,6 +16,9 @@ megatron's indexed format.
     ``prompt + completion + [EOD]``, the prompt masked out of the loss (no chat template).
   - ``{"text": str}``: ``text + [EOD]``, every token trained.
 
+  Plain-text records start with the ids a HuggingFace tokenizer's post-processor puts before
+  a text (Llama's BOS; nothing for GPT-2 style or byte-level tokenizers), never trained.
+
 - the prefix of an indexed dataset (``PREFIX.bin`` / ``PREFIX.idx``) written by
   ``python -m megatron.training.preprocess_data``: a document of two sequences is
   (prompt, response), a document of one sequence is all trained.
@@ -68,8 +71,10 @@ def build_training_tokenizer(tokenizer: Any, eod_token: Optional[str] = None):
     """``None`` / ``"byte-level"``: UTF-8 bytes (no file); else a HuggingFace tokenizer folder
     or ``tokenizers`` JSON file (``load_hf_tokenizer``; ``eod_token`` overrides its
     end-of-document token)."""
+    from types import SimpleNamespace
+
     from megatron.training.tokenizer.hf_tokenizer import load_hf_tokenizer
-    from megatron.training.tokenizer.tokenizer import _ByteLevelTokenizer
+    from megatron.training.tokenizer.tokenizer import build_tokenizer
 
     if tokenizer in (None, BYTE_LEVEL):
         if eod_token is not None:
@@ -77,7 +82,7 @@ def build_training_tokenizer(tokenizer: Any, eod_token: Optional[str] = None):
                 f"--eod-token {eod_token!r}: the byte-level tokenizer's end-of-document id is "
                 "fixed (256); --eod-token needs --tokenizer DIR_OR_tokenizer.json"
             )
-        return _ByteLevelTokenizer()
+        return build_tokenizer(SimpleNamespace(tokenizer_type="ByteLevelTokenizer"))
     if not os.path.exists(tokenizer):
         raise FileNotFoundError(
             f"--tokenizer {tokenizer!r}: no such file or folder (expected 'byte-level', a "
@@ -237,7 +242,7 @@ def _tokenize_record(record: Any, tokenizer: Any, where: str) -> Record:
         if isinstance(prompt, list) and isinstance(answer, list):
             return _conversation(prompt + answer, tokenizer, where)
         _require_strings(where, prompt=prompt, **{key: answer})
-        prompt_ids = _ids(tokenizer.tokenize(prompt))
+        prompt_ids = _ids(_prefix(tokenizer) + list(tokenizer.tokenize(prompt)))
         answer_ids = _ids(list(tokenizer.tokenize(answer)) + [tokenizer.eod])
         ids = numpy.concatenate([prompt_ids, answer_ids])
         mask = numpy.concatenate(
@@ -246,9 +251,17 @@ def _tokenize_record(record: Any, tokenizer: Any, where: str) -> Record:
         return ids, mask
     if "text" in record:
         _require_strings(where, text=record["text"])
-        ids = _ids(list(tokenizer.tokenize(record["text"])) + [tokenizer.eod])
-        return ids, numpy.ones(ids.size, numpy.uint8)
+        prefix = _prefix(tokenizer)
+        ids = _ids(prefix + list(tokenizer.tokenize(record["text"])) + [tokenizer.eod])
+        mask = numpy.ones(ids.size, numpy.uint8)
+        mask[: len(prefix)] = 0
+        return ids, mask
     raise ValueError(f"{where}: keys {sorted(record)}; expected {_RECORD_FORMS}")
+
+
+def _prefix(tokenizer: Any) -> List[int]:
+    """The tokenizer's own start-of-text ids (e.g. BOS; none for byte-level)."""
+    return list(getattr(tokenizer, "document_prefix", []))
 
 
 def _conversation(messages: Any, tokenizer: Any, where: str) -> Record:

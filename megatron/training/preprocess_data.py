@@ -51,6 +51,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[str]:
             tokenizer_type=args.tokenizer_type,
             tokenizer_model=args.tokenizer_model,
             vocab_size=args.vocab_size,
+            eod_token=args.eod_token,
         )
     )
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
@@ -126,6 +127,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-model", default=None, help="tokenizers JSON file")
     p.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer only")
     p.add_argument("--append-eod", action="store_true")
+    p.add_argument(
+        "--eod-token",
+        default=None,
+        help="HuggingFaceTokenizer: the end-of-document token (as the trainer's --eod-token)",
+    )
     p.add_argument("--workers", type=int, default=1, help="accepted; one process is used")
     return p
 

@@ -19,22 +19,23 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 from megatron.core import parallel_state
-from megatron.core.context_parallel import get_batch_on_this_cp_rank
+from megatron.core.context_parallel import (
+    get_batch_on_this_cp_rank,
+    get_thd_batch_on_this_cp_rank,
+)
 from megatron.core.device import comm_device
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.loss_reporting import reduce_reported_losses
-from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.utils import get_thd_batch_on_this_cp_rank
+from megatron.core.process_groups_config import ProcessGroupCollection, get_pg_rank, get_pg_size
 from megatron.training.arguments import (
     Layout,
     TrainingConfig,
@@ -417,7 +418,7 @@ def forward_step(data_iterator, model, per_shard_cp_size: Optional[int] = None):
     ``per_shard_cp_size``: see ``loss_func`` (None: the exact objective).
     """
     batch = next(data_iterator)
-    packed = packed_seq_params_of(batch)
+    packed = batch.get("packed_seq_params")  # built once, by _on_this_cp_rank
     extra = {} if packed is None else {"packed_seq_params": packed}
     output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], **extra)
     return output, functools.partial(loss_func, batch["loss_mask"], per_shard_cp_size)
@@ -454,42 +455,28 @@ def logged_loss(reported: List[dict], pg_collection: Optional[ProcessGroupCollec
     return value.item()
 
 
-def packed_seq_params_of(batch: Dict[str, torch.Tensor]) -> Optional[PackedSeqParams]:
-    """``PackedSeqParams`` (THD) of a packed microbatch (one row), None for a plain one."""
-    if "cu_seqlens" not in batch:
-        return None
-    real, padded = batch["cu_seqlens"][0], batch["cu_seqlens_padded"][0]
-    longest = int(batch["max_seqlen"].reshape(-1)[0])
-    return PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=real,
-        cu_seqlens_kv=real,
-        cu_seqlens_q_padded=padded,
-        cu_seqlens_kv_padded=padded,
-        max_seqlen_q=longest,
-        max_seqlen_kv=longest,
-    )
-
-
 def _on_this_cp_rank(
     microbatch: Dict[str, torch.Tensor], pg_collection: Optional[ProcessGroupCollection]
-) -> Dict[str, torch.Tensor]:
+) -> Dict[str, Any]:
     """This CP rank's shard (2C chunks, rank r keeps r and 2C-1-r; of every document for
-    packed rows) on the compute device."""
-    if pg_collection is not None and "cu_seqlens" in microbatch:
-        cp = pg_collection.cp
-        microbatch, _ = get_thd_batch_on_this_cp_rank(
+    packed rows) on the compute device; a packed row also gets its ``PackedSeqParams`` under
+    ``"packed_seq_params"`` (built here, once per microbatch)."""
+    device = comm_device()
+    microbatch = {key: value.to(device) for key, value in microbatch.items()}
+    cp = None if pg_collection is None else pg_collection.cp
+    if "cu_seqlens" in microbatch:
+        microbatch, params = get_thd_batch_on_this_cp_rank(
             microbatch,
             microbatch["cu_seqlens"][0],
             microbatch["cu_seqlens_padded"][0],
             microbatch["max_seqlen"][0],
-            cp_size=1 if cp is None else cp.size(),
-            cp_rank=0 if cp is None else cp.rank(),
+            cp_size=get_pg_size(cp),
+            cp_rank=get_pg_rank(cp),
         )
+        microbatch["packed_seq_params"] = params
     elif pg_collection is not None:
-        microbatch = get_batch_on_this_cp_rank(microbatch, pg_collection.cp)
-    device = comm_device()
-    return {key: value.to(device) for key, value in microbatch.items()}
+        microbatch = get_batch_on_this_cp_rank(microbatch, cp)
+    return microbatch
 
 
 def _agree_on_rank_zero(passed: bool) -> bool:

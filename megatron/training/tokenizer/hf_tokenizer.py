@@ -127,6 +127,18 @@ class HuggingFaceTokenizer(MegatronLegacyTokenizer):
     def tokenize(self, text: str) -> List[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    @property
+    def document_prefix(self) -> List[int]:
+        """The ids the tokenizer's own post-processor puts before a text (e.g. Llama's
+        ``<|begin_of_text|>``; empty for GPT-2 style tokenizers): plain-text records start
+        with them, as ``tokenizer(text)`` would give."""
+        plain = self._tok.encode("a", add_special_tokens=False).ids
+        full = self._tok.encode("a", add_special_tokens=True).ids
+        for start in range(len(full) - len(plain) + 1):
+            if full[start : start + len(plain)] == plain:
+                return full[:start]
+        return []
+
     def encode_with_offsets(self, text: str) -> Tuple[List[int], List[Tuple[int, int]]]:
         """Ids of ``text`` (no added special tokens) and each id's ``(start, end)`` character
         span in ``text``."""

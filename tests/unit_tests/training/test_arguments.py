@@ -88,6 +88,7 @@ NON_DEFAULT = dict(
     compare_single_process=True,
     compare_tolerance=1e-3,
     progress=False,
+    debug=True,
 )
 
 

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron.core.context_parallel import cp_shard_positions, cp_size_and_rank
+from megatron.core.context_parallel import cp_shard_positions
+from megatron.core.process_groups_config import get_pg_rank, get_pg_size
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -54,7 +55,7 @@ class RotaryEmbedding(torch.nn.Module):
         (all of them with no CP group or ``packed_seq``), each angle repeated for the two
         halves (or, interleaved, the two members) of a rotated pair."""
         cp_group = self.cp_group if cp_group is None else cp_group
-        cp_size, cp_rank = cp_size_and_rank(cp_group)
+        cp_size, cp_rank = get_pg_size(cp_group), get_pg_rank(cp_group)
         if packed_seq or cp_size == 1:
             positions = torch.arange(max_seq_len)
         else:
