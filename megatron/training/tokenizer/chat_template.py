@@ -31,11 +31,13 @@ HuggingFace renders templates), the ``tojson`` filter, and ``raise_exception`` /
 
 import datetime
 import json
+import re
 from functools import lru_cache
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 _OPEN, _CLOSE = "\ue000", "\ue001"  # sentinels around {% generation %} output
 ROLES = ("system", "user", "assistant", "tool")
+_GENERATION_TAG = re.compile(r"{%[-+]?\s*generation\s*[-+]?%}")
 
 Message = Dict[str, Any]
 
@@ -73,7 +75,7 @@ def render_with_assistant_spans(
     """The rendered conversation and the assistant's ``(start, end)`` character spans in it
     (module docstring, step 2)."""
     compiled = _compile(template)
-    if "generation" in template and _has_generation_block(template):
+    if _GENERATION_TAG.search(template):
         return _strip_sentinels(_render(compiled, messages, False, variables, keep_marks=True))
     full = _render(compiled, messages, False, variables)
     spans = []
@@ -157,12 +159,6 @@ def _check_messages(messages: Any) -> None:
             )
     if not any(m["role"] == "assistant" for m in messages):
         raise ChatTemplateError("no 'assistant' message: nothing to train on")
-
-
-def _has_generation_block(template: str) -> bool:
-    import re
-
-    return re.search(r"{%-?\s*generation\s*-?%}", template) is not None
 
 
 @lru_cache(maxsize=8)
