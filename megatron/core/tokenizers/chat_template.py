@@ -69,6 +69,18 @@ def tokenize_conversation(
     return list(ids), mask
 
 
+def render_chat(
+    template: str,
+    messages: Sequence[Message],
+    variables: Optional[Dict[str, Any]] = None,
+    add_generation_prompt: bool = False,
+) -> str:
+    """``messages`` rendered with ``template`` (``variables``: ``bos_token`` etc.)."""
+    _check_messages(messages, need_assistant=False)
+    compiled = _compile(template)
+    return _render(compiled, messages, add_generation_prompt, dict(variables or {}))
+
+
 def render_with_assistant_spans(
     template: str, messages: Sequence[Message], variables: Dict[str, Any]
 ) -> Tuple[str, List[Tuple[int, int]]]:
@@ -135,7 +147,7 @@ def _strip_sentinels(marked: str) -> Tuple[str, List[Tuple[int, int]]]:
     return "".join(out), [(a, b) for a, b in spans if b > a]
 
 
-def _check_messages(messages: Any) -> None:
+def _check_messages(messages: Any, need_assistant: bool = True) -> None:
     if not isinstance(messages, list) or not messages:
         raise ChatTemplateError(
             f"'messages' must be a non-empty list of {{'role', 'content'}} objects, got "
@@ -157,7 +169,7 @@ def _check_messages(messages: Any) -> None:
                 f"messages[{k}]: content holds a private-use character U+E000/U+E001 that the "
                 "renderer reserves"
             )
-    if not any(m["role"] == "assistant" for m in messages):
+    if need_assistant and not any(m["role"] == "assistant" for m in messages):
         raise ChatTemplateError("no 'assistant' message: nothing to train on")
 
 
