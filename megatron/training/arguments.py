@@ -437,7 +437,8 @@ class TrainingConfig:
         "--save-metrics",
         type=str,
         metavar="DIR",
-        help="write DIR/metrics.jsonl (one line per iteration) and DIR/loss.png",
+        help="write DIR/metrics.jsonl (one line per iteration) and DIR/loss.png (loss, "
+        "gradient norm and learning rate against iteration)",
     )
     save: Optional[str] = option(
         None,

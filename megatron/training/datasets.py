@@ -7,7 +7,7 @@ megatron's indexed format.
 
   - ``{"messages": [{"role": ..., "content": ...}, ...]}``: a conversation (system, user,
     assistant, tool turns; several rounds) rendered with the tokenizer's chat template; only
-    the assistant's tokens are trained (``megatron.training.tokenizer.chat_template``: exact
+    the assistant's tokens are trained (``megatron.core.tokenizers.chat_template``: exact
     assistant spans from ``{% generation %}`` blocks or incremental rendering). Nothing is
     appended: the template writes its own end-of-turn tokens.
   - ``{"prompt": [messages], "completion": [messages]}``: the same, the conversation being
@@ -265,7 +265,7 @@ def _prefix(tokenizer: Any) -> List[int]:
 
 
 def _conversation(messages: Any, tokenizer: Any, where: str) -> Record:
-    from megatron.training.tokenizer.chat_template import ChatTemplateError, tokenize_conversation
+    from megatron.core.tokenizers.chat_template import ChatTemplateError, tokenize_conversation
 
     if not hasattr(tokenizer, "encode_with_offsets"):
         raise ValueError(

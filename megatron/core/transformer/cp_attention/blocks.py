@@ -18,11 +18,13 @@ from megatron.core.transformer.cp_attention.rescale import Factor, GradFactors
 
 @dataclass(frozen=True)
 class Kernel:
-    """How every block of a call is computed: the kernel (``kernels``' names; None: the
-    default for the tensors) and the softmax scale."""
+    """How every block of a call is computed: the kernel (``kernels``' names; None or
+    "auto": the default for the tensors), the softmax scale and the sliding window (how many
+    earlier keys a query sees; None: all)."""
 
     name: Optional[str]
     scale: float
+    window: Optional[int] = None
 
 
 @dataclass
@@ -72,10 +74,12 @@ class QuerySide:
 def attend(part: Part, q, k, v, kernel: Kernel) -> Tuple[torch.Tensor, torch.Tensor]:
     """Kernel forward on [rows, b, n, d] tensors -> (out [rows, b, n, d], lse [b, n, rows])."""
     if part.cu_q is None:
-        return fk.attention_forward(q, k, v, part.causal, kernel.scale, kernel.name, layout="sbnd")
+        return fk.attention_forward(
+            q, k, v, part.causal, kernel.scale, kernel.name, layout="sbnd", window=kernel.window
+        )
     out, lse = fk.varlen_forward(
         q[:, 0], k[:, 0], v[:, 0], part.cu_q, part.cu_k, part.max_q, part.max_k, part.causal,
-        kernel.scale, kernel.name,
+        kernel.scale, kernel.name, kernel.window,
     )  # fmt: skip
     return out.unsqueeze(1), lse.unsqueeze(0)
 
@@ -84,11 +88,12 @@ def attend_backward(part: Part, dout, q, k, v, out, lse, kernel: Kernel):
     """Kernel backward on [rows, b, n, d] tensors -> (dq, dk, dv) in the same layout."""
     if part.cu_q is None:
         return fk.attention_backward(
-            dout, q, k, v, out, lse, part.causal, kernel.scale, kernel.name, layout="sbnd"
-        )
+            dout, q, k, v, out, lse, part.causal, kernel.scale, kernel.name, layout="sbnd",
+            window=kernel.window,
+        )  # fmt: skip
     grads = fk.varlen_backward(
         dout[:, 0], q[:, 0], k[:, 0], v[:, 0], out[:, 0], lse[0], part.cu_q, part.cu_k,
-        part.max_q, part.max_k, part.causal, kernel.scale, kernel.name,
+        part.max_q, part.max_k, part.causal, kernel.scale, kernel.name, kernel.window,
     )  # fmt: skip
     return tuple(g.unsqueeze(1) for g in grads)
 
