@@ -489,16 +489,22 @@ def _agree_or_raise(compute):
     (its type and message) on every rank instead of rank 0 alone."""
     if not dist.is_initialized():
         return compute()
-    outcome = None
+    outcome, error = None, None
     if _rank() == 0:
         try:
             outcome = ("value", compute())
-        except (ValueError, dist_checkpointing.CheckpointingException) as err:
-            outcome = ("error", type(err), str(err))
+        except Exception as err:  # noqa: BLE001 - every rank must hear of any failure
+            outcome, error = ("error", type(err), str(err)), err
     outcome = _agree(outcome)
-    if outcome[0] == "error":
-        raise outcome[1](outcome[2])
-    return outcome[1]
+    if outcome[0] == "value":
+        return outcome[1]
+    if error is not None:
+        raise error
+    try:
+        copy = outcome[1](outcome[2])
+    except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+        copy = RuntimeError(f"{outcome[1].__name__}: {outcome[2]}")
+    raise copy
 
 
 def _all_gather(value) -> list:
