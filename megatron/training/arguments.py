@@ -58,6 +58,7 @@ __all__ = [
     "TrainingConfig",
     "build_parser",
     "command_line",
+    "explicit_options",
     "option",
     "option_of",
     "parse_args",
@@ -268,6 +269,57 @@ class TrainingConfig:
         "--untie-embeddings-and-output-weights",
         help="separate output layer (default: tied to the word embeddings)",
     )
+    kv_channels: Optional[int] = option(
+        None,
+        "--kv-channels",
+        type=int,
+        check=positive,
+        help="size of each attention head; default: hidden size / attention heads",
+    )
+    max_position_embeddings: Optional[int] = option(
+        None,
+        "--max-position-embeddings",
+        type=int,
+        check=positive,
+        help="rows of the learned position table (learned_absolute); default: --seq-length",
+    )
+    norm_epsilon: float = option(
+        1e-5, "--norm-epsilon", check=positive_number, help="epsilon of LayerNorm / RMSNorm"
+    )
+    rotary_base: float = option(
+        10000.0, "--rotary-base", check=positive_number, help="RoPE base (rope_theta)"
+    )
+    use_rope_scaling: bool = option(
+        False,
+        "--use-rope-scaling",
+        help="Llama 3.x RoPE frequency scaling (by --rope-scaling-factor)",
+    )
+    rope_scaling_factor: float = option(
+        8.0,
+        "--rope-scaling-factor",
+        check=positive_number,
+        help="--use-rope-scaling: the factor long wavelengths are divided by",
+    )
+    add_qkv_bias: bool = option(
+        False,
+        "--add-qkv-bias",
+        help="biases on the query/key/value projection even with --disable-bias-linear (Qwen2)",
+    )
+    openai_gelu: bool = option(
+        False,
+        "--openai-gelu",
+        help="GELU's tanh approximation (OpenAI's, GPT-2's gelu_new) instead of the exact one",
+    )
+    hf_model: Optional[str] = option(
+        None,
+        "--hf-model",
+        type=str,
+        metavar="DIR",
+        help="start from a HuggingFace model (config.json + safetensors: Llama, Mistral, "
+        "Qwen2, GPT-2; docs/huggingface.md): its config.json sets the model options above "
+        "(an explicit conflicting one is an error), its weights are loaded at any layout, "
+        "and with --data-path its tokenizer is the default --tokenizer",
+    )
     # Optimization.
     train_iters: int = option(20, "--train-iters", check=positive, help="training iterations")
     lr: float = option(3e-3, "--lr", check=positive_number, help="peak Adam learning rate")
@@ -399,6 +451,14 @@ class TrainingConfig:
         "is one checkpoint's iter_NNNNNNN directory (any layout). No checkpoint there is an "
         "error, except when DIR is also --save (auto-resume: starts from scratch). Settings "
         "that change the model or the data must equal the saved ones",
+    )
+    export_hf: Optional[str] = option(
+        None,
+        "--export-hf",
+        type=str,
+        metavar="DIR",
+        help="write the trained model to DIR in HuggingFace format (config.json + "
+        "safetensors) at the end, and to DIR/iter_NNNNNNN beside each earlier --save",
     )
     save_interval: Optional[int] = option(
         None,
@@ -544,7 +604,7 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
         f"(--pp {pp} x --vpp {vpp or 1}); use a multiple of {chunks} layers",
     )
     _require(
-        c.hidden_size % c.num_attention_heads == 0,
+        c.kv_channels is not None or c.hidden_size % c.num_attention_heads == 0,
         f"--hidden-size {c.hidden_size} is not divisible by --num-attention-heads "
         f"{c.num_attention_heads}",
     )
@@ -625,7 +685,7 @@ def _check_combinations(c: TrainingConfig) -> None:
         "tokenizer's end-of-document id is fixed)",
     )
     _require(
-        c.data_path is None or c.vocab_size == _FIELDS["vocab_size"].default,
+        c.data_path is None or c.vocab_size == _FIELDS["vocab_size"].default or c.hf_model,
         f"--vocab-size {c.vocab_size} is not used with --data-path: the vocabulary is the "
         "tokenizer's (see --tokenizer); leave --vocab-size out",
     )
@@ -639,6 +699,23 @@ def _check_combinations(c: TrainingConfig) -> None:
         f"--compare-tolerance {c.compare_tolerance} needs --compare-single-process",
     )
     _require(not (c.bf16 and c.fp16), "--bf16 and --fp16 were both given; expected at most one")
+    _require(
+        c.position_embedding_type == "learned_absolute" or c.max_position_embeddings is None,
+        f"--max-position-embeddings {c.max_position_embeddings} sizes the learned position "
+        "table; --position-embedding-type rope has none",
+    )
+    _require(
+        c.position_embedding_type != "learned_absolute"
+        or (c.max_position_embeddings or c.seq_length) >= c.seq_length,
+        f"--seq-length {c.seq_length} is longer than the learned position table "
+        f"(--max-position-embeddings {c.max_position_embeddings})",
+    )
+    _require(
+        c.position_embedding_type == "rope"
+        or not (c.use_rope_scaling or c.rotary_base != _FIELDS["rotary_base"].default),
+        "--use-rope-scaling and --rotary-base need --position-embedding-type rope",
+    )
+    _require(not (c.openai_gelu and c.swiglu), "--openai-gelu and --swiglu exclude each other")
     _require(
         c.min_loss_scale <= c.initial_loss_scale,
         f"--min-loss-scale {c.min_loss_scale} must be <= --initial-loss-scale "
@@ -750,7 +827,7 @@ def _check_tensor_parallel(c: TrainingConfig) -> None:
     for name, value in config_rules.tensor_parallel_misfits(tp, splits):
         raise UsageError(f"{flag_of(name)} {value} is not divisible by --tp {tp}")
     if c.position_embedding_type == "rope":
-        head_dim = c.hidden_size // heads
+        head_dim = c.kv_channels or c.hidden_size // heads
         _require(
             head_dim % 2 == 0,
             f"--position-embedding-type rope needs an even head size, got --hidden-size "
@@ -786,6 +863,7 @@ def single_process_config(config: TrainingConfig) -> TrainingConfig:
         "finetune",
         "no_load_optim",
         "no_load_rng",
+        "export_hf",
     )
     changes.update({name: _FIELDS[name].default for name in layout_and_output})
     changes.update(nproc_per_node=1)
@@ -813,6 +891,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> TrainingConfig:
     """Parse the command line into a ``TrainingConfig`` (no checks: ``validate_config``); a
     mistake raises ``UsageError``."""
     return options.parse(build_parser(), TrainingConfig, argv)
+
+
+def explicit_options(argv: Sequence[str]) -> List[str]:
+    """The ``TrainingConfig`` fields that ``argv`` gives explicitly (whatever their value)."""
+    return options.explicit_fields(build_parser(), argv)
 
 
 # ----------------------------------------------------------------------------- checks

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from megatron.training.arguments import parse_args, validate_config
+from megatron.training.arguments import explicit_options, parse_args, validate_config
 from megatron.training.errors import (
     LAUNCHER_REPORTS_VARIABLE,
     UsageError,
@@ -35,6 +35,7 @@ from megatron.training.errors import (
     report_error,
     usage_error_of_failure,
 )
+from megatron.training.hf.config import resolve_hf_model
 
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
 VERDICT_FILE_VARIABLE = "MEGATRON_TRAINING_VERDICT_FILE"
@@ -50,7 +51,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     debug = debug_requested(argv)
     under_torchrun = "WORLD_SIZE" in os.environ
     try:
-        config = parse_args(argv)
+        config = resolve_hf_model(parse_args(argv), explicit_options(argv))
         world_size = _world_size(config.nproc_per_node, under_torchrun)
         validate_config(config, world_size)
     except Exception as exc:

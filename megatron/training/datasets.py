@@ -292,6 +292,11 @@ def _require_strings(where: str, **values: Any) -> None:
 def _read_indexed(prefix: str, eod: int) -> List[Record]:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+    if os.path.isdir(prefix):
+        raise ValueError(
+            f"--data-path {prefix!r} is a folder; expected a JSONL file or the prefix of an "
+            "indexed dataset (PREFIX.bin + PREFIX.idx)"
+        )
     if prefix.endswith((".bin", ".idx")):
         prefix = prefix[:-4]
     if not IndexedDataset.exists(prefix):

@@ -9,6 +9,7 @@ fields belong to the config's own validation (``arguments.validate_config``). No
 """
 
 import argparse
+import copy
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
@@ -120,6 +121,14 @@ def parse(parser: argparse.ArgumentParser, config_class: Type, argv: Optional[Se
         if option_of(config_field).one_or_list and isinstance(value, list) and len(value) == 1:
             args[config_field.name] = value[0]
     return config_class(**args)
+
+
+def explicit_fields(parser: argparse.ArgumentParser, argv: Sequence[str]) -> List[str]:
+    """The fields that ``argv`` gives explicitly (whatever their value), sorted."""
+    parser = copy.deepcopy(parser)
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return sorted(vars(parser.parse_args(argv)))
 
 
 def command_line(config: Any) -> List[str]:

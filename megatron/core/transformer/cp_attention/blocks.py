@@ -12,6 +12,7 @@ from typing import Optional, Tuple
 import torch
 
 from megatron.core.transformer.cp_attention import kernels as fk
+from megatron.core.transformer.cp_attention import varlen
 from megatron.core.transformer.cp_attention.plans import Part, Rows
 from megatron.core.transformer.cp_attention.rescale import Factor, GradFactors
 
@@ -77,7 +78,7 @@ def attend(part: Part, q, k, v, kernel: Kernel) -> Tuple[torch.Tensor, torch.Ten
         return fk.attention_forward(
             q, k, v, part.causal, kernel.scale, kernel.name, layout="sbnd", window=kernel.window
         )
-    out, lse = fk.varlen_forward(
+    out, lse = varlen.varlen_forward(
         q[:, 0], k[:, 0], v[:, 0], part.cu_q, part.cu_k, part.max_q, part.max_k, part.causal,
         kernel.scale, kernel.name, kernel.window,
     )  # fmt: skip
@@ -91,7 +92,7 @@ def attend_backward(part: Part, dout, q, k, v, out, lse, kernel: Kernel):
             dout, q, k, v, out, lse, part.causal, kernel.scale, kernel.name, layout="sbnd",
             window=kernel.window,
         )  # fmt: skip
-    grads = fk.varlen_backward(
+    grads = varlen.varlen_backward(
         dout[:, 0], q[:, 0], k[:, 0], v[:, 0], out[:, 0], lse[0], part.cu_q, part.cu_k,
         part.max_q, part.max_k, part.causal, kernel.scale, kernel.name, kernel.window,
     )  # fmt: skip
