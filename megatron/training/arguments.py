@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from megatron.core import config_rules
 from megatron.core.config_rules import CP_COMM_TYPES, NORMALIZATIONS
+from megatron.training.errors import UsageError
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
@@ -35,6 +36,7 @@ __all__ = [
     "TrainingConfig",
     "build_parser",
     "command_line",
+    "explicit_options",
     "option",
     "parse_args",
     "single_process_config",
@@ -325,6 +327,57 @@ class TrainingConfig:
         "--untie-embeddings-and-output-weights",
         help="separate output layer (default: tied to the word embeddings)",
     )
+    kv_channels: Optional[int] = option(
+        None,
+        "--kv-channels",
+        type=int,
+        check=positive,
+        help="size of each attention head; default: hidden size / attention heads",
+    )
+    max_position_embeddings: Optional[int] = option(
+        None,
+        "--max-position-embeddings",
+        type=int,
+        check=positive,
+        help="rows of the learned position table (learned_absolute); default: --seq-length",
+    )
+    norm_epsilon: float = option(
+        1e-5, "--norm-epsilon", check=positive_number, help="epsilon of LayerNorm / RMSNorm"
+    )
+    rotary_base: float = option(
+        10000.0, "--rotary-base", check=positive_number, help="RoPE base (rope_theta)"
+    )
+    use_rope_scaling: bool = option(
+        False,
+        "--use-rope-scaling",
+        help="Llama 3.x RoPE frequency scaling (by --rope-scaling-factor)",
+    )
+    rope_scaling_factor: float = option(
+        8.0,
+        "--rope-scaling-factor",
+        check=positive_number,
+        help="--use-rope-scaling: the factor long wavelengths are divided by",
+    )
+    add_qkv_bias: bool = option(
+        False,
+        "--add-qkv-bias",
+        help="biases on the query/key/value projection even with --disable-bias-linear (Qwen2)",
+    )
+    openai_gelu: bool = option(
+        False,
+        "--openai-gelu",
+        help="GELU's tanh approximation (OpenAI's, GPT-2's gelu_new) instead of the exact one",
+    )
+    hf_model: Optional[str] = option(
+        None,
+        "--hf-model",
+        type=str,
+        metavar="DIR",
+        help="start from a HuggingFace model (config.json + safetensors: Llama, Mistral, "
+        "Qwen2, GPT-2; docs/huggingface.md): its config.json sets the model options above "
+        "(an explicit conflicting one is an error), its weights are loaded at any layout, "
+        "and with --data-path its tokenizer is the default --tokenizer",
+    )
     # Optimization.
     train_iters: int = option(20, "--train-iters", check=positive, help="training iterations")
     lr: float = option(3e-3, "--lr", check=positive_number, help="peak Adam learning rate")
@@ -436,7 +489,8 @@ class TrainingConfig:
         "--save-metrics",
         type=str,
         metavar="DIR",
-        help="write DIR/metrics.jsonl (one line per iteration) and DIR/loss.png",
+        help="write DIR/metrics.jsonl (one line per iteration) and DIR/loss.png (loss, "
+        "gradient norm and learning rate against iteration)",
     )
     save: Optional[str] = option(
         None,
@@ -455,6 +509,14 @@ class TrainingConfig:
         "is one checkpoint's iter_NNNNNNN directory (any layout). No checkpoint there is an "
         "error, except when DIR is also --save (auto-resume: starts from scratch). Settings "
         "that change the model or the data must equal the saved ones",
+    )
+    export_hf: Optional[str] = option(
+        None,
+        "--export-hf",
+        type=str,
+        metavar="DIR",
+        help="write the trained model to DIR in HuggingFace format (config.json + "
+        "safetensors) at the end, and to DIR/iter_NNNNNNN beside each earlier --save",
     )
     save_interval: Optional[int] = option(
         None,
@@ -504,6 +566,12 @@ class TrainingConfig:
         True,
         "--no-progress",
         help="hide the progress bar (rank 0 shows one by default)",
+    )
+    debug: bool = option(
+        False,
+        "--debug",
+        help="show the traceback of every error (also MEGATRON_DEBUG=1); without it an "
+        "error in a flag, a file or the data is printed once, as one line",
     )
 
 
@@ -594,7 +662,7 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
         f"(--pp {pp} x --vpp {vpp or 1}); use a multiple of {chunks} layers",
     )
     _require(
-        c.hidden_size % c.num_attention_heads == 0,
+        c.kv_channels is not None or c.hidden_size % c.num_attention_heads == 0,
         f"--hidden-size {c.hidden_size} is not divisible by --num-attention-heads "
         f"{c.num_attention_heads}",
     )
@@ -612,7 +680,7 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
         try:
             interleaved_schedule_table(num_microbatches, vpp, pp, pp)
         except ValueError as exc:
-            raise ValueError(
+            raise UsageError(
                 f"--vpp {vpp}: {num_microbatches} microbatches per data-parallel replica "
                 f"(--global-batch-size {c.global_batch_size} / (--micro-batch-size "
                 f"{c.micro_batch_size} x DP {dp})) cannot be interleaved: {exc}"
@@ -687,7 +755,7 @@ def _check_combinations(c: TrainingConfig) -> None:
         "tokenizer's end-of-document id is fixed)",
     )
     _require(
-        c.data_path is None or c.vocab_size == _FIELDS["vocab_size"].default,
+        c.data_path is None or c.vocab_size == _FIELDS["vocab_size"].default or c.hf_model,
         f"--vocab-size {c.vocab_size} is not used with --data-path: the vocabulary is the "
         "tokenizer's (see --tokenizer); leave --vocab-size out",
     )
@@ -701,6 +769,23 @@ def _check_combinations(c: TrainingConfig) -> None:
         f"--compare-tolerance {c.compare_tolerance} needs --compare-single-process",
     )
     _require(not (c.bf16 and c.fp16), "--bf16 and --fp16 were both given; expected at most one")
+    _require(
+        c.position_embedding_type == "learned_absolute" or c.max_position_embeddings is None,
+        f"--max-position-embeddings {c.max_position_embeddings} sizes the learned position "
+        "table; --position-embedding-type rope has none",
+    )
+    _require(
+        c.position_embedding_type != "learned_absolute"
+        or (c.max_position_embeddings or c.seq_length) >= c.seq_length,
+        f"--seq-length {c.seq_length} is longer than the learned position table "
+        f"(--max-position-embeddings {c.max_position_embeddings})",
+    )
+    _require(
+        c.position_embedding_type == "rope"
+        or not (c.use_rope_scaling or c.rotary_base != _FIELDS["rotary_base"].default),
+        "--use-rope-scaling and --rotary-base need --position-embedding-type rope",
+    )
+    _require(not (c.openai_gelu and c.swiglu), "--openai-gelu and --swiglu exclude each other")
     _require(
         c.min_loss_scale <= c.initial_loss_scale,
         f"--min-loss-scale {c.min_loss_scale} must be <= --initial-loss-scale "
@@ -810,9 +895,9 @@ def _check_tensor_parallel(c: TrainingConfig) -> None:
         "vocab_size": c.vocab_size,
     }
     for name, value in config_rules.tensor_parallel_misfits(tp, splits):
-        raise ValueError(f"{flag_of(name)} {value} is not divisible by --tp {tp}")
+        raise UsageError(f"{flag_of(name)} {value} is not divisible by --tp {tp}")
     if c.position_embedding_type == "rope":
-        head_dim = c.hidden_size // heads
+        head_dim = c.kv_channels or c.hidden_size // heads
         _require(
             head_dim % 2 == 0,
             f"--position-embedding-type rope needs an even head size, got --hidden-size "
@@ -848,6 +933,7 @@ def single_process_config(config: TrainingConfig) -> TrainingConfig:
         "finetune",
         "no_load_optim",
         "no_load_rng",
+        "export_hf",
     )
     changes.update({name: _FIELDS[name].default for name in layout_and_output})
     changes.update(nproc_per_node=1)
@@ -860,7 +946,7 @@ def single_process_config(config: TrainingConfig) -> TrainingConfig:
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m megatron.training`` / ``megatron-train`` command line, one option per
     ``TrainingConfig`` field (dest = the field name, default = the field's default)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m megatron.training",
         description=(
             "Supervised fine-tuning of a small GPT on generated prompt/response pairs "
@@ -888,6 +974,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> TrainingConfig:
         if option_of(config_field).one_or_list and isinstance(value, list) and len(value) == 1:
             args[config_field.name] = value[0]
     return TrainingConfig(**args)
+
+
+def explicit_options(argv: Sequence[str]) -> List[str]:
+    """The ``TrainingConfig`` fields that ``argv`` gives explicitly (whatever their value)."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return sorted(vars(parser.parse_args(argv)))
 
 
 def command_line(config: TrainingConfig) -> List[str]:
@@ -930,6 +1024,14 @@ def _add_option(group: argparse._ArgumentGroup, config_field: Field) -> None:
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a mistake on the command line raised as ``UsageError`` (reported as
+    one line, once per launch) instead of printing the usage and exiting."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (--help lists the options)")
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Show the default of options that take a value (not of switches, not of None)."""
 
@@ -943,6 +1045,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _require(condition: bool, message: str) -> None:
-    """Raise ValueError(message) unless ``condition``."""
+    """Raise UsageError(message) (a ValueError) unless ``condition``."""
     if not condition:
-        raise ValueError(message)
+        raise UsageError(message)

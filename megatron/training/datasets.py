@@ -7,7 +7,7 @@ megatron's indexed format.
 
   - ``{"messages": [{"role": ..., "content": ...}, ...]}``: a conversation (system, user,
     assistant, tool turns; several rounds) rendered with the tokenizer's chat template; only
-    the assistant's tokens are trained (``megatron.training.tokenizer.chat_template``: exact
+    the assistant's tokens are trained (``megatron.core.tokenizers.chat_template``: exact
     assistant spans from ``{% generation %}`` blocks or incremental rendering). Nothing is
     appended: the template writes its own end-of-turn tokens.
   - ``{"prompt": [messages], "completion": [messages]}``: the same, the conversation being
@@ -265,7 +265,7 @@ def _prefix(tokenizer: Any) -> List[int]:
 
 
 def _conversation(messages: Any, tokenizer: Any, where: str) -> Record:
-    from megatron.training.tokenizer.chat_template import ChatTemplateError, tokenize_conversation
+    from megatron.core.tokenizers.chat_template import ChatTemplateError, tokenize_conversation
 
     if not hasattr(tokenizer, "encode_with_offsets"):
         raise ValueError(
@@ -292,6 +292,11 @@ def _require_strings(where: str, **values: Any) -> None:
 def _read_indexed(prefix: str, eod: int) -> List[Record]:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+    if os.path.isdir(prefix):
+        raise ValueError(
+            f"--data-path {prefix!r} is a folder; expected a JSONL file or the prefix of an "
+            "indexed dataset (PREFIX.bin + PREFIX.idx)"
+        )
     if prefix.endswith((".bin", ".idx")):
         prefix = prefix[:-4]
     if not IndexedDataset.exists(prefix):

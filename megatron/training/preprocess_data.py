@@ -61,8 +61,14 @@ def main(argv: Optional[Sequence[str]] = None) -> List[str]:
         prefixes = [f"{args.output_prefix}_{key}_document" for key in args.json_keys]
     builders = [IndexedDatasetBuilder(p + ".bin", dtype=dtype) for p in prefixes]
     count = 0
-    with open(args.input, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with open(args.input, "rb") as f:  # lines end at b"\n" only, so LINE is the editor's
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"{args.input}:{line_no}: not UTF-8 text ({err.reason} at byte {err.start})"
+                ) from None
             if not line.strip():
                 continue
             try:

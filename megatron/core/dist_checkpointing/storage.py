@@ -216,16 +216,15 @@ def safe_load_bytes(buffer: io.BytesIO, what: str) -> Any:
 
 
 def _unpickler_reason(err: Exception) -> str:
-    """The line of torch's weights-only error that says what was refused, without its
-    advice to load with ``weights_only=False``."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    for line in lines:
+    """The sentence of torch's weights-only error that says what was refused, without its
+    advice to load with ``weights_only`` False or to allowlist the refused global (either
+    would run the payload)."""
+    for line in str(err).splitlines():
+        line = line.strip()
         if line.startswith("WeightsUnpickler error:"):
-            return line[len("WeightsUnpickler error:") :].strip()
-    for line in lines:
-        if "weights_only" not in line and "trust" not in line:
-            return line
-    return type(err).__name__
+            reason = line[len("WeightsUnpickler error:") :].strip()
+            return reason.split(". ")[0].rstrip(".")
+    return "a type outside the tensors, numbers, strings and containers it admits"
 
 
 def serialize_checked(obj: Any, what: str) -> bytes:
@@ -337,7 +336,10 @@ class SafeFileSystemReader(FileSystemReader):
     @staticmethod
     def _deliver(item: ReadItem, payload: bytes, path: Path, planner: Any) -> None:
         if item.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(item, io.BytesIO(payload))
+            try:
+                planner.load_bytes(item, io.BytesIO(payload))
+            except CheckpointingException as err:
+                raise CheckpointingException(f"{path}: {err}") from None
             return
         what = f"{path}: tensor {item.storage_index.fqn!r}"
         tensor = safe_load_bytes(io.BytesIO(payload), what)

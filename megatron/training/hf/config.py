@@ -202,7 +202,9 @@ def training_settings(arch: HFArchitecture) -> Dict[str, Any]:
         "swiglu": arch.swiglu,
         "openai_gelu": arch.activation == "gelu_tanh",
         "position_embedding_type": arch.position_embedding_type,
-        "max_position_embeddings": arch.max_position_embeddings,
+        "max_position_embeddings": (
+            arch.max_position_embeddings if arch.position_embedding_type != "rope" else None
+        ),
         "rotary_base": arch.rotary_base,
         "use_rope_scaling": arch.rope_scaling_factor is not None,
         "rope_scaling_factor": arch.rope_scaling_factor or 8.0,
@@ -507,3 +509,41 @@ class _Checker:
                 f"does not know for model_type {self.family!r} (unknown: {', '.join(unknown)}); "
                 "refusing rather than building a possibly different model"
             )
+
+
+def resolve_hf_model(config, explicit=None):
+    """``config`` (a ``TrainingConfig``) with ``--hf-model DIR``'s model settings filled in.
+
+    Each model option not given explicitly takes config.json's value; one given explicitly
+    with another value is a ValueError naming the flag and both values. ``explicit``: the
+    fields given on the command line (None: those that differ from their defaults). With
+    ``--data-path`` and no ``--tokenizer``, the tokenizer is DIR's (``tokenizer.json``).
+    Idempotent.
+    """
+    from dataclasses import fields, replace
+
+    from megatron.training.arguments import flag_of
+
+    if config.hf_model is None:
+        return config
+    arch, _ = read_hf_config(config.hf_model)
+    defaults = {f.name: f.default for f in fields(config)}
+    changes, conflicts = {}, []
+    for name, value in training_settings(arch).items():
+        current = getattr(config, name)
+        if current == value:
+            continue
+        given = name in explicit if explicit is not None else current != defaults[name]
+        if not given:
+            changes[name] = value
+        else:
+            conflicts.append(f"{flag_of(name)} {current} (config.json gives {value})")
+    if conflicts:
+        raise ValueError(
+            f"--hf-model {config.hf_model} sets the model from its config.json, but "
+            f"{'; '.join(conflicts)}; leave these flags out"
+        )
+    tokenizer = Path(config.hf_model) / "tokenizer.json"
+    if config.data_path is not None and config.tokenizer is None and tokenizer.is_file():
+        changes["tokenizer"] = str(config.hf_model)
+    return replace(config, **changes)

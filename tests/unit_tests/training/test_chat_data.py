@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron.core.tokenizers.chat_template import tokenize_conversation
 from megatron.training import TrainingConfig
 from megatron.training.data import PackedSFTDataset
 from megatron.training.datasets import FileSFTDataset
 from megatron.training.tokenizer import load_hf_tokenizer
-from megatron.training.tokenizer.chat_template import tokenize_conversation
 from megatron.training.tokenizer.train_tokenizer import CHATML_TEMPLATE
 from megatron.training.tokenizer.train_tokenizer import main as tokenizer_main
 from tests.unit_tests.dist_utils import assert_no_failures, fresh_layout

@@ -43,7 +43,8 @@ def validate_hierarchical(query: torch.Tensor, key: torch.Tensor, groups) -> Non
     _check_heads(query, key, groups[0], "a2a+p2p")
 
 
-STRATEGY = Strategy("a2a", a2a_attention, validate_a2a)
+# a2a attends the whole sequence on each rank: a sliding window is the local one, exactly.
+STRATEGY = Strategy("a2a", a2a_attention, validate_a2a, sliding_window=True)
 HIERARCHICAL = Strategy("a2a+p2p", hierarchical_attention, validate_hierarchical, group_pair=True)
 
 
