@@ -9,6 +9,13 @@ with ``metadata.json`` and a barrier), so an interrupted save leaves the tracker
 previous checkpoint; ``load_checkpoint`` also skips any ``iter_*`` directory without
 ``metadata.json``.
 
+Nothing that changes what is loaded happens silently (``load_checkpoint``): ``--load`` with no
+checkpoint is an error naming it, except megatron's auto-resume idiom (``--load`` = ``--save``);
+the saved settings that change the model (and the data path) must equal the run's; every
+tensor the model asks for must be in the checkpoint and every tensor in it must be asked
+for, except the parts deliberately not loaded (``--finetune``, ``--no-load-optim``,
+``--no-load-rng``, RNG states at another layout), each said in a line.
+
 The model and optimizer are stored by global keys and boxes, so a run may resume at another
 (TP, CP, PP, VPP, DP) layout. Each rank's RNG states are saved too and restored when the
 layout is the same (at another layout the ranks do not correspond; the trainer draws no
@@ -164,6 +171,11 @@ def load_checkpoint(
             "train its weights from iteration 0"
         )
     load_optim = load_optim and not finetune
+    if common.get("model_only") and load_optim:
+        raise ValueError(
+            f"--load {load_dir}: checkpoint {directory} holds model weights only (written by "
+            "python -m megatron.training.hf import); pass --finetune (or --no-load-optim)"
+        )
     same_layout = common.get("layout") == dict(layout or {})
     restore_rng = load_rng and not finetune and same_layout
     model_state = _model_sharded_state_dict(model)
@@ -296,8 +308,17 @@ MODEL_SETTINGS = (
     ("disable_bias_linear", "--disable-bias-linear"),
     ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
     ("vocab_size", "--vocab-size"),
+    ("kv_channels", "--kv-channels"),
+    ("norm_epsilon", "--norm-epsilon"),
+    ("rotary_base", "--rotary-base"),
+    ("use_rope_scaling", "--use-rope-scaling"),
+    ("rope_scaling_factor", "--rope-scaling-factor"),
+    ("add_qkv_bias", "--add-qkv-bias"),
+    ("openai_gelu", "--openai-gelu"),
+    ("window_size", "--window-size"),
     ("tokenizer", "--tokenizer"),
     ("seq_length", "--seq-length"),
+    ("max_position_embeddings", "--max-position-embeddings"),
 )
 # The data the run trains on (a resumed run continues its position in it).
 DATA_SETTINGS = (("data_path", "--data-path"),)
@@ -340,6 +361,8 @@ def _effective_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
         out["num_query_groups"] = out["num_attention_heads"]
     if out.get("ffn_hidden_size") is None and "hidden_size" in out:
         out["ffn_hidden_size"] = 4 * out["hidden_size"]
+    if out.get("kv_channels") is None and "num_attention_heads" in out and "hidden_size" in out:
+        out["kv_channels"] = out["hidden_size"] // out["num_attention_heads"]
     if out.get("data_path"):
         out["data_path"] = os.path.normpath(out["data_path"])
         out["tokenizer"] = out.get("tokenizer") or "byte-level"
@@ -347,6 +370,11 @@ def _effective_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
         out.pop("tokenizer", None)  # generated data: its ids are the vocabulary
     if out.get("position_embedding_type", "learned_absolute") != "learned_absolute":
         out.pop("seq_length", None)
+        out.pop("max_position_embeddings", None)
+    elif out.get("max_position_embeddings") is not None:
+        out.pop("seq_length", None)  # the table has max_position_embeddings rows
+    elif "seq_length" in out:
+        out["max_position_embeddings"] = out["seq_length"]
     return out
 
 
@@ -462,16 +490,22 @@ def _agree_or_raise(compute):
     (its type and message) on every rank instead of rank 0 alone."""
     if not dist.is_initialized():
         return compute()
-    outcome = None
+    outcome, error = None, None
     if _rank() == 0:
         try:
             outcome = ("value", compute())
-        except (ValueError, dist_checkpointing.CheckpointingException) as err:
-            outcome = ("error", type(err), str(err))
+        except Exception as err:  # noqa: BLE001 - every rank must hear of any failure
+            outcome, error = ("error", type(err), str(err)), err
     outcome = _agree(outcome)
-    if outcome[0] == "error":
-        raise outcome[1](outcome[2])
-    return outcome[1]
+    if outcome[0] == "value":
+        return outcome[1]
+    if error is not None:
+        raise error
+    try:
+        copy = outcome[1](outcome[2])
+    except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+        copy = RuntimeError(f"{outcome[1].__name__}: {outcome[2]}")
+    raise copy
 
 
 def _all_gather(value) -> list:

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from megatron.core import config_rules
 from megatron.core.config_rules import CP_COMM_TYPES
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.transformer.enums import AttnBackend
 
 
 @dataclass
@@ -66,6 +67,7 @@ class TransformerConfig(ModelParallelConfig):
     cross_entropy_loss_fusion: bool = False
     cp_comm_type: Optional[Union[str, List[str]]] = None
     label_smoothing: float = 0.0
+    attention_backend: AttnBackend = AttnBackend.auto
 
     def __post_init__(self) -> None:
         """Derive ffn, kv and query-group sizes; check every TP split is even."""
@@ -89,6 +91,8 @@ class TransformerConfig(ModelParallelConfig):
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         _check_cp_comm_type(self.cp_comm_type, self.num_layers)
+        self.attention_backend = _attention_backend(self.attention_backend)
+        _check_window_size(self.window_size)
         if not self.num_attention_heads:
             return
         if self.kv_channels is None:
@@ -129,4 +133,25 @@ def _check_multiple(name: str, value: int, of_name: str, of_value: int) -> None:
     if not config_rules.is_positive_multiple(value, of_value):
         raise ValueError(
             f"{name} ({value!r}) must be a positive multiple of {of_name} ({of_value})"
+        )
+
+
+def _attention_backend(backend) -> AttnBackend:
+    """``attention_backend`` as an ``AttnBackend`` (its name is accepted too)."""
+    if isinstance(backend, AttnBackend):
+        return backend
+    if isinstance(backend, str) and backend in AttnBackend.__members__:
+        return AttnBackend[backend]
+    raise ValueError(
+        f"attention_backend must be an AttnBackend or one of {tuple(AttnBackend.__members__)}, "
+        f"got {backend!r}"
+    )
+
+
+def _check_window_size(window_size) -> None:
+    """None, or (left, right) as ``config_rules.window_size_valid`` says."""
+    if not config_rules.window_size_valid(window_size):
+        raise ValueError(
+            "window_size must be None or (left, right) with left >= 0 (or -1: no limit) and "
+            f"right 0 or -1 (causal attention sees no later key), got {window_size!r}"
         )

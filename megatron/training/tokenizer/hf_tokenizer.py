@@ -17,17 +17,15 @@ padding) is, in order: the ``eod_token`` argument (``--eod-token``), the config'
 ``<|im_end|>`` in the vocabulary; none of these is an error naming the file.
 """
 
-import json
-import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy
 
 from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
+from megatron.core.tokenizers.hf_folder import read_tokenizer_config, resolve_tokenizer_file
 
 _EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>")
 _PAD_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]")
-_SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
 def load_hf_tokenizer(path: str, eod_token: Optional[str] = None) -> "HuggingFaceTokenizer":
@@ -35,30 +33,9 @@ def load_hf_tokenizer(path: str, eod_token: Optional[str] = None) -> "HuggingFac
     ``tokenizer_config.json``) or in the ``tokenizer.json`` file ``path``; ``eod_token``
     overrides the end-of-document token (module docstring). Every file problem raises an
     error naming the file."""
-    if os.path.isdir(path):
-        tokenizer_file = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(tokenizer_file):
-            raise FileNotFoundError(
-                f"tokenizer folder {path}: no tokenizer.json in it (expected a HuggingFace "
-                "tokenizer folder holding tokenizer.json and tokenizer_config.json)"
-            )
-    elif os.path.isfile(path):
-        tokenizer_file = path
-    else:
-        raise FileNotFoundError(
-            f"tokenizer {path}: no such file or folder (expected a tokenizers JSON file or a "
-            "HuggingFace folder holding tokenizer.json)"
-        )
-    folder = os.path.dirname(os.path.abspath(tokenizer_file))
-    config_file = os.path.join(folder, "tokenizer_config.json")
-    config = _read_json(config_file) if os.path.isfile(config_file) else {}
-    if not isinstance(config, dict):
-        raise ValueError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
-    template = _chat_template(config, config_file)
-    if template is None and os.path.isfile(os.path.join(folder, "chat_template.jinja")):
-        with open(os.path.join(folder, "chat_template.jinja"), encoding="utf-8") as f:
-            template = f.read()
-    return HuggingFaceTokenizer(tokenizer_file, config, template, eod_token)
+    tokenizer_file = resolve_tokenizer_file(path)
+    config, template, special = read_tokenizer_config(tokenizer_file)
+    return HuggingFaceTokenizer(tokenizer_file, special, template, eod_token)
 
 
 class HuggingFaceTokenizer(MegatronLegacyTokenizer):
@@ -71,7 +48,7 @@ class HuggingFaceTokenizer(MegatronLegacyTokenizer):
     def __init__(
         self,
         tokenizer_file: str,
-        config: Dict[str, Any],
+        special_tokens: Dict[str, str],
         chat_template: Optional[str],
         eod_token: Optional[str] = None,
     ) -> None:
@@ -93,13 +70,7 @@ class HuggingFaceTokenizer(MegatronLegacyTokenizer):
             ) from None
         self._vocab = self._tok.get_vocab(with_added_tokens=True)
         self.chat_template = chat_template
-        self.special_tokens: Dict[str, str] = {}
-        for key in _SPECIAL_KEYS:
-            value = config.get(key)
-            if isinstance(value, dict):
-                value = value.get("content")
-            if isinstance(value, str):
-                self.special_tokens[key] = value
+        self.special_tokens = dict(special_tokens)
         if eod_token is not None:
             if eod_token not in self._vocab:
                 raise ValueError(
@@ -126,6 +97,18 @@ class HuggingFaceTokenizer(MegatronLegacyTokenizer):
 
     def tokenize(self, text: str) -> List[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    @property
+    def document_prefix(self) -> List[int]:
+        """The ids the tokenizer's own post-processor puts before a text (e.g. Llama's
+        ``<|begin_of_text|>``; empty for GPT-2 style tokenizers): plain-text records start
+        with them, as ``tokenizer(text)`` would give."""
+        plain = self._tok.encode("a", add_special_tokens=False).ids
+        full = self._tok.encode("a", add_special_tokens=True).ids
+        for start in range(len(full) - len(plain) + 1):
+            if full[start : start + len(plain)] == plain:
+                return full[:start]
+        return []
 
     def encode_with_offsets(self, text: str) -> Tuple[List[int], List[Tuple[int, int]]]:
         """Ids of ``text`` (no added special tokens) and each id's ``(start, end)`` character
@@ -166,29 +149,3 @@ class HuggingFaceTokenizer(MegatronLegacyTokenizer):
 
     def _special_names(self) -> List[str]:
         return [t.content for t in self._tok.get_added_tokens_decoder().values()]
-
-
-def _read_json(path: str) -> Any:
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}:{err.lineno}: not valid JSON ({err.msg})") from None
-
-
-def _chat_template(config: Dict[str, Any], config_file: str) -> Optional[str]:
-    template = config.get("chat_template")
-    if template is None or isinstance(template, str):
-        return template
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        if isinstance(named.get("default"), str):
-            return named["default"]
-        raise ValueError(
-            f"{config_file}: chat_template is a list without a 'default' entry (names: "
-            f"{sorted(str(n) for n in named)}); expected a template string"
-        )
-    raise ValueError(
-        f"{config_file}: chat_template is a {type(template).__name__}; expected a string"
-    )

@@ -45,6 +45,16 @@ NON_DEFAULT = dict(
     label_smoothing=0.1,
     init_method_std=0.01,
     untie_embeddings_and_output_weights=True,
+    kv_channels=16,
+    max_position_embeddings=64,
+    norm_epsilon=1e-6,
+    rotary_base=500000.0,
+    use_rope_scaling=True,
+    rope_scaling_factor=32.0,
+    add_qkv_bias=True,
+    openai_gelu=True,
+    window_size=[3, 0],
+    hf_model="hf-model-dir",
     train_iters=7,
     lr=0.01,
     adam_beta1=0.8,
@@ -71,6 +81,7 @@ NON_DEFAULT = dict(
     save="ck",
     load="ck",
     save_interval=3,
+    export_hf="exported-dir",
     ckpt_step=4,
     finetune=True,
     no_load_optim=True,
@@ -78,6 +89,7 @@ NON_DEFAULT = dict(
     compare_single_process=True,
     compare_tolerance=1e-3,
     progress=False,
+    debug=True,
 )
 
 

@@ -45,10 +45,11 @@ class GPTModel(MegatronModule):
     Parameters (``config.init_method`` is not used): norm weights 1, biases 0, every other
     weight Normal(0, init_method_std), drawn in float32 on CPU as the full (unsharded) tensor
     from the generator of (``seed``, its name in the one-chunk model), then sliced to this TP
-    rank's shard (``partition_dim``, ``partition_stride``). A tied output weight on a later
-    stage is the word embeddings' tensor. Extras of this core (keyword-only): ``seed``, and
-    ``pp_rank`` (the pipeline rank, overriding ``pg_collection.pp``: several stages built in
-    one process).
+    rank's shard (``partition_dim``, ``partition_stride``); with
+    ``config.perform_initialization=False`` they are left as allocated (for a caller that
+    loads weights). A tied output weight on a later stage is the word embeddings' tensor.
+    Extras of this core (keyword-only): ``seed``, and ``pp_rank`` (the pipeline rank,
+    overriding ``pg_collection.pp``: several stages built in one process).
 
     Sequence parallelism: activations between the TP regions are sharded along s over TP;
     every parameter of the decoder that is not TP-split gets ``param.sequence_parallel =
@@ -172,7 +173,8 @@ class GPTModel(MegatronModule):
         self.to(
             torch.device("cpu") if config.use_cpu_initialization else comm_device(self.tp_group)
         )
-        self._initialize_parameters(seed)
+        if config.perform_initialization:
+            self._initialize_parameters(seed)
         self._mark_sequence_parallel_parameters()
         if share_embeddings_and_output_weights and (pre_process or post_process):
             self.shared_embedding_or_output_weight().shared_embedding = True
