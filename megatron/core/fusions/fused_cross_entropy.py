@@ -15,13 +15,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron.core.device import comm_device
+from megatron.core.communication import all_reduce
 from megatron.core.jit import jit_fuser
-from megatron.core.tensor_parallel.utils import (
-    VocabUtility,
-    group_size_and_rank,
-    tp_group_or_mpu,
-)
+from megatron.core.process_groups_config import get_pg_rank, get_pg_size, resolve_group
+from megatron.core.tensor_parallel.utils import VocabUtility
 
 
 def fused_vocab_parallel_cross_entropy(
@@ -44,7 +41,7 @@ def fused_vocab_parallel_cross_entropy(
             f"the vocabulary dimension, {tuple(vocab_parallel_logits.shape[:-1])}; got "
             f"{tuple(target.shape)}"
         )
-    group = tp_group_or_mpu(tp_group)
+    group = resolve_group("tp", tp_group)
     return _FusedCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, group)
 
 
@@ -81,10 +78,10 @@ def _gradient(logits, target, logits_max, sum_exp, grad_output, start: int, end:
 class _FusedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, label_smoothing, group):
-        world_size, rank = group_size_and_rank(group)
+        world_size, rank = get_pg_size(group), get_pg_rank(group)
         logits_max = _local_max(logits)
         if world_size > 1:
-            logits_max = _all_reduce(logits_max, group, dist.ReduceOp.MAX)
+            logits_max = all_reduce(logits_max, group, dist.ReduceOp.MAX)
         partition = logits.shape[-1]
         vocab = partition * world_size
         start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(
@@ -92,7 +89,7 @@ class _FusedCrossEntropy(torch.autograd.Function):
         )
         sums = _local_sums(logits, target, logits_max, start, end, label_smoothing > 0)
         if world_size > 1:
-            sums = _all_reduce(sums, group, dist.ReduceOp.SUM)
+            sums = all_reduce(sums, group, dist.ReduceOp.SUM)
         sum_exp, predicted = sums[0], sums[1]
         loss = sum_exp.log() - predicted
         smoothing = 0.0
@@ -115,10 +112,3 @@ class _FusedCrossEntropy(torch.autograd.Function):
         grad = _gradient(logits, target, logits_max, sum_exp, grad_output.float(), ctx.start,
                          ctx.end, ctx.smoothing, ctx.vocab)  # fmt: skip
         return grad, None, None, None
-
-
-def _all_reduce(tensor: torch.Tensor, group, op) -> torch.Tensor:
-    """A reduced copy of ``tensor`` (on the group's device, returned on ``tensor``'s)."""
-    buf = tensor.to(comm_device(group), copy=True).contiguous()
-    dist.all_reduce(buf, op=op, group=group)
-    return buf.to(tensor.device)
