@@ -315,6 +315,7 @@ MODEL_SETTINGS = (
     ("rope_scaling_factor", "--rope-scaling-factor"),
     ("add_qkv_bias", "--add-qkv-bias"),
     ("openai_gelu", "--openai-gelu"),
+    ("window_size", "--window-size"),
     ("tokenizer", "--tokenizer"),
     ("seq_length", "--seq-length"),
     ("max_position_embeddings", "--max-position-embeddings"),
