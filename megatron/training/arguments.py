@@ -310,6 +310,18 @@ class TrainingConfig:
         "--openai-gelu",
         help="GELU's tanh approximation (OpenAI's, GPT-2's gelu_new) instead of the exact one",
     )
+    window_size: Optional[List[int]] = option(
+        None,
+        "--window-size",
+        nargs=2,
+        type=int,
+        metavar=("LEFT", "RIGHT"),
+        check=Check(
+            "LEFT >= 0 (or -1: no limit) and RIGHT 0 or -1", config_rules.window_size_valid
+        ),
+        help="sliding-window attention: a query sees LEFT earlier keys (RIGHT 0: causal); "
+        "default: no window",
+    )
     hf_model: Optional[str] = option(
         None,
         "--hf-model",

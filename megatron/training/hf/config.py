@@ -15,7 +15,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
 ARCHITECTURES = {
@@ -83,6 +83,7 @@ class HFArchitecture:
     add_qkv_bias: bool
     tied: bool
     dtype: str = "float32"
+    window_size: Optional[Tuple[int, int]] = None  # (left, 0): sliding-window attention
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain values (kept in checkpoints)."""
@@ -182,7 +183,8 @@ def hf_config_for_export(
         if arch.family == "llama":
             config.update(attention_bias=arch.add_bias_linear, mlp_bias=arch.add_bias_linear)
         if arch.family == "mistral":
-            config["sliding_window"] = None
+            window = arch.window_size
+            config["sliding_window"] = None if window is None else window[0] + 1
     config["dtype"] = dtype
     return config
 
@@ -211,6 +213,7 @@ def training_settings(arch: HFArchitecture) -> Dict[str, Any]:
         "disable_bias_linear": not arch.add_bias_linear,
         "add_qkv_bias": arch.add_qkv_bias,
         "untie_embeddings_and_output_weights": not arch.tied,
+        "window_size": None if arch.window_size is None else list(arch.window_size),
     }
 
 
@@ -291,6 +294,7 @@ def _llama_like(c: "_Checker", family: str) -> HFArchitecture:
     c.expect("partial_rotary_factor", 1.0, "1.0 (rotary embeddings on the whole head)", default=1.0)
     rotary_base, scaling = _rope(c)
     qkv_bias, linear_bias = False, False
+    window_size = None
     if family == "llama":
         attention_bias = c.optional("attention_bias", False)
         mlp_bias = c.optional("mlp_bias", False)
@@ -305,11 +309,13 @@ def _llama_like(c: "_Checker", family: str) -> HFArchitecture:
     if family == "mistral":
         window = c.optional("sliding_window", None)
         c.require(
-            window is None,
+            window is None or (isinstance(window, int) and window >= 1),
             "sliding_window",
             window,
-            "null (sliding-window attention is not supported)",
+            "null or a positive integer",
         )
+        if window is not None:  # a query sees itself and the window - 1 keys before it
+            window_size = (window - 1, 0)
     if family == "qwen2":
         qkv_bias = True
         use_window = c.optional("use_sliding_window", False)
@@ -349,6 +355,7 @@ def _llama_like(c: "_Checker", family: str) -> HFArchitecture:
         add_qkv_bias=qkv_bias,
         tied=bool(c.optional("tie_word_embeddings", False)),
         dtype=_dtype(c),
+        window_size=window_size,
     )
 
 

@@ -55,6 +55,13 @@ FAMILIES = {
         dict(**ROPE, num_key_value_heads=2, head_dim=16, sliding_window=None),
         None,
     ),
+    # Mistral with a sliding window of 5 positions (shorter than the 16-token sequences)
+    "mistral_window": (
+        "MistralForCausalLM",
+        "MistralConfig",
+        dict(**ROPE, num_key_value_heads=2, sliding_window=5),
+        None,
+    ),
     # Qwen2: q/k/v biases, tied embeddings
     "qwen2": (
         "Qwen2ForCausalLM",

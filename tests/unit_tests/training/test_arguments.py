@@ -53,6 +53,7 @@ NON_DEFAULT = dict(
     rope_scaling_factor=32.0,
     add_qkv_bias=True,
     openai_gelu=True,
+    window_size=[3, 0],
     hf_model="hf-model-dir",
     train_iters=7,
     lr=0.01,
