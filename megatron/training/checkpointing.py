@@ -163,7 +163,9 @@ def load_checkpoint(
     common = dist_checkpointing.load_common_state_dict(str(directory))
     saved_iteration = int(common.get("iteration", 0))
     if run_settings is not None:
-        compare_run_settings(common.get("run_settings"), run_settings, directory, finetune)
+        compare_run_settings(
+            common.get("run_settings"), run_settings, directory, finetune, load_optim
+        )
     if not finetune and train_iters is not None and saved_iteration > train_iters:
         raise ValueError(
             f"--load {load_dir}: checkpoint {directory} is at iteration {saved_iteration}, "
@@ -321,7 +323,10 @@ MODEL_SETTINGS = (
     ("max_position_embeddings", "--max-position-embeddings"),
 )
 # The data the run trains on (a resumed run continues its position in it).
-DATA_SETTINGS = (("data_path", "--data-path"),)
+DATA_SETTINGS = (("data_path", "--data-path"), ("eod_token", "--eod-token"))
+# Settings that give the optimizer state another form (fp32 main parameters, loss scale):
+# compared only when the optimizer state is loaded.
+OPTIMIZER_SETTINGS = (("bf16", "--bf16"), ("fp16", "--fp16"))
 
 
 def compare_run_settings(
@@ -329,10 +334,12 @@ def compare_run_settings(
     current: Dict[str, Any],
     directory: Path,
     finetune: bool = False,
+    load_optim: bool = True,
 ) -> None:
-    """Refuse to resume with settings that change the model (``MODEL_SETTINGS``) or, unless
-    ``finetune``, the data (``DATA_SETTINGS``): a ValueError naming every differing flag
-    with its saved and current value. Settings the checkpoint did not record are not
+    """Refuse to resume with settings that change the model (``MODEL_SETTINGS``), unless
+    ``finetune`` the data (``DATA_SETTINGS``), and with ``load_optim`` the form of the
+    optimizer state (``OPTIMIZER_SETTINGS``): a ValueError naming every differing flag with
+    its saved and current value. Settings the checkpoint did not record are not
     compared. Defaults are resolved first (query groups = heads, FFN = 4 x hidden, the
     byte-level tokenizer with a data path); ``--seq-length`` counts only with learned
     absolute positions (their table has one row per position), ``--tokenizer`` only when
@@ -351,6 +358,18 @@ def compare_run_settings(
         raise ValueError(
             f"--load: checkpoint {directory} was saved with other settings: "
             f"{'; '.join(differences)}. Resume with the saved values{escape}"
+        )
+    precision = [
+        f"{flag} {_shown(before[name])} when saved, {_shown(now[name])} now"
+        for name, flag in (OPTIMIZER_SETTINGS if load_optim and not finetune else ())
+        if name in before and name in now and before[name] != now[name]
+    ]
+    if precision:
+        raise ValueError(
+            f"--load: checkpoint {directory} was saved with {'; '.join(precision)}: its "
+            "optimizer state has another form (fp32 main parameters, loss scale). Resume with "
+            "the saved value, or pass --no-load-optim to load the weights and start the "
+            "optimizer afresh"
         )
 
 
