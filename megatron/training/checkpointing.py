@@ -163,7 +163,9 @@ def load_checkpoint(
     common = dist_checkpointing.load_common_state_dict(str(directory))
     saved_iteration = int(common.get("iteration", 0))
     if run_settings is not None:
-        compare_run_settings(common.get("run_settings"), run_settings, directory, finetune)
+        compare_run_settings(
+            common.get("run_settings"), run_settings, directory, finetune, load_optim
+        )
     if not finetune and train_iters is not None and saved_iteration > train_iters:
         raise ValueError(
             f"--load {load_dir}: checkpoint {directory} is at iteration {saved_iteration}, "
@@ -171,6 +173,11 @@ def load_checkpoint(
             "train its weights from iteration 0"
         )
     load_optim = load_optim and not finetune
+    if common.get("model_only") and load_optim:
+        raise ValueError(
+            f"--load {load_dir}: checkpoint {directory} holds model weights only (written by "
+            "python -m megatron.training.hf import); pass --finetune (or --no-load-optim)"
+        )
     same_layout = common.get("layout") == dict(layout or {})
     restore_rng = load_rng and not finetune and same_layout
     model_state = _model_sharded_state_dict(model)
@@ -303,11 +310,23 @@ MODEL_SETTINGS = (
     ("disable_bias_linear", "--disable-bias-linear"),
     ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
     ("vocab_size", "--vocab-size"),
+    ("kv_channels", "--kv-channels"),
+    ("norm_epsilon", "--norm-epsilon"),
+    ("rotary_base", "--rotary-base"),
+    ("use_rope_scaling", "--use-rope-scaling"),
+    ("rope_scaling_factor", "--rope-scaling-factor"),
+    ("add_qkv_bias", "--add-qkv-bias"),
+    ("openai_gelu", "--openai-gelu"),
+    ("window_size", "--window-size"),
     ("tokenizer", "--tokenizer"),
     ("seq_length", "--seq-length"),
+    ("max_position_embeddings", "--max-position-embeddings"),
 )
 # The data the run trains on (a resumed run continues its position in it).
-DATA_SETTINGS = (("data_path", "--data-path"),)
+DATA_SETTINGS = (("data_path", "--data-path"), ("eod_token", "--eod-token"))
+# Settings that give the optimizer state another form (fp32 main parameters, loss scale):
+# compared only when the optimizer state is loaded.
+OPTIMIZER_SETTINGS = (("bf16", "--bf16"), ("fp16", "--fp16"))
 
 
 def compare_run_settings(
@@ -315,10 +334,12 @@ def compare_run_settings(
     current: Dict[str, Any],
     directory: Path,
     finetune: bool = False,
+    load_optim: bool = True,
 ) -> None:
-    """Refuse to resume with settings that change the model (``MODEL_SETTINGS``) or, unless
-    ``finetune``, the data (``DATA_SETTINGS``): a ValueError naming every differing flag
-    with its saved and current value. Settings the checkpoint did not record are not
+    """Refuse to resume with settings that change the model (``MODEL_SETTINGS``), unless
+    ``finetune`` the data (``DATA_SETTINGS``), and with ``load_optim`` the form of the
+    optimizer state (``OPTIMIZER_SETTINGS``): a ValueError naming every differing flag with
+    its saved and current value. Settings the checkpoint did not record are not
     compared. Defaults are resolved first (query groups = heads, FFN = 4 x hidden, the
     byte-level tokenizer with a data path); ``--seq-length`` counts only with learned
     absolute positions (their table has one row per position), ``--tokenizer`` only when
@@ -338,6 +359,18 @@ def compare_run_settings(
             f"--load: checkpoint {directory} was saved with other settings: "
             f"{'; '.join(differences)}. Resume with the saved values{escape}"
         )
+    precision = [
+        f"{flag} {_shown(before[name])} when saved, {_shown(now[name])} now"
+        for name, flag in (OPTIMIZER_SETTINGS if load_optim and not finetune else ())
+        if name in before and name in now and before[name] != now[name]
+    ]
+    if precision:
+        raise ValueError(
+            f"--load: checkpoint {directory} was saved with {'; '.join(precision)}: its "
+            "optimizer state has another form (fp32 main parameters, loss scale). Resume with "
+            "the saved value, or pass --no-load-optim to load the weights and start the "
+            "optimizer afresh"
+        )
 
 
 def _effective_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
@@ -347,6 +380,8 @@ def _effective_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
         out["num_query_groups"] = out["num_attention_heads"]
     if out.get("ffn_hidden_size") is None and "hidden_size" in out:
         out["ffn_hidden_size"] = 4 * out["hidden_size"]
+    if out.get("kv_channels") is None and "num_attention_heads" in out and "hidden_size" in out:
+        out["kv_channels"] = out["hidden_size"] // out["num_attention_heads"]
     if out.get("data_path"):
         out["data_path"] = os.path.normpath(out["data_path"])
         out["tokenizer"] = out.get("tokenizer") or "byte-level"
@@ -354,6 +389,11 @@ def _effective_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
         out.pop("tokenizer", None)  # generated data: its ids are the vocabulary
     if out.get("position_embedding_type", "learned_absolute") != "learned_absolute":
         out.pop("seq_length", None)
+        out.pop("max_position_embeddings", None)
+    elif out.get("max_position_embeddings") is not None:
+        out.pop("seq_length", None)  # the table has max_position_embeddings rows
+    elif "seq_length" in out:
+        out["max_position_embeddings"] = out["seq_length"]
     return out
 
 
@@ -469,16 +509,22 @@ def _agree_or_raise(compute):
     (its type and message) on every rank instead of rank 0 alone."""
     if not dist.is_initialized():
         return compute()
-    outcome = None
+    outcome, error = None, None
     if _rank() == 0:
         try:
             outcome = ("value", compute())
-        except (ValueError, dist_checkpointing.CheckpointingException) as err:
-            outcome = ("error", type(err), str(err))
+        except Exception as err:  # noqa: BLE001 - every rank must hear of any failure
+            outcome, error = ("error", type(err), str(err)), err
     outcome = _agree(outcome)
-    if outcome[0] == "error":
-        raise outcome[1](outcome[2])
-    return outcome[1]
+    if outcome[0] == "value":
+        return outcome[1]
+    if error is not None:
+        raise error
+    try:
+        copy = outcome[1](outcome[2])
+    except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+        copy = RuntimeError(f"{outcome[1].__name__}: {outcome[2]}")
+    raise copy
 
 
 def _all_gather(value) -> list:

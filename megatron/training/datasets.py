@@ -20,8 +20,10 @@ megatron's indexed format.
   a text (Llama's BOS; nothing for GPT-2 style or byte-level tokenizers), never trained.
 
 - the prefix of an indexed dataset (``PREFIX.bin`` / ``PREFIX.idx``) written by
-  ``python -m megatron.training.preprocess_data``: a document of two sequences is
-  (prompt, response), a document of one sequence is all trained.
+  ``python -m megatron.training.preprocess_data``: a document of one sequence is all trained
+  (EOD appended when it does not end with one); a document of k >= 2 sequences alternates
+  untrained and trained segments, starting untrained, taken as written (``--sft`` writes
+  prompt, response + EOD; ``--chat`` writes any record form above this way).
 
 Every record becomes ids ``x`` with a 0/1 mask ``m`` over them (1 = a token the model learns to
 write). Sample ``i`` is record ``perm_e[i mod R]`` of epoch ``e = i div R`` (``perm_e``: a
@@ -227,11 +229,13 @@ def _read_jsonl(path: str, tokenizer: Any) -> List[Record]:
                     f"{where}: not valid JSON ({err.msg} at column {err.colno}); expected "
                     f"{_RECORD_FORMS}"
                 ) from None
-            records.append(_tokenize_record(record, tokenizer, where))
+            records.append(tokenize_record(record, tokenizer, where))
     return records
 
 
-def _tokenize_record(record: Any, tokenizer: Any, where: str) -> Record:
+def tokenize_record(record: Any, tokenizer: Any, where: str) -> Record:
+    """One JSONL record (any form of the module docstring) as ``(ids, mask)``; errors start
+    with ``where`` (``FILE:LINE``)."""
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected {_RECORD_FORMS}; got {type(record).__name__}")
     if "messages" in record:
@@ -292,6 +296,11 @@ def _require_strings(where: str, **values: Any) -> None:
 def _read_indexed(prefix: str, eod: int) -> List[Record]:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+    if os.path.isdir(prefix):
+        raise ValueError(
+            f"--data-path {prefix!r} is a folder; expected a JSONL file or the prefix of an "
+            "indexed dataset (PREFIX.bin + PREFIX.idx)"
+        )
     if prefix.endswith((".bin", ".idx")):
         prefix = prefix[:-4]
     if not IndexedDataset.exists(prefix):
@@ -307,21 +316,19 @@ def _read_indexed(prefix: str, eod: int) -> List[Record]:
         parts = [
             numpy.asarray(dataset[i], dtype=numpy.int64) for i in range(bounds[d], bounds[d + 1])
         ]
-        if len(parts) == 2:
-            prompt, response = parts
-        elif len(parts) == 1:
-            prompt, response = numpy.zeros(0, dtype=numpy.int64), parts[0]
-        else:
-            raise ValueError(
-                f"--data-path {prefix!r}: document {d} has {len(parts)} sequences; expected 1 "
-                "(text) or 2 (prompt, response)"
+        if len(parts) == 1:  # text: every token trained, EOD appended if missing
+            ids = parts[0]
+            if not (ids.size and ids[-1] == eod):
+                ids = numpy.concatenate([ids, [eod]])
+            mask = numpy.ones(ids.size, numpy.uint8)
+        elif len(parts) >= 2:  # untrained, trained, untrained, ... segments, as written
+            ids = numpy.concatenate(parts)
+            mask = numpy.concatenate(
+                [numpy.full(p.size, k % 2, numpy.uint8) for k, p in enumerate(parts)]
             )
-        if not (response.size and response[-1] == eod):  # the tool appends the EOD
-            response = numpy.concatenate([response, [eod]])
-        ids = numpy.concatenate([prompt, response]).astype(numpy.int64)
-        mask = numpy.concatenate(
-            [numpy.zeros(prompt.size, numpy.uint8), numpy.ones(response.size, numpy.uint8)]
-        )
+        else:
+            raise ValueError(f"--data-path {prefix!r}: document {d} has no sequences")
+        ids = ids.astype(numpy.int64)
         records.append((ids, mask))
     return records
 

@@ -15,6 +15,7 @@ over the global batch's microbatches of S / max(N, 1), or sum S / sum N with
 import dataclasses
 import functools
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,10 +42,12 @@ from megatron.training.arguments import (
     single_process_config,
     validate_config,
 )
-from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron.training.checkpointing import checkpoint_dir, load_checkpoint, save_checkpoint
 from megatron.training.compare import Comparison, compare_losses, format_comparison
 from megatron.training.data import microbatches_for_rank
 from megatron.training.datasets import build_sft_dataset, build_training_tokenizer
+from megatron.training.hf.checkpoint import export_hf
+from megatron.training.hf.config import resolve_hf_model
 from megatron.training.initialize import (
     initialize_distributed,
     initialize_model_parallel_groups,
@@ -80,6 +83,7 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
     model-parallel state (and the default group if it created it).
     """
     world_size = launched_world_size()
+    config = resolve_hf_model(config)
     layout = validate_config(config, world_size or 1)
     _check_processes_per_node(config.nproc_per_node, world_size)
     created_group = world_size is not None and initialize_distributed(config, layout)
@@ -139,7 +143,13 @@ def train(
     dataset = build_sft_dataset(config)
     for note in getattr(dataset, "notes", []):  # truncation and empty-loss counts
         _print(note)
-    if config.data_path:  # the model's vocabulary is the tokenizer's
+    if config.data_path and config.hf_model:  # the model's vocabulary may be padded
+        if dataset.vocab_size > config.vocab_size:
+            raise ValueError(
+                f"--tokenizer {config.tokenizer}: {dataset.vocab_size} tokens, more than "
+                f"--hf-model {config.hf_model}'s vocab_size {config.vocab_size}"
+            )
+    elif config.data_path:  # the model's vocabulary is the tokenizer's
         config = dataclasses.replace(config, vocab_size=dataset.vocab_size)
     model = build_model(config, layout, pg_collection)
     optimizer, scheduler = build_optimizer(config, model, pg_collection)
@@ -230,8 +240,41 @@ def train(
                 consumed_samples=iteration * config.global_batch_size,
                 run_settings=_settings_record(config),
             )
+            if config.export_hf and iteration < config.train_iters:
+                target = Path(config.export_hf) / f"iter_{iteration:07d}"
+                export_hf(checkpoint_dir(config.save, iteration), target)
+                _print(f"exported iteration {iteration} to {target} (HuggingFace format)")
     bar.close()
+    if config.export_hf and records:
+        _export_final_model(config, model, optimizer, scheduler, layout, records[-1]["iteration"])
     return records
+
+
+def _export_final_model(config, model, optimizer, scheduler, layout, iteration: int) -> None:
+    """``--export-hf DIR``: the model after ``iteration`` in HuggingFace format, from the
+    ``--save`` checkpoint of that iteration, else from a temporary one beside DIR."""
+    target = Path(config.export_hf)
+    temporary = None
+    if config.save and _save_due(config, iteration):
+        source = checkpoint_dir(config.save, iteration)
+    else:
+        shared = [str(target.parent / f".{target.name}.checkpoint") if is_rank_zero() else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(shared, src=0)
+        temporary = shared[0]
+        source = save_checkpoint(
+            temporary,
+            iteration,
+            model,
+            optimizer,
+            scheduler,
+            layout=_layout_record(layout),
+            run_settings=_settings_record(config),
+        )
+    export_hf(source, target)
+    if temporary is not None and is_rank_zero():
+        shutil.rmtree(temporary, ignore_errors=True)
+    _print(f"exported the model of iteration {iteration} to {target} (HuggingFace format)")
 
 
 def build_optimizer(
@@ -300,10 +343,14 @@ def _layout_record(layout: Layout) -> Dict[str, int]:
 
 
 def _settings_record(config: TrainingConfig) -> Dict[str, object]:
-    """The run's settings as plain values (for the record in the checkpoint)."""
-    return {
+    """The run's settings as plain values (for the record in the checkpoint); with
+    ``--hf-model``, also its config.json text (``--export-hf`` writes it back)."""
+    record = {
         k: v for k, v in vars(config).items() if isinstance(v, (int, float, str, bool, type(None)))
     }
+    if config.hf_model:
+        record["hf_config"] = (Path(config.hf_model) / "config.json").read_text()
+    return record
 
 
 PRECISION_FIELDS = (

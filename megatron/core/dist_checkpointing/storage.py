@@ -155,7 +155,9 @@ def read_checksums(checkpoint_dir: Path) -> Optional[dict]:
     return body
 
 
-def verify_bytes(checkpoint_dir: Path, name: str, payload: bytes, checksums: Optional[dict]):
+def verify_bytes(
+    checkpoint_dir: Path, name: str, payload: bytes, checksums: Optional[dict]
+) -> None:
     """Check a whole file's bytes against its recorded CRC-32 (no-op without checksums)."""
     if checksums is None:
         return
@@ -170,10 +172,6 @@ def verify_bytes(checkpoint_dir: Path, name: str, payload: bytes, checksums: Opt
             f"{Path(checkpoint_dir) / name}: checksum mismatch (CRC-32 {actual:#010x}, "
             f"{expected:#010x} when saved): the file was damaged or changed after the save"
         )
-
-
-def _canonical(body: dict) -> bytes:
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
 def read_metadata(checkpoint_dir: Path) -> Metadata:
@@ -532,6 +530,11 @@ def _plain_errors(what: str):
     except CheckpointException as err:
         messages = [f"rank {rank}: {exc}" for rank, (exc, _) in sorted(err.failures.items())]
         raise CheckpointingException(f"{what} failed: " + "; ".join(messages)) from err
+
+
+def _canonical(body: dict) -> bytes:
+    """``body`` as JSON with sorted keys and no spaces (what ``self_crc32`` is taken of)."""
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
 def _distributed() -> bool:

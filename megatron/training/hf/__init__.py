@@ -4,11 +4,12 @@
 HuggingFace model directory (``config.json`` + safetensors); ``python -m
 megatron.training.hf import|export`` converts to and from ``dist_checkpointing``
 checkpoints. Llama, Mistral, Qwen2 and GPT-2 decoders; anything we cannot express is refused
-by name. Needs ``safetensors`` (the ``hf`` extra), never ``transformers``.
+by name. Needs ``safetensors`` (the ``hf`` extra), never ``transformers``. The model-building
+names are imported on first use, so reading a config (``megatron.training.hf.config``, as the
+launcher does) needs no torch.
 """
 
 from megatron.training.hf.config import HFArchitecture, architecture_from_config, read_hf_config
-from megatron.training.hf.loading import load_hf_weights, model_from_hf
 
 __all__ = [
     "model_from_hf",
@@ -17,3 +18,11 @@ __all__ = [
     "architecture_from_config",
     "HFArchitecture",
 ]
+
+
+def __getattr__(name: str):
+    if name in ("model_from_hf", "load_hf_weights"):
+        from megatron.training.hf import loading
+
+        return getattr(loading, name)
+    raise AttributeError(f"module 'megatron.training.hf' has no attribute {name!r}")

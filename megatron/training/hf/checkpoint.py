@@ -21,7 +21,8 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.training.checkpointing import TRACKER_FILENAME, checkpoint_dir, find_latest_checkpoint
+from megatron.training import checkpointing
+from megatron.training.checkpointing import TRACKER_FILENAME, checkpoint_dir
 from megatron.training.hf.config import (
     HFArchitecture,
     architecture_from_config,
@@ -130,7 +131,11 @@ def export_hf(
         writer.finish()
         config = hf_config_for_export(arch, original, dtype)
         (Path(out_dir) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for name, text in (common.get(HF_FILES_KEY) or {}).items():
+        sidecars = common.get(HF_FILES_KEY)
+        source = (common.get("run_settings") or {}).get("hf_model")
+        if sidecars is None and source and Path(source).is_dir():
+            sidecars = _sidecar_files(Path(source))  # a run started from --hf-model
+        for name, text in (sidecars or {}).items():
             (Path(out_dir) / name).write_text(text)
     if dist.is_initialized():
         dist.barrier()
@@ -138,19 +143,10 @@ def export_hf(
 
 
 def resolve_checkpoint(load_dir) -> Path:
-    """The iteration directory of ``load_dir``: itself when it is one, else the newest
-    complete ``iter_*`` in it."""
-    path = Path(load_dir)
-    if not path.is_dir():
-        raise FileNotFoundError(f"--load {str(load_dir)!r}: no such directory")
-    if dist_checkpointing.check_is_distributed_checkpoint(str(path)):
-        return path
-    iteration, notes = find_latest_checkpoint(str(path))
-    if iteration is None:
-        raise FileNotFoundError(
-            f"--load {str(load_dir)!r} holds no complete checkpoint ({'; '.join(notes) or 'empty'})"
-        )
-    return checkpoint_dir(str(path), iteration)
+    """The iteration directory ``--load load_dir`` names: itself when it is one, else the
+    newest complete ``iter_*`` in it (the trainer's rule)."""
+    directory, _ = checkpointing.resolve_checkpoint(str(load_dir))
+    return directory
 
 
 def checkpoint_architecture(
@@ -158,11 +154,11 @@ def checkpoint_architecture(
 ) -> "tuple[HFArchitecture, Optional[dict]]":
     """(architecture, original config.json or None) recorded in a checkpoint's common
     state: the imported ``config.json``, else the trainer's run settings."""
-    raw = common.get(HF_CONFIG_KEY)
+    settings = common.get("run_settings") or {}
+    raw = common.get(HF_CONFIG_KEY) or settings.get("hf_config")
     if raw:
         original = json.loads(raw)
         return architecture_from_config(original, f"{where} (its recorded config.json)"), original
-    settings = common.get("run_settings")
     if not settings:
         raise ValueError(
             f"{where}: the checkpoint records neither a HuggingFace config.json nor the "

@@ -15,7 +15,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
 ARCHITECTURES = {
@@ -83,6 +83,7 @@ class HFArchitecture:
     add_qkv_bias: bool
     tied: bool
     dtype: str = "float32"
+    window_size: Optional[Tuple[int, int]] = None  # (left, 0): sliding-window attention
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain values (kept in checkpoints)."""
@@ -182,7 +183,8 @@ def hf_config_for_export(
         if arch.family == "llama":
             config.update(attention_bias=arch.add_bias_linear, mlp_bias=arch.add_bias_linear)
         if arch.family == "mistral":
-            config["sliding_window"] = None
+            window = arch.window_size
+            config["sliding_window"] = None if window is None else window[0] + 1
     config["dtype"] = dtype
     return config
 
@@ -202,13 +204,16 @@ def training_settings(arch: HFArchitecture) -> Dict[str, Any]:
         "swiglu": arch.swiglu,
         "openai_gelu": arch.activation == "gelu_tanh",
         "position_embedding_type": arch.position_embedding_type,
-        "max_position_embeddings": arch.max_position_embeddings,
+        "max_position_embeddings": (
+            arch.max_position_embeddings if arch.position_embedding_type != "rope" else None
+        ),
         "rotary_base": arch.rotary_base,
         "use_rope_scaling": arch.rope_scaling_factor is not None,
         "rope_scaling_factor": arch.rope_scaling_factor or 8.0,
         "disable_bias_linear": not arch.add_bias_linear,
         "add_qkv_bias": arch.add_qkv_bias,
         "untie_embeddings_and_output_weights": not arch.tied,
+        "window_size": None if arch.window_size is None else list(arch.window_size),
     }
 
 
@@ -289,6 +294,7 @@ def _llama_like(c: "_Checker", family: str) -> HFArchitecture:
     c.expect("partial_rotary_factor", 1.0, "1.0 (rotary embeddings on the whole head)", default=1.0)
     rotary_base, scaling = _rope(c)
     qkv_bias, linear_bias = False, False
+    window_size = None
     if family == "llama":
         attention_bias = c.optional("attention_bias", False)
         mlp_bias = c.optional("mlp_bias", False)
@@ -303,11 +309,13 @@ def _llama_like(c: "_Checker", family: str) -> HFArchitecture:
     if family == "mistral":
         window = c.optional("sliding_window", None)
         c.require(
-            window is None,
+            window is None or (isinstance(window, int) and window >= 1),
             "sliding_window",
             window,
-            "null (sliding-window attention is not supported)",
+            "null or a positive integer",
         )
+        if window is not None:  # a query sees itself and the window - 1 keys before it
+            window_size = (window - 1, 0)
     if family == "qwen2":
         qkv_bias = True
         use_window = c.optional("use_sliding_window", False)
@@ -347,6 +355,7 @@ def _llama_like(c: "_Checker", family: str) -> HFArchitecture:
         add_qkv_bias=qkv_bias,
         tied=bool(c.optional("tie_word_embeddings", False)),
         dtype=_dtype(c),
+        window_size=window_size,
     )
 
 
@@ -507,3 +516,41 @@ class _Checker:
                 f"does not know for model_type {self.family!r} (unknown: {', '.join(unknown)}); "
                 "refusing rather than building a possibly different model"
             )
+
+
+def resolve_hf_model(config, explicit=None):
+    """``config`` (a ``TrainingConfig``) with ``--hf-model DIR``'s model settings filled in.
+
+    Each model option not given explicitly takes config.json's value; one given explicitly
+    with another value is a ValueError naming the flag and both values. ``explicit``: the
+    fields given on the command line (None: those that differ from their defaults). With
+    ``--data-path`` and no ``--tokenizer``, the tokenizer is DIR's (``tokenizer.json``).
+    Idempotent.
+    """
+    from dataclasses import fields, replace
+
+    from megatron.training.arguments import flag_of
+
+    if config.hf_model is None:
+        return config
+    arch, _ = read_hf_config(config.hf_model)
+    defaults = {f.name: f.default for f in fields(config)}
+    changes, conflicts = {}, []
+    for name, value in training_settings(arch).items():
+        current = getattr(config, name)
+        if current == value:
+            continue
+        given = name in explicit if explicit is not None else current != defaults[name]
+        if not given:
+            changes[name] = value
+        else:
+            conflicts.append(f"{flag_of(name)} {current} (config.json gives {value})")
+    if conflicts:
+        raise ValueError(
+            f"--hf-model {config.hf_model} sets the model from its config.json, but "
+            f"{'; '.join(conflicts)}; leave these flags out"
+        )
+    tokenizer = Path(config.hf_model) / "tokenizer.json"
+    if config.data_path is not None and config.tokenizer is None and tokenizer.is_file():
+        changes["tokenizer"] = str(config.hf_model)
+    return replace(config, **changes)

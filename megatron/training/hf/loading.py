@@ -94,6 +94,7 @@ def architecture_fields(arch: HFArchitecture) -> Dict[str, Any]:
         activation_func=ACTIVATIONS[arch.activation],
         add_bias_linear=arch.add_bias_linear,
         add_qkv_bias=arch.add_qkv_bias,
+        window_size=arch.window_size,
     )
 
 

@@ -55,6 +55,13 @@ FAMILIES = {
         dict(**ROPE, num_key_value_heads=2, head_dim=16, sliding_window=None),
         None,
     ),
+    # Mistral with a sliding window of 5 positions (shorter than the 16-token sequences)
+    "mistral_window": (
+        "MistralForCausalLM",
+        "MistralConfig",
+        dict(**ROPE, num_key_value_heads=2, sliding_window=5),
+        None,
+    ),
     # Qwen2: q/k/v biases, tied embeddings
     "qwen2": (
         "Qwen2ForCausalLM",
@@ -133,3 +140,45 @@ def remove(models: HFModels) -> None:
         if dist.is_initialized():
             pass
         shutil.rmtree(models.directory, ignore_errors=True)
+
+
+def write_random_hf_model(directory: Path, config: dict, seed: int = 0, std: float = 0.1) -> Path:
+    """A HuggingFace-format directory (config.json + model.safetensors) of random weights,
+    written without transformers (norm weights near 1): for trainer tests that need weights,
+    not transformers' reference."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from megatron.training.hf.config import architecture_from_config
+    from megatron.training.hf.weights import hf_shapes, our_full_shapes, parameter_sources
+
+    arch = architecture_from_config(config)
+    shapes = hf_shapes(arch, parameter_sources(arch), our_full_shapes(arch))
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for key, shape in sorted(shapes.items()):
+        value = torch.randn(shape, generator=generator) * std
+        if "norm" in key or "ln_" in key:
+            value = value + (1.0 if key.endswith("weight") else 0.0)
+        tensors[key] = value
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory
+
+
+LLAMA_CONFIG = dict(
+    model_type="llama",
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+)
+GPT2_CONFIG = dict(
+    model_type="gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=VOCAB
+)

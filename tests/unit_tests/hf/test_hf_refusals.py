@@ -35,7 +35,7 @@ REFUSED = [
     ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ("llama", {"architectures": ["LlamaForSequenceClassification"]}, "architectures"),
     ("llama", {"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
-    ("mistral", {"sliding_window": 4096}, "sliding_window"),
+    ("mistral", {"sliding_window": 0}, "sliding_window"),
     ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
     ("qwen2", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
     ("qwen2", {"qk_norm": True}, "qk_norm"),  # unknown to the converter

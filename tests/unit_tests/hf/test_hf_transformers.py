@@ -75,6 +75,6 @@ def test_import_export_gives_back_the_original_tensors(hf_models, family, tmp_pa
         a, b = original.read(key, everything), exported.read(key, everything)
         assert a.dtype == b.dtype and torch.equal(a, b), key
     assert (out / "model.safetensors.index.json").is_file()  # 10KB shards: several files
-    assert json.loads((out / "config.json").read_text())["model_type"] == family
+    assert json.loads((out / "config.json").read_text())["model_type"] in family
     err = rel_error(transformers_logits(out, token_ids()), hf_models.logits[family])
     assert err == 0.0, f"{family}: exported model's logits differ ({err:.2e})"

@@ -169,6 +169,32 @@ def _messages(record: dict) -> list:
 
 
 @pytest.mark.world(1)
+def test_preprocessed_chat_gives_the_jsonl_samples(tmp_path):
+    """preprocess_data --chat writes every record form as untrained/trained segments; the
+    trainer reads the same ids and loss masks from the indexed prefix as from the JSONL."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.training.preprocess_data import main as preprocess
+
+    tokenizer_dir, data = _write(str(tmp_path), 12)
+    with open(data, "a", encoding="utf-8") as f:  # plain forms too
+        f.write(json.dumps({"prompt": "hello", "completion": " world"}) + "\n")
+        f.write(json.dumps({"text": "the lazy dog"}) + "\n")
+    (prefix,) = preprocess(
+        ["--input", data, "--output-prefix", str(tmp_path / "c"), "--chat",
+         "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tokenizer_dir]
+    )  # fmt: skip
+    assert prefix.endswith("c_chat_document")
+    indexed = IndexedDataset(prefix)
+    assert len(indexed.document_indices) == 15 and indexed.index.dtype.__name__ == "uint16"
+    from_jsonl = FileSFTDataset(data, tokenizer_dir, 96, seed=2)
+    from_prefix = FileSFTDataset(prefix, tokenizer_dir, 96, seed=2)
+    assert from_prefix.notes == from_jsonl.notes
+    for i in range(2 * len(from_jsonl)):
+        a, b = from_jsonl[i], from_prefix[i]
+        assert all(torch.equal(a[k], b[k]) for k in a), f"sample {i}"
+
+
+@pytest.mark.world(1)
 def test_tokenizer_command_errors_name_the_flag(tmp_path):
     with pytest.raises(FileNotFoundError, match="--input .*nope.txt"):
         tokenizer_main(["train", "--input", str(tmp_path / "nope.txt"), "--output-dir", "."])

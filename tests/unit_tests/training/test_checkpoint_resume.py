@@ -215,6 +215,16 @@ def test_finetune_and_no_load_optim(saved_run, capsys):
 
 
 @pytest.mark.world(1)
+def test_another_precision_is_refused_while_the_optimizer_state_is_loaded(tmp_path):
+    """A --bf16 checkpoint holds fp32 main parameters an fp32 run's optimizer has no place
+    for: resuming without --bf16 names the flag; --no-load-optim loads the weights."""
+    _tiny(train_iters=1, save=str(tmp_path), bf16=True)
+    with pytest.raises(ValueError, match="--bf16 True when saved, False now: .*--no-load-optim"):
+        _tiny(train_iters=2, load=str(tmp_path))
+    assert len(_tiny(train_iters=2, load=str(tmp_path), no_load_optim=True)) == 1
+
+
+@pytest.mark.world(1)
 def test_resuming_without_the_saved_data_path_names_the_flag(tmp_path):
     data = tmp_path / "sft.jsonl"
     data.write_text('{"prompt": "ab", "response": "ba"}\n{"prompt": "xyz", "response": "zyx"}\n')

@@ -48,6 +48,8 @@ def test_missing_data_path_and_preprocess_problems_name_the_flag(tmp_path):
     for missing in ("nope.jsonl", "nope_prefix"):
         with pytest.raises(FileNotFoundError, match=f"--data-path '.*{missing}': no such file"):
             FileSFTDataset(str(tmp_path / missing), None, 16, seed=0)
+    with pytest.raises(ValueError, match="--data-path .* is a folder"):
+        FileSFTDataset(str(tmp_path), None, 16, seed=0)
     data = _jsonl(tmp_path / "d.jsonl", [json.dumps({"text": "hi"})])
     with pytest.raises(FileNotFoundError, match="--output-prefix .*the folder .*no_dir.* does not"):
         preprocess(["--input", data, "--output-prefix", str(tmp_path / "no_dir" / "out")])
@@ -64,6 +66,9 @@ def test_missing_data_path_and_preprocess_problems_name_the_flag(tmp_path):
     bad = _jsonl(tmp_path / "bad.jsonl", ["", "{x"])
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
         preprocess(["--input", bad, "--output-prefix", str(tmp_path / "o")])
+    (tmp_path / "bin.jsonl").write_bytes(b'{"text": "a"}\n{"text": "\xff"}\n')
+    with pytest.raises(ValueError, match=r"bin.jsonl:2: not UTF-8 text"):
+        preprocess(["--input", str(tmp_path / "bin.jsonl"), "--output-prefix", str(tmp_path / "o")])
     tok = tmp_path / "tokenizer.json"
     tok.write_text('{"version": "1.0", "truncation": null, "model": {')
     with pytest.raises(ValueError, match=r"tokenizer.json: not a valid"):
