@@ -510,6 +510,12 @@ class TrainingConfig:
     no_load_rng: bool = option(
         False, "--no-load-rng", help="with --load: do not restore the RNG states"
     )
+    exit_on_missing_checkpoint: bool = option(
+        False,
+        "--exit-on-missing-checkpoint",
+        help="with --load DIR --save DIR: an error instead of starting from scratch when DIR "
+        "holds no checkpoint yet (any other --load without a checkpoint is an error anyway)",
+    )
     compare_single_process: bool = option(
         False,
         "--compare-single-process",
@@ -677,7 +683,13 @@ def _check_combinations(c: TrainingConfig) -> None:
         c.save_interval is None or c.save is not None,
         f"--save-interval {c.save_interval} needs --save DIR",
     )
-    for name in ("ckpt_step", "finetune", "no_load_optim", "no_load_rng"):
+    for name in (
+        "ckpt_step",
+        "finetune",
+        "no_load_optim",
+        "no_load_rng",
+        "exit_on_missing_checkpoint",
+    ):
         value = getattr(c, name)
         _require(
             value is None or value is False or c.load is not None,
@@ -884,6 +896,7 @@ def single_process_config(config: TrainingConfig) -> TrainingConfig:
         "finetune",
         "no_load_optim",
         "no_load_rng",
+        "exit_on_missing_checkpoint",
         "export_hf",
     )
     changes.update({name: _FIELDS[name].default for name in layout_and_output})

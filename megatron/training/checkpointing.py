@@ -142,6 +142,7 @@ def load_checkpoint(
     load_optim: bool = True,
     load_rng: bool = True,
     train_iters: Optional[int] = None,
+    exit_on_missing_checkpoint: bool = False,
 ) -> Tuple[int, int, List[str]]:
     """Collective: restore model, optimizer (and scheduler) from the checkpoint that
     ``--load load_dir`` names (``resolve_checkpoint``). Returns (iteration,
@@ -156,7 +157,9 @@ def load_checkpoint(
     iteration 0 (megatron's ``--finetune``). RNG states are restored only when the saved
     ``layout`` equals ``layout`` (and ``load_rng``).
     """
-    directory, notes = _agree_or_raise(lambda: resolve_checkpoint(load_dir, save_dir, ckpt_step))
+    directory, notes = _agree_or_raise(
+        lambda: resolve_checkpoint(load_dir, save_dir, ckpt_step, exit_on_missing_checkpoint)
+    )
     if directory is None:
         return 0, 0, notes
     started = time.perf_counter()
@@ -232,7 +235,10 @@ def load_checkpoint(
 
 
 def resolve_checkpoint(
-    load_dir: str, save_dir: Optional[str] = None, ckpt_step: Optional[int] = None
+    load_dir: str,
+    save_dir: Optional[str] = None,
+    ckpt_step: Optional[int] = None,
+    exit_on_missing_checkpoint: bool = False,
 ) -> Tuple[Optional[Path], List[str]]:
     """(the checkpoint directory ``--load load_dir`` names, notes).
 
@@ -240,19 +246,27 @@ def resolve_checkpoint(
     ``--save`` directory: then ``DIR/iter_<ckpt_step>`` when ``ckpt_step`` is given, else the
     newest complete checkpoint (``find_latest_checkpoint``). A path with no checkpoint is an
     error naming ``--load``, except megatron's auto-resume idiom (``save_dir`` is the same
-    directory): then (None, notes) and the notes say "starting from scratch".
+    directory): then (None, notes) and the notes say "starting from scratch", unless
+    ``exit_on_missing_checkpoint`` (megatron's ``--exit-on-missing-checkpoint``).
     """
     root = Path(load_dir)
-    auto_resume = save_dir is not None and _same_path(load_dir, save_dir)
+    same_as_save = save_dir is not None and _same_path(load_dir, save_dir)
+    auto_resume = same_as_save and not exit_on_missing_checkpoint
     scratch = f"--load {load_dir} is the --save directory and holds no checkpoint yet: "
     scratch += "starting from scratch"
+    if same_as_save:
+        hint = " (and --exit-on-missing-checkpoint refuses to start from scratch)"
+    else:
+        hint = (
+            " (to resume automatically when a checkpoint exists, pass the same DIR to --save "
+            "and --load)"
+        )
     if not root.exists():
         if auto_resume:
             return None, [scratch]
         raise ValueError(
             f"--load {load_dir}: no such directory; expected a --save directory or one "
-            f"checkpoint's iter_NNNNNNN directory (to resume automatically when a checkpoint "
-            f"exists, pass the same DIR to --save and --load)"
+            f"checkpoint's iter_NNNNNNN directory{hint}"
         )
     if not root.is_dir():
         raise ValueError(f"--load {load_dir} is a file; expected a checkpoint directory")
@@ -290,8 +304,7 @@ def resolve_checkpoint(
         skipped = f" ({'; '.join(notes)})" if notes else ""
         raise ValueError(
             f"--load {load_dir}: no complete checkpoint in this directory{skipped}; expected "
-            f"iter_NNNNNNN/ directories with {CONFIG_FNAME}, as --save writes them (to "
-            "resume automatically when one exists, pass the same DIR to --save and --load)"
+            f"iter_NNNNNNN/ directories with {CONFIG_FNAME}, as --save writes them{hint}"
         )
     return checkpoint_dir(load_dir, iteration), notes
 

@@ -183,6 +183,7 @@ def train(
             load_optim=not config.no_load_optim,
             load_rng=not config.no_load_rng,
             train_iters=config.train_iters,
+            exit_on_missing_checkpoint=config.exit_on_missing_checkpoint,
         )
         for note in notes:
             _print(note)

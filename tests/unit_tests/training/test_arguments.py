@@ -87,6 +87,7 @@ NON_DEFAULT = dict(
     finetune=True,
     no_load_optim=True,
     no_load_rng=True,
+    exit_on_missing_checkpoint=True,
     compare_single_process=True,
     compare_tolerance=1e-3,
     progress=False,
@@ -244,6 +245,7 @@ def test_options_and_rules_load_without_torch():
         (dict(finetune=True), r"--finetune needs --load DIR"),
         (dict(no_load_optim=True), r"--no-load-optim needs --load DIR"),
         (dict(no_load_rng=True), r"--no-load-rng needs --load DIR"),
+        (dict(exit_on_missing_checkpoint=True), r"--exit-on-missing-checkpoint needs --load"),
     ],
 )
 def test_options_that_would_be_ignored_are_refused(changes, message):

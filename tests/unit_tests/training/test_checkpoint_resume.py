@@ -114,6 +114,8 @@ def test_load_without_a_checkpoint_is_an_error_except_the_auto_resume_idiom(tmp_
         resolve_checkpoint(missing, save_dir=str(tmp_path / "other"))
     directory, notes = resolve_checkpoint(missing, save_dir=missing + "/")
     assert directory is None and len(notes) == 1 and "starting from scratch" in notes[0]
+    with pytest.raises(ValueError, match="no such directory.*--exit-on-missing-checkpoint"):
+        resolve_checkpoint(missing, save_dir=missing, exit_on_missing_checkpoint=True)
     with pytest.raises(ValueError, match=f"--load {tmp_path}: no complete checkpoint"):
         resolve_checkpoint(str(tmp_path))
     (tmp_path / "iter_0000004").mkdir()  # a save that never finished
@@ -122,6 +124,8 @@ def test_load_without_a_checkpoint_is_an_error_except_the_auto_resume_idiom(tmp_
     directory, notes = resolve_checkpoint(str(tmp_path), save_dir=str(tmp_path))
     assert directory is None and "iter_0000004 is incomplete" in notes[0], notes
     assert "starting from scratch" in notes[-1]
+    with pytest.raises(ValueError, match="no complete checkpoint.*--exit-on-missing-checkpoint"):
+        resolve_checkpoint(str(tmp_path), save_dir=str(tmp_path), exit_on_missing_checkpoint=True)
     with pytest.raises(ValueError, match="iter_0000004: an incomplete checkpoint"):
         resolve_checkpoint(str(tmp_path / "iter_0000004"))
     (tmp_path / "file").write_text("x")
