@@ -129,6 +129,26 @@ def recompute_problems(
     return []
 
 
+def window_size_valid(window_size: object) -> bool:
+    """``window_size`` (sliding-window attention, megatron-core's field) is None or a pair
+    (left, right) of ints with left >= 0 or -1 (no limit) and right 0 or -1: attention is
+    causal, so query i sees keys i - left .. i and never a later one."""
+    if window_size is None:
+        return True
+    if not isinstance(window_size, (list, tuple)) or len(window_size) != 2:
+        return False
+    left, right = window_size
+    return _is_int(left) and _is_int(right) and left >= -1 and right in (0, -1)
+
+
+def window_left(window_size: Optional[Sequence[int]]) -> Optional[int]:
+    """How many earlier keys a query sees under ``window_size`` (a valid one), or None when
+    there is no limit (None, or left = -1)."""
+    if window_size is None or window_size[0] == -1:
+        return None
+    return window_size[0]
+
+
 def _is_int(value: object) -> bool:
     """An int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)

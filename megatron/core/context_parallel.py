@@ -11,12 +11,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state
-from megatron.core.tensor_parallel.utils import (
-    all_gather_along_first_dim,
-    reduce_scatter_along_first_dim,
-)
-from megatron.core.utils import get_pg_rank, get_pg_size
+from megatron.core.communication import all_gather_along_first_dim, reduce_scatter_along_first_dim
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import get_pg_rank, get_pg_size, resolve_group
 
 
 def cp_shard_positions(seq_length: int, cp_size: int, cp_rank: int) -> torch.LongTensor:
@@ -119,13 +116,58 @@ def get_batch_on_this_cp_rank(
     Tensors with ndim >= 2 (tokens, labels, loss_mask, position_ids) are sliced along dim 1
     to ``cp_shard_positions``; an ``attention_mask`` [b, 1, s, s] along dim 2 (its queries),
     as megatron-core does; other entries pass through. The input dict is never modified.
-    ``cp_group=None`` is the MPU fallback: ``parallel_state.get_context_parallel_group()``
-    when model parallelism is initialized, else C = 1 (the batch is returned unchanged).
+    ``cp_group=None`` is the MPU fallback of ``resolve_group("cp", ...)``
+    (``parallel_state``'s CP group when initialized, else C = 1: the batch is returned
+    unchanged).
     """
-    if cp_group is None:
-        cp_group = mpu_context_parallel_group()
-    cp_size, cp_rank = cp_size_and_rank(cp_group)
-    return slice_batch_for_cp_rank(batch, cp_size, cp_rank)
+    cp_group = resolve_group("cp", cp_group)
+    return slice_batch_for_cp_rank(batch, get_pg_size(cp_group), get_pg_rank(cp_group))
+
+
+def get_thd_batch_on_this_cp_rank(
+    batch: Dict[str, Any],
+    cu_seqlens: Any,
+    cu_seqlens_padded: Any,
+    max_seqlen: Any,
+    cp_size: Optional[int] = None,
+    cp_rank: Optional[int] = None,
+) -> Tuple[Dict[str, Any], PackedSeqParams]:
+    """This CP rank's share of a packed (THD) batch, and its ``PackedSeqParams``.
+
+    megatron-core 0.16.1's signature (``megatron.core.utils``). Every [1, t] entry of
+    ``batch`` except ``attention_mask``, ``cu_seqlens``, ``cu_seqlens_padded`` and
+    ``max_seqlen`` keeps the positions ``thd_partitioned_indices(cu_seqlens_padded, t, C, r)``
+    (each padded document split into 2C chunks, chunks r and 2C-1-r kept).
+    ``cp_size``/``cp_rank`` None: the MPU fallback (``resolve_group("cp")``: C = 1 without
+    parallel state). Returns a new dict (the input is not modified) and the parameters
+    (``qkv_format="thd"``).
+    """
+    longest = int(max_seqlen.reshape(-1)[0]) if torch.is_tensor(max_seqlen) else int(max_seqlen)
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        cu_seqlens_q_padded=cu_seqlens_padded,
+        cu_seqlens_kv_padded=cu_seqlens_padded,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )
+    if cp_size is None or cp_rank is None:
+        group = resolve_group("cp")
+        cp_size = get_pg_size(group) if cp_size is None else cp_size
+        cp_rank = get_pg_rank(group) if cp_rank is None else cp_rank
+    skip = {"attention_mask", "cu_seqlens", "cu_seqlens_padded", "max_seqlen"}
+    out = dict(batch)
+    if cp_size > 1:
+        index = None
+        for key, value in batch.items():
+            if key in skip or not torch.is_tensor(value) or value.dim() < 2:
+                continue
+            if index is None:
+                index = thd_partitioned_indices(cu_seqlens_padded, value.shape[1], cp_size, cp_rank)
+                index = index.to(value.device)
+            out[key] = value.index_select(1, index)
+    return out, params
 
 
 def slice_batch_for_cp_rank(batch: Dict[str, Any], cp_size: int, cp_rank: int) -> Dict[str, Any]:
@@ -152,28 +194,16 @@ def gather_from_context_parallel_region(
     Forward: y = cat_r x_r (rank order). Backward: dL/dx_r = sum over ranks q of the
     gradient rank q holds for block r of y. No group, or a group of one, is the identity.
     """
-    if cp_size_and_rank(cp_group)[0] == 1:
+    if get_pg_size(cp_group) == 1:
         return tensor
     return _GatherFromContextParallelRegion.apply(tensor, cp_group)
-
-
-def mpu_context_parallel_group() -> Optional[dist.ProcessGroup]:
-    """The MPU fallback: ``parallel_state``'s CP group when initialized, else None (C = 1)."""
-    if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_context_parallel_group()
-    return None
-
-
-def cp_size_and_rank(cp_group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
-    """(C, this rank's index in the group); (1, 0) for no group."""
-    return get_pg_size(cp_group), get_pg_rank(cp_group)
 
 
 class _GatherFromContextParallelRegion(torch.autograd.Function):
     """Autograd wrapper of the CP all-gather along dim 0.
 
-    The backward is a reduce-scatter: sum the full gradient over ranks, keep block r (the
-    shared collectives of ``tensor_parallel.utils``, which on gloo all-reduce a private copy).
+    The backward is a reduce-scatter: sum the full gradient over ranks, keep block r
+    (``megatron.core.communication``'s collectives).
     """
 
     @staticmethod

@@ -1,6 +1,24 @@
-"""Helpers for reaching through model wrappers (DDP, Float16Module, ...)."""
+"""megatron-core's ``megatron.core.utils`` names: reaching through model wrappers (DDP,
+Float16Module, ...), version checks, and re-exports of the names megatron-core keeps here
+(group sizes and ranks: ``process_groups_config``; CP batch slicing: ``context_parallel``).
+"""
 
-from typing import Any, Dict, Optional, Tuple
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.context_parallel import (  # noqa: F401  (megatron-core's names here)
+    get_batch_on_this_cp_rank,
+    get_thd_batch_on_this_cp_rank,
+)
+from megatron.core.process_groups_config import (  # noqa: F401  (megatron-core's names here)
+    get_pg_rank,
+    get_pg_size,
+)
 
 
 def get_attr_wrapped_model(
@@ -51,80 +69,62 @@ def is_te_min_version(version, check_equality=True):
     return found >= version if check_equality else found > version
 
 
-def get_pg_size(group=None):
-    """Size of ``group``; 1 when it is None or torch.distributed is not initialized."""
-    import torch.distributed as dist
-
-    return 1 if group is None or not dist.is_initialized() else group.size()
-
-
-def get_pg_rank(group=None):
-    """Rank in ``group``; 0 when it is None or torch.distributed is not initialized."""
-    import torch.distributed as dist
-
-    return 0 if group is None or not dist.is_initialized() else group.rank()
-
-
 def get_model_config(model) -> Any:
     """The ``config`` of a (possibly wrapped) model chunk."""
     return get_attr_wrapped_model(model, "config", allow_none=False)
 
 
-def get_batch_on_this_cp_rank(batch: Dict[str, Any], cp_group: Optional[Any] = None) -> Dict:
-    """This CP rank's load-balanced shard of a [b, s] batch (megatron-core's name here;
-    see ``megatron.core.context_parallel.get_batch_on_this_cp_rank``)."""
-    from megatron.core.context_parallel import get_batch_on_this_cp_rank as shard
+def get_pg_src_rank(group: Optional[dist.ProcessGroup] = None) -> int:
+    """Global rank of rank 0 of ``group``; 0 when it is None or without torch.distributed."""
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_process_group_ranks(group)[0]
 
-    return shard(batch, cp_group)
+
+def get_tensor_model_parallel_group_if_none(
+    tp_group: Optional[dist.ProcessGroup], is_expert: bool = False, check_initialized: bool = True
+) -> Optional[dist.ProcessGroup]:
+    """megatron-core's deprecated helper: None without torch.distributed; ``tp_group`` as
+    given while ``parallel_state`` is not initialized; else ``tp_group`` or, when None,
+    ``parallel_state``'s TP group (the expert TP group with ``is_expert``), with a
+    ``DeprecationWarning`` (``resolve_group`` is the rule; pass the group explicitly)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if tp_group is not None or not parallel_state.model_parallel_is_initialized():
+        return tp_group
+    if dist.get_rank() == 0:
+        warnings.warn(
+            "tp_group is None: using parallel_state's tensor-parallel group (pass tp_group)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+    if is_expert:
+        return parallel_state.get_expert_tensor_parallel_group(check_initialized=check_initialized)
+    return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)
 
 
-def get_thd_batch_on_this_cp_rank(
-    batch: Dict[str, Any],
-    cu_seqlens: Any,
-    cu_seqlens_padded: Any,
-    max_seqlen: Any,
-    cp_size: Optional[int] = None,
-    cp_rank: Optional[int] = None,
-) -> Tuple[Dict[str, Any], Any]:
-    """This CP rank's share of a packed (THD) batch, and its ``PackedSeqParams``.
+def init_method_normal(sigma: float) -> "NormalInit":
+    """megatron-core's default ``init_method``: fill a tensor in place with Normal(0, sigma)."""
+    return NormalInit(std=float(sigma))
 
-    megatron-core 0.16.1's signature. Every [1, t] entry of ``batch`` except
-    ``attention_mask``, ``cu_seqlens``, ``cu_seqlens_padded`` and ``max_seqlen`` keeps the
-    positions ``thd_partitioned_indices(cu_seqlens_padded, t, C, r)`` (each padded document
-    split into 2C chunks, chunks r and 2C-1-r kept). ``cp_size``/``cp_rank`` None: the MPU
-    fallback (``parallel_state``), or C = 1 without parallel state. Returns a new dict
-    (the input is not modified) and the parameters (``qkv_format="thd"``).
-    """
-    import torch
 
-    from megatron.core import parallel_state
-    from megatron.core.context_parallel import thd_partitioned_indices
-    from megatron.core.packed_seq_params import PackedSeqParams
+def scaled_init_method_normal(
+    sigma: float, num_layers: int, multiplier: float = 2.0
+) -> "NormalInit":
+    """megatron-core's default ``output_layer_init_method``: Normal(0, sigma / sqrt(m L))
+    with m = ``multiplier`` and L = ``num_layers``."""
+    return NormalInit(std=float(sigma) / math.sqrt(multiplier * num_layers))
 
-    longest = int(max_seqlen.reshape(-1)[0]) if torch.is_tensor(max_seqlen) else int(max_seqlen)
-    params = PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu_seqlens,
-        cu_seqlens_kv=cu_seqlens,
-        cu_seqlens_q_padded=cu_seqlens_padded,
-        cu_seqlens_kv_padded=cu_seqlens_padded,
-        max_seqlen_q=longest,
-        max_seqlen_kv=longest,
-    )
-    initialized = parallel_state.model_parallel_is_initialized()
-    if cp_size is None:
-        cp_size = parallel_state.get_context_parallel_world_size() if initialized else 1
-    if cp_rank is None:
-        cp_rank = parallel_state.get_context_parallel_rank() if initialized else 0
-    skip = {"attention_mask", "cu_seqlens", "cu_seqlens_padded", "max_seqlen"}
-    out = dict(batch)
-    if cp_size > 1:
-        index = None
-        for key, value in batch.items():
-            if key in skip or not torch.is_tensor(value) or value.dim() < 2:
-                continue
-            if index is None:
-                index = thd_partitioned_indices(cu_seqlens_padded, value.shape[1], cp_size, cp_rank)
-                index = index.to(value.device)
-            out[key] = value.index_select(1, index)
-    return out, params
+
+@dataclass(frozen=True)
+class NormalInit:
+    """``init(tensor)`` fills ``tensor`` in place with Normal(mean, std) drawn from the default
+    generator of its device (a value: two with the same numbers compare equal)."""
+
+    std: float
+    mean: float = 0.0
+
+    def __call__(self, tensor):
+        import torch
+
+        return torch.nn.init.normal_(tensor, mean=self.mean, std=self.std)

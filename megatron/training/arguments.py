@@ -2,26 +2,49 @@
 layout it implies.
 
 Each field of ``TrainingConfig`` is declared once, with ``option(default, "--flag", ...,
-help=..., check=...)``: its flag (the first one names it in errors; later ones are aliases,
-megatron's long names among them), its help text and the check of its own value. The
-``argparse`` parser is generated from the fields (``build_parser``), and ``command_line``
-writes a config back as flags. ``validate_config`` runs the per-field checks, then the rules
-between fields (the ones shared with ``TransformerConfig`` live in
-``megatron.core.config_rules``); it rejects impossible layouts with a message naming the flag,
-the value and what was expected, before any process group exists, identically on every rank.
+help=..., check=...)`` (``megatron.training.options``): its flag (the first one names it in
+errors; later ones are aliases, megatron's long names among them), its help text and the
+check of its own value. The ``argparse`` parser is generated from the fields
+(``build_parser``), and ``command_line`` writes a config back as flags. ``validate_config``
+runs the per-field checks, then the rules between fields (the ones shared with
+``TransformerConfig`` live in ``megatron.core.config_rules``); it rejects impossible layouts
+and combinations with a message naming the flag, the value and what was expected, before any
+process group exists, identically on every rank.
 
 Every default (model size, batch sizes, sequence length, iterations) is independent of the
 parallel layout, so two runs that differ only in ``--cp/--pp/--vpp/--nproc-per-node`` train
 on the same data with the same objective. This module imports no torch (the launcher parses
 and checks the command line before starting the workers).
+
+Why one module of ~800 lines: it is the trainer's list of flags (one declaration each, about
+60) followed by the rules between them; a flag and the rules that mention it are meant to be
+read and changed together.
 """
 
 import argparse
-from dataclasses import MISSING, Field, dataclass, field, fields
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from dataclasses import Field, dataclass, fields
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from megatron.core import config_rules
 from megatron.core.config_rules import CP_COMM_TYPES, NORMALIZATIONS
+from megatron.training import options
+from megatron.training.errors import UsageError
+from megatron.training.options import (
+    Check,
+    Option,
+    check_fields,
+    command_line,
+    is_int,
+    is_number,
+    non_negative,
+    non_negative_number,
+    one_of,
+    option,
+    option_of,
+    positive,
+    positive_number,
+    unit_interval,
+)
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
@@ -35,92 +58,13 @@ __all__ = [
     "TrainingConfig",
     "build_parser",
     "command_line",
+    "explicit_options",
     "option",
+    "option_of",
     "parse_args",
     "single_process_config",
     "validate_config",
 ]
-
-
-# ----------------------------------------------------------------------------- declarations
-
-
-@dataclass(frozen=True)
-class Check:
-    """A rule on one option's own value: ``test(value)`` is True when it is accepted;
-    ``expected`` completes "--flag must be ..." in the error."""
-
-    expected: str
-    test: Callable[[Any], bool]
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-positive = Check("an integer >= 1", lambda v: _is_int(v) and v >= 1)
-non_negative = Check("an integer >= 0", lambda v: _is_int(v) and v >= 0)
-positive_number = Check("> 0", lambda v: _is_number(v) and v > 0)
-non_negative_number = Check(">= 0", lambda v: _is_number(v) and v >= 0)
-unit_interval = Check("in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1)
-
-
-def one_of(choices: Sequence[str]) -> Check:
-    """The value is one of ``choices`` ("A or B", "one of A, B, C")."""
-    if len(choices) == 2:
-        expected = f"{choices[0]} or {choices[1]}"
-    else:
-        expected = f"one of {', '.join(choices)}"
-    return Check(expected, lambda v: v in choices)
-
-
-@dataclass(frozen=True)
-class Option:
-    """The command line of one ``TrainingConfig`` field (see ``option``)."""
-
-    flags: Tuple[str, ...]
-    help: str
-    check: Optional[Check] = None
-    type: Optional[Callable[[str], Any]] = None
-    choices: Optional[Sequence[str]] = None
-    nargs: Union[None, int, str] = None
-    metavar: Union[None, str, Tuple[str, ...]] = None
-    one_or_list: bool = False  # nargs "+": one value is kept as the value, not a 1-list
-
-    @property
-    def flag(self) -> str:
-        """The flag that names the option in errors."""
-        return self.flags[0]
-
-
-def option(
-    default: Any,
-    *flags: str,
-    help: str,
-    check: Optional[Check] = None,
-    type: Optional[Callable[[str], Any]] = None,
-    choices: Optional[Sequence[str]] = None,
-    nargs: Union[None, int, str] = None,
-    metavar: Union[None, str, Tuple[str, ...]] = None,
-    one_or_list: bool = False,
-) -> Any:
-    """A dataclass field with its command line: ``flags`` (the first names it in errors),
-    ``help``, and ``check`` on its own value (skipped when the value is None and the default
-    is None). A bool default makes a switch: ``store_true`` for False, ``store_false`` for
-    True. The value type is ``type``, else the default's type."""
-    if not flags or not all(f.startswith("--") for f in flags):
-        raise ValueError(f"option: flags must start with '--', got {flags!r}")
-    spec = Option(tuple(flags), help, check, type, choices, nargs, metavar, one_or_list)
-    return field(default=default, metadata={"option": spec})
-
-
-def option_of(config_field: Field) -> Option:
-    """The ``Option`` a ``TrainingConfig`` field was declared with."""
-    return config_field.metadata["option"]
 
 
 # --help sections: the field that opens each one (the following fields belong to it).
@@ -231,7 +175,7 @@ class TrainingConfig:
     vocab_size: int = option(
         64,
         "--vocab-size",
-        check=Check("an integer >= 5", lambda v: _is_int(v) and v >= 5),
+        check=Check("an integer >= 5", lambda v: is_int(v) and v >= 5),
         help="vocabulary size (4 special tokens)",
     )
     data_path: Optional[str] = option(
@@ -325,6 +269,69 @@ class TrainingConfig:
         "--untie-embeddings-and-output-weights",
         help="separate output layer (default: tied to the word embeddings)",
     )
+    kv_channels: Optional[int] = option(
+        None,
+        "--kv-channels",
+        type=int,
+        check=positive,
+        help="size of each attention head; default: hidden size / attention heads",
+    )
+    max_position_embeddings: Optional[int] = option(
+        None,
+        "--max-position-embeddings",
+        type=int,
+        check=positive,
+        help="rows of the learned position table (learned_absolute); default: --seq-length",
+    )
+    norm_epsilon: float = option(
+        1e-5, "--norm-epsilon", check=positive_number, help="epsilon of LayerNorm / RMSNorm"
+    )
+    rotary_base: float = option(
+        10000.0, "--rotary-base", check=positive_number, help="RoPE base (rope_theta)"
+    )
+    use_rope_scaling: bool = option(
+        False,
+        "--use-rope-scaling",
+        help="Llama 3.x RoPE frequency scaling (by --rope-scaling-factor)",
+    )
+    rope_scaling_factor: float = option(
+        8.0,
+        "--rope-scaling-factor",
+        check=positive_number,
+        help="--use-rope-scaling: the factor long wavelengths are divided by",
+    )
+    add_qkv_bias: bool = option(
+        False,
+        "--add-qkv-bias",
+        help="biases on the query/key/value projection even with --disable-bias-linear (Qwen2)",
+    )
+    openai_gelu: bool = option(
+        False,
+        "--openai-gelu",
+        help="GELU's tanh approximation (OpenAI's, GPT-2's gelu_new) instead of the exact one",
+    )
+    window_size: Optional[List[int]] = option(
+        None,
+        "--window-size",
+        nargs=2,
+        type=int,
+        metavar=("LEFT", "RIGHT"),
+        check=Check(
+            "LEFT >= 0 (or -1: no limit) and RIGHT 0 or -1", config_rules.window_size_valid
+        ),
+        help="sliding-window attention: a query sees LEFT earlier keys (RIGHT 0: causal); "
+        "default: no window",
+    )
+    hf_model: Optional[str] = option(
+        None,
+        "--hf-model",
+        type=str,
+        metavar="DIR",
+        help="start from a HuggingFace model (config.json + safetensors: Llama, Mistral, "
+        "Qwen2, GPT-2; docs/huggingface.md): its config.json sets the model options above "
+        "(an explicit conflicting one is an error), its weights are loaded at any layout, "
+        "and with --data-path its tokenizer is the default --tokenizer",
+    )
     # Optimization.
     train_iters: int = option(20, "--train-iters", check=positive, help="training iterations")
     lr: float = option(3e-3, "--lr", check=positive_number, help="peak Adam learning rate")
@@ -365,7 +372,7 @@ class TrainingConfig:
     clip_grad: float = option(
         1.0,
         "--clip-grad",
-        check=Check(">= 0 (0 disables)", lambda v: _is_number(v) and v >= 0),
+        check=Check(">= 0 (0 disables)", lambda v: is_number(v) and v >= 0),
         help="gradient-norm clipping threshold, 0: off",
     )
     calculate_per_token_loss: bool = option(
@@ -424,7 +431,7 @@ class TrainingConfig:
     loss_scale_window: float = option(
         1000.0,
         "--loss-scale-window",
-        check=Check(">= 1", lambda v: _is_number(v) and v >= 1),
+        check=Check(">= 1", lambda v: is_number(v) and v >= 1),
         help="--fp16: clean steps before the scale doubles",
     )
     hysteresis: int = option(
@@ -436,7 +443,8 @@ class TrainingConfig:
         "--save-metrics",
         type=str,
         metavar="DIR",
-        help="write DIR/metrics.jsonl (one line per iteration) and DIR/loss.png",
+        help="write DIR/metrics.jsonl (one line per iteration) and DIR/loss.png (loss, "
+        "gradient norm and learning rate against iteration)",
     )
     save: Optional[str] = option(
         None,
@@ -455,6 +463,14 @@ class TrainingConfig:
         "is one checkpoint's iter_NNNNNNN directory (any layout). No checkpoint there is an "
         "error, except when DIR is also --save (auto-resume: starts from scratch). Settings "
         "that change the model or the data must equal the saved ones",
+    )
+    export_hf: Optional[str] = option(
+        None,
+        "--export-hf",
+        type=str,
+        metavar="DIR",
+        help="write the trained model to DIR in HuggingFace format (config.json + "
+        "safetensors) at the end, and to DIR/iter_NNNNNNN beside each earlier --save",
     )
     save_interval: Optional[int] = option(
         None,
@@ -485,6 +501,12 @@ class TrainingConfig:
     no_load_rng: bool = option(
         False, "--no-load-rng", help="with --load: do not restore the RNG states"
     )
+    exit_on_missing_checkpoint: bool = option(
+        False,
+        "--exit-on-missing-checkpoint",
+        help="with --load DIR --save DIR: an error instead of starting from scratch when DIR "
+        "holds no checkpoint yet (any other --load without a checkpoint is an error anyway)",
+    )
     compare_single_process: bool = option(
         False,
         "--compare-single-process",
@@ -504,6 +526,12 @@ class TrainingConfig:
         True,
         "--no-progress",
         help="hide the progress bar (rank 0 shows one by default)",
+    )
+    debug: bool = option(
+        False,
+        "--debug",
+        help="show the traceback of every error (also MEGATRON_DEBUG=1); without it an "
+        "error in a flag, a file or the data is printed once, as one line",
     )
 
 
@@ -561,10 +589,10 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
     """
     c = config
     _require(
-        _is_int(world_size) and world_size >= 1,
+        is_int(world_size) and world_size >= 1,
         f"--nproc-per-node must be an integer >= 1, got {world_size}",
     )
-    _check_fields(c)
+    check_fields(c)
     tp, cp, pp, vpp = (
         c.tensor_model_parallel_size,
         c.context_parallel_size,
@@ -594,7 +622,7 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
         f"(--pp {pp} x --vpp {vpp or 1}); use a multiple of {chunks} layers",
     )
     _require(
-        c.hidden_size % c.num_attention_heads == 0,
+        c.kv_channels is not None or c.hidden_size % c.num_attention_heads == 0,
         f"--hidden-size {c.hidden_size} is not divisible by --num-attention-heads "
         f"{c.num_attention_heads}",
     )
@@ -612,7 +640,7 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
         try:
             interleaved_schedule_table(num_microbatches, vpp, pp, pp)
         except ValueError as exc:
-            raise ValueError(
+            raise UsageError(
                 f"--vpp {vpp}: {num_microbatches} microbatches per data-parallel replica "
                 f"(--global-batch-size {c.global_batch_size} / (--micro-batch-size "
                 f"{c.micro_batch_size} x DP {dp})) cannot be interleaved: {exc}"
@@ -635,18 +663,6 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
     )
 
 
-def _check_fields(c: TrainingConfig) -> None:
-    """Each option's own check, in declaration order; switches must be True or False."""
-    for config_field in fields(c):
-        spec, value = option_of(config_field), getattr(c, config_field.name)
-        if isinstance(config_field.default, bool):
-            _require(isinstance(value, bool), f"{spec.flag} must be True or False, got {value!r}")
-        elif spec.check is not None and not (value is None and config_field.default is None):
-            _require(
-                spec.check.test(value), f"{spec.flag} must be {spec.check.expected}, got {value!r}"
-            )
-
-
 def _check_combinations(c: TrainingConfig) -> None:
     """Options that need, or exclude, another one (so none is silently ignored)."""
     _require(
@@ -658,7 +674,13 @@ def _check_combinations(c: TrainingConfig) -> None:
         c.save_interval is None or c.save is not None,
         f"--save-interval {c.save_interval} needs --save DIR",
     )
-    for name in ("ckpt_step", "finetune", "no_load_optim", "no_load_rng"):
+    for name in (
+        "ckpt_step",
+        "finetune",
+        "no_load_optim",
+        "no_load_rng",
+        "exit_on_missing_checkpoint",
+    ):
         value = getattr(c, name)
         _require(
             value is None or value is False or c.load is not None,
@@ -687,7 +709,7 @@ def _check_combinations(c: TrainingConfig) -> None:
         "tokenizer's end-of-document id is fixed)",
     )
     _require(
-        c.data_path is None or c.vocab_size == _FIELDS["vocab_size"].default,
+        c.data_path is None or c.vocab_size == _FIELDS["vocab_size"].default or c.hf_model,
         f"--vocab-size {c.vocab_size} is not used with --data-path: the vocabulary is the "
         "tokenizer's (see --tokenizer); leave --vocab-size out",
     )
@@ -701,6 +723,23 @@ def _check_combinations(c: TrainingConfig) -> None:
         f"--compare-tolerance {c.compare_tolerance} needs --compare-single-process",
     )
     _require(not (c.bf16 and c.fp16), "--bf16 and --fp16 were both given; expected at most one")
+    _require(
+        c.position_embedding_type == "learned_absolute" or c.max_position_embeddings is None,
+        f"--max-position-embeddings {c.max_position_embeddings} sizes the learned position "
+        "table; --position-embedding-type rope has none",
+    )
+    _require(
+        c.position_embedding_type != "learned_absolute"
+        or (c.max_position_embeddings or c.seq_length) >= c.seq_length,
+        f"--seq-length {c.seq_length} is longer than the learned position table "
+        f"(--max-position-embeddings {c.max_position_embeddings})",
+    )
+    _require(
+        c.position_embedding_type == "rope"
+        or not (c.use_rope_scaling or c.rotary_base != _FIELDS["rotary_base"].default),
+        "--use-rope-scaling and --rotary-base need --position-embedding-type rope",
+    )
+    _require(not (c.openai_gelu and c.swiglu), "--openai-gelu and --swiglu exclude each other")
     _require(
         c.min_loss_scale <= c.initial_loss_scale,
         f"--min-loss-scale {c.min_loss_scale} must be <= --initial-loss-scale "
@@ -810,9 +849,9 @@ def _check_tensor_parallel(c: TrainingConfig) -> None:
         "vocab_size": c.vocab_size,
     }
     for name, value in config_rules.tensor_parallel_misfits(tp, splits):
-        raise ValueError(f"{flag_of(name)} {value} is not divisible by --tp {tp}")
+        raise UsageError(f"{flag_of(name)} {value} is not divisible by --tp {tp}")
     if c.position_embedding_type == "rope":
-        head_dim = c.hidden_size // heads
+        head_dim = c.kv_channels or c.hidden_size // heads
         _require(
             head_dim % 2 == 0,
             f"--position-embedding-type rope needs an even head size, got --hidden-size "
@@ -848,6 +887,8 @@ def single_process_config(config: TrainingConfig) -> TrainingConfig:
         "finetune",
         "no_load_optim",
         "no_load_rng",
+        "exit_on_missing_checkpoint",
+        "export_hf",
     )
     changes.update({name: _FIELDS[name].default for name in layout_and_output})
     changes.update(nproc_per_node=1)
@@ -859,90 +900,33 @@ def single_process_config(config: TrainingConfig) -> TrainingConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m megatron.training`` / ``megatron-train`` command line, one option per
-    ``TrainingConfig`` field (dest = the field name, default = the field's default)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m megatron.training",
-        description=(
-            "Supervised fine-tuning of a small GPT on generated prompt/response pairs "
-            "(prompt tokens masked out of the loss), under any tensor/context/pipeline/"
-            "virtual-pipeline/data-parallel layout. CPU (gloo) by default, NCCL when every "
-            "process has a GPU. The logged loss is the same for every layout."
-        ),
-        formatter_class=_HelpFormatter,
+    ``TrainingConfig`` field (``options.build_parser``)."""
+    description = (
+        "Supervised fine-tuning of a small GPT on generated prompt/response pairs "
+        "(prompt tokens masked out of the loss), under any tensor/context/pipeline/"
+        "virtual-pipeline/data-parallel layout. CPU (gloo) by default, NCCL when every "
+        "process has a GPU. The logged loss is the same for every layout."
     )
-    groups: Dict[str, argparse._ArgumentGroup] = {}
-    section = None
-    for config_field in fields(TrainingConfig):
-        section = _SECTIONS.get(config_field.name, section)
-        if section not in groups:
-            groups[section] = parser.add_argument_group(section)
-        _add_option(groups[section], config_field)
-    return parser
+    return options.build_parser(
+        TrainingConfig, "python -m megatron.training", description, _SECTIONS
+    )
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> TrainingConfig:
-    """Parse the command line into a ``TrainingConfig`` (no checks: ``validate_config``)."""
-    args = vars(build_parser().parse_args(argv))
-    for config_field in fields(TrainingConfig):
-        value = args[config_field.name]
-        if option_of(config_field).one_or_list and isinstance(value, list) and len(value) == 1:
-            args[config_field.name] = value[0]
-    return TrainingConfig(**args)
+    """Parse the command line into a ``TrainingConfig`` (no checks: ``validate_config``); a
+    mistake raises ``UsageError``."""
+    return options.parse(build_parser(), TrainingConfig, argv)
 
 
-def command_line(config: TrainingConfig) -> List[str]:
-    """The flags that ``parse_args`` turns back into ``config`` (defaults left out)."""
-    argv: List[str] = []
-    for config_field in fields(config):
-        value, default = getattr(config, config_field.name), config_field.default
-        if value == default:
-            continue
-        flag = option_of(config_field).flag
-        if isinstance(default, bool):
-            argv.append(flag)
-        elif value is None:
-            raise ValueError(f"{flag}: None cannot be written as a flag (default {default!r})")
-        elif isinstance(value, (list, tuple)):
-            argv += [flag, *map(str, value)]
-        else:
-            argv += [flag, str(value)]
-    return argv
-
-
-def _add_option(group: argparse._ArgumentGroup, config_field: Field) -> None:
-    """Add the argparse option of one field."""
-    spec, default = option_of(config_field), config_field.default
-    if default is MISSING:
-        raise TypeError(f"TrainingConfig.{config_field.name} needs a default")
-    if isinstance(default, bool):
-        action = "store_false" if default else "store_true"
-        group.add_argument(*spec.flags, dest=config_field.name, action=action, help=spec.help)
-        return
-    kind = spec.type or (None if default is None else type(default))
-    extras: Dict[str, Any] = {}
-    for name in ("choices", "nargs", "metavar"):
-        if getattr(spec, name) is not None:
-            extras[name] = getattr(spec, name)
-    if kind is not None:
-        extras["type"] = kind
-    group.add_argument(
-        *spec.flags, dest=config_field.name, default=default, help=spec.help, **extras
-    )
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Show the default of options that take a value (not of switches, not of None)."""
-
-    def _get_help_string(self, action):
-        if action.nargs == 0 or action.default is None:
-            return action.help
-        return super()._get_help_string(action)
+def explicit_options(argv: Sequence[str]) -> List[str]:
+    """The ``TrainingConfig`` fields that ``argv`` gives explicitly (whatever their value)."""
+    return options.explicit_fields(build_parser(), argv)
 
 
 # ----------------------------------------------------------------------------- checks
 
 
 def _require(condition: bool, message: str) -> None:
-    """Raise ValueError(message) unless ``condition``."""
+    """Raise UsageError(message) (a ValueError) unless ``condition``."""
     if not condition:
-        raise ValueError(message)
+        raise UsageError(message)

@@ -9,6 +9,13 @@ with ``metadata.json`` and a barrier), so an interrupted save leaves the tracker
 previous checkpoint; ``load_checkpoint`` also skips any ``iter_*`` directory without
 ``metadata.json``.
 
+Nothing that changes what is loaded happens silently (``load_checkpoint``): ``--load`` with no
+checkpoint is an error naming it, except megatron's auto-resume idiom (``--load`` = ``--save``);
+the saved settings that change the model (and the data path) must equal the run's; every
+tensor the model asks for must be in the checkpoint and every tensor in it must be asked
+for, except the parts deliberately not loaded (``--finetune``, ``--no-load-optim``,
+``--no-load-rng``, RNG states at another layout), each said in a line.
+
 The model and optimizer are stored by global keys and boxes, so a run may resume at another
 (TP, CP, PP, VPP, DP) layout. Each rank's RNG states are saved too and restored when the
 layout is the same (at another layout the ranks do not correspond; the trainer draws no
@@ -135,6 +142,7 @@ def load_checkpoint(
     load_optim: bool = True,
     load_rng: bool = True,
     train_iters: Optional[int] = None,
+    exit_on_missing_checkpoint: bool = False,
 ) -> Tuple[int, int, List[str]]:
     """Collective: restore model, optimizer (and scheduler) from the checkpoint that
     ``--load load_dir`` names (``resolve_checkpoint``). Returns (iteration,
@@ -149,14 +157,18 @@ def load_checkpoint(
     iteration 0 (megatron's ``--finetune``). RNG states are restored only when the saved
     ``layout`` equals ``layout`` (and ``load_rng``).
     """
-    directory, notes = _agree_or_raise(lambda: resolve_checkpoint(load_dir, save_dir, ckpt_step))
+    directory, notes = _agree_or_raise(
+        lambda: resolve_checkpoint(load_dir, save_dir, ckpt_step, exit_on_missing_checkpoint)
+    )
     if directory is None:
         return 0, 0, notes
     started = time.perf_counter()
     common = dist_checkpointing.load_common_state_dict(str(directory))
     saved_iteration = int(common.get("iteration", 0))
     if run_settings is not None:
-        compare_run_settings(common.get("run_settings"), run_settings, directory, finetune)
+        compare_run_settings(
+            common.get("run_settings"), run_settings, directory, finetune, load_optim
+        )
     if not finetune and train_iters is not None and saved_iteration > train_iters:
         raise ValueError(
             f"--load {load_dir}: checkpoint {directory} is at iteration {saved_iteration}, "
@@ -164,6 +176,11 @@ def load_checkpoint(
             "train its weights from iteration 0"
         )
     load_optim = load_optim and not finetune
+    if common.get("model_only") and load_optim:
+        raise ValueError(
+            f"--load {load_dir}: checkpoint {directory} holds model weights only (written by "
+            "python -m megatron.training.hf import); pass --finetune (or --no-load-optim)"
+        )
     same_layout = common.get("layout") == dict(layout or {})
     restore_rng = load_rng and not finetune and same_layout
     model_state = _model_sharded_state_dict(model)
@@ -218,7 +235,10 @@ def load_checkpoint(
 
 
 def resolve_checkpoint(
-    load_dir: str, save_dir: Optional[str] = None, ckpt_step: Optional[int] = None
+    load_dir: str,
+    save_dir: Optional[str] = None,
+    ckpt_step: Optional[int] = None,
+    exit_on_missing_checkpoint: bool = False,
 ) -> Tuple[Optional[Path], List[str]]:
     """(the checkpoint directory ``--load load_dir`` names, notes).
 
@@ -226,19 +246,27 @@ def resolve_checkpoint(
     ``--save`` directory: then ``DIR/iter_<ckpt_step>`` when ``ckpt_step`` is given, else the
     newest complete checkpoint (``find_latest_checkpoint``). A path with no checkpoint is an
     error naming ``--load``, except megatron's auto-resume idiom (``save_dir`` is the same
-    directory): then (None, notes) and the notes say "starting from scratch".
+    directory): then (None, notes) and the notes say "starting from scratch", unless
+    ``exit_on_missing_checkpoint`` (megatron's ``--exit-on-missing-checkpoint``).
     """
     root = Path(load_dir)
-    auto_resume = save_dir is not None and _same_path(load_dir, save_dir)
+    same_as_save = save_dir is not None and _same_path(load_dir, save_dir)
+    auto_resume = same_as_save and not exit_on_missing_checkpoint
     scratch = f"--load {load_dir} is the --save directory and holds no checkpoint yet: "
     scratch += "starting from scratch"
+    if same_as_save:
+        hint = " (and --exit-on-missing-checkpoint refuses to start from scratch)"
+    else:
+        hint = (
+            " (to resume automatically when a checkpoint exists, pass the same DIR to --save "
+            "and --load)"
+        )
     if not root.exists():
         if auto_resume:
             return None, [scratch]
         raise ValueError(
             f"--load {load_dir}: no such directory; expected a --save directory or one "
-            f"checkpoint's iter_NNNNNNN directory (to resume automatically when a checkpoint "
-            f"exists, pass the same DIR to --save and --load)"
+            f"checkpoint's iter_NNNNNNN directory{hint}"
         )
     if not root.is_dir():
         raise ValueError(f"--load {load_dir} is a file; expected a checkpoint directory")
@@ -276,8 +304,7 @@ def resolve_checkpoint(
         skipped = f" ({'; '.join(notes)})" if notes else ""
         raise ValueError(
             f"--load {load_dir}: no complete checkpoint in this directory{skipped}; expected "
-            f"iter_NNNNNNN/ directories with {CONFIG_FNAME}, as --save writes them (to "
-            "resume automatically when one exists, pass the same DIR to --save and --load)"
+            f"iter_NNNNNNN/ directories with {CONFIG_FNAME}, as --save writes them{hint}"
         )
     return checkpoint_dir(load_dir, iteration), notes
 
@@ -296,11 +323,23 @@ MODEL_SETTINGS = (
     ("disable_bias_linear", "--disable-bias-linear"),
     ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
     ("vocab_size", "--vocab-size"),
+    ("kv_channels", "--kv-channels"),
+    ("norm_epsilon", "--norm-epsilon"),
+    ("rotary_base", "--rotary-base"),
+    ("use_rope_scaling", "--use-rope-scaling"),
+    ("rope_scaling_factor", "--rope-scaling-factor"),
+    ("add_qkv_bias", "--add-qkv-bias"),
+    ("openai_gelu", "--openai-gelu"),
+    ("window_size", "--window-size"),
     ("tokenizer", "--tokenizer"),
     ("seq_length", "--seq-length"),
+    ("max_position_embeddings", "--max-position-embeddings"),
 )
 # The data the run trains on (a resumed run continues its position in it).
-DATA_SETTINGS = (("data_path", "--data-path"),)
+DATA_SETTINGS = (("data_path", "--data-path"), ("eod_token", "--eod-token"))
+# Settings that give the optimizer state another form (fp32 main parameters, loss scale):
+# compared only when the optimizer state is loaded.
+OPTIMIZER_SETTINGS = (("bf16", "--bf16"), ("fp16", "--fp16"))
 
 
 def compare_run_settings(
@@ -308,10 +347,12 @@ def compare_run_settings(
     current: Dict[str, Any],
     directory: Path,
     finetune: bool = False,
+    load_optim: bool = True,
 ) -> None:
-    """Refuse to resume with settings that change the model (``MODEL_SETTINGS``) or, unless
-    ``finetune``, the data (``DATA_SETTINGS``): a ValueError naming every differing flag
-    with its saved and current value. Settings the checkpoint did not record are not
+    """Refuse to resume with settings that change the model (``MODEL_SETTINGS``), unless
+    ``finetune`` the data (``DATA_SETTINGS``), and with ``load_optim`` the form of the
+    optimizer state (``OPTIMIZER_SETTINGS``): a ValueError naming every differing flag with
+    its saved and current value. Settings the checkpoint did not record are not
     compared. Defaults are resolved first (query groups = heads, FFN = 4 x hidden, the
     byte-level tokenizer with a data path); ``--seq-length`` counts only with learned
     absolute positions (their table has one row per position), ``--tokenizer`` only when
@@ -331,6 +372,18 @@ def compare_run_settings(
             f"--load: checkpoint {directory} was saved with other settings: "
             f"{'; '.join(differences)}. Resume with the saved values{escape}"
         )
+    precision = [
+        f"{flag} {_shown(before[name])} when saved, {_shown(now[name])} now"
+        for name, flag in (OPTIMIZER_SETTINGS if load_optim and not finetune else ())
+        if name in before and name in now and before[name] != now[name]
+    ]
+    if precision:
+        raise ValueError(
+            f"--load: checkpoint {directory} was saved with {'; '.join(precision)}: its "
+            "optimizer state has another form (fp32 main parameters, loss scale). Resume with "
+            "the saved value, or pass --no-load-optim to load the weights and start the "
+            "optimizer afresh"
+        )
 
 
 def _effective_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
@@ -340,6 +393,8 @@ def _effective_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
         out["num_query_groups"] = out["num_attention_heads"]
     if out.get("ffn_hidden_size") is None and "hidden_size" in out:
         out["ffn_hidden_size"] = 4 * out["hidden_size"]
+    if out.get("kv_channels") is None and "num_attention_heads" in out and "hidden_size" in out:
+        out["kv_channels"] = out["hidden_size"] // out["num_attention_heads"]
     if out.get("data_path"):
         out["data_path"] = os.path.normpath(out["data_path"])
         out["tokenizer"] = out.get("tokenizer") or "byte-level"
@@ -347,6 +402,11 @@ def _effective_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
         out.pop("tokenizer", None)  # generated data: its ids are the vocabulary
     if out.get("position_embedding_type", "learned_absolute") != "learned_absolute":
         out.pop("seq_length", None)
+        out.pop("max_position_embeddings", None)
+    elif out.get("max_position_embeddings") is not None:
+        out.pop("seq_length", None)  # the table has max_position_embeddings rows
+    elif "seq_length" in out:
+        out["max_position_embeddings"] = out["seq_length"]
     return out
 
 
@@ -462,16 +522,22 @@ def _agree_or_raise(compute):
     (its type and message) on every rank instead of rank 0 alone."""
     if not dist.is_initialized():
         return compute()
-    outcome = None
+    outcome, error = None, None
     if _rank() == 0:
         try:
             outcome = ("value", compute())
-        except (ValueError, dist_checkpointing.CheckpointingException) as err:
-            outcome = ("error", type(err), str(err))
+        except Exception as err:  # noqa: BLE001 - every rank must hear of any failure
+            outcome, error = ("error", type(err), str(err)), err
     outcome = _agree(outcome)
-    if outcome[0] == "error":
-        raise outcome[1](outcome[2])
-    return outcome[1]
+    if outcome[0] == "value":
+        return outcome[1]
+    if error is not None:
+        raise error
+    try:
+        copy = outcome[1](outcome[2])
+    except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+        copy = RuntimeError(f"{outcome[1].__name__}: {outcome[2]}")
+    raise copy
 
 
 def _all_gather(value) -> list:

@@ -7,7 +7,7 @@ megatron's indexed format.
 
   - ``{"messages": [{"role": ..., "content": ...}, ...]}``: a conversation (system, user,
     assistant, tool turns; several rounds) rendered with the tokenizer's chat template; only
-    the assistant's tokens are trained (``megatron.training.tokenizer.chat_template``: exact
+    the assistant's tokens are trained (``megatron.core.tokenizers.chat_template``: exact
     assistant spans from ``{% generation %}`` blocks or incremental rendering). Nothing is
     appended: the template writes its own end-of-turn tokens.
   - ``{"prompt": [messages], "completion": [messages]}``: the same, the conversation being
@@ -16,9 +16,14 @@ megatron's indexed format.
     ``prompt + completion + [EOD]``, the prompt masked out of the loss (no chat template).
   - ``{"text": str}``: ``text + [EOD]``, every token trained.
 
+  Plain-text records start with the ids a HuggingFace tokenizer's post-processor puts before
+  a text (Llama's BOS; nothing for GPT-2 style or byte-level tokenizers), never trained.
+
 - the prefix of an indexed dataset (``PREFIX.bin`` / ``PREFIX.idx``) written by
-  ``python -m megatron.training.preprocess_data``: a document of two sequences is
-  (prompt, response), a document of one sequence is all trained.
+  ``python -m megatron.training.preprocess_data``: a document of one sequence is all trained
+  (EOD appended when it does not end with one); a document of k >= 2 sequences alternates
+  untrained and trained segments, starting untrained, taken as written (``--sft`` writes
+  prompt, response + EOD; ``--chat`` writes any record form above this way).
 
 Every record becomes ids ``x`` with a 0/1 mask ``m`` over them (1 = a token the model learns to
 write). Sample ``i`` is record ``perm_e[i mod R]`` of epoch ``e = i div R`` (``perm_e``: a
@@ -68,8 +73,10 @@ def build_training_tokenizer(tokenizer: Any, eod_token: Optional[str] = None):
     """``None`` / ``"byte-level"``: UTF-8 bytes (no file); else a HuggingFace tokenizer folder
     or ``tokenizers`` JSON file (``load_hf_tokenizer``; ``eod_token`` overrides its
     end-of-document token)."""
+    from types import SimpleNamespace
+
     from megatron.training.tokenizer.hf_tokenizer import load_hf_tokenizer
-    from megatron.training.tokenizer.tokenizer import _ByteLevelTokenizer
+    from megatron.training.tokenizer.tokenizer import build_tokenizer
 
     if tokenizer in (None, BYTE_LEVEL):
         if eod_token is not None:
@@ -77,7 +84,7 @@ def build_training_tokenizer(tokenizer: Any, eod_token: Optional[str] = None):
                 f"--eod-token {eod_token!r}: the byte-level tokenizer's end-of-document id is "
                 "fixed (256); --eod-token needs --tokenizer DIR_OR_tokenizer.json"
             )
-        return _ByteLevelTokenizer()
+        return build_tokenizer(SimpleNamespace(tokenizer_type="ByteLevelTokenizer"))
     if not os.path.exists(tokenizer):
         raise FileNotFoundError(
             f"--tokenizer {tokenizer!r}: no such file or folder (expected 'byte-level', a "
@@ -222,11 +229,13 @@ def _read_jsonl(path: str, tokenizer: Any) -> List[Record]:
                     f"{where}: not valid JSON ({err.msg} at column {err.colno}); expected "
                     f"{_RECORD_FORMS}"
                 ) from None
-            records.append(_tokenize_record(record, tokenizer, where))
+            records.append(tokenize_record(record, tokenizer, where))
     return records
 
 
-def _tokenize_record(record: Any, tokenizer: Any, where: str) -> Record:
+def tokenize_record(record: Any, tokenizer: Any, where: str) -> Record:
+    """One JSONL record (any form of the module docstring) as ``(ids, mask)``; errors start
+    with ``where`` (``FILE:LINE``)."""
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected {_RECORD_FORMS}; got {type(record).__name__}")
     if "messages" in record:
@@ -237,7 +246,7 @@ def _tokenize_record(record: Any, tokenizer: Any, where: str) -> Record:
         if isinstance(prompt, list) and isinstance(answer, list):
             return _conversation(prompt + answer, tokenizer, where)
         _require_strings(where, prompt=prompt, **{key: answer})
-        prompt_ids = _ids(tokenizer.tokenize(prompt))
+        prompt_ids = _ids(_prefix(tokenizer) + list(tokenizer.tokenize(prompt)))
         answer_ids = _ids(list(tokenizer.tokenize(answer)) + [tokenizer.eod])
         ids = numpy.concatenate([prompt_ids, answer_ids])
         mask = numpy.concatenate(
@@ -246,13 +255,21 @@ def _tokenize_record(record: Any, tokenizer: Any, where: str) -> Record:
         return ids, mask
     if "text" in record:
         _require_strings(where, text=record["text"])
-        ids = _ids(list(tokenizer.tokenize(record["text"])) + [tokenizer.eod])
-        return ids, numpy.ones(ids.size, numpy.uint8)
+        prefix = _prefix(tokenizer)
+        ids = _ids(prefix + list(tokenizer.tokenize(record["text"])) + [tokenizer.eod])
+        mask = numpy.ones(ids.size, numpy.uint8)
+        mask[: len(prefix)] = 0
+        return ids, mask
     raise ValueError(f"{where}: keys {sorted(record)}; expected {_RECORD_FORMS}")
 
 
+def _prefix(tokenizer: Any) -> List[int]:
+    """The tokenizer's own start-of-text ids (e.g. BOS; none for byte-level)."""
+    return list(getattr(tokenizer, "document_prefix", []))
+
+
 def _conversation(messages: Any, tokenizer: Any, where: str) -> Record:
-    from megatron.training.tokenizer.chat_template import ChatTemplateError, tokenize_conversation
+    from megatron.core.tokenizers.chat_template import ChatTemplateError, tokenize_conversation
 
     if not hasattr(tokenizer, "encode_with_offsets"):
         raise ValueError(
@@ -279,6 +296,11 @@ def _require_strings(where: str, **values: Any) -> None:
 def _read_indexed(prefix: str, eod: int) -> List[Record]:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+    if os.path.isdir(prefix):
+        raise ValueError(
+            f"--data-path {prefix!r} is a folder; expected a JSONL file or the prefix of an "
+            "indexed dataset (PREFIX.bin + PREFIX.idx)"
+        )
     if prefix.endswith((".bin", ".idx")):
         prefix = prefix[:-4]
     if not IndexedDataset.exists(prefix):
@@ -294,21 +316,19 @@ def _read_indexed(prefix: str, eod: int) -> List[Record]:
         parts = [
             numpy.asarray(dataset[i], dtype=numpy.int64) for i in range(bounds[d], bounds[d + 1])
         ]
-        if len(parts) == 2:
-            prompt, response = parts
-        elif len(parts) == 1:
-            prompt, response = numpy.zeros(0, dtype=numpy.int64), parts[0]
-        else:
-            raise ValueError(
-                f"--data-path {prefix!r}: document {d} has {len(parts)} sequences; expected 1 "
-                "(text) or 2 (prompt, response)"
+        if len(parts) == 1:  # text: every token trained, EOD appended if missing
+            ids = parts[0]
+            if not (ids.size and ids[-1] == eod):
+                ids = numpy.concatenate([ids, [eod]])
+            mask = numpy.ones(ids.size, numpy.uint8)
+        elif len(parts) >= 2:  # untrained, trained, untrained, ... segments, as written
+            ids = numpy.concatenate(parts)
+            mask = numpy.concatenate(
+                [numpy.full(p.size, k % 2, numpy.uint8) for k, p in enumerate(parts)]
             )
-        if not (response.size and response[-1] == eod):  # the tool appends the EOD
-            response = numpy.concatenate([response, [eod]])
-        ids = numpy.concatenate([prompt, response]).astype(numpy.int64)
-        mask = numpy.concatenate(
-            [numpy.zeros(prompt.size, numpy.uint8), numpy.ones(response.size, numpy.uint8)]
-        )
+        else:
+            raise ValueError(f"--data-path {prefix!r}: document {d} has no sequences")
+        ids = ids.astype(numpy.int64)
         records.append((ids, mask))
     return records
 

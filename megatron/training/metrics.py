@@ -1,5 +1,6 @@
 """What a run leaves behind: ``metrics.jsonl`` (one JSON object per iteration) and
-``loss.png`` (the loss curve, and the one-process curve when compared)."""
+``loss.png`` (the loss, the gradient norm and the learning rate against iteration; the
+one-process run's too when compared)."""
 
 import json
 import warnings
@@ -52,25 +53,46 @@ def read_jsonl(path) -> List[dict]:
 
 
 def plot_loss_curves(path: Path, curves: Dict[str, List[dict]]) -> Path:
-    """Loss against iteration, one line per curve (matplotlib, Agg backend)."""
+    """Write ``loss_figure(curves)`` to ``path`` (PNG)."""
+    from matplotlib import pyplot as plt
+
+    figure = loss_figure(curves)
+    figure.savefig(path)
+    plt.close(figure)
+    return path
+
+
+# (record key, y label, log scale) of each panel of the picture, top to bottom.
+PANELS = (
+    ("loss", "loss (masked token mean\nover the global batch)", False),
+    ("grad_norm", "gradient norm\n(before clipping)", True),
+    ("lr", "learning rate", False),
+)
+
+
+def loss_figure(curves: Dict[str, List[dict]]):
+    """A matplotlib figure (Agg backend) with one panel per ``PANELS`` entry: the loss, the
+    gradient norm and the learning rate against iteration, one line per curve (a missing or
+    None value is left out of its line)."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    figure, axes = plt.subplots(figsize=(6, 4), dpi=100)
+    figure, panels = plt.subplots(len(PANELS), 1, figsize=(6, 8), dpi=100, sharex=True)
     styles = [dict(linestyle="-", marker="o"), dict(linestyle="--", marker="x")]
-    for i, (label, records) in enumerate(curves.items()):
-        iterations = [r["iteration"] for r in records]
-        axes.plot(iterations, [r["loss"] for r in records], label=label, **styles[i % 2])
-    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-    axes.set_xlabel("iteration")
-    axes.set_ylabel("loss (masked token mean over the global batch)")
-    axes.set_title("SFT loss")
-    axes.grid(alpha=0.3)
-    axes.legend()
+    for axes, (key, label, log_scale) in zip(panels, PANELS):
+        for i, (name, records) in enumerate(curves.items()):
+            points = [(r["iteration"], r[key]) for r in records if r.get(key) is not None]
+            axes.plot([x for x, _ in points], [y for _, y in points], label=name, **styles[i % 2])
+        if log_scale and all(y > 0 for line in axes.get_lines() for y in line.get_ydata()):
+            axes.set_yscale("log")
+        axes.set_ylabel(label)
+        axes.grid(alpha=0.3)
+    panels[0].set_title("SFT loss, gradient norm and learning rate")
+    panels[0].legend()
+    panels[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    panels[-1].set_xlabel("iteration")
     figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
-    return path
+    return figure

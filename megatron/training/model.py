@@ -21,6 +21,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.utils import openai_gelu
 from megatron.training.arguments import Layout, TrainingConfig
 
 
@@ -48,16 +49,23 @@ def build_model(
             config=transformer_config,
             transformer_layer_spec=get_gpt_layer_local_spec(normalization=config.normalization),
             vocab_size=config.vocab_size,
-            max_sequence_length=config.seq_length,
+            max_sequence_length=config.max_position_embeddings or config.seq_length,
             pre_process=stage == 0,
             post_process=stage == last_stage,
             share_embeddings_and_output_weights=not config.untie_embeddings_and_output_weights,
             position_embedding_type=config.position_embedding_type,
+            rotary_base=config.rotary_base,
+            rope_scaling=config.use_rope_scaling,
+            rope_scaling_factor=config.rope_scaling_factor,
             vp_stage=vp_stage if vpp else None,
             pg_collection=pg_collection,
             seed=config.seed,
             pp_rank=pp_rank,
         )
+        if config.hf_model:  # before any wrapper copies the parameters
+            from megatron.training.hf import load_hf_weights
+
+            load_hf_weights(gpt, config.hf_model)
         if config.bf16 or config.fp16:
             gpt = Float16Module(transformer_config, gpt)
         chunks.append(
@@ -80,7 +88,7 @@ def transformer_config_from(config: TrainingConfig, layout: Layout) -> Transform
     """The TransformerConfig of a run: float32 (or bf16/fp16 with ``--bf16``/``--fp16``:
     ``params_dtype`` and ``pipeline_dtype`` too, as megatron's arguments set them), no
     dropout, the layout's parallel sizes, the architecture flags (``--swiglu``: gated linear
-    unit with silu)."""
+    unit with silu); with ``--hf-model`` weights are not drawn (they are loaded)."""
     dtype = precision_dtype(config)
     return TransformerConfig(
         num_layers=config.num_layers,
@@ -89,9 +97,14 @@ def transformer_config_from(config: TrainingConfig, layout: Layout) -> Transform
         num_query_groups=config.num_query_groups,
         ffn_hidden_size=config.ffn_hidden_size,
         normalization=config.normalization,
+        kv_channels=config.kv_channels,
+        layernorm_epsilon=config.norm_epsilon,
         gated_linear_unit=config.swiglu,
-        activation_func=F.silu if config.swiglu else F.gelu,
+        activation_func=activation_of(config),
         add_bias_linear=not config.disable_bias_linear,
+        add_qkv_bias=config.add_qkv_bias,
+        perform_initialization=not config.hf_model,
+        window_size=None if config.window_size is None else tuple(config.window_size),
         label_smoothing=config.label_smoothing,
         tensor_model_parallel_size=layout.tensor_model_parallel_size,
         sequence_parallel=config.sequence_parallel,
@@ -111,6 +124,11 @@ def transformer_config_from(config: TrainingConfig, layout: Layout) -> Transform
         deallocate_pipeline_outputs=True,
         cp_comm_type=config.cp_comm_type,
     )
+
+
+def activation_of(config: TrainingConfig):
+    """silu (``--swiglu``, gated), OpenAI's tanh GELU (``--openai-gelu``) or exact GELU."""
+    return F.silu if config.swiglu else openai_gelu if config.openai_gelu else F.gelu
 
 
 def precision_dtype(config: TrainingConfig) -> torch.dtype:

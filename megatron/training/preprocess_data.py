@@ -1,14 +1,19 @@
 """Turn JSONL into megatron's indexed format (``PREFIX.bin`` + ``PREFIX.idx``).
 
     python -m megatron.training.preprocess_data --input data.jsonl --output-prefix out \\
-        [--json-keys text] [--sft] [--tokenizer-type ByteLevelTokenizer|HuggingFaceTokenizer|
-        NullTokenizer] [--tokenizer-model tokenizer.json] [--vocab-size N] [--append-eod]
+        [--json-keys text] [--sft | --chat] [--tokenizer-type ByteLevelTokenizer|
+        HuggingFaceTokenizer|NullTokenizer] [--tokenizer-model tokenizer.json] [--vocab-size N]
+        [--append-eod] [--eod-token TOKEN]
 
 Plain mode (megatron-LM's tool): for every key in ``--json-keys`` one dataset
 ``{prefix}_{key}_document``, one document (a single sequence) per record, EOD appended with
 ``--append-eod``. ``--sft``: one dataset ``{prefix}_sft_document`` whose documents hold two
 sequences, the tokenized ``prompt`` and ``response`` (+ EOD), which the trainer's
-``--data-path`` reads with the prompt masked out of the loss. Token ids are stored as uint16
+``--data-path`` reads with the prompt masked out of the loss. ``--chat``: one dataset
+``{prefix}_chat_document``; every record form the trainer's JSONL reader takes (chat
+``messages`` with the tokenizer's chat template, prompt/completion, text) becomes a document of
+alternating untrained / trained segments (the first untrained, possibly empty), so the trainer
+reads the same ids and loss mask as from the JSONL file. Token ids are stored as uint16
 when the vocabulary has fewer than 65500 ids, else int32 (as megatron does). The folder of
 ``--output-prefix`` must exist (megatron-LM's tool does not create it either); a bad line is an
 error naming ``FILE:LINE``.
@@ -19,12 +24,13 @@ import json
 import os
 import sys
 from types import SimpleNamespace
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy
 import torch
 
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+from megatron.training.datasets import tokenize_record
 from megatron.training.tokenizer.tokenizer import build_tokenizer
 
 
@@ -51,17 +57,30 @@ def main(argv: Optional[Sequence[str]] = None) -> List[str]:
             tokenizer_type=args.tokenizer_type,
             tokenizer_model=args.tokenizer_model,
             vocab_size=args.vocab_size,
+            eod_token=args.eod_token,
         )
     )
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
-    if args.sft:
+    if args.chat:
+        prefixes = [f"{args.output_prefix}_chat_document"]
+    elif args.sft:
         prefixes = [f"{args.output_prefix}_sft_document"]
     else:
         prefixes = [f"{args.output_prefix}_{key}_document" for key in args.json_keys]
     builders = [IndexedDatasetBuilder(p + ".bin", dtype=dtype) for p in prefixes]
     count = 0
-    with open(args.input, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+
+    def where(line_no: int) -> str:
+        return f"{args.input}:{line_no}"
+
+    with open(args.input, "rb") as f:  # lines end at b"\n" only, so LINE is the editor's
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"{args.input}:{line_no}: not UTF-8 text ({err.reason} at byte {err.start})"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -70,6 +89,10 @@ def main(argv: Optional[Sequence[str]] = None) -> List[str]:
                 raise ValueError(
                     f"{args.input}:{line_no}: not valid JSON ({err.msg} at column {err.colno})"
                 ) from None
+            if args.chat:
+                _add_segments(builders[0], tokenize_record(record, tokenizer, where(line_no)))
+                count += 1
+                continue
             if not isinstance(record, dict):
                 raise ValueError(
                     f"{args.input}:{line_no}: expected a JSON object with the keys "
@@ -103,6 +126,21 @@ def main(argv: Optional[Sequence[str]] = None) -> List[str]:
     return prefixes
 
 
+def _add_segments(builder: IndexedDatasetBuilder, record: Tuple[Any, Any]) -> None:
+    """One document of alternating untrained / trained segments (the first untrained, maybe
+    empty), the runs of equal mask in ``record = (ids, mask)``."""
+    ids, mask = record
+    cuts = [0] + [i for i in range(1, len(mask)) if mask[i] != mask[i - 1]] + [len(mask)]
+    segments = [ids[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+    if len(mask) and mask[0]:
+        segments.insert(0, ids[:0])
+    if len(segments) == 1:  # all untrained: keep the two-or-more rule with an empty trained part
+        segments.append(ids[:0])
+    for segment in segments:
+        builder.add_item(torch.as_tensor(segment, dtype=torch.int64))
+    builder.end_document()
+
+
 def _check_text(record: dict, key: str, where: str) -> None:
     if key not in record:
         raise ValueError(f"{where}: no {key!r} key (keys: {sorted(record)})")
@@ -116,6 +154,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--json-keys", nargs="+", default=["text"])
     p.add_argument("--sft", action="store_true", help="prompt/response records")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="any record the trainer's --data-path reads (chat 'messages' rendered with the "
+        "tokenizer's chat template, prompt/completion, text), as untrained/trained segments",
+    )
     p.add_argument("--prompt-key", default="prompt")
     p.add_argument("--response-key", default="response")
     p.add_argument(
@@ -126,6 +170,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-model", default=None, help="tokenizers JSON file")
     p.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer only")
     p.add_argument("--append-eod", action="store_true")
+    p.add_argument(
+        "--eod-token",
+        default=None,
+        help="HuggingFaceTokenizer: the end-of-document token (as the trainer's --eod-token)",
+    )
     p.add_argument("--workers", type=int, default=1, help="accepted; one process is used")
     return p
 

@@ -15,35 +15,39 @@ over the global batch's microbatches of S / max(N, 1), or sum S / sum N with
 import dataclasses
 import functools
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 from megatron.core import parallel_state
-from megatron.core.context_parallel import get_batch_on_this_cp_rank
+from megatron.core.context_parallel import (
+    get_batch_on_this_cp_rank,
+    get_thd_batch_on_this_cp_rank,
+)
 from megatron.core.device import comm_device
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.loss_reporting import reduce_reported_losses
-from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.utils import get_thd_batch_on_this_cp_rank
+from megatron.core.process_groups_config import ProcessGroupCollection, get_pg_rank, get_pg_size
 from megatron.training.arguments import (
     Layout,
     TrainingConfig,
     single_process_config,
     validate_config,
 )
-from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron.training.checkpointing import checkpoint_dir, load_checkpoint, save_checkpoint
 from megatron.training.compare import Comparison, compare_losses, format_comparison
 from megatron.training.data import microbatches_for_rank
 from megatron.training.datasets import build_sft_dataset, build_training_tokenizer
+from megatron.training.hf.checkpoint import export_hf
+from megatron.training.hf.config import resolve_hf_model
 from megatron.training.initialize import (
     initialize_distributed,
     initialize_model_parallel_groups,
@@ -79,6 +83,7 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
     model-parallel state (and the default group if it created it).
     """
     world_size = launched_world_size()
+    config = resolve_hf_model(config)
     layout = validate_config(config, world_size or 1)
     _check_processes_per_node(config.nproc_per_node, world_size)
     created_group = world_size is not None and initialize_distributed(config, layout)
@@ -138,7 +143,13 @@ def train(
     dataset = build_sft_dataset(config)
     for note in getattr(dataset, "notes", []):  # truncation and empty-loss counts
         _print(note)
-    if config.data_path:  # the model's vocabulary is the tokenizer's
+    if config.data_path and config.hf_model:  # the model's vocabulary may be padded
+        if dataset.vocab_size > config.vocab_size:
+            raise ValueError(
+                f"--tokenizer {config.tokenizer}: {dataset.vocab_size} tokens, more than "
+                f"--hf-model {config.hf_model}'s vocab_size {config.vocab_size}"
+            )
+    elif config.data_path:  # the model's vocabulary is the tokenizer's
         config = dataclasses.replace(config, vocab_size=dataset.vocab_size)
     model = build_model(config, layout, pg_collection)
     optimizer, scheduler = build_optimizer(config, model, pg_collection)
@@ -172,6 +183,7 @@ def train(
             load_optim=not config.no_load_optim,
             load_rng=not config.no_load_rng,
             train_iters=config.train_iters,
+            exit_on_missing_checkpoint=config.exit_on_missing_checkpoint,
         )
         for note in notes:
             _print(note)
@@ -229,8 +241,41 @@ def train(
                 consumed_samples=iteration * config.global_batch_size,
                 run_settings=_settings_record(config),
             )
+            if config.export_hf and iteration < config.train_iters:
+                target = Path(config.export_hf) / f"iter_{iteration:07d}"
+                export_hf(checkpoint_dir(config.save, iteration), target)
+                _print(f"exported iteration {iteration} to {target} (HuggingFace format)")
     bar.close()
+    if config.export_hf and records:
+        _export_final_model(config, model, optimizer, scheduler, layout, records[-1]["iteration"])
     return records
+
+
+def _export_final_model(config, model, optimizer, scheduler, layout, iteration: int) -> None:
+    """``--export-hf DIR``: the model after ``iteration`` in HuggingFace format, from the
+    ``--save`` checkpoint of that iteration, else from a temporary one beside DIR."""
+    target = Path(config.export_hf)
+    temporary = None
+    if config.save and _save_due(config, iteration):
+        source = checkpoint_dir(config.save, iteration)
+    else:
+        shared = [str(target.parent / f".{target.name}.checkpoint") if is_rank_zero() else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(shared, src=0)
+        temporary = shared[0]
+        source = save_checkpoint(
+            temporary,
+            iteration,
+            model,
+            optimizer,
+            scheduler,
+            layout=_layout_record(layout),
+            run_settings=_settings_record(config),
+        )
+    export_hf(source, target)
+    if temporary is not None and is_rank_zero():
+        shutil.rmtree(temporary, ignore_errors=True)
+    _print(f"exported the model of iteration {iteration} to {target} (HuggingFace format)")
 
 
 def build_optimizer(
@@ -299,10 +344,14 @@ def _layout_record(layout: Layout) -> Dict[str, int]:
 
 
 def _settings_record(config: TrainingConfig) -> Dict[str, object]:
-    """The run's settings as plain values (for the record in the checkpoint)."""
-    return {
+    """The run's settings as plain values (for the record in the checkpoint); with
+    ``--hf-model``, also its config.json text (``--export-hf`` writes it back)."""
+    record = {
         k: v for k, v in vars(config).items() if isinstance(v, (int, float, str, bool, type(None)))
     }
+    if config.hf_model:
+        record["hf_config"] = (Path(config.hf_model) / "config.json").read_text()
+    return record
 
 
 PRECISION_FIELDS = (
@@ -370,7 +419,7 @@ def forward_step(data_iterator, model, per_shard_cp_size: Optional[int] = None):
     ``per_shard_cp_size``: see ``loss_func`` (None: the exact objective).
     """
     batch = next(data_iterator)
-    packed = packed_seq_params_of(batch)
+    packed = batch.get("packed_seq_params")  # built once, by _on_this_cp_rank
     extra = {} if packed is None else {"packed_seq_params": packed}
     output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], **extra)
     return output, functools.partial(loss_func, batch["loss_mask"], per_shard_cp_size)
@@ -407,42 +456,28 @@ def logged_loss(reported: List[dict], pg_collection: Optional[ProcessGroupCollec
     return value.item()
 
 
-def packed_seq_params_of(batch: Dict[str, torch.Tensor]) -> Optional[PackedSeqParams]:
-    """``PackedSeqParams`` (THD) of a packed microbatch (one row), None for a plain one."""
-    if "cu_seqlens" not in batch:
-        return None
-    real, padded = batch["cu_seqlens"][0], batch["cu_seqlens_padded"][0]
-    longest = int(batch["max_seqlen"].reshape(-1)[0])
-    return PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=real,
-        cu_seqlens_kv=real,
-        cu_seqlens_q_padded=padded,
-        cu_seqlens_kv_padded=padded,
-        max_seqlen_q=longest,
-        max_seqlen_kv=longest,
-    )
-
-
 def _on_this_cp_rank(
     microbatch: Dict[str, torch.Tensor], pg_collection: Optional[ProcessGroupCollection]
-) -> Dict[str, torch.Tensor]:
+) -> Dict[str, Any]:
     """This CP rank's shard (2C chunks, rank r keeps r and 2C-1-r; of every document for
-    packed rows) on the compute device."""
-    if pg_collection is not None and "cu_seqlens" in microbatch:
-        cp = pg_collection.cp
-        microbatch, _ = get_thd_batch_on_this_cp_rank(
+    packed rows) on the compute device; a packed row also gets its ``PackedSeqParams`` under
+    ``"packed_seq_params"`` (built here, once per microbatch)."""
+    device = comm_device()
+    microbatch = {key: value.to(device) for key, value in microbatch.items()}
+    cp = None if pg_collection is None else pg_collection.cp
+    if "cu_seqlens" in microbatch:
+        microbatch, params = get_thd_batch_on_this_cp_rank(
             microbatch,
             microbatch["cu_seqlens"][0],
             microbatch["cu_seqlens_padded"][0],
             microbatch["max_seqlen"][0],
-            cp_size=1 if cp is None else cp.size(),
-            cp_rank=0 if cp is None else cp.rank(),
+            cp_size=get_pg_size(cp),
+            cp_rank=get_pg_rank(cp),
         )
+        microbatch["packed_seq_params"] = params
     elif pg_collection is not None:
-        microbatch = get_batch_on_this_cp_rank(microbatch, pg_collection.cp)
-    device = comm_device()
-    return {key: value.to(device) for key, value in microbatch.items()}
+        microbatch = get_batch_on_this_cp_rank(microbatch, cp)
+    return microbatch
 
 
 def _agree_on_rank_zero(passed: bool) -> bool:

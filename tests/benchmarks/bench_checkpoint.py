@@ -9,19 +9,27 @@ floor is ``torch.save`` / ``torch.load(weights_only=True)`` of the same tensors 
 Per repeat, alternating: save with each method (fsync'd), the bytes on disk, a load with the
 files in the page cache ("warm") and one after evicting them with
 ``posix_fadvise(DONTNEED)`` ("cold"). Medians over ``--repeats``; JSON on stdout and in
-``--json``. ``--tiny``: a small model, for the CPU.
+``--json``. ``--tiny``: a small model, for the CPU; ``--cpu``: ~27M parameters (hidden 512,
+6 layers, vocab 8192; ~380 MB of state), for the CPU.
+
+The cost of the integrity check: "dist_checkpointing (no checksum)" is the same save and load
+with the per-item CRC-32 switched off (``storage.item_checksums`` returns nothing and no
+``checksums.json`` is written, so the read-back at save and the check at load do not run).
 
     python tests/benchmarks/bench_checkpoint.py --json results/checkpoint_h200.json   # 1 GPU
+    python tests/benchmarks/bench_checkpoint.py --cpu --json results/checkpoint_cpu.json
     python tests/benchmarks/bench_checkpoint.py --tiny                                # CPU
 """
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import statistics
 import tempfile
 import time
+import zlib
 from pathlib import Path
 from typing import Dict, List
 
@@ -29,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing import storage
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -36,11 +45,13 @@ from megatron.core.transformer import TransformerConfig
 
 FULL = dict(hidden_size=2048, num_attention_heads=16, num_layers=20, vocab=32768, seq=2048)
 TINY = dict(hidden_size=64, num_attention_heads=4, num_layers=2, vocab=512, seq=64)
+CPU = dict(hidden_size=512, num_attention_heads=8, num_layers=6, vocab=8192, seq=512)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="small model (CPU)")
+    parser.add_argument("--cpu", action="store_true", help="~380 MB of state (CPU)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--json", default=None, help="also write the results here")
@@ -53,7 +64,7 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", "29533")
     dist.init_process_group(backend, rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
-    shape = TINY if args.tiny else FULL
+    shape = TINY if args.tiny else CPU if args.cpu else FULL
     started = time.perf_counter()
     model, optimizer = build(shape)
     build_s = time.perf_counter() - started
@@ -63,15 +74,21 @@ def main() -> None:
 
     rows: Dict[str, List[float]] = {}
     for _ in range(args.repeats):
-        for name, method in (("dist_checkpointing", DistCheckpointing), ("torch.save", TorchSave)):
-            target = root / name.replace(".", "_")
+        for name, method in (
+            ("dist_checkpointing", DistCheckpointing),
+            ("dist_checkpointing (no checksum)", WithoutChecksums),
+            ("torch.save", TorchSave),
+        ):
+            target = root / "".join(c if c.isalnum() else "_" for c in name)
             shutil.rmtree(target, ignore_errors=True)
             target.mkdir()
             bench = method(model, optimizer, target)
             for key, value in bench.run().items():
                 rows.setdefault(f"{name}/{key}", []).append(value)
             shutil.rmtree(target, ignore_errors=True)
+    components = checksum_components(model, optimizer, root / "components")
     result = {
+        "checksum_components_s": components,
         "device": torch.cuda.get_device_name(0) if backend == "nccl" else "cpu",
         "torch": torch.__version__,
         "parameters": params,
@@ -86,6 +103,8 @@ def main() -> None:
     for what in ("save_s", "load_warm_s", "load_cold_s", "bytes"):
         ours, floor = med[f"dist_checkpointing/{what}"], med[f"torch.save/{what}"]
         result.setdefault("ratio_to_torch_save", {})[what] = round(ours / floor, 3)
+        plain = med[f"dist_checkpointing (no checksum)/{what}"]
+        result.setdefault("ratio_checksum_on_to_off", {})[what] = round(ours / plain, 3)
     text = json.dumps(result, indent=1)
     print(text)
     if args.json:
@@ -152,6 +171,57 @@ class DistCheckpointing:
 
     def run(self) -> Dict[str, float]:
         return _measure(self.save, self.load, self.directory)
+
+
+def checksum_components(model, optimizer, directory: Path) -> Dict[str, float]:
+    """The two parts of the check, timed alone on one saved checkpoint: the read-back and
+    CRC-32 of every stored item (what save adds) and the CRC-32 of the same bytes already in
+    memory (what load adds)."""
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir()
+    DistCheckpointing(model, optimizer, directory).save()
+    infos = list(storage.read_metadata(directory).storage_data.values())
+    start = time.perf_counter()
+    storage.item_checksums(directory, infos)
+    read_back_and_crc = time.perf_counter() - start
+    payloads = []
+    for info in infos:
+        with open(directory / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            payloads.append(f.read(info.length))
+    start = time.perf_counter()
+    for payload in payloads:
+        zlib.crc32(payload)
+    crc_only = time.perf_counter() - start
+    size = sum(len(p) for p in payloads)
+    shutil.rmtree(directory, ignore_errors=True)
+    return {
+        "items": len(infos),
+        "item_bytes": size,
+        "save_read_back_and_crc_s": round(read_back_and_crc, 4),
+        "load_crc_s": round(crc_only, 4),
+        "crc_gb_per_s": round(size / crc_only / 1e9, 3),
+    }
+
+
+class WithoutChecksums(DistCheckpointing):
+    """The same save and load with the per-item CRC-32 switched off."""
+
+    def run(self) -> Dict[str, float]:
+        with _checksums_off():
+            return super().run()
+
+
+@contextlib.contextmanager
+def _checksums_off():
+    """No read-back and CRC at save, no checksums.json, so nothing checked at load."""
+    saved = storage.item_checksums, storage.write_checksums
+    storage.item_checksums = lambda directory, infos: {}
+    storage.write_checksums = lambda directory, items, files: None
+    try:
+        yield
+    finally:
+        storage.item_checksums, storage.write_checksums = saved
 
 
 class TorchSave(DistCheckpointing):

@@ -49,6 +49,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import megatron.core.transformer.cp_attention.kernels as fk  # noqa: E402
+import megatron.core.transformer.cp_attention.varlen as fv  # noqa: E402
 from megatron.core.context_parallel import (  # noqa: E402
     cp_shard_positions,
     thd_document_positions,
@@ -542,7 +543,7 @@ def probe(args) -> None:
         "_flash_attention_forward", "_flash_attention_backward", "_cudnn_attention_forward",
     ]  # fmt: skip
     lines.append("aten ops: " + ", ".join(f"{n}={hasattr(torch.ops.aten, n)}" for n in names))
-    lines.append(f"varlen_available={fk.varlen_available()}")
+    lines.append(f"varlen_available={fv.varlen_available()}")
     device = torch.device("cuda", 0)
     for kernel in ("flash", "efficient", "cudnn"):
         aligned = fk.bottom_right_causal(fk.kernel_spec(kernel), device)
@@ -602,9 +603,9 @@ def varlen_error() -> str:
     cu_k = torch.tensor([0] + lens_k, device="cuda").cumsum(0).int()
     q = torch.randn(sum(lens_q), 4, 64, device="cuda", generator=gen).bfloat16()
     k, v = (torch.randn(sum(lens_k), 4, 64, device="cuda", generator=gen).bfloat16() for _ in "kv")
-    out, lse = fk.varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), True, 0.125)
+    out, lse = fv.varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), True, 0.125)
     dout = torch.randn_like(out)
-    grads = fk.varlen_backward(
+    grads = fv.varlen_backward(
         dout, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k), True, 0.125
     )
     # reference: the loop over sequences with the dense kernel
@@ -638,7 +639,7 @@ def varlen_error() -> str:
         return f"{((a.double() - b.double()).norm() / b.double().norm()).item():.2e}"
 
     return (
-        f"used_varlen_op={fk.varlen_available()} out {rel(out, ref_out)} "
+        f"used_varlen_op={fv.varlen_available()} out {rel(out, ref_out)} "
         + " ".join(f"d{n} {rel(g, r)}" for n, g, r in zip("qkv", grads, ref_grads))
         + f" finite={bool(torch.isfinite(out).all() and torch.isfinite(grads[0]).all())}"
     )

@@ -50,6 +50,21 @@ class FakeGroup:
         return f"FakeGroup({self.n})"
 
 
+@pytest.fixture(autouse=True)
+def fake_groups_are_distributed(monkeypatch):
+    """The stand-in groups count as groups of a running torch.distributed for the size/rank
+    helpers (``get_pg_size`` reads 1 for any group while torch.distributed is not
+    initialized, megatron-core's convention); nothing else sees torch.distributed as up."""
+    from types import SimpleNamespace
+
+    from megatron.core import process_groups_config
+
+    up = SimpleNamespace(
+        is_available=lambda: True, is_initialized=lambda: True, ProcessGroup=dist.ProcessGroup
+    )
+    monkeypatch.setattr(process_groups_config, "dist", up)
+
+
 class StrictP2P:
     """A pipeline communicator for stage ``pp_rank`` of ``pp_size`` that must not be used."""
 

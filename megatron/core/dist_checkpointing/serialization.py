@@ -14,6 +14,10 @@ checks each before unpickling it and names the file on a mismatch.
 Loading never unpickles arbitrary objects: ``common.pt`` and every ShardedObject are read with
 ``torch.load(weights_only=True)``, DCP's metadata with an unpickler that admits only its own
 types (``storage.py``); a checkpoint that needs more is refused with an error naming what.
+
+One module of a little over 600 lines: ``save`` and ``load`` are megatron-core's two entry
+points and share every helper below (splitting sharded from common values, the piece
+boxes, the agreement and coverage checks); the file format lives in ``storage.py``.
 """
 
 import io

@@ -155,7 +155,9 @@ def read_checksums(checkpoint_dir: Path) -> Optional[dict]:
     return body
 
 
-def verify_bytes(checkpoint_dir: Path, name: str, payload: bytes, checksums: Optional[dict]):
+def verify_bytes(
+    checkpoint_dir: Path, name: str, payload: bytes, checksums: Optional[dict]
+) -> None:
     """Check a whole file's bytes against its recorded CRC-32 (no-op without checksums)."""
     if checksums is None:
         return
@@ -170,10 +172,6 @@ def verify_bytes(checkpoint_dir: Path, name: str, payload: bytes, checksums: Opt
             f"{Path(checkpoint_dir) / name}: checksum mismatch (CRC-32 {actual:#010x}, "
             f"{expected:#010x} when saved): the file was damaged or changed after the save"
         )
-
-
-def _canonical(body: dict) -> bytes:
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
 def read_metadata(checkpoint_dir: Path) -> Metadata:
@@ -216,16 +214,15 @@ def safe_load_bytes(buffer: io.BytesIO, what: str) -> Any:
 
 
 def _unpickler_reason(err: Exception) -> str:
-    """The line of torch's weights-only error that says what was refused, without its
-    advice to load with ``weights_only=False``."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    for line in lines:
+    """The sentence of torch's weights-only error that says what was refused, without its
+    advice to load with ``weights_only`` False or to allowlist the refused global (either
+    would run the payload)."""
+    for line in str(err).splitlines():
+        line = line.strip()
         if line.startswith("WeightsUnpickler error:"):
-            return line[len("WeightsUnpickler error:") :].strip()
-    for line in lines:
-        if "weights_only" not in line and "trust" not in line:
-            return line
-    return type(err).__name__
+            reason = line[len("WeightsUnpickler error:") :].strip()
+            return reason.split(". ")[0].rstrip(".")
+    return "a type outside the tensors, numbers, strings and containers it admits"
 
 
 def serialize_checked(obj: Any, what: str) -> bytes:
@@ -337,7 +334,10 @@ class SafeFileSystemReader(FileSystemReader):
     @staticmethod
     def _deliver(item: ReadItem, payload: bytes, path: Path, planner: Any) -> None:
         if item.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(item, io.BytesIO(payload))
+            try:
+                planner.load_bytes(item, io.BytesIO(payload))
+            except CheckpointingException as err:
+                raise CheckpointingException(f"{path}: {err}") from None
             return
         what = f"{path}: tensor {item.storage_index.fqn!r}"
         tensor = safe_load_bytes(io.BytesIO(payload), what)
@@ -530,6 +530,11 @@ def _plain_errors(what: str):
     except CheckpointException as err:
         messages = [f"rank {rank}: {exc}" for rank, (exc, _) in sorted(err.failures.items())]
         raise CheckpointingException(f"{what} failed: " + "; ".join(messages)) from err
+
+
+def _canonical(body: dict) -> bytes:
+    """``body`` as JSON with sorted keys and no spaces (what ``self_crc32`` is taken of)."""
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
 def _distributed() -> bool:

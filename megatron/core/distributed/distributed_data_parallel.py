@@ -8,7 +8,6 @@ from typing import Dict, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state
 from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
 )
@@ -20,7 +19,7 @@ from megatron.core.distributed.param_and_grad_buffer import (
     wait_bucket,
     wait_param_gather,
 )
-from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.process_groups_config import ProcessGroupCollection, get_pg_size, resolve_group
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -54,7 +53,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.config, self.ddp_config, self.module = config, ddp_config, module
         _reject_unsupported(ddp_config)
         self.dp_cp_group = _dp_cp_group(pg_collection)
-        dp_cp_size = 1 if self.dp_cp_group is None else self.dp_cp_group.size()
+        dp_cp_size = get_pg_size(self.dp_cp_group)
         if config.calculate_per_token_loss and ddp_config.average_in_collective:
             raise ValueError(
                 "average_in_collective=True cannot be combined with calculate_per_token_loss="
@@ -257,7 +256,8 @@ def _make_buffers(
 
 
 def _dp_cp_group(pg_collection: Optional[ProcessGroupCollection]):
-    """The gradient-reduction group: explicit, else MPU fallback, else None."""
+    """The gradient-reduction group: ``resolve_group("dp_cp", ...)``, refusing a collection
+    without it and a multi-rank run without any."""
     if pg_collection is not None:
         if pg_collection.dp_cp is None:
             raise ValueError(
@@ -265,14 +265,13 @@ def _dp_cp_group(pg_collection: Optional[ProcessGroupCollection]):
                 f"data-parallel x context-parallel group, got {pg_collection!r}"
             )
         return pg_collection.dp_cp
-    if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_data_parallel_group(with_context_parallel=True)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    group = resolve_group("dp_cp")
+    if group is None and dist.is_initialized() and dist.get_world_size() > 1:
         raise RuntimeError(
             "DistributedDataParallel: torch.distributed has several ranks but neither "
             "pg_collection nor parallel_state gives the data-parallel group"
         )
-    return None
+    return group
 
 
 def _reject_unsupported(ddp_config: DistributedDataParallelConfig) -> None:

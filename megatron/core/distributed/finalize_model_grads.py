@@ -7,9 +7,8 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from megatron.core import parallel_state
 from megatron.core.device import comm_device
-from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.process_groups_config import ProcessGroupCollection, resolve_pg_collection
 from megatron.core.utils import get_attr_wrapped_model
 
 
@@ -34,7 +33,7 @@ def finalize_model_grads(
     broadcast over pp and summed over dp_cp. Groups: ``pg_collection``, else
     ``parallel_state`` (MPU fallback), else none (one process).
     """
-    groups = _groups(pg_collection)
+    groups = resolve_pg_collection(pg_collection)
     if num_tokens is not None and groups is not None and groups.dp_cp is None:
         raise ValueError(
             "finalize_model_grads: num_tokens is given (per-token mode) but pg_collection has "
@@ -137,12 +136,3 @@ def _find(chunk: torch.nn.Module, attr: str):
         return get_attr_wrapped_model(chunk, attr, return_model_obj=True)
     except RuntimeError:
         return None
-
-
-def _groups(pg_collection: Optional[ProcessGroupCollection]):
-    """Explicit groups, else parallel_state's, else None."""
-    if pg_collection is not None:
-        return pg_collection
-    if parallel_state.model_parallel_is_initialized():
-        return ProcessGroupCollection.use_mpu_process_groups()
-    return None

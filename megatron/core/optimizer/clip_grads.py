@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.device import comm_device
+from megatron.core.transformer.module import param_is_not_shared
 
 
 def get_grad_norm_fp32(
@@ -96,12 +97,6 @@ def count_zeros_fp32(
         total += float(p.grad.numel() - torch.count_nonzero(p.grad).item())
     _all_reduce(total, dist.ReduceOp.SUM, grad_stats_parallel_group)
     return float(total.item())
-
-
-def param_is_not_shared(param: torch.nn.Parameter) -> bool:
-    """False for the last stage's copy of tied word embeddings (``param.shared = True``),
-    whose gradient equals the first stage's after the embedding all-reduce."""
-    return not getattr(param, "shared", False)
 
 
 def _all_reduce(tensor: torch.Tensor, op, group: Optional[dist.ProcessGroup]) -> None:

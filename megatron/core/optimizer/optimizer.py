@@ -36,6 +36,7 @@ from megatron.core.optimizer.main_params import (
     make_main_param,
 )
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.process_groups_config import resolve_group
 
 
 class MegatronOptimizer(ABC):
@@ -43,7 +44,7 @@ class MegatronOptimizer(ABC):
 
     ``grad_stats_parallel_group`` (the model-parallel group, tp x pp) and ``tp_group`` are
     set by ``get_megatron_optimizer`` from its ``pg_collection``; when unset, the MPU
-    fallback (``parallel_state.get_model_parallel_group()`` / the TP group) is used.
+    fallback of ``resolve_group("mp")`` / ``resolve_group("tp")`` is used.
     """
 
     def __init__(
@@ -77,10 +78,7 @@ class MegatronOptimizer(ABC):
 
     def get_grad_stats_parallel_group(self) -> Optional[dist.ProcessGroup]:
         """The group norms and zero counts are summed over (model-parallel; MPU fallback)."""
-        group = getattr(self, "grad_stats_parallel_group", None)
-        if group is not None:
-            return group
-        group = _mpu_group("get_model_parallel_group")
+        group = resolve_group("mp", getattr(self, "grad_stats_parallel_group", None))
         if group is None and dist.is_available() and dist.is_initialized():
             if dist.get_world_size() > 1:
                 raise RuntimeError(
@@ -91,10 +89,7 @@ class MegatronOptimizer(ABC):
         return group
 
     def _tp_group(self) -> Optional[dist.ProcessGroup]:
-        group = getattr(self, "tp_group", None)
-        if group is not None:
-            return group
-        return _mpu_group("get_tensor_model_parallel_group")
+        return resolve_group("tp", getattr(self, "tp_group", None))
 
     @abstractmethod
     def prepare_grads(self) -> bool:
@@ -598,11 +593,3 @@ def _params_device(optimizer: Optional[torch.optim.Optimizer]) -> torch.device:
             for p in group["params"]:
                 return p.device
     return comm_device(None)
-
-
-def _mpu_group(getter: str) -> Optional[dist.ProcessGroup]:
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return None
-    return getattr(parallel_state, getter)()

@@ -30,7 +30,12 @@ from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.token_counts import DeferredCountChecks
 from megatron.core.pipeline_parallel.token_counts import check_num_tokens as _check_num_tokens
-from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.process_groups_config import (
+    ProcessGroupCollection,
+    get_pg_size,
+    resolve_group,
+    resolve_pg_collection,
+)
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 Model = Union[torch.nn.Module, List[torch.nn.Module]]
@@ -117,7 +122,7 @@ def forward_backward_pipelining_without_interleaving(
     pg_collection: Optional[ProcessGroupCollection] = None,
     force_all_reduce: Optional[bool] = False,
 ) -> List[Any]:
-    """1F1B: ``PP - stage - 1`` warm-up forwards, then one forward and one backward per
+    """1F1B: ``_warmup_microbatches`` forwards, then one forward and one backward per
     step, then the remaining backwards; gradients sync during the last backward."""
     run = _Run(
         forward_step_func,
@@ -141,7 +146,7 @@ def forward_backward_pipelining_without_interleaving(
     if adjust_tensor_shapes_fn is not None:
         recv_shapes, send_shapes = adjust_tensor_shapes_fn([recv_shapes], [send_shapes])
     M = num_microbatches
-    warmup = M if forward_only else min(run.pp_size - run.pp_rank - 1, M)
+    warmup = min(_warmup_microbatches(M, run.pp_size, run.pp_rank, forward_only=forward_only), M)
     pending = []  # (input, output) of microbatches awaiting their backward
 
     run.grad_sync.disable()
@@ -202,7 +207,7 @@ def forward_backward_pipelining_with_interleaving(
 
     The k-th forward runs chunk ``(k mod g*V) div g`` on microbatch ``(k div g*V)*g + k mod g``
     (g = ``microbatch_group_size_per_vp_stage``); backwards use the same table with the
-    chunk mirrored. Warm-up: ``(PP - p - 1)*2 + (V - 1)*g`` forwards, at most M*V.
+    chunk mirrored. Warm-up: ``_warmup_microbatches`` forwards, at most M*V.
     """
     if adjust_tensor_shapes_fn is not None:
         raise ScheduleArgumentError(
@@ -259,7 +264,10 @@ def forward_backward_pipelining_with_interleaving(
         return k < total and not last_stage(bwd_chunk[k])
 
     inflight = [[] for _ in range(V)]  # per chunk: (input, output) awaiting the backward
-    warmup = total if forward_only else min((PP - p - 1) * 2 + (V - 1) * table.group_size, total)
+    warmup = _warmup_microbatches(
+        total, PP, p, forward_only=forward_only, num_chunks=V, group_size=table.group_size
+    )
+    warmup = min(warmup, total)
     run.grad_sync.disable()
 
     input_tensor = p2p.recv_forward(shape, not recv_prev_for(0))
@@ -379,19 +387,42 @@ def get_pp_rank_microbatches(
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     total = num_microbatches * num_model_chunks
-    if forward_only:
-        warmup = total
-    elif pp_size <= 1:
-        warmup = 0
-    elif vp_size is None:
-        warmup = pp_size - pp_rank - 1
-    else:
-        warmup = 2 * (pp_size - pp_rank - 1)
-        warmup += (num_model_chunks - 1) * microbatch_group_size_per_vp_stage
-        warmup += 1 if overlap_moe_expert_parallel_comm else 0
+    interleaved = vp_size is not None and pp_size > 1
+    warmup = _warmup_microbatches(
+        total,
+        pp_size,
+        pp_rank,
+        forward_only=forward_only,
+        num_chunks=num_model_chunks if interleaved else None,
+        group_size=microbatch_group_size_per_vp_stage,
+        extra=1 if interleaved and overlap_moe_expert_parallel_comm else 0,
+    )
     all_in_warmup = warmup >= total
     warmup = min(warmup, total)
     return total, all_in_warmup, warmup, total - warmup
+
+
+def _warmup_microbatches(
+    total: int,
+    pp_size: int,
+    pp_rank: int,
+    *,
+    forward_only: bool = False,
+    num_chunks: Optional[int] = None,
+    group_size: int = 1,
+    extra: int = 0,
+) -> int:
+    """Forwards pipeline rank r of PP runs before its first backward (not capped at total).
+
+    All ``total`` when ``forward_only``; 1F1B (``num_chunks`` None): PP - r - 1; interleaved
+    over V = ``num_chunks`` chunks in groups of g = ``group_size``: 2 (PP - r - 1) + (V - 1) g
+    (+ ``extra``). The one place the schedules and ``get_pp_rank_microbatches`` take it from.
+    """
+    if forward_only:
+        return total
+    if num_chunks is None:
+        return pp_size - pp_rank - 1
+    return 2 * (pp_size - pp_rank - 1) + (num_chunks - 1) * group_size + extra
 
 
 # ----------------------------------------------------------------------------- steps
@@ -492,7 +523,7 @@ def forward_step_calc_loss(
         forward_data_store.append(loss_func(output_tensor, non_loss_data=True))
         return output_tensor, _no_tokens()
     outputs = loss_func(output_tensor)
-    cp_group = resolve_cp_group(cp_group, cp_group_size)
+    cp_group = _loss_cp_group(cp_group, cp_group_size)
     loss, num_tokens, reported = _unpack_loss_outputs(outputs)
     loss = normalize_microbatch_loss(
         loss, num_tokens, cp_group, num_microbatches, _per_token_loss(config)
@@ -520,7 +551,7 @@ def normalize_microbatch_loss(
     two values (legacy):     loss * C / M
     """
     if num_tokens is None:
-        return loss * _group_size(cp_group) / num_microbatches
+        return loss * get_pg_size(cp_group) / num_microbatches
     if calculate_per_token_loss:
         return loss + 0.0
     return reduce_loss_across_cp(loss, num_tokens, cp_group) / num_microbatches
@@ -536,7 +567,7 @@ def reduce_loss_across_cp(
     count is all-reduced on a clone (the caller's tensor keeps its value); with C = 1 or no
     group there is no collective and the result is ``loss_sum / max(num_tokens, 1)``.
     """
-    cp_size = _group_size(cp_group)
+    cp_size = get_pg_size(cp_group)
     if cp_size == 1:
         return loss_sum / _count_denominator(num_tokens, loss_sum)
     total = num_tokens.detach().clone().to(comm_device(cp_group))
@@ -611,20 +642,19 @@ def custom_backward(output, grad_output):
     )
 
 
-def resolve_cp_group(
+def _loss_cp_group(
     cp_group: Optional[dist.ProcessGroup], cp_group_size: Optional[int] = None
 ) -> Optional[dist.ProcessGroup]:
-    """The CP group of the loss normalization: ``cp_group`` if given; None (C = 1) when the
-    caller says ``cp_group_size`` is 1; else (MPU fallback) ``parallel_state``'s group when
-    initialized; else None (C = 1).
+    """The CP group of the loss normalization: None (C = 1) when no group is given and the
+    caller says ``cp_group_size`` is 1; else ``resolve_group("cp", cp_group)`` (the MPU
+    fallback without a group).
 
     Raises ValueError when ``cp_group_size`` contradicts the group found.
     """
     if cp_group is None and cp_group_size == 1:
         return None
-    if cp_group is None and parallel_state.model_parallel_is_initialized():
-        cp_group = parallel_state.get_context_parallel_group()
-    size = _group_size(cp_group)
+    cp_group = resolve_group("cp", cp_group)
+    size = get_pg_size(cp_group)
     if cp_group_size not in (None, 0) and cp_group_size != size:
         raise ValueError(
             f"cp_group_size={cp_group_size} but the context-parallel group has {size} ranks "
@@ -689,7 +719,7 @@ class _Run:
         self.forward_only, self.collect_non_loss_data = forward_only, collect_non_loss_data
         self.pg_collection = _resolve_pg_collection(pg_collection, self.config, pipelined)
         self.cp_group = self.pg_collection.cp if self.pg_collection is not None else None
-        self.cp_size = _group_size(self.cp_group)
+        self.cp_size = get_pg_size(self.cp_group)
         self.pp_size, self.pp_rank, self.p2p = 1, 0, None
         if pipelined:
             self.p2p = p2p_communicator or P2PCommunicator(self.pg_collection.pp, self.config)
@@ -871,23 +901,17 @@ def _count_denominator(count: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
     return torch.clamp(count.detach().to(device=loss.device, dtype=dtype), min=1.0)
 
 
-def _group_size(group: Optional[dist.ProcessGroup]) -> int:
-    """Size of ``group``; 1 for None."""
-    return 1 if group is None else group.size()
-
-
 def _resolve_pg_collection(pg_collection, config, pipelined: bool):
-    """The groups of this step: the caller's (checked), else ``parallel_state``'s (MPU
-    fallback), else None (one process, no groups)."""
+    """The groups of this step: ``resolve_pg_collection`` (the caller's, checked here; else
+    the MPU fallback; else None: one process, no groups)."""
     if pg_collection is None:
-        if not parallel_state.model_parallel_is_initialized():
-            if pipelined:
-                raise RuntimeError(
-                    "pipeline schedules need groups: pass pg_collection (with pp) or call "
-                    "parallel_state.initialize_model_parallel first"
-                )
-            return None
-        return ProcessGroupCollection.use_mpu_process_groups()
+        resolved = resolve_pg_collection()
+        if resolved is None and pipelined:
+            raise RuntimeError(
+                "pipeline schedules need groups: pass pg_collection (with pp) or call "
+                "parallel_state.initialize_model_parallel first"
+            )
+        return resolved
     needed = ["pp"] if pipelined else []
     if config.context_parallel_size > 1:
         needed += ["cp", "dp_cp"]

@@ -4,21 +4,20 @@ Each function takes the group (or the virtual-pipeline sizes) it asks about, nev
 ``parallel_state``. A ``None`` group stands for a one-stage pipeline.
 """
 
-from typing import Optional
-
 import torch.distributed as dist
 
 from megatron.core.parallel_state import ParallelStateError
+from megatron.core.process_groups_config import get_pg_rank, get_pg_size
 
 
 def is_pp_first_stage(pp_group: dist.ProcessGroup):
     """Whether this rank is stage 0 of ``pp_group``."""
-    return _rank(pp_group) == 0
+    return get_pg_rank(pp_group) == 0
 
 
 def is_pp_last_stage(pp_group: dist.ProcessGroup):
     """Whether this rank is the last stage of ``pp_group``."""
-    return _rank(pp_group) == _size(pp_group) - 1
+    return get_pg_rank(pp_group) == get_pg_size(pp_group) - 1
 
 
 def is_vp_first_stage(vp_stage: int, vp_size: int | None):
@@ -51,24 +50,14 @@ def get_pp_next_rank(pp_group: dist.ProcessGroup):
     """Global rank of the next stage, or None on the last stage (no wrap-around)."""
     if is_pp_last_stage(pp_group):
         return None
-    return dist.get_process_group_ranks(pp_group)[_rank(pp_group) + 1]
+    return dist.get_process_group_ranks(pp_group)[get_pg_rank(pp_group) + 1]
 
 
 def get_pp_prev_rank(pp_group: dist.ProcessGroup):
     """Global rank of the previous stage, or None on the first stage (no wrap-around)."""
     if is_pp_first_stage(pp_group):
         return None
-    return dist.get_process_group_ranks(pp_group)[_rank(pp_group) - 1]
-
-
-def _rank(group: Optional[dist.ProcessGroup]) -> int:
-    """Rank in ``group``; 0 for None or without torch.distributed."""
-    return 0 if group is None or not dist.is_initialized() else group.rank()
-
-
-def _size(group: Optional[dist.ProcessGroup]) -> int:
-    """Size of ``group``; 1 for None or without torch.distributed."""
-    return 1 if group is None or not dist.is_initialized() else group.size()
+    return dist.get_process_group_ranks(pp_group)[get_pg_rank(pp_group) - 1]
 
 
 def _check_no_vpp(vp_stage, vp_size) -> None:

@@ -24,12 +24,9 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.core.device import comm_device
-from megatron.core.tensor_parallel.utils import (
-    VocabUtility,
-    group_size_and_rank,
-    tp_group_or_mpu,
-)
+from megatron.core.communication import all_reduce
+from megatron.core.process_groups_config import get_pg_rank, get_pg_size, resolve_group
+from megatron.core.tensor_parallel.utils import VocabUtility
 
 
 def vocab_parallel_cross_entropy(
@@ -55,7 +52,7 @@ def vocab_parallel_cross_entropy(
             f"vocabulary dimension, {tuple(vocab_parallel_logits.shape[:-1])}; got "
             f"{tuple(target.shape)}"
         )
-    group = tp_group_or_mpu(tp_group)
+    group = resolve_group("tp", tp_group)
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, group)
 
 
@@ -133,10 +130,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, vocab_parallel_logits, target, label_smoothing=0.0, group=None):
         """Per-token loss; saves the local softmax for the backward."""
         steps = VocabParallelCrossEntropy
-        world_size, rank = group_size_and_rank(group)
+        world_size, rank = get_pg_size(group), get_pg_rank(group)
         logits, logits_max = steps.calculate_logits_max(vocab_parallel_logits)
         if world_size > 1:
-            logits_max = _all_reduce(logits_max, group, dist.ReduceOp.MAX)
+            logits_max = all_reduce(logits_max, group, dist.ReduceOp.MAX)
         partition_vocab_size = logits.shape[-1]
         vocab_size = partition_vocab_size * world_size
         start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(
@@ -152,7 +149,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             parts.append((logits - logits_max.unsqueeze(-1)).sum(-1))
         sums = torch.stack(parts)
         if world_size > 1:
-            sums = _all_reduce(sums, group, dist.ReduceOp.SUM)
+            sums = all_reduce(sums, group)
         sum_exp, predicted = sums[0], sums[1]
         softmax, loss = steps.calculate_cross_entropy_loss(exp_logits, predicted, sum_exp)
         smoothing = 0.0
@@ -198,10 +195,3 @@ def _smoothing_vocab_size(partition_vocab_size: int, world_size: int) -> int:
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32, or float64 for float64 logits."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _all_reduce(tensor: torch.Tensor, group, op) -> torch.Tensor:
-    """A reduced copy of ``tensor`` (on the group's device, returned on ``tensor``'s)."""
-    buf = tensor.to(comm_device(group), copy=True).contiguous()
-    dist.all_reduce(buf, op=op, group=group)
-    return buf.to(tensor.device)

@@ -2,8 +2,9 @@
 
 Only the source rank (TP rank 0) needs ``data``; it sends the shapes first (one int64
 broadcast), then every tensor flattened into one buffer of ``datatype`` (one broadcast).
-Groups: ``tp_group`` when given, else the MPU fallback (``parallel_state``'s TP group when
-initialized, else one rank: the tensors are returned as they are, moved to the device).
+Groups: ``tp_group`` when given, else the MPU fallback of ``resolve_group("tp", ...)``
+(``parallel_state``'s TP group when initialized, else one rank: the tensors are returned as
+they are, moved to the device).
 """
 
 from typing import Dict, List, Optional
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.device import comm_device
-from megatron.core.tensor_parallel.utils import group_size_and_rank, tp_group_or_mpu
+from megatron.core.process_groups_config import get_pg_rank, get_pg_size, resolve_group
 
 _MAX_DATA_DIM = 5
 
@@ -26,8 +27,8 @@ def broadcast_data(
     """``{key: tensor}`` for ``keys``, equal on every rank of the TP group to the source
     rank's ``data[key]`` (each of dtype ``datatype``, at most 5 dimensions), on the group's
     device. Non-source ranks may pass ``data=None``."""
-    group = tp_group_or_mpu(tp_group)
-    size, rank = group_size_and_rank(group)
+    group = resolve_group("tp", tp_group)
+    size, rank = get_pg_size(group), get_pg_rank(group)
     device = comm_device(group)
     if rank == 0:
         _check_data(keys, data, datatype)

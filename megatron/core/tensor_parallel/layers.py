@@ -21,21 +21,28 @@ TP ranks) and keeps its own slice, whatever ``config.use_cpu_initialization`` sa
 tensor for every TP size. ``partition_stride`` k > 1 slices the full tensor into T*k blocks
 and gives rank r the blocks r, r+T, ... (e.g. k = 2 for a fused [gate; up] SwiGLU weight).
 
-Groups: ``tp_group=`` wins; ``None`` is the documented MPU fallback
-(``parallel_state.get_tensor_model_parallel_group()`` when initialized, else one rank). The
-group is resolved once at construction and is the only group the layer's collectives use.
+Groups: ``tp_group=`` wins; ``None`` is the MPU fallback of
+``process_groups_config.resolve_group("tp", ...)`` (``parallel_state``'s TP group when
+initialized, else one rank). The group is resolved once at construction and is the only
+group the layer's collectives (``megatron.core.communication``) use.
 """
 
 import warnings
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
+from megatron.core.communication import (
+    all_gather_along_first_dim,
+    start_all_gather_along_first_dim,
+    start_all_reduce,
+    start_reduce_scatter_along_first_dim,
+)
 from megatron.core.device import comm_device
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.process_groups_config import get_pg_rank, get_pg_size, resolve_group
 from megatron.core.tensor_parallel.grad_accumulation_fusion import (
     accumulate_weight_grad,
     require_main_grad,
@@ -47,15 +54,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from megatron.core.tensor_parallel.utils import (
-    VocabUtility,
-    all_gather_along_first_dim,
-    all_reduce_copy,
-    divide,
-    group_size_and_rank,
-    reduce_scatter_along_first_dim,
-    tp_group_or_mpu,
-)
+from megatron.core.tensor_parallel.utils import VocabUtility, divide
 
 _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {
     "tensor_model_parallel": False,
@@ -70,7 +69,7 @@ def param_is_not_tensor_parallel_duplicate(param, tp_group=None) -> bool:
     fallback."""
     if getattr(param, "tensor_model_parallel", False):
         return True
-    return group_size_and_rank(tp_group_or_mpu(tp_group))[1] == 0
+    return get_pg_rank(resolve_group("tp", tp_group)) == 0
 
 
 def set_tensor_model_parallel_attributes(tensor, is_parallel, dim, stride) -> None:
@@ -134,8 +133,8 @@ def linear_with_grad_accumulation_and_async_allreduce(
             "linear_with_grad_accumulation_and_async_allreduce: allreduce_dgrad and "
             "sequence_parallel cannot both be True"
         )
-    group = tp_group_or_mpu(tp_group)
-    if group_size_and_rank(group)[0] == 1:
+    group = resolve_group("tp", tp_group)
+    if get_pg_size(group) == 1:
         allreduce_dgrad = sequence_parallel = False
     if gradient_accumulation_fusion and torch.is_grad_enabled() and weight.requires_grad:
         require_main_grad(weight)
@@ -198,23 +197,17 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         input, weight = ctx.saved_tensors
         group = ctx.group
         wgrad = ctx.needs_input_grad[1]
-        total_input, gather = input, None
+        gather = None
         if ctx.sequence_parallel and wgrad:
-            total_input, gather = _start_gather_along_first_dim(input, group)
+            gather = start_all_gather_along_first_dim(input, group)
         grad_input = grad_output.matmul(weight)
-        if gather is not None:
-            gather.wait()
+        total_input = gather.wait() if gather is not None else input
 
-        pending, full_grad_input = None, None
+        pending = None  # grad_input is ours: it may be reduced in place
         if ctx.allreduce_dgrad:
-            grad_input = grad_input.contiguous()
-            if grad_input.device == comm_device(group):  # our own tensor: reduce in place
-                pending = dist.all_reduce(grad_input, group=group, async_op=grad_input.is_cuda)
-            else:
-                grad_input = all_reduce_copy(grad_input, group)
+            pending = start_all_reduce(grad_input, group, overwrite_input=True)
         elif ctx.sequence_parallel:
-            full_grad_input = grad_input  # kept alive until the reduce-scatter is done
-            grad_input, pending = _start_reduce_scatter_along_first_dim(grad_input, group)
+            pending = start_reduce_scatter_along_first_dim(grad_input, group, overwrite_input=True)
 
         grad_weight = grad_bias = None
         if wgrad or ctx.has_bias:
@@ -230,8 +223,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if ctx.has_bias:
             grad_bias = grad_2d.sum(dim=0)
         if pending is not None:
-            pending.wait()
-        del full_grad_input
+            grad_input = pending.wait()
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
@@ -283,8 +275,8 @@ class ColumnParallelLinear(torch.nn.Module):
         self.disable_grad_reduce = disable_grad_reduce
         self.embedding_activation_buffer = embedding_activation_buffer
         self.grad_output_buffer = grad_output_buffer
-        self.tp_group = tp_group_or_mpu(tp_group)
-        world_size, rank = group_size_and_rank(self.tp_group)
+        self.tp_group = resolve_group("tp", tp_group)
+        world_size, rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
         self.output_size_per_partition = _divide_arg(
             "ColumnParallelLinear", "output_size", output_size, world_size
         )
@@ -397,7 +389,7 @@ class ColumnParallelLinear(torch.nn.Module):
         return (
             f"{type(self).__name__}(in_features={self.input_size}, "
             f"out_features={self.output_size}, bias={self.bias is not None}, "
-            f"TP={group_size_and_rank(self.tp_group)[0]})"
+            f"TP={get_pg_size(self.tp_group)})"
         )
 
 
@@ -443,8 +435,8 @@ class RowParallelLinear(torch.nn.Module):
                 "(got input_is_parallel=False)"
             )
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
-        self.tp_group = tp_group_or_mpu(tp_group)
-        world_size, rank = group_size_and_rank(self.tp_group)
+        self.tp_group = resolve_group("tp", tp_group)
+        world_size, rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
         self.input_size_per_partition = _divide_arg(
             "RowParallelLinear", "input_size", input_size, world_size
         )
@@ -514,7 +506,7 @@ class RowParallelLinear(torch.nn.Module):
         return (
             f"{type(self).__name__}(in_features={self.input_size}, "
             f"out_features={self.output_size}, bias={self.bias is not None}, "
-            f"TP={group_size_and_rank(self.tp_group)[0]})"
+            f"TP={get_pg_size(self.tp_group)})"
         )
 
 
@@ -541,8 +533,8 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.reduce_scatter_embeddings = reduce_scatter_embeddings
-        self.tp_group = tp_group_or_mpu(tp_group)
-        world_size, rank = group_size_and_rank(self.tp_group)
+        self.tp_group = resolve_group("tp", tp_group)
+        world_size, rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
         _divide_arg("VocabParallelEmbedding", "num_embeddings", num_embeddings, world_size)
         self.vocab_start_index, self.vocab_end_index = (
             VocabUtility.vocab_range_from_global_vocab_size(num_embeddings, rank, world_size)
@@ -565,7 +557,7 @@ class VocabParallelEmbedding(torch.nn.Module):
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         """Sum over ranks of the masked local lookup (see the class docstring)."""
-        world_size = group_size_and_rank(self.tp_group)[0]
+        world_size = get_pg_size(self.tp_group)
         if world_size > 1:
             outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
             local_ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)
@@ -609,34 +601,6 @@ def _initialize_from_full_weight(
     with torch.no_grad():
         weight.copy_(torch.cat(mine, dim=partition_dim))
     return master
-
-
-def _start_gather_along_first_dim(tensor: torch.Tensor, group):
-    """(all-gather of ``tensor`` along dim 0, pending work or None): asynchronous when the
-    tensor is on the group's CUDA device, else done at once."""
-    if tensor.is_cuda and comm_device(group) == tensor.device:
-        local = tensor.contiguous()
-        size = dist.get_world_size(group=group)
-        out = local.new_empty((local.shape[0] * size,) + tuple(local.shape[1:]))
-        return out, dist.all_gather_into_tensor(out, local, group=group, async_op=True)
-    return all_gather_along_first_dim(tensor, group), None
-
-
-def _start_reduce_scatter_along_first_dim(tensor: torch.Tensor, group):
-    """(this rank's dim-0 block of the sum over ``group``, pending work or None):
-    asynchronous on the group's CUDA device (``tensor`` must stay alive until it is done),
-    else done at once."""
-    if tensor.is_cuda and comm_device(group) == tensor.device:
-        full = tensor.contiguous()
-        size = dist.get_world_size(group=group)
-        if full.shape[0] % size != 0:
-            raise ValueError(
-                f"reduce-scatter along dim 0: size {full.shape[0]} must be divisible by the "
-                f"group size ({size})"
-            )
-        out = full.new_empty((full.shape[0] // size,) + tuple(full.shape[1:]))
-        return out, dist.reduce_scatter_tensor(out, full, group=group, async_op=True)
-    return reduce_scatter_along_first_dim(tensor, group), None
 
 
 def _param_device(config: ModelParallelConfig, group) -> torch.device:

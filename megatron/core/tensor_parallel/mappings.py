@@ -19,25 +19,23 @@ gradients through a TP layout equal the gradients of the dense computation
 gathered tensor is replicated, so every rank already holds the full gradient).
 
 Groups: ``group`` when given (it is the only group used, forward and backward); ``None`` is
-the MPU fallback ``parallel_state.get_tensor_model_parallel_group()`` when model parallelism
-is initialized, else one rank (every mapping is then the identity). On gloo (CPU) a
-reduce-scatter is an all-reduce of a private copy followed by keeping this rank's block.
-The caller's tensors are never modified.
+the MPU fallback of ``process_groups_config.resolve_group("tp", ...)`` (``parallel_state``'s
+TP group when initialized, else one rank: every mapping is then the identity). The
+collectives are ``megatron.core.communication``'s (gloo fallbacks there). The caller's
+tensors are never modified.
 """
 
 from typing import List, Optional
 
 import torch
-import torch.distributed as dist
 
-from megatron.core.device import comm_device
-from megatron.core.tensor_parallel.utils import (
+from megatron.core.communication import (
     all_gather_along_first_dim,
-    all_reduce_copy,
-    group_size_and_rank,
+    all_reduce,
+    all_to_all_single,
     reduce_scatter_along_first_dim,
-    tp_group_or_mpu,
 )
+from megatron.core.process_groups_config import get_pg_rank, get_pg_size, resolve_group
 
 
 def copy_to_tensor_model_parallel_region(input_, group=None):
@@ -81,8 +79,8 @@ def gather_from_sequence_parallel_region(
     ``use_global_buffer`` is accepted and ignored.
     """
     _reject_split_sizes("output_split_sizes", output_split_sizes)
-    group = tp_group_or_mpu(group)
-    if group_size_and_rank(group)[0] == 1:
+    group = resolve_group("tp", group)
+    if get_pg_size(group) == 1:
         return input_
     return _GatherFromSequenceParallelRegion.apply(input_, group, tensor_parallel_output_grad)
 
@@ -113,16 +111,16 @@ def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None):
     """Differentiable all-to-all along dim 0 (block r of rank q goes to rank r, arriving as
     block q); the backward is the reverse all-to-all. Uneven split sizes are supported."""
     if group is None:
-        group = tp_group_or_mpu(None)
-    if group_size_and_rank(group)[0] == 1:
+        group = resolve_group("tp")
+    if get_pg_size(group) == 1:
         return input_
     return _AllToAll.apply(group, input_, output_split_sizes_, input_split_sizes)
 
 
 def all_to_all_sp2hp(input_, group=None):
     """[s/T * b, h] sequence-sharded -> [s * b, h/T] hidden-sharded (all-to-all over TP)."""
-    group = tp_group_or_mpu(group)
-    size = group_size_and_rank(group)[0]
+    group = resolve_group("tp", group)
+    size = get_pg_size(group)
     if size == 1:
         return input_
     hidden = input_.shape[-1]
@@ -133,8 +131,8 @@ def all_to_all_sp2hp(input_, group=None):
 
 def all_to_all_hp2sp(input_, group=None):
     """[s * b, h/T] hidden-sharded -> [s/T * b, h] sequence-sharded (all-to-all over TP)."""
-    group = tp_group_or_mpu(group)
-    size = group_size_and_rank(group)[0]
+    group = resolve_group("tp", group)
+    size = get_pg_size(group)
     if size == 1:
         return input_
     hidden = input_.shape[-1]
@@ -151,26 +149,26 @@ def all_to_all_hp2sp(input_, group=None):
 
 def _reduce(input_: torch.Tensor, group) -> torch.Tensor:
     """Sum over ``group`` (a new tensor)."""
-    return all_reduce_copy(input_, group)
+    return all_reduce(input_, group)
 
 
 def _split_along_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
     """This rank's block of the last dimension (contiguous)."""
-    size, rank = group_size_and_rank(group)
+    size, rank = get_pg_size(group), get_pg_rank(group)
     _divide_dim(input_.shape[-1], size, "last")
     return input_.chunk(size, dim=-1)[rank].contiguous()
 
 
 def _split_along_first_dim(input_: torch.Tensor, group) -> torch.Tensor:
     """This rank's block of dim 0 (contiguous)."""
-    size, rank = group_size_and_rank(group)
+    size, rank = get_pg_size(group), get_pg_rank(group)
     _divide_dim(input_.shape[0], size, "first (sequence)")
     return input_.chunk(size, dim=0)[rank].contiguous()
 
 
 def _gather_along_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
     """cat over ranks along the last dimension."""
-    size = group_size_and_rank(group)[0]
+    size = get_pg_size(group)
     stacked = all_gather_along_first_dim(input_.unsqueeze(0), group)
     return torch.cat(stacked.unbind(0), dim=-1) if size > 1 else input_
 
@@ -182,13 +180,13 @@ def _gather_along_first_dim(input_: torch.Tensor, group) -> torch.Tensor:
 
 def _reduce_scatter_along_first_dim(input_: torch.Tensor, group) -> torch.Tensor:
     """Block ``rank`` of dim 0 of the sum over ranks."""
-    _divide_dim(input_.shape[0], group_size_and_rank(group)[0], "first (sequence)")
+    _divide_dim(input_.shape[0], get_pg_size(group), "first (sequence)")
     return reduce_scatter_along_first_dim(input_, group)
 
 
 def _reduce_scatter_along_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
     """Block ``rank`` of the last dimension of the sum over ranks."""
-    _divide_dim(input_.shape[-1], group_size_and_rank(group)[0], "last")
+    _divide_dim(input_.shape[-1], get_pg_size(group), "last")
     moved = input_.movedim(-1, 0)
     return reduce_scatter_along_first_dim(moved, group).movedim(0, -1).contiguous()
 
@@ -298,41 +296,23 @@ class _AllToAll(torch.autograd.Function):
         ctx.group = group
         ctx.output_split_sizes = output_split_sizes
         ctx.input_split_sizes = input_split_sizes
-        return _all_to_all_single(group, input_, output_split_sizes, input_split_sizes)
+        return all_to_all_single(input_, group, output_split_sizes, input_split_sizes)
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = _all_to_all_single(
-            ctx.group, grad_output, ctx.input_split_sizes, ctx.output_split_sizes
+        grad = all_to_all_single(
+            grad_output, ctx.group, ctx.input_split_sizes, ctx.output_split_sizes
         )
         return None, grad, None, None
-
-
-def _all_to_all_single(group, input_, output_split_sizes, input_split_sizes) -> torch.Tensor:
-    """``dist.all_to_all_single`` on the group's device, the result on ``input_``'s device."""
-    device = comm_device(group)
-    local = input_.to(device).contiguous()
-    if output_split_sizes is None:
-        out = torch.empty_like(local)
-    else:
-        out = local.new_empty((sum(output_split_sizes),) + tuple(local.shape[1:]))
-    dist.all_to_all_single(
-        out,
-        local,
-        output_split_sizes=output_split_sizes,
-        input_split_sizes=input_split_sizes,
-        group=group,
-    )
-    return out.to(input_.device)
 
 
 # ---------------------------------------------------------------------------------------------
 
 
 def _apply(function, input_, group):
-    """Resolve ``group`` (explicit, else MPU fallback) and apply ``function`` unless T = 1."""
-    group = tp_group_or_mpu(group)
-    if group_size_and_rank(group)[0] == 1:
+    """Resolve ``group`` (``resolve_group``) and apply ``function`` unless T = 1."""
+    group = resolve_group("tp", group)
+    if get_pg_size(group) == 1:
         return input_
     return function.apply(input_, group)
 

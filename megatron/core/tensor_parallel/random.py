@@ -31,8 +31,8 @@ from typing import Any, Dict, Optional, Union
 
 import torch
 
-from megatron.core import parallel_state
 from megatron.core.device import comm_device
+from megatron.core.process_groups_config import get_pg_rank, resolve_group
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
 _EXPERT_PARALLEL_RNG_TRACKER_NAME = "expert-parallel-rng"
@@ -51,18 +51,18 @@ def model_parallel_cuda_manual_seed(
 ) -> None:
     """Seed the default generator and the tracked streams (module docstring).
 
-    ``tp_rank=None``: ``parallel_state.get_tensor_model_parallel_rank()`` when model
-    parallelism is initialized (MPU fallback), else 0; ``ep_rank``/``etp_rank`` likewise
-    (0 without expert parallelism).
+    ``tp_rank=None``: the rank in the MPU fallback's TP group (``resolve_group("tp")``:
+    ``parallel_state``'s when initialized), else 0; ``ep_rank``/``etp_rank`` likewise in the
+    expert groups (0 without expert parallelism).
     """
     if not isinstance(seed, int):
         raise TypeError(f"model_parallel_cuda_manual_seed: seed must be an int, got {seed!r}")
     if tp_rank is None:
-        tp_rank = _mpu_rank("get_tensor_model_parallel_rank")
+        tp_rank = get_pg_rank(resolve_group("tp"))
     if ep_rank is None:
-        ep_rank = _mpu_rank("get_expert_model_parallel_rank")
+        ep_rank = get_pg_rank(resolve_group("ep"))
     if etp_rank is None:
-        etp_rank = _mpu_rank("get_expert_tensor_parallel_rank")
+        etp_rank = get_pg_rank(resolve_group("expt_tp"))
     initialize_rng_tracker(
         te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, force_reset=force_reset_rng
     )
@@ -460,10 +460,3 @@ def _set_all_rng_states(states: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state(states["cuda"])
     if states["tracker"] is not None and _CUDA_RNG_STATE_TRACKER is not None:
         _CUDA_RNG_STATE_TRACKER.set_states(states["tracker"])
-
-
-def _mpu_rank(getter: str) -> int:
-    """``parallel_state.<getter>()`` when model parallelism is initialized, else 0."""
-    if parallel_state.model_parallel_is_initialized() and hasattr(parallel_state, getter):
-        return getattr(parallel_state, getter)()
-    return 0

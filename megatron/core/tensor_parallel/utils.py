@@ -1,20 +1,17 @@
-"""Small helpers shared by the tensor-parallel layers: splitting, vocabulary ranges, groups.
+"""Small helpers shared by the tensor-parallel layers: splitting and vocabulary ranges.
 
-A "TP group" is a ``torch.distributed`` process group, or ``None`` meaning one rank (no
-tensor parallelism). Every public function that takes a group resolves it with
-``tp_group_or_mpu``: an explicit group wins; ``None`` is the documented MPU fallback
-(``parallel_state.get_tensor_model_parallel_group()`` when model parallelism is initialized,
-else a single rank).
+A "TP group" is a ``torch.distributed`` process group, or ``None``: the MPU fallback of
+``process_groups_config.resolve_group("tp", ...)`` (``parallel_state``'s TP group when
+initialized, else one rank).
 """
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state
-from megatron.core.device import comm_device
-from megatron.core.utils import get_pg_rank, get_pg_size
+from megatron.core.communication import all_gather_along_first_dim
+from megatron.core.process_groups_config import get_pg_rank, get_pg_size, resolve_group
 
 
 def split_tensor_along_last_dim(
@@ -38,7 +35,8 @@ def split_tensor_into_1d_equal_chunks(
 
     ``tp_group=None``: MPU fallback (see module docstring).
     """
-    size, rank = group_size_and_rank(tp_group_or_mpu(tp_group))
+    group = resolve_group("tp", tp_group)
+    size, rank = get_pg_size(group), get_pg_rank(group)
     numel = tensor.numel()
     if numel % size != 0:
         raise ValueError(
@@ -55,8 +53,8 @@ def gather_split_1d_tensor(
 ) -> torch.Tensor:
     """Inverse of ``split_tensor_into_1d_equal_chunks``: the concatenation over TP ranks
     (rank order) of every rank's flat ``tensor``. ``tp_group=None``: MPU fallback."""
-    group = tp_group_or_mpu(tp_group)
-    if group_size_and_rank(group)[0] == 1:
+    group = resolve_group("tp", tp_group)
+    if get_pg_size(group) == 1:
         return tensor.reshape(-1).clone()
     return all_gather_along_first_dim(tensor.reshape(-1), group)
 
@@ -99,67 +97,3 @@ def ensure_divisibility(numerator: int, denominator: int) -> None:
     """Raise ValueError unless ``denominator`` divides ``numerator``."""
     if numerator % denominator != 0:
         raise ValueError(f"{numerator} is not divisible by {denominator}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Groups and the collectives every mapping is built from (explicit group, CPU/gloo aware).
-# ---------------------------------------------------------------------------------------------
-
-
-def tp_group_or_mpu(tp_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
-    """The TP group to use: ``tp_group`` when given; else the MPU fallback
-    ``parallel_state.get_tensor_model_parallel_group()`` when model parallelism is
-    initialized; else ``None`` (one rank)."""
-    if tp_group is not None:
-        return tp_group
-    if dist.is_available() and dist.is_initialized():
-        if parallel_state.model_parallel_is_initialized():
-            return parallel_state.get_tensor_model_parallel_group()
-    return None
-
-
-def group_size_and_rank(group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
-    """(T, this rank's index in ``group``); (1, 0) for ``None``."""
-    return get_pg_size(group), get_pg_rank(group)
-
-
-def all_reduce_copy(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """A new tensor holding the sum of ``tensor`` over ``group`` (``tensor`` is not modified)."""
-    buf = tensor.to(comm_device(group), copy=True).contiguous()
-    dist.all_reduce(buf, group=group)
-    return buf.to(tensor.device)
-
-
-def all_gather_along_first_dim(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """cat over ranks (rank order) of every rank's ``tensor`` along dim 0 (equal shapes)."""
-    size = dist.get_world_size(group=group)
-    local = tensor.to(comm_device(group)).contiguous()
-    out = local.new_empty((local.shape[0] * size,) + tuple(local.shape[1:]))
-    if local.device.type == "cpu":  # gloo: list all-gather
-        dist.all_gather(list(out.chunk(size, dim=0)), local, group=group)
-    else:
-        dist.all_gather_into_tensor(out, local, group=group)
-    return out.to(tensor.device)
-
-
-def reduce_scatter_along_first_dim(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Block ``rank`` (along dim 0, T equal blocks) of the sum of ``tensor`` over ``group``.
-
-    gloo has no reduce-scatter: it all-reduces a private copy and keeps this rank's block
-    (same result, T times the traffic; CPU runs are for correctness). ``tensor`` is never
-    modified.
-    """
-    size, rank = group_size_and_rank(group)
-    if tensor.shape[0] % size != 0:
-        raise ValueError(
-            f"reduce-scatter along dim 0: size {tensor.shape[0]} (shape {tuple(tensor.shape)}) "
-            f"must be divisible by the group size ({size})"
-        )
-    device = comm_device(group)
-    if device.type == "cpu":
-        full = all_reduce_copy(tensor, group)
-        return full.chunk(size, dim=0)[rank].contiguous()
-    full = tensor.to(device).contiguous()
-    out = full.new_empty((full.shape[0] // size,) + tuple(full.shape[1:]))
-    dist.reduce_scatter_tensor(out, full, group=group)
-    return out.to(tensor.device)

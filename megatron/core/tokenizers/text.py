@@ -9,7 +9,7 @@
 """
 
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from megatron.core.tokenizers.base_tokenizer import MegatronTokenizerBase
 
@@ -78,11 +78,17 @@ class ByteLevelTokenizer:
         return self.eos_id
 
 
-class TokenizersFileTokenizer:
-    """A HuggingFace ``tokenizers`` JSON file.
+EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>")
 
-    End-of-document is ``eod_token`` if given, else the first of ``<|endoftext|>``, ``</s>``,
-    ``<eos>``, ``<|end_of_text|>`` in the vocabulary; pad likewise from ``pad_token``/``<pad>``.
+
+class TokenizersFileTokenizer:
+    """A HuggingFace ``tokenizers`` JSON file, or a folder holding ``tokenizer.json`` (and
+    ``tokenizer_config.json``: its chat template and special tokens, read by
+    ``megatron.core.tokenizers.hf_folder``).
+
+    End-of-document is ``eod_token`` if given, else the config's ``eos_token``, else the first
+    of ``EOD_CANDIDATES`` in the vocabulary (``None`` when none is); pad and bos likewise from
+    ``pad_token``/``bos_token``.
     """
 
     def __init__(
@@ -93,19 +99,19 @@ class TokenizersFileTokenizer:
         bos_token: Optional[str] = None,
         **_: Any,
     ) -> None:
-        import os
+        from megatron.core.tokenizers.hf_folder import (
+            read_tokenizer_config,
+            resolve_tokenizer_file,
+        )
 
         try:
             from tokenizers import Tokenizer
         except ImportError as err:  # pragma: no cover - depends on the environment
             raise ImportError(
                 "the huggingface tokenizer file needs the 'tokenizers' package: "
-                "pip install 'cp-exact-megatron-core[tokenizers]'"
+                "pip install -e '.[hf]'"
             ) from err
-        if os.path.isdir(path):
-            path = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"tokenizer path={path!r}: expected a tokenizers JSON file")
+        path = resolve_tokenizer_file(path)
         self.path = path
         try:
             self._tok = Tokenizer.from_file(path)
@@ -113,30 +119,48 @@ class TokenizersFileTokenizer:
             raise ValueError(
                 f"tokenizer file {path}: not a valid HuggingFace tokenizers JSON file ({err})"
             ) from None
+        _, self.chat_template, self.special_tokens = read_tokenizer_config(path)
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.vocab = vocab
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
-        def find(explicit: Optional[str], candidates: List[str]) -> Optional[int]:
+        def find(explicit: Optional[str], key: str, candidates: List[str]) -> Optional[int]:
             if explicit is not None:
                 if explicit not in vocab:
                     raise ValueError(f"token {explicit!r} is not in the vocabulary of {path}")
                 return vocab[explicit]
-            for name in candidates:
+            configured = self.special_tokens.get(key)
+            for name in ([configured] if configured else []) + candidates:
                 if name in vocab:
                     return vocab[name]
             return None
 
-        self.eod = find(eod_token, ["<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>"])
-        self.pad_id = find(pad_token, ["<pad>", "<|pad|>", "[PAD]"])
-        self.bos_id = find(bos_token, ["<s>", "<bos>", "<|begin_of_text|>"])
+        self.eod = find(eod_token, "eos_token", list(EOD_CANDIDATES))
+        self.pad_id = find(pad_token, "pad_token", ["<pad>", "<|pad|>", "[PAD]"])
+        self.bos_id = find(bos_token, "bos_token", ["<s>", "<bos>", "<|begin_of_text|>"])
         self.eos_id = self.eod
 
     def text_to_ids(self, text: str) -> List[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def ids_to_text(self, ids: List[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+    def encode_with_offsets(self, text: str) -> Tuple[List[int], List[Tuple[int, int]]]:
+        """Ids of ``text`` (no added special tokens) and their character spans."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
+    def ids_to_text(self, ids: List[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    @property
+    def document_prefix(self) -> List[int]:
+        """The ids the tokenizer's own post-processor puts before a text (e.g. Llama's
+        ``<|begin_of_text|>``; empty for GPT-2 style tokenizers)."""
+        plain = self._tok.encode("a", add_special_tokens=False).ids
+        full = self._tok.encode("a", add_special_tokens=True).ids
+        for start in range(len(full) - len(plain) + 1):
+            if full[start : start + len(plain)] == plain:
+                return full[:start]
+        return []
 
 
 _LIBRARIES = {
@@ -160,7 +184,37 @@ class MegatronTokenizerText(MegatronTokenizerBase):
         cls = _LIBRARIES[library]
         self._tokenizer = cls(path, **kwargs) if library == "huggingface" else cls(**kwargs)
         self.additional_args = kwargs
-        self.chat_template = config.get("chat_template") or kwargs.get("chat_template")
+        # megatron-core's order: the metadata's template, the tokenizer's own, the kwargs'
+        self.chat_template = (
+            config.get("chat_template")
+            or getattr(self._tokenizer, "chat_template", None)
+            or kwargs.get("chat_template")
+        )
+
+    def apply_chat_template(
+        self,
+        conversation: List[Dict[str, Any]],
+        chat_template: Optional[str] = None,
+        tokenize: bool = True,
+        add_generation_prompt: bool = False,
+        **kwargs: Any,
+    ) -> Union[str, List[int]]:
+        """``conversation`` rendered with ``chat_template`` (default: the tokenizer's), as
+        token ids (``tokenize=True``, no added special tokens: the template writes them) or
+        as text. Other keyword arguments are template variables."""
+        from megatron.core.tokenizers.chat_template import render_chat
+
+        template = chat_template or self.chat_template
+        if not template:
+            raise ValueError(
+                f"apply_chat_template: chat_template=None and the {self.library} tokenizer has "
+                "no chat template (expected chat_template in the metadata or the tokenizer "
+                "folder's tokenizer_config.json)"
+            )
+        variables = dict(getattr(self._tokenizer, "special_tokens", {}))
+        variables.update(kwargs)
+        text = render_chat(template, conversation, variables, add_generation_prompt)
+        return self.tokenize(text) if tokenize else text
 
     def tokenize(self, text: str) -> List[int]:
         return self._tokenizer.text_to_ids(text)

@@ -7,7 +7,12 @@ from typing import Optional
 import torch
 
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.cp_attention import context_parallel_attention
+from megatron.core.transformer.cp_attention import (
+    check_backend_window,
+    check_window_size,
+    context_parallel_attention,
+    kernel_for_backend,
+)
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.parallel_groups import cp_group_of, hierarchical_cp_groups_of
@@ -20,7 +25,10 @@ class DotProductAttention(MegatronModule):
 
     The CP group of a step is ``pg_collection.cp``, else ``parallel_state``'s (MPU fallback,
     resolved at every forward), else none. ``attention_dropout`` is not applied (the CP
-    kernels have no dropout; a warning says so when it is > 0).
+    kernels have no dropout; a warning says so when it is > 0). The kernel is
+    ``config.attention_backend``'s (``cp_attention.kernel_choice``); ``config.window_size``
+    gives sliding-window attention, refused here, at build time, where the CP setting or the
+    kernel cannot compute it.
     """
 
     def __init__(
@@ -54,6 +62,12 @@ class DotProductAttention(MegatronModule):
         if softmax_scale is None:
             softmax_scale = 1.0 / math.sqrt(config.kv_channels)
         self.softmax_scale = softmax_scale
+        self.kernel = kernel_for_backend(config.attention_backend)
+        check_backend_window(config.attention_backend, config.window_size)
+        comm = self._comm_type()
+        check_window_size(
+            config.window_size, comm, 0 if comm == "a2a+p2p" else config.context_parallel_size
+        )
         self._cp_group()  # fail at build time on a mismatched group
 
     def forward(
@@ -80,6 +94,8 @@ class DotProductAttention(MegatronModule):
             cp_comm_type=self._comm_type(),
             softmax_scale=self.softmax_scale,
             packed_seq_params=packed_seq_params,
+            kernel=self.kernel,
+            window_size=self.config.window_size,
         )
         return context.reshape(context.shape[0], context.shape[1], -1)
 

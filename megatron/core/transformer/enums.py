@@ -10,6 +10,19 @@ class AttnType(enum.Enum):
     cross_attn = 2
 
 
+class AttnBackend(enum.Enum):
+    """The attention kernel family (``TransformerConfig.attention_backend``): ``flash``
+    (PyTorch's flash kernel), ``fused`` (cuDNN), ``unfused`` and ``local`` (an explicit score
+    matrix), ``auto`` (the kernel PyTorch's SDPA would pick; see
+    ``cp_attention.kernel_choice``)."""
+
+    flash = 1
+    fused = 2
+    unfused = 3
+    local = 4
+    auto = 5
+
+
 class AttnMaskType(enum.Enum):
     """How attention is masked; this core implements ``causal`` (and ``padding``/``no_mask``
     specs are accepted: the GPT is always causal)."""

@@ -2,8 +2,6 @@
 linear layers use it and must not import ``megatron.core.transformer``); re-exported here."""
 
 from megatron.core.tensor_parallel.grad_accumulation_fusion import (  # noqa: F401
-    _half_into_fp32_gemm_supported,
-    _LinearAccumulatingIntoMainGrad,
     accumulate_weight_grad,
     linear_with_grad_accumulation_fusion,
 )

@@ -35,6 +35,13 @@ class MegatronModule(torch.nn.Module):
         return self.state_dict(prefix=prefix, keep_vars=keep_vars)
 
 
+def param_is_not_shared(param: torch.nn.Parameter) -> bool:
+    """False for the last stage's copy of tied word embeddings (``param.shared = True``),
+    whose gradient equals the first stage's after the embedding all-reduce: gradient norms
+    and zero counts skip it."""
+    return not getattr(param, "shared", False)
+
+
 def leave_as_allocated(weight: torch.Tensor) -> None:
     """The ``init_method`` the GPT's layers are built with: a no-op, because GPTModel fills
     every parameter afterwards from its own seeded generator (layout-independent)."""

@@ -1,5 +1,5 @@
-"""Which process groups a model module uses: explicit ``pg_collection`` first, then the MPU
-fallback (``parallel_state``), then none (one process).
+"""Which process groups a model module uses, by ``process_groups_config.resolve_group``'s
+rule (``pg_collection`` first, then the MPU fallback ``parallel_state``, then none).
 
 Each getter checks the group's size against the config, so a mismatched collection is a clear
 error at build time rather than a hang.
@@ -9,9 +9,12 @@ from typing import List, Optional
 
 import torch.distributed as dist
 
-from megatron.core import parallel_state
-from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.utils import get_pg_size
+from megatron.core.process_groups_config import (
+    ProcessGroupCollection,
+    get_pg_rank,
+    get_pg_size,
+    resolve_group,
+)
 
 
 def tp_group_of(
@@ -20,13 +23,7 @@ def tp_group_of(
     """The TP group: ``pg_collection.tp``; without a collection, ``parallel_state``'s (MPU
     fallback) when initialized; else None (TP = 1). Its size must equal
     ``config.tensor_model_parallel_size``."""
-    return _group_of(
-        pg_collection,
-        "tp",
-        config.tensor_model_parallel_size,
-        "tensor_model_parallel_size",
-        parallel_state.get_tensor_model_parallel_group,
-    )
+    return _checked_group(pg_collection, "tp", config.tensor_model_parallel_size)
 
 
 def cp_group_of(
@@ -35,13 +32,7 @@ def cp_group_of(
     """The CP group: ``pg_collection.cp``; without a collection, ``parallel_state``'s (MPU
     fallback) when initialized; else None (C = 1). Its size must equal
     ``config.context_parallel_size``."""
-    return _group_of(
-        pg_collection,
-        "cp",
-        config.context_parallel_size,
-        "context_parallel_size",
-        parallel_state.get_context_parallel_group,
-    )
+    return _checked_group(pg_collection, "cp", config.context_parallel_size)
 
 
 def hierarchical_cp_groups_of(
@@ -56,12 +47,7 @@ def hierarchical_cp_groups_of(
     ring every A-th CP rank from it, so that CP rank = ring rank * A + all-to-all rank.
     """
     cp_group = cp_group_of(pg_collection, config)
-    if pg_collection is not None:
-        groups = pg_collection.hcp
-    elif parallel_state.model_parallel_is_initialized():
-        groups = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
-    else:
-        groups = None
+    groups = resolve_group("hcp", pg_collection=pg_collection)
     where = "pg_collection.hcp" if pg_collection is not None else "parallel_state"
     if groups is None or len(groups) != 2:
         raise ValueError(
@@ -87,23 +73,21 @@ def hierarchical_cp_groups_of(
 def pp_rank_of(pg_collection: Optional[ProcessGroupCollection], config) -> int:
     """This rank's pipeline rank: in ``pg_collection.pp``; without a collection,
     ``parallel_state``'s (MPU fallback) when initialized; else 0."""
-    group = _group_of(
-        pg_collection,
-        "pp",
-        config.pipeline_model_parallel_size,
-        "pipeline_model_parallel_size",
-        parallel_state.get_pipeline_model_parallel_group,
-    )
-    return 0 if group is None else dist.get_rank(group=group)
+    return get_pg_rank(_checked_group(pg_collection, "pp", config.pipeline_model_parallel_size))
 
 
-def _group_of(pg_collection, field: str, size: int, size_name: str, mpu_getter):
-    if pg_collection is not None:
-        group = getattr(pg_collection, field)
-    elif parallel_state.model_parallel_is_initialized():
-        group = mpu_getter()
-    else:
-        group = None
+_SIZE_NAMES = {
+    "tp": "tensor_model_parallel_size",
+    "cp": "context_parallel_size",
+    "pp": "pipeline_model_parallel_size",
+}
+
+
+def _checked_group(pg_collection, field: str, size: int):
+    """``resolve_group(field, pg_collection=pg_collection)``, its size checked against the
+    config's."""
+    group = resolve_group(field, pg_collection=pg_collection)
+    size_name = _SIZE_NAMES[field]
     actual = get_pg_size(group)
     if field == "tp" and pg_collection is None and size == 1 and actual > 1:
         # megatron-core's MPU fallback: a script that initializes parallel_state with TP > 1

@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from megatron.core import config_rules
 from megatron.core.config_rules import CP_COMM_TYPES
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.transformer.enums import AttnBackend
+from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 
 @dataclass
@@ -79,6 +81,7 @@ class TransformerConfig(ModelParallelConfig):
     distribute_saved_activations: Optional[bool] = False
     recompute_modules: Optional[List[str]] = None
     label_smoothing: float = 0.0
+    attention_backend: AttnBackend = AttnBackend.auto
 
     def __post_init__(self) -> None:
         """Derive ffn, kv and query-group sizes; check every TP split is even."""
@@ -103,6 +106,9 @@ class TransformerConfig(ModelParallelConfig):
             self.ffn_hidden_size = 4 * self.hidden_size
         _check_cp_comm_type(self.cp_comm_type, self.num_layers)
         self._check_recompute()
+        self.attention_backend = _attention_backend(self.attention_backend)
+        _check_window_size(self.window_size)
+        self._fill_init_methods()
         if not self.num_attention_heads:
             return
         if self.kv_channels is None:
@@ -160,6 +166,33 @@ class TransformerConfig(ModelParallelConfig):
                 "output after it is discarded); expected False"
             )
 
+    def _fill_init_methods(self) -> None:
+        """megatron-core's defaults: ``embedding_init_method_std`` = ``init_method_std``;
+        ``embedding_init_method`` = Normal(0, embedding_init_method_std), or ``init_method``
+        when one is given and the two stds agree; ``init_method`` = Normal(0,
+        init_method_std); ``output_layer_init_method`` (attention projection and MLP fc2) =
+        Normal(0, init_method_std / sqrt(2 num_layers)). Each is applied to the FULL
+        (unsharded) tensor (``GPTModel``), so every layout gets the same weights."""
+        for name in ("init_method", "output_layer_init_method", "embedding_init_method"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise TypeError(
+                    f"{name} must be a callable that fills a tensor in place, got {value!r}"
+                )
+        if self.embedding_init_method_std is None:
+            self.embedding_init_method_std = self.init_method_std
+        if self.embedding_init_method is None:
+            if self.init_method is None or self.embedding_init_method_std != self.init_method_std:
+                self.embedding_init_method = init_method_normal(self.embedding_init_method_std)
+            else:
+                self.embedding_init_method = self.init_method
+        if self.init_method is None:
+            self.init_method = init_method_normal(self.init_method_std)
+        if self.output_layer_init_method is None:
+            self.output_layer_init_method = scaled_init_method_normal(
+                self.init_method_std, max(self.num_layers, 1)
+            )
+
 
 def _check_cp_comm_type(cp_comm_type, num_layers: int) -> None:
     """None, one of ``CP_COMM_TYPES``, or a list of them with one entry per layer."""
@@ -177,4 +210,25 @@ def _check_multiple(name: str, value: int, of_name: str, of_value: int) -> None:
     if not config_rules.is_positive_multiple(value, of_value):
         raise ValueError(
             f"{name} ({value!r}) must be a positive multiple of {of_name} ({of_value})"
+        )
+
+
+def _attention_backend(backend) -> AttnBackend:
+    """``attention_backend`` as an ``AttnBackend`` (its name is accepted too)."""
+    if isinstance(backend, AttnBackend):
+        return backend
+    if isinstance(backend, str) and backend in AttnBackend.__members__:
+        return AttnBackend[backend]
+    raise ValueError(
+        f"attention_backend must be an AttnBackend or one of {tuple(AttnBackend.__members__)}, "
+        f"got {backend!r}"
+    )
+
+
+def _check_window_size(window_size) -> None:
+    """None, or (left, right) as ``config_rules.window_size_valid`` says."""
+    if not config_rules.window_size_valid(window_size):
+        raise ValueError(
+            "window_size must be None or (left, right) with left >= 0 (or -1: no limit) and "
+            f"right 0 or -1 (causal attention sees no later key), got {window_size!r}"
         )

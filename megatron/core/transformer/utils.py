@@ -12,9 +12,9 @@ another stage owns (the tied output weight).
 ``sharded_offsets`` are prepended axes ``(axis, offset, count)`` (the global layer index,
 for example); every tensor and object built here gets them.
 
-Groups (explicit first): ``tp_group=`` / ``dp_cp_group=`` given, else ``metadata["tp_group"]``
-/ ``metadata["dp_cp_group"]``, else ``parallel_state``'s groups when initialized (MPU
-fallback), else one rank.
+Groups (``process_groups_config.resolve_group``'s rule): ``tp_group=`` / ``dp_cp_group=``
+given, else ``metadata["tp_group"]`` / ``metadata["dp_cp_group"]``, else ``parallel_state``'s
+groups when initialized (MPU fallback), else one rank.
 """
 
 from typing import Any, Dict, Iterable, Optional, Tuple, Union
@@ -22,7 +22,6 @@ from typing import Any, Dict, Iterable, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import (
     ReplicaId,
     ShardedObject,
@@ -31,8 +30,19 @@ from megatron.core.dist_checkpointing.mapping import (
     ShardedTensorFactory,
 )
 from megatron.core.dist_checkpointing.utils import apply_prefix_mapping
+from megatron.core.process_groups_config import get_pg_rank, get_pg_size, resolve_group
 
 Offsets = Tuple[Tuple[int, int, int], ...]
+
+
+def gelu_impl(x: torch.Tensor) -> torch.Tensor:
+    """OpenAI's GELU (tanh approximation): 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))."""
+    return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * x * (1.0 + 0.044715 * x * x)))
+
+
+def openai_gelu(x: torch.Tensor) -> torch.Tensor:
+    """``gelu_impl`` (megatron's ``--openai-gelu``; GPT-2's ``gelu_new``)."""
+    return gelu_impl(x)
 
 
 def sharded_state_dict_default(
@@ -110,8 +120,8 @@ def make_sharded_object_for_checkpoint(
     if replica_id is None:
         replica_id = (
             0,
-            _rank(kwargs.get("tp_group", _tp_group(None))),
-            _rank(kwargs.get("dp_cp_group", _dp_cp_group(None))),
+            get_pg_rank(kwargs.get("tp_group", _tp_group(None))),
+            get_pg_rank(kwargs.get("dp_cp_group", _dp_cp_group(None))),
         )
     return ShardedObject(
         key,
@@ -133,7 +143,7 @@ def make_sharded_tensor_for_checkpoint(
 ) -> ShardedTensor:
     """A whole tensor replicated over TP and DP x CP (replica id (0, tp_rank, dp_cp_rank))."""
     if replica_id is None:
-        replica_id = (0, _rank(tp_group), _rank(dp_cp_group))
+        replica_id = (0, get_pg_rank(tp_group), get_pg_rank(dp_cp_group))
     return ShardedTensor.from_rank_offsets(
         key,
         tensor,
@@ -156,9 +166,9 @@ def make_tp_sharded_tensor_for_checkpoint(
 ) -> Union[ShardedTensor, ShardedTensorFactory]:
     """This TP rank's box along ``tp_axis`` (replica id (0, 0, dp_cp_rank)); a factory of S
     boxes when the parameter has ``partition_stride`` S > 1."""
-    tp_size, tp_rank = _size(tp_group), _rank(tp_group)
+    tp_size, tp_rank = get_pg_size(tp_group), get_pg_rank(tp_group)
     if replica_id is None:
-        replica_id = (0, 0, _rank(dp_cp_group))
+        replica_id = (0, 0, get_pg_rank(dp_cp_group))
     stride = int(getattr(tensor, "partition_stride", 1) or 1)
     prepend = len(prepend_offsets)
     axis = tp_axis + prepend
@@ -246,24 +256,10 @@ def ensure_metadata_has_dp_cp_group(metadata: Optional[dict]) -> dict:
 
 
 def _tp_group(metadata: Optional[dict]) -> Optional[dist.ProcessGroup]:
-    if metadata and metadata.get("tp_group") is not None:
-        return metadata["tp_group"]
-    if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_tensor_model_parallel_group()
-    return None
+    """``metadata["tp_group"]``, else the MPU fallback (``resolve_group``)."""
+    return resolve_group("tp", (metadata or {}).get("tp_group"))
 
 
 def _dp_cp_group(metadata: Optional[dict]) -> Optional[dist.ProcessGroup]:
-    if metadata and metadata.get("dp_cp_group") is not None:
-        return metadata["dp_cp_group"]
-    if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_data_parallel_group(with_context_parallel=True)
-    return None
-
-
-def _rank(group: Optional[dist.ProcessGroup]) -> int:
-    return 0 if group is None else dist.get_rank(group=group)
-
-
-def _size(group: Optional[dist.ProcessGroup]) -> int:
-    return 1 if group is None else dist.get_world_size(group=group)
+    """``metadata["dp_cp_group"]``, else the MPU fallback (``resolve_group``)."""
+    return resolve_group("dp_cp", (metadata or {}).get("dp_cp_group"))

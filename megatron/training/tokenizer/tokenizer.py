@@ -1,16 +1,18 @@
 """megatron-LM's training tokenizers: ``build_tokenizer(args)`` and ``_NullTokenizer``.
 
 Provided: ``NullTokenizer`` (integer ids as text), ``ByteLevelTokenizer`` (UTF-8 bytes 0-255,
-eod 256, pad 257; needs no file) and ``HuggingFaceTokenizer`` for a HuggingFace ``tokenizers``
-JSON file (``--tokenizer-model path/tokenizer.json``; needs the ``tokenizers`` package).
+eod 256, pad 257; needs no file) and ``HuggingFaceTokenizer`` for a HuggingFace tokenizer
+folder or ``tokenizers`` JSON file (``--tokenizer-model path/tokenizer.json``;
+``load_hf_tokenizer``; needs the ``tokenizers`` package).
 """
 
-from typing import Any, List, Optional
+from typing import Any, List
 
 import numpy
 
 from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
-from megatron.core.tokenizers.text import NullTokenizer, TokenizersFileTokenizer
+from megatron.core.tokenizers.text import NullTokenizer
+from megatron.training.tokenizer.hf_tokenizer import load_hf_tokenizer
 
 
 class _NullTokenizer(MegatronLegacyTokenizer):
@@ -87,43 +89,6 @@ class _ByteLevelTokenizer(MegatronLegacyTokenizer):
         return self.BYTES + 1
 
 
-class _TokenizersFileTokenizer(MegatronLegacyTokenizer):
-    """A HuggingFace ``tokenizers`` JSON file (see ``megatron.core.tokenizers.text``)."""
-
-    def __init__(self, path: str, eod_token: Optional[str] = None) -> None:
-        super().__init__(path)
-        self._tok = TokenizersFileTokenizer(path, eod_token=eod_token)
-        if self._tok.eod is None:
-            raise ValueError(
-                f"tokenizer file {path!r} has no end-of-document token (<|endoftext|>, </s>, "
-                "<eos>); pass eod_token"
-            )
-
-    def tokenize(self, text: str) -> List[int]:
-        return self._tok.text_to_ids(text)
-
-    def detokenize(self, ids: List[int]) -> str:
-        return self._tok.ids_to_text(ids)
-
-    @property
-    def vocab_size(self) -> int:
-        return self._tok.vocab_size
-
-    @property
-    def vocab(self):
-        return self._tok.vocab
-
-    @property
-    def eod(self) -> int:
-        return self._tok.eod
-
-    @property
-    def pad(self) -> int:
-        if self._tok.pad_id is None:
-            raise NotImplementedError("this tokenizer file has no pad token")
-        return self._tok.pad_id
-
-
 def build_tokenizer(args: Any, **kwargs: Any) -> MegatronLegacyTokenizer:
     """Tokenizer named by ``args.tokenizer_type``: ``NullTokenizer`` (``args.vocab_size``),
     ``ByteLevelTokenizer``, or ``HuggingFaceTokenizer`` / ``TokenizersFile`` for a
@@ -135,7 +100,11 @@ def build_tokenizer(args: Any, **kwargs: Any) -> MegatronLegacyTokenizer:
     elif kind == "ByteLevelTokenizer":
         tokenizer = _ByteLevelTokenizer()
     elif kind in ("HuggingFaceTokenizer", "TokenizersFile"):
-        tokenizer = _TokenizersFileTokenizer(args.tokenizer_model)
+        # a folder or tokenizer.json; eod from eod_token, else the config's eos_token (the
+        # same choice the trainer's --tokenizer makes, so preprocessed data agrees with it)
+        tokenizer = load_hf_tokenizer(
+            args.tokenizer_model, eod_token=getattr(args, "eod_token", None)
+        )
     else:
         raise NotImplementedError(
             f"tokenizer_type={kind!r}: expected NullTokenizer, ByteLevelTokenizer or "

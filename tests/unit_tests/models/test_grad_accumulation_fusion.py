@@ -120,7 +120,7 @@ def test_cuda_bf16_gemm_accumulates_into_fp32_main_grad():
     """On CUDA, bf16 g and x go through one GEMM with fp32 output (``out_dtype``), added
     into the fp32 main_grad in place: float64 result of the same bf16 values to fp32
     rounding."""
-    from megatron.core.transformer.grad_accumulation_fusion import (
+    from megatron.core.tensor_parallel.grad_accumulation_fusion import (
         _half_into_fp32_gemm_supported,
     )
 

@@ -45,6 +45,16 @@ NON_DEFAULT = dict(
     label_smoothing=0.1,
     init_method_std=0.01,
     untie_embeddings_and_output_weights=True,
+    kv_channels=16,
+    max_position_embeddings=64,
+    norm_epsilon=1e-6,
+    rotary_base=500000.0,
+    use_rope_scaling=True,
+    rope_scaling_factor=32.0,
+    add_qkv_bias=True,
+    openai_gelu=True,
+    window_size=[3, 0],
+    hf_model="hf-model-dir",
     train_iters=7,
     lr=0.01,
     adam_beta1=0.8,
@@ -71,13 +81,16 @@ NON_DEFAULT = dict(
     save="ck",
     load="ck",
     save_interval=3,
+    export_hf="exported-dir",
     ckpt_step=4,
     finetune=True,
     no_load_optim=True,
     no_load_rng=True,
+    exit_on_missing_checkpoint=True,
     compare_single_process=True,
     compare_tolerance=1e-3,
     progress=False,
+    debug=True,
 )
 
 
@@ -231,6 +244,7 @@ def test_options_and_rules_load_without_torch():
         (dict(finetune=True), r"--finetune needs --load DIR"),
         (dict(no_load_optim=True), r"--no-load-optim needs --load DIR"),
         (dict(no_load_rng=True), r"--no-load-rng needs --load DIR"),
+        (dict(exit_on_missing_checkpoint=True), r"--exit-on-missing-checkpoint needs --load"),
     ],
 )
 def test_options_that_would_be_ignored_are_refused(changes, message):

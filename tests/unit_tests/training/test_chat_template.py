@@ -14,8 +14,8 @@ import os
 
 import pytest
 
+from megatron.core.tokenizers.chat_template import ChatTemplateError, tokenize_conversation
 from megatron.training.tokenizer import load_hf_tokenizer
-from megatron.training.tokenizer.chat_template import ChatTemplateError, tokenize_conversation
 
 pytestmark = pytest.mark.world(1)
 
@@ -191,3 +191,26 @@ def test_load_hf_tokenizer_names_the_file_on_every_problem(tmp_path):
     os.remove(tmp_path / "ok" / "chat_template.jinja")
     with pytest.raises(ChatTemplateError, match="has no chat template"):
         tokenize_conversation(load_hf_tokenizer(str(tmp_path / "ok")), CONVERSATIONS[1])
+
+
+def test_megatron_tokenizer_apply_chat_template_matches_transformers(tmp_path):
+    """megatron-core's API: MegatronTokenizer.from_pretrained(folder, library huggingface)
+    reads the folder's template; apply_chat_template gives transformers' text and ids."""
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    fast = _save(tmp_path, LLAMA3_PLAIN)
+    tok = MegatronTokenizer.from_pretrained(str(tmp_path), metadata_path={"library": "huggingface"})
+    assert tok.chat_template == LLAMA3_PLAIN and tok.eod == fast.convert_tokens_to_ids("<|eot_id|>")
+    for messages in CONVERSATIONS:
+        for prompt in (False, True):
+            want = fast.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+            assert (
+                tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+                == want
+            )
+            ids = fast.apply_chat_template(messages, tokenize=True, add_generation_prompt=prompt)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            assert tok.apply_chat_template(messages, add_generation_prompt=prompt) == list(ids)
+    bare = MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=8)
+    with pytest.raises(ValueError, match="no chat template"):
+        bare.apply_chat_template(CONVERSATIONS[1])

@@ -48,6 +48,8 @@ def test_missing_data_path_and_preprocess_problems_name_the_flag(tmp_path):
     for missing in ("nope.jsonl", "nope_prefix"):
         with pytest.raises(FileNotFoundError, match=f"--data-path '.*{missing}': no such file"):
             FileSFTDataset(str(tmp_path / missing), None, 16, seed=0)
+    with pytest.raises(ValueError, match="--data-path .* is a folder"):
+        FileSFTDataset(str(tmp_path), None, 16, seed=0)
     data = _jsonl(tmp_path / "d.jsonl", [json.dumps({"text": "hi"})])
     with pytest.raises(FileNotFoundError, match="--output-prefix .*the folder .*no_dir.* does not"):
         preprocess(["--input", data, "--output-prefix", str(tmp_path / "no_dir" / "out")])
@@ -64,6 +66,9 @@ def test_missing_data_path_and_preprocess_problems_name_the_flag(tmp_path):
     bad = _jsonl(tmp_path / "bad.jsonl", ["", "{x"])
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
         preprocess(["--input", bad, "--output-prefix", str(tmp_path / "o")])
+    (tmp_path / "bin.jsonl").write_bytes(b'{"text": "a"}\n{"text": "\xff"}\n')
+    with pytest.raises(ValueError, match=r"bin.jsonl:2: not UTF-8 text"):
+        preprocess(["--input", str(tmp_path / "bin.jsonl"), "--output-prefix", str(tmp_path / "o")])
     tok = tmp_path / "tokenizer.json"
     tok.write_text('{"version": "1.0", "truncation": null, "model": {')
     with pytest.raises(ValueError, match=r"tokenizer.json: not a valid"):
@@ -124,7 +129,40 @@ def test_eod_token_chooses_the_end_of_document_id(tmp_path):
     assert default[0]["tokens"].tolist() == [3, 3, 1, 0]
     chosen = FileSFTDataset(path, str(tmp_path), 4, seed=0, eod_token="</doc>")
     assert chosen.eod == 4 and chosen[0]["tokens"].tolist() == [3, 3, 4, 0]
+    (prefix,) = preprocess(
+        ["--input", path, "--output-prefix", str(tmp_path / "p"), "--append-eod",
+         "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path),
+         "--eod-token", "</doc>"]
+    )  # fmt: skip
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    assert IndexedDataset(prefix)[0].tolist() == [3, 3, 4]
     with pytest.raises(ValueError, match="--eod-token '<nope>': not a token of"):
         FileSFTDataset(path, str(tmp_path), 4, seed=0, eod_token="<nope>")
     with pytest.raises(ValueError, match="--eod-token '</doc>': the byte-level"):
         FileSFTDataset(path, None, 4, seed=0, eod_token="</doc>")
+
+
+def test_plain_records_start_with_the_tokenizers_own_prefix(tmp_path):
+    """A tokenizer whose post-processor puts BOS before a text (Llama style): plain-text
+    records start with it, as tokenizer(text) gives, and it is never trained."""
+    tokenizers = pytest.importorskip("tokenizers", reason="the tokenizers package is not installed")
+    vocab = {"<pad>": 0, "</s>": 1, "<s>": 2, "[UNK]": 3, "hi": 4, "yo": 5}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 2)]
+    )
+    tok.save(str(tmp_path / "tokenizer.json"))
+    assert tok.encode("hi yo").ids == [2, 4, 5]
+    path = _jsonl(
+        tmp_path / "d.jsonl",
+        [json.dumps({"text": "hi yo"}), json.dumps({"prompt": "hi", "completion": "yo"})],
+    )
+    dataset = FileSFTDataset(path, str(tmp_path), 5, seed=0)
+    for i in range(2):  # both records read <s> hi yo </s>
+        assert dataset[i]["tokens"].tolist() == [2, 4, 5, 1, 0]
+        assert dataset[i]["labels"].tolist()[:3] == [4, 5, 1]
+    masks = sorted(dataset[i]["loss_mask"].tolist() for i in range(2))
+    # prompt/completion trains yo and </s>; text trains every label; <s> is never a label
+    assert masks == [[0.0, 1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0, 0.0]]

@@ -36,11 +36,13 @@ def reference_attention(
     cu_seqlens: Optional[Sequence[int]] = None,
     cu_seqlens_padded: Optional[Sequence[int]] = None,
     softmax_scale: Optional[float] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """Causal attention of whole [s, b, np, d] / [s, b, ng, d] sequences, natural order.
 
     With document offsets: position i sees j <= i of its own padded document only; rows at or
-    past a document's real length, and rows after the last document, are 0.
+    past a document's real length, and rows after the last document, are 0. With ``window``:
+    only j >= i - window as well (sliding-window attention).
     """
     s = query.shape[0]
     rep = query.shape[2] // key.shape[2]
@@ -49,6 +51,8 @@ def reference_attention(
     v = value.permute(1, 2, 0, 3).repeat_interleave(rep, dim=1)
     pos = torch.arange(s)
     allowed = pos.unsqueeze(0) <= pos.unsqueeze(1)
+    if window is not None:
+        allowed = allowed & (pos.unsqueeze(1) - pos.unsqueeze(0) <= window)
     valid = torch.ones(s, dtype=torch.bool)
     if cu_seqlens is not None:
         padded = list(cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens)

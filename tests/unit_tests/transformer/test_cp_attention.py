@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import megatron.core.transformer.cp_attention.kernels as fk
+import megatron.core.transformer.cp_attention.varlen as fv
 from megatron.core.context_parallel import cp_shard_positions, thd_partitioned_indices
 from megatron.core.device import comm_device
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -563,28 +564,28 @@ def test_varlen_falls_back_to_the_loop_when_the_op_fails(monkeypatch):
     def broken(*args):
         raise RuntimeError("no kernel image for this device")
 
-    monkeypatch.setattr(fk, "_VARLEN_FAILED", [])
-    monkeypatch.setattr(fk, "_flash_varlen_forward", broken)
-    monkeypatch.setattr(fk, "_use_varlen", lambda query, cu: not fk._VARLEN_FAILED)
+    monkeypatch.setattr(fv, "_VARLEN_FAILED", [])
+    monkeypatch.setattr(fv, "_flash_varlen_forward", broken)
+    monkeypatch.setattr(fv, "_use_varlen", lambda query, cu: not fv._VARLEN_FAILED)
     gen = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(12, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3))
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
     with pytest.warns(UserWarning, match="flash varlen attention failed"):
-        out, lse = fk.varlen_forward(q, k, v, cu, cu, 7, 7, True, 0.5)
-    assert fk._VARLEN_FAILED and not fk._use_varlen(q, cu)
-    monkeypatch.setattr(fk, "_VARLEN_FAILED", ["off"])
-    expected, _ = fk.varlen_forward(q, k, v, cu, cu, 7, 7, True, 0.5)
+        out, lse = fv.varlen_forward(q, k, v, cu, cu, 7, 7, True, 0.5)
+    assert fv._VARLEN_FAILED and not fv._use_varlen(q, cu)
+    monkeypatch.setattr(fv, "_VARLEN_FAILED", ["off"])
+    expected, _ = fv.varlen_forward(q, k, v, cu, cu, 7, 7, True, 0.5)
     assert torch.equal(out, expected)
 
     def oom(*args):
         raise torch.cuda.OutOfMemoryError("out of memory")
 
     with pytest.raises(torch.cuda.OutOfMemoryError):
-        fk._guarded_varlen(oom)
+        fv._guarded_varlen(oom)
 
 
 needs_cuda_varlen = pytest.mark.skipif(
-    not (torch.cuda.is_available() and fk.varlen_available()),
+    not (torch.cuda.is_available() and fv.varlen_available()),
     reason="needs a CUDA device with the flash varlen op (H200 run: docs/performance.md)",
 )
 
@@ -602,13 +603,13 @@ def test_varlen_rows_past_the_last_sequence_are_empty():
     cu = torch.tensor([0, 9, 30], dtype=torch.int32, device="cuda")
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out, lse = fk.varlen_forward(q, k, v, cu, cu, 21, 21, True, 0.125)
+        out, lse = fv.varlen_forward(q, k, v, cu, cu, 21, 21, True, 0.125)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert not fk._VARLEN_FAILED
+    assert not fv._VARLEN_FAILED
     assert torch.equal(out[30:], torch.zeros_like(out[30:]))
     assert torch.equal(lse[:, 30:], torch.full_like(lse[:, 30:], -math.inf))
-    loop_out, loop_lse = fk.varlen_forward(
+    loop_out, loop_lse = fv.varlen_forward(
         q.double(), k.double(), v.double(), cu, cu, 21, 21, True, 0.125
     )
     torch.testing.assert_close(out[:30].double(), loop_out[:30], rtol=0, atol=2e-2)

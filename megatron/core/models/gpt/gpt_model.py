@@ -41,13 +41,17 @@ class GPTModel(MegatronModule):
     Chunk ``vp_stage`` on pipeline rank p is virtual stage vp_stage * PP + p and holds the
     global layers [stage * L / (PP * V), (stage + 1) * L / (PP * V)).
 
-    Parameters (``config.init_method`` is not used): norm weights 1, biases 0, every other
-    weight Normal(0, init_method_std), drawn in float32 on CPU as the full (unsharded) tensor
-    from the generator of (``seed``, its name in the one-chunk model), then sliced to this TP
-    rank's shard (``partition_dim``, ``partition_stride``). A tied output weight on a later
-    stage is the word embeddings' tensor. Extras of this core (keyword-only): ``seed``, and
-    ``pp_rank`` (the pipeline rank, overriding ``pg_collection.pp``: several stages built in
-    one process).
+    Parameters: norm weights 1, biases 0; every other weight is built as the full
+    (unsharded) float32 CPU tensor by its config init method, ``embedding_init_method`` for
+    the word and position embeddings, ``output_layer_init_method`` for the attention
+    projection and MLP fc2, ``init_method`` for the rest (megatron-core's roles; defaults
+    Normal(0, std) and Normal(0, std / sqrt(2 L)), see ``TransformerConfig``), with the CPU
+    generator seeded from (``seed``, its name in the one-chunk model), then sliced to this TP
+    rank's shard (``partition_dim``, ``partition_stride``); with
+    ``config.perform_initialization=False`` they are left as allocated (for a caller that
+    loads weights). A tied output weight on a later stage is the word embeddings' tensor.
+    Extras of this core (keyword-only): ``seed``, and ``pp_rank`` (the pipeline rank,
+    overriding ``pg_collection.pp``: several stages built in one process).
 
     Sequence parallelism: activations between the TP regions are sharded along s over TP;
     every parameter of the decoder that is not TP-split gets ``param.sequence_parallel =
@@ -170,7 +174,8 @@ class GPTModel(MegatronModule):
         self.to(
             torch.device("cpu") if config.use_cpu_initialization else comm_device(self.tp_group)
         )
-        self._initialize_parameters(seed)
+        if config.perform_initialization:
+            self._initialize_parameters(seed)
         self._mark_sequence_parallel_parameters()
         if share_embeddings_and_output_weights and (pre_process or post_process):
             self.shared_embedding_or_output_weight().shared_embedding = True
@@ -343,10 +348,10 @@ class GPTModel(MegatronModule):
 
     @torch.no_grad()
     def _initialize_parameters(self, seed: int) -> None:
-        """Fill every parameter with its shard of the full tensor seeded by (seed, name)."""
+        """Fill every parameter with its shard of the full tensor its init method builds from
+        the (seed, name) stream."""
         norms = (torch.nn.LayerNorm, torch.nn.RMSNorm)
         tp_size, tp_rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
-        std = self.config.init_method_std
         for module_name, module in self.named_modules():
             for param_name, param in module.named_parameters(recurse=False):
                 name = self._reference_name(f"{module_name}.{param_name}")
@@ -355,7 +360,8 @@ class GPTModel(MegatronModule):
                 elif param_name == "bias":
                     param.zero_()
                 else:
-                    full = seeded_normal(_full_shape(param, tp_size), seed, name, std)
+                    method = _init_method_for(name, self.config)
+                    full = seeded_init(_full_shape(param, tp_size), seed, name, method)
                     param.copy_(tp_shard(full, param, tp_size, tp_rank))
 
     def _reference_name(self, name: str) -> str:
@@ -383,9 +389,37 @@ def seeded_normal(shape, seed: int, name: str, std: float) -> Tensor:
     """Normal(0, std) values of ``shape`` drawn in float32 on CPU from the (seed, name)
     stream: the same whatever the layout, dtype or device."""
     generator = torch.Generator(device="cpu")
-    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
-    generator.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    generator.manual_seed(_stream_seed(seed, name))
     return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+
+
+def seeded_init(shape, seed: int, name: str, init_method) -> Tensor:
+    """The full float32 CPU tensor of ``shape`` that ``init_method`` fills while the CPU
+    generator is seeded from the (seed, name) stream (the caller's generator state is put
+    back). For ``init_method_normal(std)`` these are ``seeded_normal``'s values."""
+    full = torch.empty(shape, dtype=torch.float32)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_stream_seed(seed, name))
+        init_method(full)
+    return full
+
+
+def _stream_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+_OUTPUT_LAYERS = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+_EMBEDDINGS = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
+
+
+def _init_method_for(name: str, config: TransformerConfig):
+    """The config init method of the weight called ``name`` in the one-chunk model."""
+    if name in _EMBEDDINGS:
+        return config.embedding_init_method
+    if name.endswith(_OUTPUT_LAYERS):
+        return config.output_layer_init_method
+    return config.init_method
 
 
 def tp_shard(full: Tensor, param: Tensor, tp_size: int, tp_rank: int) -> Tensor:

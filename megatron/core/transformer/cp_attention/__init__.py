@@ -31,9 +31,22 @@ Modules, top down: ``api`` (the entry point and its checks), ``registry`` and ``
 strategy), ``local`` (a whole sequence on one rank), ``blocks`` (kernel calls on plan parts,
 merged by log-sum-exp), ``plans`` (how a sequence is cut into kernel calls, and their cache),
 ``rescale`` (bf16 through the fp16 kernels), ``collectives`` (every collective of the
-package), ``kernels`` (the attention kernels with their log-sum-exp).
+package), ``kernel_choice`` (which kernel runs: config, PyTorch's default, environment
+override), ``kernels`` (the attention kernels with their log-sum-exp).
 """
 
-from megatron.core.transformer.cp_attention.api import context_parallel_attention
+from megatron.core.transformer.cp_attention.api import (
+    check_window_size,
+    context_parallel_attention,
+)
+from megatron.core.transformer.cp_attention.kernel_choice import (
+    check_backend_window,
+    kernel_for_backend,
+)
 
-__all__ = ["context_parallel_attention"]
+__all__ = [
+    "context_parallel_attention",
+    "check_window_size",
+    "check_backend_window",
+    "kernel_for_backend",
+]

@@ -13,9 +13,8 @@ import math
 from typing import List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
-from megatron.core.context_parallel import cp_size_and_rank
+from megatron.core.process_groups_config import get_pg_rank, get_pg_size
 from megatron.core.transformer.cp_attention import kernels as fk
 from megatron.core.transformer.cp_attention.blocks import (
     Accumulator,
@@ -39,7 +38,7 @@ from megatron.core.transformer.cp_attention.strategy import AttentionCall, Strat
 
 def all_gather_attention(query, key, value, group, call: AttentionCall) -> torch.Tensor:
     """All-gather CP attention of this rank's shard over ``group`` (C > 1)."""
-    cp_size, cp_rank = cp_size_and_rank(group)
+    cp_size, cp_rank = get_pg_size(group), get_pg_rank(group)
     plan = block_plan(query.shape[0], cp_size, cp_rank, call.packed, query.device)
     gathered_bytes = 2 * key.numel() * key.element_size() * cp_size
     groups = head_groups(key.shape[2], call.num_head_groups, gathered_bytes)
@@ -83,7 +82,7 @@ class AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, group, plan: BlockPlan, kernel: Kernel, head_groups):
-        world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+        world, rank = get_pg_size(group), get_pg_rank(group)
         s_local, rep = query.shape[0], query.shape[2] // key.shape[2]
         rescale = Rescale.for_inputs(query, key, value, group)
         kv_local = rescale.key_values(key, value)  # [K | V] heads: what the gather sends
@@ -95,7 +94,7 @@ class AllGatherAttention(torch.autograd.Function):
             q_h, acc_h = heads_of(q, heads), acc.heads(heads)
             # the local block needs no communication: it runs while the gather is in flight
             forward_block(plan.local, q_h, own.heads(kv_heads), kernel, acc_h, first=True)
-            kv = pending.result()
+            kv = pending.wait()
             if i + 1 < len(head_groups):
                 pending = start_gather(kv_local, head_groups[i + 1], group)
             for source in range(world):
@@ -114,7 +113,7 @@ class AllGatherAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, kv_local, out, lse = ctx.saved_tensors
         group, plan, kernel, dtype = ctx.group, ctx.plan, ctx.kernel, ctx.dtype
-        world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+        world, rank = get_pg_size(group), get_pg_rank(group)
         pending = start_gather(kv_local, ctx.head_groups[0], group)
         own = KeyValues(*kv_local.chunk(2, dim=2))
         do, o, factors = kernel_grad_inputs(
@@ -134,7 +133,7 @@ class AllGatherAttention(torch.autograd.Function):
             # and value gradients wait for the other ranks' sums to be added in one pass.
             if i == 0 and last > 0:
                 local_grads.append(block_grads(plan.local, side_h, own_h, kernel, factors))
-            kv = pending.result()
+            kv = pending.wait()
             if i + 1 < len(ctx.head_groups):
                 pending = start_gather(kv_local, ctx.head_groups[i + 1], group)
             dkv = torch.zeros(kv.shape, device=kv.device, dtype=acc)
@@ -150,7 +149,7 @@ class AllGatherAttention(torch.autograd.Function):
             if i > 0 or last == 0:
                 local_grads.append(block_grads(plan.local, side_h, own_h, kernel, factors))
         for (h0, h1), reduction, (gk, gv) in zip(ctx.head_groups, reductions, local_grads):
-            dk_in, dv_in = reduction.result().chunk(2, dim=2)
+            dk_in, dv_in = reduction.wait().chunk(2, dim=2)
             add_scaled(dk[:, :, h0:h1], dk_in, gk, factors.dk)
             add_scaled(dv[:, :, h0:h1], dv_in, gv, factors.dv)
         return side.dq.to(dtype), dk, dv, None, None, None, None

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron.core.context_parallel import cp_size_and_rank
+from megatron.core.process_groups_config import get_pg_rank, get_pg_size
 from megatron.core.transformer.cp_attention.collectives import HeadsToSeq, SeqToHeads
 from megatron.core.transformer.cp_attention.local import local_attention
 from megatron.core.transformer.cp_attention.plans import exchange_order
@@ -43,12 +43,13 @@ def validate_hierarchical(query: torch.Tensor, key: torch.Tensor, groups) -> Non
     _check_heads(query, key, groups[0], "a2a+p2p")
 
 
-STRATEGY = Strategy("a2a", a2a_attention, validate_a2a)
+# a2a attends the whole sequence on each rank: a sliding window is the local one, exactly.
+STRATEGY = Strategy("a2a", a2a_attention, validate_a2a, sliding_window=True)
 HIERARCHICAL = Strategy("a2a+p2p", hierarchical_attention, validate_hierarchical, group_pair=True)
 
 
 def _check_heads(query, key, group, name: str) -> None:
-    a2a_size = cp_size_and_rank(group)[0]
+    a2a_size = get_pg_size(group)
     n_q, n_kv = query.shape[2], key.shape[2]
     if n_q % a2a_size or n_kv % a2a_size:
         raise ValueError(
@@ -67,8 +68,8 @@ def _all_to_all_attention(
     they are ring rank j's load-balanced shard of the sequence split over the ring's P
     ranks (``exchange_order``), and the load-balanced ring attends them for n/A heads.
     """
-    a2a_size = dist.get_world_size(group=group)
-    ring_size, ring_rank = cp_size_and_rank(ring)
+    a2a_size = get_pg_size(group)
+    ring_size, ring_rank = get_pg_size(ring), get_pg_rank(ring)
     n_kv = key.shape[2]
     s_local = query.shape[0]
     order, back = exchange_order(s_local, a2a_size, ring_size, ring_rank, call.packed, query.device)

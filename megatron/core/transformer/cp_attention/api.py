@@ -1,13 +1,14 @@
 """``context_parallel_attention``: the entry point the model calls, its checks and dispatch."""
 
 import math
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
+from megatron.core import config_rules
 from megatron.core.config_rules import CP_COMM_TYPES
-from megatron.core.context_parallel import cp_size_and_rank
+from megatron.core.process_groups_config import get_pg_size
 from megatron.core.transformer.cp_attention.blocks import Kernel
 from megatron.core.transformer.cp_attention.local import local_attention
 from megatron.core.transformer.cp_attention.registry import STRATEGIES
@@ -25,6 +26,7 @@ def context_parallel_attention(
     packed_seq_params=None,
     kernel: Optional[str] = None,
     num_head_groups: Optional[int] = None,
+    window_size: Optional[Tuple[int, int]] = None,
 ) -> torch.Tensor:
     """Causal attention of this CP rank's queries over the whole sequence.
 
@@ -46,15 +48,42 @@ def context_parallel_attention(
     and they pass no gradient. ``kernel`` picks the attention kernel (see
     ``cp_attention.kernels``); ``num_head_groups`` how many K/V head groups the all-gather
     is split into (default: one, unless the gathered K/V would exceed 2 GiB; see
-    ``all_gather.head_groups``).
+    ``all_gather.head_groups``). ``window_size`` (megatron-core's (left, right); right 0 or
+    -1): sliding-window attention, query i sees keys i - left .. i (of its own document);
+    at C = 1 and with a2a (``check_window_size`` says which settings can have one).
     """
     strategy = _check_arguments(query, key, value, cp_comm_type, cp_group, packed_seq_params)
+    cp_size = 0 if strategy.group_pair else get_pg_size(cp_group)
+    window = check_window_size(window_size, strategy.name, cp_size)
     strategy.validate(query, key, cp_group)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(query.shape[-1])
-    call = AttentionCall(Kernel(kernel, scale), packed_seq_params, num_head_groups)
-    if not strategy.group_pair and cp_size_and_rank(cp_group)[0] == 1:
+    call = AttentionCall(Kernel(kernel, scale, window), packed_seq_params, num_head_groups)
+    if cp_size == 1:
         return local_attention(query, key, value, packed_seq_params, call.kernel)
     return strategy.run(query, key, value, cp_group, call)
+
+
+def check_window_size(window_size, cp_comm_type: Optional[str], cp_size: int) -> Optional[int]:
+    """How many earlier keys a query sees under ``window_size`` (None: all), or a ValueError
+    naming the settings when ``cp_comm_type`` at ``cp_size`` ranks (0: unknown, for group
+    pairs) cannot compute it exactly: every strategy can at C = 1, at C > 1 only those
+    registered with ``sliding_window``."""
+    if not config_rules.window_size_valid(window_size):
+        raise ValueError(
+            "context_parallel_attention: window_size must be None or (left, right) with left "
+            f">= 0 (or -1: no limit) and right 0 or -1, got {window_size!r}"
+        )
+    window = config_rules.window_left(window_size)
+    name = "all_gather" if cp_comm_type is None else cp_comm_type
+    if window is not None and cp_size != 1 and not STRATEGIES[name].sliding_window:
+        able = [s.name for s in STRATEGIES.values() if s.sliding_window]
+        raise ValueError(
+            f"window_size={tuple(window_size)!r} (sliding-window attention) is implemented at "
+            f"context_parallel_size 1 and with cp_comm_type in {able}; got "
+            f"cp_comm_type={name!r} at context_parallel_size "
+            f"{cp_size if cp_size else '> 1 (hierarchical)'}"
+        )
+    return window
 
 
 def _check_arguments(query, key, value, cp_comm_type, cp_group, packed) -> Strategy:
@@ -88,6 +117,19 @@ def _check_arguments(query, key, value, cp_comm_type, cp_group, packed) -> Strat
             "context_parallel_attention: query must be [s, b, np, d] and key/value [s, b, ng, d] "
             f"of equal shapes, got {tuple(query.shape)}, {tuple(key.shape)}, "
             f"{tuple(value.shape)}"
+        )
+    dtypes = {name: x.dtype for name, x in (("query", query), ("key", key), ("value", value))}
+    if len(set(dtypes.values())) != 1 or not query.dtype.is_floating_point:
+        raise ValueError(
+            "context_parallel_attention: query, key and value must have one floating-point "
+            "dtype, got "
+            + ", ".join(f"{n} {str(t).replace('torch.', '')}" for n, t in dtypes.items())
+        )
+    devices = {name: x.device for name, x in (("query", query), ("key", key), ("value", value))}
+    if len(set(devices.values())) != 1:
+        raise ValueError(
+            "context_parallel_attention: query, key and value must be on one device, got "
+            + ", ".join(f"{n} {d}" for n, d in devices.items())
         )
     s, b, n_q, d = query.shape
     if key.shape[0] != s or key.shape[1] != b or key.shape[3] != d or n_q % key.shape[2]:

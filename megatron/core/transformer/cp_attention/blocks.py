@@ -12,17 +12,20 @@ from typing import Optional, Tuple
 import torch
 
 from megatron.core.transformer.cp_attention import kernels as fk
+from megatron.core.transformer.cp_attention import varlen
 from megatron.core.transformer.cp_attention.plans import Part, Rows
 from megatron.core.transformer.cp_attention.rescale import Factor, GradFactors
 
 
 @dataclass(frozen=True)
 class Kernel:
-    """How every block of a call is computed: the kernel (``kernels``' names; None: the
-    default for the tensors) and the softmax scale."""
+    """How every block of a call is computed: the kernel (``kernels``' names; None or
+    "auto": the default for the tensors), the softmax scale and the sliding window (how many
+    earlier keys a query sees; None: all)."""
 
     name: Optional[str]
     scale: float
+    window: Optional[int] = None
 
 
 @dataclass
@@ -72,10 +75,12 @@ class QuerySide:
 def attend(part: Part, q, k, v, kernel: Kernel) -> Tuple[torch.Tensor, torch.Tensor]:
     """Kernel forward on [rows, b, n, d] tensors -> (out [rows, b, n, d], lse [b, n, rows])."""
     if part.cu_q is None:
-        return fk.attention_forward(q, k, v, part.causal, kernel.scale, kernel.name, layout="sbnd")
-    out, lse = fk.varlen_forward(
+        return fk.attention_forward(
+            q, k, v, part.causal, kernel.scale, kernel.name, layout="sbnd", window=kernel.window
+        )
+    out, lse = varlen.varlen_forward(
         q[:, 0], k[:, 0], v[:, 0], part.cu_q, part.cu_k, part.max_q, part.max_k, part.causal,
-        kernel.scale, kernel.name,
+        kernel.scale, kernel.name, kernel.window,
     )  # fmt: skip
     return out.unsqueeze(1), lse.unsqueeze(0)
 
@@ -84,11 +89,12 @@ def attend_backward(part: Part, dout, q, k, v, out, lse, kernel: Kernel):
     """Kernel backward on [rows, b, n, d] tensors -> (dq, dk, dv) in the same layout."""
     if part.cu_q is None:
         return fk.attention_backward(
-            dout, q, k, v, out, lse, part.causal, kernel.scale, kernel.name, layout="sbnd"
-        )
-    grads = fk.varlen_backward(
+            dout, q, k, v, out, lse, part.causal, kernel.scale, kernel.name, layout="sbnd",
+            window=kernel.window,
+        )  # fmt: skip
+    grads = varlen.varlen_backward(
         dout[:, 0], q[:, 0], k[:, 0], v[:, 0], out[:, 0], lse[0], part.cu_q, part.cu_k,
-        part.max_q, part.max_k, part.causal, kernel.scale, kernel.name,
+        part.max_q, part.max_k, part.causal, kernel.scale, kernel.name, kernel.window,
     )  # fmt: skip
     return tuple(g.unsqueeze(1) for g in grads)
 

@@ -12,8 +12,7 @@ This module wraps those ops behind one calling convention:
   ``out`` and ``lse`` may be the *merged* results of several blocks: the kernels rebuild
   P = exp(scale * Q K^T - lse) and D = rowsum(dout * out) from them, so each block then gets
   exactly its share of the gradient of the merged attention;
-- ``varlen_forward`` / ``varlen_backward`` for packed sequences ([t, n, d] with cumulative
-  sequence lengths), each sequence attended on its own.
+- packed sequences (``varlen_forward`` / ``varlen_backward``) are module ``varlen``'s.
 
 ``causal`` is always bottom-right aligned: query i of s_q attends key j of s_k when
 j <= i + s_k - s_q (the queries are the last s_q positions of the keys' span). Kernels whose
@@ -22,7 +21,8 @@ rectangle split into a mask-free part and a square causal part, merged by LSE. G
 attention (fewer key/value heads) is expanded per call for kernels that lack it, and the key
 and value gradients are summed back over each group in float32.
 
-Kernels (``kernel=`` names, or the ``MEGATRON_ATTENTION_KERNEL`` environment variable):
+Kernels (``kernel=`` names; which one runs by default, and the config and environment
+choices, is ``kernel_choice``'s):
 ``"flash"`` (CUDA: ``aten._scaled_dot_product_flash_attention``; bottom-right causal),
 ``"efficient"`` (CUDA: ``aten._efficient_attention_forward``, custom mask type 2 =
 bottom-right; its LSE is padded along queries to a multiple of 32 and sliced here),
@@ -32,24 +32,16 @@ s_q != s_k is measured once at run time), ``"cpu"`` (CPU:
 ``"math"`` (any device and dtype: one explicit [s_q, s_k] score block per call; the
 fallback on CUDA for what the fused kernels refuse: float64, or a head dimension that is not
 a multiple of 8, such as megatron-core's simple example with hidden 12 and 4 heads).
-Default: ``"flash"`` for half precision on CUDA, ``"efficient"`` for float32 on CUDA (both
-with head dimensions a multiple of 8), ``"math"`` for other CUDA inputs, ``"cpu"`` on CPU.
-Varlen (packed sequences, whichever dense kernel is chosen): CUDA half precision uses
-``aten._flash_attention_forward`` with cumulative lengths where the installed torch has it
-(detected at run time; if it raises, a warning and this process falls back); otherwise a
-loop over sequences with the dense kernel.
 """
 
 import functools
 import math
-import os
-import warnings
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
-KERNELS = ("flash", "efficient", "cudnn", "cpu", "math")
+from megatron.core.transformer.cp_attention.kernel_choice import resolve_kernel
 
 
 def attention_forward(
@@ -60,6 +52,7 @@ def attention_forward(
     scale: float,
     kernel: Optional[str] = None,
     layout: str = "bsnd",
+    window: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """softmax(scale * Q K^T [+ causal mask]) V and its LSE, for [b, s, n, d] inputs.
 
@@ -67,8 +60,10 @@ def attention_forward(
     A causal block needs s_q <= s_k (bottom-right alignment). Rows without keys (s_k = 0)
     get out = 0 and lse = -inf. ``layout``: inputs and ``out`` are [s, b, n, d] for "sbnd"
     (megatron's), [b, n, s, d] for "bnsd" (the kernels' own); the LSE is [b, n, s] always.
+    ``window`` (causal only): a sliding window, query i (at key position p = i + s_k - s_q)
+    sees keys p - window .. p.
     """
-    spec = kernel_spec(resolve_kernel(kernel, query))
+    spec = kernel_spec(resolve_kernel(kernel, query, window is not None))
     q, k, v = (_heads_first(x, layout) for x in (query, key, value))
     b, n_q, s_q, d = q.shape
     s_k = k.shape[2]
@@ -82,10 +77,14 @@ def attention_forward(
             (b, n_q, s_q), -math.inf, device=query.device, dtype=acc_dtype(query.dtype)
         )
         return query.new_zeros(query.shape), lse
-    if causal and s_q < s_k and not bottom_right_causal(spec, query.device):
+    if window is not None:
+        _check_window(spec, causal, window)
+        k, v = expand_kv(k, v, n_q, spec)
+        out, lse = spec.window_forward(q, k, v, scale, window)
+    elif causal and s_q < s_k and not bottom_right_causal(spec, query.device):
         out, lse = _split_forward(q, k, v, scale, spec)
     else:
-        k, v = _expand_kv(k, v, n_q, spec)
+        k, v = expand_kv(k, v, n_q, spec)
         out, lse = spec.forward(q, k, v, causal, scale)
     return _from_heads_first(out, layout), lse
 
@@ -101,6 +100,7 @@ def attention_backward(
     scale: float,
     kernel: Optional[str] = None,
     layout: str = "bsnd",
+    window: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of the block (query, key, value) given the final ``out`` and ``lse``.
 
@@ -108,21 +108,30 @@ def attention_backward(
     attention these queries take part in. dk, dv have key's head count; with grouped-query
     attention they are float32 sums over the query heads of each group. ``layout`` as in
     ``attention_forward``. Every row has a key here (s_k > 0, and a causal block is
-    bottom-right), so ``lse`` is finite and goes to the kernel as it is.
+    bottom-right), so ``lse`` is finite and goes to the kernel as it is. ``window`` as in
+    ``attention_forward``.
     """
-    spec = kernel_spec(resolve_kernel(kernel, query))
+    spec = kernel_spec(resolve_kernel(kernel, query, window is not None))
     if query.numel() == 0 or key.numel() == 0:
         return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
     tensors = (grad_out, query, key, value, out)
     do, q, k, v, o = (_heads_first(x, layout) for x in tensors)
     n_q, n_kv = q.shape[1], k.shape[1]
-    if causal and q.shape[2] < k.shape[2] and not bottom_right_causal(spec, query.device):
+    if window is None and causal and q.shape[2] < k.shape[2]:
+        split = not bottom_right_causal(spec, query.device)
+    else:
+        split = False
+    if split:
         dq, dk, dv = _split_backward(do, q, k, v, o, lse, scale, spec)
     else:
-        k_exp, v_exp = _expand_kv(k, v, n_q, spec)
-        dq, dk, dv = spec.backward(do, q, k_exp, v_exp, o, lse, causal, scale)
+        k_exp, v_exp = expand_kv(k, v, n_q, spec)
+        if window is not None:
+            _check_window(spec, causal, window)
+            dq, dk, dv = spec.window_backward(do, q, k_exp, v_exp, o, lse, scale, window)
+        else:
+            dq, dk, dv = spec.backward(do, q, k_exp, v_exp, o, lse, causal, scale)
         if k_exp.shape[1] != n_kv:
-            dk, dv = (_sum_groups(x, n_kv) for x in (dk, dv))
+            dk, dv = (sum_groups(x, n_kv) for x in (dk, dv))
     return tuple(_from_heads_first(x, layout) for x in (dq, dk, dv))
 
 
@@ -143,126 +152,6 @@ def _heads_first(x: torch.Tensor, layout: str) -> torch.Tensor:
 
 def _from_heads_first(x: torch.Tensor, layout: str) -> torch.Tensor:
     return x.permute(_LAYOUTS[layout][1])
-
-
-def varlen_forward(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    causal: bool,
-    scale: float,
-    kernel: Optional[str] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Attention of packed sequences: query rows cu_q[i]:cu_q[i+1] see key rows
-    cu_k[i]:cu_k[i+1] only (bottom-right causal within each sequence when ``causal``).
-
-    ``query`` [t_q, n_q, d], ``key``/``value`` [t_k, n_kv, d]; returns ``out`` [t_q, n_q, d]
-    and float32 ``lse`` [n_q, t_q]. Rows outside every sequence get out = 0, lse = -inf.
-    """
-    name = resolve_kernel(kernel, query)
-    if _use_varlen(query, cu_seqlens_q):
-        k_exp, v_exp = _expand_kv(key, value, query.shape[1], kernel_spec("flash"))
-        result = _guarded_varlen(
-            _flash_varlen_forward,
-            query,
-            k_exp,
-            v_exp,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
-            causal,
-            scale,
-        )
-        if result is not None:
-            return result
-    out = query.new_zeros(query.shape)
-    lse = torch.full(
-        (query.shape[1], query.shape[0]),
-        -math.inf,
-        device=query.device,
-        dtype=acc_dtype(query.dtype),
-    )
-    for (q0, q1), (k0, k1) in _segments(cu_seqlens_q, cu_seqlens_k):
-        if q1 == q0:
-            continue
-        o, lse_blk = attention_forward(
-            query[q0:q1].unsqueeze(0),
-            key[k0:k1].unsqueeze(0),
-            value[k0:k1].unsqueeze(0),
-            causal,
-            scale,
-            name,
-        )
-        out[q0:q1], lse[:, q0:q1] = o[0], lse_blk[0]
-    return out, lse
-
-
-def varlen_backward(
-    grad_out: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    causal: bool,
-    scale: float,
-    kernel: Optional[str] = None,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of ``varlen_forward``; dk/dv float32 where summed over sequences or groups."""
-    name = resolve_kernel(kernel, query)
-    n_kv = key.shape[1]
-    if _use_varlen(query, cu_seqlens_q):
-        k_exp, v_exp = _expand_kv(key, value, query.shape[1], kernel_spec("flash"))
-        grads = _guarded_varlen(
-            _flash_varlen_backward,
-            grad_out,
-            query,
-            k_exp,
-            v_exp,
-            out,
-            lse,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
-            causal,
-            scale,
-        )
-        if grads is not None:
-            dq, dk, dv = grads
-            if k_exp.shape[1] != n_kv:
-                dk, dv = (_sum_groups(x, n_kv) for x in (dk, dv))
-            return dq, dk, dv
-    dq = torch.zeros_like(query)
-    dk = torch.zeros(key.shape, device=key.device, dtype=acc_dtype(key.dtype))
-    dv = torch.zeros(value.shape, device=value.device, dtype=acc_dtype(value.dtype))
-    for (q0, q1), (k0, k1) in _segments(cu_seqlens_q, cu_seqlens_k):
-        if q1 == q0 or k1 == k0:
-            continue
-        g = attention_backward(
-            grad_out[q0:q1].unsqueeze(0),
-            query[q0:q1].unsqueeze(0),
-            key[k0:k1].unsqueeze(0),
-            value[k0:k1].unsqueeze(0),
-            out[q0:q1].unsqueeze(0),
-            lse[:, q0:q1].unsqueeze(0),
-            causal,
-            scale,
-            name,
-        )
-        dq[q0:q1] = g[0][0]
-        dk[k0:k1] += g[1][0].to(dk.dtype)
-        dv[k0:k1] += g[2][0].to(dv.dtype)
-    return dq, dk, dv
 
 
 # ----------------------------------------------------------------------------- LSE merging
@@ -331,29 +220,24 @@ class KernelSpec:
     backward: object
     bottom_right_causal: Optional[bool]  # None: measured at run time
     native_gqa: bool
+    # causal with a sliding window (q, k, v, scale, window) / (dout, ..., lse, scale, window);
+    # None: the kernel has none here
+    window_forward: object = None
+    window_backward: object = None
 
 
-def resolve_kernel(kernel: Optional[str], like: torch.Tensor) -> str:
-    """The kernel name for tensors like ``like``: explicit, then the environment, then default."""
-    name = kernel or os.environ.get("MEGATRON_ATTENTION_KERNEL") or None
-    if name == "math":
-        return name
-    if like.device.type != "cuda":
-        if name not in (None, "cpu"):
-            raise ValueError(f"attention kernel {name!r} needs CUDA tensors, got {like.device}")
-        return "cpu"
-    if name is None:
-        if like.shape[-1] % 8 != 0 or like.dtype not in _FUSED_DTYPES:
-            return "math"
-        return "flash" if like.dtype in (torch.float16, torch.bfloat16) else "efficient"
-    if name not in KERNELS or name == "cpu":
+def _check_window(spec: KernelSpec, causal: bool, window: int) -> None:
+    if not causal or not isinstance(window, int) or window < 0:
         raise ValueError(
-            f"attention kernel must be one of {KERNELS[:3] + KERNELS[4:]} on CUDA, got {name!r}"
+            f"attention: a sliding window needs a causal block and window >= 0, got "
+            f"causal={causal}, window={window!r}"
         )
-    return name
-
-
-_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+    if spec.window_forward is None:
+        raise ValueError(
+            f"attention kernel {spec.name!r} has no sliding window (window_size); the flash "
+            "kernel (CUDA fp16/bf16), the CPU kernel and 'math' have one (attention_backend "
+            "'flash', 'unfused' or 'auto')"
+        )
 
 
 def bottom_right_causal(spec: KernelSpec, device: torch.device) -> bool:
@@ -383,17 +267,6 @@ def _measure_bottom_right(name: str, device: torch.device) -> bool:
 def kernel_spec(name: str) -> KernelSpec:
     """The ``KernelSpec`` of kernel ``name``."""
     return _SPECS[name]
-
-
-@functools.lru_cache(maxsize=None)
-def varlen_available() -> bool:
-    """Whether this torch has the flash varlen op on a CUDA device (checked once)."""
-    return (
-        torch.cuda.is_available()
-        and hasattr(torch.ops.aten, "_flash_attention_forward")
-        and hasattr(torch.ops.aten, "_flash_attention_backward")
-        and torch.backends.cuda.is_flash_attention_available()
-    )
 
 
 def _flash_forward(q, k, v, causal, scale):
@@ -453,6 +326,63 @@ def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):
     return dq, dk, dv
 
 
+def _window_mask(s_q: int, s_k: int, window: int, dtype, device) -> torch.Tensor:
+    """Additive [s_q, s_k] mask: 0 where query i (key position p = i + s_k - s_q) may see key
+    j, p - window <= j <= p; -inf elsewhere."""
+    return torch.zeros((s_q, s_k), dtype=dtype, device=device).masked_fill_(
+        ~_window_allowed(s_q, s_k, window, device), -math.inf
+    )
+
+
+def _window_allowed(s_q: int, s_k: int, window: Optional[int], device) -> torch.Tensor:
+    """Boolean [s_q, s_k]: bottom-right causal, and within ``window`` keys when given."""
+    rows = torch.arange(s_q, device=device).unsqueeze(1) + (s_k - s_q)
+    cols = torch.arange(s_k, device=device).unsqueeze(0)
+    allowed = cols <= rows
+    if window is not None:
+        allowed &= cols >= rows - window
+    return allowed
+
+
+def _cpu_window_forward(q, k, v, scale, window):
+    """The CPU op with an explicit additive mask ([s_q, s_k]: the CPU op has no window)."""
+    mask = _window_mask(q.shape[2], k.shape[2], window, q.dtype, q.device)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=mask, scale=scale
+    )
+
+
+def _cpu_window_backward(dout, q, k, v, out, lse, scale, window):
+    mask = _window_mask(q.shape[2], k.shape[2], window, q.dtype, q.device)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse.to(acc_dtype(q.dtype)).contiguous(), 0.0, False,
+        attn_mask=mask, scale=scale,
+    )  # fmt: skip
+
+
+def _flash_window_forward(q, k, v, scale, window):
+    """flash-attn's own op (``_flash_attention_forward``, [b, s, n, d]) with its left window;
+    SDPA's flash op has no window argument."""
+    q_t, k_t, v_t = (x.transpose(1, 2) for x in (q, k, v))
+    out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
+        q_t, k_t, v_t, None, None, q.shape[2], k.shape[2], 0.0, True, False, scale=scale,
+        window_size_left=window, window_size_right=0,
+    )  # fmt: skip
+    return out.transpose(1, 2), lse
+
+
+def _flash_window_backward(dout, q, k, v, out, lse, scale, window):
+    state = torch.zeros((2,), dtype=torch.uint64, device=q.device)
+    unused = torch.empty((0,), device=q.device)
+    dout_t, q_t, k_t, v_t, out_t = (x.transpose(1, 2) for x in (dout, q, k, v, out))
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        dout_t.contiguous(), q_t, k_t, v_t, out_t.contiguous(), lse.contiguous(), None, None,
+        q.shape[2], k.shape[2], 0.0, True, state, unused, scale=scale,
+        window_size_left=window, window_size_right=0,
+    )  # fmt: skip
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
 def _cpu_forward(q, k, v, causal, scale):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, causal, scale=scale
@@ -465,19 +395,19 @@ def _cpu_backward(dout, q, k, v, out, lse, causal, scale):
     )
 
 
-def _math_forward(q, k, v, causal, scale):
+def _math_forward(q, k, v, causal, scale, window=None):
     """Explicit block: lse = logsumexp(scale * Q K^T [+ bottom-right mask]), out = P V."""
     qh, kh, vh = (x.to(acc_dtype(q.dtype)) for x in (q, k, v))
-    probs, lse = _math_probs(qh, kh, None, causal, scale)
+    probs, lse = _math_probs(qh, kh, None, causal, scale, window)
     return (probs @ vh).to(q.dtype), lse
 
 
-def _math_backward(dout, q, k, v, out, lse, causal, scale):
+def _math_backward(dout, q, k, v, out, lse, causal, scale, window=None):
     """With P = exp(S - lse) and D = rowsum(dO * O): dS = P (dO V^T - D), dQ = scale dS K,
     dK = scale dS^T Q, dV = P^T dO (``out``/``lse`` may be a merge of several blocks)."""
     dtype = acc_dtype(q.dtype)
     qh, kh, vh, do, oh = (x.to(dtype) for x in (q, k, v, dout, out))
-    probs, _ = _math_probs(qh, kh, lse.to(dtype), causal, scale)
+    probs, _ = _math_probs(qh, kh, lse.to(dtype), causal, scale, window)
     dscores = probs * (do @ vh.transpose(-1, -2) - (do * oh).sum(-1, keepdim=True))
     dq = (dscores @ kh) * scale
     dk = (dscores.transpose(-1, -2) @ qh) * scale
@@ -485,13 +415,12 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale):
     return tuple(g.to(q.dtype) for g in (dq, dk, dv))
 
 
-def _math_probs(qh, kh, lse, causal, scale):
+def _math_probs(qh, kh, lse, causal, scale, window=None):
     """P = exp(S - lse) on [b, n, s_q, s_k] (lse computed here when None) and the lse."""
     scores = (qh @ kh.transpose(-1, -2)) * scale
     if causal:
         s_q, s_k = scores.shape[-2:]
-        rows = torch.arange(s_q, device=scores.device).unsqueeze(1) + (s_k - s_q)
-        allowed = torch.arange(s_k, device=scores.device).unsqueeze(0) <= rows
+        allowed = _window_allowed(s_q, s_k, window, scores.device)
         scores = scores.masked_fill(~allowed, -math.inf)
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)
@@ -515,11 +444,22 @@ def _rng_state(name: str, device: torch.device):
 
 
 _SPECS = {
-    "flash": KernelSpec("flash", _flash_forward, _flash_backward, True, False),
+    "flash": KernelSpec(
+        "flash", _flash_forward, _flash_backward, True, False,
+        _flash_window_forward, _flash_window_backward,
+    ),  # fmt: skip
     "efficient": KernelSpec("efficient", _efficient_forward, _efficient_backward, True, False),
     "cudnn": KernelSpec("cudnn", _cudnn_forward, _cudnn_backward, None, False),
-    "cpu": KernelSpec("cpu", _cpu_forward, _cpu_backward, False, False),
-    "math": KernelSpec("math", _math_forward, _math_backward, True, False),
+    "cpu": KernelSpec(
+        "cpu", _cpu_forward, _cpu_backward, False, False, _cpu_window_forward, _cpu_window_backward
+    ),
+    "math": KernelSpec(
+        "math", _math_forward, _math_backward, True, False,
+        lambda q, k, v, scale, window: _math_forward(q, k, v, True, scale, window),
+        lambda do, q, k, v, o, lse, scale, window: _math_backward(
+            do, q, k, v, o, lse, True, scale, window
+        ),
+    ),  # fmt: skip
 }
 
 
@@ -530,7 +470,7 @@ def _split_forward(q, k, v, scale, spec: KernelSpec):
     """Bottom-right causal with s_q < s_k as a mask-free prefix plus a square causal block
     ([b, n, s, d] tensors)."""
     prefix = k.shape[2] - q.shape[2]
-    k_exp, v_exp = _expand_kv(k, v, q.shape[1], spec)
+    k_exp, v_exp = expand_kv(k, v, q.shape[1], spec)
     out, lse = spec.forward(q, k_exp[:, :, :prefix], v_exp[:, :, :prefix], False, scale)
     acc, acc_lse = out.to(acc_dtype(q.dtype)), lse.to(acc_dtype(q.dtype))
     o2, l2 = spec.forward(q, k_exp[:, :, prefix:], v_exp[:, :, prefix:], True, scale)
@@ -540,7 +480,7 @@ def _split_forward(q, k, v, scale, spec: KernelSpec):
 
 def _split_backward(dout, q, k, v, out, lse, scale, spec: KernelSpec):
     prefix, n_kv = k.shape[2] - q.shape[2], k.shape[1]
-    k_exp, v_exp = _expand_kv(k, v, q.shape[1], spec)
+    k_exp, v_exp = expand_kv(k, v, q.shape[1], spec)
     dq1, dk1, dv1 = spec.backward(
         dout, q, k_exp[:, :, :prefix], v_exp[:, :, :prefix], out, lse, False, scale
     )
@@ -551,11 +491,11 @@ def _split_backward(dout, q, k, v, out, lse, scale, spec: KernelSpec):
     dk = torch.cat([dk1, dk2], dim=2)
     dv = torch.cat([dv1, dv2], dim=2)
     if k_exp.shape[1] != n_kv:
-        dk, dv = _sum_groups(dk, n_kv), _sum_groups(dv, n_kv)
+        dk, dv = sum_groups(dk, n_kv), sum_groups(dv, n_kv)
     return dq, dk, dv
 
 
-def _expand_kv(k, v, n_q: int, spec: KernelSpec, head_dim: int = 1):
+def expand_kv(k, v, n_q: int, spec: KernelSpec, head_dim: int = 1):
     """Repeat each key/value head for its n_q / n_kv query heads (head dim 1 of [b, n, s, d]
     or of [t, n, d]) unless the kernel handles grouped-query attention itself."""
     n_kv = k.shape[head_dim]
@@ -565,83 +505,9 @@ def _expand_kv(k, v, n_q: int, spec: KernelSpec, head_dim: int = 1):
     return (x.repeat_interleave(rep, dim=head_dim) for x in (k, v))
 
 
-def _sum_groups(grad: torch.Tensor, n_kv: int, head_dim: int = 1) -> torch.Tensor:
+def sum_groups(grad: torch.Tensor, n_kv: int, head_dim: int = 1) -> torch.Tensor:
     """Sum a gradient over each group of n_q / n_kv heads (head dim 1 of [b, n_q, s, d] or of
-    [t, n_q, d], as in ``_expand_kv``), in float32."""
+    [t, n_q, d], as in ``expand_kv``), in float32."""
     shape = grad.shape
     groups = shape[:head_dim] + (n_kv, shape[head_dim] // n_kv) + shape[head_dim + 1 :]
     return grad.to(acc_dtype(grad.dtype)).view(groups).sum(dim=head_dim + 1)
-
-
-def _segments(cu_q: torch.Tensor, cu_k: torch.Tensor) -> List[Tuple[Tuple[int, int], ...]]:
-    q, k = cu_q.tolist(), cu_k.tolist()
-    return [((q[i], q[i + 1]), (k[i], k[i + 1])) for i in range(len(q) - 1)]
-
-
-def _use_varlen(query: torch.Tensor, cu_q: torch.Tensor) -> bool:
-    """The flash varlen op serves packed sequences whatever dense kernel is chosen: CUDA,
-    half precision, the op present and not found broken earlier in this process."""
-    return (
-        query.is_cuda
-        and query.dtype in (torch.float16, torch.bfloat16)
-        and query.shape[-1] % 8 == 0
-        and cu_q.device == query.device
-        and varlen_available()
-        and not _VARLEN_FAILED
-    )
-
-
-_VARLEN_FAILED: list = []  # the error that made this process stop using the varlen op
-
-
-def _guarded_varlen(fn, *args):
-    """Run a varlen op; on a RuntimeError other than out-of-memory (an unsupported shape or
-    build), warn once, stop using it in this process and return None (loop fallback)."""
-    try:
-        return fn(*args)
-    except torch.cuda.OutOfMemoryError:
-        raise
-    except RuntimeError as error:
-        _VARLEN_FAILED.append(str(error))
-        warnings.warn(
-            f"flash varlen attention failed ({error}); packed sequences fall back to one "
-            "dense kernel call per document",
-            stacklevel=3,
-        )
-        return None
-
-
-def _flash_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
-    cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
-    out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
-    )
-    # Rows past the last sequence are never written by the kernel. They are found on the
-    # device: reading cu_q[-1] on the host would synchronize every call.
-    past = torch.arange(q.shape[0], device=q.device) >= cu_q[-1]
-    lse = finite_lse(lse.float()).masked_fill_(past, -math.inf)
-    return out.masked_fill_(past.view(-1, 1, 1), 0), lse
-
-
-def _flash_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
-    cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
-    state = torch.zeros((2,), dtype=torch.uint64, device=q.device)
-    unused = torch.empty((0,), device=q.device)
-    dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        dout.contiguous(),
-        q,
-        k,
-        v,
-        out.contiguous(),
-        backward_lse(lse).contiguous(),
-        cu_q,
-        cu_k,
-        max_q,
-        max_k,
-        0.0,
-        causal,
-        state,
-        unused,
-        scale=scale,
-    )
-    return dq, dk, dv

@@ -7,9 +7,8 @@ ring with the K/V, one extra hop bringing them home.
 """
 
 import torch
-import torch.distributed as dist
 
-from megatron.core.context_parallel import cp_size_and_rank
+from megatron.core.process_groups_config import get_pg_rank, get_pg_size
 from megatron.core.transformer.cp_attention import kernels as fk
 from megatron.core.transformer.cp_attention.blocks import (
     Accumulator,
@@ -30,7 +29,7 @@ from megatron.core.transformer.cp_attention.strategy import AttentionCall, Strat
 def ring_attention(query, key, value, group, call: AttentionCall) -> torch.Tensor:
     """Ring CP attention of this rank's shard over ``group`` (one rank: local attention;
     a2a+p2p calls it with its ring group)."""
-    cp_size, cp_rank = cp_size_and_rank(group)
+    cp_size, cp_rank = get_pg_size(group), get_pg_rank(group)
     if cp_size == 1:
         return local_attention(query, key, value, call.packed, call.kernel)
     plan = block_plan(query.shape[0], cp_size, cp_rank, call.packed, query.device)
@@ -50,7 +49,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, group, plan: BlockPlan, kernel: Kernel):
-        world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+        world, rank = get_pg_size(group), get_pg_rank(group)
         n_kv = key.shape[2]
         rescale = Rescale.for_inputs(query, key, value, group)
         q, kv_local = rescale.query(query), rescale.key_values(key, value)
@@ -62,7 +61,7 @@ class RingAttention(torch.autograd.Function):
             source = KeyValues(*kv.split(n_kv, dim=2))
             forward_block(part, q, source, kernel, acc, first=step == 0)
             if exchange is not None:
-                kv = exchange.result()
+                kv = exchange.wait()
         out = rescale.output(acc.out, query.dtype, plan.valid)
         ctx.save_for_backward(q, kv_local, out, acc.lse)  # fp16 when rescaled
         ctx.group, ctx.plan, ctx.kernel, ctx.rescale = group, plan, kernel, rescale
@@ -73,7 +72,7 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, kv, out, lse = ctx.saved_tensors
         group, plan, kernel, dtype = ctx.group, ctx.plan, ctx.kernel, ctx.dtype
-        world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+        world, rank = get_pg_size(group), get_pg_rank(group)
         n_kv = kv.shape[2] // 2
         do, o, factors = kernel_grad_inputs(
             grad_out, out, q, kv[:, :, :n_kv], plan.valid, kernel.scale, ctx.rescale
@@ -87,13 +86,13 @@ class RingAttention(torch.autograd.Function):
             part = plan.part((rank - step) % world, rank)
             gk, gv = block_grads(part, side, KeyValues(*kv.split(n_kv, dim=2)), kernel, factors)
             if dkv_exchange is not None:  # the gradient buffer arrives while computing
-                dkv = dkv_exchange.result()
+                dkv = dkv_exchange.wait()
             dk_src, dv_src = dkv.split(n_kv, dim=2)
             add_rows(dk_src, part.k_rows, gk, factors.dk)
             add_rows(dv_src, part.k_rows, gv, factors.dv)
             dkv_exchange = ring_exchange(dkv, group, tag=2)
             if exchange is not None:
-                kv = exchange.result()
-        dk, dv = dkv_exchange.result().split(n_kv, dim=2)  # after C hops: this rank's own
+                kv = exchange.wait()
+        dk, dv = dkv_exchange.wait().split(n_kv, dim=2)  # after C hops: this rank's own
         dq, dk, dv = (x.to(dtype) for x in (side.dq, dk, dv))
         return dq, dk, dv, None, None, None

@@ -31,10 +31,12 @@ class Strategy:
     shard; it is called with a CP group of at least two ranks (C = 1 is plain local
     attention), except for strategies with ``group_pair`` (given [all-to-all group, ring
     group]), which get every call. ``validate(query, key, cp_group)`` raises a ValueError
-    naming what does not fit, before any collective.
+    naming what does not fit, before any collective. ``sliding_window``: the strategy
+    computes ``window_size`` exactly at C > 1 (every strategy does at C = 1).
     """
 
     name: str
     run: Callable[..., torch.Tensor]
     validate: Callable[[torch.Tensor, torch.Tensor, object], None]
     group_pair: bool = False
+    sliding_window: bool = False

@@ -31,11 +31,15 @@ HuggingFace renders templates), the ``tojson`` filter, and ``raise_exception`` /
 
 import datetime
 import json
+import re
 from functools import lru_cache
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy
+
 _OPEN, _CLOSE = "\ue000", "\ue001"  # sentinels around {% generation %} output
 ROLES = ("system", "user", "assistant", "tool")
+_GENERATION_TAG = re.compile(r"{%[-+]?\s*generation\s*[-+]?%}")
 
 Message = Dict[str, Any]
 
@@ -60,11 +64,23 @@ def tokenize_conversation(
     variables = dict(getattr(tokenizer, "special_tokens", {}))
     text, spans = render_with_assistant_spans(template, messages, variables)
     ids, offsets = tokenizer.encode_with_offsets(text)
-    mask = [0] * len(ids)
-    for i, (a, b) in enumerate(offsets):
-        if any(a < end and b > start for start, end in spans):
-            mask[i] = 1
-    return list(ids), mask
+    bounds = numpy.asarray(offsets, dtype=numpy.int64).reshape(-1, 2)
+    mask = numpy.zeros(len(ids), dtype=bool)
+    for start, end in spans:
+        mask |= (bounds[:, 0] < end) & (bounds[:, 1] > start)
+    return list(ids), mask.astype(int).tolist()
+
+
+def render_chat(
+    template: str,
+    messages: Sequence[Message],
+    variables: Optional[Dict[str, Any]] = None,
+    add_generation_prompt: bool = False,
+) -> str:
+    """``messages`` rendered with ``template`` (``variables``: ``bos_token`` etc.)."""
+    _check_messages(messages, need_assistant=False)
+    compiled = _compile(template)
+    return _render(compiled, messages, add_generation_prompt, dict(variables or {}))
 
 
 def render_with_assistant_spans(
@@ -73,7 +89,7 @@ def render_with_assistant_spans(
     """The rendered conversation and the assistant's ``(start, end)`` character spans in it
     (module docstring, step 2)."""
     compiled = _compile(template)
-    if "generation" in template and _has_generation_block(template):
+    if _GENERATION_TAG.search(template):
         return _strip_sentinels(_render(compiled, messages, False, variables, keep_marks=True))
     full = _render(compiled, messages, False, variables)
     spans = []
@@ -133,7 +149,7 @@ def _strip_sentinels(marked: str) -> Tuple[str, List[Tuple[int, int]]]:
     return "".join(out), [(a, b) for a, b in spans if b > a]
 
 
-def _check_messages(messages: Any) -> None:
+def _check_messages(messages: Any, need_assistant: bool = True) -> None:
     if not isinstance(messages, list) or not messages:
         raise ChatTemplateError(
             f"'messages' must be a non-empty list of {{'role', 'content'}} objects, got "
@@ -155,14 +171,8 @@ def _check_messages(messages: Any) -> None:
                 f"messages[{k}]: content holds a private-use character U+E000/U+E001 that the "
                 "renderer reserves"
             )
-    if not any(m["role"] == "assistant" for m in messages):
+    if need_assistant and not any(m["role"] == "assistant" for m in messages):
         raise ChatTemplateError("no 'assistant' message: nothing to train on")
-
-
-def _has_generation_block(template: str) -> bool:
-    import re
-
-    return re.search(r"{%-?\s*generation\s*-?%}", template) is not None
 
 
 @lru_cache(maxsize=8)

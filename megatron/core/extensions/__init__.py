@@ -1,0 +1,1 @@
+"""megatron-core's ``megatron.core.extensions``: optional back ends (none provided here)."""

@@ -1,0 +1,247 @@
+"""Packed sequences on the kernels: each sequence attended on its own, forward and backward.
+
+``varlen_forward`` / ``varlen_backward`` take [t, n, d] tensors with cumulative sequence
+lengths. CUDA half precision uses ``aten._flash_attention_forward`` with cumulative lengths
+where the installed torch has it (detected at run time; if it raises, a warning and this
+process falls back); otherwise a loop over sequences with the dense kernel of ``kernels``.
+"""
+
+import functools
+import math
+import warnings
+from typing import List, Optional, Tuple
+
+import torch
+
+from megatron.core.transformer.cp_attention.kernel_choice import resolve_kernel
+from megatron.core.transformer.cp_attention.kernels import (
+    acc_dtype,
+    attention_backward,
+    attention_forward,
+    backward_lse,
+    expand_kv,
+    finite_lse,
+    kernel_spec,
+    sum_groups,
+)
+
+
+def varlen_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: float,
+    kernel: Optional[str] = None,
+    window: Optional[int] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Attention of packed sequences: query rows cu_q[i]:cu_q[i+1] see key rows
+    cu_k[i]:cu_k[i+1] only (bottom-right causal within each sequence when ``causal``; with
+    ``window``, as in ``attention_forward``, within each sequence).
+
+    ``query`` [t_q, n_q, d], ``key``/``value`` [t_k, n_kv, d]; returns ``out`` [t_q, n_q, d]
+    and float32 ``lse`` [n_q, t_q]. Rows outside every sequence get out = 0, lse = -inf.
+    """
+    name = resolve_kernel(kernel, query, window is not None)
+    if _use_varlen(query, cu_seqlens_q):
+        k_exp, v_exp = expand_kv(key, value, query.shape[1], kernel_spec("flash"))
+        result = _guarded_varlen(
+            _flash_varlen_forward,
+            query,
+            k_exp,
+            v_exp,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            causal,
+            scale,
+            window,
+        )
+        if result is not None:
+            return result
+    out = query.new_zeros(query.shape)
+    lse = torch.full(
+        (query.shape[1], query.shape[0]),
+        -math.inf,
+        device=query.device,
+        dtype=acc_dtype(query.dtype),
+    )
+    for (q0, q1), (k0, k1) in _segments(cu_seqlens_q, cu_seqlens_k):
+        if q1 == q0:
+            continue
+        o, lse_blk = attention_forward(
+            query[q0:q1].unsqueeze(0),
+            key[k0:k1].unsqueeze(0),
+            value[k0:k1].unsqueeze(0),
+            causal,
+            scale,
+            name,
+            window=window,
+        )
+        out[q0:q1], lse[:, q0:q1] = o[0], lse_blk[0]
+    return out, lse
+
+
+def varlen_backward(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: float,
+    kernel: Optional[str] = None,
+    window: Optional[int] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of ``varlen_forward``; dk/dv float32 where summed over sequences or groups."""
+    name = resolve_kernel(kernel, query, window is not None)
+    n_kv = key.shape[1]
+    if _use_varlen(query, cu_seqlens_q):
+        k_exp, v_exp = expand_kv(key, value, query.shape[1], kernel_spec("flash"))
+        grads = _guarded_varlen(
+            _flash_varlen_backward,
+            grad_out,
+            query,
+            k_exp,
+            v_exp,
+            out,
+            lse,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            causal,
+            scale,
+            window,
+        )
+        if grads is not None:
+            dq, dk, dv = grads
+            if k_exp.shape[1] != n_kv:
+                dk, dv = (sum_groups(x, n_kv) for x in (dk, dv))
+            return dq, dk, dv
+    dq = torch.zeros_like(query)
+    dk = torch.zeros(key.shape, device=key.device, dtype=acc_dtype(key.dtype))
+    dv = torch.zeros(value.shape, device=value.device, dtype=acc_dtype(value.dtype))
+    for (q0, q1), (k0, k1) in _segments(cu_seqlens_q, cu_seqlens_k):
+        if q1 == q0 or k1 == k0:
+            continue
+        g = attention_backward(
+            grad_out[q0:q1].unsqueeze(0),
+            query[q0:q1].unsqueeze(0),
+            key[k0:k1].unsqueeze(0),
+            value[k0:k1].unsqueeze(0),
+            out[q0:q1].unsqueeze(0),
+            lse[:, q0:q1].unsqueeze(0),
+            causal,
+            scale,
+            name,
+            window=window,
+        )
+        dq[q0:q1] = g[0][0]
+        dk[k0:k1] += g[1][0].to(dk.dtype)
+        dv[k0:k1] += g[2][0].to(dv.dtype)
+    return dq, dk, dv
+
+
+@functools.lru_cache(maxsize=None)
+def varlen_available() -> bool:
+    """Whether this torch has the flash varlen op on a CUDA device (checked once)."""
+    return (
+        torch.cuda.is_available()
+        and hasattr(torch.ops.aten, "_flash_attention_forward")
+        and hasattr(torch.ops.aten, "_flash_attention_backward")
+        and torch.backends.cuda.is_flash_attention_available()
+    )
+
+
+def _segments(cu_q: torch.Tensor, cu_k: torch.Tensor) -> List[Tuple[Tuple[int, int], ...]]:
+    q, k = cu_q.tolist(), cu_k.tolist()
+    return [((q[i], q[i + 1]), (k[i], k[i + 1])) for i in range(len(q) - 1)]
+
+
+def _use_varlen(query: torch.Tensor, cu_q: torch.Tensor) -> bool:
+    """The flash varlen op serves packed sequences whatever dense kernel is chosen: CUDA,
+    half precision, the op present and not found broken earlier in this process."""
+    return (
+        query.is_cuda
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and query.shape[-1] % 8 == 0
+        and cu_q.device == query.device
+        and varlen_available()
+        and not _VARLEN_FAILED
+    )
+
+
+_VARLEN_FAILED: list = []  # the error that made this process stop using the varlen op
+
+
+def _guarded_varlen(fn, *args):
+    """Run a varlen op; on a RuntimeError other than out-of-memory (an unsupported shape or
+    build), warn once, stop using it in this process and return None (loop fallback)."""
+    try:
+        return fn(*args)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except RuntimeError as error:
+        _VARLEN_FAILED.append(str(error))
+        warnings.warn(
+            f"flash varlen attention failed ({error}); packed sequences fall back to one "
+            "dense kernel call per document",
+            stacklevel=3,
+        )
+        return None
+
+
+def _flash_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=None):
+    cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
+    out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
+        **_flash_window(window),
+    )  # fmt: skip
+    # Rows past the last sequence are never written by the kernel. They are found on the
+    # device: reading cu_q[-1] on the host would synchronize every call.
+    past = torch.arange(q.shape[0], device=q.device) >= cu_q[-1]
+    lse = finite_lse(lse.float()).masked_fill_(past, -math.inf)
+    return out.masked_fill_(past.view(-1, 1, 1), 0), lse
+
+
+def _flash_varlen_backward(
+    dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window=None
+):
+    cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
+    state = torch.zeros((2,), dtype=torch.uint64, device=q.device)
+    unused = torch.empty((0,), device=q.device)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        dout.contiguous(),
+        q,
+        k,
+        v,
+        out.contiguous(),
+        backward_lse(lse).contiguous(),
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        0.0,
+        causal,
+        state,
+        unused,
+        scale=scale,
+        **_flash_window(window),
+    )
+    return dq, dk, dv
+
+
+def _flash_window(window: Optional[int]) -> dict:
+    """The flash op's window arguments: left ``window``, right 0 (none: no arguments)."""
+    return {} if window is None else {"window_size_left": window, "window_size_right": 0}

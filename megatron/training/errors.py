@@ -1,0 +1,128 @@
+"""Errors a user can fix (a flag, a file, the data) and how a launch reports them.
+
+A known error is printed once, as one line, and the run exits non-zero without a
+traceback; any other exception is a bug and keeps its traceback. ``--debug`` (or
+``MEGATRON_DEBUG=1``) shows the traceback of known errors too.
+
+Under torchrun each failing rank writes its line to torchrun's per-process error file
+(``TORCHELASTIC_ERROR_FILE``, read by torchrun's failure summary). The self-launch
+(``python -m megatron.training --nproc-per-node N``) prints the line of the lowest failing
+rank once the launch has ended; under a bare torchrun, the lowest-numbered local rank that
+failed prints it. This module imports no torch.
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+DEBUG_VARIABLE = "MEGATRON_DEBUG"
+# Set by the self-launch for its workers: the launcher prints the line, not the worker.
+LAUNCHER_REPORTS_VARIABLE = "MEGATRON_TRAINING_LAUNCHER_REPORTS"
+ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"
+_MARK = "megatron_usage_error"
+_SETTLE_SECONDS = 0.5  # bare torchrun: how long failing ranks wait to see each other's files
+
+
+class UsageError(ValueError):
+    """A problem with what the user gave: a flag, a combination of flags, a file or its
+    contents. Reported as one line naming the flag or file, without a traceback."""
+
+
+_KNOWN = (
+    ValueError,  # UsageError, and the library's argument checks
+    NotImplementedError,  # a setting this core refuses by name
+    FileNotFoundError,
+    IsADirectoryError,
+    NotADirectoryError,
+    PermissionError,
+)
+
+
+def is_usage_error(exc: BaseException) -> bool:
+    """True for errors reported as one line: ``UsageError``, ``ValueError`` (the library's
+    argument checks), ``NotImplementedError``, a missing or unreadable file, and
+    ``dist_checkpointing``'s ``CheckpointingException``."""
+    if isinstance(exc, _KNOWN):
+        return True
+    checkpointing = sys.modules.get("megatron.core.dist_checkpointing.core")
+    return checkpointing is not None and isinstance(exc, checkpointing.CheckpointingException)
+
+
+def debug_requested(argv: Sequence[str] = ()) -> bool:
+    """``--debug`` among the arguments, or ``MEGATRON_DEBUG`` set to 1/true/yes."""
+    env = os.environ.get(DEBUG_VARIABLE, "").strip().lower()
+    return "--debug" in argv or env in ("1", "true", "yes", "on")
+
+
+def one_line(exc: BaseException) -> str:
+    """The error as one line: an OSError's reason and file, else its message with its
+    lines joined by "; "."""
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        return f"{exc.strerror}: {exc.filename}"
+    text = str(exc) or type(exc).__name__
+    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def report_error(message: str) -> None:
+    """Print ``message`` once, as one line on stderr (see the module docstring for who
+    prints in a multi-process launch)."""
+    error_file = os.environ.get(ERROR_FILE_VARIABLE)
+    if error_file:
+        _write_error_file(Path(error_file), message)
+        if os.environ.get(LAUNCHER_REPORTS_VARIABLE):
+            return
+        if not _lowest_local_reporter(Path(error_file)):
+            return
+    print(f"{_prefix()}{message}", file=sys.stderr, flush=True)
+
+
+def usage_error_of_failure(error_file_data: object) -> Optional[str]:
+    """The line a worker recorded with ``report_error`` (torchrun's error-file data of a
+    failed process), or None when it failed otherwise."""
+    if isinstance(error_file_data, dict) and error_file_data.get(_MARK):
+        message = error_file_data.get("message")
+        return str(message.get("message") if isinstance(message, dict) else message)
+    return None
+
+
+def format_line(message: str, rank: Optional[int] = None) -> str:
+    """``megatron.training: error[ on rank R]: message``."""
+    where = "" if rank is None else f" on rank {rank}"
+    return f"megatron.training: error{where}: {message}"
+
+
+def _prefix() -> str:
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    rank = os.environ.get("RANK")
+    return format_line("", int(rank) if world > 1 and rank is not None else None)
+
+
+def _write_error_file(path: Path, message: str) -> None:
+    """torchrun's error-file format (what its ``ErrorHandler`` writes, with the one line as
+    the call stack), marked as ours."""
+    extra = {"py_callstack": message, "timestamp": str(int(time.time()))}
+    data = {"message": {"message": message, "extraInfo": extra}, _MARK: True}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data))
+    except OSError:
+        pass  # the line is still printed (or the launcher reports the exit status)
+
+
+def _lowest_local_reporter(error_file: Path) -> bool:
+    """Bare torchrun: after a short wait, True when no lower local rank recorded a usage
+    error (torchrun keeps each local rank's file in ``<attempt>/<local rank>/error.json``)."""
+    time.sleep(_SETTLE_SECONDS)
+    mine = int(os.environ.get("LOCAL_RANK", "0"))
+    for sibling in error_file.parent.parent.glob(f"*/{error_file.name}"):
+        try:
+            rank = int(sibling.parent.name)
+            data = json.loads(sibling.read_text())
+        except (ValueError, OSError):
+            continue
+        if rank < mine and usage_error_of_failure(data) is not None:
+            return False
+    return True

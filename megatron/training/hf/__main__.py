@@ -1,0 +1,89 @@
+"""``python -m megatron.training.hf import|export``: HuggingFace <-> dist checkpoints.
+
+python -m megatron.training.hf import --hf DIR --out CKPT [--dtype bfloat16]
+python -m megatron.training.hf export --load CKPT --out DIR [--dtype ...] [--max-shard-size 2GB]
+"""
+
+import argparse
+import re
+import resource
+import sys
+import time
+from typing import Optional, Sequence
+
+from megatron.training.hf.checkpoint import DEFAULT_MAX_SHARD_SIZE, DTYPES, export_hf, import_hf
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the command line; 0 on success, 2 with a one-line error otherwise."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    try:
+        if args.command == "import":
+            where = import_hf(args.hf, args.out, dtype=args.dtype)
+            what = f"imported {args.hf} into {where}"
+        else:
+            where = export_hf(
+                args.load, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size
+            )
+            what = f"exported {args.load} to {where}"
+    except (ValueError, FileNotFoundError, NotADirectoryError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"{what} in {time.perf_counter() - started:.1f} s (peak resident memory {peak:.2f} GiB)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron.training.hf",
+        description="Convert HuggingFace models (config.json + safetensors) to dist_checkpointing "
+        "checkpoints that the trainer's --load reads at any layout, and back",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="HuggingFace directory -> CKPT/iter_0000000")
+    imp.add_argument("--hf", required=True, metavar="DIR", help="HuggingFace model directory")
+    imp.add_argument("--out", required=True, metavar="CKPT", help="checkpoint directory to write")
+    imp.add_argument(
+        "--dtype", choices=sorted(DTYPES), help="stored dtype (default: config.json's)"
+    )
+    exp = sub.add_parser("export", help="checkpoint -> HuggingFace directory")
+    exp.add_argument("--load", required=True, metavar="CKPT", help="a --save directory or iter_*")
+    exp.add_argument("--out", required=True, metavar="DIR", help="HuggingFace directory to write")
+    exp.add_argument("--dtype", choices=sorted(DTYPES), help="written dtype (default: stored)")
+    exp.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        default=DEFAULT_MAX_SHARD_SIZE,
+        metavar="SIZE",
+        help="largest safetensors file, e.g. 2GB, 500MB (default: 2GiB)",
+    )
+    return parser
+
+
+def parse_size(text: str) -> int:
+    """``2GB`` -> 2e9 bytes, ``512MiB``, ``1000`` (bytes)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"--max-shard-size {text!r}: expected a number with an optional unit "
+            f"({', '.join(u for u in _UNITS if u)})"
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""HuggingFace directory <-> our ``dist_checkpointing`` checkpoint (the trainer's layout).
+
+``import_hf(hf_dir, out_dir)`` writes ``out_dir/iter_0000000`` (the model only, in the
+checkpoint's dtype, with the run settings the trainer records and the original
+``config.json``) and points ``latest_checkpointed_iteration.txt`` at it; the trainer's
+``--load`` reads it at any layout. ``export_hf(load_dir, out_dir)`` reads a checkpoint
+(imported or trained) one layer at a time and writes ``config.json`` plus safetensors shards
+of at most ``max_shard_size`` bytes (with ``model.safetensors.index.json`` when there are
+several), so neither direction holds the model twice.
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.training import checkpointing
+from megatron.training.checkpointing import TRACKER_FILENAME, checkpoint_dir
+from megatron.training.hf.config import (
+    HFArchitecture,
+    architecture_from_config,
+    architecture_from_model_settings,
+    hf_config_for_export,
+    read_hf_config,
+    training_settings,
+)
+from megatron.training.hf.weights import (
+    INDEX_FILENAME,
+    SINGLE_FILENAME,
+    global_sources,
+    hf_shapes,
+    layer_sources,
+    our_full_shapes,
+    scatter_to_hf,
+)
+
+MODEL_ONLY_KEY = "model_only"
+HF_CONFIG_KEY = "hf_config"
+HF_FILES_KEY = "hf_files"
+# Small files of a HuggingFace directory carried through a checkpoint to the export.
+SIDECAR_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+SIDECAR_LIMIT = 64 * 1024 * 1024
+DEFAULT_MAX_SHARD_SIZE = 2 * 1024**3
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def import_hf(hf_dir, out_dir, dtype: Optional[str] = None) -> Path:
+    """Convert the HuggingFace model in ``hf_dir`` into ``out_dir/iter_0000000`` (one
+    process). ``dtype``: the stored dtype (default: the checkpoint's, so export gives the
+    original bytes back). Returns the iteration directory."""
+    from megatron.training.hf.loading import model_from_hf
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError("import_hf runs on one process; launch it without torchrun")
+    arch, raw = read_hf_config(hf_dir)
+    dtype = dtype or arch.dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    model, _ = model_from_hf(hf_dir, params_dtype=DTYPES[dtype], use_cpu_initialization=True)
+    directory = checkpoint_dir(str(out_dir), 0)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {
+        "model": model.sharded_state_dict(),
+        "iteration": 0,
+        "consumed_samples": 0,
+        "layout": {"world_size": 1},
+        "run_settings": training_settings(arch),
+        "checkpoint_version": 3.0,
+        MODEL_ONLY_KEY: True,
+        HF_CONFIG_KEY: json.dumps(raw),
+        HF_FILES_KEY: _sidecar_files(Path(hf_dir)),
+    }
+    dist_checkpointing.save(state, str(directory))
+    tracker = Path(out_dir) / TRACKER_FILENAME
+    tmp = tracker.with_name(tracker.name + ".tmp")
+    tmp.write_text("0")
+    os.replace(tmp, tracker)
+    return directory
+
+
+def export_hf(
+    load_dir,
+    out_dir,
+    dtype: Optional[str] = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+) -> Path:
+    """Write the model of checkpoint ``load_dir`` (a ``--save`` directory, its newest
+    complete iteration, or an ``iter_*`` directory) to ``out_dir`` in HuggingFace format.
+
+    ``dtype``: of the written tensors (default: the checkpoint's). Collective when
+    torch.distributed is initialized: every rank calls it, rank 0 reads and writes.
+    """
+    directory = resolve_checkpoint(load_dir)
+    common = dist_checkpointing.load_common_state_dict(str(directory))
+    arch, original = checkpoint_architecture(common, directory)
+    stored = dist_checkpointing.load_tensors_metadata(str(directory))
+    embedding = stored.get("embedding.word_embeddings.weight")
+    if embedding is None:
+        raise ValueError(f"{directory}: no embedding.word_embeddings.weight; not a GPT checkpoint")
+    dtype = dtype or _dtype_name(embedding.dtype)
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    writing = not dist.is_initialized() or dist.get_rank() == 0
+    writer = _ShardWriter(Path(out_dir), max_shard_size) if writing else None
+    outer = global_sources(arch)
+    embeddings = {k: v for k, v in outer.items() if k.startswith("embedding.")}
+    head = {k: v for k, v in outer.items() if k not in embeddings}
+    units = [embeddings] + [layer_sources(arch, i) for i in range(arch.num_layers)] + [head]
+    full_shapes = our_full_shapes(arch)
+    for sources in units:  # HuggingFace's order: embeddings, layers, final norm, head
+        ours = _read_our_tensors(directory, sources, stored, full_shapes, arch, writing)
+        if writing:
+            shapes = hf_shapes(arch, sources, full_shapes)
+            for key, tensor in scatter_to_hf(ours, sources, shapes).items():
+                writer.add(key, tensor.to(DTYPES[dtype]))
+    if writing:
+        writer.finish()
+        config = hf_config_for_export(arch, original, dtype)
+        (Path(out_dir) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        sidecars = common.get(HF_FILES_KEY)
+        source = (common.get("run_settings") or {}).get("hf_model")
+        if sidecars is None and source and Path(source).is_dir():
+            sidecars = _sidecar_files(Path(source))  # a run started from --hf-model
+        for name, text in (sidecars or {}).items():
+            (Path(out_dir) / name).write_text(text)
+    if dist.is_initialized():
+        dist.barrier()
+    return Path(out_dir)
+
+
+def resolve_checkpoint(load_dir) -> Path:
+    """The iteration directory ``--load load_dir`` names: itself when it is one, else the
+    newest complete ``iter_*`` in it (the trainer's rule)."""
+    directory, _ = checkpointing.resolve_checkpoint(str(load_dir))
+    return directory
+
+
+def checkpoint_architecture(
+    common: Dict[str, Any], where
+) -> "tuple[HFArchitecture, Optional[dict]]":
+    """(architecture, original config.json or None) recorded in a checkpoint's common
+    state: the imported ``config.json``, else the trainer's run settings."""
+    settings = common.get("run_settings") or {}
+    raw = common.get(HF_CONFIG_KEY) or settings.get("hf_config")
+    if raw:
+        original = json.loads(raw)
+        return architecture_from_config(original, f"{where} (its recorded config.json)"), original
+    if not settings:
+        raise ValueError(
+            f"{where}: the checkpoint records neither a HuggingFace config.json nor the "
+            "trainer's run settings; cannot tell its architecture"
+        )
+    return architecture_from_model_settings(settings), None
+
+
+def storage_key(name: str) -> "tuple[str, Optional[int]]":
+    """(dist_checkpointing key, layer index or None) of our one-chunk parameter ``name``:
+    layers are stacked under ``decoder.layers.<name>``, norms renamed by the layer spec's
+    ``sharded_state_dict_keys_map`` (megatron-core's storage names)."""
+    parts = name.split(".")
+    if parts[:2] != ["decoder", "layers"]:
+        return name, None
+    rest = ".".join(parts[3:])
+    keys_map = get_gpt_layer_local_spec().submodules.sharded_state_dict_keys_map
+    for old, new in keys_map.items():
+        if rest.startswith(old):
+            rest = new + rest[len(old) :]
+    return f"decoder.layers.{rest}", int(parts[2])
+
+
+def _read_our_tensors(directory, sources, stored, full_shapes, arch, requesting: bool):
+    """Our full tensors named in ``sources`` (collective load; only ``requesting`` ranks
+    ask for data)."""
+    request: Dict[str, ShardedTensor] = {}
+    for name in sources:
+        key, layer = storage_key(name)
+        if key not in stored:
+            raise ValueError(f"{directory}: no tensor {key!r} (needed for {name})")
+        shape = tuple(full_shapes[name])
+        saved = tuple(stored[key].global_shape)
+        expected = shape if layer is None else (arch.num_layers,) + shape
+        if saved != expected:
+            raise ValueError(
+                f"{directory}: {key!r} has shape {list(saved)}; the {arch.family} "
+                f"architecture recorded with it needs {list(expected)}"
+            )
+        if not requesting:
+            continue
+        prepend = 0 if layer is None else 1
+        request[name] = ShardedTensor(
+            key=key,
+            data=None,
+            dtype=stored[key].dtype,
+            local_shape=(1,) * prepend + shape,
+            global_shape=saved,
+            global_offset=((layer,) if prepend else ()) + (0,) * len(shape),
+            axis_fragmentations=None,
+            prepend_axis_num=prepend,
+        )
+    loaded = dist_checkpointing.load(request, str(directory), validate_access_integrity=False)
+    return {name: loaded[name] for name in request}
+
+
+def _sidecar_files(directory: Path) -> Dict[str, str]:
+    out = {}
+    for name in SIDECAR_FILES:
+        path = directory / name
+        if path.is_file() and path.stat().st_size <= SIDECAR_LIMIT:
+            out[name] = path.read_text()
+    return out
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"checkpoint dtype {dtype} has no HuggingFace counterpart")
+
+
+class _ShardWriter:
+    """Safetensors shards of at most ``limit`` bytes (a bigger tensor gets one of its
+    own), named as ``save_pretrained`` names them once the count is known."""
+
+    def __init__(self, directory: Path, limit: int):
+        if limit < 1:
+            raise ValueError(f"--max-shard-size must be >= 1 byte, got {limit}")
+        self.directory, self.limit = directory, limit
+        directory.mkdir(parents=True, exist_ok=True)
+        for old in list(directory.glob("model*.safetensors")) + [directory / INDEX_FILENAME]:
+            if old.exists():
+                old.unlink()
+        self.pending: Dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.files: List[Path] = []
+        self.weight_map: Dict[str, int] = {}
+        self.total = 0
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.limit:
+            self._flush()
+        self.pending[key] = tensor.contiguous()
+        self.pending_bytes += size
+        self.total += size
+        self.weight_map[key] = len(self.files)
+
+    def finish(self) -> None:
+        if self.pending or not self.files:
+            self._flush()
+        count = len(self.files)
+        if count == 1:
+            os.replace(self.files[0], self.directory / SINGLE_FILENAME)
+            return
+        names = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        for path, name in zip(self.files, names):
+            os.replace(path, self.directory / name)
+        index = {
+            "metadata": {"total_size": self.total},
+            "weight_map": {key: names[i] for key, i in sorted(self.weight_map.items())},
+        }
+        (self.directory / INDEX_FILENAME).write_text(json.dumps(index, indent=2) + "\n")
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        path = self.directory / f".partial-{len(self.files):05d}.safetensors"
+        save_file(self.pending, str(path), metadata={"format": "pt"})
+        self.files.append(path)
+        self.pending, self.pending_bytes = {}, 0
+
+
+def remove_tree(path) -> None:
+    """Remove a temporary directory (ignoring one already gone)."""
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,249 @@
+"""Our GPT from a HuggingFace model directory, at one process or at a parallel layout.
+
+``model_from_hf(path)`` reads ``config.json`` (refusing what we cannot express), builds the
+GPT chunk this rank holds (TP shard, pipeline stage; CP needs no weights of its own) without
+drawing random weights, and fills every parameter with only the bytes it needs from the
+safetensors files (``get_slice``: a TP rank reads its rows or columns, a pipeline stage its
+layers).
+"""
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.utils import openai_gelu
+from megatron.core.utils import get_pg_rank, get_pg_size
+from megatron.training.hf.config import HFArchitecture, read_hf_config
+from megatron.training.hf.weights import (
+    SafetensorsReader,
+    Source,
+    check_checkpoint_tensors,
+    our_full_shapes,
+    parameter_sources,
+    read_rows,
+)
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": openai_gelu}
+
+
+def model_from_hf(
+    path,
+    *,
+    pg_collection: Optional[ProcessGroupCollection] = None,
+    vp_stage: Optional[int] = None,
+    max_sequence_length: Optional[int] = None,
+    **overrides: Any,
+) -> Tuple[GPTModel, TransformerConfig]:
+    """(this rank's GPT chunk with the HuggingFace weights, its TransformerConfig).
+
+    ``overrides`` are TransformerConfig fields (``params_dtype``, ``sequence_parallel``,
+    ``calculate_per_token_loss``, ``virtual_pipeline_model_parallel_size``, dropout, ...); one
+    that contradicts ``config.json`` (``num_layers``, ``hidden_size``, ...) or the groups'
+    sizes is refused by name. Groups: ``pg_collection``, else ``parallel_state``'s when
+    initialized (MPU fallback), else one process. Dropout is 0 unless overridden (config.json's
+    dropout probabilities are training choices, not weights). ``max_sequence_length``: the
+    position table for learned positions (must be config.json's ``n_positions``), else the
+    model's nominal length (default: ``max_position_embeddings``).
+    """
+    arch, _ = read_hf_config(path)
+    reader = SafetensorsReader(path)
+    config = transformer_config_from_hf(arch, pg_collection, **overrides)
+    model = build_gpt_chunk(arch, config, pg_collection, vp_stage, max_sequence_length)
+    load_hf_weights(model, reader, arch)
+    return model, config
+
+
+def transformer_config_from_hf(
+    arch: HFArchitecture, pg_collection: Optional[ProcessGroupCollection] = None, **overrides
+) -> TransformerConfig:
+    """The TransformerConfig of ``arch`` at the layout of the groups (see ``model_from_hf``),
+    with ``perform_initialization`` as given (default True)."""
+    fields = architecture_fields(arch)
+    sizes = _group_sizes(pg_collection)
+    for name, value in overrides.items():
+        expected = fields.get(name, sizes.get(name))
+        if (name in fields or name in sizes) and value != expected:
+            source = "config.json" if name in fields else "the process groups"
+            raise ValueError(
+                f"model_from_hf: {name}={value!r} contradicts {source} ({name}={expected!r})"
+            )
+    values = {"hidden_dropout": 0.0, "attention_dropout": 0.0, **fields, **sizes, **overrides}
+    if values.get("pipeline_model_parallel_size", 1) > 1 and values.get("pipeline_dtype") is None:
+        values["pipeline_dtype"] = values.get("params_dtype", torch.float32)
+    return TransformerConfig(**values)
+
+
+def architecture_fields(arch: HFArchitecture) -> Dict[str, Any]:
+    """The TransformerConfig fields ``arch`` fixes."""
+    return dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.kv_channels,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        normalization=arch.normalization,
+        layernorm_epsilon=arch.norm_epsilon,
+        gated_linear_unit=arch.swiglu,
+        activation_func=ACTIVATIONS[arch.activation],
+        add_bias_linear=arch.add_bias_linear,
+        add_qkv_bias=arch.add_qkv_bias,
+        window_size=arch.window_size,
+    )
+
+
+def gpt_model_kwargs(arch: HFArchitecture, max_sequence_length: Optional[int]) -> Dict[str, Any]:
+    """GPTModel's constructor arguments that ``arch`` fixes."""
+    learned = arch.position_embedding_type == "learned_absolute"
+    if learned and max_sequence_length not in (None, arch.max_position_embeddings):
+        raise ValueError(
+            f"max_sequence_length={max_sequence_length} contradicts config.json's position "
+            f"table (n_positions={arch.max_position_embeddings}); leave it out"
+        )
+    return dict(
+        vocab_size=arch.vocab_size,
+        max_sequence_length=max_sequence_length or arch.max_position_embeddings,
+        position_embedding_type=arch.position_embedding_type,
+        rotary_base=arch.rotary_base,
+        rope_scaling=arch.rope_scaling_factor is not None,
+        rope_scaling_factor=arch.rope_scaling_factor or 8.0,
+        share_embeddings_and_output_weights=arch.tied,
+    )
+
+
+def build_gpt_chunk(
+    arch: HFArchitecture,
+    config: TransformerConfig,
+    pg_collection: Optional[ProcessGroupCollection],
+    vp_stage: Optional[int] = None,
+    max_sequence_length: Optional[int] = None,
+) -> GPTModel:
+    """This rank's chunk (virtual stage ``vp_stage`` x PP + pipeline rank), weights left
+    as allocated (``perform_initialization`` off while building)."""
+    pp = config.pipeline_model_parallel_size
+    vpp = config.virtual_pipeline_model_parallel_size or 1
+    pp_rank = _pp_rank(pg_collection)
+    stage = (vp_stage or 0) * pp + pp_rank
+    initialize = config.perform_initialization
+    config.perform_initialization = False
+    try:
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(),
+            pre_process=stage == 0,
+            post_process=stage == pp * vpp - 1,
+            pg_collection=pg_collection,
+            vp_stage=vp_stage,
+            **gpt_model_kwargs(arch, max_sequence_length),
+        )
+    finally:
+        config.perform_initialization = initialize
+
+
+@torch.no_grad()
+def load_hf_weights(model: GPTModel, reader, arch: Optional[HFArchitecture] = None) -> None:
+    """Fill every parameter of ``model`` (one chunk, any TP shard and stage) from the
+    HuggingFace checkpoint ``reader`` (a ``SafetensorsReader`` or a directory), reading only
+    this shard's bytes. The checkpoint is first checked against the architecture: missing,
+    misshapen or unused tensors are errors naming them."""
+    if not isinstance(reader, SafetensorsReader):
+        if arch is None:
+            arch, _ = read_hf_config(reader)
+        reader = SafetensorsReader(reader)
+    if arch is None:
+        arch, _ = read_hf_config(reader.directory)
+    sources = parameter_sources(arch, hf_prefix(reader, arch))
+    check_checkpoint_tensors(reader, arch, sources)
+    full_shapes = our_full_shapes(arch)
+    tp_size, tp_rank = get_pg_size(model.tp_group), get_pg_rank(model.tp_group)
+    for name, param in model.named_parameters():
+        full_name = one_chunk_name(model, name)
+        source = _source_of(full_name, sources, arch)
+        rows, columns = shard_ranges(param, full_shapes[full_name], tp_size, tp_rank)
+        value = read_rows(reader, source, rows, columns)
+        if tuple(value.shape) != tuple(param.shape):
+            raise RuntimeError(
+                f"load_hf_weights: {name} has shape {list(param.shape)} but its HuggingFace "
+                f"rows give {list(value.shape)}"
+            )
+        param.copy_(value)
+
+
+def hf_prefix(reader: SafetensorsReader, arch: HFArchitecture) -> Optional[str]:
+    """The key prefix of the checkpoint's transformer tensors (GPT-2 files are written with
+    and without ``transformer.``); None: the family's usual one."""
+    if arch.family == "gpt2" and "wte.weight" in reader.weight_map:
+        return ""
+    return None
+
+
+def one_chunk_name(model: GPTModel, name: str) -> str:
+    """A chunk's parameter name in the one-chunk model (layers numbered globally)."""
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        parts[2] = str(model.decoder.layers[int(parts[2])].layer_number - 1)
+    return ".".join(parts)
+
+
+def shard_ranges(
+    param: torch.Tensor, full_shape, tp_size: int, tp_rank: int
+) -> Tuple[List[Tuple[int, int]], Optional[Tuple[int, int]]]:
+    """(row ranges, column range or None) of the full tensor this TP rank holds: blocks
+    rank, rank + T, ... of T x stride equal blocks along ``partition_dim`` (megatron's
+    strided split)."""
+    rows = [(0, full_shape[0])]
+    if not getattr(param, "tensor_model_parallel", False) or tp_size == 1:
+        return rows, None
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    block = full_shape[dim] // (tp_size * stride)
+    ranges = [(k * block, (k + 1) * block) for k in range(tp_rank, tp_size * stride, tp_size)]
+    if dim == 0:
+        return ranges, None
+    if dim == 1 and stride == 1:
+        return rows, ranges[0]
+    raise NotImplementedError(f"shard_ranges: partition_dim={dim}, stride={stride}")
+
+
+def _source_of(full_name: str, sources: Dict[str, Source], arch: HFArchitecture) -> Source:
+    if full_name == "output_layer.weight" and arch.tied:  # the last stage's tied copy
+        return sources["embedding.word_embeddings.weight"]
+    if full_name not in sources:
+        raise RuntimeError(
+            f"load_hf_weights: our parameter {full_name!r} has no HuggingFace counterpart in "
+            f"the {arch.family} mapping"
+        )
+    return sources[full_name]
+
+
+def _group_sizes(pg_collection: Optional[ProcessGroupCollection]) -> Dict[str, int]:
+    """The TP / CP / PP sizes of the groups (explicit, else parallel_state's, else 1)."""
+    if pg_collection is not None:
+        groups = {k: getattr(pg_collection, k, None) for k in ("tp", "cp", "pp")}
+        size = {k: get_pg_size(g) for k, g in groups.items()}
+    elif parallel_state.model_parallel_is_initialized():
+        size = {
+            "tp": parallel_state.get_tensor_model_parallel_world_size(),
+            "cp": parallel_state.get_context_parallel_world_size(),
+            "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+        }
+    else:
+        size = {"tp": 1, "cp": 1, "pp": 1}
+    return {
+        "tensor_model_parallel_size": size["tp"],
+        "context_parallel_size": size["cp"],
+        "pipeline_model_parallel_size": size["pp"],
+    }
+
+
+def _pp_rank(pg_collection: Optional[ProcessGroupCollection]) -> int:
+    if pg_collection is not None:
+        return get_pg_rank(getattr(pg_collection, "pp", None))
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_pipeline_model_parallel_rank()
+    return 0

@@ -1,0 +1,353 @@
+"""Parameter names and tensor layouts: HuggingFace safetensors <-> our GPT.
+
+One table per family says how each of our (one-chunk, global-layer) parameters is made of
+HuggingFace tensors: ``Source`` = our dim 0 is the concatenation of ``Segment`` s, each a
+range of rows of one HuggingFace tensor (or of its columns, ``transposed``, for GPT-2's
+Conv1D weights, stored [in, out]). The same table reads (a TP rank's rows or columns of a
+parameter, from only the bytes it needs: ``safe_open(...).get_slice``) and writes (each
+segment copied back into its HuggingFace tensor), so export is the exact inverse of import.
+
+Layouts on our side (megatron-core's): ``linear_qkv`` rows are, per query group g,
+[q heads of g, k_g, v_g] (each head ``kv_channels`` rows); a SwiGLU ``linear_fc1`` is
+[gate; up]; a tied output layer is the word embeddings.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron.training.hf.config import HFArchitecture
+
+INDEX_FILENAME = "model.safetensors.index.json"
+SINGLE_FILENAME = "model.safetensors"
+# Tensors some checkpoints carry that hold no weights (buffers recomputed by the model).
+_BUFFER_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows [start, stop) of HuggingFace tensor ``key`` (columns when ``transposed``)."""
+
+    key: str
+    start: int
+    stop: int
+    transposed: bool = False
+
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
+
+
+Source = Tuple[Segment, ...]
+
+
+def parameter_sources(arch: HFArchitecture, prefix: Optional[str] = None) -> Dict[str, Source]:
+    """{our one-chunk parameter name: its segments} for the whole model (``prefix``: the
+    HuggingFace key prefix, the family's usual one by default)."""
+    sources = dict(global_sources(arch, prefix))
+    for layer in range(arch.num_layers):
+        sources.update(layer_sources(arch, layer, prefix))
+    return sources
+
+
+def global_sources(arch: HFArchitecture, prefix: Optional[str] = None) -> Dict[str, Source]:
+    """Embeddings, final norm and (untied) output layer."""
+    h, v = arch.hidden_size, arch.vocab_size
+    if arch.family == "gpt2":
+        p = "transformer." if prefix is None else prefix
+        out = {
+            "embedding.word_embeddings.weight": (Segment(f"{p}wte.weight", 0, v),),
+            "embedding.position_embeddings.weight": (
+                Segment(f"{p}wpe.weight", 0, arch.max_position_embeddings),
+            ),
+            "decoder.final_layernorm.weight": (Segment(f"{p}ln_f.weight", 0, h),),
+            "decoder.final_layernorm.bias": (Segment(f"{p}ln_f.bias", 0, h),),
+        }
+    else:
+        p = "model." if prefix is None else prefix
+        out = {
+            "embedding.word_embeddings.weight": (Segment(f"{p}embed_tokens.weight", 0, v),),
+            "decoder.final_layernorm.weight": (Segment(f"{p}norm.weight", 0, h),),
+        }
+    if not arch.tied:
+        out["output_layer.weight"] = (Segment("lm_head.weight", 0, v),)
+    return out
+
+
+def layer_sources(
+    arch: HFArchitecture, layer: int, prefix: Optional[str] = None
+) -> Dict[str, Source]:
+    """The parameters of global layer ``layer``."""
+    ours = f"decoder.layers.{layer}."
+    h, d, ffn = arch.hidden_size, arch.kv_channels, arch.ffn_hidden_size
+    heads, groups = arch.num_attention_heads, arch.num_query_groups
+    per_group = heads // groups
+    if arch.family == "gpt2":
+        p = f"{'transformer.' if prefix is None else prefix}h.{layer}."
+
+        def qkv(kind: str, transposed: bool) -> Source:
+            key = f"{p}attn.c_attn.{kind}"
+            return tuple(
+                Segment(key, part * h + head * d, part * h + (head + 1) * d, transposed)
+                for head in range(heads)
+                for part in range(3)
+            )
+
+        table = {
+            "input_layernorm.weight": (Segment(f"{p}ln_1.weight", 0, h),),
+            "input_layernorm.bias": (Segment(f"{p}ln_1.bias", 0, h),),
+            "self_attention.linear_qkv.weight": qkv("weight", True),
+            "self_attention.linear_qkv.bias": qkv("bias", False),
+            "self_attention.linear_proj.weight": (Segment(f"{p}attn.c_proj.weight", 0, h, True),),
+            "self_attention.linear_proj.bias": (Segment(f"{p}attn.c_proj.bias", 0, h),),
+            "pre_mlp_layernorm.weight": (Segment(f"{p}ln_2.weight", 0, h),),
+            "pre_mlp_layernorm.bias": (Segment(f"{p}ln_2.bias", 0, h),),
+            "mlp.linear_fc1.weight": (Segment(f"{p}mlp.c_fc.weight", 0, ffn, True),),
+            "mlp.linear_fc1.bias": (Segment(f"{p}mlp.c_fc.bias", 0, ffn),),
+            "mlp.linear_fc2.weight": (Segment(f"{p}mlp.c_proj.weight", 0, h, True),),
+            "mlp.linear_fc2.bias": (Segment(f"{p}mlp.c_proj.bias", 0, h),),
+        }
+        return {ours + name: source for name, source in table.items()}
+
+    p = f"{'model.' if prefix is None else prefix}layers.{layer}."
+    attn, mlp = f"{p}self_attn.", f"{p}mlp."
+
+    def qkv(kind: str) -> Source:
+        out: List[Segment] = []
+        for g in range(groups):
+            out.append(Segment(f"{attn}q_proj.{kind}", g * per_group * d, (g + 1) * per_group * d))
+            out.append(Segment(f"{attn}k_proj.{kind}", g * d, (g + 1) * d))
+            out.append(Segment(f"{attn}v_proj.{kind}", g * d, (g + 1) * d))
+        return tuple(out)
+
+    table = {
+        "input_layernorm.weight": (Segment(f"{p}input_layernorm.weight", 0, h),),
+        "self_attention.linear_qkv.weight": qkv("weight"),
+        "self_attention.linear_proj.weight": (Segment(f"{attn}o_proj.weight", 0, h),),
+        "pre_mlp_layernorm.weight": (Segment(f"{p}post_attention_layernorm.weight", 0, h),),
+        "mlp.linear_fc1.weight": (
+            Segment(f"{mlp}gate_proj.weight", 0, ffn),
+            Segment(f"{mlp}up_proj.weight", 0, ffn),
+        ),
+        "mlp.linear_fc2.weight": (Segment(f"{mlp}down_proj.weight", 0, h),),
+    }
+    if arch.add_bias_linear or arch.add_qkv_bias:
+        table["self_attention.linear_qkv.bias"] = qkv("bias")
+    if arch.add_bias_linear:
+        table["self_attention.linear_proj.bias"] = (Segment(f"{attn}o_proj.bias", 0, h),)
+        table["mlp.linear_fc1.bias"] = (
+            Segment(f"{mlp}gate_proj.bias", 0, ffn),
+            Segment(f"{mlp}up_proj.bias", 0, ffn),
+        )
+        table["mlp.linear_fc2.bias"] = (Segment(f"{mlp}down_proj.bias", 0, h),)
+    return {ours + name: source for name, source in table.items()}
+
+
+def hf_shapes(arch: HFArchitecture, sources: Dict[str, Source], our_shapes) -> Dict[str, tuple]:
+    """{HuggingFace key: shape} of the tensors ``sources`` use, given our full shapes
+    ({name: shape}): a segment's HuggingFace tensor has our other dimension and the largest
+    row index its segments reach (checked against the file before reading)."""
+    rows: Dict[str, int] = {}
+    shapes: Dict[str, tuple] = {}
+    for name, source in sources.items():
+        shape = tuple(our_shapes[name])
+        for seg in source:
+            rows[seg.key] = max(rows.get(seg.key, 0), seg.stop)
+            if len(shape) == 1:
+                shapes[seg.key] = (None,)
+            elif seg.transposed:
+                shapes[seg.key] = (shape[1], None)
+            else:
+                shapes[seg.key] = (None, shape[1])
+    return {
+        key: tuple(rows[key] if s is None else s for s in shape) for key, shape in shapes.items()
+    }
+
+
+def our_full_shapes(arch: HFArchitecture) -> Dict[str, tuple]:
+    """{our one-chunk parameter name: full (unsharded) shape}."""
+    h, d, ffn, v = arch.hidden_size, arch.kv_channels, arch.ffn_hidden_size, arch.vocab_size
+    qkv_rows = (arch.num_attention_heads + 2 * arch.num_query_groups) * d
+    shapes = {
+        "embedding.word_embeddings.weight": (v, h),
+        "decoder.final_layernorm.weight": (h,),
+        "decoder.final_layernorm.bias": (h,),
+        "embedding.position_embeddings.weight": (arch.max_position_embeddings, h),
+        "output_layer.weight": (v, h),
+    }
+    for layer in range(arch.num_layers):
+        p = f"decoder.layers.{layer}."
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "input_layernorm.bias": (h,),
+                p + "self_attention.linear_qkv.weight": (qkv_rows, h),
+                p + "self_attention.linear_qkv.bias": (qkv_rows,),
+                p + "self_attention.linear_proj.weight": (h, arch.num_attention_heads * d),
+                p + "self_attention.linear_proj.bias": (h,),
+                p + "pre_mlp_layernorm.weight": (h,),
+                p + "pre_mlp_layernorm.bias": (h,),
+                p + "mlp.linear_fc1.weight": ((2 if arch.swiglu else 1) * ffn, h),
+                p + "mlp.linear_fc1.bias": ((2 if arch.swiglu else 1) * ffn,),
+                p + "mlp.linear_fc2.weight": (h, ffn),
+                p + "mlp.linear_fc2.bias": (h,),
+            }
+        )
+    return shapes
+
+
+def is_buffer_key(key: str) -> bool:
+    """A tensor that some checkpoints carry but that holds no weights."""
+    return key.endswith(_BUFFER_SUFFIXES)
+
+
+class SafetensorsReader:
+    """The tensors of a HuggingFace model directory (``model.safetensors`` or shards listed
+    in ``model.safetensors.index.json``), read lazily with ``safe_open``."""
+
+    def __init__(self, directory) -> None:
+        from safetensors import safe_open  # the ``hf`` extra
+
+        self._safe_open = safe_open
+        self.directory = Path(directory)
+        index = self.directory / INDEX_FILENAME
+        single = self.directory / SINGLE_FILENAME
+        self._files: Dict[str, object] = {}
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise ValueError(
+                    f"{index}: expected a JSON object with a 'weight_map' of tensor name -> "
+                    f"file ({type(err).__name__}: {err})"
+                ) from None
+            self.weight_map = {key: self.directory / name for key, name in weight_map.items()}
+            for path in sorted(set(self.weight_map.values())):
+                if not path.is_file():
+                    raise FileNotFoundError(f"{index} names {path.name}, which does not exist")
+        elif single.is_file():
+            self.weight_map = {key: single for key in self._open(single).keys()}
+        else:
+            found = sorted(p.name for p in self.directory.glob("*"))[:10]
+            raise FileNotFoundError(
+                f"{self.directory}: neither {SINGLE_FILENAME} nor {INDEX_FILENAME} (found: "
+                f"{', '.join(found) or 'nothing'}); expected safetensors weights (.bin "
+                "checkpoints are not read: they need unpickling)"
+            )
+
+    def keys(self) -> List[str]:
+        return list(self.weight_map)
+
+    def shape(self, key: str) -> Tuple[int, ...]:
+        return tuple(self._slice(key).get_shape())
+
+    def read(self, key: str, index: Tuple[slice, ...]) -> torch.Tensor:
+        """``tensor[index]`` reading only those bytes."""
+        return self._slice(key)[index]
+
+    def _slice(self, key: str):
+        if key not in self.weight_map:
+            raise KeyError(
+                f"{self.directory}: the checkpoint has no tensor {key!r}; expected by the "
+                "architecture config.json describes"
+            )
+        return self._open(self.weight_map[key]).get_slice(key)
+
+    def _open(self, path: Path):
+        handle = self._files.get(str(path))
+        if handle is None:
+            try:
+                handle = self._safe_open(str(path), framework="pt")
+            except Exception as err:  # safetensors raises its own error types
+                raise ValueError(f"{path}: not a readable safetensors file ({err})") from None
+            self._files[str(path)] = handle
+        return handle
+
+
+def check_checkpoint_tensors(
+    reader: SafetensorsReader, arch: HFArchitecture, sources: Dict[str, Source]
+) -> None:
+    """Every tensor the architecture needs exists with the expected shape, and the
+    checkpoint holds no weight the architecture does not use (ValueError naming them)."""
+    expected = hf_shapes(arch, sources, our_full_shapes(arch))
+    present = set(reader.keys())
+    missing = sorted(set(expected) - present)
+    if missing:
+        raise ValueError(
+            f"{reader.directory}: missing tensors {missing[:6]}{' ...' if len(missing) > 6 else ''}"
+            f" that config.json's {arch.family} architecture needs"
+        )
+    for key, shape in expected.items():
+        got = reader.shape(key)
+        if got != shape:
+            raise ValueError(
+                f"{reader.directory}: tensor {key!r} has shape {list(got)}; config.json's "
+                f"architecture needs {list(shape)}"
+            )
+    ignorable = {"lm_head.weight"} if arch.tied else set()
+    unused = sorted(k for k in present - set(expected) - ignorable if not is_buffer_key(k))
+    if unused:
+        raise ValueError(
+            f"{reader.directory}: tensors {unused[:6]}{' ...' if len(unused) > 6 else ''} are "
+            f"not part of the {arch.family} architecture config.json describes (e.g. biases "
+            "or norms we do not have); refusing rather than dropping them"
+        )
+
+
+def read_rows(
+    reader: SafetensorsReader,
+    source: Source,
+    row_ranges: Sequence[Tuple[int, int]],
+    columns: Optional[Tuple[int, int]],
+) -> torch.Tensor:
+    """Rows ``row_ranges`` (concatenated) and ``columns`` (None: all) of our tensor made of
+    ``source``, reading only the needed parts of each HuggingFace tensor."""
+    pieces = []
+    for first, last in row_ranges:
+        offset = 0
+        for seg in source:
+            lo, hi = max(first, offset), min(last, offset + seg.length)
+            if lo < hi:
+                rows = slice(seg.start + lo - offset, seg.start + hi - offset)
+                cols = slice(None) if columns is None else slice(*columns)
+                if seg.transposed:
+                    pieces.append(reader.read(seg.key, (cols, rows)).t())
+                elif columns is None and len(reader.shape(seg.key)) == 1:
+                    pieces.append(reader.read(seg.key, (rows,)))
+                else:
+                    pieces.append(reader.read(seg.key, (rows, cols)))
+            offset += seg.length
+    return torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0].contiguous()
+
+
+def scatter_to_hf(
+    ours: Dict[str, torch.Tensor], sources: Dict[str, Source], shapes: Dict[str, tuple]
+) -> Dict[str, torch.Tensor]:
+    """The HuggingFace tensors made from our full tensors ``ours`` (each segment's rows
+    copied back; the exact inverse of ``read_rows``)."""
+    out: Dict[str, torch.Tensor] = {}
+    for name, tensor in ours.items():
+        offset = 0
+        for seg in sources[name]:
+            part = tensor[offset : offset + seg.length]
+            target = out.get(seg.key)
+            if target is None:
+                target = out[seg.key] = torch.empty(shapes[seg.key], dtype=tensor.dtype)
+            if seg.transposed:
+                target[:, seg.start : seg.stop] = part.t()
+            else:
+                target[seg.start : seg.stop] = part
+            offset += seg.length
+    return out
+
+
+def keys_of(sources: Iterable[Source]) -> List[str]:
+    """The HuggingFace keys a set of sources uses, in first-use order."""
+    seen: Dict[str, None] = {}
+    for source in sources:
+        for seg in source:
+            seen.setdefault(seg.key)
+    return list(seen)

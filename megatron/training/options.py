@@ -1,0 +1,201 @@
+"""Options declared once: a dataclass field that carries its command line.
+
+``option(default, "--flag", "--alias", help=..., check=...)`` is a ``dataclasses.field``
+whose metadata holds the option (its flags, help text and the check of its own value). From
+a dataclass of such fields this module builds the ``argparse`` parser (``build_parser``),
+parses a command line into an instance (``parse``), writes an instance back as flags
+(``command_line``) and runs every field's own check (``check_fields``). Checks between
+fields belong to the config's own validation (``arguments.validate_config``). No torch here.
+"""
+
+import argparse
+import copy
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
+
+from megatron.training.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Check:
+    """A rule on one option's own value: ``test(value)`` is True when it is accepted;
+    ``expected`` completes "--flag must be ..." in the error."""
+
+    expected: str
+    test: Callable[[Any], bool]
+
+
+def is_int(value: object) -> bool:
+    """An int that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    """An int or float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+positive = Check("an integer >= 1", lambda v: is_int(v) and v >= 1)
+non_negative = Check("an integer >= 0", lambda v: is_int(v) and v >= 0)
+positive_number = Check("> 0", lambda v: is_number(v) and v > 0)
+non_negative_number = Check(">= 0", lambda v: is_number(v) and v >= 0)
+unit_interval = Check("in [0, 1)", lambda v: is_number(v) and 0 <= v < 1)
+
+
+def one_of(choices: Sequence[str]) -> Check:
+    """The value is one of ``choices`` ("A or B", "one of A, B, C")."""
+    if len(choices) == 2:
+        expected = f"{choices[0]} or {choices[1]}"
+    else:
+        expected = f"one of {', '.join(choices)}"
+    return Check(expected, lambda v: v in choices)
+
+
+@dataclass(frozen=True)
+class Option:
+    """The command line of one config field (see ``option``)."""
+
+    flags: Tuple[str, ...]
+    help: str
+    check: Optional[Check] = None
+    type: Optional[Callable[[str], Any]] = None
+    choices: Optional[Sequence[str]] = None
+    nargs: Union[None, int, str] = None
+    metavar: Union[None, str, Tuple[str, ...]] = None
+    one_or_list: bool = False  # nargs "+": one value is kept as the value, not a 1-list
+
+    @property
+    def flag(self) -> str:
+        """The flag that names the option in errors."""
+        return self.flags[0]
+
+
+def option(
+    default: Any,
+    *flags: str,
+    help: str,
+    check: Optional[Check] = None,
+    type: Optional[Callable[[str], Any]] = None,
+    choices: Optional[Sequence[str]] = None,
+    nargs: Union[None, int, str] = None,
+    metavar: Union[None, str, Tuple[str, ...]] = None,
+    one_or_list: bool = False,
+) -> Any:
+    """A dataclass field with its command line: ``flags`` (the first names it in errors),
+    ``help``, and ``check`` on its own value (skipped when the value is None and the default
+    is None). A bool default makes a switch: ``store_true`` for False, ``store_false`` for
+    True. The value type is ``type``, else the default's type."""
+    if not flags or not all(f.startswith("--") for f in flags):
+        raise ValueError(f"option: flags must start with '--', got {flags!r}")
+    spec = Option(tuple(flags), help, check, type, choices, nargs, metavar, one_or_list)
+    return field(default=default, metadata={"option": spec})
+
+
+def option_of(config_field: Field) -> Option:
+    """The ``Option`` a field was declared with."""
+    return config_field.metadata["option"]
+
+
+def build_parser(
+    config_class: Type, prog: str, description: str, sections: Mapping[str, str]
+) -> argparse.ArgumentParser:
+    """The parser of ``config_class``: one option per field (dest = the field name, default
+    = the field's default), in ``--help`` sections opened by the fields named in
+    ``sections`` (field name -> section title). A mistake raises ``UsageError``."""
+    parser = _Parser(prog=prog, description=description, formatter_class=_HelpFormatter)
+    groups: Dict[str, argparse._ArgumentGroup] = {}
+    section = None
+    for config_field in fields(config_class):
+        section = sections.get(config_field.name, section)
+        if section not in groups:
+            groups[section] = parser.add_argument_group(section)
+        _add_option(groups[section], config_field)
+    return parser
+
+
+def parse(parser: argparse.ArgumentParser, config_class: Type, argv: Optional[Sequence[str]]):
+    """``argv`` parsed by ``parser`` (from ``build_parser``) into a ``config_class``."""
+    args = vars(parser.parse_args(argv))
+    for config_field in fields(config_class):
+        value = args[config_field.name]
+        if option_of(config_field).one_or_list and isinstance(value, list) and len(value) == 1:
+            args[config_field.name] = value[0]
+    return config_class(**args)
+
+
+def explicit_fields(parser: argparse.ArgumentParser, argv: Sequence[str]) -> List[str]:
+    """The fields that ``argv`` gives explicitly (whatever their value), sorted."""
+    parser = copy.deepcopy(parser)
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return sorted(vars(parser.parse_args(argv)))
+
+
+def command_line(config: Any) -> List[str]:
+    """The flags that ``parse`` turns back into ``config`` (defaults left out)."""
+    argv: List[str] = []
+    for config_field in fields(config):
+        value, default = getattr(config, config_field.name), config_field.default
+        if value == default:
+            continue
+        flag = option_of(config_field).flag
+        if isinstance(default, bool):
+            argv.append(flag)
+        elif value is None:
+            raise ValueError(f"{flag}: None cannot be written as a flag (default {default!r})")
+        elif isinstance(value, (list, tuple)):
+            argv += [flag, *map(str, value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def check_fields(config: Any) -> None:
+    """Each field's own check, in declaration order (``UsageError`` naming the flag, what
+    was expected and the value); switches must be True or False."""
+    for config_field in fields(config):
+        spec, value = option_of(config_field), getattr(config, config_field.name)
+        if isinstance(config_field.default, bool):
+            if not isinstance(value, bool):
+                raise UsageError(f"{spec.flag} must be True or False, got {value!r}")
+        elif spec.check is not None and not (value is None and config_field.default is None):
+            if not spec.check.test(value):
+                raise UsageError(f"{spec.flag} must be {spec.check.expected}, got {value!r}")
+
+
+def _add_option(group: argparse._ArgumentGroup, config_field: Field) -> None:
+    """Add the argparse option of one field."""
+    spec, default = option_of(config_field), config_field.default
+    if default is MISSING:
+        raise TypeError(f"{config_field.name}: an option needs a default")
+    if isinstance(default, bool):
+        action = "store_false" if default else "store_true"
+        group.add_argument(*spec.flags, dest=config_field.name, action=action, help=spec.help)
+        return
+    kind = spec.type or (None if default is None else type(default))
+    extras: Dict[str, Any] = {}
+    for name in ("choices", "nargs", "metavar"):
+        if getattr(spec, name) is not None:
+            extras[name] = getattr(spec, name)
+    if kind is not None:
+        extras["type"] = kind
+    group.add_argument(
+        *spec.flags, dest=config_field.name, default=default, help=spec.help, **extras
+    )
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a mistake on the command line raised as ``UsageError`` (reported as
+    one line, once per launch) instead of printing the usage and exiting."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (--help lists the options)")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show the default of options that take a value (not of switches, not of None)."""
+
+    def _get_help_string(self, action):
+        if action.nargs == 0 or action.default is None:
+            return action.help
+        return super()._get_help_string(action)

@@ -1,0 +1,150 @@
+"""Train a byte-level BPE tokenizer on text with the HuggingFace ``tokenizers`` library and
+write a HuggingFace tokenizer folder that ``--tokenizer DIR`` (and ``transformers``) read.
+
+    python -m megatron.training.tokenizer train --input corpus.txt [more files] \\
+        --output-dir tok/ [--vocab-size 4096] [--eod-token '<|endoftext|>'] \\
+        [--special-tokens '<|im_start|>' '<|im_end|>'] [--chat-template chatml|FILE|none]
+
+Inputs: ``.jsonl`` files contribute every string in each record (``text``, ``prompt``,
+``response``, ``completion``, the ``content`` of chat ``messages``); other files contribute
+their lines. The model is byte-level BPE (every UTF-8 string encodes, no unknown token) with
+the special tokens added first (ids 0, 1, ...: the end-of-document token, then the others).
+The folder gets ``tokenizer.json`` and ``tokenizer_config.json`` with ``eos_token`` (= the
+end-of-document token) and, unless ``--chat-template none``, ``chat_template``: ``chatml``
+(the default: ``<|im_start|>role\\n...<|im_end|>\\n`` turns, the assistant's content and
+``<|im_end|>`` inside ``{% generation %}``) or a Jinja file of your own.
+"""
+
+import argparse
+import json
+import os
+from typing import Any, Iterator, List, Optional, Sequence
+
+DEFAULT_EOD = "<|endoftext|>"
+CHATML_SPECIAL = ["<|im_start|>", "<|im_end|>"]
+
+# Written for this project: ChatML turns; the assistant writes its content and <|im_end|>.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}"
+    "{{ '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def train_tokenizer(
+    inputs: Sequence[str],
+    output_dir: str,
+    vocab_size: int = 4096,
+    eod_token: str = DEFAULT_EOD,
+    special_tokens: Optional[Sequence[str]] = None,
+    chat_template: Optional[str] = "chatml",
+    min_frequency: int = 2,
+) -> str:
+    """Train and save (module docstring); returns ``output_dir``. ``chat_template``:
+    ``"chatml"``, a path to a Jinja file, or ``None``/``"none"`` for no template.
+    ``special_tokens`` default to ChatML's with the chatml template, else none."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    for path in inputs:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--input {path!r}: no such file")
+    if not os.path.isdir(output_dir):
+        raise FileNotFoundError(f"--output-dir {output_dir!r}: the folder does not exist")
+    template = _template(chat_template)
+    if special_tokens is None:
+        special_tokens = CHATML_SPECIAL if chat_template == "chatml" else []
+    special = [eod_token] + [t for t in special_tokens if t != eod_token]
+    minimum = 256 + len(special)
+    if vocab_size < minimum:
+        raise ValueError(
+            f"--vocab-size {vocab_size}: a byte-level BPE needs at least {minimum} ids (256 "
+            f"bytes + {len(special)} special tokens)"
+        )
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_texts(inputs), trainer)
+    tokenizer.save(os.path.join(output_dir, "tokenizer.json"))
+    config: dict = {"eos_token": eod_token, "tokenizer_class": "PreTrainedTokenizerFast"}
+    if template is not None:
+        config["chat_template"] = template
+    with open(os.path.join(output_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, ensure_ascii=False)
+    return output_dir
+
+
+def main(argv: Optional[Sequence[str]] = None) -> str:
+    """``python -m megatron.training.tokenizer train ...``."""
+    parser = argparse.ArgumentParser(prog="python -m megatron.training.tokenizer")
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="train a byte-level BPE tokenizer")
+    train.add_argument("--input", nargs="+", required=True, help="text or JSONL files")
+    train.add_argument("--output-dir", required=True, help="an existing folder")
+    train.add_argument("--vocab-size", type=int, default=4096)
+    train.add_argument("--eod-token", default=DEFAULT_EOD, help="end-of-document token")
+    train.add_argument("--special-tokens", nargs="*", default=None, help="more special tokens")
+    train.add_argument("--chat-template", default="chatml", help="chatml, a Jinja file, or none")
+    train.add_argument("--min-frequency", type=int, default=2)
+    args = parser.parse_args(argv)
+    out = train_tokenizer(
+        args.input,
+        args.output_dir,
+        vocab_size=args.vocab_size,
+        eod_token=args.eod_token,
+        special_tokens=args.special_tokens,
+        chat_template=args.chat_template,
+        min_frequency=args.min_frequency,
+    )
+    print(f"tokenizer written to {out} (tokenizer.json, tokenizer_config.json)")
+    return out
+
+
+def _template(chat_template: Optional[str]) -> Optional[str]:
+    if chat_template in (None, "none"):
+        return None
+    if chat_template == "chatml":
+        return CHATML_TEMPLATE
+    if not os.path.isfile(chat_template):
+        raise FileNotFoundError(
+            f"--chat-template {chat_template!r}: expected chatml, none or a Jinja file"
+        )
+    with open(chat_template, encoding="utf-8") as f:
+        return f.read()
+
+
+def _texts(inputs: Sequence[str]) -> Iterator[str]:
+    for path in inputs:
+        with open(path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                if path.endswith(".jsonl"):
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as err:
+                        raise ValueError(f"{path}:{line_no}: not valid JSON ({err.msg})") from None
+                    yield from _strings(record)
+                else:
+                    yield line
+
+
+def _strings(value: Any) -> List[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for key, v in value.items() if key != "role" for s in _strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []

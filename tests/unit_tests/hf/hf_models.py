@@ -1,0 +1,184 @@
+"""Tiny random HuggingFace models for the conversion tests, built locally with
+``transformers`` (a test-only dependency; no hub access): one per family, 2 layers, hidden 32,
+vocabulary 128, saved with ``save_pretrained`` (some sharded through a small
+``max_shard_size``, exercising ``model.safetensors.index.json``).
+
+Under torchrun rank 0 builds them in a shared temporary directory and computes the
+transformers logits; the other ranks receive the path and the logits (one transformers
+import per launch).
+"""
+
+import importlib.util
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Dict, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+
+HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+SKIP_REASON = (
+    "transformers is not installed (pip install -e .[dev]); it builds the reference models"
+)
+VOCAB, SEQ = 128, 16
+COMMON = dict(vocab_size=VOCAB, initializer_range=0.1)
+ROPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+
+# family -> (transformers class name, config class name, config kwargs, max_shard_size or None)
+FAMILIES = {
+    # Llama 3: grouped-query attention, untied, rope_theta and llama3 frequency scaling
+    "llama": (
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        dict(
+            **ROPE,
+            num_key_value_heads=2,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            ),
+            rope_theta=500000.0,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+        ),
+        "12KB",
+    ),
+    # Mistral without sliding window; head_dim (16) differs from hidden / heads (8)
+    "mistral": (
+        "MistralForCausalLM",
+        "MistralConfig",
+        dict(**ROPE, num_key_value_heads=2, head_dim=16, sliding_window=None),
+        None,
+    ),
+    # Mistral with a sliding window of 5 positions (shorter than the 16-token sequences)
+    "mistral_window": (
+        "MistralForCausalLM",
+        "MistralConfig",
+        dict(**ROPE, num_key_value_heads=2, sliding_window=5),
+        None,
+    ),
+    # Qwen2: q/k/v biases, tied embeddings
+    "qwen2": (
+        "Qwen2ForCausalLM",
+        "Qwen2Config",
+        dict(**ROPE, num_key_value_heads=2, tie_word_embeddings=True),
+        None,
+    ),
+    # GPT-2: learned positions, LayerNorm, biases, tied, Conv1D weights, gelu_new
+    "gpt2": (
+        "GPT2LMHeadModel",
+        "GPT2Config",
+        dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=1),
+        "20KB",
+    ),
+}
+
+
+def token_ids(seed: int = 0, batch: int = 2) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (batch, SEQ), generator=generator)
+
+
+def build_models(directory: Path) -> Dict[str, Path]:
+    """Save every family's tiny random model under ``directory``; {family: path}."""
+    import transformers
+
+    paths = {}
+    for index, (family, (model_cls, config_cls, kwargs, shard)) in enumerate(FAMILIES.items()):
+        torch.manual_seed(100 + index)
+        config = getattr(transformers, config_cls)(**COMMON, **kwargs)
+        model = getattr(transformers, model_cls)(config).eval()
+        path = directory / family
+        extra = {} if shard is None else {"max_shard_size": shard}
+        model.save_pretrained(path, **extra)
+        paths[family] = path
+    return paths
+
+
+def transformers_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    """float32 logits [b, s, V] of the HuggingFace model at ``path`` on ``ids``."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+class HFModels:
+    """The built models and, per family, transformers' logits on ``token_ids()``."""
+
+    def __init__(self, directory: Path, paths: Dict[str, Path], logits: Dict[str, torch.Tensor]):
+        self.directory, self.paths, self.logits = directory, paths, logits
+
+
+def shared_hf_models(with_logits: bool = True) -> HFModels:
+    """Build (rank 0) and share (every rank) the models and reference logits."""
+    if not HAVE_TRANSFORMERS:
+        pytest.skip(SKIP_REASON)
+    distributed = dist.is_initialized()
+    payload: Optional[list] = None
+    if not distributed or dist.get_rank() == 0:
+        directory = Path(tempfile.mkdtemp(prefix="hf-models-"))
+        paths = build_models(directory)
+        ids = token_ids()
+        logits = {f: transformers_logits(p, ids) for f, p in paths.items()} if with_logits else {}
+        payload = [directory, paths, logits]
+    if distributed:
+        box = [payload]
+        dist.broadcast_object_list(box, src=0)
+        payload = box[0]
+    return HFModels(*payload)
+
+
+def remove(models: HFModels) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        if dist.is_initialized():
+            pass
+        shutil.rmtree(models.directory, ignore_errors=True)
+
+
+def write_random_hf_model(directory: Path, config: dict, seed: int = 0, std: float = 0.1) -> Path:
+    """A HuggingFace-format directory (config.json + model.safetensors) of random weights,
+    written without transformers (norm weights near 1): for trainer tests that need weights,
+    not transformers' reference."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from megatron.training.hf.config import architecture_from_config
+    from megatron.training.hf.weights import hf_shapes, our_full_shapes, parameter_sources
+
+    arch = architecture_from_config(config)
+    shapes = hf_shapes(arch, parameter_sources(arch), our_full_shapes(arch))
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for key, shape in sorted(shapes.items()):
+        value = torch.randn(shape, generator=generator) * std
+        if "norm" in key or "ln_" in key:
+            value = value + (1.0 if key.endswith("weight") else 0.0)
+        tensors[key] = value
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory
+
+
+LLAMA_CONFIG = dict(
+    model_type="llama",
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+)
+GPT2_CONFIG = dict(
+    model_type="gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=VOCAB
+)

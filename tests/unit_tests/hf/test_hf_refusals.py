@@ -1,0 +1,128 @@
+"""What the HuggingFace converter refuses, by name (no transformers needed): per family an
+option we cannot express, unknown options, and checkpoints whose tensors do not fit the
+configuration. Each error names the option (or tensor) and its value."""
+
+import json
+
+import pytest
+import torch
+
+from megatron.training.hf import architecture_from_config, model_from_hf
+from megatron.training.hf.config import training_settings
+from megatron.training.hf.weights import hf_shapes, our_full_shapes, parameter_sources
+
+pytestmark = pytest.mark.world(1)
+
+LLAMA = dict(
+    model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, vocab_size=128, rms_norm_eps=1e-5,
+)  # fmt: skip
+BASE = {
+    "llama": LLAMA,
+    "mistral": {**LLAMA, "model_type": "mistral", "sliding_window": None},
+    "qwen2": {**LLAMA, "model_type": "qwen2"},
+    "gpt2": dict(model_type="gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=128),
+}
+
+REFUSED = [
+    ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
+    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+     "rope_scaling.low_freq_factor"),  # fmt: skip
+    ("llama", {"attention_bias": True}, "attention_bias"),
+    ("llama", {"hidden_act": "gelu"}, "hidden_act"),
+    ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ("llama", {"architectures": ["LlamaForSequenceClassification"]}, "architectures"),
+    ("llama", {"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
+    ("mistral", {"sliding_window": 0}, "sliding_window"),
+    ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
+    ("qwen2", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+    ("qwen2", {"qk_norm": True}, "qk_norm"),  # unknown to the converter
+    ("gpt2", {"activation_function": "relu"}, "activation_function"),
+    ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+    ("gpt2", {"add_cross_attention": True}, "add_cross_attention"),
+    ("gpt2", {"num_experts": 8}, "num_experts"),  # unknown: MoE
+]
+
+
+@pytest.mark.parametrize("family", list(BASE))
+def test_the_base_configurations_are_accepted(family):
+    arch = architecture_from_config(dict(BASE[family]))
+    assert arch.family == family and arch.num_layers == 2
+    assert training_settings(arch)["num_layers"] == 2
+
+
+@pytest.mark.parametrize("family, change, named", REFUSED, ids=[f"{f}-{n}" for f, _, n in REFUSED])
+def test_an_option_we_cannot_express_is_refused_by_name(family, change, named):
+    with pytest.raises(ValueError, match=rf"{named}=") as info:
+        architecture_from_config({**BASE[family], **change})
+    value = json.dumps(next(iter(change.values())))
+    assert named.split(".")[-1] in str(info.value) and (
+        value[:20] in str(info.value) or "." in named
+    ), str(info.value)
+
+
+def test_an_unsupported_model_type_is_refused():
+    with pytest.raises(ValueError, match="model_type='mixtral'"):
+        architecture_from_config({**LLAMA, "model_type": "mixtral"})
+
+
+def _write(directory, config, tensors):
+    from safetensors.torch import save_file
+
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(directory / "model.safetensors"))
+
+
+def _random_llama_tensors(config):
+    arch = architecture_from_config(config)
+    sources = parameter_sources(arch)
+    return {k: torch.randn(s) for k, s in hf_shapes(arch, sources, our_full_shapes(arch)).items()}
+
+
+def test_a_tensor_the_configuration_does_not_use_is_refused(tmp_path):
+    """qk-norm weights in a file whose config does not say so: refused, never dropped."""
+    tensors = _random_llama_tensors(LLAMA)
+    tensors["model.layers.0.self_attn.q_norm.weight"] = torch.ones(8)
+    _write(tmp_path / "m", LLAMA, tensors)
+    with pytest.raises(ValueError, match="q_norm.weight"):
+        model_from_hf(tmp_path / "m")
+
+
+def test_a_missing_or_misshapen_tensor_is_refused(tmp_path):
+    tensors = _random_llama_tensors(LLAMA)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    _write(tmp_path / "missing", LLAMA, tensors)
+    with pytest.raises(ValueError, match="up_proj.weight"):
+        model_from_hf(tmp_path / "missing")
+    tensors = _random_llama_tensors(LLAMA)
+    tensors["model.norm.weight"] = torch.ones(31)
+    _write(tmp_path / "shape", LLAMA, tensors)
+    with pytest.raises(ValueError, match=r"model.norm.weight.*\[31\]"):
+        model_from_hf(tmp_path / "shape")
+
+
+def test_file_problems_name_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        model_from_hf(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        model_from_hf(tmp_path / "empty")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text('{"model_type": "llama",\n oops}')
+    with pytest.raises(ValueError, match="line 2"):
+        model_from_hf(tmp_path / "bad")
+    (tmp_path / "noweights").mkdir()
+    (tmp_path / "noweights" / "config.json").write_text(json.dumps(LLAMA))
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        model_from_hf(tmp_path / "noweights")
+
+
+def test_an_override_contradicting_config_json_is_refused(tmp_path):
+    _write(tmp_path / "m", LLAMA, _random_llama_tensors(LLAMA))
+    with pytest.raises(ValueError, match="num_layers=4 contradicts config.json"):
+        model_from_hf(tmp_path / "m", num_layers=4)
+    model, config = model_from_hf(tmp_path / "m", params_dtype=torch.bfloat16)
+    assert model.embedding.word_embeddings.weight.dtype == torch.bfloat16

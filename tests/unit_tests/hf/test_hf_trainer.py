@@ -1,0 +1,144 @@
+"""The trainer from a HuggingFace model: ``--hf-model DIR`` (its config sets the model, its
+weights are loaded at any layout) and ``--export-hf DIR``; an imported checkpoint
+(``python -m megatron.training.hf import``) read by ``--load --finetune``.
+
+World 4: SFT at CP = 2, PP = 2 from a tiny Llama follows the one-process run
+(``--compare-single-process``, 1e-5), and the exported model, loaded in transformers, gives
+the logits of our trained model (its ``--save`` checkpoint loaded at one process).
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core import dist_checkpointing
+from megatron.training import TrainingConfig
+from megatron.training.checkpointing import checkpoint_dir
+from megatron.training.cli import LAUNCHER_VARIABLES
+from megatron.training.cli import main as train_cli
+from megatron.training.hf import model_from_hf
+from megatron.training.hf.__main__ import main as hf_cli
+from megatron.training.hf.config import architecture_from_config, training_settings
+from megatron.training.training import pretrain
+from tests.unit_tests.dist_utils import assert_no_failures, fresh_layout, rel_error
+from tests.unit_tests.hf.hf_models import (
+    GPT2_CONFIG,
+    HAVE_TRANSFORMERS,
+    LLAMA_CONFIG,
+    SKIP_REASON,
+    shared_hf_models,
+    token_ids,
+    transformers_logits,
+    write_random_hf_model,
+)
+
+RUN = dict(seq_length=16, global_batch_size=4, micro_batch_size=1, progress=False)
+
+
+def _losses(**changes):
+    with fresh_layout():
+        result = pretrain(TrainingConfig(**RUN, **changes))
+    return [r["loss"] for r in result.records], result
+
+
+def _shared_dir() -> Path:
+    path = [tempfile.mkdtemp(prefix="hf-trainer-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    return Path(path[0])
+
+
+@pytest.mark.world(1)
+@pytest.mark.parametrize("config", [LLAMA_CONFIG, GPT2_CONFIG], ids=["llama", "gpt2"])
+def test_an_imported_checkpoint_loads_as_the_hf_model_does(tmp_path, config):
+    """--load of `hf import`'s checkpoint with --finetune (model flags given explicitly)
+    trains exactly as --hf-model; without the weights (random init) it does not."""
+    hf = write_random_hf_model(tmp_path / "hf", config)
+    assert hf_cli(["import", "--hf", str(hf), "--out", str(tmp_path / "ckpt")]) == 0
+    settings = training_settings(architecture_from_config(config))
+    from_hf, _ = _losses(hf_model=str(hf), train_iters=2)
+    loaded, _ = _losses(**settings, load=str(tmp_path / "ckpt"), finetune=True, train_iters=2)
+    scratch, _ = _losses(**settings, train_iters=2)
+    assert loaded == from_hf
+    assert abs(scratch[0] - from_hf[0]) > 1e-3
+    with pytest.raises(ValueError, match="model weights only.*--finetune"):
+        _losses(**settings, load=str(tmp_path / "ckpt"), train_iters=2)
+
+
+@pytest.mark.world(1)
+def test_conflicting_model_flags_are_refused_by_name(tmp_path, capsys):
+    hf = write_random_hf_model(tmp_path / "hf", LLAMA_CONFIG)
+    with pytest.raises(ValueError, match=r"--num-layers 3 \(config.json gives 2\)"):
+        _losses(hf_model=str(hf), num_layers=3)
+    # on the command line even a flag at its default value counts as given
+    with pytest.raises(SystemExit):
+        train_cli(["--hf-model", str(hf), "--num-layers", "4", "--no-progress"])
+    assert "--num-layers 4 (config.json gives 2)" in capsys.readouterr().err
+
+
+@pytest.mark.world(2)
+def test_an_imported_checkpoint_reshards_to_tensor_parallel():
+    directory = _shared_dir()
+    hf = directory / "hf"
+    if dist.get_rank() == 0:  # the command line, as a user runs it: one process
+        write_random_hf_model(hf, LLAMA_CONFIG)
+        env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+        command = [sys.executable, "-m", "megatron.training.hf", "import", "--hf", str(hf)]
+        subprocess.run(command + ["--out", str(directory / "ckpt")], env=env, check=True)
+    dist.barrier()
+    settings = training_settings(architecture_from_config(LLAMA_CONFIG))
+    tp = dict(tensor_model_parallel_size=2, train_iters=2)
+    from_hf, _ = _losses(hf_model=str(hf), **tp)
+    loaded, _ = _losses(**settings, load=str(directory / "ckpt"), finetune=True, **tp)
+    failures = [] if loaded == from_hf else [f"--load {loaded} != --hf-model {from_hf}"]
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert_no_failures(failures)
+
+
+@pytest.mark.world(4)
+def test_sft_from_hf_at_cp2_pp2_follows_one_process_and_exports_to_transformers():
+    if not HAVE_TRANSFORMERS:
+        pytest.skip(SKIP_REASON)
+    models = shared_hf_models(with_logits=False)
+    directory = _shared_dir()
+    losses, result = _losses(
+        hf_model=str(models.paths["llama"]),
+        context_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        train_iters=3,
+        compare_single_process=True,
+        compare_tolerance=1e-5,
+        save=str(directory / "ckpt"),
+        export_hf=str(directory / "exported"),
+    )
+    failures = [] if result.passed else ["the comparison with the one-process run failed"]
+    # Our trained model at one process: the original model, its weights from --save.
+    model, _ = model_from_hf(models.paths["llama"])
+    saved = dist_checkpointing.load(
+        {"model": model.sharded_state_dict()}, str(checkpoint_dir(str(directory / "ckpt"), 3))
+    )
+    model.load_state_dict(saved["model"])
+    original = model_from_hf(models.paths["llama"])[0].embedding.word_embeddings.weight
+    if torch.equal(model.embedding.word_embeddings.weight, original):
+        failures.append("the saved model equals the original: nothing was trained")
+    if dist.get_rank() == 0:
+        ids = token_ids()
+        model.eval()
+        with torch.no_grad():
+            ours = model(ids, torch.arange(ids.shape[1]).expand_as(ids))
+        err = rel_error(transformers_logits(directory / "exported", ids), ours)
+        if not err <= 1e-5:
+            failures.append(f"exported model's logits differ from ours: {err:.2e}")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+        shutil.rmtree(models.directory, ignore_errors=True)
+    assert_no_failures(failures)

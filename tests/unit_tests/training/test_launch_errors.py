@@ -1,0 +1,107 @@
+"""Errors in a launch are said once (SPEC section 8): a known error is one line naming the
+flag or file, printed by the rank that found it (by the launcher for the self-launch), and the
+launch exits non-zero without a wall of tracebacks; a bug keeps its traceback; ``--debug``
+shows tracebacks of known errors too."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron.training.errors import UsageError, is_usage_error, one_line
+from tests.unit_tests.launch import LAUNCHER_VARS, ROOT, run_torchrun
+from tests.unit_tests.training.fault_scripts.data_error_on_one_rank import MESSAGE
+
+pytestmark = pytest.mark.world(1)
+
+FAULT = "tests.unit_tests.training.fault_scripts.data_error_on_one_rank"
+SMALL = ["--num-layers", "2", "--hidden-size", "16", "--seq-length", "16", "--no-progress"]
+LIMIT_S = 120
+
+
+def _run(args, env=None, limit_s=LIMIT_S):
+    """``python ARGS`` from the repository root, without the enclosing launch's variables;
+    (exit code, stdout + stderr)."""
+    full_env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    full_env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(env or {}))
+    full_env.pop("MEGATRON_DEBUG", None)
+    done = subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=limit_s,
+    )
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_a_bad_flag_is_one_line_before_anything_starts():
+    """A mistyped flag and an impossible layout for --nproc-per-node 2: exit 2, one line."""
+    for args, expected in [
+        (["--nproc-per-node", "2", "--cp", "2", "--seq-lenght", "8"], "--seq-lenght"),
+        (["--nproc-per-node", "2", "--cp", "2", "--seq-length", "6"], "--seq-length 6"),
+    ]:
+        code, output = _run(["-m", "megatron.training", *args])
+        assert code == 2, output
+        assert output.count(expected) == 1 and len(output.strip().splitlines()) == 1, output
+        assert output.startswith("megatron.training: error: ")
+
+
+@pytest.mark.timeout(LIMIT_S + 30)
+def test_a_data_error_on_one_rank_of_a_self_launch_is_one_line():
+    """Self-launch on 2 ranks; rank 1's data raises: the launcher prints rank 1's line once,
+    no traceback, exit 1 (rank 0, waiting in a collective, is stopped)."""
+    code, output = _run(["-m", FAULT, "--nproc-per-node", "2", "--cp", "2", *SMALL])
+    assert code == 1, output
+    assert output.count(MESSAGE) == 1, output
+    assert f"megatron.training: error on rank 1: {MESSAGE}" in output, output
+    assert "Traceback" not in output and "error_file" not in output, output
+    assert len(output.strip().splitlines()) <= 3, output  # the header line, the error
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LIMIT_S + 30)
+def test_a_data_error_under_torchrun_is_printed_once_by_the_rank_that_found_it():
+    """Bare torchrun on 2 ranks: rank 1 prints its line once (torchrun's own summary, which
+    we do not control, names it as the root cause instead of "error_file: <N/A>")."""
+    code, output, _ = run_torchrun(2, ["-m", FAULT, "--cp", "2", *SMALL], limit_s=LIMIT_S)
+    assert code != 0, output
+    assert output.count(f"megatron.training: error on rank 1: {MESSAGE}") == 1, output
+    assert "[rank0]" not in output and "[rank1]" not in output, output  # no worker traceback
+    assert output.count("Traceback") <= 1, output  # torchrun's own, at most
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LIMIT_S + 30)
+def test_a_missing_data_file_on_every_rank_is_said_once_and_debug_shows_tracebacks(tmp_path):
+    """Every rank finds the missing --data-path: one line (rank 0's, without a rank), exit 1;
+    with --debug the workers' tracebacks are shown."""
+    missing = str(tmp_path / "missing.jsonl")
+    args = ["-m", "megatron.training", "--nproc-per-node", "2", "--cp", "2", *SMALL]
+    code, output = _run([*args, "--data-path", missing])
+    assert code == 1, output
+    errors = [line for line in output.splitlines() if line.startswith("megatron.training: error")]
+    assert len(errors) == 1 and missing in errors[0] and " on rank " not in errors[0], output
+    assert "Traceback" not in output and "error_file" not in output, output
+    code, output = _run([*args, "--data-path", missing, "--debug"])
+    assert code == 1 and output.count("Traceback") >= 2, output
+
+
+def test_which_errors_are_one_line():
+    """Usage errors, argument checks, refused settings and missing files are one line; other
+    exceptions are bugs (their traceback is kept)."""
+    for known in (
+        UsageError("x"),
+        ValueError("x"),
+        NotImplementedError("x"),
+        FileNotFoundError(2, "No such file or directory", "d.jsonl"),
+    ):
+        assert is_usage_error(known)
+    for bug in (TypeError("x"), IndexError("x"), KeyError("x"), RuntimeError("x")):
+        assert not is_usage_error(bug)
+    assert one_line(FileNotFoundError(2, "No such file or directory", "d.jsonl")) == (
+        "No such file or directory: d.jsonl"
+    )
+    assert one_line(ValueError("first\n  second\n")) == "first; second"
