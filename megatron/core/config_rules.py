@@ -23,6 +23,9 @@ RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
 RECOMPUTE_MODULES_MCORE_ONLY = ("moe_act", "mla_up_proj", "moe", "shared_experts")
 """megatron-core's other entries: MoE and multi-latent attention, which this core lacks."""
 
+ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
+"""megatron-core's ``AttnBackend`` names (``TransformerConfig.attention_backend``)."""
+
 
 def is_positive_multiple(value: object, of: int) -> bool:
     """True when ``value`` is an int >= 1 and ``value % of == 0``."""

@@ -26,7 +26,7 @@ from dataclasses import Field, dataclass, fields
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from megatron.core import config_rules
-from megatron.core.config_rules import CP_COMM_TYPES, NORMALIZATIONS
+from megatron.core.config_rules import ATTENTION_BACKENDS, CP_COMM_TYPES, NORMALIZATIONS
 from megatron.training import options
 from megatron.training.errors import UsageError
 from megatron.training.options import (
@@ -309,6 +309,15 @@ class TrainingConfig:
         False,
         "--openai-gelu",
         help="GELU's tanh approximation (OpenAI's, GPT-2's gelu_new) instead of the exact one",
+    )
+    attention_backend: str = option(
+        "auto",
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        check=one_of(ATTENTION_BACKENDS),
+        help="attention kernel: auto (the one PyTorch's scaled_dot_product_attention picks for "
+        "the tensors: cuDNN on Hopper-class GPUs, flash otherwise, the CPU flash op on CPUs), "
+        "flash, fused (cuDNN), unfused or local (an explicit score matrix)",
     )
     window_size: Optional[List[int]] = option(
         None,

@@ -105,6 +105,7 @@ def transformer_config_from(config: TrainingConfig, layout: Layout) -> Transform
         add_qkv_bias=config.add_qkv_bias,
         perform_initialization=not config.hf_model,
         window_size=None if config.window_size is None else tuple(config.window_size),
+        attention_backend=config.attention_backend,
         label_smoothing=config.label_smoothing,
         tensor_model_parallel_size=layout.tensor_model_parallel_size,
         sequence_parallel=config.sequence_parallel,

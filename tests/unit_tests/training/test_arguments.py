@@ -54,6 +54,7 @@ NON_DEFAULT = dict(
     add_qkv_bias=True,
     openai_gelu=True,
     window_size=[3, 0],
+    attention_backend="unfused",
     hf_model="hf-model-dir",
     train_iters=7,
     lr=0.01,
@@ -282,3 +283,19 @@ def test_pretrain_refuses_a_process_count_it_does_not_have(monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     with pytest.raises(ValueError, match=r"--nproc-per-node 4, but this run has 1 process"):
         pretrain(TrainingConfig(nproc_per_node=4, train_iters=1))
+
+
+def test_attention_backend_reaches_the_transformer_config():
+    """--attention-backend (megatron's flag) becomes TransformerConfig.attention_backend; the
+    names are megatron-core's AttnBackend's."""
+    from megatron.core.config_rules import ATTENTION_BACKENDS
+    from megatron.core.transformer.enums import AttnBackend
+    from megatron.training.model import transformer_config_from
+
+    assert tuple(AttnBackend.__members__) == ATTENTION_BACKENDS
+    for name in ATTENTION_BACKENDS:
+        config = parse_args(["--attention-backend", name])
+        library = transformer_config_from(config, validate_config(config, 1))
+        assert library.attention_backend is AttnBackend[name]
+    with pytest.raises(ValueError, match="--attention-backend: invalid choice: 'sdpa'"):
+        parse_args(["--attention-backend", "sdpa"])
