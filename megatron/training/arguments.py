@@ -748,6 +748,10 @@ def _check_combinations(c: TrainingConfig) -> None:
         or not (c.use_rope_scaling or c.rotary_base != _FIELDS["rotary_base"].default),
         "--use-rope-scaling and --rotary-base need --position-embedding-type rope",
     )
+    _require(
+        c.use_rope_scaling or c.rope_scaling_factor == _FIELDS["rope_scaling_factor"].default,
+        f"--rope-scaling-factor {c.rope_scaling_factor} needs --use-rope-scaling",
+    )
     _require(not (c.openai_gelu and c.swiglu), "--openai-gelu and --swiglu exclude each other")
     _require(
         c.min_loss_scale <= c.initial_loss_scale,

@@ -241,6 +241,10 @@ def test_options_and_rules_load_without_torch():
         (dict(min_lr=1e-4), r"--min-lr 0.0001 is the end of a decay, but --lr-decay-style const"),
         (dict(data_path="d.jsonl", vocab_size=100), r"--vocab-size 100 is not used with --data"),
         (dict(save_interval=2), r"--save-interval 2 needs --save DIR"),
+        (
+            dict(position_embedding_type="rope", rope_scaling_factor=4.0),
+            r"--rope-scaling-factor 4.0 needs --use-rope-scaling",
+        ),
         (dict(ckpt_step=0), r"--ckpt-step 0 needs --load DIR"),
         (dict(finetune=True), r"--finetune needs --load DIR"),
         (dict(no_load_optim=True), r"--no-load-optim needs --load DIR"),
