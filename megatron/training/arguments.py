@@ -138,7 +138,8 @@ class TrainingConfig:
         "--distributed-backend",
         choices=DISTRIBUTED_BACKENDS,
         check=one_of(DISTRIBUTED_BACKENDS),
-        help="auto: nccl when every local process has a GPU, else gloo",
+        help="auto: nccl when every local process has a GPU, else gloo; one process "
+        "without torchrun then computes on cuda:0 too (a one-process nccl group)",
     )
     cp_comm_type: Union[str, List[str]] = option(
         "all_gather",
@@ -407,6 +408,13 @@ class TrainingConfig:
         "--gradient-accumulation-fusion",
         help="linear layers add their weight gradients into the fp32 main_grad inside the "
         "GEMM (megatron-core's gradient_accumulation_fusion)",
+    )
+    compile: bool = option(
+        False,
+        "--compile",
+        help="torch.compile each transformer layer and the loss (an extra of this trainer; "
+        "megatron-core's fusion switches are set too): the same math, fewer memory passes "
+        "(docs/mixed_precision.md)",
     )
     seed: int = option(
         1234,

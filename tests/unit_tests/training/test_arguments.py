@@ -71,6 +71,7 @@ NON_DEFAULT = dict(
     overlap_grad_reduce=True,
     gradient_accumulation_fusion=True,
     seed=5,
+    compile=True,
     bf16=True,
     fp16=True,  # round trip only: validate_config refuses the pair
     loss_scale=8.0,
