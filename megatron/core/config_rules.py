@@ -16,6 +16,9 @@ CP_COMM_TYPES = ("all_gather", "p2p", "a2a", "a2a+p2p")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 """The accepted ``normalization`` values."""
 
+ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
+"""megatron-core's ``AttnBackend`` names (``TransformerConfig.attention_backend``)."""
+
 
 def is_positive_multiple(value: object, of: int) -> bool:
     """True when ``value`` is an int >= 1 and ``value % of == 0``."""

@@ -3,7 +3,9 @@ Float16Module, ...), version checks, and re-exports of the names megatron-core k
 (group sizes and ranks: ``process_groups_config``; CP batch slicing: ``context_parallel``).
 """
 
+import math
 import warnings
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -99,3 +101,30 @@ def get_tensor_model_parallel_group_if_none(
     if is_expert:
         return parallel_state.get_expert_tensor_parallel_group(check_initialized=check_initialized)
     return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)
+
+
+def init_method_normal(sigma: float) -> "NormalInit":
+    """megatron-core's default ``init_method``: fill a tensor in place with Normal(0, sigma)."""
+    return NormalInit(std=float(sigma))
+
+
+def scaled_init_method_normal(
+    sigma: float, num_layers: int, multiplier: float = 2.0
+) -> "NormalInit":
+    """megatron-core's default ``output_layer_init_method``: Normal(0, sigma / sqrt(m L))
+    with m = ``multiplier`` and L = ``num_layers``."""
+    return NormalInit(std=float(sigma) / math.sqrt(multiplier * num_layers))
+
+
+@dataclass(frozen=True)
+class NormalInit:
+    """``init(tensor)`` fills ``tensor`` in place with Normal(mean, std) drawn from the default
+    generator of its device (a value: two with the same numbers compare equal)."""
+
+    std: float
+    mean: float = 0.0
+
+    def __call__(self, tensor):
+        import torch
+
+        return torch.nn.init.normal_(tensor, mean=self.mean, std=self.std)

@@ -26,7 +26,7 @@ from dataclasses import Field, dataclass, fields
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from megatron.core import config_rules
-from megatron.core.config_rules import CP_COMM_TYPES, NORMALIZATIONS
+from megatron.core.config_rules import ATTENTION_BACKENDS, CP_COMM_TYPES, NORMALIZATIONS
 from megatron.training import options
 from megatron.training.errors import UsageError
 from megatron.training.options import (
@@ -138,7 +138,8 @@ class TrainingConfig:
         "--distributed-backend",
         choices=DISTRIBUTED_BACKENDS,
         check=one_of(DISTRIBUTED_BACKENDS),
-        help="auto: nccl when every local process has a GPU, else gloo",
+        help="auto: nccl when every local process has a GPU, else gloo; one process "
+        "without torchrun then computes on cuda:0 too (a one-process nccl group)",
     )
     cp_comm_type: Union[str, List[str]] = option(
         "all_gather",
@@ -310,6 +311,15 @@ class TrainingConfig:
         "--openai-gelu",
         help="GELU's tanh approximation (OpenAI's, GPT-2's gelu_new) instead of the exact one",
     )
+    attention_backend: str = option(
+        "auto",
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        check=one_of(ATTENTION_BACKENDS),
+        help="attention kernel: auto (the one PyTorch's scaled_dot_product_attention picks for "
+        "the tensors: cuDNN on Hopper-class GPUs, flash otherwise, the CPU flash op on CPUs), "
+        "flash, fused (cuDNN), unfused or local (an explicit score matrix)",
+    )
     window_size: Optional[List[int]] = option(
         None,
         "--window-size",
@@ -398,6 +408,13 @@ class TrainingConfig:
         "--gradient-accumulation-fusion",
         help="linear layers add their weight gradients into the fp32 main_grad inside the "
         "GEMM (megatron-core's gradient_accumulation_fusion)",
+    )
+    compile: bool = option(
+        False,
+        "--compile",
+        help="torch.compile each transformer layer and the loss (an extra of this trainer; "
+        "megatron-core's fusion switches are set too): the same math, fewer memory passes "
+        "(docs/mixed_precision.md)",
     )
     seed: int = option(
         1234,
@@ -500,6 +517,12 @@ class TrainingConfig:
     )
     no_load_rng: bool = option(
         False, "--no-load-rng", help="with --load: do not restore the RNG states"
+    )
+    exit_on_missing_checkpoint: bool = option(
+        False,
+        "--exit-on-missing-checkpoint",
+        help="with --load DIR --save DIR: an error instead of starting from scratch when DIR "
+        "holds no checkpoint yet (any other --load without a checkpoint is an error anyway)",
     )
     compare_single_process: bool = option(
         False,
@@ -668,7 +691,13 @@ def _check_combinations(c: TrainingConfig) -> None:
         c.save_interval is None or c.save is not None,
         f"--save-interval {c.save_interval} needs --save DIR",
     )
-    for name in ("ckpt_step", "finetune", "no_load_optim", "no_load_rng"):
+    for name in (
+        "ckpt_step",
+        "finetune",
+        "no_load_optim",
+        "no_load_rng",
+        "exit_on_missing_checkpoint",
+    ):
         value = getattr(c, name)
         _require(
             value is None or value is False or c.load is not None,
@@ -726,6 +755,10 @@ def _check_combinations(c: TrainingConfig) -> None:
         c.position_embedding_type == "rope"
         or not (c.use_rope_scaling or c.rotary_base != _FIELDS["rotary_base"].default),
         "--use-rope-scaling and --rotary-base need --position-embedding-type rope",
+    )
+    _require(
+        c.use_rope_scaling or c.rope_scaling_factor == _FIELDS["rope_scaling_factor"].default,
+        f"--rope-scaling-factor {c.rope_scaling_factor} needs --use-rope-scaling",
     )
     _require(not (c.openai_gelu and c.swiglu), "--openai-gelu and --swiglu exclude each other")
     _require(
@@ -875,6 +908,7 @@ def single_process_config(config: TrainingConfig) -> TrainingConfig:
         "finetune",
         "no_load_optim",
         "no_load_rng",
+        "exit_on_missing_checkpoint",
         "export_hf",
     )
     changes.update({name: _FIELDS[name].default for name in layout_and_output})

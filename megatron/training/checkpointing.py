@@ -36,6 +36,7 @@ from tqdm import tqdm
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedObject
 from megatron.core.dist_checkpointing.core import CONFIG_FNAME
+from megatron.training.arguments import flag_of
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 
@@ -142,6 +143,7 @@ def load_checkpoint(
     load_optim: bool = True,
     load_rng: bool = True,
     train_iters: Optional[int] = None,
+    exit_on_missing_checkpoint: bool = False,
 ) -> Tuple[int, int, List[str]]:
     """Collective: restore model, optimizer (and scheduler) from the checkpoint that
     ``--load load_dir`` names (``resolve_checkpoint``). Returns (iteration,
@@ -156,14 +158,18 @@ def load_checkpoint(
     iteration 0 (megatron's ``--finetune``). RNG states are restored only when the saved
     ``layout`` equals ``layout`` (and ``load_rng``).
     """
-    directory, notes = _agree_or_raise(lambda: resolve_checkpoint(load_dir, save_dir, ckpt_step))
+    directory, notes = _agree_or_raise(
+        lambda: resolve_checkpoint(load_dir, save_dir, ckpt_step, exit_on_missing_checkpoint)
+    )
     if directory is None:
         return 0, 0, notes
     started = time.perf_counter()
     common = dist_checkpointing.load_common_state_dict(str(directory))
     saved_iteration = int(common.get("iteration", 0))
     if run_settings is not None:
-        compare_run_settings(common.get("run_settings"), run_settings, directory, finetune)
+        compare_run_settings(
+            common.get("run_settings"), run_settings, directory, finetune, load_optim
+        )
     if not finetune and train_iters is not None and saved_iteration > train_iters:
         raise ValueError(
             f"--load {load_dir}: checkpoint {directory} is at iteration {saved_iteration}, "
@@ -230,7 +236,10 @@ def load_checkpoint(
 
 
 def resolve_checkpoint(
-    load_dir: str, save_dir: Optional[str] = None, ckpt_step: Optional[int] = None
+    load_dir: str,
+    save_dir: Optional[str] = None,
+    ckpt_step: Optional[int] = None,
+    exit_on_missing_checkpoint: bool = False,
 ) -> Tuple[Optional[Path], List[str]]:
     """(the checkpoint directory ``--load load_dir`` names, notes).
 
@@ -238,19 +247,27 @@ def resolve_checkpoint(
     ``--save`` directory: then ``DIR/iter_<ckpt_step>`` when ``ckpt_step`` is given, else the
     newest complete checkpoint (``find_latest_checkpoint``). A path with no checkpoint is an
     error naming ``--load``, except megatron's auto-resume idiom (``save_dir`` is the same
-    directory): then (None, notes) and the notes say "starting from scratch".
+    directory): then (None, notes) and the notes say "starting from scratch", unless
+    ``exit_on_missing_checkpoint`` (megatron's ``--exit-on-missing-checkpoint``).
     """
     root = Path(load_dir)
-    auto_resume = save_dir is not None and _same_path(load_dir, save_dir)
+    same_as_save = save_dir is not None and _same_path(load_dir, save_dir)
+    auto_resume = same_as_save and not exit_on_missing_checkpoint
     scratch = f"--load {load_dir} is the --save directory and holds no checkpoint yet: "
     scratch += "starting from scratch"
+    if same_as_save:
+        hint = " (and --exit-on-missing-checkpoint refuses to start from scratch)"
+    else:
+        hint = (
+            " (to resume automatically when a checkpoint exists, pass the same DIR to --save "
+            "and --load)"
+        )
     if not root.exists():
         if auto_resume:
             return None, [scratch]
         raise ValueError(
             f"--load {load_dir}: no such directory; expected a --save directory or one "
-            f"checkpoint's iter_NNNNNNN directory (to resume automatically when a checkpoint "
-            f"exists, pass the same DIR to --save and --load)"
+            f"checkpoint's iter_NNNNNNN directory{hint}"
         )
     if not root.is_dir():
         raise ValueError(f"--load {load_dir} is a file; expected a checkpoint directory")
@@ -288,40 +305,43 @@ def resolve_checkpoint(
         skipped = f" ({'; '.join(notes)})" if notes else ""
         raise ValueError(
             f"--load {load_dir}: no complete checkpoint in this directory{skipped}; expected "
-            f"iter_NNNNNNN/ directories with {CONFIG_FNAME}, as --save writes them (to "
-            "resume automatically when one exists, pass the same DIR to --save and --load)"
+            f"iter_NNNNNNN/ directories with {CONFIG_FNAME}, as --save writes them{hint}"
         )
     return checkpoint_dir(load_dir, iteration), notes
 
 
 # Run settings that change the model (saved weights would not fit, or would mean something
-# else), as (TrainingConfig field, flag); checked on resume by ``compare_run_settings``.
+# else), as TrainingConfig field names (errors name their flags, ``arguments.flag_of``);
+# checked on resume by ``compare_run_settings``.
 MODEL_SETTINGS = (
-    ("num_layers", "--num-layers"),
-    ("hidden_size", "--hidden-size"),
-    ("num_attention_heads", "--num-attention-heads"),
-    ("num_query_groups", "--num-query-groups"),
-    ("ffn_hidden_size", "--ffn-hidden-size"),
-    ("normalization", "--normalization"),
-    ("position_embedding_type", "--position-embedding-type"),
-    ("swiglu", "--swiglu"),
-    ("disable_bias_linear", "--disable-bias-linear"),
-    ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
-    ("vocab_size", "--vocab-size"),
-    ("kv_channels", "--kv-channels"),
-    ("norm_epsilon", "--norm-epsilon"),
-    ("rotary_base", "--rotary-base"),
-    ("use_rope_scaling", "--use-rope-scaling"),
-    ("rope_scaling_factor", "--rope-scaling-factor"),
-    ("add_qkv_bias", "--add-qkv-bias"),
-    ("openai_gelu", "--openai-gelu"),
-    ("window_size", "--window-size"),
-    ("tokenizer", "--tokenizer"),
-    ("seq_length", "--seq-length"),
-    ("max_position_embeddings", "--max-position-embeddings"),
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "normalization",
+    "position_embedding_type",
+    "swiglu",
+    "disable_bias_linear",
+    "untie_embeddings_and_output_weights",
+    "vocab_size",
+    "kv_channels",
+    "norm_epsilon",
+    "rotary_base",
+    "use_rope_scaling",
+    "rope_scaling_factor",
+    "add_qkv_bias",
+    "openai_gelu",
+    "window_size",
+    "tokenizer",
+    "seq_length",
+    "max_position_embeddings",
 )
 # The data the run trains on (a resumed run continues its position in it).
-DATA_SETTINGS = (("data_path", "--data-path"),)
+DATA_SETTINGS = ("data_path", "eod_token")
+# Settings that give the optimizer state another form (fp32 main parameters, loss scale):
+# compared only when the optimizer state is loaded.
+OPTIMIZER_SETTINGS = ("bf16", "fp16")
 
 
 def compare_run_settings(
@@ -329,10 +349,12 @@ def compare_run_settings(
     current: Dict[str, Any],
     directory: Path,
     finetune: bool = False,
+    load_optim: bool = True,
 ) -> None:
-    """Refuse to resume with settings that change the model (``MODEL_SETTINGS``) or, unless
-    ``finetune``, the data (``DATA_SETTINGS``): a ValueError naming every differing flag
-    with its saved and current value. Settings the checkpoint did not record are not
+    """Refuse to resume with settings that change the model (``MODEL_SETTINGS``), unless
+    ``finetune`` the data (``DATA_SETTINGS``), and with ``load_optim`` the form of the
+    optimizer state (``OPTIMIZER_SETTINGS``): a ValueError naming every differing flag with
+    its saved and current value. Settings the checkpoint did not record are not
     compared. Defaults are resolved first (query groups = heads, FFN = 4 x hidden, the
     byte-level tokenizer with a data path); ``--seq-length`` counts only with learned
     absolute positions (their table has one row per position), ``--tokenizer`` only when
@@ -342,8 +364,8 @@ def compare_run_settings(
     before, now = _effective_settings(saved), _effective_settings(current)
     checked = MODEL_SETTINGS + (() if finetune else DATA_SETTINGS)
     differences = [
-        f"{flag} {_shown(before[name])} when saved, {_shown(now[name])} now"
-        for name, flag in checked
+        f"{flag_of(name)} {_shown(before[name])} when saved, {_shown(now[name])} now"
+        for name in checked
         if name in before and name in now and before[name] != now[name]
     ]
     if differences:
@@ -351,6 +373,18 @@ def compare_run_settings(
         raise ValueError(
             f"--load: checkpoint {directory} was saved with other settings: "
             f"{'; '.join(differences)}. Resume with the saved values{escape}"
+        )
+    precision = [
+        f"{flag_of(name)} {_shown(before[name])} when saved, {_shown(now[name])} now"
+        for name in (OPTIMIZER_SETTINGS if load_optim and not finetune else ())
+        if name in before and name in now and before[name] != now[name]
+    ]
+    if precision:
+        raise ValueError(
+            f"--load: checkpoint {directory} was saved with {'; '.join(precision)}: its "
+            "optimizer state has another form (fp32 main parameters, loss scale). Resume with "
+            "the saved value, or pass --no-load-optim to load the weights and start the "
+            "optimizer afresh"
         )
 
 

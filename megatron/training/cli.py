@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from megatron.training.arguments import explicit_options, parse_args, validate_config
 from megatron.training.errors import (
@@ -83,6 +83,7 @@ def launch(argv: Sequence[str], nproc: int, debug: bool = False) -> int:
     cpu_count // nproc`` (at least 1) unless set. torchrun's own failure report is shown
     only with ``debug``.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -102,12 +103,15 @@ def launch(argv: Sequence[str], nproc: int, debug: bool = False) -> int:
                 return _report_failed_launch(failed, debug)
             except KeyboardInterrupt:
                 return 130
+            except SignalException as stopped:  # SIGTERM/SIGINT/... to the launcher
+                print(format_line(f"stopped by {stopped.sigval.name}"), file=sys.stderr)
+                return 128 + int(stopped.sigval)
             return 1 if verdict.exists() and verdict.read_text() == "failed" else 0
     finally:
         os.environ.clear()
         os.environ.update(saved)
         if quiet is not None:
-            quiet[0].setLevel(quiet[1])
+            _restore_levels(quiet)
 
 
 def launch_command(argv: Sequence[str], nproc: int) -> List[str]:
@@ -164,13 +168,21 @@ def _report_failed_launch(failed, debug: bool) -> int:
     return 1
 
 
-def _quiet_torch_launcher():
+def _quiet_torch_launcher() -> Dict[str, int]:
     """Keep torch.distributed's launcher logs (worker exit codes, closing signals) to
-    critical messages; returns the logger and its previous level."""
-    logger = logging.getLogger("torch.distributed")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    return logger, level
+    critical messages; returns each logger's previous level (``_restore_levels``)."""
+    names = [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed")]
+    saved = {}
+    for name in ["torch.distributed", *names]:
+        logger = logging.getLogger(name)
+        saved[name] = logger.level
+        logger.setLevel(logging.CRITICAL)
+    return saved
+
+
+def _restore_levels(levels: Dict[str, int]) -> None:
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
 
 
 def _world_size(nproc_per_node: Optional[int], under_torchrun: bool) -> int:

@@ -528,8 +528,14 @@ def _plain_errors(what: str):
     try:
         yield
     except CheckpointException as err:
-        messages = [f"rank {rank}: {exc}" for rank, (exc, _) in sorted(err.failures.items())]
-        raise CheckpointingException(f"{what} failed: " + "; ".join(messages)) from err
+        ranks_by_message: Dict[str, List[int]] = {}
+        for rank, (exc, _) in sorted(err.failures.items()):
+            ranks_by_message.setdefault(str(exc), []).append(rank)
+        messages = [
+            f"on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {message}"
+            for message, ranks in ranks_by_message.items()
+        ]
+        raise CheckpointingException(f"{what} failed " + "; ".join(messages)) from err
 
 
 def _canonical(body: dict) -> bytes:

@@ -35,6 +35,8 @@ import re
 from functools import lru_cache
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy
+
 _OPEN, _CLOSE = "\ue000", "\ue001"  # sentinels around {% generation %} output
 ROLES = ("system", "user", "assistant", "tool")
 _GENERATION_TAG = re.compile(r"{%[-+]?\s*generation\s*[-+]?%}")
@@ -62,11 +64,11 @@ def tokenize_conversation(
     variables = dict(getattr(tokenizer, "special_tokens", {}))
     text, spans = render_with_assistant_spans(template, messages, variables)
     ids, offsets = tokenizer.encode_with_offsets(text)
-    mask = [0] * len(ids)
-    for i, (a, b) in enumerate(offsets):
-        if any(a < end and b > start for start, end in spans):
-            mask[i] = 1
-    return list(ids), mask
+    bounds = numpy.asarray(offsets, dtype=numpy.int64).reshape(-1, 2)
+    mask = numpy.zeros(len(ids), dtype=bool)
+    for start, end in spans:
+        mask |= (bounds[:, 0] < end) & (bounds[:, 1] > start)
+    return list(ids), mask.astype(int).tolist()
 
 
 def render_chat(

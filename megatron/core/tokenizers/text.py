@@ -78,14 +78,17 @@ class ByteLevelTokenizer:
         return self.eos_id
 
 
+EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>")
+
+
 class TokenizersFileTokenizer:
     """A HuggingFace ``tokenizers`` JSON file, or a folder holding ``tokenizer.json`` (and
     ``tokenizer_config.json``: its chat template and special tokens, read by
     ``megatron.core.tokenizers.hf_folder``).
 
     End-of-document is ``eod_token`` if given, else the config's ``eos_token``, else the first
-    of ``<|endoftext|>``, ``</s>``, ``<eos>``, ``<|end_of_text|>`` in the vocabulary; pad and
-    bos likewise from ``pad_token``/``bos_token``.
+    of ``EOD_CANDIDATES`` in the vocabulary (``None`` when none is); pad and bos likewise from
+    ``pad_token``/``bos_token``.
     """
 
     def __init__(
@@ -132,9 +135,7 @@ class TokenizersFileTokenizer:
                     return vocab[name]
             return None
 
-        self.eod = find(
-            eod_token, "eos_token", ["<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>"]
-        )
+        self.eod = find(eod_token, "eos_token", list(EOD_CANDIDATES))
         self.pad_id = find(pad_token, "pad_token", ["<pad>", "<|pad|>", "[PAD]"])
         self.bos_id = find(bos_token, "bos_token", ["<s>", "<bos>", "<|begin_of_text|>"])
         self.eos_id = self.eod
@@ -147,8 +148,19 @@ class TokenizersFileTokenizer:
         encoding = self._tok.encode(text, add_special_tokens=False)
         return encoding.ids, encoding.offsets
 
-    def ids_to_text(self, ids: List[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+    def ids_to_text(self, ids: List[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    @property
+    def document_prefix(self) -> List[int]:
+        """The ids the tokenizer's own post-processor puts before a text (e.g. Llama's
+        ``<|begin_of_text|>``; empty for GPT-2 style tokenizers)."""
+        plain = self._tok.encode("a", add_special_tokens=False).ids
+        full = self._tok.encode("a", add_special_tokens=True).ids
+        for start in range(len(full) - len(plain) + 1):
+            if full[start : start + len(plain)] == plain:
+                return full[:start]
+        return []
 
 
 _LIBRARIES = {

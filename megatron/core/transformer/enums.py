@@ -2,6 +2,8 @@
 
 import enum
 
+from megatron.core import config_rules
+
 
 class AttnType(enum.Enum):
     """Self- or cross-attention."""
@@ -21,6 +23,9 @@ class AttnBackend(enum.Enum):
     unfused = 3
     local = 4
     auto = 5
+
+
+assert tuple(AttnBackend.__members__) == config_rules.ATTENTION_BACKENDS
 
 
 class AttnMaskType(enum.Enum):

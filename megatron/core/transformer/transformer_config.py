@@ -9,6 +9,7 @@ from megatron.core import config_rules
 from megatron.core.config_rules import CP_COMM_TYPES
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer.enums import AttnBackend
+from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 
 @dataclass
@@ -93,6 +94,7 @@ class TransformerConfig(ModelParallelConfig):
         _check_cp_comm_type(self.cp_comm_type, self.num_layers)
         self.attention_backend = _attention_backend(self.attention_backend)
         _check_window_size(self.window_size)
+        self._fill_init_methods()
         if not self.num_attention_heads:
             return
         if self.kv_channels is None:
@@ -114,6 +116,33 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(
                 f"{name} ({value!r}) must be a positive multiple of tensor_model_parallel_size "
                 f"({tp})"
+            )
+
+    def _fill_init_methods(self) -> None:
+        """megatron-core's defaults: ``embedding_init_method_std`` = ``init_method_std``;
+        ``embedding_init_method`` = Normal(0, embedding_init_method_std), or ``init_method``
+        when one is given and the two stds agree; ``init_method`` = Normal(0,
+        init_method_std); ``output_layer_init_method`` (attention projection and MLP fc2) =
+        Normal(0, init_method_std / sqrt(2 num_layers)). Each is applied to the FULL
+        (unsharded) tensor (``GPTModel``), so every layout gets the same weights."""
+        for name in ("init_method", "output_layer_init_method", "embedding_init_method"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise TypeError(
+                    f"{name} must be a callable that fills a tensor in place, got {value!r}"
+                )
+        if self.embedding_init_method_std is None:
+            self.embedding_init_method_std = self.init_method_std
+        if self.embedding_init_method is None:
+            if self.init_method is None or self.embedding_init_method_std != self.init_method_std:
+                self.embedding_init_method = init_method_normal(self.embedding_init_method_std)
+            else:
+                self.embedding_init_method = self.init_method
+        if self.init_method is None:
+            self.init_method = init_method_normal(self.init_method_std)
+        if self.output_layer_init_method is None:
+            self.output_layer_init_method = scaled_init_method_normal(
+                self.init_method_std, max(self.num_layers, 1)
             )
 
 

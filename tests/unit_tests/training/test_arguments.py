@@ -54,6 +54,7 @@ NON_DEFAULT = dict(
     add_qkv_bias=True,
     openai_gelu=True,
     window_size=[3, 0],
+    attention_backend="unfused",
     hf_model="hf-model-dir",
     train_iters=7,
     lr=0.01,
@@ -70,6 +71,7 @@ NON_DEFAULT = dict(
     overlap_grad_reduce=True,
     gradient_accumulation_fusion=True,
     seed=5,
+    compile=True,
     bf16=True,
     fp16=True,  # round trip only: validate_config refuses the pair
     loss_scale=8.0,
@@ -86,6 +88,7 @@ NON_DEFAULT = dict(
     finetune=True,
     no_load_optim=True,
     no_load_rng=True,
+    exit_on_missing_checkpoint=True,
     compare_single_process=True,
     compare_tolerance=1e-3,
     progress=False,
@@ -239,10 +242,15 @@ def test_options_and_rules_load_without_torch():
         (dict(min_lr=1e-4), r"--min-lr 0.0001 is the end of a decay, but --lr-decay-style const"),
         (dict(data_path="d.jsonl", vocab_size=100), r"--vocab-size 100 is not used with --data"),
         (dict(save_interval=2), r"--save-interval 2 needs --save DIR"),
+        (
+            dict(position_embedding_type="rope", rope_scaling_factor=4.0),
+            r"--rope-scaling-factor 4.0 needs --use-rope-scaling",
+        ),
         (dict(ckpt_step=0), r"--ckpt-step 0 needs --load DIR"),
         (dict(finetune=True), r"--finetune needs --load DIR"),
         (dict(no_load_optim=True), r"--no-load-optim needs --load DIR"),
         (dict(no_load_rng=True), r"--no-load-rng needs --load DIR"),
+        (dict(exit_on_missing_checkpoint=True), r"--exit-on-missing-checkpoint needs --load"),
     ],
 )
 def test_options_that_would_be_ignored_are_refused(changes, message):
@@ -280,3 +288,28 @@ def test_pretrain_refuses_a_process_count_it_does_not_have(monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     with pytest.raises(ValueError, match=r"--nproc-per-node 4, but this run has 1 process"):
         pretrain(TrainingConfig(nproc_per_node=4, train_iters=1))
+
+
+def test_attention_backend_reaches_the_transformer_config():
+    """--attention-backend (megatron's flag) becomes TransformerConfig.attention_backend; the
+    names are megatron-core's AttnBackend's."""
+    from megatron.core.config_rules import ATTENTION_BACKENDS
+    from megatron.core.transformer.enums import AttnBackend
+    from megatron.training.model import transformer_config_from
+
+    assert tuple(AttnBackend.__members__) == ATTENTION_BACKENDS
+    for name in ATTENTION_BACKENDS:
+        config = parse_args(["--attention-backend", name])
+        library = transformer_config_from(config, validate_config(config, 1))
+        assert library.attention_backend is AttnBackend[name]
+    with pytest.raises(ValueError, match="--attention-backend: invalid choice: 'sdpa'"):
+        parse_args(["--attention-backend", "sdpa"])
+
+
+def test_the_resume_checks_name_existing_fields():
+    """The settings a resume compares are TrainingConfig fields (a renamed field fails here,
+    not silently at resume)."""
+    from megatron.training.checkpointing import DATA_SETTINGS, MODEL_SETTINGS, OPTIMIZER_SETTINGS
+
+    names = {f.name for f in fields(TrainingConfig)}
+    assert set(MODEL_SETTINGS + DATA_SETTINGS + OPTIMIZER_SETTINGS) <= names

@@ -114,6 +114,8 @@ def test_load_without_a_checkpoint_is_an_error_except_the_auto_resume_idiom(tmp_
         resolve_checkpoint(missing, save_dir=str(tmp_path / "other"))
     directory, notes = resolve_checkpoint(missing, save_dir=missing + "/")
     assert directory is None and len(notes) == 1 and "starting from scratch" in notes[0]
+    with pytest.raises(ValueError, match="no such directory.*--exit-on-missing-checkpoint"):
+        resolve_checkpoint(missing, save_dir=missing, exit_on_missing_checkpoint=True)
     with pytest.raises(ValueError, match=f"--load {tmp_path}: no complete checkpoint"):
         resolve_checkpoint(str(tmp_path))
     (tmp_path / "iter_0000004").mkdir()  # a save that never finished
@@ -122,6 +124,8 @@ def test_load_without_a_checkpoint_is_an_error_except_the_auto_resume_idiom(tmp_
     directory, notes = resolve_checkpoint(str(tmp_path), save_dir=str(tmp_path))
     assert directory is None and "iter_0000004 is incomplete" in notes[0], notes
     assert "starting from scratch" in notes[-1]
+    with pytest.raises(ValueError, match="no complete checkpoint.*--exit-on-missing-checkpoint"):
+        resolve_checkpoint(str(tmp_path), save_dir=str(tmp_path), exit_on_missing_checkpoint=True)
     with pytest.raises(ValueError, match="iter_0000004: an incomplete checkpoint"):
         resolve_checkpoint(str(tmp_path / "iter_0000004"))
     (tmp_path / "file").write_text("x")
@@ -212,6 +216,16 @@ def test_finetune_and_no_load_optim(saved_run, capsys):
     assert "--finetune: model weights only" in capsys.readouterr().out
     fresh_adam = _tiny(train_iters=4, load=directory, no_load_optim=True)
     assert fresh_adam[0] == straight[2] and fresh_adam[1] != straight[3], (fresh_adam, straight)
+
+
+@pytest.mark.world(1)
+def test_another_precision_is_refused_while_the_optimizer_state_is_loaded(tmp_path):
+    """A --bf16 checkpoint holds fp32 main parameters an fp32 run's optimizer has no place
+    for: resuming without --bf16 names the flag; --no-load-optim loads the weights."""
+    _tiny(train_iters=1, save=str(tmp_path), bf16=True)
+    with pytest.raises(ValueError, match="--bf16 True when saved, False now: .*--no-load-optim"):
+        _tiny(train_iters=2, load=str(tmp_path))
+    assert len(_tiny(train_iters=2, load=str(tmp_path), no_load_optim=True)) == 1
 
 
 @pytest.mark.world(1)

@@ -19,6 +19,7 @@ from megatron.core import tensor_parallel
 from megatron.core.context_parallel import thd_document_positions, thd_partitioned_indices
 from megatron.core.device import comm_device
 from megatron.core.enums import ModelType
+from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from megatron.core.models.common.embeddings.language_model_embedding import (
     LanguageModelEmbedding,
 )
@@ -41,9 +42,12 @@ class GPTModel(MegatronModule):
     Chunk ``vp_stage`` on pipeline rank p is virtual stage vp_stage * PP + p and holds the
     global layers [stage * L / (PP * V), (stage + 1) * L / (PP * V)).
 
-    Parameters (``config.init_method`` is not used): norm weights 1, biases 0, every other
-    weight Normal(0, init_method_std), drawn in float32 on CPU as the full (unsharded) tensor
-    from the generator of (``seed``, its name in the one-chunk model), then sliced to this TP
+    Parameters: norm weights 1, biases 0; every other weight is built as the full
+    (unsharded) float32 CPU tensor by its config init method, ``embedding_init_method`` for
+    the word and position embeddings, ``output_layer_init_method`` for the attention
+    projection and MLP fc2, ``init_method`` for the rest (megatron-core's roles; defaults
+    Normal(0, std) and Normal(0, std / sqrt(2 L)), see ``TransformerConfig``), with the CPU
+    generator seeded from (``seed``, its name in the one-chunk model), then sliced to this TP
     rank's shard (``partition_dim``, ``partition_stride``); with
     ``config.perform_initialization=False`` they are left as allocated (for a caller that
     loads weights). A tied output weight on a later stage is the word embeddings' tensor.
@@ -92,9 +96,10 @@ class GPTModel(MegatronModule):
             raise NotImplementedError(
                 "GPTModel: mtp_block_spec (multi-token prediction) is not supported"
             )
-        for name in ("fp32_residual_connection", "apply_rope_fusion", "cross_entropy_loss_fusion"):
-            if getattr(config, name, False):
-                raise NotImplementedError(f"GPTModel: config.{name}=True is not supported")
+        if config.fp32_residual_connection:
+            raise NotImplementedError(
+                "GPTModel: config.fp32_residual_connection=True is not supported"
+            )
         if position_embedding_type not in ("learned_absolute", "rope", "none"):
             raise NotImplementedError(
                 f"GPTModel: position_embedding_type={position_embedding_type!r} is not "
@@ -272,14 +277,24 @@ class GPTModel(MegatronModule):
     def compute_language_model_loss(self, labels: Tensor, logits: Tensor) -> Tensor:
         """Per-token loss [b, s] from labels [b, s] and logits [s, b, V / TP] (or [s, b, V]
         when gathered): cross-entropy over the whole vocabulary, in float32 for
-        half-precision logits unless ``fp16_lm_cross_entropy``."""
-        if logits.element_size() < 4 and not self.fp16_lm_cross_entropy:
-            logits = logits.float()
+        half-precision logits unless ``fp16_lm_cross_entropy``;
+        ``config.cross_entropy_loss_fusion``: the fused version, which reads half-precision
+        logits directly and computes in float32."""
         tp_size = get_pg_size(self.tp_group)
         if tp_size > 1 and logits.shape[-1] == self.vocab_size:
             # Gathered logits: this rank's vocabulary block gives the same loss, and the
             # gather's backward keeps exactly this block's gradient.
             logits = logits.chunk(tp_size, dim=-1)[get_pg_rank(self.tp_group)]
+        if self.config.cross_entropy_loss_fusion:
+            loss = fused_vocab_parallel_cross_entropy(
+                logits,
+                labels.transpose(0, 1).contiguous(),
+                self.tp_group,
+                label_smoothing=self.config.label_smoothing,
+            )
+            return loss.transpose(0, 1).contiguous()
+        if logits.element_size() < 4 and not self.fp16_lm_cross_entropy:
+            logits = logits.float()
         loss = tensor_parallel.vocab_parallel_cross_entropy(
             logits,
             labels.transpose(0, 1).contiguous(),
@@ -345,10 +360,10 @@ class GPTModel(MegatronModule):
 
     @torch.no_grad()
     def _initialize_parameters(self, seed: int) -> None:
-        """Fill every parameter with its shard of the full tensor seeded by (seed, name)."""
+        """Fill every parameter with its shard of the full tensor its init method builds from
+        the (seed, name) stream."""
         norms = (torch.nn.LayerNorm, torch.nn.RMSNorm)
         tp_size, tp_rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
-        std = self.config.init_method_std
         for module_name, module in self.named_modules():
             for param_name, param in module.named_parameters(recurse=False):
                 name = self._reference_name(f"{module_name}.{param_name}")
@@ -357,7 +372,8 @@ class GPTModel(MegatronModule):
                 elif param_name == "bias":
                     param.zero_()
                 else:
-                    full = seeded_normal(_full_shape(param, tp_size), seed, name, std)
+                    method = _init_method_for(name, self.config)
+                    full = seeded_init(_full_shape(param, tp_size), seed, name, method)
                     param.copy_(tp_shard(full, param, tp_size, tp_rank))
 
     def _reference_name(self, name: str) -> str:
@@ -385,9 +401,37 @@ def seeded_normal(shape, seed: int, name: str, std: float) -> Tensor:
     """Normal(0, std) values of ``shape`` drawn in float32 on CPU from the (seed, name)
     stream: the same whatever the layout, dtype or device."""
     generator = torch.Generator(device="cpu")
-    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
-    generator.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    generator.manual_seed(_stream_seed(seed, name))
     return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+
+
+def seeded_init(shape, seed: int, name: str, init_method) -> Tensor:
+    """The full float32 CPU tensor of ``shape`` that ``init_method`` fills while the CPU
+    generator is seeded from the (seed, name) stream (the caller's generator state is put
+    back). For ``init_method_normal(std)`` these are ``seeded_normal``'s values."""
+    full = torch.empty(shape, dtype=torch.float32)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_stream_seed(seed, name))
+        init_method(full)
+    return full
+
+
+def _stream_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+_OUTPUT_LAYERS = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+_EMBEDDINGS = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
+
+
+def _init_method_for(name: str, config: TransformerConfig):
+    """The config init method of the weight called ``name`` in the one-chunk model."""
+    if name in _EMBEDDINGS:
+        return config.embedding_init_method
+    if name.endswith(_OUTPUT_LAYERS):
+        return config.output_layer_init_method
+    return config.init_method
 
 
 def tp_shard(full: Tensor, param: Tensor, tp_size: int, tp_rank: int) -> Tensor:
