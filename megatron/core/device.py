@@ -25,6 +25,25 @@ def comm_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
     return torch.device("cpu")
 
 
+def choose_backend(requested: str, local_processes: int = 1) -> str:
+    """The backend a launch of ``local_processes`` processes per node gets for ``requested``:
+    "gloo" and "nccl" as asked; "auto" -> nccl when CUDA is available with a GPU for each
+    local process, else gloo."""
+    if requested not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"backend {requested!r}: expected 'auto', 'gloo' or 'nccl'")
+    if requested != "auto":
+        return requested
+    enough = torch.cuda.is_available() and torch.cuda.device_count() >= local_processes
+    return "nccl" if enough else "gloo"
+
+
+def describe_device(device: torch.device) -> str:
+    """``cuda:0 (NVIDIA H200)`` or ``cpu``: the device a run computes on, for its log."""
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
+
+
 def supports_avg(group: Optional[dist.ProcessGroup] = None) -> bool:
     """Whether ``ReduceOp.AVG`` works on ``group`` (nccl has it, gloo does not)."""
     return comm_device(group).type != "cpu"

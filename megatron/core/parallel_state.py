@@ -182,6 +182,7 @@ _GROUP_TOKENS: Dict[str, tuple] = {
 # Process groups are created once per rank list and reused across initialize/destroy
 # cycles, as creating them is a collective over the whole world.
 _GROUP_CACHE: Dict[tuple, dist.ProcessGroup] = {}
+_GROUP_CACHE_WORLD: Optional[dist.ProcessGroup] = None  # the default group they belong to
 
 _STATE: Optional["_ParallelState"] = None
 _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK: Optional[int] = None
@@ -866,10 +867,15 @@ def _rank(name: str, override: Optional[str] = None) -> int:
 
 
 def _get_or_create_group(ranks: List[int], timeout: timedelta, tag: str = "") -> dist.ProcessGroup:
-    """The process group over ``ranks``; created collectively on first use, then cached.
+    """The process group over ``ranks``; created collectively on first use, then cached
+    (for as long as the default group it was made in lives).
 
     ``tag`` keeps a second communicator over the same ranks apart (the all-gather group).
     """
+    global _GROUP_CACHE_WORLD
+    if _GROUP_CACHE_WORLD is not dist.group.WORLD:  # torch.distributed was (re)started
+        _GROUP_CACHE.clear()
+        _GROUP_CACHE_WORLD = dist.group.WORLD
     key = (tuple(ranks), tag)
     if key not in _GROUP_CACHE:
         _GROUP_CACHE[key] = dist.new_group(ranks, timeout=timeout)

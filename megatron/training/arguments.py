@@ -138,7 +138,8 @@ class TrainingConfig:
         "--distributed-backend",
         choices=DISTRIBUTED_BACKENDS,
         check=one_of(DISTRIBUTED_BACKENDS),
-        help="auto: nccl when every local process has a GPU, else gloo",
+        help="auto: nccl when every local process has a GPU, else gloo; one process "
+        "without torchrun then computes on cuda:0 too (a one-process nccl group)",
     )
     cp_comm_type: Union[str, List[str]] = option(
         "all_gather",
@@ -407,6 +408,13 @@ class TrainingConfig:
         "--gradient-accumulation-fusion",
         help="linear layers add their weight gradients into the fp32 main_grad inside the "
         "GEMM (megatron-core's gradient_accumulation_fusion)",
+    )
+    compile: bool = option(
+        False,
+        "--compile",
+        help="torch.compile each transformer layer and the loss (an extra of this trainer; "
+        "megatron-core's fusion switches are set too): the same math, fewer memory passes "
+        "(docs/mixed_precision.md)",
     )
     seed: int = option(
         1234,
@@ -747,6 +755,10 @@ def _check_combinations(c: TrainingConfig) -> None:
         c.position_embedding_type == "rope"
         or not (c.use_rope_scaling or c.rotary_base != _FIELDS["rotary_base"].default),
         "--use-rope-scaling and --rotary-base need --position-embedding-type rope",
+    )
+    _require(
+        c.use_rope_scaling or c.rope_scaling_factor == _FIELDS["rope_scaling_factor"].default,
+        f"--rope-scaling-factor {c.rope_scaling_factor} needs --use-rope-scaling",
     )
     _require(not (c.openai_gelu and c.swiglu), "--openai-gelu and --swiglu exclude each other")
     _require(

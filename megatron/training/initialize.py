@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.device import choose_backend
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.training.arguments import Layout, TrainingConfig
 
@@ -33,22 +34,38 @@ def initialize_distributed(config: TrainingConfig, layout: Layout) -> bool:
     """Start torch.distributed for a torchrun launch; returns True when this call created
     the default group (the caller then destroys it).
 
-    Backend: nccl when asked, or with ``auto`` when every local process has its own GPU
-    (``torch.cuda.set_device(LOCAL_RANK)``); gloo otherwise, with ``cpu_count /
-    LOCAL_WORLD_SIZE`` threads per process. An existing default group is reused.
+    Backend (``device.choose_backend``): nccl when asked, or with ``auto`` when every local
+    process has its own GPU (``torch.cuda.set_device(LOCAL_RANK)``); gloo otherwise, with
+    ``cpu_count / LOCAL_WORLD_SIZE`` threads per process. An existing default group is
+    reused.
     """
     if dist.is_initialized():
         return False
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
-    backend = config.distributed_backend
-    if backend == "auto":
-        enough_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
-        backend = "nccl" if enough_gpus else "gloo"
+    backend = choose_backend(config.distributed_backend, local_world)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     dist.init_process_group(backend, timeout=TIMEOUT)
+    return True
+
+
+def initialize_single_gpu(config: TrainingConfig) -> bool:
+    """A run without torchrun: when ``--distributed-backend`` (``auto`` with a GPU, or
+    ``nccl``) means the GPU, start a one-process nccl group (an in-memory store, no
+    rendezvous) so that the run computes on ``cuda:0``; returns True when it did (the
+    caller destroys the group). With gloo, or ``auto`` without a GPU, nothing is started:
+    the run stays on the CPU without torch.distributed."""
+    if dist.is_initialized() or choose_backend(config.distributed_backend, 1) != "nccl":
+        return False
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "--distributed-backend nccl needs a CUDA GPU, and torch.cuda.is_available() is "
+            "False; use --distributed-backend gloo (or auto) on this machine"
+        )
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, timeout=TIMEOUT)
     return True
 
 

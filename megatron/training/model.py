@@ -66,6 +66,8 @@ def build_model(
             from megatron.training.hf import load_hf_weights
 
             load_hf_weights(gpt, config.hf_model)
+        if config.compile:
+            compile_layers(gpt)
         if config.bf16 or config.fp16:
             gpt = Float16Module(transformer_config, gpt)
         chunks.append(
@@ -124,7 +126,50 @@ def transformer_config_from(config: TrainingConfig, layout: Layout) -> Transform
         gradient_accumulation_fusion=config.gradient_accumulation_fusion,
         deallocate_pipeline_outputs=True,
         cp_comm_type=config.cp_comm_type,
+        **(fusions_of(config) if config.compile else {}),
     )
+
+
+# megatron-core's fusion switches, turned on by --compile (torch.compile'd functions).
+FUSIONS = dict(
+    bias_activation_fusion=True,
+    bias_dropout_fusion=True,
+    apply_rope_fusion=True,
+    persist_layer_norm=True,
+    cross_entropy_loss_fusion=True,
+)
+
+
+def fusions_of(config: TrainingConfig) -> dict:
+    """``FUSIONS``, without ``bias_activation_fusion`` for an activation it does not fuse
+    (OpenAI's tanh GELU)."""
+    fusions = dict(FUSIONS)
+    if not config.swiglu and config.openai_gelu:
+        fusions["bias_activation_fusion"] = False
+    return fusions
+
+
+def compile_layers(gpt: GPTModel) -> None:
+    """``torch.compile`` every transformer layer of ``gpt`` in place: norms, RoPE, the
+    activation and the residual adds between the GEMMs become fused kernels. The linear
+    layers (hand-written autograd with ``gradient_accumulation_fusion``'s fp32 GEMMs) and
+    core attention (the flash-class kernels with their own backward) stay eager: the graph
+    breaks around them. One graph is reused by all layers (dynamo's cache limit is raised to
+    the layer count so that none falls back to eager)."""
+    import torch._dynamo
+
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    layers = list(gpt.decoder.layers)
+    limit = torch._dynamo.config.cache_size_limit
+    torch._dynamo.config.cache_size_limit = max(limit, 2 * len(layers) + 8)
+    eager = (ColumnParallelLinear, RowParallelLinear, DotProductAttention)
+    for layer in layers:
+        for module in layer.modules():
+            if isinstance(module, eager):
+                module.forward = torch.compiler.disable(module.forward)
+        layer.compile()
 
 
 def activation_of(config: TrainingConfig):

@@ -30,7 +30,7 @@ from megatron.core.context_parallel import (
     get_batch_on_this_cp_rank,
     get_thd_batch_on_this_cp_rank,
 )
-from megatron.core.device import comm_device
+from megatron.core.device import comm_device, describe_device
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -51,6 +51,7 @@ from megatron.training.hf.config import resolve_hf_model
 from megatron.training.initialize import (
     initialize_distributed,
     initialize_model_parallel_groups,
+    initialize_single_gpu,
     is_rank_zero,
     launched_world_size,
     single_process_groups,
@@ -78,15 +79,20 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
     """Run the job on this process: one process without torchrun, else this rank's part.
 
     Validates the layout before any collective, starts torch.distributed when launched by
-    torchrun (reusing an existing default group), trains, compares with the one-process run
-    when asked (``--compare-single-process``), writes metrics on rank 0, and tears down the
-    model-parallel state (and the default group if it created it).
+    torchrun (reusing an existing default group) or, without torchrun, a one-process nccl
+    group when the backend means the GPU (``initialize_single_gpu``), trains, compares
+    with the one-process run when asked (``--compare-single-process``), writes metrics on
+    rank 0, and tears down the model-parallel state (and the default group if it created
+    it).
     """
     world_size = launched_world_size()
     config = resolve_hf_model(config)
     layout = validate_config(config, world_size or 1)
     _check_processes_per_node(config.nproc_per_node, world_size)
-    created_group = world_size is not None and initialize_distributed(config, layout)
+    if world_size is None:
+        created_group = initialize_single_gpu(config)
+    else:
+        created_group = initialize_distributed(config, layout)
     try:
         groups = initialize_model_parallel_groups(layout) if dist.is_initialized() else None
         label = f"{layout.name} ({_processes(layout.world_size)})"
@@ -189,8 +195,10 @@ def train(
             _print(note)
         bar.update(start_iteration)
     records = []
-    for iteration in range(start_iteration + 1, config.train_iters + 1):
-        start = time.perf_counter()
+
+    def batch_of(iteration: int):
+        """The global batch of ``iteration`` and this rank's microbatches of it, on the
+        compute device."""
         global_batch = dataset.global_batch(iteration - 1, config.global_batch_size)
         microbatches = [
             _on_this_cp_rank(microbatch, pg_collection)
@@ -198,6 +206,12 @@ def train(
                 global_batch, config.micro_batch_size, layout.num_microbatches, dp_rank
             )
         ]
+        return global_batch, microbatches
+
+    upcoming = batch_of(start_iteration + 1) if start_iteration < config.train_iters else None
+    for iteration in range(start_iteration + 1, config.train_iters + 1):
+        start = time.perf_counter()
+        global_batch, microbatches = upcoming
         for chunk in model:
             chunk.zero_grad_buffer()
         reported = forward_backward_func(
@@ -215,6 +229,8 @@ def train(
         lr = optimizer.param_groups[0]["lr"]
         _, grad_norm, _ = optimizer.step()
         scheduler.step(increment=1)
+        # The next batch is made while the device finishes this step (the logged loss waits).
+        upcoming = batch_of(iteration + 1) if iteration < config.train_iters else None
         loss = logged_loss(reported, pg_collection)
         seconds = time.perf_counter() - start
         records.append(
@@ -509,6 +525,7 @@ def _processes(count: int) -> str:
 def _print_header(config: TrainingConfig, layout: Layout) -> None:
     """What is being trained, how, on rank 0."""
     backend = dist.get_backend() if dist.is_initialized() else "no torch.distributed"
+    backend += f", {describe_device(comm_device())}"
     _print(
         f"SFT of a GPT ({config.num_layers} layers, hidden {config.hidden_size}, "
         f"{config.num_attention_heads} heads, vocab {_data_description(config)}; "

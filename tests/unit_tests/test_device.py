@@ -43,3 +43,24 @@ def test_comm_device_follows_the_backend(fake_backend, backend, cuda, expected):
 
 def test_no_distributed_init_is_cpu():
     assert comm_device() == torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    "requested, cuda, gpus, local, expected",
+    [
+        ("auto", True, 1, 1, "nccl"),
+        ("auto", True, 1, 2, "gloo"),  # fewer GPUs than local processes
+        ("auto", False, 0, 1, "gloo"),
+        ("gloo", True, 8, 1, "gloo"),
+        ("nccl", False, 0, 1, "nccl"),  # as asked; initialize_single_gpu refuses it by name
+    ],
+)
+def test_choose_backend(monkeypatch, requested, cuda, gpus, local, expected):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert device_module.choose_backend(requested, local) == expected
+
+
+def test_choose_backend_refuses_an_unknown_backend():
+    with pytest.raises(ValueError, match="backend 'mpi': expected 'auto', 'gloo' or 'nccl'"):
+        device_module.choose_backend("mpi")

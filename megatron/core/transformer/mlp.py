@@ -1,8 +1,10 @@
 """Position-wise feed-forward block: fc1 (column-parallel), activation, fc2 (row-parallel).
 
 Plain: act(x W1^T + b1) W2^T. Gated (``gated_linear_unit``; SwiGLU with ``F.silu``):
-fc1 produces [gate | up] and the activation is act(gate) * up. A TP rank holds the matching
-slices of both halves (fc1 is split with stride 2), megatron-core's layout.
+fc1 produces [gate | up] and the activation is act(gate) * up. ``bias_activation_fusion``:
+the bias add and the activation in one compiled pass (SwiGLU or exact GELU). A TP rank
+holds the matching slices of both halves (fc1 is split with stride 2), megatron-core's
+layout.
 """
 
 from dataclasses import dataclass
@@ -10,7 +12,10 @@ from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
+from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
+from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
 from megatron.core.transformer.module import MegatronModule, leave_as_allocated
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -45,6 +50,14 @@ class MLP(MegatronModule):
         self.input_size = input_size if input_size is not None else config.hidden_size
         ffn = ffn_hidden_size if ffn_hidden_size is not None else config.ffn_hidden_size
         self.activation_func = config.activation_func
+        if config.bias_activation_fusion:
+            gated, act = config.gated_linear_unit, config.activation_func
+            if not ((gated and act is F.silu) or (not gated and act is F.gelu)):
+                raise ValueError(
+                    "MLP: bias_activation_fusion=True fuses SwiGLU (gated_linear_unit with "
+                    "activation_func F.silu) or GELU (F.gelu, not gated); got "
+                    f"gated_linear_unit={gated}, activation_func={act!r}"
+                )
         self.linear_fc1 = build_module(
             submodules.linear_fc1,
             self.input_size,
@@ -80,6 +93,9 @@ class MLP(MegatronModule):
         if per_token_scale is not None:
             raise NotImplementedError("MLP: per_token_scale is not supported")
         intermediate, bias = self.linear_fc1(hidden_states)
+        if self.config.bias_activation_fusion:  # one compiled pass (fusions/)
+            fused = bias_swiglu_impl if self.config.gated_linear_unit else bias_gelu_impl
+            return self.linear_fc2(fused(intermediate, bias))
         if bias is not None:
             intermediate = intermediate + bias
         if self.config.gated_linear_unit:

@@ -2,6 +2,7 @@
 
 import torch
 
+from megatron.core.fusions.fused_layer_norm import FusedLayerNorm, FusedRMSNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -9,9 +10,11 @@ class WrappedTorchNorm:
     """Builds ``torch.nn.LayerNorm`` or ``torch.nn.RMSNorm`` per ``config.normalization``.
 
     LayerNorm: y = (x - mean) / sqrt(var + eps) * weight + bias; RMSNorm:
-    y = x / sqrt(mean(x^2) + eps) * weight. Under sequence parallelism the norm runs on the
-    sequence-sharded activations; GPTModel marks its parameters ``sequence_parallel`` so their
-    gradients are summed over the TP group (megatron-core's local spec rejects SP here).
+    y = x / sqrt(mean(x^2) + eps) * weight; with ``config.persist_layer_norm`` the same
+    module through one compiled function (``fusions.fused_layer_norm``). Under sequence
+    parallelism the norm runs on the sequence-sharded activations; GPTModel marks its
+    parameters ``sequence_parallel`` so their gradients are summed over the TP group
+    (megatron-core's local spec rejects SP here).
     """
 
     def __new__(
@@ -23,12 +26,14 @@ class WrappedTorchNorm:
         zero_centered_gamma: bool = False,
         normalization: str = "LayerNorm",
     ):
-        for name in ("layernorm_zero_centered_gamma", "persist_layer_norm"):
-            if getattr(config, name, False):
-                raise NotImplementedError(
-                    f"WrappedTorchNorm: config.{name}=True is not supported by torch norms"
-                )
+        if getattr(config, "layernorm_zero_centered_gamma", False):
+            raise NotImplementedError(
+                "WrappedTorchNorm: config.layernorm_zero_centered_gamma=True is not supported "
+                "by torch norms"
+            )
         norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        if config.persist_layer_norm:
+            norms = {"LayerNorm": FusedLayerNorm, "RMSNorm": FusedRMSNorm}
         if config.normalization not in norms:
             raise ValueError(
                 f"config.normalization must be 'LayerNorm' or 'RMSNorm', got "

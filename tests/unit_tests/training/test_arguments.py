@@ -71,6 +71,7 @@ NON_DEFAULT = dict(
     overlap_grad_reduce=True,
     gradient_accumulation_fusion=True,
     seed=5,
+    compile=True,
     bf16=True,
     fp16=True,  # round trip only: validate_config refuses the pair
     loss_scale=8.0,
@@ -241,6 +242,10 @@ def test_options_and_rules_load_without_torch():
         (dict(min_lr=1e-4), r"--min-lr 0.0001 is the end of a decay, but --lr-decay-style const"),
         (dict(data_path="d.jsonl", vocab_size=100), r"--vocab-size 100 is not used with --data"),
         (dict(save_interval=2), r"--save-interval 2 needs --save DIR"),
+        (
+            dict(position_embedding_type="rope", rope_scaling_factor=4.0),
+            r"--rope-scaling-factor 4.0 needs --use-rope-scaling",
+        ),
         (dict(ckpt_step=0), r"--ckpt-step 0 needs --load DIR"),
         (dict(finetune=True), r"--finetune needs --load DIR"),
         (dict(no_load_optim=True), r"--no-load-optim needs --load DIR"),
@@ -299,3 +304,12 @@ def test_attention_backend_reaches_the_transformer_config():
         assert library.attention_backend is AttnBackend[name]
     with pytest.raises(ValueError, match="--attention-backend: invalid choice: 'sdpa'"):
         parse_args(["--attention-backend", "sdpa"])
+
+
+def test_the_resume_checks_name_existing_fields():
+    """The settings a resume compares are TrainingConfig fields (a renamed field fails here,
+    not silently at resume)."""
+    from megatron.training.checkpointing import DATA_SETTINGS, MODEL_SETTINGS, OPTIMIZER_SETTINGS
+
+    names = {f.name for f in fields(TrainingConfig)}
+    assert set(MODEL_SETTINGS + DATA_SETTINGS + OPTIMIZER_SETTINGS) <= names

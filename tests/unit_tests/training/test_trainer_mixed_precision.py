@@ -115,3 +115,56 @@ def test_half_precision_model_and_optimizer_state():
 def test_bad_precision_flags_are_refused_by_name(changes, message):
     with pytest.raises(ValueError, match=message):
         validate_config(TrainingConfig(**changes), 1)
+
+
+# ----------------------------------------------------------------------------- device
+
+
+@pytest.mark.world(1)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
+def test_one_process_without_a_gpu_stays_on_the_cpu_and_nccl_is_refused(capsys):
+    """No GPU: ``auto`` trains on the CPU without torch.distributed (the header says so);
+    ``--distributed-backend nccl`` is refused by name instead of silently using the CPU."""
+    with fresh_layout():
+        pretrain(TrainingConfig(train_iters=1, progress=False))
+    assert "(no torch.distributed, cpu)" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--distributed-backend nccl needs a CUDA GPU"):
+        pretrain(TrainingConfig(train_iters=1, progress=False, distributed_backend="nccl"))
+
+
+@pytest.mark.world(1)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU machine)")
+@pytest.mark.skipif(dist.is_initialized(), reason="checks a run without torchrun")
+def test_one_process_with_a_gpu_trains_on_it_without_torchrun(capsys):
+    """A GPU and no torchrun: ``auto`` starts a one-process nccl group and trains on cuda:0
+    (the header names the device); bf16 there follows the fp32 run within bf16 rounding."""
+    runs = {}
+    for name, flags in (("fp32", {}), ("bf16", {"bf16": True})):
+        with fresh_layout():
+            runs[name] = pretrain(TrainingConfig(train_iters=3, progress=False, **flags)).records
+        assert not dist.is_initialized()  # the group it started is gone
+    output = capsys.readouterr().out
+    assert "(nccl, cuda:0 (" in output, output
+    bf16, fp32 = ([r["loss"] for r in runs[k]] for k in ("bf16", "fp32"))
+    assert bf16 == pytest.approx(fp32, abs=2e-2) and bf16 != fp32
+
+
+@pytest.mark.world(1)
+@pytest.mark.skipif(dist.is_initialized(), reason="checks runs that start their own group")
+def test_two_runs_in_one_process_each_start_their_own_group(monkeypatch):
+    """Two one-process runs that each start (and destroy) a default group, as two runs on a
+    GPU without torchrun do: the second must not reuse the first one's dead groups (found on
+    the H200: parallel_state cached them across the restart)."""
+    from megatron.training import training
+
+    def gloo_group(config):
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        return True
+
+    monkeypatch.setattr(training, "initialize_single_gpu", gloo_group)
+    losses = []
+    for _ in range(2):
+        with fresh_layout():
+            losses.append([r["loss"] for r in pretrain(TrainingConfig(train_iters=2)).records])
+        assert not dist.is_initialized()
+    assert losses[0] == losses[1]

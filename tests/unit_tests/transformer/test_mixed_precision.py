@@ -6,6 +6,8 @@ References: the float64 dense GPT of the parity tests, SGD and megatron's loss-s
 written out by hand.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -77,12 +79,12 @@ def test_float16_module_and_config_refuse_ambiguous_precision():
         _config(fp16=True, bf16=True)
 
 
-def _one_process_step(arch_name: str, bf16: bool):
+def _one_process_step(arch_name: str, bf16: bool, **config_changes):
     """One step of the parity tests' GPT on one process (schedule, DDP with fp32 main_grad,
     finalize_model_grads): {reference name: main_grad}, plus the model."""
     arch = parity.ARCHS[arch_name]
     reset_layout()
-    config = parity.make_config(Layout(), "averaged", arch)
+    config = dataclasses.replace(parity.make_config(Layout(), "averaged", arch), **config_changes)
     if bf16:
         config.bf16, config.pipeline_dtype = True, torch.bfloat16
     gpt = parity.build_gpt(config, arch, ProcessGroupCollection(), 0)

@@ -19,6 +19,7 @@ from megatron.core import tensor_parallel
 from megatron.core.context_parallel import thd_document_positions, thd_partitioned_indices
 from megatron.core.device import comm_device
 from megatron.core.enums import ModelType
+from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from megatron.core.models.common.embeddings.language_model_embedding import (
     LanguageModelEmbedding,
 )
@@ -95,9 +96,10 @@ class GPTModel(MegatronModule):
             raise NotImplementedError(
                 "GPTModel: mtp_block_spec (multi-token prediction) is not supported"
             )
-        for name in ("fp32_residual_connection", "apply_rope_fusion", "cross_entropy_loss_fusion"):
-            if getattr(config, name, False):
-                raise NotImplementedError(f"GPTModel: config.{name}=True is not supported")
+        if config.fp32_residual_connection:
+            raise NotImplementedError(
+                "GPTModel: config.fp32_residual_connection=True is not supported"
+            )
         if position_embedding_type not in ("learned_absolute", "rope", "none"):
             raise NotImplementedError(
                 f"GPTModel: position_embedding_type={position_embedding_type!r} is not "
@@ -275,14 +277,24 @@ class GPTModel(MegatronModule):
     def compute_language_model_loss(self, labels: Tensor, logits: Tensor) -> Tensor:
         """Per-token loss [b, s] from labels [b, s] and logits [s, b, V / TP] (or [s, b, V]
         when gathered): cross-entropy over the whole vocabulary, in float32 for
-        half-precision logits unless ``fp16_lm_cross_entropy``."""
-        if logits.element_size() < 4 and not self.fp16_lm_cross_entropy:
-            logits = logits.float()
+        half-precision logits unless ``fp16_lm_cross_entropy``;
+        ``config.cross_entropy_loss_fusion``: the fused version, which reads half-precision
+        logits directly and computes in float32."""
         tp_size = get_pg_size(self.tp_group)
         if tp_size > 1 and logits.shape[-1] == self.vocab_size:
             # Gathered logits: this rank's vocabulary block gives the same loss, and the
             # gather's backward keeps exactly this block's gradient.
             logits = logits.chunk(tp_size, dim=-1)[get_pg_rank(self.tp_group)]
+        if self.config.cross_entropy_loss_fusion:
+            loss = fused_vocab_parallel_cross_entropy(
+                logits,
+                labels.transpose(0, 1).contiguous(),
+                self.tp_group,
+                label_smoothing=self.config.label_smoothing,
+            )
+            return loss.transpose(0, 1).contiguous()
+        if logits.element_size() < 4 and not self.fp16_lm_cross_entropy:
+            logits = logits.float()
         loss = tensor_parallel.vocab_parallel_cross_entropy(
             logits,
             labels.transpose(0, 1).contiguous(),

@@ -18,9 +18,14 @@ def apply_rotary_pos_emb(
     """Rotate the first r channels of ``t`` [s, b, n, d] by ``freqs`` [s, 1, 1, r]:
     t * cos + rotate(t) * sin, rotate(x1, x2) = (-x2, x1) over halves (or, with
     ``config.rotary_interleaved``, over even/odd channels); channels beyond r pass through.
+    ``config.apply_rope_fusion``: the same in one compiled function.
     """
     if cu_seqlens is not None:
         raise NotImplementedError("apply_rotary_pos_emb: packed sequences are not supported")
+    if getattr(config, "apply_rope_fusion", False):  # one compiled pass
+        from megatron.core.fusions.fused_rope import fused_apply_rotary_pos_emb
+
+        return fused_apply_rotary_pos_emb(t, freqs, config.rotary_interleaved, mscale)
     rot_dim = freqs.shape[-1]
     rotated, passed = t[..., :rot_dim], t[..., rot_dim:]
     freqs = freqs.to(t.device)

@@ -1,0 +1,114 @@
+"""The vocab-parallel cross-entropy with its elementwise passes fused
+(``cross_entropy_loss_fusion``): the same math as
+``tensor_parallel.vocab_parallel_cross_entropy`` (see there), computed in float32 from
+half-precision logits without materializing float32 copies of them.
+
+Forward: one compiled pass for the local max m over the vocabulary, MAX over TP, one
+compiled pass for S = sum_j exp(z_j - m), z_t - m (and sum_j (z_j - m) with label
+smoothing), SUM over TP. Only the logits (in their own dtype), m and S are saved. Backward:
+one compiled pass writes dL/dz_j = (exp(z_j - m) / S - (1 - s)[j = t] - s / V) * dL/dloss
+in the logits' dtype.
+"""
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.communication import all_reduce
+from megatron.core.jit import jit_fuser
+from megatron.core.process_groups_config import get_pg_rank, get_pg_size, resolve_group
+from megatron.core.tensor_parallel.utils import VocabUtility
+
+
+def fused_vocab_parallel_cross_entropy(
+    vocab_parallel_logits: torch.Tensor,
+    target: torch.Tensor,
+    tp_group: Optional[dist.ProcessGroup] = None,
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """Per-token cross entropy [s, b] (float32) of logits [s, b, V/T] split over ``tp_group``
+    (megatron-core's signature; default: MPU fallback); ``label_smoothing`` (an extra) as in
+    ``vocab_parallel_cross_entropy``."""
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(
+            f"fused_vocab_parallel_cross_entropy: label_smoothing must be in [0, 1), got "
+            f"{label_smoothing!r}"
+        )
+    if tuple(target.shape) != tuple(vocab_parallel_logits.shape[:-1]):
+        raise ValueError(
+            "fused_vocab_parallel_cross_entropy: target must have the logits' shape without "
+            f"the vocabulary dimension, {tuple(vocab_parallel_logits.shape[:-1])}; got "
+            f"{tuple(target.shape)}"
+        )
+    group = resolve_group("tp", tp_group)
+    return _FusedCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, group)
+
+
+@jit_fuser
+def _local_max(logits: torch.Tensor) -> torch.Tensor:
+    return logits.float().amax(dim=-1)
+
+
+@jit_fuser
+def _local_sums(logits, target, logits_max, start: int, end: int, smoothing: bool):
+    shifted = logits.float() - logits_max.unsqueeze(-1)
+    outside = (target < start) | (target >= end)
+    local = (target - start).masked_fill(outside, 0)
+    predicted = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+    parts = [shifted.exp().sum(-1), predicted]
+    if smoothing:
+        parts.append(shifted.sum(-1))
+    return torch.stack(parts)
+
+
+@jit_fuser
+def _gradient(logits, target, logits_max, sum_exp, grad_output, start: int, end: int,
+              smoothing: float, vocab: int):  # fmt: skip
+    shifted = logits.float() - logits_max.unsqueeze(-1)
+    probs = shifted.exp() / sum_exp.unsqueeze(-1)
+    outside = (target < start) | (target >= end)
+    local = (target - start).masked_fill(outside, -1)
+    columns = torch.arange(logits.shape[-1], device=logits.device)
+    onehot = (columns == local.unsqueeze(-1)).to(probs.dtype)
+    grad = (probs - (1.0 - smoothing) * onehot - smoothing / vocab) * grad_output.unsqueeze(-1)
+    return grad.to(logits.dtype)
+
+
+class _FusedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, label_smoothing, group):
+        world_size, rank = get_pg_size(group), get_pg_rank(group)
+        logits_max = _local_max(logits)
+        if world_size > 1:
+            logits_max = all_reduce(logits_max, group, dist.ReduceOp.MAX)
+        partition = logits.shape[-1]
+        vocab = partition * world_size
+        start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(
+            partition, rank, world_size
+        )
+        sums = _local_sums(logits, target, logits_max, start, end, label_smoothing > 0)
+        if world_size > 1:
+            sums = all_reduce(sums, group, dist.ReduceOp.SUM)
+        sum_exp, predicted = sums[0], sums[1]
+        loss = sum_exp.log() - predicted
+        smoothing = 0.0
+        if label_smoothing > 0:
+            if vocab < 2:
+                raise ValueError(
+                    "fused_vocab_parallel_cross_entropy: label smoothing needs a vocabulary of "
+                    f"at least 2 entries, got {vocab}"
+                )
+            smoothing = label_smoothing * vocab / (vocab - 1)
+            mean_log_probs = sums[2] / vocab - sum_exp.log()
+            loss = (1.0 - smoothing) * loss - smoothing * mean_log_probs
+        ctx.smoothing, ctx.vocab, ctx.start, ctx.end = smoothing, vocab, start, end
+        ctx.save_for_backward(logits, target, logits_max, sum_exp)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        logits, target, logits_max, sum_exp = ctx.saved_tensors
+        grad = _gradient(logits, target, logits_max, sum_exp, grad_output.float(), ctx.start,
+                         ctx.end, ctx.smoothing, ctx.vocab)  # fmt: skip
+        return grad, None, None, None
