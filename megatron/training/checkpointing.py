@@ -36,6 +36,7 @@ from tqdm import tqdm
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedObject
 from megatron.core.dist_checkpointing.core import CONFIG_FNAME
+from megatron.training.arguments import flag_of
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 
@@ -310,36 +311,37 @@ def resolve_checkpoint(
 
 
 # Run settings that change the model (saved weights would not fit, or would mean something
-# else), as (TrainingConfig field, flag); checked on resume by ``compare_run_settings``.
+# else), as TrainingConfig field names (errors name their flags, ``arguments.flag_of``);
+# checked on resume by ``compare_run_settings``.
 MODEL_SETTINGS = (
-    ("num_layers", "--num-layers"),
-    ("hidden_size", "--hidden-size"),
-    ("num_attention_heads", "--num-attention-heads"),
-    ("num_query_groups", "--num-query-groups"),
-    ("ffn_hidden_size", "--ffn-hidden-size"),
-    ("normalization", "--normalization"),
-    ("position_embedding_type", "--position-embedding-type"),
-    ("swiglu", "--swiglu"),
-    ("disable_bias_linear", "--disable-bias-linear"),
-    ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
-    ("vocab_size", "--vocab-size"),
-    ("kv_channels", "--kv-channels"),
-    ("norm_epsilon", "--norm-epsilon"),
-    ("rotary_base", "--rotary-base"),
-    ("use_rope_scaling", "--use-rope-scaling"),
-    ("rope_scaling_factor", "--rope-scaling-factor"),
-    ("add_qkv_bias", "--add-qkv-bias"),
-    ("openai_gelu", "--openai-gelu"),
-    ("window_size", "--window-size"),
-    ("tokenizer", "--tokenizer"),
-    ("seq_length", "--seq-length"),
-    ("max_position_embeddings", "--max-position-embeddings"),
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "normalization",
+    "position_embedding_type",
+    "swiglu",
+    "disable_bias_linear",
+    "untie_embeddings_and_output_weights",
+    "vocab_size",
+    "kv_channels",
+    "norm_epsilon",
+    "rotary_base",
+    "use_rope_scaling",
+    "rope_scaling_factor",
+    "add_qkv_bias",
+    "openai_gelu",
+    "window_size",
+    "tokenizer",
+    "seq_length",
+    "max_position_embeddings",
 )
 # The data the run trains on (a resumed run continues its position in it).
-DATA_SETTINGS = (("data_path", "--data-path"), ("eod_token", "--eod-token"))
+DATA_SETTINGS = ("data_path", "eod_token")
 # Settings that give the optimizer state another form (fp32 main parameters, loss scale):
 # compared only when the optimizer state is loaded.
-OPTIMIZER_SETTINGS = (("bf16", "--bf16"), ("fp16", "--fp16"))
+OPTIMIZER_SETTINGS = ("bf16", "fp16")
 
 
 def compare_run_settings(
@@ -362,8 +364,8 @@ def compare_run_settings(
     before, now = _effective_settings(saved), _effective_settings(current)
     checked = MODEL_SETTINGS + (() if finetune else DATA_SETTINGS)
     differences = [
-        f"{flag} {_shown(before[name])} when saved, {_shown(now[name])} now"
-        for name, flag in checked
+        f"{flag_of(name)} {_shown(before[name])} when saved, {_shown(now[name])} now"
+        for name in checked
         if name in before and name in now and before[name] != now[name]
     ]
     if differences:
@@ -373,8 +375,8 @@ def compare_run_settings(
             f"{'; '.join(differences)}. Resume with the saved values{escape}"
         )
     precision = [
-        f"{flag} {_shown(before[name])} when saved, {_shown(now[name])} now"
-        for name, flag in (OPTIMIZER_SETTINGS if load_optim and not finetune else ())
+        f"{flag_of(name)} {_shown(before[name])} when saved, {_shown(now[name])} now"
+        for name in (OPTIMIZER_SETTINGS if load_optim and not finetune else ())
         if name in before and name in now and before[name] != now[name]
     ]
     if precision:

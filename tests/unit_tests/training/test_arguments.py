@@ -304,3 +304,12 @@ def test_attention_backend_reaches_the_transformer_config():
         assert library.attention_backend is AttnBackend[name]
     with pytest.raises(ValueError, match="--attention-backend: invalid choice: 'sdpa'"):
         parse_args(["--attention-backend", "sdpa"])
+
+
+def test_the_resume_checks_name_existing_fields():
+    """The settings a resume compares are TrainingConfig fields (a renamed field fails here,
+    not silently at resume)."""
+    from megatron.training.checkpointing import DATA_SETTINGS, MODEL_SETTINGS, OPTIMIZER_SETTINGS
+
+    names = {f.name for f in fields(TrainingConfig)}
+    assert set(MODEL_SETTINGS + DATA_SETTINGS + OPTIMIZER_SETTINGS) <= names
