@@ -106,6 +106,20 @@ SPEED_ONLY = {
     "overlap_p2p_comm": "overlaps pipeline messages with compute (schedules)",
     "attention_backend": "which attention kernel; every kernel computes the same attention "
     "(tests/unit_tests/transformer kernel tests)",
+    "recompute_granularity": "activation recomputation: memory for compute, same values",
+    "recompute_method": "activation recomputation (which layers): same values",
+    "recompute_num_layers": "activation recomputation (how many layers): same values",
+    "recompute_modules": "selective recomputation (which modules): same values",
+    "distribute_saved_activations": "recomputation's saved inputs split over TP: same values",
+}
+
+# SPEED_ONLY values other than ``not default``
+SPEED_VALUES = {
+    "attention_backend": "unfused",
+    "recompute_granularity": "full",
+    "recompute_method": "block",
+    "recompute_num_layers": 1,
+    "recompute_modules": ["mlp", "layernorm"],
 }
 
 OWNED_ELSEWHERE = {
@@ -249,9 +263,17 @@ def test_a_non_default_value_is_honoured_or_refused_by_name(name, baseline):
 @pytest.mark.parametrize("name", sorted(SPEED_ONLY))
 def test_speed_only_fields_leave_the_numbers_alone(name, baseline):
     default = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}[name]
-    value = {"attention_backend": "unfused"}.get(name, not default)
+    value = SPEED_VALUES.get(name, not default)
+    context = {}
+    if name.startswith("recompute_") and name != "recompute_granularity":
+        context = {"recompute_granularity": "full", "recompute_method": "uniform"}
+        context.update(recompute_num_layers=1)
+        if name == "recompute_modules":
+            context = {"recompute_granularity": "selective"}
+    elif name == "recompute_granularity":
+        context = {"recompute_method": "uniform", "recompute_num_layers": 1}
     try:
-        result = _run(_config(**{name: value}))
+        result = _run(_config(**{**context, name: value}))
     except (ValueError, TypeError, NotImplementedError, RuntimeError) as error:
         assert name in str(error), f"{name}={value!r} refused without naming it: {error}"
         return
