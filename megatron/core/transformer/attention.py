@@ -195,6 +195,11 @@ class SelfAttention(Attention):
         norm = dict(config=config, hidden_size=head_dim, eps=config.layernorm_epsilon)
         self.q_layernorm = build_module(submodules.q_layernorm or IdentityOp, **norm)
         self.k_layernorm = build_module(submodules.k_layernorm or IdentityOp, **norm)
+        if config.qk_layernorm and isinstance(self.q_layernorm, IdentityOp):
+            raise ValueError(
+                "config.qk_layernorm=True but the layer spec has no q_layernorm/k_layernorm; "
+                "build the spec with get_gpt_layer_local_spec(qk_layernorm=True)"
+            )
         if get_pg_size(self.tp_group) > 1:
             # Replicated over TP but fed this rank's heads only: the gradient is the sum over
             # the TP group, with or without sequence parallelism.

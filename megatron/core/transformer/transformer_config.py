@@ -97,6 +97,8 @@ class TransformerConfig(ModelParallelConfig):
             raise NotImplementedError("mtp_num_layers is not supported by this core")
         if self.multi_latent_attention:
             raise NotImplementedError("multi_latent_attention is not supported by this core")
+        if self.test_mode:
+            raise NotImplementedError("test_mode=True is not supported by this core")
         if self.normalization not in config_rules.NORMALIZATIONS:
             expected = " or ".join(repr(n) for n in config_rules.NORMALIZATIONS)
             raise ValueError(f"normalization must be {expected}, got {self.normalization!r}")

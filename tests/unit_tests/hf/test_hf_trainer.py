@@ -177,3 +177,27 @@ def test_chat_data_with_the_hf_models_tokenizer(tmp_path):
         shutil.copy(hf / name, small / name)
     with pytest.raises(ValueError, match="more than --hf-model .* vocab_size 128"):
         _losses(hf_model=str(small), data_path=str(data), train_iters=1, seq_length=32)
+
+
+@pytest.mark.world(2)
+def test_hf_weights_at_pp2_vpp2_follow_the_one_process_run():
+    """Four layers over 2 pipeline ranks x 2 virtual stages: each chunk loads its own global
+    layers (layer_number - 1) and the run equals the one-process one."""
+    directory = _shared_dir()
+    hf = directory / "hf"
+    if dist.get_rank() == 0:
+        write_random_hf_model(hf, dict(LLAMA_CONFIG, num_hidden_layers=4))
+    dist.barrier()
+    _, result = _losses(
+        hf_model=str(hf),
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=2,
+        train_iters=2,
+        compare_single_process=True,
+        compare_tolerance=1e-5,
+    )
+    failures = [] if result.passed else ["pp2-vpp2 differs from the one-process run"]
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert_no_failures(failures)
