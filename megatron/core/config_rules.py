@@ -8,13 +8,20 @@ holds that list. The wording of the error is the caller's: the library names fie
 """
 
 import math
-from typing import List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
 CP_COMM_TYPES = ("all_gather", "p2p", "a2a", "a2a+p2p")
 """The context-parallel attention exchanges (megatron-core's ``cp_comm_type`` values)."""
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 """The accepted ``normalization`` values."""
+
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
+"""``recompute_modules`` entries implemented here (megatron-core 0.16.1's names)."""
+RECOMPUTE_MODULES_MCORE_ONLY = ("moe_act", "mla_up_proj", "moe", "shared_experts")
+"""megatron-core's other entries: MoE and multi-latent attention, which this core lacks."""
 
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
 """megatron-core's ``AttnBackend`` names (``TransformerConfig.attention_backend``)."""
@@ -71,6 +78,58 @@ def hierarchical_sizes_product(sizes: Sequence[int]) -> int:
     """The context-parallel size the levels span: the product of the sizes (they must
     multiply to ``context_parallel_size``; an empty list means no hierarchy)."""
     return math.prod(sizes)
+
+
+def recompute_problems(
+    granularity: Optional[str],
+    method: Optional[str],
+    num_layers: Optional[int],
+    modules: Optional[Sequence[str]],
+    layers_per_stage: int,
+    name: Callable[[str], str] = str,
+) -> List[str]:
+    """What is wrong with a recompute setting (megatron-core 0.16.1's checks, plus a
+    ``recompute_method`` / ``recompute_num_layers`` that would be ignored); ``name`` turns a
+    field name into the caller's wording (a field, or a trainer flag)."""
+    g, m, n, mods = (
+        name("recompute_granularity"),
+        name("recompute_method"),
+        name("recompute_num_layers"),
+        name("recompute_modules"),
+    )
+    if granularity is None:
+        out = []
+        if method is not None:
+            out.append(f"{m}={method!r} needs {g}='full' (got {g}=None)")
+        if num_layers is not None:
+            out.append(f"{n}={num_layers!r} needs {g}='full' (got {g}=None)")
+        return out
+    if granularity not in RECOMPUTE_GRANULARITIES:
+        return [f"{g}={granularity!r}; expected 'full' or 'selective'"]
+    if granularity == "selective":
+        out = []
+        if method is not None:
+            out.append(f"{m}={method!r} is only used with {g}='full' (got 'selective')")
+        if num_layers is not None:
+            out.append(f"with {g}='selective', {n} must be None (got {num_layers!r})")
+        for module in modules or ():
+            if module in RECOMPUTE_MODULES_MCORE_ONLY:
+                out.append(
+                    f"{mods} entry {module!r} needs MoE / multi-latent attention, which "
+                    "this core does not implement"
+                )
+            elif module not in RECOMPUTE_MODULES:
+                out.append(f"{mods} entry {module!r}; expected some of {RECOMPUTE_MODULES}")
+        return out
+    if method not in RECOMPUTE_METHODS:
+        return [f"{m}={method!r}; with {g}='full' it must be 'uniform' or 'block'"]
+    if not (_is_int(num_layers) and num_layers >= 1):
+        return [
+            f"{n}={num_layers!r}; with {g}='full' it must be an int between 1 and "
+            f"num_layers_per_pipeline_rank ({layers_per_stage}; larger values recompute every "
+            "layer of a stage)"
+        ]
+    return []
 
 
 def window_size_valid(window_size: object) -> bool:

@@ -32,6 +32,7 @@ from .mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from .random import (
+    CheckpointWithoutOutput,
     checkpoint,
     convert_cuda_rng_state,
     get_cuda_rng_tracker,
@@ -74,6 +75,7 @@ __all__ = [
     "all_to_all_sp2hp",
     "all_to_all_hp2sp",
     # random.py
+    "CheckpointWithoutOutput",
     "checkpoint",
     "convert_cuda_rng_state",
     "get_cuda_rng_tracker",

@@ -17,6 +17,13 @@ the current CUDA device with nccl, the CPU generator with gloo or without torch.
 ``checkpoint(function, distribute_saved_activations, *args)`` runs ``function`` without
 keeping activations and recomputes it in the backward with the RNG states (default and
 tracked) it had in the forward, so dropout masks are identical in the recomputation.
+
+``CheckpointWithoutOutput`` goes one step further (megatron-core's semantics): its
+``checkpoint(function, *args)`` keeps only the inputs, and after the caller has used the
+output (e.g. a norm's output consumed by the next linear layer, which saves it for its own
+backward), ``discard_output_and_register_recompute(hook_tensor)`` frees the output's storage
+and recomputes it, in place, when the gradient of ``hook_tensor`` is computed -- before any
+backward that reads the saved output runs.
 """
 
 import contextlib
@@ -240,7 +247,7 @@ class CheckpointFunction(torch.autograd.Function):
         ctx.tensor_indices = [i for i, a in enumerate(args) if torch.is_tensor(a)]
         ctx.other_args = [None if torch.is_tensor(a) else a for a in args]
         ctx.save_for_backward(*(args[i] for i in ctx.tensor_indices))
-        return outputs
+        return _detach_passed_through(outputs)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
@@ -278,6 +285,130 @@ class CheckpointFunction(torch.autograd.Function):
             inp.grad if torch.is_tensor(inp) and inp.requires_grad else None for inp in inputs
         )
         return (None, None) + grads
+
+
+class CheckpointWithoutOutput:
+    """Checkpoint a function and release its output until the backward needs it.
+
+    ``out = ckpt.checkpoint(function, *args)`` runs ``function`` without autograd (inputs
+    saved, RNG states remembered); ``ckpt.discard_output_and_register_recompute(t)`` frees the
+    storage of ``out`` (its metadata stays) and registers a gradient hook on ``t`` that reruns
+    ``function`` with the forward's RNG states and refills ``out``'s storage in place; the
+    backward into ``args`` then runs through the recomputed graph. The caller guarantees that
+    nothing reads ``out`` between the discard and the moment ``t``'s gradient is computed.
+    ``fp8`` is megatron-core's parameter (FP8 recipes are not supported: None or False).
+    """
+
+    def __init__(self, fp8: Any = False) -> None:
+        if fp8:
+            raise NotImplementedError(
+                f"CheckpointWithoutOutput: fp8={fp8!r} is not supported; expected False"
+            )
+        self.fp8 = False
+        self.run_function = None
+        self.rng_states: Optional[Dict[str, Any]] = None
+        self.ctx = None
+        self.outputs = None
+
+    def checkpoint(self, run_function, *args):
+        """``run_function(*args)`` without keeping its activations (see the class)."""
+        self.run_function = run_function
+        self.rng_states = _get_all_rng_states()
+        outputs = _CheckpointWithoutOutputFunction.apply(run_function, self, *args)
+        self.outputs = (outputs,) if torch.is_tensor(outputs) else tuple(outputs)
+        return outputs
+
+    def discard_output_and_register_recompute(self, hook_tensor: torch.Tensor) -> None:
+        """Free the outputs' storage; recompute them when ``hook_tensor``'s gradient is
+        computed (nothing is registered if ``hook_tensor`` needs no gradient)."""
+        for output in self.outputs:
+            output.untyped_storage().resize_(0)
+        if hook_tensor.requires_grad:
+            hook_tensor.register_hook(self._recompute)
+
+    def _recompute(self, _grad) -> None:
+        """Gradient hook: rerun the function with the forward's RNG states, put the values
+        back into the discarded outputs' storage, keep the graph for the backward."""
+        if self.ctx is None:  # already recomputed
+            return
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError(
+                "CheckpointWithoutOutput: recomputation is not compatible with "
+                "torch.autograd.grad(); use .backward()"
+            )
+        inputs = []
+        for tensor in self.ctx.saved_tensors:
+            detached = tensor.detach()
+            detached.requires_grad_(tensor.requires_grad)
+            inputs.append(detached)
+        args = list(self.ctx.other_args)
+        for index, tensor in zip(self.ctx.tensor_indices, inputs):
+            args[index] = tensor
+        current = _get_all_rng_states()
+        _set_all_rng_states(self.rng_states)
+        try:
+            with torch.enable_grad():
+                outputs = self.run_function(*args)
+        finally:
+            _set_all_rng_states(current)
+        outputs = (outputs,) if torch.is_tensor(outputs) else tuple(outputs)
+        with torch.no_grad():
+            for kept, fresh in zip(self.outputs, outputs):
+                kept.untyped_storage().resize_(fresh.untyped_storage().size())
+                kept.untyped_storage().copy_(fresh.untyped_storage())
+        self.ctx.recomputed_outputs = outputs
+        self.ctx.recomputed_inputs = args
+        self.run_function, self.rng_states, self.outputs, self.ctx = None, None, None, None
+
+
+class _CheckpointWithoutOutputFunction(torch.autograd.Function):
+    """Forward without autograd (inputs saved); backward through the graph the owner's
+    recompute hook built."""
+
+    @staticmethod
+    def forward(ctx, run_function, owner: CheckpointWithoutOutput, *args):
+        with torch.no_grad():
+            outputs = run_function(*args)
+        ctx.tensor_indices = [i for i, a in enumerate(args) if torch.is_tensor(a)]
+        ctx.other_args = [None if torch.is_tensor(a) else a for a in args]
+        ctx.save_for_backward(*(args[i] for i in ctx.tensor_indices))
+        owner.ctx = ctx
+        return _detach_passed_through(outputs)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        outputs = getattr(ctx, "recomputed_outputs", None)
+        if outputs is None:
+            raise RuntimeError(
+                "CheckpointWithoutOutput: the backward reached the checkpointed function "
+                "before its output was recomputed; call discard_output_and_register_recompute "
+                "with a tensor whose gradient is computed earlier"
+            )
+        pairs = [
+            (out, grad)
+            for out, grad in zip(outputs, grad_outputs)
+            if torch.is_tensor(out) and out.requires_grad and grad is not None
+        ]
+        if pairs:
+            torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+        inputs = ctx.recomputed_inputs
+        ctx.recomputed_outputs = ctx.recomputed_inputs = None
+        grads = tuple(
+            inp.grad if torch.is_tensor(inp) and inp.requires_grad else None for inp in inputs
+        )
+        return (None, None) + grads
+
+
+def _detach_passed_through(outputs):
+    """Outputs that still require grad after a no-grad run are tensors the function passed
+    through (a parameter such as an MLP's skipped bias): returned detached, so autograd
+    gives them this function's node instead of attaching it to the parameter itself; the
+    recomputation returns the parameter again and back-propagates into it."""
+    if torch.is_tensor(outputs):
+        return outputs.detach() if outputs.requires_grad else outputs
+    if isinstance(outputs, tuple):
+        return tuple(_detach_passed_through(o) if torch.is_tensor(o) else o for o in outputs)
+    return outputs
 
 
 # ---------------------------------------------------------------------------------------------

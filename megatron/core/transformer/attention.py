@@ -11,6 +11,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
@@ -129,15 +130,30 @@ class Attention(MegatronModule):
                 q_emb = k_emb = rotary_pos_emb
             query = apply_rotary_pos_emb(query, q_emb, config=self.config)
             key = apply_rotary_pos_emb(key, k_emb, config=self.config)
-        context = self.core_attention(
-            query,
-            key,
-            value,
-            attention_mask,
-            attn_mask_type=self.attn_mask_type,
-            attention_bias=attention_bias,
-            packed_seq_params=packed_seq_params,
+
+        def core_attention(q, k, v, mask):
+            return self.core_attention(
+                q,
+                k,
+                v,
+                mask,
+                attn_mask_type=self.attn_mask_type,
+                attention_bias=attention_bias,
+                packed_seq_params=packed_seq_params,
+            )
+
+        recompute = (
+            self.config.recompute_granularity == "selective"
+            and "core_attn" in self.config.recompute_modules
+            and self.training
+            and torch.is_grad_enabled()
         )
+        if recompute:  # keep only Q, K, V; rerun the attention in the backward
+            context = tensor_parallel.checkpoint(
+                core_attention, False, query, key, value, attention_mask
+            )
+        else:
+            context = core_attention(query, key, value, attention_mask)
         return self.linear_proj(context)
 
 
@@ -179,6 +195,11 @@ class SelfAttention(Attention):
         norm = dict(config=config, hidden_size=head_dim, eps=config.layernorm_epsilon)
         self.q_layernorm = build_module(submodules.q_layernorm or IdentityOp, **norm)
         self.k_layernorm = build_module(submodules.k_layernorm or IdentityOp, **norm)
+        if config.qk_layernorm and isinstance(self.q_layernorm, IdentityOp):
+            raise ValueError(
+                "config.qk_layernorm=True but the layer spec has no q_layernorm/k_layernorm; "
+                "build the spec with get_gpt_layer_local_spec(qk_layernorm=True)"
+            )
         if get_pg_size(self.tp_group) > 1:
             # Replicated over TP but fed this rank's heads only: the gradient is the sum over
             # the TP group, with or without sequence parallelism.

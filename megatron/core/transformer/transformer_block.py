@@ -34,6 +34,12 @@ class TransformerBlock(MegatronModule):
 
     With ``pre_process=False`` the input is the tensor given to ``set_input_tensor``.
     ``pp_rank`` (an extra) is handed to the layers, overriding ``pg_collection.pp``.
+
+    ``recompute_granularity="full"`` (training with autograd on): the layers run under
+    ``tensor_parallel.checkpoint`` -- "uniform": groups of ``recompute_num_layers`` layers,
+    one checkpoint each; "block": the first ``recompute_num_layers`` layers of this chunk,
+    one checkpoint per layer, the rest as usual. Only each checkpoint's input is kept; the
+    backward reruns it with the forward's RNG states (same dropout masks).
     """
 
     def __init__(
@@ -110,24 +116,62 @@ class TransformerBlock(MegatronModule):
             if self.config.sequence_parallel and dropout_active
             else contextlib.nullcontext()
         )
+        layer_kwargs = dict(
+            attention_mask=attention_mask,
+            context_mask=context_mask,
+            rotary_pos_emb=rotary_pos_emb,
+            rotary_pos_cos=rotary_pos_cos,
+            rotary_pos_sin=rotary_pos_sin,
+            rotary_pos_cos_sin=rotary_pos_cos_sin,
+            attention_bias=attention_bias,
+            inference_context=inference_context,
+            packed_seq_params=packed_seq_params,
+            sequence_len_offset=sequence_len_offset,
+        )
+        full_recompute = (
+            self.config.recompute_granularity == "full"
+            and self.training
+            and torch.is_grad_enabled()
+        )
         with rng:
-            for layer in self.layers:
-                hidden_states, context = layer(
-                    hidden_states,
-                    attention_mask=attention_mask,
-                    context=context,
-                    context_mask=context_mask,
-                    rotary_pos_emb=rotary_pos_emb,
-                    rotary_pos_cos=rotary_pos_cos,
-                    rotary_pos_sin=rotary_pos_sin,
-                    rotary_pos_cos_sin=rotary_pos_cos_sin,
-                    attention_bias=attention_bias,
-                    inference_context=inference_context,
-                    packed_seq_params=packed_seq_params,
-                    sequence_len_offset=sequence_len_offset,
-                )
+            if full_recompute:
+                hidden_states = self._checkpointed_forward(hidden_states, context, layer_kwargs)
+            else:
+                for layer in self.layers:
+                    hidden_states, context = layer(hidden_states, context=context, **layer_kwargs)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
+        return hidden_states
+
+    def _checkpointed_forward(
+        self, hidden_states: torch.Tensor, context: Optional[torch.Tensor], layer_kwargs: dict
+    ) -> torch.Tensor:
+        """The layers under full recomputation (see the class docstring)."""
+
+        def run(start: int, end: int):
+            def forward(hidden: torch.Tensor) -> torch.Tensor:
+                ctx = context
+                for layer in self.layers[start:end]:
+                    hidden, ctx = layer(hidden, context=ctx, **layer_kwargs)
+                return hidden
+
+            return forward
+
+        count = len(self.layers)
+        step = self.config.recompute_num_layers
+        if self.config.recompute_method == "uniform":
+            for start in range(0, count, step):
+                hidden_states = tensor_parallel.checkpoint(
+                    run(start, start + step), False, hidden_states
+                )
+        else:  # "block"
+            for index in range(count):
+                if index < step:
+                    hidden_states = tensor_parallel.checkpoint(
+                        run(index, index + 1), False, hidden_states
+                    )
+                else:
+                    hidden_states = run(index, index + 1)(hidden_states)
         return hidden_states
 
     def sharded_state_dict(

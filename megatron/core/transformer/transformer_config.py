@@ -24,6 +24,14 @@ class TransformerConfig(ModelParallelConfig):
     default: one group per head); ``add_bias_linear`` / ``add_qkv_bias``. ``label_smoothing``
     is an extra of this core (megatron-core 0.16.1 has no such field): the GPT's per-token
     loss is the label-smoothed cross-entropy over the whole vocabulary.
+
+    Activation recomputation (megatron-core's fields and defaults): ``recompute_granularity``
+    "full" recomputes whole layers (``recompute_method`` "uniform": every group of
+    ``recompute_num_layers`` layers of a chunk is one checkpoint; "block": the first
+    ``recompute_num_layers`` layers of each chunk are checkpointed one by one), "selective"
+    the ``recompute_modules`` of every layer ("core_attn", "mlp", "layernorm"; default
+    ["core_attn"]). Dropout masks are replayed from the RNG states, so gradients are those of
+    the run without recomputation. ``distribute_saved_activations`` is not supported.
     """
 
     num_layers: int = 0
@@ -67,6 +75,11 @@ class TransformerConfig(ModelParallelConfig):
     apply_rope_fusion: bool = False
     cross_entropy_loss_fusion: bool = False
     cp_comm_type: Optional[Union[str, List[str]]] = None
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
+    distribute_saved_activations: Optional[bool] = False
+    recompute_modules: Optional[List[str]] = None
     label_smoothing: float = 0.0
     attention_backend: AttnBackend = AttnBackend.auto
 
@@ -84,6 +97,8 @@ class TransformerConfig(ModelParallelConfig):
             raise NotImplementedError("mtp_num_layers is not supported by this core")
         if self.multi_latent_attention:
             raise NotImplementedError("multi_latent_attention is not supported by this core")
+        if self.test_mode:
+            raise NotImplementedError("test_mode=True is not supported by this core")
         if self.normalization not in config_rules.NORMALIZATIONS:
             expected = " or ".join(repr(n) for n in config_rules.NORMALIZATIONS)
             raise ValueError(f"normalization must be {expected}, got {self.normalization!r}")
@@ -92,6 +107,7 @@ class TransformerConfig(ModelParallelConfig):
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         _check_cp_comm_type(self.cp_comm_type, self.num_layers)
+        self._check_recompute()
         self.attention_backend = _attention_backend(self.attention_backend)
         _check_window_size(self.window_size)
         self._fill_init_methods()
@@ -116,6 +132,40 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(
                 f"{name} ({value!r}) must be a positive multiple of tensor_model_parallel_size "
                 f"({tp})"
+            )
+
+    def _check_recompute(self) -> None:
+        """megatron-core 0.16.1's recompute checks, with the fields named."""
+        if self.recompute_modules is None:
+            self.recompute_modules = ["core_attn"]
+        layers_per_stage = self.num_layers // max(self.pipeline_model_parallel_size, 1)
+        for problem in config_rules.recompute_problems(
+            self.recompute_granularity,
+            self.recompute_method,
+            self.recompute_num_layers,
+            self.recompute_modules,
+            layers_per_stage,
+        ):
+            raise ValueError(f"TransformerConfig: {problem}")
+        if self.distribute_saved_activations:
+            if self.sequence_parallel:
+                raise ValueError(
+                    f"distribute_saved_activations: {self.distribute_saved_activations} must be "
+                    f"false when sequence parallel is enabled: {self.sequence_parallel}"
+                )
+            raise NotImplementedError(
+                "TransformerConfig: distribute_saved_activations=True (saved inputs split over "
+                "TP) is not supported; expected False"
+            )
+        if (
+            self.recompute_granularity == "selective"
+            and "layernorm" in self.recompute_modules
+            and self.apply_residual_connection_post_layernorm
+        ):
+            raise ValueError(
+                "TransformerConfig: recompute_modules with 'layernorm' cannot be combined with "
+                "apply_residual_connection_post_layernorm=True (the residual reads the norm's "
+                "output after it is discarded); expected False"
             )
 
     def _fill_init_methods(self) -> None:

@@ -6,6 +6,7 @@ from typing import Any, Dict, Optional, Union
 
 import torch
 
+from megatron.core import tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.module import MegatronModule
@@ -37,6 +38,11 @@ class TransformerLayer(MegatronModule):
         out = bda(mlp(pre_mlp_layernorm(h1)), h1),  bda((y, b), r) = r + dropout(y + b)
 
     (with ``apply_residual_connection_post_layernorm`` the residual is the norm's output).
+    Selective recomputation (``recompute_granularity="selective"``, training with autograd
+    on): "layernorm" in ``recompute_modules`` discards each norm's output once the next
+    module has used it and recomputes it in the backward
+    (``tensor_parallel.CheckpointWithoutOutput``); "mlp" runs the MLP under
+    ``tensor_parallel.checkpoint``; "core_attn" is the attention module's.
     ``layer_number`` is 1-based within the chunk; ``self.layer_number`` is global (the chunk's
     offset added, the pipeline rank from ``pg_collection.pp`` or the MPU fallback, or the
     explicit ``pp_rank``, an extra of this core for building several stages in one process).
@@ -98,7 +104,8 @@ class TransformerLayer(MegatronModule):
     ):
         """Returns (hidden_states, context), as megatron-core's layer does."""
         fused = self.config.bias_dropout_fusion
-        normed = self.input_layernorm(hidden_states)
+        recompute = self._recompute_modules()
+        normed, norm_ckpt = self._norm(self.input_layernorm, hidden_states, recompute)
         residual = normed if self.config.apply_residual_connection_post_layernorm else hidden_states
         attention = self.self_attention(
             normed,
@@ -112,15 +119,41 @@ class TransformerLayer(MegatronModule):
             packed_seq_params=packed_seq_params,
             sequence_len_offset=sequence_len_offset,
         )
+        if norm_ckpt is not None:
+            norm_ckpt.discard_output_and_register_recompute(attention[0])
         hidden_states = self.self_attn_bda(self.training, fused)(
             attention, residual, self.hidden_dropout
         )
-        normed = self.pre_mlp_layernorm(hidden_states)
+        normed, norm_ckpt = self._norm(self.pre_mlp_layernorm, hidden_states, recompute)
         residual = normed if self.config.apply_residual_connection_post_layernorm else hidden_states
+        if "mlp" in recompute:
+            mlp_output = tensor_parallel.checkpoint(self.mlp, False, normed)
+        else:
+            mlp_output = self.mlp(normed)
+        if norm_ckpt is not None:
+            norm_ckpt.discard_output_and_register_recompute(mlp_output[0])
         hidden_states = self.mlp_bda(self.training, fused)(
-            self.mlp(normed), residual, self.hidden_dropout
+            mlp_output, residual, self.hidden_dropout
         )
         return hidden_states, context
+
+    def _recompute_modules(self) -> tuple:
+        """The ``recompute_modules`` in force for this forward (none outside training or
+        without autograd)."""
+        if self.config.recompute_granularity != "selective" or not self.training:
+            return ()
+        if not torch.is_grad_enabled():
+            return ()
+        return tuple(self.config.recompute_modules)
+
+    @staticmethod
+    def _norm(norm: torch.nn.Module, hidden_states: torch.Tensor, recompute: tuple):
+        """``norm(hidden_states)``, and its ``CheckpointWithoutOutput`` under "layernorm"
+        recomputation (None otherwise, and for identity norms)."""
+        if "layernorm" not in recompute or isinstance(norm, (IdentityOp, IdentityFuncOp)):
+            return norm(hidden_states), None
+        ckpt = tensor_parallel.CheckpointWithoutOutput()
+        return ckpt.checkpoint(norm, hidden_states), ckpt
 
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None

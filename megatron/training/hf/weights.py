@@ -215,7 +215,7 @@ class SafetensorsReader:
         self.directory = Path(directory)
         index = self.directory / INDEX_FILENAME
         single = self.directory / SINGLE_FILENAME
-        self._files: Dict[str, object] = {}
+        self._shapes: Dict[str, Tuple[int, ...]] = {}
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
@@ -229,7 +229,8 @@ class SafetensorsReader:
                 if not path.is_file():
                     raise FileNotFoundError(f"{index} names {path.name}, which does not exist")
         elif single.is_file():
-            self.weight_map = {key: single for key in self._open(single).keys()}
+            with self._open(single) as handle:
+                self.weight_map = {key: single for key in handle.keys()}
         else:
             found = sorted(p.name for p in self.directory.glob("*"))[:10]
             raise FileNotFoundError(
@@ -242,29 +243,30 @@ class SafetensorsReader:
         return list(self.weight_map)
 
     def shape(self, key: str) -> Tuple[int, ...]:
-        return tuple(self._slice(key).get_shape())
+        if key not in self._shapes:
+            with self._open(self._file_of(key)) as handle:
+                self._shapes[key] = tuple(handle.get_slice(key).get_shape())
+        return self._shapes[key]
 
     def read(self, key: str, index: Tuple[slice, ...]) -> torch.Tensor:
-        """``tensor[index]`` reading only those bytes."""
-        return self._slice(key)[index]
+        """``tensor[index]`` (a copy), reading only those bytes. The file is mapped only
+        for the read, so a conversion's resident memory never includes the files."""
+        with self._open(self._file_of(key)) as handle:
+            return handle.get_slice(key)[index]
 
-    def _slice(self, key: str):
+    def _file_of(self, key: str) -> Path:
         if key not in self.weight_map:
             raise KeyError(
                 f"{self.directory}: the checkpoint has no tensor {key!r}; expected by the "
                 "architecture config.json describes"
             )
-        return self._open(self.weight_map[key]).get_slice(key)
+        return self.weight_map[key]
 
     def _open(self, path: Path):
-        handle = self._files.get(str(path))
-        if handle is None:
-            try:
-                handle = self._safe_open(str(path), framework="pt")
-            except Exception as err:  # safetensors raises its own error types
-                raise ValueError(f"{path}: not a readable safetensors file ({err})") from None
-            self._files[str(path)] = handle
-        return handle
+        try:
+            return self._safe_open(str(path), framework="pt")
+        except Exception as err:  # safetensors raises its own error types
+            raise ValueError(f"{path}: not a readable safetensors file ({err})") from None
 
 
 def check_checkpoint_tensors(

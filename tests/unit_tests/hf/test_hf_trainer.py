@@ -44,7 +44,7 @@ RUN = dict(seq_length=16, global_batch_size=4, micro_batch_size=1, progress=Fals
 
 def _losses(**changes):
     with fresh_layout():
-        result = pretrain(TrainingConfig(**RUN, **changes))
+        result = pretrain(TrainingConfig(**{**RUN, **changes}))
     return [r["loss"] for r in result.records], result
 
 
@@ -141,4 +141,63 @@ def test_sft_from_hf_at_cp2_pp2_follows_one_process_and_exports_to_transformers(
     if dist.get_rank() == 0:
         shutil.rmtree(directory, ignore_errors=True)
         shutil.rmtree(models.directory, ignore_errors=True)
+    assert_no_failures(failures)
+
+
+@pytest.mark.world(1)
+def test_chat_data_with_the_hf_models_tokenizer(tmp_path):
+    """--hf-model DIR --data-path chat.jsonl: DIR's tokenizer.json and chat template are the
+    tokenizer, the model keeps config.json's (padded) vocabulary, and --export-hf carries
+    the tokenizer files along; a tokenizer larger than the vocabulary is refused."""
+    pytest.importorskip("tokenizers", reason="the tokenizers package is not installed")
+    pytest.importorskip("jinja2", reason="jinja2 (the hf extra) is not installed")
+    import json
+
+    from megatron.training.tokenizer.train_tokenizer import main as tokenizer_main
+
+    words = "the quick brown fox jumps over the lazy dog hello world how are you".split()
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(" ".join(words[k:] + words[:k]) for k in range(len(words))))
+    hf = write_random_hf_model(tmp_path / "hf", dict(LLAMA_CONFIG, vocab_size=320))
+    tokenizer_main(
+        ["train", "--input", str(corpus), "--output-dir", str(hf), "--vocab-size", "300"]
+    )
+    data = tmp_path / "chat.jsonl"
+    chat = [{"role": "user", "content": "hello fox"}, {"role": "assistant", "content": "the dog"}]
+    data.write_text("\n".join(json.dumps({"messages": chat}) for _ in range(8)) + "\n")
+    out = tmp_path / "exported"
+    losses, result = _losses(
+        hf_model=str(hf), data_path=str(data), train_iters=2, seq_length=32, export_hf=str(out)
+    )
+    assert all(loss == loss and loss > 0 for loss in losses)
+    assert (out / "tokenizer.json").read_text() == (hf / "tokenizer.json").read_text()
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 320
+    small = write_random_hf_model(tmp_path / "small", dict(LLAMA_CONFIG, vocab_size=128))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(hf / name, small / name)
+    with pytest.raises(ValueError, match="more than --hf-model .* vocab_size 128"):
+        _losses(hf_model=str(small), data_path=str(data), train_iters=1, seq_length=32)
+
+
+@pytest.mark.world(2)
+def test_hf_weights_at_pp2_vpp2_follow_the_one_process_run():
+    """Four layers over 2 pipeline ranks x 2 virtual stages: each chunk loads its own global
+    layers (layer_number - 1) and the run equals the one-process one."""
+    directory = _shared_dir()
+    hf = directory / "hf"
+    if dist.get_rank() == 0:
+        write_random_hf_model(hf, dict(LLAMA_CONFIG, num_hidden_layers=4))
+    dist.barrier()
+    _, result = _losses(
+        hf_model=str(hf),
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=2,
+        train_iters=2,
+        compare_single_process=True,
+        compare_tolerance=1e-5,
+    )
+    failures = [] if result.passed else ["pp2-vpp2 differs from the one-process run"]
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(directory, ignore_errors=True)
     assert_no_failures(failures)

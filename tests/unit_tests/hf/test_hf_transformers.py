@@ -17,7 +17,14 @@ from megatron.training.hf import model_from_hf
 from megatron.training.hf.__main__ import main as hf_cli
 from megatron.training.hf.weights import SafetensorsReader
 from tests.unit_tests.dist_utils import rel_error
-from tests.unit_tests.hf.hf_models import FAMILIES, shared_hf_models, token_ids, transformers_logits
+from tests.unit_tests.hf.hf_models import (
+    FAMILIES,
+    HAVE_TRANSFORMERS,
+    SKIP_REASON,
+    shared_hf_models,
+    token_ids,
+    transformers_logits,
+)
 
 pytestmark = pytest.mark.world(1)
 
@@ -78,3 +85,48 @@ def test_import_export_gives_back_the_original_tensors(hf_models, family, tmp_pa
     assert json.loads((out / "config.json").read_text())["model_type"] in family
     err = rel_error(transformers_logits(out, token_ids()), hf_models.logits[family])
     assert err == 0.0, f"{family}: exported model's logits differ ({err:.2e})"
+
+
+FROM_SCRATCH = {
+    "llama": dict(
+        normalization="RMSNorm",
+        swiglu=True,
+        position_embedding_type="rope",
+        disable_bias_linear=True,
+        untie_embeddings_and_output_weights=True,
+        num_query_groups=2,
+        rotary_base=500000.0,
+    ),
+    "qwen2": dict(
+        normalization="RMSNorm",
+        swiglu=True,
+        position_embedding_type="rope",
+        disable_bias_linear=True,
+        add_qkv_bias=True,
+    ),
+    "gpt2": dict(openai_gelu=True),
+}
+
+
+@pytest.mark.parametrize("family", list(FROM_SCRATCH))
+def test_a_model_trained_from_scratch_exports_to_transformers(family, tmp_path):
+    """--export-hf of a run that did not start from HuggingFace: the config.json written
+    from its options makes transformers compute what our model computes."""
+    from megatron.training import TrainingConfig
+    from megatron.training.training import pretrain
+    from tests.unit_tests.dist_utils import fresh_layout
+
+    if not HAVE_TRANSFORMERS:
+        pytest.skip(SKIP_REASON)
+    out = tmp_path / "exported"
+    config = TrainingConfig(
+        num_layers=2, seq_length=16, global_batch_size=4, train_iters=1, progress=False,
+        export_hf=str(out), **FROM_SCRATCH[family],
+    )  # fmt: skip
+    with fresh_layout():
+        pretrain(config)
+    assert json.loads((out / "config.json").read_text())["model_type"] == family
+    ids = token_ids() % config.vocab_size
+    model, _ = model_from_hf(out)
+    err = rel_error(transformers_logits(out, ids), _our_logits(model, ids))
+    assert err <= 1e-5, f"{family}: relative error {err:.2e}"

@@ -231,7 +231,7 @@ def dense_reference(mode: str, arch_name: str) -> List[Tuple[Dict[str, torch.Ten
     arch = ARCHS[arch_name]
     reset_layout()  # one process's model: no parallel_state groups
     model = build_gpt(make_config(Layout(), mode, arch), arch, ProcessGroupCollection(), 0)
-    params = {n: p.detach().double().requires_grad_() for n, p in reference_names(model)}
+    params = {n: p.detach().cpu().double().requires_grad_() for n, p in reference_names(model)}
     batch = global_batch(arch.vocab)
     steps = []
     for _ in range(STEPS):

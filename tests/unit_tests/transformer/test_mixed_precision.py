@@ -95,7 +95,10 @@ def _one_process_step(arch_name: str, bf16: bool, **config_changes):
     )
     config.no_sync_func, config.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
     batch = parity.global_batch(arch.vocab)
-    microbatches = [{k: v[g] for k, v in batch.items()} for g in range(parity.GLOBAL_MICROBATCHES)]
+    device = next(gpt.parameters()).device  # the GPU under TEST_BACKEND=nccl
+    microbatches = [
+        {k: v[g].to(device) for k, v in batch.items()} for g in range(parity.GLOBAL_MICROBATCHES)
+    ]
     ddp.zero_grad_buffer()
     get_forward_backward_func()(
         forward_step_func=parity.forward_step,

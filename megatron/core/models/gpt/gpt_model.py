@@ -241,17 +241,7 @@ class GPTModel(MegatronModule):
             )
         rotary_pos_emb = None
         if self.position_embedding_type == "rope":
-            cp_group = cp_group_of(self.pg_collection, self.config)
-            total = self._global_seq_length(input_ids, decoder_input, cp_group)
-            rotary_pos_emb = self.rotary_pos_emb(
-                total, packed_seq=packed_seq_params is not None, cp_group=cp_group
-            )
-            if packed_seq_params is not None:  # angles of the positions within each document
-                rotary_pos_emb = rotary_pos_emb[
-                    _positions_in_documents(packed_seq_params, total, cp_group).to(
-                        rotary_pos_emb.device
-                    )
-                ]
+            rotary_pos_emb = self._rotary_angles(input_ids, decoder_input, packed_seq_params)
         hidden_states = self.decoder(
             hidden_states=decoder_input,
             attention_mask=attention_mask,
@@ -348,6 +338,26 @@ class GPTModel(MegatronModule):
         if self.post_process:
             return self.output_layer.weight
         return None
+
+    def _rotary_angles(self, input_ids, decoder_input, packed_seq_params) -> Tensor:
+        """RoPE angles [s_local, 1, 1, r] of this rank's positions, on the activations'
+        device. Unpacked rows reuse the angles of the last call with the same length, CP
+        rank and device (built on the host, copied to the device once instead of once per
+        layer and microbatch); packed rows take each document's own positions."""
+        cp_group = cp_group_of(self.pg_collection, self.config)
+        total = self._global_seq_length(input_ids, decoder_input, cp_group)
+        hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
+        device = hidden.device
+        if packed_seq_params is not None:  # angles of the positions within each document
+            angles = self.rotary_pos_emb(total, packed_seq=True, cp_group=cp_group)
+            positions = _positions_in_documents(packed_seq_params, total, cp_group)
+            return angles[positions.to(angles.device)].to(device)
+        key = (total, get_pg_size(cp_group), get_pg_rank(cp_group), device)
+        cached = getattr(self, "_rotary_cache", None)
+        if cached is None or cached[0] != key:
+            angles = self.rotary_pos_emb(total, packed_seq=False, cp_group=cp_group)
+            self._rotary_cache = (key, angles.to(device))
+        return self._rotary_cache[1]
 
     def _global_seq_length(self, input_ids, decoder_input, cp_group) -> int:
         """The whole sequence's length s from this rank's inputs (for RoPE)."""

@@ -45,12 +45,13 @@ def context_parallel_attention(
     document is split over the CP ranks with the load-balanced rule (its padded length a
     multiple of 2C), tokens past the last document form one more document of padding. Rows
     at or past a document's real length (``cu_seqlens_q``) are padding: their output is 0
-    and they pass no gradient. ``kernel`` picks the attention kernel (see
-    ``cp_attention.kernels``); ``num_head_groups`` how many K/V head groups the all-gather
-    is split into (default: one, unless the gathered K/V would exceed 2 GiB; see
-    ``all_gather.head_groups``). ``window_size`` (megatron-core's (left, right); right 0 or
-    -1): sliding-window attention, query i sees keys i - left .. i (of its own document);
-    at C = 1 and with a2a (``check_window_size`` says which settings can have one).
+    and they pass no gradient. ``kernel`` picks the attention kernel (``kernels``' names;
+    None or "auto": the one PyTorch's SDPA would pick, see ``kernel_choice``);
+    ``num_head_groups`` how many K/V head groups the all-gather is split into (default: one,
+    unless the gathered K/V would exceed 2 GiB; see ``all_gather.head_groups``).
+    ``window_size`` (megatron-core's (left, right); right 0 or -1): sliding-window attention,
+    query i sees keys i - left .. i (of its own document); at C = 1 and with a2a
+    (``check_window_size`` says which settings can have one).
     """
     strategy = _check_arguments(query, key, value, cp_comm_type, cp_group, packed_seq_params)
     cp_size = 0 if strategy.group_pair else get_pg_size(cp_group)
