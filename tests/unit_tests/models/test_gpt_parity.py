@@ -43,6 +43,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.loss_reporting import reduce_reported_losses
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
 from tests.unit_tests.dist_utils import (
     Layout,
     assert_no_failures,
@@ -264,6 +265,7 @@ def distributed_training(
     groups: ProcessGroupCollection,
     fused: bool = False,
     unmark_sp: bool = False,
+    bf16: bool = False,
 ) -> List[Tuple[Dict[str, Tuple[torch.Tensor, torch.Tensor]], Optional[float]]]:
     """STEPS plain-SGD steps of this rank's chunks with the schedule, DDP and
     finalize_model_grads (``fused``: with ``gradient_accumulation_fusion``; ``unmark_sp``:
@@ -274,17 +276,21 @@ def distributed_training(
     """
     config = make_config(layout, mode, arch)
     config.gradient_accumulation_fusion = fused
+    if bf16:  # megatron-core's mixed precision: bf16 weights and messages, fp32 main_grad
+        config.bf16, config.pipeline_dtype = True, torch.bfloat16
     pp_rank, vpp = groups.pp.rank(), layout.vpp
     stages = layout.pp * (vpp or 1)
-    chunks = []
+    chunks, gpts = [], []
     for v in range(vpp or 1):
         stage = v * layout.pp + pp_rank
         gpt = build_gpt(config, arch, groups, None, stage, stages, v if vpp else None)
         if unmark_sp:
             for param in gpt.parameters():
                 param.sequence_parallel = False
+        gpts.append(gpt)
+        module = Float16Module(config, gpt) if bf16 else gpt
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
-        chunks.append(DistributedDataParallel(config, ddp_config, gpt, pg_collection=groups))
+        chunks.append(DistributedDataParallel(config, ddp_config, module, pg_collection=groups))
     config.no_sync_func = [c.no_sync for c in chunks] if vpp else chunks[0].no_sync
     config.finalize_model_grads_func = finalize_model_grads
 
@@ -311,8 +317,8 @@ def distributed_training(
         )
         logged = reduce_reported_losses(store, groups.dp_cp).get("lm loss")
         grads = {}
-        for chunk in chunks:
-            for name, param in reference_names(chunk.module):
+        for gpt in gpts:
+            for name, param in reference_names(gpt):
                 grads[name] = (param.main_grad.detach().clone(), param)
         steps.append((grads, logged))
         with torch.no_grad():

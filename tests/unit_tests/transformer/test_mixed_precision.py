@@ -79,19 +79,20 @@ def test_float16_module_and_config_refuse_ambiguous_precision():
         _config(fp16=True, bf16=True)
 
 
-def _one_process_step(arch_name: str, bf16: bool, **config_changes):
+def _one_process_step(arch_name: str, bf16: bool, groups=None, **config_changes):
     """One step of the parity tests' GPT on one process (schedule, DDP with fp32 main_grad,
-    finalize_model_grads): {reference name: main_grad}, plus the model."""
+    finalize_model_grads): {reference name: main_grad}, plus the model. ``groups``: a
+    collection of one-rank groups (inside a larger world); default: none."""
     arch = parity.ARCHS[arch_name]
     reset_layout()
     config = dataclasses.replace(parity.make_config(Layout(), "averaged", arch), **config_changes)
     if bf16:
         config.bf16, config.pipeline_dtype = True, torch.bfloat16
-    gpt = parity.build_gpt(config, arch, ProcessGroupCollection(), 0)
+    gpt = parity.build_gpt(config, arch, groups or ProcessGroupCollection(), 0)
     names = dict(reference_names(gpt))
     model = Float16Module(config, gpt) if bf16 else gpt
     ddp = DistributedDataParallel(
-        config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model
+        config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model, pg_collection=groups
     )
     config.no_sync_func, config.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
     batch = parity.global_batch(arch.vocab)
@@ -107,6 +108,7 @@ def _one_process_step(arch_name: str, bf16: bool, **config_changes):
         num_microbatches=len(microbatches),
         seq_length=parity.SEQ,
         micro_batch_size=parity.MICRO_BATCH,
+        pg_collection=groups,
     )
     return {n: p.main_grad for n, p in names.items()}, gpt
 
