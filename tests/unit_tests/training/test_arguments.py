@@ -99,12 +99,6 @@ NON_DEFAULT = dict(
     compare_tolerance=1e-3,
     progress=False,
     debug=True,
-    use_distributed_optimizer=True,
-    overlap_param_gather=True,
-    recompute_granularity="full",
-    recompute_method="uniform",
-    recompute_num_layers=2,
-    recompute_modules=["core_attn", "mlp"],
 )
 
 
