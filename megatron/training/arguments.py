@@ -403,6 +403,51 @@ class TrainingConfig:
         "--overlap-grad-reduce",
         help="reduce gradient buckets asynchronously during the backward",
     )
+    use_distributed_optimizer: bool = option(
+        False,
+        "--use-distributed-optimizer",
+        help="ZeRO-1: gradients reduce-scattered over data x context parallel ranks, fp32 "
+        "main parameters and Adam state kept for this rank's shard only, parameters "
+        "all-gathered after the step (docs/memory.md)",
+    )
+    overlap_param_gather: bool = option(
+        False,
+        "--overlap-param-gather",
+        help="with --use-distributed-optimizer: all-gather the updated parameters "
+        "asynchronously, each module's forward waiting for its own bucket",
+    )
+    # Activation recomputation (megatron's flags; docs/memory.md).
+    recompute_granularity: Optional[str] = option(
+        None,
+        "--recompute-granularity",
+        choices=config_rules.RECOMPUTE_GRANULARITIES,
+        help="recompute activations in the backward: full (whole layers, with "
+        "--recompute-method and --recompute-num-layers) or selective (--recompute-modules)",
+    )
+    recompute_method: Optional[str] = option(
+        None,
+        "--recompute-method",
+        choices=config_rules.RECOMPUTE_METHODS,
+        help="with --recompute-granularity full: uniform (groups of --recompute-num-layers "
+        "layers, one checkpoint each) or block (the first --recompute-num-layers layers of "
+        "each pipeline chunk)",
+    )
+    recompute_num_layers: Optional[int] = option(
+        None,
+        "--recompute-num-layers",
+        type=int,
+        metavar="N",
+        help="layers per checkpoint (uniform) or layers checkpointed per chunk (block)",
+    )
+    recompute_modules: Optional[List[str]] = option(
+        None,
+        "--recompute-modules",
+        nargs="+",
+        choices=config_rules.RECOMPUTE_MODULES,
+        metavar="MODULE",
+        help="with --recompute-granularity selective: which parts of each layer to "
+        "recompute: core_attn (default), mlp, layernorm",
+    )
     gradient_accumulation_fusion: bool = option(
         False,
         "--gradient-accumulation-fusion",
@@ -682,6 +727,25 @@ def validate_config(config: TrainingConfig, world_size: int) -> Layout:
 
 def _check_combinations(c: TrainingConfig) -> None:
     """Options that need, or exclude, another one (so none is silently ignored)."""
+    _require(
+        not c.overlap_param_gather or c.use_distributed_optimizer,
+        "--overlap-param-gather only supported with distributed optimizer: add "
+        "--use-distributed-optimizer",
+    )
+    recompute = config_rules.recompute_problems(
+        c.recompute_granularity,
+        c.recompute_method,
+        c.recompute_num_layers,
+        c.recompute_modules,
+        c.num_layers // c.pipeline_model_parallel_size,
+        name=lambda field: "--" + field.replace("_", "-"),
+    )
+    _require(not recompute, "; ".join(recompute))
+    _require(
+        c.recompute_modules is None or c.recompute_granularity == "selective",
+        f"--recompute-modules {' '.join(c.recompute_modules or [])} needs "
+        f"--recompute-granularity selective (got {c.recompute_granularity})",
+    )
     _require(
         not (c.per_shard_loss_normalization and c.calculate_per_token_loss),
         "--per-shard-loss-normalization emulates the averaged mode; it cannot be combined "

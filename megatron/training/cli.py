@@ -10,17 +10,16 @@ comparison reads as a verdict, not as a crashed launch.
 Errors (``megatron.training.errors``): a known error (a flag, a file, the data) is printed
 once, as one line, and the launch exits non-zero (2 for a command line refused before
 anything started, 1 after); a bug keeps its traceback; ``--debug`` or ``MEGATRON_DEBUG=1``
-shows tracebacks of known errors too. A rank that fails otherwise waits
-``PEER_FAILURE_GRACE_S`` before its traceback: when its error only follows another rank's
-exit (a collective whose peer is gone), the launcher stops it first and the root cause is the
-one error reported.
+shows tracebacks of known errors too. A rank whose collective fails because a peer is gone
+(another rank stopped on its error) waits up to ``PEER_FAILURE_WAIT_S`` for that rank's
+report and the launcher's stop, and then ends without a traceback: the root cause is the one
+error reported.
 """
 
 import logging
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -28,9 +27,11 @@ from megatron.training.arguments import explicit_options, parse_args, validate_c
 from megatron.training.errors import (
     LAUNCHER_REPORTS_VARIABLE,
     UsageError,
+    another_rank_reported,
     debug_requested,
     format_line,
     is_usage_error,
+    lost_peer,
     one_line,
     report_error,
     usage_error_of_failure,
@@ -40,7 +41,7 @@ from megatron.training.hf.config import resolve_hf_model
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
 VERDICT_FILE_VARIABLE = "MEGATRON_TRAINING_VERDICT_FILE"
 COMMAND_LINE_ERROR_STATUS = 2
-PEER_FAILURE_GRACE_S = 3.0
+PEER_FAILURE_WAIT_S = 30.0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -67,10 +68,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not debug and is_usage_error(exc):
             report_error(one_line(exc))
             return 1
-        if world_size > 1:
-            # A rank whose peers exited (another rank's error) fails in its next collective;
-            # the launcher stops it within this grace, so only the first error is reported.
-            time.sleep(PEER_FAILURE_GRACE_S)
+        if world_size > 1 and lost_peer(exc) and another_rank_reported(PEER_FAILURE_WAIT_S):
+            return 1  # the consequence of another rank's error, which is the one reported
         raise
 
 

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 DEBUG_VARIABLE = "MEGATRON_DEBUG"
 # Set by the self-launch for its workers: the launcher prints the line, not the worker.
@@ -24,6 +24,14 @@ LAUNCHER_REPORTS_VARIABLE = "MEGATRON_TRAINING_LAUNCHER_REPORTS"
 ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"
 _MARK = "megatron_usage_error"
 _SETTLE_SECONDS = 0.5  # bare torchrun: how long failing ranks wait to see each other's files
+# What gloo and NCCL say when a collective's peer process has ended.
+_LOST_PEER_SIGNS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote process exited",
+    "NCCL communicator was aborted",
+)
 
 
 class UsageError(ValueError):
@@ -79,6 +87,26 @@ def report_error(message: str) -> None:
     print(f"{_prefix()}{message}", file=sys.stderr, flush=True)
 
 
+def lost_peer(exc: BaseException) -> bool:
+    """True when ``exc`` says a collective's peer is gone (its process ended): torch's
+    ``DistNetworkError``, or gloo/NCCL's connection errors."""
+    if type(exc).__name__ in ("DistNetworkError",):
+        return True
+    text = str(exc)
+    return any(sign in text for sign in _LOST_PEER_SIGNS)
+
+
+def another_rank_reported(timeout_s: float) -> bool:
+    """Under torchrun, after a lost peer: wait up to ``timeout_s`` (the launcher normally
+    stops this process first) and say whether another local rank recorded a usage error,
+    which is then the one reported. False at once outside torchrun."""
+    error_file = os.environ.get(ERROR_FILE_VARIABLE)
+    if not error_file:
+        return False
+    time.sleep(timeout_s)
+    return bool(_usage_errors_of_siblings(Path(error_file)))
+
+
 def usage_error_of_failure(error_file_data: object) -> Optional[str]:
     """The line a worker recorded with ``report_error`` (torchrun's error-file data of a
     failed process), or None when it failed otherwise."""
@@ -114,15 +142,23 @@ def _write_error_file(path: Path, message: str) -> None:
 
 def _lowest_local_reporter(error_file: Path) -> bool:
     """Bare torchrun: after a short wait, True when no lower local rank recorded a usage
-    error (torchrun keeps each local rank's file in ``<attempt>/<local rank>/error.json``)."""
+    error."""
     time.sleep(_SETTLE_SECONDS)
     mine = int(os.environ.get("LOCAL_RANK", "0"))
+    return not any(rank < mine for rank in _usage_errors_of_siblings(error_file))
+
+
+def _usage_errors_of_siblings(error_file: Path) -> List[int]:
+    """The other local ranks that recorded a usage error (torchrun keeps each local rank's
+    file in ``<attempt>/<local rank>/error.json``)."""
+    mine = int(os.environ.get("LOCAL_RANK", "0"))
+    ranks = []
     for sibling in error_file.parent.parent.glob(f"*/{error_file.name}"):
         try:
             rank = int(sibling.parent.name)
             data = json.loads(sibling.read_text())
         except (ValueError, OSError):
             continue
-        if rank < mine and usage_error_of_failure(data) is not None:
-            return False
-    return True
+        if rank != mine and usage_error_of_failure(data) is not None:
+            ranks.append(rank)
+    return ranks

@@ -37,7 +37,10 @@ def build_model(
     """
     transformer_config = transformer_config_from(config, layout)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=config.overlap_grad_reduce
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=config.overlap_grad_reduce,
+        use_distributed_optimizer=config.use_distributed_optimizer,
+        overlap_param_gather=config.overlap_param_gather,
     )
     pp, vpp = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size
     pp_rank = 0 if pg_collection is None else pg_collection.pp.rank()
@@ -126,6 +129,10 @@ def transformer_config_from(config: TrainingConfig, layout: Layout) -> Transform
         gradient_accumulation_fusion=config.gradient_accumulation_fusion,
         deallocate_pipeline_outputs=True,
         cp_comm_type=config.cp_comm_type,
+        recompute_granularity=config.recompute_granularity,
+        recompute_method=config.recompute_method,
+        recompute_num_layers=config.recompute_num_layers,
+        recompute_modules=config.recompute_modules,
         **(fusions_of(config) if config.compile else {}),
     )
 

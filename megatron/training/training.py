@@ -322,6 +322,8 @@ def build_optimizer(
             min_loss_scale=config.min_loss_scale,
             loss_scale_window=config.loss_scale_window,
             hysteresis=config.hysteresis,
+            use_distributed_optimizer=config.use_distributed_optimizer,
+            overlap_param_gather=config.overlap_param_gather,
         ),
         model,
         pg_collection=pg_collection,
