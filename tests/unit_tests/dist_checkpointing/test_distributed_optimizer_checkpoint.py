@@ -197,10 +197,10 @@ PAIRS = [
     _pair((Layout(cp=2), "dist"), (Layout(dp=2), "plain"), "gpt2", bf16=True),
     # world 4: DP = 4 to DP = 2, to DP = 1, to the plain optimizer, and back
     _pair((Layout(dp=4), "dist"), (Layout(tp=2, dp=2), "dist"), "gpt2"),
-    _pair((Layout(dp=4), "dist"), (Layout(pp=2, vpp=2, tp=2), "dist"), "llama"),
+    _pair((Layout(dp=4), "dist"), (Layout(pp=2, vpp=2, tp=2), "dist"), "llama", slow=True),
     _pair((Layout(dp=4), "dist"), (Layout(dp=4), "plain"), "llama"),
     _pair((Layout(pp=2, dp=2), "plain"), (Layout(dp=4), "dist"), "gpt2"),
-    _pair((Layout(dp=4), "dist"), (Layout(pp=2, dp=2), "dist"), "gpt2", bf16=True),
+    _pair((Layout(dp=4), "dist"), (Layout(pp=2, dp=2), "dist"), "gpt2", bf16=True, slow=True),
     _pair((Layout(cp=2, dp=2), "dist"), (Layout(tp=4), "plain"), "llama", bf16=True, slow=True),
     _pair((Layout(tp=4), "plain"), (Layout(cp=2, dp=2), "dist"), "gpt2", bf16=True, slow=True),
 ]

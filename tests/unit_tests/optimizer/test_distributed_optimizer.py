@@ -74,10 +74,10 @@ def _case(layout: Layout, mode: str, arch: str, overlap: bool = False, slow: boo
 
 CASES = [
     _case(Layout(dp=2), "averaged", "gpt2", overlap=True),
-    _case(Layout(dp=2), "per-token", "llama"),
+    _case(Layout(dp=2), "per-token", "llama", slow=True),
     _case(Layout(cp=2), "per-token", "gpt2"),
     _case(Layout(dp=4), "per-token", "gpt2", overlap=True),
-    _case(Layout(cp=2, dp=2), "averaged", "llama"),
+    _case(Layout(cp=2, dp=2), "averaged", "llama", slow=True),
     _case(Layout(tp=2, sp=True, dp=2), "averaged", "llama", overlap=True),
     _case(Layout(pp=2, vpp=2, dp=2), "averaged", "gpt2", overlap=True),
     _case(Layout(pp=2, dp=2), "per-token", "gpt2", slow=True),

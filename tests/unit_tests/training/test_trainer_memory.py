@@ -33,7 +33,7 @@ RUNS = [
             recompute_granularity="selective",
             recompute_modules=["core_attn", "mlp", "layernorm"],
         ),
-        marks=pytest.mark.world(4),
+        marks=[pytest.mark.world(4), pytest.mark.slow],
         id="cp2-dp2-distopt-selective-recompute",
     ),
 ]

@@ -88,6 +88,7 @@ NON_DEFAULT = {
     "embedding_init_method_std": 0.7,
     "label_smoothing": 0.2,
     "perform_initialization": False,
+    "distribute_saved_activations": True,
     "params_dtype": torch.float64,
 }
 
@@ -110,7 +111,6 @@ SPEED_ONLY = {
     "recompute_method": "activation recomputation (which layers): same values",
     "recompute_num_layers": "activation recomputation (how many layers): same values",
     "recompute_modules": "selective recomputation (which modules): same values",
-    "distribute_saved_activations": "recomputation's saved inputs split over TP: same values",
 }
 
 # SPEED_ONLY values other than ``not default``
