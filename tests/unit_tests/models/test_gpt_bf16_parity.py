@@ -36,7 +36,7 @@ def _case(layout: Layout, arch: str, slow: bool = False):
 
 CASES = [
     _case(Layout(cp=2, pp=2), "gpt2"),
-    _case(Layout(cp=2, pp=2, vpp=2), "llama"),
+    _case(Layout(cp=2, pp=2, vpp=2), "llama", slow=True),
     _case(Layout(tp=2, sp=True, cp=2), "llama"),
     _case(Layout(cp=4, pp=2), "llama", slow=True),
     _case(Layout(tp=2, sp=True, cp=2, pp=2), "gpt2", slow=True),
