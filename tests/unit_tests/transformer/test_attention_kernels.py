@@ -12,6 +12,7 @@
 
 import logging
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from megatron.core.transformer.cp_attention import (
     context_parallel_attention,
     kernel_choice,
 )
-from megatron.core.transformer.cp_attention.kernel_choice import default_kernel
+from megatron.core.transformer.cp_attention.kernel_choice import default_kernel, resolve_kernel
 from megatron.core.transformer.cp_attention.registry import STRATEGIES
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from tests.unit_tests.transformer.test_cp_attention import (
@@ -313,6 +314,20 @@ def test_mismatched_dtypes_and_devices_are_named():
     meta = torch.zeros(8, 1, 2, 4, device="meta")
     with pytest.raises(ValueError, match="one device, got query cpu, key meta, value cpu"):
         context_parallel_attention(q, meta, q)
+
+
+@pytest.mark.world(1)
+@pytest.mark.parametrize("kernel", ["flash", "cudnn"])
+def test_half_only_kernels_refuse_float32_by_name(kernel, monkeypatch):
+    """An explicit flash or cuDNN kernel on float32 CUDA tensors is refused by name (cuDNN's
+    op returned NaN losses for them on an H200, with no error); half precision passes. Only
+    ``.device``, ``.dtype`` and ``.shape`` are read, so a stand-in works without a GPU."""
+    monkeypatch.delenv("MEGATRON_ATTENTION_KERNEL", raising=False)
+    cuda = torch.device("cuda", 0)
+    like = SimpleNamespace(device=cuda, dtype=torch.float32, shape=(1, 1, 1, 64))
+    with pytest.raises(ValueError, match=f"kernel '{kernel}'.*got float32"):
+        resolve_kernel(kernel, like)
+    assert resolve_kernel(kernel, SimpleNamespace(device=cuda, dtype=BF16, shape=(1, 64))) == kernel
 
 
 # ----------------------------------------------------------------------------- CUDA

@@ -130,7 +130,18 @@ def resolve_kernel(kernel: Optional[str], like: torch.Tensor, sliding_window: bo
             f"attention kernel must be one of {KERNELS[:3] + KERNELS[4:]} or 'auto' on CUDA, "
             f"got {name!r}"
         )
+    if name in HALF_ONLY_KERNELS and like.dtype not in (torch.float16, torch.bfloat16):
+        # cuDNN's op returns NaN for float32 inputs instead of refusing them.
+        raise ValueError(
+            f"attention kernel {name!r} (attention_backend / kernel= / {ENV_OVERRIDE}) takes "
+            f"float16 or bfloat16 tensors, got {str(like.dtype).replace('torch.', '')}; use "
+            f"'efficient' or 'math' for this dtype, or 'auto'"
+        )
     return name
+
+
+# The CUDA kernels that compute in half precision only.
+HALF_ONLY_KERNELS = ("flash", "cudnn")
 
 
 @functools.lru_cache(maxsize=None)
