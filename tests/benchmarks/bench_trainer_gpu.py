@@ -19,7 +19,9 @@ Variants:
   ``ours-fused``: plus megatron-core's fusion switches (``bias_activation_fusion``,
   ``bias_dropout_fusion``, ``apply_rope_fusion``, ``persist_layer_norm``,
   ``cross_entropy_loss_fusion``) and ``gradient_accumulation_fusion``; ``ours-compile``:
-  the trainer's ``--compile``.
+  the trainer's ``--compile``. ``ours-recompute``: ``--recompute-granularity full
+  --recompute-method uniform --recompute-num-layers 1``; ``ours-selective``:
+  ``--recompute-granularity selective`` (core attention); both eager ``--bf16``.
 
 Each variant runs ``--warmup`` untimed steps then ``--steps`` timed ones; the trainer's
 steps are its own ``iteration_time_s`` (data, schedule, optimizer, logging). tokens/s =
@@ -220,6 +222,11 @@ def run_ours(c: Shape, args, variant: str, warmup: int, steps: int):
         extra["gradient_accumulation_fusion"] = True
     if "compile" in variant:
         extra["compile"] = True
+    if "recompute" in variant:  # issue 24: whole layers recomputed, one checkpoint each
+        extra.update(recompute_granularity="full", recompute_method="uniform")
+        extra["recompute_num_layers"] = 1
+    if "selective" in variant:  # megatron-core's default selective module: core attention
+        extra["recompute_granularity"] = "selective"
     original = trainer_model.transformer_config_from
     if "fused" in variant:  # the library's switches (the trainer has no flag for each)
 
