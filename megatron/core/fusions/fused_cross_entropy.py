@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron.core.communication import all_reduce
 from megatron.core.jit import jit_fuser
 from megatron.core.process_groups_config import get_pg_rank, get_pg_size, resolve_group
+from megatron.core.tensor_parallel.cross_entropy import check_cross_entropy_args
 from megatron.core.tensor_parallel.utils import VocabUtility
 
 
@@ -30,17 +31,9 @@ def fused_vocab_parallel_cross_entropy(
     """Per-token cross entropy [s, b] (float32) of logits [s, b, V/T] split over ``tp_group``
     (megatron-core's signature; default: MPU fallback); ``label_smoothing`` (an extra) as in
     ``vocab_parallel_cross_entropy``."""
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(
-            f"fused_vocab_parallel_cross_entropy: label_smoothing must be in [0, 1), got "
-            f"{label_smoothing!r}"
-        )
-    if tuple(target.shape) != tuple(vocab_parallel_logits.shape[:-1]):
-        raise ValueError(
-            "fused_vocab_parallel_cross_entropy: target must have the logits' shape without "
-            f"the vocabulary dimension, {tuple(vocab_parallel_logits.shape[:-1])}; got "
-            f"{tuple(target.shape)}"
-        )
+    check_cross_entropy_args(
+        "fused_vocab_parallel_cross_entropy", vocab_parallel_logits, target, label_smoothing
+    )
     group = resolve_group("tp", tp_group)
     return _FusedCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, group)
 

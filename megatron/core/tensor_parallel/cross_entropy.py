@@ -41,19 +41,25 @@ def vocab_parallel_cross_entropy(
     (an addition to megatron-core's signature; default: MPU fallback) is the group the
     vocabulary is split over.
     """
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(
-            f"vocab_parallel_cross_entropy: label_smoothing must be in [0, 1), got "
-            f"{label_smoothing!r}"
-        )
-    if tuple(target.shape) != tuple(vocab_parallel_logits.shape[:-1]):
-        raise ValueError(
-            "vocab_parallel_cross_entropy: target must have the logits' shape without the "
-            f"vocabulary dimension, {tuple(vocab_parallel_logits.shape[:-1])}; got "
-            f"{tuple(target.shape)}"
-        )
+    check_cross_entropy_args(
+        "vocab_parallel_cross_entropy", vocab_parallel_logits, target, label_smoothing
+    )
     group = resolve_group("tp", tp_group)
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, group)
+
+
+def check_cross_entropy_args(
+    caller: str, logits: torch.Tensor, target: torch.Tensor, label_smoothing: float
+) -> None:
+    """ValueError naming ``caller`` unless ``label_smoothing`` is in [0, 1) and ``target`` has
+    the logits' shape without the vocabulary dimension (shared by the fused variant)."""
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"{caller}: label_smoothing must be in [0, 1), got {label_smoothing!r}")
+    if tuple(target.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"{caller}: target must have the logits' shape without the vocabulary dimension, "
+            f"{tuple(logits.shape[:-1])}; got {tuple(target.shape)}"
+        )
 
 
 class VocabParallelCrossEntropy:
