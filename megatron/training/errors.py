@@ -39,6 +39,11 @@ class UsageError(ValueError):
     contents. Reported as one line naming the flag or file, without a traceback."""
 
 
+class SettingsConflict(UsageError):
+    """A usage error listing several conflicting settings: its first line says what, each
+    further line names one setting with both values (kept as lines when reported)."""
+
+
 _KNOWN = (
     ValueError,  # UsageError, and the library's argument checks
     NotImplementedError,  # a setting this core refuses by name
@@ -67,10 +72,12 @@ def debug_requested(argv: Sequence[str] = ()) -> bool:
 
 def one_line(exc: BaseException) -> str:
     """The error as one line: an OSError's reason and file, else its message with its
-    lines joined by "; "."""
+    lines joined by "; " (a ``SettingsConflict`` keeps one line per setting)."""
     if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
         return f"{exc.strerror}: {exc.filename}"
     text = str(exc) or type(exc).__name__
+    if isinstance(exc, SettingsConflict):
+        return "\n".join(line.rstrip() for line in text.splitlines() if line.strip())
     return "; ".join(line.strip() for line in text.splitlines() if line.strip())
 
 

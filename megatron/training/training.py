@@ -190,6 +190,8 @@ def train(
             load_rng=not config.no_load_rng,
             train_iters=config.train_iters,
             exit_on_missing_checkpoint=config.exit_on_missing_checkpoint,
+            override_scheduler=config.override_opt_param_scheduler,
+            use_checkpoint_scheduler=config.use_checkpoint_opt_param_scheduler,
         )
         for note in notes:
             _print(note)
@@ -340,6 +342,10 @@ def build_optimizer(
         end_wd=config.weight_decay,
         wd_incr_steps=config.train_iters,
         wd_incr_style="constant",
+        # A resume has refused another schedule unless one of megatron's two flags says
+        # which one wins (checkpointing.compare_optimizer_settings).
+        use_checkpoint_opt_param_scheduler=not config.override_opt_param_scheduler,
+        override_opt_param_scheduler=config.override_opt_param_scheduler,
     )
     return optimizer, scheduler
 

@@ -95,6 +95,13 @@ NON_DEFAULT = dict(
     no_load_optim=True,
     no_load_rng=True,
     exit_on_missing_checkpoint=True,
+    override_opt_param_scheduler=True,
+    use_checkpoint_opt_param_scheduler=True,  # round trip only: the pair is refused
+    exit_signal_handler=True,
+    exit_signal="SIGUSR1",
+    exit_duration_in_mins=0.5,
+    exit_interval=3,
+    allow_truncation=True,
     compare_single_process=True,
     compare_tolerance=1e-3,
     progress=False,
@@ -257,6 +264,10 @@ def test_options_and_rules_load_without_torch():
         (dict(no_load_optim=True), r"--no-load-optim needs --load DIR"),
         (dict(no_load_rng=True), r"--no-load-rng needs --load DIR"),
         (dict(exit_on_missing_checkpoint=True), r"--exit-on-missing-checkpoint needs --load"),
+        (dict(override_opt_param_scheduler=True), r"--override-opt_param-scheduler needs --load"),
+        (dict(exit_signal_handler=True), r"--exit-signal-handler save a checkpoint .*--save DIR"),
+        (dict(exit_interval=2), r"--exit-interval 2 save a checkpoint .*add --save DIR"),
+        (dict(exit_signal="SIGUSR1"), r"--exit-signal SIGUSR1 needs --exit-signal-handler"),
     ],
 )
 def test_options_that_would_be_ignored_are_refused(changes, message):
@@ -361,7 +372,9 @@ def test_the_kinds_give_the_resume_and_comparison_lists():
         "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
         "compare_single_process", "compare_tolerance", "save_metrics", "save", "load",
         "save_interval", "ckpt_step", "finetune", "no_load_optim", "no_load_rng",
-        "exit_on_missing_checkpoint", "export_hf",
+        "exit_on_missing_checkpoint", "export_hf", "override_opt_param_scheduler",
+        "use_checkpoint_opt_param_scheduler", "exit_signal_handler", "exit_signal",
+        "exit_duration_in_mins", "exit_interval",
     }  # fmt: skip
     assert single.nproc_per_node == 1
 
