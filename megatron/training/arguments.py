@@ -74,6 +74,7 @@ _SECTIONS = {
     "num_layers": "model",
     "train_iters": "optimization",
     "bf16": "mixed precision (docs/mixed_precision.md)",
+    "eval_interval": "validation (docs/lifecycle.md)",
     "save_metrics": "output and checks",
     "save": "checkpoints (docs/checkpoints.md)",
     "compare_single_process": "output and checks",
@@ -499,6 +500,46 @@ class TrainingConfig:
     hysteresis: int = option(
         2, "--hysteresis", check=positive, help="--fp16: overflowing steps before it halves"
     )
+    # Validation (megatron's flags; docs/lifecycle.md).
+    eval_interval: Optional[int] = option(
+        None,
+        "--eval-interval",
+        type=int,
+        metavar="N",
+        check=positive,
+        help="compute the validation loss every N iterations (and after the last one)",
+    )
+    eval_iters: int = option(
+        100,
+        "--eval-iters",
+        metavar="K",
+        check=Check("an integer >= -1", lambda v: is_int(v) and v >= -1),
+        help="global batches per validation pass (the first K of the validation set, "
+        "fewer when it is smaller); -1: the whole validation set once; 0: no validation",
+    )
+    valid_data_path: Optional[str] = option(
+        None,
+        "--valid-data-path",
+        type=str,
+        metavar="PATH",
+        help="validation data (the forms of --data-path: JSONL, chat, indexed), every "
+        "record in file order",
+    )
+    split: Optional[str] = option(
+        None,
+        "--split",
+        type=str,
+        metavar="TRAIN,VALID,TEST",
+        help="split --data-path's records by weight, in file order (megatron's form, e.g. "
+        "969,30,1): the first part trains, the second validates, the third is held out; "
+        "the same for every layout and seed",
+    )
+    skip_train: bool = option(
+        False,
+        "--skip-train",
+        help="only evaluate: the validation loss of --load's checkpoint or --hf-model, then "
+        "exit",
+    )
     # Output and checks.
     save_metrics: Optional[str] = option(
         None,
@@ -804,6 +845,7 @@ def _check_combinations(c: TrainingConfig) -> None:
         f"--compare-tolerance {c.compare_tolerance} needs --compare-single-process",
     )
     _require(not (c.bf16 and c.fp16), "--bf16 and --fp16 were both given; expected at most one")
+    _check_validation(c)
     _require(
         c.position_embedding_type == "learned_absolute" or c.max_position_embeddings is None,
         f"--max-position-embeddings {c.max_position_embeddings} sizes the learned position "
@@ -838,6 +880,64 @@ def _check_combinations(c: TrainingConfig) -> None:
     _require(
         c.fp16 or not dynamic,
         f"{', '.join(dynamic)} set the dynamic loss scaling of --fp16, which is not given",
+    )
+
+
+def _check_validation(c: TrainingConfig) -> None:
+    """--eval-interval, --eval-iters, --valid-data-path, --split, --skip-train: each used,
+    none contradicting another."""
+    _require(
+        c.valid_data_path is None or c.data_path is not None,
+        f"--valid-data-path {c.valid_data_path!r} needs --data-path (the generated data "
+        "validates on held-out generated pairs)",
+    )
+    _require(
+        c.split is None or c.data_path is not None,
+        f"--split {c.split!r} splits --data-path, which is not given",
+    )
+    _require(
+        not (c.split and c.valid_data_path),
+        f"--split {c.split!r} and --valid-data-path {c.valid_data_path!r} both name "
+        "validation data; give one",
+    )
+    if c.split is not None:
+        from megatron.training.datasets import parse_split
+
+        try:
+            weights = parse_split(c.split)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        _require(
+            weights[0] > 0 or c.skip_train,
+            f"--split {c.split!r} leaves no training data (its first weight is 0)",
+        )
+        _require(
+            weights[1] > 0 or c.eval_interval is None,
+            f"--eval-interval {c.eval_interval} needs validation data, but --split "
+            f"{c.split!r} has no validation part (its second weight is 0)",
+        )
+    _require(
+        c.eval_iters != -1 or c.data_path is not None,
+        "--eval-iters -1 (the whole validation set) needs --valid-data-path or --split: the "
+        "generated validation data is endless; give a number of global batches",
+    )
+    enabled = c.eval_interval or c.valid_data_path or c.split or c.skip_train
+    _require(
+        c.eval_iters == _FIELDS["eval_iters"].default or enabled,
+        f"--eval-iters {c.eval_iters} needs validation: add --eval-interval N, "
+        "--valid-data-path or --split",
+    )
+    _require(
+        not c.skip_train or c.load is not None or c.hf_model is not None,
+        "--skip-train evaluates a trained model: add --load DIR or --hf-model DIR",
+    )
+    _require(
+        not c.skip_train or c.eval_iters != 0,
+        "--skip-train only evaluates, but --eval-iters 0 turns validation off",
+    )
+    _require(
+        not (c.skip_train and c.compare_single_process),
+        "--skip-train trains nothing; --compare-single-process compares training runs",
     )
 
 

@@ -338,7 +338,7 @@ MODEL_SETTINGS = (
     "max_position_embeddings",
 )
 # The data the run trains on (a resumed run continues its position in it).
-DATA_SETTINGS = ("data_path", "eod_token")
+DATA_SETTINGS = ("data_path", "eod_token", "split")
 # Settings that give the optimizer state another form (fp32 main parameters, loss scale):
 # compared only when the optimizer state is loaded.
 OPTIMIZER_SETTINGS = ("bf16", "fp16")
