@@ -51,6 +51,12 @@ from megatron.training.compare import (
 )
 from megatron.training.data import microbatches_for_rank
 from megatron.training.datasets import build_sft_dataset, build_training_tokenizer
+from megatron.training.evaluation import (
+    Validation,
+    build_validation_set,
+    evaluate,
+    evaluation_due,
+)
 from megatron.training.hf.checkpoint import export_hf
 from megatron.training.hf.config import resolve_hf_model
 from megatron.training.initialize import (
@@ -63,12 +69,6 @@ from megatron.training.initialize import (
 )
 from megatron.training.metrics import save_metrics
 from megatron.training.model import build_model, precision_dtype
-from megatron.training.validation import (
-    Validation,
-    build_validation_set,
-    evaluate,
-    evaluation_due,
-)
 
 LOSS_KEY = "lm loss"
 
@@ -229,7 +229,7 @@ def train(
         return global_batch, microbatches_of(global_batch)
 
     def validate(iteration: int) -> Optional[dict]:
-        """The validation pass after ``iteration`` (``validation.evaluate``): its record
+        """The validation pass after ``iteration`` (``evaluation.evaluate``): its record
         fields, printed on rank 0."""
         result = evaluate(
             model,

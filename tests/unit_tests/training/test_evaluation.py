@@ -27,8 +27,8 @@ from megatron.training import TrainingConfig, validate_config
 from megatron.training.data import SFTDataset
 from megatron.training.datasets import split_ranges
 from megatron.training.errors import UsageError
+from megatron.training.evaluation import build_validation_set
 from megatron.training.training import pretrain
-from megatron.training.validation import build_validation_set
 from tests.unit_tests.dist_utils import assert_no_failures, fresh_layout
 
 TOLERANCE = 2e-5  # the trainer computes in fp32, the reference in float64
