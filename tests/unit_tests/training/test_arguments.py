@@ -353,7 +353,7 @@ def test_the_kinds_give_the_resume_and_comparison_lists():
         "seq_length", "max_position_embeddings",
     }  # fmt: skip
     assert (set(DATA_SETTINGS), set(OPTIMIZER_SETTINGS)) == (
-        {"data_path", "eod_token"},
+        {"data_path", "eod_token", "split"},
         {"bf16", "fp16"},
     )
     single = single_process_config(TrainingConfig(**NON_DEFAULT))
