@@ -18,6 +18,7 @@ error reported.
 
 import logging
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -92,6 +93,7 @@ def launch(argv: Sequence[str], nproc: int, debug: bool = False) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ[LAUNCHER_REPORTS_VARIABLE] = "1"
     quiet = None if debug else _quiet_torch_launcher()
+    forwarded = _forward_exit_signal(argv)
     try:
         with tempfile.TemporaryDirectory(prefix="megatron-train-") as scratch:
             verdict = Path(scratch) / "verdict"
@@ -103,14 +105,52 @@ def launch(argv: Sequence[str], nproc: int, debug: bool = False) -> int:
             except KeyboardInterrupt:
                 return 130
             except SignalException as stopped:  # SIGTERM/SIGINT/... to the launcher
+                if Path(str(verdict) + ".stopped").exists():
+                    return 0  # --exit-signal-handler: the workers saved and said so
                 print(format_line(f"stopped by {stopped.sigval.name}"), file=sys.stderr)
                 return 128 + int(stopped.sigval)
             return 1 if verdict.exists() and verdict.read_text() == "failed" else 0
     finally:
+        if forwarded is not None:
+            signal.signal(*forwarded)
         os.environ.clear()
         os.environ.update(saved)
         if quiet is not None:
             _restore_levels(quiet)
+
+
+# Signals torchrun's agent passes on to the workers itself (then stops them).
+_AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
+
+def _forward_exit_signal(argv: Sequence[str]):
+    """With ``--exit-signal-handler --exit-signal S`` where S is not one torchrun's agent
+    passes on (SIGUSR1, ...): pass S on to this launcher's child processes (the workers)
+    instead of dying of it. Returns (signal, previous handler) to restore, or None."""
+    config = parse_args(argv)
+    if not config.exit_signal_handler or config.exit_signal in _AGENT_SIGNALS:
+        return None
+    number = signal.Signals[config.exit_signal]
+
+    def forward(signum, frame):
+        for pid in _child_pids():
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    return number, signal.signal(number, forward)
+
+
+def _child_pids() -> List[int]:
+    """The process ids of this process's children (Linux: /proc)."""
+    pids = []
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            pids += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return pids
 
 
 def launch_command(argv: Sequence[str], nproc: int) -> List[str]:
@@ -133,11 +173,14 @@ def _run(config) -> int:
     """Train here; the exit status (the verdict goes to the launcher when self-launched)."""
     from megatron.training.training import pretrain  # torch and the model: only when running
 
-    passed = pretrain(config).passed
+    result = pretrain(config)
+    passed = result.passed
     verdict_file = os.environ.get(VERDICT_FILE_VARIABLE)
     if verdict_file:  # self-launched: the launcher turns the verdict into its status
         if os.environ.get("RANK", "0") == "0":
             Path(verdict_file).write_text("passed" if passed else "failed")
+            if result.stopped:  # stopped early on purpose, saved: the launcher exits 0
+                Path(verdict_file + ".stopped").write_text(result.stopped)
         return 0
     return 0 if passed else 1
 

@@ -57,6 +57,7 @@ from megatron.training.evaluation import (
     evaluate,
     evaluation_due,
 )
+from megatron.training.exits import ExitConditions, exit_message
 from megatron.training.hf.checkpoint import export_hf
 from megatron.training.hf.config import resolve_hf_model
 from megatron.training.initialize import (
@@ -84,6 +85,7 @@ class TrainingResult:
     comparison: Optional[Comparison] = None
     passed: bool = True
     metrics_files: List[Path] = field(default_factory=list)
+    stopped: Optional[str] = None  # why the run stopped early (exits.ExitConditions)
 
 
 def pretrain(config: TrainingConfig) -> TrainingResult:
@@ -109,10 +111,13 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
         label = f"{layout.name} ({_processes(layout.world_size)})"
         _print_header(config, layout)
         started = time.perf_counter()
-        records = train(config, layout, groups, desc=label)
-        result = TrainingResult(layout, records)
+        with ExitConditions(config) as exits:
+            records = train(config, layout, groups, desc=label, exits=exits)
+        result = TrainingResult(layout, records, stopped=exits.stopped)
         _print(_summary(records, layout, time.perf_counter() - started))
-        if config.compare_single_process:
+        if config.compare_single_process and exits.stopped:
+            _print("--compare-single-process: not compared (the run stopped early)")
+        elif config.compare_single_process:
             result.reference = train_single_process(config)
             tolerances, rule = comparison_tolerances(config, result.reference)
             if is_rank_zero():
@@ -151,6 +156,7 @@ def train(
     pg_collection: Optional[ProcessGroupCollection],
     desc: str = "train",
     perturbation: float = 0.0,
+    exits: Optional[ExitConditions] = None,
 ) -> List[dict]:
     """``config.train_iters`` iterations on this rank's chunks; returns one record per
     iteration: ``iteration, loss, grad_norm, lr, tokens_per_s, valid_tokens,
@@ -245,7 +251,7 @@ def train(
             pg_collection=pg_collection,
             interleaved=bool(vpp),
             loss_key=LOSS_KEY,
-            stop_check=None,  # the preemption check plugs in here (a per-batch hook)
+            stop_check=exits.stop_check if exits is not None and exits.active else None,
         )
         if result is None:
             return None
@@ -258,6 +264,18 @@ def train(
             "valid_ppl": result.ppl,
             "validation_tokens": result.tokens,
         }
+
+    def save_at(iteration: int) -> None:
+        save_checkpoint(
+            config.save,
+            iteration,
+            model,
+            optimizer,
+            scheduler,
+            layout=_layout_record(layout),
+            consumed_samples=iteration * config.global_batch_size,
+            run_settings=_settings_record(config),
+        )
 
     if config.skip_train:
         bar.close()
@@ -311,22 +329,22 @@ def train(
         bar.set_postfix(**postfix)
         bar.update()
         if config.save and _save_due(config, iteration):
-            save_checkpoint(
-                config.save,
-                iteration,
-                model,
-                optimizer,
-                scheduler,
-                layout=_layout_record(layout),
-                consumed_samples=iteration * config.global_batch_size,
-                run_settings=_settings_record(config),
-            )
+            save_at(iteration)
             if config.export_hf and iteration < config.train_iters:
                 target = Path(config.export_hf) / f"iter_{iteration:07d}"
                 export_hf(checkpoint_dir(config.save, iteration), target)
                 _print(f"exported iteration {iteration} to {target} (HuggingFace format)")
+        # Every rank agrees here whether to stop (a signal, the duration, the interval).
+        reason = exits.agreed(iteration) if exits is not None else None
+        if reason is not None and iteration < config.train_iters:
+            if not _save_due(config, iteration):
+                save_at(iteration)
+            exits.stopped = reason
+            bar.close()
+            _print(exit_message(reason, iteration, config.save))
+            break
     bar.close()
-    if config.export_hf and records:
+    if config.export_hf and records and not (exits is not None and exits.stopped):
         _export_final_model(config, model, optimizer, scheduler, layout, records[-1]["iteration"])
     return records
 
