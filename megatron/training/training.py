@@ -47,7 +47,7 @@ from megatron.training.compare import Comparison, compare_losses, format_compari
 from megatron.training.data import microbatches_for_rank
 from megatron.training.datasets import build_sft_dataset, build_training_tokenizer
 from megatron.training.hf.checkpoint import export_hf
-from megatron.training.hf.config import resolve_hf_model
+from megatron.training.hf_settings import resolve_hf_model
 from megatron.training.initialize import (
     initialize_distributed,
     initialize_model_parallel_groups,
