@@ -42,6 +42,7 @@ from megatron.training.options import (
     option,
     option_of,
     positive,
+    loss_scale_number,
     positive_number,
     unit_interval,
 )
@@ -382,7 +383,7 @@ class TrainingConfig:
     clip_grad: float = option(
         1.0,
         "--clip-grad",
-        check=Check(">= 0 (0 disables)", lambda v: is_number(v) and v >= 0),
+        check=Check("a finite number >= 0 (0 disables)", lambda v: is_number(v) and v >= 0),
         help="gradient-norm clipping threshold, 0: off",
     )
     calculate_per_token_loss: bool = option(
@@ -481,23 +482,30 @@ class TrainingConfig:
         None,
         "--loss-scale",
         type=float,
-        check=positive_number,
+        check=loss_scale_number,
         help="a fixed loss scale instead of --fp16's dynamic one",
     )
     initial_loss_scale: float = option(
-        2.0**32, "--initial-loss-scale", check=positive_number, help="--fp16: the first scale"
+        2.0**32, "--initial-loss-scale", check=loss_scale_number, help="--fp16: the first scale"
     )
     min_loss_scale: float = option(
-        1.0, "--min-loss-scale", check=positive_number, help="--fp16: the smallest scale"
+        1.0, "--min-loss-scale", check=loss_scale_number, help="--fp16: the smallest scale"
     )
     loss_scale_window: float = option(
         1000.0,
         "--loss-scale-window",
-        check=Check(">= 1", lambda v: is_number(v) and v >= 1),
+        check=Check("a finite number >= 1", lambda v: is_number(v) and v >= 1),
         help="--fp16: clean steps before the scale doubles",
     )
     hysteresis: int = option(
         2, "--hysteresis", check=positive, help="--fp16: overflowing steps before it halves"
+    )
+    check_for_nan_in_loss_and_grad: bool = option(
+        True,
+        "--no-check-for-nan-in-loss-and-grad",
+        help="train on after an iteration whose loss or (unscaled) gradient norm is NaN or "
+        "inf; by default the run stops there naming the iteration (an fp16 overflow that "
+        "loss scaling skips is not stopped)",
     )
     # Output and checks.
     save_metrics: Optional[str] = option(
