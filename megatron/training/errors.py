@@ -58,8 +58,8 @@ _KNOWN = (
 
 def is_usage_error(exc: BaseException) -> bool:
     """True for errors reported as one line: ``UsageError``, ``ValueError`` (the library's
-    argument checks), ``TrainingStopped``, ``NotImplementedError``, a missing or unreadable file, and
-    ``dist_checkpointing``'s ``CheckpointingException``."""
+    argument checks), ``TrainingStopped``, ``NotImplementedError``, a missing or unreadable
+    file, and ``dist_checkpointing``'s ``CheckpointingException``."""
     if isinstance(exc, _KNOWN):
         return True
     checkpointing = sys.modules.get("megatron.core.dist_checkpointing.core")

@@ -66,8 +66,8 @@ class DynamicGradScaler(MegatronGradScaler):
         super().__init__(initial_scale, device)
         if not (is_valid_loss_scale(min_scale) and min_scale <= initial_scale):
             raise ValueError(
-                f"min_scale={min_scale}: expected a number > 0, finite in float32 and <= initial_scale "
-                f"({initial_scale})"
+                f"min_scale={min_scale}: expected a number > 0, finite in float32 and <= "
+                f"initial_scale ({initial_scale})"
             )
         if not (math.isfinite(growth_factor) and growth_factor > 1.0):
             raise ValueError(
