@@ -82,6 +82,7 @@ _SECTIONS = {
     "num_layers": "model",
     "train_iters": "optimization",
     "bf16": "mixed precision (docs/mixed_precision.md)",
+    "eval_interval": "validation (docs/lifecycle.md)",
     "save_metrics": "output and checks",
     "save": "checkpoints (docs/checkpoints.md)",
     "compare_single_process": "output and checks",
@@ -601,6 +602,51 @@ class TrainingConfig:
         help="train on after an iteration whose loss or (unscaled) gradient norm is NaN or "
         "inf; by default the run stops there naming the iteration (an fp16 overflow that "
         "loss scaling skips is not stopped)",
+    )
+    # Validation (megatron's flags; docs/lifecycle.md).
+    eval_interval: Optional[int] = option(
+        None,
+        "--eval-interval",
+        kind=RUN,
+        type=int,
+        metavar="N",
+        check=positive,
+        help="compute the validation loss every N iterations (and after the last one)",
+    )
+    eval_iters: int = option(
+        100,
+        "--eval-iters",
+        kind=RUN,
+        metavar="K",
+        check=Check("an integer >= -1", lambda v: is_int(v) and v >= -1),
+        help="global batches per validation pass (the first K of the validation set, "
+        "fewer when it is smaller); -1: the whole validation set once; 0: no validation",
+    )
+    valid_data_path: Optional[str] = option(
+        None,
+        "--valid-data-path",
+        kind=RUN,
+        type=str,
+        metavar="PATH",
+        help="validation data (the forms of --data-path: JSONL, chat, indexed), every "
+        "record in file order",
+    )
+    split: Optional[str] = option(
+        None,
+        "--split",
+        kind=DATA,
+        type=str,
+        metavar="TRAIN,VALID,TEST",
+        help="split --data-path's records by weight, in file order (megatron's form, e.g. "
+        "969,30,1): the first part trains, the second validates, the third is held out; "
+        "the same for every layout and seed",
+    )
+    skip_train: bool = option(
+        False,
+        "--skip-train",
+        kind=RUN,
+        help="only evaluate: the validation loss of --load's checkpoint or --hf-model, then "
+        "exit",
     )
     # Output and checks.
     save_metrics: Optional[str] = option(

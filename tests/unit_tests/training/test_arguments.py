@@ -86,6 +86,11 @@ NON_DEFAULT = dict(
     loss_scale_window=100.0,
     hysteresis=3,
     check_for_nan_in_loss_and_grad=False,
+    eval_interval=5,
+    eval_iters=-1,
+    valid_data_path="valid.jsonl",
+    split="90,10,0",
+    skip_train=True,
     save_metrics="out",
     save="ck",
     load="ck",
@@ -366,7 +371,7 @@ def test_the_kinds_give_the_resume_and_comparison_lists():
         "seq_length", "max_position_embeddings",
     }  # fmt: skip
     assert (set(DATA_SETTINGS), set(OPTIMIZER_SETTINGS)) == (
-        {"data_path", "eod_token"},
+        {"data_path", "eod_token", "split"},
         {"bf16", "fp16"},
     )
     single = single_process_config(TrainingConfig(**NON_DEFAULT))
