@@ -1,5 +1,6 @@
-"""``python -m megatron.training`` / ``megatron-train``: parse, check the layout, then run
-here (one process, or one rank under torchrun) or launch ``--nproc-per-node`` processes.
+"""``python -m megatron.training`` / ``megatron-train``: parse, adopt a ``--load``
+checkpoint's recorded settings, check the layout and every input path (``preflight``), then
+run here (one process, or one rank under torchrun) or launch ``--nproc-per-node`` processes.
 
 Self-launch: without torchrun's WORLD_SIZE and with N > 1 processes, this process runs
 torch.distributed.run's launcher in-process, as ``torchrun --standalone --nproc-per-node N
@@ -38,6 +39,11 @@ from megatron.training.errors import (
     usage_error_of_failure,
 )
 from megatron.training.hf_settings import resolve_hf_model
+from megatron.training.preflight import (
+    adopt_checkpoint_settings,
+    adoption_note,
+    check_input_paths,
+)
 
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
 VERDICT_FILE_VARIABLE = "MEGATRON_TRAINING_VERDICT_FILE"
@@ -53,7 +59,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     debug = debug_requested(argv)
     under_torchrun = "WORLD_SIZE" in os.environ
     try:
-        config = resolve_hf_model(parse_args(argv), explicit_options(argv))
+        explicit = explicit_options(argv)
+        config, adopted = adopt_checkpoint_settings(parse_args(argv), explicit)
+        check_input_paths(config, adopted)
+        config = resolve_hf_model(config, explicit)
         world_size = _world_size(config.nproc_per_node, under_torchrun)
         validate_config(config, world_size)
     except Exception as exc:
@@ -61,6 +70,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise
         report_error(one_line(exc))
         raise SystemExit(COMMAND_LINE_ERROR_STATUS) from None
+    note = adoption_note(adopted, config.load)
+    if (
+        note
+        and os.environ.get("RANK", "0") == "0"
+        and not os.environ.get(LAUNCHER_REPORTS_VARIABLE)
+    ):
+        print(note, flush=True)  # once: by the launcher, or by rank 0 under torchrun
     if not under_torchrun and world_size > 1:
         return launch(argv, world_size, debug=debug)
     try:
