@@ -19,7 +19,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -43,9 +43,20 @@ from megatron.training.arguments import (
     validate_config,
 )
 from megatron.training.checkpointing import checkpoint_dir, load_checkpoint, save_checkpoint
-from megatron.training.compare import Comparison, compare_losses, format_comparison
+from megatron.training.compare import (
+    Comparison,
+    compare_losses,
+    format_comparison,
+    sensitivity_tolerances,
+)
 from megatron.training.data import microbatches_for_rank
 from megatron.training.datasets import build_sft_dataset, build_training_tokenizer
+from megatron.training.evaluation import (
+    Validation,
+    build_validation_set,
+    evaluate,
+    evaluation_due,
+)
 from megatron.training.hf.checkpoint import export_hf
 from megatron.training.hf.config import resolve_hf_model
 from megatron.training.initialize import (
@@ -103,9 +114,9 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
         _print(_summary(records, layout, time.perf_counter() - started))
         if config.compare_single_process:
             result.reference = train_single_process(config)
-            tolerance = comparison_tolerance(config, result.reference)
+            tolerances, rule = comparison_tolerances(config, result.reference)
             if is_rank_zero():
-                result.comparison = compare_losses(records, result.reference, tolerance)
+                result.comparison = compare_losses(records, result.reference, tolerances, rule)
                 _print(format_comparison(result.comparison, label, "1 process"))
             result.passed = _agree_on_rank_zero(
                 result.comparison is None or result.comparison.passed
@@ -139,12 +150,15 @@ def train(
     layout: Layout,
     pg_collection: Optional[ProcessGroupCollection],
     desc: str = "train",
+    perturbation: float = 0.0,
 ) -> List[dict]:
     """``config.train_iters`` iterations on this rank's chunks; returns one record per
     iteration: ``iteration, loss, grad_norm, lr, tokens_per_s, valid_tokens,
     iteration_time_s``. ``pg_collection=None``: one process without torch.distributed.
 
     Rank 0 shows a progress bar with the loss and tokens/s (``config.progress``).
+    ``perturbation`` > 0 scales every initial weight by ``1 + perturbation * u``, u uniform
+    in [-1, 1] from a fixed generator (the comparison's sensitivity run).
     """
     dataset = build_sft_dataset(config)
     for note in getattr(dataset, "notes", []):  # truncation and empty-loss counts
@@ -157,7 +171,10 @@ def train(
             )
     elif config.data_path:  # the model's vocabulary is the tokenizer's
         config = dataclasses.replace(config, vocab_size=dataset.vocab_size)
+    validation_set = build_validation_set(config)
     model = build_model(config, layout, pg_collection)
+    if perturbation:
+        _perturb_weights(model, perturbation)
     optimizer, scheduler = build_optimizer(config, model, pg_collection)
     if config.fp16 or config.loss_scale is not None:  # the schedule scales the loss
         model[0].config.grad_scale_func = optimizer.scale_loss
@@ -188,7 +205,7 @@ def train(
             finetune=config.finetune,
             load_optim=not config.no_load_optim,
             load_rng=not config.no_load_rng,
-            train_iters=config.train_iters,
+            train_iters=None if config.skip_train else config.train_iters,
             exit_on_missing_checkpoint=config.exit_on_missing_checkpoint,
         )
         for note in notes:
@@ -196,19 +213,57 @@ def train(
         bar.update(start_iteration)
     records = []
 
-    def batch_of(iteration: int):
-        """The global batch of ``iteration`` and this rank's microbatches of it, on the
-        compute device."""
-        global_batch = dataset.global_batch(iteration - 1, config.global_batch_size)
-        microbatches = [
+    def microbatches_of(global_batch):
+        """This rank's microbatches of ``global_batch`` (this CP rank's shard, on the
+        compute device)."""
+        return [
             _on_this_cp_rank(microbatch, pg_collection)
             for microbatch in microbatches_for_rank(
                 global_batch, config.micro_batch_size, layout.num_microbatches, dp_rank
             )
         ]
-        return global_batch, microbatches
+
+    def batch_of(iteration: int):
+        """The global batch of ``iteration`` and this rank's microbatches of it."""
+        global_batch = dataset.global_batch(iteration - 1, config.global_batch_size)
+        return global_batch, microbatches_of(global_batch)
+
+    def validate(iteration: int) -> Optional[dict]:
+        """The validation pass after ``iteration`` (``evaluation.evaluate``): its record
+        fields, printed on rank 0."""
+        result = evaluate(
+            model,
+            validation_set,
+            forward_backward_func,
+            functools.partial(forward_step, per_shard_cp_size=None),
+            microbatches_of,
+            num_microbatches=layout.num_microbatches,
+            seq_length=config.seq_length,
+            micro_batch_size=config.micro_batch_size,
+            pg_collection=pg_collection,
+            interleaved=bool(vpp),
+            loss_key=LOSS_KEY,
+            stop_check=None,  # the preemption check plugs in here (a per-batch hook)
+        )
+        if result is None:
+            return None
+        if config.progress and is_rank_zero():
+            bar.write(_validation_line(iteration, result))
+        else:
+            _print(_validation_line(iteration, result))
+        return {
+            "valid_loss": result.loss,
+            "valid_ppl": result.ppl,
+            "validation_tokens": result.tokens,
+        }
+
+    if config.skip_train:
+        bar.close()
+        fields = validate(start_iteration)
+        return [{"iteration": start_iteration, **(fields or {})}]
 
     upcoming = batch_of(start_iteration + 1) if start_iteration < config.train_iters else None
+    last_validation = None
     for iteration in range(start_iteration + 1, config.train_iters + 1):
         start = time.perf_counter()
         global_batch, microbatches = upcoming
@@ -244,7 +299,14 @@ def train(
                 "iteration_time_s": seconds,
             }
         )
-        bar.set_postfix(loss=f"{loss:.4f}", tokens_per_s=f"{tokens_per_iteration / seconds:.0f}")
+        postfix = dict(loss=f"{loss:.4f}", tokens_per_s=f"{tokens_per_iteration / seconds:.0f}")
+        if validation_set is not None and evaluation_due(config, iteration):
+            records[-1].update(validate(iteration) or {})
+        if "valid_loss" in records[-1]:
+            last_validation = records[-1]["valid_loss"]
+        if last_validation is not None:
+            postfix["valid_loss"] = f"{last_validation:.4f}"
+        bar.set_postfix(**postfix)
         bar.update()
         if config.save and _save_due(config, iteration):
             save_checkpoint(
@@ -344,6 +406,17 @@ def build_optimizer(
     return optimizer, scheduler
 
 
+def _perturb_weights(model: List[torch.nn.Module], relative: float) -> None:
+    """Scale each weight by ``1 + relative * u``, u uniform in [-1, 1] (fixed generator)."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for chunk in model:
+            for _, parameter in sorted(chunk.named_parameters()):
+                noise = torch.rand(parameter.shape, generator=generator, dtype=torch.float64)
+                factor = 1 + relative * (2 * noise - 1)
+                parameter.mul_(factor.to(device=parameter.device, dtype=parameter.dtype))
+
+
 def _save_due(config: TrainingConfig, iteration: int) -> bool:
     """Every ``--save-interval`` iterations, and after the last one."""
     interval = config.save_interval
@@ -383,49 +456,70 @@ PRECISION_FIELDS = (
 )
 FP32_COMPARE_TOLERANCE = 1e-4
 HALF_PRECISION_TOLERANCE_FACTOR = 3.0
+SENSITIVITY_PERTURBATION = 1e-6
+SENSITIVITY_FACTOR = 10.0
 
 
-def comparison_tolerance(config: TrainingConfig, reference: Optional[List[dict]]) -> float:
-    """``--compare-tolerance`` when given; else 1e-4 in fp32 and, with ``--bf16``/``--fp16``,
+def comparison_tolerances(
+    config: TrainingConfig, reference: Optional[List[dict]]
+) -> Tuple[Optional[List[float]], str]:
+    """The per-iteration tolerances of ``--compare-single-process`` and their rule, on
+    rank 0 (None elsewhere); the rule of ``megatron.training.compare``:
 
-        tolerance = 3 * max_i |loss_i(one process, half precision) - loss_i(one process, fp32)|
+    - ``--compare-tolerance T``: T everywhere;
+    - fp32: ``max(1e-4, 10 * e_i)``, e_i the running largest |difference| between the
+      one-process run and a second one whose initial weights are scaled by
+      ``1 + 1e-6 * u`` (u uniform in [-1, 1], fixed): the run's own sensitivity to
+      rounding-sized changes, which Adam amplifies over long runs;
+    - bf16 / fp16: ``3 * max_i |one process half - one process fp32|`` everywhere: a
+      layout's rounding and the one-process run's are independent, each about as large as
+      that difference, so the two runs can differ by about twice it.
 
-    A layout's rounding and the one-process run's are independent, each about as large as
-    the one-process half-vs-fp32 difference, so the two runs can differ by about twice it;
-    3x leaves room, and a layout whose losses leave that band differs by more than rounding
-    (the fp32 one-process run is trained here, on rank 0, to measure it). Printed on rank
-    0."""
+    The extra one-process run trains on rank 0 while the other ranks wait."""
+    n = len(reference) if reference is not None else 0
     if config.compare_tolerance is not None:
-        return config.compare_tolerance
+        tolerance = config.compare_tolerance
+        return [tolerance] * n, f"--compare-tolerance {tolerance:.2e} at every iteration"
     if not (config.bf16 or config.fp16):
-        return FP32_COMPARE_TOLERANCE
+        perturbed = train_single_process(config, perturbation=SENSITIVITY_PERTURBATION)
+        if not is_rank_zero():
+            return None, ""
+        tolerances = sensitivity_tolerances(
+            reference, perturbed, FP32_COMPARE_TOLERANCE, SENSITIVITY_FACTOR
+        )
+        return tolerances, (
+            f"{FP32_COMPARE_TOLERANCE:.0e}, or {SENSITIVITY_FACTOR:g} x the one-process run's "
+            "own sensitivity when larger (the running largest |difference| from a one-process "
+            f"run with initial weights perturbed by {SENSITIVITY_PERTURBATION:.0e}, relative)"
+        )
     defaults = TrainingConfig()
     fp32 = dataclasses.replace(
         config, **{name: getattr(defaults, name) for name in PRECISION_FIELDS}
     )
     fp32_records = train_single_process(fp32)
-    tolerance = 0.0
-    if is_rank_zero():
-        rounding = max(abs(a["loss"] - b["loss"]) for a, b in zip(reference, fp32_records))
-        tolerance = HALF_PRECISION_TOLERANCE_FACTOR * rounding
-        precision = "bf16" if config.bf16 else "fp16"
-        _print(
-            f"tolerance {tolerance:.2e} = {HALF_PRECISION_TOLERANCE_FACTOR:g} x the largest "
-            f"|one process {precision} - one process fp32| loss difference ({rounding:.2e})"
-        )
-    return tolerance
+    if not is_rank_zero():
+        return None, ""
+    rounding = max(abs(a["loss"] - b["loss"]) for a, b in zip(reference, fp32_records))
+    tolerance = HALF_PRECISION_TOLERANCE_FACTOR * rounding
+    precision = "bf16" if config.bf16 else "fp16"
+    return [tolerance] * n, (
+        f"{tolerance:.2e} at every iteration = {HALF_PRECISION_TOLERANCE_FACTOR:g} x the "
+        f"largest |one process {precision} - one process fp32| loss difference "
+        f"({rounding:.2e})"
+    )
 
 
-def train_single_process(config: TrainingConfig) -> Optional[List[dict]]:
+def train_single_process(config: TrainingConfig, perturbation: float = 0.0) -> Optional[List[dict]]:
     """The same training on one process: here when there is no torch.distributed, else on
     global rank 0 with groups of its own while the other ranks wait. Returns the records
-    on the process that trained, None elsewhere."""
+    on the process that trained, None elsewhere. ``perturbation``: see ``train``."""
     reference_config = single_process_config(config)
     layout = validate_config(reference_config, 1)
     groups = single_process_groups(rank=0)
     records = None
     if is_rank_zero():
-        records = train(reference_config, layout, groups, desc="1 process")
+        label = "1 process, perturbed" if perturbation else "1 process"
+        records = train(reference_config, layout, groups, desc=label, perturbation=perturbation)
     if dist.is_initialized():
         dist.barrier()
     return records
@@ -498,6 +592,14 @@ def _on_this_cp_rank(
     return microbatch
 
 
+def _validation_line(iteration: int, result: Validation) -> str:
+    """``validation at iteration 20: loss 1.2345, perplexity 3.437 (1234 tokens)``."""
+    return (
+        f"validation at iteration {iteration}: loss {result.loss:.4f}, perplexity "
+        f"{result.ppl:.3f} ({result.tokens} tokens)"
+    )
+
+
 def _agree_on_rank_zero(passed: bool) -> bool:
     """Rank 0's verdict, on every rank."""
     if not dist.is_initialized():
@@ -511,6 +613,8 @@ def _summary(records: List[dict], layout: Layout, seconds: float) -> str:
     """One line: loss at the first and last iteration, time."""
     if not records:
         return f"{layout.name}: no iterations left to train, {seconds:.1f} s"
+    if "loss" not in records[0]:  # --skip-train
+        return f"{layout.name}: evaluated only (--skip-train), {seconds:.1f} s"
     first, last = records[0]["loss"], records[-1]["loss"]
     trend = "falls" if last < first else "does not fall"
     return (
