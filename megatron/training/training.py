@@ -60,7 +60,7 @@ from megatron.training.evaluation import (
     evaluation_due,
 )
 from megatron.training.hf.checkpoint import export_hf
-from megatron.training.hf.config import resolve_hf_model
+from megatron.training.hf_settings import resolve_hf_model
 from megatron.training.initialize import (
     initialize_distributed,
     initialize_model_parallel_groups,
