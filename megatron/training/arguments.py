@@ -689,8 +689,9 @@ class TrainingConfig:
         metavar="DIR",
         help="resume from the newest complete checkpoint in DIR, or from DIR itself when it "
         "is one checkpoint's iter_NNNNNNN directory (any layout). No checkpoint there is an "
-        "error, except when DIR is also --save (auto-resume: starts from scratch). Settings "
-        "that change the model or the data must equal the saved ones",
+        "error, except when DIR is also --save (auto-resume: starts from scratch). The model "
+        "and data settings the checkpoint recorded are used for the flags left out; a flag "
+        "that contradicts them is refused",
     )
     export_hf: Optional[str] = option(
         None,

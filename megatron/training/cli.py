@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Sequence
 from megatron.training.arguments import explicit_options, parse_args, validate_config
 from megatron.training.errors import (
     LAUNCHER_REPORTS_VARIABLE,
+    STOPPED_FILE_VARIABLE,
     UsageError,
     another_rank_reported,
     debug_requested,
@@ -49,6 +50,9 @@ LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "M
 VERDICT_FILE_VARIABLE = "MEGATRON_TRAINING_VERDICT_FILE"
 COMMAND_LINE_ERROR_STATUS = 2
 PEER_FAILURE_WAIT_S = 30.0
+# With --exit-signal-handler: how long torchrun's agent lets the workers save and end after
+# passing a signal on (its default is 30 s; TORCH_ELASTIC_SHUTDOWN_TIMEOUT overrides both).
+EXIT_SHUTDOWN_TIMEOUT_S = 300
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -110,9 +114,13 @@ def launch(argv: Sequence[str], nproc: int, debug: bool = False) -> int:
     os.environ[LAUNCHER_REPORTS_VARIABLE] = "1"
     quiet = None if debug else _quiet_torch_launcher()
     forwarded = _forward_exit_signal(argv)
+    if parse_args(argv).exit_signal_handler:  # time for the workers to save after a signal
+        os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(EXIT_SHUTDOWN_TIMEOUT_S))
     try:
         with tempfile.TemporaryDirectory(prefix="megatron-train-") as scratch:
             verdict = Path(scratch) / "verdict"
+            stopped_file = Path(scratch) / "stopped"
+            os.environ[STOPPED_FILE_VARIABLE] = str(stopped_file)
             os.environ[VERDICT_FILE_VARIABLE] = str(verdict)
             try:
                 run(get_args_parser().parse_args(launch_command(argv, nproc)[3:]))
@@ -121,7 +129,7 @@ def launch(argv: Sequence[str], nproc: int, debug: bool = False) -> int:
             except KeyboardInterrupt:
                 return 130
             except SignalException as stopped:  # SIGTERM/SIGINT/... to the launcher
-                if Path(str(verdict) + ".stopped").exists():
+                if stopped_file.exists():
                     return 0  # --exit-signal-handler: the workers saved and said so
                 print(format_line(f"stopped by {stopped.sigval.name}"), file=sys.stderr)
                 return 128 + int(stopped.sigval)
@@ -195,8 +203,6 @@ def _run(config) -> int:
     if verdict_file:  # self-launched: the launcher turns the verdict into its status
         if os.environ.get("RANK", "0") == "0":
             Path(verdict_file).write_text("passed" if passed else "failed")
-            if result.stopped:  # stopped early on purpose, saved: the launcher exits 0
-                Path(verdict_file + ".stopped").write_text(result.stopped)
         return 0
     return 0 if passed else 1
 

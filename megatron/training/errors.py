@@ -22,6 +22,9 @@ DEBUG_VARIABLE = "MEGATRON_DEBUG"
 # Set by the self-launch for its workers: the launcher prints the line, not the worker.
 LAUNCHER_REPORTS_VARIABLE = "MEGATRON_TRAINING_LAUNCHER_REPORTS"
 ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"
+# Set by the self-launch for its workers: rank 0 writes this file once the run has saved and
+# stopped on purpose (--exit-signal-handler, ...), so the launcher exits 0 on the signal.
+STOPPED_FILE_VARIABLE = "MEGATRON_TRAINING_STOPPED_FILE"
 _MARK = "megatron_usage_error"
 _SETTLE_SECONDS = 0.5  # bare torchrun: how long failing ranks wait to see each other's files
 # What gloo and NCCL say when a collective's peer process has ended.

@@ -15,6 +15,7 @@ after every rank has finished writing), holding the RNG states and the data posi
 ``--load`` continues as if the run had not stopped.
 """
 
+import os
 import signal
 import time
 from typing import Any, Optional
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.device import comm_device
+from megatron.training.errors import STOPPED_FILE_VARIABLE
 
 # Reasons, by priority in the agreement (the largest code any rank reports wins).
 _REASONS = {
@@ -98,8 +100,15 @@ class ExitConditions:
 
 
 def exit_message(reason: str, iteration: int, save_dir: str) -> str:
-    """The one line printed when a run stops early."""
-    return (
+    """The one line printed when a run stops early; on rank 0 of a self-launch it also
+    tells the launcher (``STOPPED_FILE_VARIABLE``) that the checkpoint is saved, before
+    the rest of the shutdown, which the launcher's agent may cut short."""
+    line = (
         f"{reason}: saved iteration {iteration} to {save_dir} and stopped; resume with "
         f"--load {save_dir}"
     )
+    marker = os.environ.get(STOPPED_FILE_VARIABLE)
+    if marker and (not dist.is_initialized() or dist.get_rank() == 0):
+        with open(marker, "w") as f:
+            f.write(line)
+    return line

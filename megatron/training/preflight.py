@@ -32,15 +32,15 @@ def adopt_checkpoint_settings(
     for the fields not in ``explicit``, the names adopted). No checkpoint (the auto-resume
     idiom's empty ``--save`` directory) or one without recorded settings: unchanged. Raises
     a ``SettingsConflict`` when an explicit flag contradicts the checkpoint."""
-    from megatron.core import dist_checkpointing
+    if not config.load:
+        return config, []
+    from megatron.core import dist_checkpointing  # torch: only for a --load
     from megatron.training.checkpointing import (
         compare_optimizer_settings,
         compare_run_settings,
         resolve_checkpoint,
     )
 
-    if not config.load:
-        return config, []
     directory, _ = resolve_checkpoint(
         config.load, config.save, config.ckpt_step, config.exit_on_missing_checkpoint
     )
@@ -81,7 +81,6 @@ def check_input_paths(config: TrainingConfig, adopted: Sequence[str] = ()) -> No
     """Each input path of ``config`` exists and has the expected form; a
     ``FileNotFoundError`` / ``ValueError`` naming the flag (and "recorded in the
     checkpoint" for a path ``--load`` adopted)."""
-    from megatron.training.checkpointing import resolve_checkpoint
 
     def flag(name: str, option: str) -> str:
         return f"{option} (recorded in the --load checkpoint)" if name in adopted else option
@@ -109,6 +108,8 @@ def check_input_paths(config: TrainingConfig, adopted: Sequence[str] = ()) -> No
                 "(expected a HuggingFace model folder with config.json + safetensors)"
             )
     if config.load:
+        from megatron.training.checkpointing import resolve_checkpoint  # torch: only here
+
         resolve_checkpoint(
             config.load, config.save, config.ckpt_step, config.exit_on_missing_checkpoint
         )

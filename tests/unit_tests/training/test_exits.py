@@ -106,29 +106,31 @@ ARGS = ["--cp", "2", "--pp", "2", "--num-layers", "2", "--hidden-size", "16"]
 ARGS += ["--seq-length", "16", "--global-batch-size", "4", "--no-progress"]
 
 
-def _launch(*args: str, env=None) -> subprocess.Popen:
+def _launch(log: Path, *args: str) -> subprocess.Popen:
+    """``python -m megatron.training --nproc-per-node 4 ARGS...``, its output into ``log``."""
     full_env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    full_env.update(OMP_NUM_THREADS="1", **(env or {}))
+    full_env.update(OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "megatron.training", "--nproc-per-node", "4", *ARGS, *args]
-    return subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=full_env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
 
 
-def _finish(proc: subprocess.Popen, limit_s: float = 400) -> str:
+def _finish(proc: subprocess.Popen, log: Path, limit_s: float = 400) -> str:
     try:
-        output, _ = proc.communicate(timeout=limit_s)
+        proc.wait(timeout=limit_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"the launch still ran after {limit_s} s:\n{output[-4000:]}")
-    return output
+        proc.wait()
+        pytest.fail(f"the launch still ran after {limit_s} s:\n{log.read_text()[-4000:]}")
+    return log.read_text()
 
 
 def _descendants(pid: int) -> List[int]:
@@ -158,21 +160,21 @@ def test_sigterm_to_the_launcher_or_one_rank_of_a_cp2_pp2_run_saves_exits_0_and_
     """SIGTERM after the first iterations (to the launcher, as SLURM sends it, or to one
     worker): every rank saves the same iteration, the launch exits 0 with the one line, and
     the resume's losses equal an uninterrupted run's bit for bit."""
-    save, first = tmp_path / "ck", tmp_path / "first"
+    save, first, log = tmp_path / "ck", tmp_path / "first", tmp_path / "first.log"
     proc = _launch(
-        "--train-iters", "100000", "--exit-signal-handler", "--save", str(save),
+        log, "--train-iters", "100000", "--exit-signal-handler", "--save", str(save),
         "--save-metrics", str(first),
     )  # fmt: skip
     deadline = time.monotonic() + 300
-    workers: List[int] = []
     while time.monotonic() < deadline and proc.poll() is None:
-        workers = [p for p in _descendants(proc.pid)]
-        if len(workers) >= 4:
+        if "SFT of a GPT" in log.read_text():  # every rank has its handler: training
             break
         time.sleep(1)
-    time.sleep(25)  # a few iterations
+    time.sleep(10)  # a few iterations
+    workers = _descendants(proc.pid)
+    assert proc.poll() is None and len(workers) >= 4, log.read_text()[-4000:]
     os.kill(proc.pid if target == "launcher" else workers[-1], signal.SIGTERM)
-    output = _finish(proc)
+    output = _finish(proc, log)
     assert proc.returncode == 0, output[-4000:]
     found = re.findall(r"SIGTERM received \(--exit-signal-handler\): saved iteration (\d+)", output)
     assert len(found) == 1, output[-4000:]
@@ -180,13 +182,13 @@ def test_sigterm_to_the_launcher_or_one_rank_of_a_cp2_pp2_run_saves_exits_0_and_
     assert (save / TRACKER_FILENAME).read_text().strip() == str(stop)
     before = _metrics(first)
     assert len(before) == stop
-    resumed_dir, straight_dir = tmp_path / "resumed", tmp_path / "straight"
-    resumed = _launch(
-        "--train-iters", str(stop + 3), "--load", str(save), "--save-metrics", str(resumed_dir)
-    )
-    output = _finish(resumed)
-    assert resumed.returncode == 0, output[-4000:]
-    straight = _launch("--train-iters", str(stop + 3), "--save-metrics", str(straight_dir))
-    output = _finish(straight)
-    assert straight.returncode == 0, output[-4000:]
-    assert before + _metrics(resumed_dir)[-3:] == _metrics(straight_dir)
+    runs = {}
+    for name, extra in (("resumed", ["--load", str(save)]), ("straight", [])):
+        proc = _launch(
+            tmp_path / f"{name}.log", "--train-iters", str(stop + 3), *extra,
+            "--save-metrics", str(tmp_path / name),
+        )  # fmt: skip
+        output = _finish(proc, tmp_path / f"{name}.log")
+        assert proc.returncode == 0, output[-4000:]
+        runs[name] = _metrics(tmp_path / name)
+    assert before + runs["resumed"][-3:] == runs["straight"]
