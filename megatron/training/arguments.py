@@ -775,9 +775,11 @@ class TrainingConfig:
         kind=OUTPUT,
         type=float,
         check=non_negative_number,
-        help="largest accepted |loss difference| per iteration; default 1e-4 in fp32, and "
-        "with --bf16/--fp16 three times the largest difference between the one-process run "
-        "in that precision and in fp32 (the precision's own rounding)",
+        help="largest accepted |loss difference| at every iteration; default: in fp32 1e-4, "
+        "or 10x the one-process run's own sensitivity when larger (a second one-process "
+        "run with perturbed initial weights; docs/lifecycle.md), and with --bf16/--fp16 "
+        "three times the largest difference between the one-process run in that precision "
+        "and in fp32 (the precision's own rounding)",
     )
     progress: bool = option(
         True,

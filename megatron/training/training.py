@@ -110,7 +110,7 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
         label = f"{layout.name} ({_processes(layout.world_size)})"
         _print_header(config, layout)
         started = time.perf_counter()
-        records = train(config, layout, groups, desc=label)
+        records = _as_the_last_rank_measured(train(config, layout, groups, desc=label))
         result = TrainingResult(layout, records)
         _print(_summary(records, layout, time.perf_counter() - started))
         if config.compare_single_process:
@@ -618,6 +618,27 @@ def _on_this_cp_rank(
     elif pg_collection is not None:
         microbatch = get_batch_on_this_cp_rank(microbatch, cp)
     return microbatch
+
+
+# Record fields each rank measures for itself (the rest is the same on every rank).
+MEASURED_FIELDS = (
+    "iteration_time_s",
+    "tokens_per_s",
+    "mem_allocated_bytes",
+    "mem_max_allocated_bytes",
+    "mem_reserved_bytes",
+)
+
+
+def _as_the_last_rank_measured(records: List[dict]) -> List[dict]:
+    """The records with the last rank's timings and memory (what it logged to TensorBoard /
+    W&B), so that metrics.jsonl, written on rank 0, holds the same values: one broadcast
+    after training."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return records
+    measured = [[{k: r[k] for k in MEASURED_FIELDS if k in r} for r in records]]
+    dist.broadcast_object_list(measured, src=dist.get_world_size() - 1)
+    return [{**r, **m} for r, m in zip(records, measured[0])]
 
 
 def _is_last_rank() -> bool:
