@@ -14,6 +14,7 @@ over the global batch's microbatches of S / max(N, 1), or sum S / sum N with
 
 import dataclasses
 import functools
+import math
 import os
 import shutil
 import time
@@ -51,6 +52,7 @@ from megatron.training.compare import (
 )
 from megatron.training.data import microbatches_for_rank
 from megatron.training.datasets import build_sft_dataset, build_training_tokenizer
+from megatron.training.errors import TrainingStopped
 from megatron.training.evaluation import (
     Validation,
     build_validation_set,
@@ -58,7 +60,7 @@ from megatron.training.evaluation import (
     evaluation_due,
 )
 from megatron.training.hf.checkpoint import export_hf
-from megatron.training.hf.config import resolve_hf_model
+from megatron.training.hf_settings import resolve_hf_model
 from megatron.training.initialize import (
     initialize_distributed,
     initialize_model_parallel_groups,
@@ -127,6 +129,8 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
                 config.save_metrics, records, label, result.reference
             )
             _print(f"metrics written to {', '.join(str(p) for p in result.metrics_files)}")
+        if not config.skip_train:  # an evaluation-only run has no training steps
+            check_recent_steps(records)
         return result
     finally:
         parallel_state.destroy_model_parallel()
@@ -155,12 +159,16 @@ def train(
 ) -> List[dict]:
     """``config.train_iters`` iterations on this rank's chunks; returns one record per
     iteration: ``iteration, loss, grad_norm, lr, tokens_per_s`` (tokens of the data, not
-    padding), ``valid_tokens, data_tokens, padding_tokens, iteration_time_s``, and
-    ``valid_loss, valid_ppl, validation_tokens`` after a validation pass.
+    padding), ``valid_tokens, data_tokens, padding_tokens, iteration_time_s,
+    skipped_iterations`` (how many of this run's iterations so far the optimizer skipped:
+    an fp16 overflow), ``loss_scale`` (None without loss scaling), and ``valid_loss,
+    valid_ppl, validation_tokens`` after a validation pass.
     ``pg_collection=None``: one process without torch.distributed.
 
-    Rank 0 shows a progress bar with the loss and tokens/s (``config.progress``); the last
-    rank mirrors the records to TensorBoard / W&B (``loggers.MetricsLoggers``).
+    Rank 0 shows a progress bar with the loss, tokens/s and, with loss scaling, the skipped
+    iterations (``config.progress``); the last rank mirrors the records to TensorBoard /
+    W&B (``loggers.MetricsLoggers``). With ``--check-for-nan-in-loss-and-grad`` (the
+    default) a NaN/inf loss or gradient norm stops the run (``check_step``).
     ``perturbation`` > 0 scales every initial weight by ``1 + perturbation * u``, u uniform
     in [-1, 1] from a fixed generator (the comparison's sensitivity run).
     """
@@ -196,7 +204,8 @@ def _train(
     if perturbation:
         _perturb_weights(model, perturbation)
     optimizer, scheduler = build_optimizer(config, model, pg_collection)
-    if config.fp16 or config.loss_scale is not None:  # the schedule scales the loss
+    scaled = config.fp16 or config.loss_scale is not None
+    if scaled:  # the schedule scales the loss
         model[0].config.grad_scale_func = optimizer.scale_loss
     vpp = layout.virtual_pipeline_model_parallel_size
     forward_backward_func = get_forward_backward_func(layout.pipeline_model_parallel_size, vpp)
@@ -232,6 +241,7 @@ def _train(
             _print(note)
         bar.update(start_iteration)
     records = []
+    skipped = 0  # iterations of this run whose update the optimizer skipped
 
     def microbatches_of(global_batch):
         """This rank's microbatches of ``global_batch`` (this CP rank's shard, on the
@@ -303,11 +313,14 @@ def _train(
         if scheduler.num_steps != iteration - 1:  # e.g. resumed from a checkpoint
             scheduler.step(increment=iteration - 1 - scheduler.num_steps)
         lr = optimizer.param_groups[0]["lr"]
-        _, grad_norm, _ = optimizer.step()
+        updated, grad_norm, _ = optimizer.step()
         scheduler.step(increment=1)
         # The next batch is made while the device finishes this step (the logged loss waits).
         upcoming = batch_of(iteration + 1) if iteration < config.train_iters else None
         loss = logged_loss(reported, pg_collection)
+        skipped += 0 if updated else 1
+        if config.check_for_nan_in_loss_and_grad:
+            check_step(iteration, loss, grad_norm)
         seconds = time.perf_counter() - start
         data_tokens = dataset.data_tokens(iteration - 1, config.global_batch_size)
         records.append(
@@ -321,10 +334,14 @@ def _train(
                 "data_tokens": data_tokens,
                 "padding_tokens": tokens_per_iteration - data_tokens,
                 "iteration_time_s": seconds,
+                "skipped_iterations": skipped,
+                "loss_scale": optimizer.get_loss_scale().item() if scaled else None,
                 **_memory_record(),
             }
         )
         postfix = dict(loss=f"{loss:.4f}", tokens_per_s=f"{data_tokens / seconds:.0f}")
+        if scaled:
+            postfix["skipped"] = skipped
         if validation_set is not None and evaluation_due(config, iteration):
             records[-1].update(validate(iteration) or {})
         if "valid_loss" in records[-1]:
@@ -355,6 +372,55 @@ def _train(
     if config.export_hf and records:
         _export_final_model(config, model, optimizer, scheduler, layout, records[-1]["iteration"])
     return records
+
+
+# A run whose last RECENT_STEPS iterations (or all of them, when fewer) were all skipped, or
+# all had a NaN/inf loss, ends with an error: its weights stopped changing, or are garbage.
+RECENT_STEPS = 10
+
+
+def check_step(iteration: int, loss: float, grad_norm: Optional[float]) -> None:
+    """``--check-for-nan-in-loss-and-grad`` (megatron's, on by default): stop at an iteration
+    whose loss, or whose gradient norm after unscaling, is NaN or inf. A step the loss scaler
+    skipped (``grad_norm`` None) is not an error. Every rank holds the same values, so every
+    rank stops together."""
+    if not math.isfinite(loss):
+        raise TrainingStopped(
+            f"iteration {iteration}: the loss is {loss}; stopped by "
+            "--check-for-nan-in-loss-and-grad (on by default; "
+            "--no-check-for-nan-in-loss-and-grad trains on)"
+        )
+    if grad_norm is not None and not math.isfinite(grad_norm):
+        raise TrainingStopped(
+            f"iteration {iteration}: the gradient norm is {grad_norm}; stopped by "
+            "--check-for-nan-in-loss-and-grad (on by default; "
+            "--no-check-for-nan-in-loss-and-grad trains on)"
+        )
+
+
+def check_recent_steps(records: List[dict]) -> None:
+    """Raise ``TrainingStopped`` when the last ``RECENT_STEPS`` iterations of this run (all
+    of them when fewer) all had a NaN/inf loss, or were all skipped by the optimizer (every
+    fp16 gradient overflowed: no update was applied)."""
+    recent = records[-RECENT_STEPS:]
+    if not recent:
+        return
+    first, last = recent[0]["iteration"], recent[-1]["iteration"]
+    what = f"iterations {first}-{last}" if len(recent) > 1 else f"iteration {last}"
+    what += f" (the last {len(recent)} of this run)" if len(recent) > 1 else " (the last)"
+    if all(not math.isfinite(r["loss"]) for r in recent):
+        raise TrainingStopped(
+            f"{what}: every loss was NaN or inf ({recent[-1]['loss']} at the end); the model "
+            "is not training (--check-for-nan-in-loss-and-grad stops at the first one)"
+        )
+    before = records[-len(recent) - 1]["skipped_iterations"] if len(records) > len(recent) else 0
+    if recent[-1]["skipped_iterations"] - before == len(recent):
+        scale = recent[-1].get("loss_scale")
+        raise TrainingStopped(
+            f"{what}: every step was skipped, no update applied: the scaled fp16 gradients "
+            f"overflowed (loss scale {scale}); lower --loss-scale, or --initial-loss-scale "
+            "for dynamic scaling (--bf16 needs no loss scaling)"
+        )
 
 
 def _export_final_model(config, model, optimizer, scheduler, layout, iteration: int) -> None:
@@ -688,16 +754,20 @@ def _agree_on_rank_zero(passed: bool) -> bool:
 
 
 def _summary(records: List[dict], layout: Layout, seconds: float) -> str:
-    """One line: loss at the first and last iteration, time."""
+    """One line: loss at the first and last iteration, skipped iterations (with loss
+    scaling), time."""
     if not records:
         return f"{layout.name}: no iterations left to train, {seconds:.1f} s"
     if "loss" not in records[0]:  # --skip-train
         return f"{layout.name}: evaluated only (--skip-train), {seconds:.1f} s"
     first, last = records[0]["loss"], records[-1]["loss"]
     trend = "falls" if last < first else "does not fall"
+    skipped = ""
+    if records[-1].get("loss_scale") is not None:
+        skipped = f", {records[-1]['skipped_iterations']} skipped (fp16 overflow)"
     return (
         f"{layout.name}: loss {first:.4f} -> {last:.4f} over {len(records)} iterations "
-        f"({trend}), {seconds:.1f} s"
+        f"({trend}){skipped}, {seconds:.1f} s"
     )
 
 
