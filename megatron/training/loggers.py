@@ -44,9 +44,8 @@ def check_logging_packages(config: Any) -> None:
     ):
         if value and importlib.util.find_spec(package) is None:
             raise UsageError(
-                f"{flag} {value}: the {package} package is not installed; install the "
-                f"'{EXTRAS[package]}' extra (pip install 'cp-exact-megatron-core[{package}]') "
-                f"or pip install {package}"
+                f"{flag} {value} needs the '{package}' package, which is not installed: "
+                f"pip install -e '.[{EXTRAS[package]}]' (or pip install {package})"
             )
 
 

@@ -126,7 +126,9 @@ def test_missing_logging_package_is_one_line_naming_the_extra(monkeypatch, flag,
         importlib.util, "find_spec", lambda name, *a: None if name == package else real(name, *a)
     )
     with pytest.raises(
-        UsageError, match=rf"the {package} package is not installed.*'{package}' extra"
+        UsageError,
+        match=rf"needs the '{package}' package, which is not installed: "
+        rf"pip install -e '\.\[{package}\]'",
     ):
         validate_config(TrainingConfig(**{flag: "x"}), 1)
 
