@@ -39,7 +39,13 @@ class UsageError(ValueError):
     contents. Reported as one line naming the flag or file, without a traceback."""
 
 
+class MissingPackageError(ImportError):
+    """An optional package is not installed: the message names the extra that brings it
+    (``pip install -e ".[hf]"``). Reported as one line."""
+
+
 _KNOWN = (
+    MissingPackageError,
     ValueError,  # UsageError, and the library's argument checks
     NotImplementedError,  # a setting this core refuses by name
     FileNotFoundError,
@@ -51,7 +57,8 @@ _KNOWN = (
 
 def is_usage_error(exc: BaseException) -> bool:
     """True for errors reported as one line: ``UsageError``, ``ValueError`` (the library's
-    argument checks), ``NotImplementedError``, a missing or unreadable file, and
+    argument checks), ``NotImplementedError``, a missing optional package
+    (``MissingPackageError``), a missing or unreadable file, and
     ``dist_checkpointing``'s ``CheckpointingException``."""
     if isinstance(exc, _KNOWN):
         return True
