@@ -44,9 +44,16 @@ class MissingPackageError(ImportError):
     (``pip install -e ".[hf]"``). Reported as one line."""
 
 
+class TrainingStopped(RuntimeError):
+    """The run went wrong in a way the user must act on (a NaN loss, every recent fp16
+    step overflowing): reported as one line naming the iteration and the cause; the
+    launch exits 1."""
+
+
 _KNOWN = (
     MissingPackageError,
     ValueError,  # UsageError, and the library's argument checks
+    TrainingStopped,
     NotImplementedError,  # a setting this core refuses by name
     FileNotFoundError,
     IsADirectoryError,
@@ -57,8 +64,8 @@ _KNOWN = (
 
 def is_usage_error(exc: BaseException) -> bool:
     """True for errors reported as one line: ``UsageError``, ``ValueError`` (the library's
-    argument checks), ``NotImplementedError``, a missing optional package
-    (``MissingPackageError``), a missing or unreadable file, and
+    argument checks), ``TrainingStopped``, ``NotImplementedError``, a missing optional
+    package (``MissingPackageError``), a missing or unreadable file, and
     ``dist_checkpointing``'s ``CheckpointingException``."""
     if isinstance(exc, _KNOWN):
         return True

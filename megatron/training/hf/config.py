@@ -18,6 +18,7 @@ from typing import Any, Dict, Optional
 
 from megatron.training.hf.families import REGISTRY
 from megatron.training.hf.family import ConfigReader, HFArchitecture
+from megatron.training.model_settings import resolved_model
 
 FAMILIES = tuple(REGISTRY)
 __all__ = [
@@ -124,9 +125,10 @@ def architecture_from_model_settings(settings: Dict[str, Any]) -> HFArchitecture
     bias = not settings.get("disable_bias_linear", False)
     qkv_bias = bool(settings.get("add_qkv_bias", False))
     norm = settings.get("normalization", "LayerNorm")
+    model = resolved_model(settings)
     hidden, heads = settings["hidden_size"], settings["num_attention_heads"]
-    kv = settings.get("kv_channels") or hidden // heads
-    family = next((name for name, f in REGISTRY.items() if f.claims(settings)), None)
+    kv = model["kv_channels"]
+    family = next((name for name, f in REGISTRY.items() if f.claims(model)), None)
     if family is None:
         hints = [f.settings_hint for f in REGISTRY.values() if f.settings_hint]
         raise ValueError(
@@ -141,23 +143,22 @@ def architecture_from_model_settings(settings: Dict[str, Any]) -> HFArchitecture
                 "; ".join(hints),
             )
         )
-    ffn = settings.get("ffn_hidden_size") or 4 * hidden
     scaling = settings.get("rope_scaling_factor") if settings.get("use_rope_scaling") else None
     return HFArchitecture(
         family=family,
         num_layers=settings["num_layers"],
         hidden_size=hidden,
         num_attention_heads=heads,
-        num_query_groups=settings.get("num_query_groups") or heads,
+        num_query_groups=model["num_query_groups"],
         kv_channels=kv,
-        ffn_hidden_size=ffn,
+        ffn_hidden_size=model["ffn_hidden_size"],
         vocab_size=settings["vocab_size"],
         normalization=norm,
         norm_epsilon=settings.get("norm_epsilon", 1e-5),
         swiglu=swiglu,
         activation="silu" if swiglu else ("gelu_tanh" if settings.get("openai_gelu") else "gelu"),
         position_embedding_type="rope" if rope else "learned_absolute",
-        max_position_embeddings=settings.get("max_position_embeddings") or settings["seq_length"],
+        max_position_embeddings=model["max_position_embeddings"],
         rotary_base=float(settings.get("rotary_base", 10000)),
         rope_scaling_factor=scaling,
         add_bias_linear=bias,
