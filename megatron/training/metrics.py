@@ -34,7 +34,11 @@ def save_metrics(
     try:
         written.append(plot_loss_curves(out / LOSS_PLOT_FILE, curves))
     except ImportError as exc:
-        warnings.warn(f"{LOSS_PLOT_FILE} not written: {exc} (pip install matplotlib)", stacklevel=2)
+        warnings.warn(
+            f"{LOSS_PLOT_FILE} not written: matplotlib is not installed ({exc}); "
+            "pip install -e '.[plot]' (or pip install matplotlib)",
+            stacklevel=2,
+        )
     return written
 
 

@@ -19,7 +19,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron.training.errors import MissingPackageError
+from megatron.training.errors import missing_package
 from megatron.training.hf.families import REGISTRY
 from megatron.training.hf.family import HFArchitecture, Source
 from megatron.training.hf.target import INDEX_FILENAME, SINGLE_FILENAME
@@ -34,15 +34,13 @@ _COMPARE_ROWS = 4096
 
 
 def safetensors_module():
-    """The ``safetensors`` package; ``MissingPackageError`` naming the extra without it."""
+    """The ``safetensors`` package; an ImportError naming the ``hf`` extra without it
+    (one line, ``errors.missing_package``)."""
     try:
         import safetensors
         import safetensors.torch  # noqa: F401 (save_file, used by export)
     except ImportError:
-        raise MissingPackageError(
-            "HuggingFace checkpoints need the 'safetensors' package, which is not installed: "
-            'pip install -e ".[hf]" (the hf extra)'
-        ) from None
+        raise missing_package("safetensors", "hf", "HuggingFace checkpoints") from None
     return safetensors
 
 
