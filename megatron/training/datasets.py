@@ -227,6 +227,15 @@ class FileSFTDataset:
             "loss_mask": torch.from_numpy(mask[1:n].astype(numpy.float32)),
         }
 
+    def data_tokens(self, iteration: int, global_batch_size: int) -> int:
+        """Positions of the ``iteration``-th global batch that hold record tokens (a record
+        of n ids fills ``min(n - 1, seq_length)`` positions), not padding."""
+        start = iteration * global_batch_size
+        return sum(
+            min(self._record(i)[0].size - 1, self.seq_length)
+            for i in range(start, start + global_batch_size)
+        )
+
     def global_batch(self, iteration: int, global_batch_size: int) -> Batch:
         """Samples ``[iteration * GBS, (iteration + 1) * GBS)`` stacked to [GBS, s] tensors."""
         start = iteration * global_batch_size
