@@ -459,6 +459,17 @@ class GPTModel(MegatronModule):
                 param.sequence_parallel = True
 
 
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
+    """The table size for ``vocab_size`` tokens: the next multiple of ``divisible_by`` x
+    ``tp_size`` (megatron's ``--make-vocab-size-divisible-by`` rule), so each TP rank holds
+    an equal block; pass it as ``vocab_size`` with ``true_vocab_size=vocab_size``."""
+    for name, value in (("divisible_by", divisible_by), ("tp_size", tp_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"padded_vocab_size: {name} must be a positive integer, got {value!r}")
+    multiple = divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
 # Parameters whose dim 0 is the (padded) vocabulary, by their one-chunk reference names.
 _VOCAB_PARAMETERS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
