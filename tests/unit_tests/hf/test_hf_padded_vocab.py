@@ -97,28 +97,29 @@ def test_gpt2_vocab_at_tp2_matches_transformers_trains_and_exports_unpadded():
     losses = [r["loss"] for r in result.records]
     if not all(loss == loss and 0 < loss < 20 for loss in losses):
         failures.append(f"losses {losses}")
+    # our trained model at one process (unpadded): the TP = 2 checkpoint read back (a
+    # collective load: every rank)
+    ours, _ = model_from_hf(hf, pg_collection=ProcessGroupCollection())
+    saved = dist_checkpointing.load(
+        {"model": ours.sharded_state_dict()}, str(checkpoint_dir(str(directory / "ckpt"), 2))
+    )
+    ours.load_state_dict(saved["model"])
+    ours.eval()
+    original = model_from_hf(hf, pg_collection=ProcessGroupCollection())[0]
+    if torch.equal(
+        ours.embedding.word_embeddings.weight, original.embedding.word_embeddings.weight
+    ):
+        failures.append("the saved model equals the original: nothing was trained")
     if dist.get_rank() == 0:
-        exported = directory / "exported"
-        config = json.loads((exported / "config.json").read_text())
         from safetensors import safe_open
 
+        exported = directory / "exported"
+        config = json.loads((exported / "config.json").read_text())
         with safe_open(str(exported / "model.safetensors"), framework="pt") as handle:
             shape = list(handle.get_slice("transformer.wte.weight").get_shape())
             has_head = "lm_head.weight" in handle.keys()
         if config["vocab_size"] != GPT2_VOCAB or shape != [GPT2_VOCAB, 32] or has_head:
             failures.append(f"export: vocab_size {config['vocab_size']}, wte {shape}")
-        # our trained model at one process (unpadded): the TP = 2 checkpoint read back
-        ours, _ = model_from_hf(hf, pg_collection=ProcessGroupCollection())
-        saved = dist_checkpointing.load(
-            {"model": ours.sharded_state_dict()}, str(checkpoint_dir(str(directory / "ckpt"), 2))
-        )
-        ours.load_state_dict(saved["model"])
-        ours.eval()
-        original = model_from_hf(hf, pg_collection=ProcessGroupCollection())[0]
-        if torch.equal(
-            ours.embedding.word_embeddings.weight, original.embedding.word_embeddings.weight
-        ):
-            failures.append("the saved model equals the original: nothing was trained")
         ids = _ids()
         with torch.no_grad():
             trained = ours(ids, torch.arange(SEQ).expand_as(ids))
