@@ -65,16 +65,25 @@ def _vocab_rows(name: str) -> bool:
     return name in ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-def _compare(vocab: int, tp: int, tied: bool, groups=None, leak: bool = False) -> list:
-    """Failures of the padded model (``vocab`` rows, this TP) against the unpadded one."""
+def _reference(tied: bool):
+    """(weights, loss, gradients) of the unpadded one-process model (built and run before
+    any parallel_state layout exists)."""
     reference = _build(TRUE_VOCAB, groups=ProcessGroupCollection(), tied=tied)
-    ref_loss, ref_grads = _loss_and_grads(reference)
+    loss, grads = _loss_and_grads(reference)
+    return {n: p.detach().clone() for n, p in reference.named_parameters()}, loss, grads
+
+
+def _compare(
+    vocab: int, tp: int, tied: bool, groups=None, leak: bool = False, reference=None
+) -> list:
+    """Failures of the padded model (``vocab`` rows, this TP) against the unpadded one."""
+    weights, ref_loss, ref_grads = reference or _reference(tied)
     padded = _build(vocab, tp, groups, tied=tied, true_vocab_size=TRUE_VOCAB)
     rank = 0 if groups is None else groups.tp.rank()
     failures = []
     with torch.no_grad():  # the same true weights (the init already draws them alike)
         for name, param in padded.named_parameters():
-            full = dict(reference.named_parameters())[name].detach()
+            full = weights[name]
             if _vocab_rows(name):
                 block = param.shape[0]
                 rows = torch.zeros(vocab, full.shape[1], dtype=full.dtype)
@@ -157,10 +166,13 @@ def _tp_groups(tp: int) -> Optional[ProcessGroupCollection]:
 @pytest.mark.world(2)
 @pytest.mark.parametrize("vocab", [14, 16, 64], ids=["pad1", "pad3", "pad51"])
 def test_padded_vocab_equals_unpadded_tp2(vocab):
+    reset_layout()
+    references = {tied: _reference(tied) for tied in (True, False)}
     groups = _tp_groups(2)
     try:
-        failures = _compare(vocab, 2, tied=True, groups=groups)
-        failures += _compare(vocab, 2, tied=False, groups=groups)
+        failures = []
+        for tied, reference in references.items():
+            failures += _compare(vocab, 2, tied, groups=groups, reference=reference)
     finally:
         reset_layout()
     assert_no_failures(failures)
@@ -169,10 +181,13 @@ def test_padded_vocab_equals_unpadded_tp2(vocab):
 @pytest.mark.world(4)
 @pytest.mark.parametrize("vocab", [16, 32], ids=["pad3", "pad19-one-rank-all-padding"])
 def test_padded_vocab_equals_unpadded_tp4(vocab):
+    reset_layout()
+    references = {tied: _reference(tied) for tied in (True, False)}
     groups = _tp_groups(4)
     try:
-        failures = _compare(vocab, 4, tied=False, groups=groups)
-        failures += _compare(vocab, 4, tied=True, groups=groups)
+        failures = []
+        for tied, reference in references.items():
+            failures += _compare(vocab, 4, tied, groups=groups, reference=reference)
     finally:
         reset_layout()
     assert_no_failures(failures)
