@@ -24,7 +24,7 @@ TRUE_VOCAB, SEQ, BATCH = 13, 8, 2
 
 def _config(tp: int = 1, **overrides) -> TransformerConfig:
     fields = dict(
-        num_layers=2, hidden_size=16, num_attention_heads=4, num_query_groups=2,
+        num_layers=2, hidden_size=16, num_attention_heads=4, num_query_groups=4,
         ffn_hidden_size=24, normalization="RMSNorm", gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
         attention_dropout=0.0, init_method_std=0.3, params_dtype=torch.float64,
