@@ -135,11 +135,7 @@ def apply_lora(model: torch.nn.Module, lora: LoRAConfig) -> List[str]:
 
 def lora_modules(model: torch.nn.Module) -> Dict[str, "LoRAAdapter"]:
     """{global name of the base layer: its adapter} for the adapters in ``model``."""
-    out = {}
-    for name, module in model.named_modules():
-        if isinstance(module, LoRAAdapter):
-            out[module.global_name] = module
-    return out
+    return {m.global_name: m for m in model.modules() if isinstance(m, LoRAAdapter)}
 
 
 def global_module_name(model: torch.nn.Module, local_name: str) -> Optional[str]:
