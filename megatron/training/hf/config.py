@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
+from megatron.training.model_settings import resolved_model
+
 FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
 ARCHITECTURES = {
     "llama": ("LlamaForCausalLM",),
@@ -225,8 +227,9 @@ def architecture_from_model_settings(settings: Dict[str, Any]) -> HFArchitecture
     bias = not settings.get("disable_bias_linear", False)
     qkv_bias = bool(settings.get("add_qkv_bias", False))
     norm = settings.get("normalization", "LayerNorm")
+    model = resolved_model(settings)
     hidden, heads = settings["hidden_size"], settings["num_attention_heads"]
-    kv = settings.get("kv_channels") or hidden // heads
+    kv = model["kv_channels"]
     if norm == "RMSNorm" and swiglu and rope:
         family = "qwen2" if (qkv_bias and not bias) else "llama"
     elif norm == "LayerNorm" and not swiglu and not rope and bias and kv * heads == hidden:
@@ -241,23 +244,22 @@ def architecture_from_model_settings(settings: Dict[str, Any]) -> HFArchitecture
             "--disable-bias-linear) or LayerNorm + gelu + learned positions + biases (GPT-2)"
             "".format(norm, swiglu, settings.get("position_embedding_type"), bias, qkv_bias)
         )
-    ffn = settings.get("ffn_hidden_size") or 4 * hidden
     scaling = settings.get("rope_scaling_factor") if settings.get("use_rope_scaling") else None
     return HFArchitecture(
         family=family,
         num_layers=settings["num_layers"],
         hidden_size=hidden,
         num_attention_heads=heads,
-        num_query_groups=settings.get("num_query_groups") or heads,
+        num_query_groups=model["num_query_groups"],
         kv_channels=kv,
-        ffn_hidden_size=ffn,
+        ffn_hidden_size=model["ffn_hidden_size"],
         vocab_size=settings["vocab_size"],
         normalization=norm,
         norm_epsilon=settings.get("norm_epsilon", 1e-5),
         swiglu=swiglu,
         activation="silu" if swiglu else ("gelu_tanh" if settings.get("openai_gelu") else "gelu"),
         position_embedding_type="rope" if rope else "learned_absolute",
-        max_position_embeddings=settings.get("max_position_embeddings") or settings["seq_length"],
+        max_position_embeddings=model["max_position_embeddings"],
         rotary_base=float(settings.get("rotary_base", 10000)),
         rope_scaling_factor=scaling,
         add_bias_linear=bias,

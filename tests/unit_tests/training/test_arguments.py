@@ -319,3 +319,63 @@ def test_the_resume_checks_name_existing_fields():
 
     names = {f.name for f in fields(TrainingConfig)}
     assert set(MODEL_SETTINGS + DATA_SETTINGS + OPTIMIZER_SETTINGS) <= names
+
+
+def test_every_option_declares_its_kind():
+    """A flag's kind is part of its declaration: left out it is a TypeError, an unknown one
+    a ValueError naming the flag."""
+    from megatron.training.options import KINDS, option
+
+    assert {option_of(f).kind for f in fields(TrainingConfig)} <= set(KINDS)
+    with pytest.raises(TypeError, match="kind"):
+        option(1, "--new-flag", help="a new flag")
+    with pytest.raises(ValueError, match=r"--new-flag: kind must be one of .*got 'modle'"):
+        option(1, "--new-flag", kind="modle", help="a new flag")
+
+
+def test_the_kinds_give_the_resume_and_comparison_lists():
+    """The resume compares the model, data and precision kinds; the comparison run resets the
+    layout and output kinds (written out here: a field moved to another kind fails)."""
+    from megatron.training.arguments import single_process_config
+    from megatron.training.checkpointing import DATA_SETTINGS, MODEL_SETTINGS, OPTIMIZER_SETTINGS
+
+    assert set(MODEL_SETTINGS) == {
+        "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+        "ffn_hidden_size", "normalization", "position_embedding_type", "swiglu",
+        "disable_bias_linear", "untie_embeddings_and_output_weights", "vocab_size",
+        "kv_channels", "norm_epsilon", "rotary_base", "use_rope_scaling",
+        "rope_scaling_factor", "add_qkv_bias", "openai_gelu", "window_size", "tokenizer",
+        "seq_length", "max_position_embeddings",
+    }  # fmt: skip
+    assert (set(DATA_SETTINGS), set(OPTIMIZER_SETTINGS)) == (
+        {"data_path", "eod_token"},
+        {"bf16", "fp16"},
+    )
+    single = single_process_config(TrainingConfig(**NON_DEFAULT))
+    reset = {
+        f.name for f in fields(TrainingConfig) if getattr(single, f.name) != NON_DEFAULT[f.name]
+    }
+    assert reset == {
+        "nproc_per_node", "tensor_model_parallel_size", "sequence_parallel",
+        "context_parallel_size", "cp_comm_type", "hierarchical_context_parallel_sizes",
+        "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+        "compare_single_process", "compare_tolerance", "save_metrics", "save", "load",
+        "save_interval", "ckpt_step", "finetune", "no_load_optim", "no_load_rng",
+        "exit_on_missing_checkpoint", "export_hf",
+    }  # fmt: skip
+    assert single.nproc_per_node == 1
+
+
+def test_resolved_model_derives_the_defaults_once():
+    """Query groups = heads, FFN = 4 x hidden, head size = hidden / heads, position table =
+    sequence length; given values kept; recorded settings lacking a source left alone."""
+    from megatron.training.arguments import resolved_model
+
+    model = resolved_model(TrainingConfig(hidden_size=48, num_attention_heads=6, seq_length=40))
+    assert [model[k] for k in ("num_query_groups", "ffn_hidden_size", "kv_channels")] == [6, 192, 8]
+    assert model["max_position_embeddings"] == 40
+    given = dict(hidden_size=48, num_attention_heads=6, num_query_groups=2, ffn_hidden_size=100)
+    given.update(kv_channels=16, max_position_embeddings=64, seq_length=40)
+    assert resolved_model(given) == given
+    old = resolved_model({"hidden_size": 48, "num_query_groups": None})
+    assert old == {"hidden_size": 48, "num_query_groups": None, "ffn_hidden_size": 192}
