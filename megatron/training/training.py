@@ -175,6 +175,17 @@ def train(
         dynamic_ncols=True,
     )
     start_iteration = 0
+    if config.pretrained_checkpoint:  # the frozen base of a LoRA run
+        _, _, notes = load_checkpoint(
+            config.pretrained_checkpoint,
+            model,
+            optimizer,
+            layout=_layout_record(layout),
+            run_settings=_settings_record(config),
+            finetune=True,
+        )
+        for note in notes:
+            _print(note.replace("--finetune: ", "--pretrained-checkpoint: "))
     if config.load:
         start_iteration, _, notes = load_checkpoint(
             config.load,
@@ -190,6 +201,7 @@ def train(
             load_rng=not config.no_load_rng,
             train_iters=config.train_iters,
             exit_on_missing_checkpoint=config.exit_on_missing_checkpoint,
+            base_source=config.hf_model or config.pretrained_checkpoint,
         )
         for note in notes:
             _print(note)
@@ -256,6 +268,7 @@ def train(
                 layout=_layout_record(layout),
                 consumed_samples=iteration * config.global_batch_size,
                 run_settings=_settings_record(config),
+                trainable_only=config.save_trainable_params_only,
             )
             if config.export_hf and iteration < config.train_iters:
                 target = Path(config.export_hf) / f"iter_{iteration:07d}"

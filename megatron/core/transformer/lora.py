@@ -46,9 +46,9 @@ import torch.nn.functional as F
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-INIT_METHODS = ("xavier", "normal", "kaiming", "zero")
-DROPOUT_POSITIONS = ("pre", "post")
+from megatron.core.config_rules import LORA_DROPOUT_POSITIONS as DROPOUT_POSITIONS
+from megatron.core.config_rules import LORA_INIT_METHODS as INIT_METHODS
+from megatron.core.config_rules import LORA_TARGETS
 
 
 @dataclass
