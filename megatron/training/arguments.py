@@ -41,6 +41,7 @@ from megatron.training.options import (
     command_line,
     is_int,
     is_number,
+    loss_scale_number,
     non_negative,
     non_negative_number,
     one_of,
@@ -81,6 +82,7 @@ _SECTIONS = {
     "num_layers": "model",
     "train_iters": "optimization",
     "bf16": "mixed precision (docs/mixed_precision.md)",
+    "eval_interval": "validation (docs/lifecycle.md)",
     "lora_dim": "LoRA (docs/lora.md)",
     "save_metrics": "output and checks",
     "save": "checkpoints (docs/checkpoints.md)",
@@ -450,7 +452,7 @@ class TrainingConfig:
         1.0,
         "--clip-grad",
         kind=OPTIMIZER,
-        check=Check(">= 0 (0 disables)", lambda v: is_number(v) and v >= 0),
+        check=Check("a finite number >= 0 (0 disables)", lambda v: is_number(v) and v >= 0),
         help="gradient-norm clipping threshold, 0: off",
     )
     calculate_per_token_loss: bool = option(
@@ -563,28 +565,28 @@ class TrainingConfig:
         "--loss-scale",
         kind=OPTIMIZER,
         type=float,
-        check=positive_number,
+        check=loss_scale_number,
         help="a fixed loss scale instead of --fp16's dynamic one",
     )
     initial_loss_scale: float = option(
         2.0**32,
         "--initial-loss-scale",
         kind=OPTIMIZER,
-        check=positive_number,
+        check=loss_scale_number,
         help="--fp16: the first scale",
     )
     min_loss_scale: float = option(
         1.0,
         "--min-loss-scale",
         kind=OPTIMIZER,
-        check=positive_number,
+        check=loss_scale_number,
         help="--fp16: the smallest scale",
     )
     loss_scale_window: float = option(
         1000.0,
         "--loss-scale-window",
         kind=OPTIMIZER,
-        check=Check(">= 1", lambda v: is_number(v) and v >= 1),
+        check=Check("a finite number >= 1", lambda v: is_number(v) and v >= 1),
         help="--fp16: clean steps before the scale doubles",
     )
     hysteresis: int = option(
@@ -593,6 +595,59 @@ class TrainingConfig:
         kind=OPTIMIZER,
         check=positive,
         help="--fp16: overflowing steps before it halves",
+    )
+    check_for_nan_in_loss_and_grad: bool = option(
+        True,
+        "--no-check-for-nan-in-loss-and-grad",
+        kind=RUN,
+        help="train on after an iteration whose loss or (unscaled) gradient norm is NaN or "
+        "inf; by default the run stops there naming the iteration (an fp16 overflow that "
+        "loss scaling skips is not stopped)",
+    )
+    # Validation (megatron's flags; docs/lifecycle.md).
+    eval_interval: Optional[int] = option(
+        None,
+        "--eval-interval",
+        kind=RUN,
+        type=int,
+        metavar="N",
+        check=positive,
+        help="compute the validation loss every N iterations (and after the last one)",
+    )
+    eval_iters: int = option(
+        100,
+        "--eval-iters",
+        kind=RUN,
+        metavar="K",
+        check=Check("an integer >= -1", lambda v: is_int(v) and v >= -1),
+        help="global batches per validation pass (the first K of the validation set, "
+        "fewer when it is smaller); -1: the whole validation set once; 0: no validation",
+    )
+    valid_data_path: Optional[str] = option(
+        None,
+        "--valid-data-path",
+        kind=RUN,
+        type=str,
+        metavar="PATH",
+        help="validation data (the forms of --data-path: JSONL, chat, indexed), every "
+        "record in file order",
+    )
+    split: Optional[str] = option(
+        None,
+        "--split",
+        kind=DATA,
+        type=str,
+        metavar="TRAIN,VALID,TEST",
+        help="split --data-path's records by weight, in file order (megatron's form, e.g. "
+        "969,30,1): the first part trains, the second validates, the third is held out; "
+        "the same for every layout and seed",
+    )
+    skip_train: bool = option(
+        False,
+        "--skip-train",
+        kind=RUN,
+        help="only evaluate: the validation loss of --load's checkpoint or --hf-model, then "
+        "exit",
     )
     # LoRA (Megatron-Bridge's semantics; docs/lora.md).
     lora_dim: Optional[int] = option(

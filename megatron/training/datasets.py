@@ -36,6 +36,7 @@ Records longer than ``seq_length + 1`` tokens are cut; the job reports how many 
 records have no trained token left), and refuses data with no trained token at all.
 """
 
+import copy
 import json
 import os
 from typing import Any, Dict, List, Optional, Tuple
@@ -64,9 +65,41 @@ def build_sft_dataset(config: Any):
         config.seed,
         eod_token=getattr(config, "eod_token", None),
     )
+    if getattr(config, "split", None):  # the training part of --split
+        dataset = dataset.part(split_ranges(config.split, len(dataset))[0], "--split")
     if config.pack_sequences:
         return PackedSFTDataset(config.seq_length, dataset.vocab_size, config.seed, dataset)
     return dataset
+
+
+def parse_split(split: str) -> List[float]:
+    """megatron's ``--split`` string (``"969,30,1"``, ``"90/10/0"``: train, validation, test
+    weights, missing ones 0) as three non-negative weights with a positive sum; a
+    ValueError naming the flag otherwise."""
+    parts = [p.strip() for p in split.replace("/", ",").split(",")]
+    try:
+        weights = [float(p) for p in parts]
+    except ValueError:
+        weights = []
+    if not 1 <= len(weights) <= 3 or any(not w >= 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(
+            f"--split {split!r}: expected up to three non-negative weights with a positive "
+            "sum, train,validation,test (e.g. 969,30,1)"
+        )
+    return weights + [0.0] * (3 - len(weights))
+
+
+def split_ranges(split: str, count: int) -> List[Tuple[int, int]]:
+    """The ``[start, end)`` record ranges of the train, validation and test parts of
+    ``count`` records in file order: part k ends at ``round(count * (w_0 + .. + w_k) /
+    sum w)``. Contiguous and independent of the seed and the layout (megatron's rule)."""
+    weights = parse_split(split)
+    total, bounds, running = sum(weights), [0], 0.0
+    for weight in weights:
+        running += weight
+        bounds.append(int(round(count * running / total)))
+    bounds[-1] = count
+    return [(bounds[k], bounds[k + 1]) for k in range(3)]
 
 
 def build_training_tokenizer(tokenizer: Any, eod_token: Optional[str] = None):
@@ -132,8 +165,38 @@ class FileSFTDataset:
     def __len__(self) -> int:
         return len(self.records)
 
+    def part(self, bounds: Tuple[int, int], name: str) -> "FileSFTDataset":
+        """The records ``[start, end)`` (file order) as a data set of their own (``name``,
+        e.g. ``--split``, in its messages); a part without any trained token is an error."""
+        start, end = bounds
+        subset = copy.copy(self)
+        subset.records = self.records[start:end]
+        subset.data_path = f"{self.data_path} ({name} records {start}..{end - 1})"
+        if not subset.records:
+            raise ValueError(
+                f"{name}: the part of --data-path {self.data_path!r} in records "
+                f"[{start}, {end}) is empty ({len(self.records)} records); give it a larger "
+                "weight"
+            )
+        subset.notes = subset._check_lengths()
+        subset._perms = {}
+        return subset
+
+    def sample_of_record(self, position: int) -> Batch:
+        """Record ``position`` in file order (not the shuffled order) as a sample."""
+        return self._sample(self.records[position])
+
+    def document_of_record(self, position: int) -> Optional[Batch]:
+        """Record ``position`` in file order as a document; None past the last record."""
+        if position >= len(self.records):
+            return None
+        return self._document(self.records[position])
+
     def __getitem__(self, index: int) -> Batch:
-        ids, mask = self._record(index)
+        return self._sample(self._record(index))
+
+    def _sample(self, record: Record) -> Batch:
+        ids, mask = record
         s = self.seq_length
         n = min(ids.size, s + 1)
         x = torch.full((s + 1,), self.pad, dtype=torch.long)

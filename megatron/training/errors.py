@@ -39,8 +39,15 @@ class UsageError(ValueError):
     contents. Reported as one line naming the flag or file, without a traceback."""
 
 
+class TrainingStopped(RuntimeError):
+    """The run went wrong in a way the user must act on (a NaN loss, every recent fp16
+    step overflowing): reported as one line naming the iteration and the cause; the
+    launch exits 1."""
+
+
 _KNOWN = (
     ValueError,  # UsageError, and the library's argument checks
+    TrainingStopped,
     NotImplementedError,  # a setting this core refuses by name
     FileNotFoundError,
     IsADirectoryError,
@@ -51,8 +58,8 @@ _KNOWN = (
 
 def is_usage_error(exc: BaseException) -> bool:
     """True for errors reported as one line: ``UsageError``, ``ValueError`` (the library's
-    argument checks), ``NotImplementedError``, a missing or unreadable file, and
-    ``dist_checkpointing``'s ``CheckpointingException``."""
+    argument checks), ``TrainingStopped``, ``NotImplementedError``, a missing or unreadable
+    file, and ``dist_checkpointing``'s ``CheckpointingException``."""
     if isinstance(exc, _KNOWN):
         return True
     checkpointing = sys.modules.get("megatron.core.dist_checkpointing.core")

@@ -14,6 +14,7 @@ fields belong to the config's own validation (``arguments.validate_config``). No
 
 import argparse
 import copy
+import math
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
@@ -46,14 +47,21 @@ def is_int(value: object) -> bool:
 
 
 def is_number(value: object) -> bool:
-    """An int or float that is not a bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """An int or float that is not a bool, and not inf or NaN."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
+
+FP32_MAX = 3.4028234663852886e38  # float32's largest finite value (no torch here)
 
 positive = Check("an integer >= 1", lambda v: is_int(v) and v >= 1)
 non_negative = Check("an integer >= 0", lambda v: is_int(v) and v >= 0)
-positive_number = Check("> 0", lambda v: is_number(v) and v > 0)
-non_negative_number = Check(">= 0", lambda v: is_number(v) and v >= 0)
+positive_number = Check("a finite number > 0", lambda v: is_number(v) and v > 0)
+non_negative_number = Check("a finite number >= 0", lambda v: is_number(v) and v >= 0)
+# A loss scale is held in float32: inf (or a value float32 rounds to inf) never backs off.
+loss_scale_number = Check(
+    "a number > 0 that is finite in float32 (at most 3.4e38)",
+    lambda v: is_number(v) and 0 < v <= FP32_MAX,
+)
 unit_interval = Check("in [0, 1)", lambda v: is_number(v) and 0 <= v < 1)
 
 

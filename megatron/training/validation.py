@@ -226,6 +226,7 @@ def _check_combinations(c: Config) -> None:
         f"--compare-tolerance {c.compare_tolerance} needs --compare-single-process",
     )
     _require(not (c.bf16 and c.fp16), "--bf16 and --fp16 were both given; expected at most one")
+    _check_evaluation(c)
     _require(
         c.position_embedding_type == "learned_absolute" or c.max_position_embeddings is None,
         f"--max-position-embeddings {c.max_position_embeddings} sizes the learned position "
@@ -260,6 +261,65 @@ def _check_combinations(c: Config) -> None:
     _require(
         c.fp16 or not dynamic,
         f"{', '.join(dynamic)} set the dynamic loss scaling of --fp16, which is not given",
+    )
+
+
+def _check_evaluation(c: Config) -> None:
+    """--eval-interval, --eval-iters, --valid-data-path, --split, --skip-train: each used,
+    none contradicting another."""
+    _require(
+        c.valid_data_path is None or c.data_path is not None,
+        f"--valid-data-path {c.valid_data_path!r} needs --data-path (the generated data "
+        "validates on held-out generated pairs)",
+    )
+    _require(
+        c.split is None or c.data_path is not None,
+        f"--split {c.split!r} splits --data-path, which is not given",
+    )
+    _require(
+        not (c.split and c.valid_data_path),
+        f"--split {c.split!r} and --valid-data-path {c.valid_data_path!r} both name "
+        "validation data; give one",
+    )
+    if c.split is not None:
+        from megatron.training.datasets import parse_split
+
+        try:
+            weights = parse_split(c.split)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        _require(
+            weights[0] > 0 or c.skip_train,
+            f"--split {c.split!r} leaves no training data (its first weight is 0)",
+        )
+        _require(
+            weights[1] > 0 or (c.eval_interval is None and not c.skip_train),
+            f"--split {c.split!r} has no validation part (its second weight is 0), but "
+            f"{'--skip-train' if c.skip_train else f'--eval-interval {c.eval_interval}'} "
+            "needs validation data",
+        )
+    _require(
+        c.eval_iters != -1 or c.data_path is not None,
+        "--eval-iters -1 (the whole validation set) needs --valid-data-path or --split: the "
+        "generated validation data is endless; give a number of global batches",
+    )
+    enabled = c.eval_interval or c.valid_data_path or c.split or c.skip_train
+    _require(
+        c.eval_iters == _default(c, "eval_iters") or enabled,
+        f"--eval-iters {c.eval_iters} needs validation: add --eval-interval N, "
+        "--valid-data-path or --split",
+    )
+    _require(
+        not c.skip_train or c.load is not None or c.hf_model is not None,
+        "--skip-train evaluates a trained model: add --load DIR or --hf-model DIR",
+    )
+    _require(
+        not c.skip_train or c.eval_iters != 0,
+        "--skip-train only evaluates, but --eval-iters 0 turns validation off",
+    )
+    _require(
+        not (c.skip_train and c.compare_single_process),
+        "--skip-train trains nothing; --compare-single-process compares training runs",
     )
 
 

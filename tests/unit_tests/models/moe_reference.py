@@ -105,11 +105,13 @@ def moe_gpt_forward(
     tokens: torch.Tensor,
     labels: torch.Tensor,
     padding: Optional[torch.Tensor] = None,
+    token_loop: bool = False,
 ) -> Tuple[torch.Tensor, Dict[int, LayerStats]]:
     """Per-token LM losses [b, s] and, per MoE layer, its ``LayerStats`` on one micro-batch.
 
     ``padding`` [b, s] bool, True = padding (excluded from the router losses and counts);
-    None = every token valid."""
+    None = every token valid. ``token_loop``: ``moe_layer_token_loop`` for the MoE layers."""
+    layer_fn = moe_layer_token_loop if token_loop else moe_layer
     b, s = tokens.shape
     valid = torch.ones(b, s, dtype=torch.bool) if padding is None else ~padding.bool()
     stats: Dict[int, LayerStats] = {}
@@ -117,7 +119,7 @@ def moe_gpt_forward(
     def mlp(layer: int, h: torch.Tensor, p: Dict[str, torch.Tensor]) -> torch.Tensor:
         if not moe.is_moe(layer):
             return dense_mlp(h, p, "mlp", arch.swiglu)
-        out, stats[layer] = moe_layer(p, arch, moe, h, valid)
+        out, stats[layer] = layer_fn(p, arch, moe, h, valid)
         return out
 
     losses = dense_gpt_losses(params, arch, tokens, labels, mlp=mlp)
@@ -128,7 +130,52 @@ def moe_layer(
     p: Dict[str, torch.Tensor], arch: Arch, moe: MoEArch, h: torch.Tensor, valid: torch.Tensor
 ) -> Tuple[torch.Tensor, LayerStats]:
     """One MoE layer on h [b, s, hidden] (p: the layer's parameters, names as in the
-    one-chunk SequentialMLP model with global expert indices)."""
+    one-chunk SequentialMLP model with global expert indices).
+
+    Each token is routed by ``route`` in a Python loop; the experts then run densely (every
+    expert on every token, no dispatch) and a token keeps sum_j w_j FFN_{e_j}(x) through a
+    gate matrix G [b, s, E] built from one-hot rows (no scatter). ``moe_layer_token_loop``
+    is the same layer with the FFNs in the loop too (slower; the self-tests compare them)."""
+    b, s, _ = h.shape
+    router = p["mlp.router.weight"]
+    bias = p.get("mlp.router.expert_bias") if moe.expert_bias else None
+    logits = h @ router.t()  # [b, s, E]
+    eye = torch.eye(moe.experts, dtype=h.dtype)
+    all_counts = [0] * moe.experts
+    valid_counts = [0] * moe.experts
+    routing, gate_rows = [], []
+    for i in range(b):
+        row_routing, row_gates = [], []
+        for t in range(s):
+            decision, weights = route(logits[i, t], moe, bias)
+            gate = sum(w * eye[e] for w, e in zip(weights, decision.experts))
+            for e in decision.experts:
+                all_counts[e] += 1
+                valid_counts[e] += int(valid[i, t])
+            row_routing.append(decision)
+            row_gates.append(gate)
+        routing.append(row_routing)
+        gate_rows.append(torch.stack(row_gates))
+    gates = torch.stack(gate_rows)  # [b, s, E]
+    out = torch.zeros_like(h)
+    for e in range(moe.experts):
+        ffn = expert_ffn(p, f"mlp.experts.local_experts.{e}", h, arch.swiglu)
+        out = out + gates[..., e : e + 1] * ffn
+    if moe.shared_ffn:
+        shared = dense_mlp(h, p, "mlp.shared_experts", arch.swiglu)
+        if moe.shared_gate:
+            shared = shared * torch.sigmoid(h @ p["mlp.shared_experts.gate_weight"].t())
+        out = out + shared
+    stats = router_losses(logits, valid, moe)
+    stats.valid_counts, stats.all_counts, stats.routing = valid_counts, all_counts, routing
+    return out, stats
+
+
+def moe_layer_token_loop(
+    p: Dict[str, torch.Tensor], arch: Arch, moe: MoEArch, h: torch.Tensor, valid: torch.Tensor
+) -> Tuple[torch.Tensor, LayerStats]:
+    """``moe_layer`` with everything per token: the router's dot products, the k selected
+    experts' FFNs summed in top-k order, the shared expert and its gate."""
     b, s, _ = h.shape
     router = p["mlp.router.weight"]
     bias = p.get("mlp.router.expert_bias") if moe.expert_bias else None
@@ -248,9 +295,9 @@ def router_losses(logits: torch.Tensor, valid: torch.Tensor, moe: MoEArch) -> La
         aux=moe.aux * aux_raw,
         seq_aux=moe.seq_aux * seq_raw,
         z=z_coeff * z_raw,
-        aux_raw=float(aux_raw),
-        seq_aux_raw=float(seq_raw),
-        z_raw=float(z_raw),
+        aux_raw=float(aux_raw.detach()),
+        seq_aux_raw=float(seq_raw.detach()),
+        z_raw=float(z_raw.detach()),
         aux_margin=aux_margin,
     )
 

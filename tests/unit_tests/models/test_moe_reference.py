@@ -17,6 +17,8 @@ from tests.unit_tests.models.moe_reference import (
     MoEArch,
     check_margins,
     moe_gpt_forward,
+    moe_layer,
+    moe_layer_token_loop,
     objective,
     route,
     router_losses,
@@ -153,7 +155,7 @@ def test_all_experts_equal_to_the_dense_mlp_give_the_dense_model():
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, ARCH.vocab, (2, 6), generator=gen)
     labels = torch.randint(0, ARCH.vocab, (2, 6), generator=gen)
-    moe_losses, _ = moe_gpt_forward(p, ARCH, moe, tokens, labels)
+    moe_losses, _ = moe_gpt_forward(p, ARCH, moe, tokens, labels, token_loop=True)
     dense_losses = dense_gpt_losses(dense, ARCH, tokens, labels)
     assert float((moe_losses - dense_losses).abs().max()) < 1e-13
 
@@ -170,7 +172,8 @@ def test_all_experts_equal_to_the_dense_mlp_give_the_dense_model():
     ids=["softmax-top2", "presoftmax-top1-scaled", "sigmoid-bias", "grouped", "shared-gate-mixed"],
 )
 def test_token_loop_equals_a_vectorized_moe(moe: MoEArch):
-    """The per-token loop against a dense-gate formulation: G [T, E] from torch.topk (and a
+    """The per-token loop (and the reference's gate-matrix layer) against a dense-gate
+    formulation: G [T, E] from torch.topk (and a
     group mask), y = sum_e G[:, e] * FFN_e(X) (+ gated shared expert), layer by layer."""
     p = _params(moe, seed=3)
     bias = torch.linspace(-0.2, 0.2, moe.experts, dtype=torch.float64)
@@ -182,9 +185,10 @@ def test_token_loop_equals_a_vectorized_moe(moe: MoEArch):
     gen = torch.Generator().manual_seed(5)
     h = torch.randn(2, 7, ARCH.hidden, generator=gen, dtype=torch.float64)
     valid = torch.ones(2, 7, dtype=torch.bool)
-    from tests.unit_tests.models.moe_reference import moe_layer
-
-    looped, stats = moe_layer(q, ARCH, moe, h, valid)
+    looped, stats = moe_layer_token_loop(q, ARCH, moe, h, valid)
+    gated, gated_stats = moe_layer(q, ARCH, moe, h, valid)
+    assert float((gated - looped).abs().max()) < 1e-12
+    assert gated_stats.all_counts == stats.all_counts
     X = h.reshape(-1, ARCH.hidden)
     logits = X @ q["mlp.router.weight"].t()
     if moe.score == "sigmoid":

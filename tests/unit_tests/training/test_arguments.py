@@ -85,6 +85,12 @@ NON_DEFAULT = dict(
     min_loss_scale=2.0,
     loss_scale_window=100.0,
     hysteresis=3,
+    check_for_nan_in_loss_and_grad=False,
+    eval_interval=5,
+    eval_iters=-1,
+    valid_data_path="valid.jsonl",
+    split="90,10,0",
+    skip_train=True,
     save_metrics="out",
     save="ck",
     load="ck",
@@ -167,6 +173,23 @@ def test_each_field_check_names_its_flag_and_value(name):
     with pytest.raises(ValueError) as error:
         validate_config(TrainingConfig(**{name: bad}), 1)
     assert str(error.value) == f"{spec.flag} must be {spec.check.expected}, got {bad!r}"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        f.name
+        for f in fields(TrainingConfig)
+        if "finite" in getattr(option_of(f).check, "expected", "")
+    ],
+)
+def test_number_checks_refuse_inf_and_nan(name):
+    """Every check that asks for a finite number refuses inf and NaN naming the flag (an
+    infinite loss scale or learning rate was accepted before)."""
+    spec = option_of({f.name: f for f in fields(TrainingConfig)}[name])
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=f"^{spec.flag} must be .*finite.*, got {bad}$"):
+            validate_config(TrainingConfig(**{name: bad}), 1)
 
 
 def test_switches_must_be_booleans():
@@ -348,7 +371,7 @@ def test_the_kinds_give_the_resume_and_comparison_lists():
         "seq_length", "max_position_embeddings",
     }  # fmt: skip
     assert (set(DATA_SETTINGS), set(OPTIMIZER_SETTINGS)) == (
-        {"data_path", "eod_token"},
+        {"data_path", "eod_token", "split"},
         {"bf16", "fp16"},
     )
     single = single_process_config(TrainingConfig(**NON_DEFAULT))
