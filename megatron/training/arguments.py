@@ -671,6 +671,7 @@ class TrainingConfig:
         tuple(config_rules.LORA_TARGETS),
         "--lora-target-modules",
         kind=MODEL,
+        type=str,
         nargs="+",
         metavar="MODULE",
         help="with --lora-dim: linear_qkv, linear_proj, linear_fc1, linear_fc2, or wildcards "
@@ -680,6 +681,7 @@ class TrainingConfig:
         (),
         "--lora-exclude-modules",
         kind=MODEL,
+        type=str,
         nargs="+",
         metavar="MODULE",
         help="with --lora-dim: names or wildcards removed from the targets",
@@ -727,6 +729,21 @@ class TrainingConfig:
         metavar="DIR",
         help="with --lora-dim: load the frozen base weights from this checkpoint of ours "
         "(weights only) before --load",
+    )
+    hf_adapter: Optional[str] = option(
+        None,
+        "--hf-adapter",
+        kind=RUN,
+        metavar="DIR",
+        help="with --lora-dim and --hf-model: start the adapters from this PEFT adapter folder "
+        "(adapter_config.json + adapter_model.safetensors, e.g. an earlier --export-hf)",
+    )
+    merge_lora: bool = option(
+        False,
+        "--merge-lora",
+        kind=OUTPUT,
+        help="with --lora-dim and --export-hf: write the merged model (W + alpha/dim B A, "
+        "merged in float32) instead of the PEFT adapter folder",
     )
     # Output and checks.
     save_metrics: Optional[str] = option(

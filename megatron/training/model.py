@@ -11,6 +11,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
+from megatron.core.device import comm_device
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -20,7 +21,6 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
-from megatron.core.device import comm_device
 from megatron.core.transformer.lora import LoRAConfig, apply_lora, lora_modules
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.utils import openai_gelu
@@ -73,6 +73,12 @@ def build_model(
             load_hf_weights(gpt, config.hf_model)
         if config.lora_dim is not None:  # after the base weights, before any wrapper
             apply_lora(gpt, lora_config(config))
+            if config.hf_adapter:
+                from megatron.training.hf import read_hf_config
+                from megatron.training.hf.peft import load_peft_adapter
+
+                arch, _ = read_hf_config(config.hf_model)
+                load_peft_adapter(gpt, config.hf_adapter, arch, lora_config(config))
         if config.compile:
             compile_layers(gpt)
         if config.bf16 or config.fp16:

@@ -412,7 +412,12 @@ def _export_final_model(config, model, optimizer, scheduler, layout, iteration: 
     ``--save`` checkpoint of that iteration, else from a temporary one beside DIR."""
     target = Path(config.export_hf)
     temporary = None
-    if config.save and _save_due(config, iteration):
+    merge = config.merge_lora
+    if (
+        config.save
+        and _save_due(config, iteration)
+        and not (merge and config.save_trainable_params_only)  # merging needs the base too
+    ):
         source = checkpoint_dir(config.save, iteration)
     else:
         shared = [str(target.parent / f".{target.name}.checkpoint") if is_rank_zero() else None]
@@ -428,10 +433,15 @@ def _export_final_model(config, model, optimizer, scheduler, layout, iteration: 
             layout=_layout_record(layout),
             run_settings=_settings_record(config),
         )
-    export_hf(source, target)
+    export_hf(source, target, merge_lora=merge)
     if temporary is not None and is_rank_zero():
         shutil.rmtree(temporary, ignore_errors=True)
-    _print(f"exported the model of iteration {iteration} to {target} (HuggingFace format)")
+    what = (
+        "the LoRA adapter (PEFT format)"
+        if config.lora_dim and not merge
+        else "the merged model" if merge else "the model"
+    )
+    _print(f"exported {what} of iteration {iteration} to {target} (HuggingFace format)")
 
 
 def build_optimizer(
@@ -518,6 +528,8 @@ def _settings_record(config: TrainingConfig) -> Dict[str, object]:
     record = {
         k: v for k, v in vars(config).items() if isinstance(v, (int, float, str, bool, type(None)))
     }
+    for name in ("lora_target_modules", "lora_exclude_modules"):  # which layers have adapters
+        record[name] = list(getattr(config, name))
     if config.hf_model:
         record["hf_config"] = (Path(config.hf_model) / "config.json").read_text()
     return record

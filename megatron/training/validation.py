@@ -446,6 +446,8 @@ LORA_FIELDS = (
     "lora_b_init_method",
     "save_trainable_params_only",
     "pretrained_checkpoint",
+    "merge_lora",
+    "hf_adapter",
 )
 
 
@@ -461,8 +463,9 @@ def _check_lora(c: Config) -> None:
             )
         return
     column = {"linear_qkv", "linear_fc1"}
-    column_targets = any(t in column or any(ch in t for ch in "*?[.") for t in
-                         c.lora_target_modules)
+    column_targets = any(
+        t in column or any(ch in t for ch in "*?[.") for t in c.lora_target_modules
+    )
     _require(
         not column_targets or c.lora_dim % c.tensor_model_parallel_size == 0,
         f"--lora-dim {c.lora_dim} is not divisible by --tp {c.tensor_model_parallel_size} "
@@ -482,6 +485,16 @@ def _check_lora(c: Config) -> None:
     _require(
         not c.save_trainable_params_only or c.save is not None,
         "--save-trainable-params-only needs --save DIR",
+    )
+    _require(not c.merge_lora or c.export_hf, "--merge-lora needs --export-hf DIR")
+    _require(
+        not c.hf_adapter or c.hf_model,
+        f"--hf-adapter {c.hf_adapter} needs --hf-model (the base the adapter was trained on)",
+    )
+    _require(
+        not (c.merge_lora and c.save_trainable_params_only and c.save_interval),
+        "--merge-lora with --save-trainable-params-only and --save-interval: the interval "
+        "exports merge from the saved checkpoints, which hold no base; drop one of them",
     )
 
 

@@ -43,12 +43,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from megatron.core.model_parallel_config import ModelParallelConfig
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
 from megatron.core.config_rules import LORA_DROPOUT_POSITIONS as DROPOUT_POSITIONS
 from megatron.core.config_rules import LORA_INIT_METHODS as INIT_METHODS
 from megatron.core.config_rules import LORA_TARGETS
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 python -m megatron.training.hf import --hf DIR --out CKPT [--dtype bfloat16]
 python -m megatron.training.hf export --load CKPT --out DIR [--dtype ...] [--max-shard-size 2GB]
+    (a checkpoint with LoRA adapters: a PEFT adapter folder, or the merged model with
+    --merge-lora)
 """
 
 import argparse
@@ -36,7 +38,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             what = f"imported {args.hf} into {where}"
         else:
             where = export_hf(
-                args.load, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size
+                args.load,
+                args.out,
+                dtype=args.dtype,
+                max_shard_size=args.max_shard_size,
+                merge_lora=args.merge_lora,
             )
             what = f"exported {args.load} to {where}"
     except (ValueError, FileNotFoundError, NotADirectoryError, RuntimeError) as err:
@@ -64,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--load", required=True, metavar="CKPT", help="a --save directory or iter_*")
     exp.add_argument("--out", required=True, metavar="DIR", help="HuggingFace directory to write")
     exp.add_argument("--dtype", choices=sorted(DTYPES), help="written dtype (default: stored)")
+    exp.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="a checkpoint with LoRA adapters: write the merged model (W + alpha/r B A) instead "
+        "of the PEFT adapter folder",
+    )
     exp.add_argument(
         "--max-shard-size",
         type=parse_size,

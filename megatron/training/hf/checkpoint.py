@@ -31,6 +31,15 @@ from megatron.training.hf.config import (
     read_hf_config,
     training_settings,
 )
+from megatron.training.hf.peft import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    adapter_shapes,
+    lora_of_settings,
+    merge_adapters,
+    peft_config,
+    to_peft,
+)
 from megatron.training.hf.weights import (
     INDEX_FILENAME,
     SINGLE_FILENAME,
@@ -97,16 +106,32 @@ def export_hf(
     out_dir,
     dtype: Optional[str] = None,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    merge_lora: bool = False,
 ) -> Path:
     """Write the model of checkpoint ``load_dir`` (a ``--save`` directory, its newest
     complete iteration, or an ``iter_*`` directory) to ``out_dir`` in HuggingFace format.
 
     ``dtype``: of the written tensors (default: the checkpoint's). Collective when
     torch.distributed is initialized: every rank calls it, rank 0 reads and writes.
+    A checkpoint with LoRA adapters is written as a PEFT adapter folder
+    (``export_lora_adapter``), or with ``merge_lora`` as the merged model
+    (W + alpha/r B A, in float32).
     """
     directory = resolve_checkpoint(load_dir)
     common = dist_checkpointing.load_common_state_dict(str(directory))
     arch, original = checkpoint_architecture(common, directory)
+    lora = lora_of_settings(common.get("run_settings") or {})
+    if lora is not None and not merge_lora:
+        return export_lora_adapter(directory, out_dir, common, arch)
+    if merge_lora and lora is None:
+        raise ValueError(f"--merge-lora: checkpoint {directory} has no LoRA adapters to merge")
+    if merge_lora and common.get("trainable_params_only"):
+        raise ValueError(
+            f"--merge-lora: checkpoint {directory} holds the LoRA adapters only (saved with "
+            "--save-trainable-params-only), not the base to merge them into; export the "
+            "adapter (without --merge-lora), or merge from a full checkpoint"
+        )
+    adapter_full = adapter_shapes(arch, lora) if merge_lora else {}
     stored = dist_checkpointing.load_tensors_metadata(str(directory))
     embedding = stored.get("embedding.word_embeddings.weight")
     if embedding is None:
@@ -123,6 +148,12 @@ def export_hf(
     full_shapes = our_full_shapes(arch)
     for sources in units:  # HuggingFace's order: embeddings, layers, final norm, head
         ours = _read_our_tensors(directory, sources, stored, full_shapes, arch, writing)
+        mine = [n for n in adapter_full if n.rsplit(".adapter.", 1)[0] + ".weight" in sources]
+        if mine:
+            adapters = _read_our_tensors(
+                directory, dict.fromkeys(mine), stored, adapter_full, arch, writing
+            )
+            ours = merge_adapters(ours, adapters, lora) if writing else ours
         if writing:
             shapes = hf_shapes(arch, sources, full_shapes)
             for key, tensor in scatter_to_hf(ours, sources, shapes).items():
@@ -137,6 +168,38 @@ def export_hf(
             sidecars = _sidecar_files(Path(source))  # a run started from --hf-model
         for name, text in (sidecars or {}).items():
             (Path(out_dir) / name).write_text(text)
+    if dist.is_initialized():
+        dist.barrier()
+    return Path(out_dir)
+
+
+def export_lora_adapter(directory: Path, out_dir, common: Dict[str, Any], arch) -> Path:
+    """Write the LoRA adapters of checkpoint ``directory`` as a PEFT folder
+    (``adapter_config.json``, ``adapter_model.safetensors``) with the tokenizer files;
+    ``base_model_name_or_path`` is the run's ``--hf-model`` when it had one."""
+    from safetensors.torch import save_file
+
+    settings = common.get("run_settings") or {}
+    lora = lora_of_settings(settings)
+    stored = dist_checkpointing.load_tensors_metadata(str(directory))
+    writing = not dist.is_initialized() or dist.get_rank() == 0
+    shapes = adapter_shapes(arch, lora)
+    adapters = _read_our_tensors(directory, dict.fromkeys(shapes), stored, shapes, arch, writing)
+    if writing:
+        tensors, modules = to_peft(adapters, arch, lora)
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.contiguous() for k, v in tensors.items()}
+        save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        config = peft_config(arch, lora, modules, settings.get("hf_model"))
+        (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        sidecars = common.get(HF_FILES_KEY)
+        source = settings.get("hf_model")
+        if sidecars is None and source and Path(source).is_dir():
+            sidecars = _sidecar_files(Path(source))
+        for name, text in (sidecars or {}).items():
+            if name != "generation_config.json":
+                (out / name).write_text(text)
     if dist.is_initialized():
         dist.barrier()
     return Path(out_dir)
