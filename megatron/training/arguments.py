@@ -83,7 +83,11 @@ _SECTIONS = {
     "train_iters": "optimization",
     "bf16": "mixed precision (docs/mixed_precision.md)",
     "eval_interval": "validation (docs/lifecycle.md)",
+<<<<<<< HEAD
     "lora_dim": "LoRA (docs/lora.md)",
+=======
+    "log_interval": "logging (docs/lifecycle.md)",
+>>>>>>> main
     "save_metrics": "output and checks",
     "save": "checkpoints (docs/checkpoints.md)",
     "compare_single_process": "output and checks",
@@ -649,6 +653,7 @@ class TrainingConfig:
         help="only evaluate: the validation loss of --load's checkpoint or --hf-model, then "
         "exit",
     )
+<<<<<<< HEAD
     # LoRA (Megatron-Bridge's semantics; docs/lora.md).
     lora_dim: Optional[int] = option(
         None,
@@ -744,6 +749,50 @@ class TrainingConfig:
         kind=OUTPUT,
         help="with --lora-dim and --export-hf: write the merged model (W + alpha/dim B A, "
         "merged in float32) instead of the PEFT adapter folder",
+=======
+    # Logging (megatron's flags; docs/lifecycle.md).
+    log_interval: int = option(
+        100,
+        "--log-interval",
+        kind=OUTPUT,
+        check=positive,
+        help="iterations between TensorBoard / W&B training scalars (validation results are "
+        "always logged) and, with --no-progress, between console lines",
+    )
+    tensorboard_dir: Optional[str] = option(
+        None,
+        "--tensorboard-dir",
+        kind=OUTPUT,
+        type=str,
+        metavar="DIR",
+        help="write TensorBoard event files to DIR (megatron's scalar names: lm loss, lm loss "
+        "validation, learning-rate, grad-norm, ...; the 'tensorboard' extra)",
+    )
+    wandb_project: Optional[str] = option(
+        None,
+        "--wandb-project",
+        kind=OUTPUT,
+        type=str,
+        metavar="NAME",
+        help="log the same scalars to this Weights & Biases project (the 'wandb' extra; "
+        "WANDB_MODE=offline writes the run locally)",
+    )
+    wandb_exp_name: Optional[str] = option(
+        None,
+        "--wandb-exp-name",
+        kind=OUTPUT,
+        type=str,
+        metavar="NAME",
+        help="the W&B run's name",
+    )
+    wandb_save_dir: Optional[str] = option(
+        None,
+        "--wandb-save-dir",
+        kind=OUTPUT,
+        type=str,
+        metavar="DIR",
+        help="where W&B keeps its run files; default: --save DIR/wandb, else ./wandb",
+>>>>>>> main
     )
     # Output and checks.
     save_metrics: Optional[str] = option(
@@ -837,9 +886,11 @@ class TrainingConfig:
         kind=OUTPUT,
         type=float,
         check=non_negative_number,
-        help="largest accepted |loss difference| per iteration; default 1e-4 in fp32, and "
-        "with --bf16/--fp16 three times the largest difference between the one-process run "
-        "in that precision and in fp32 (the precision's own rounding)",
+        help="largest accepted |loss difference| at every iteration; default: in fp32 1e-4, "
+        "or 10x the one-process run's own sensitivity when larger (a second one-process "
+        "run with perturbed initial weights; docs/lifecycle.md), and with --bf16/--fp16 "
+        "three times the largest difference between the one-process run in that precision "
+        "and in fp32 (the precision's own rounding)",
     )
     progress: bool = option(
         True,

@@ -227,6 +227,7 @@ def _check_combinations(c: Config) -> None:
     )
     _require(not (c.bf16 and c.fp16), "--bf16 and --fp16 were both given; expected at most one")
     _check_evaluation(c)
+    _check_logging(c)
     _require(
         c.position_embedding_type == "learned_absolute" or c.max_position_embeddings is None,
         f"--max-position-embeddings {c.max_position_embeddings} sizes the learned position "
@@ -321,6 +322,19 @@ def _check_evaluation(c: Config) -> None:
         not (c.skip_train and c.compare_single_process),
         "--skip-train trains nothing; --compare-single-process compares training runs",
     )
+
+
+def _check_logging(c: Config) -> None:
+    """The W&B details need --wandb-project; each logger's package is installed."""
+    from megatron.training.loggers import check_logging_packages
+
+    for name in ("wandb_exp_name", "wandb_save_dir"):
+        value = getattr(c, name)
+        _require(
+            value is None or c.wandb_project is not None,
+            f"{_flag(c, name)} {value} needs --wandb-project NAME",
+        )
+    check_logging_packages(c)
 
 
 def _check_packing(c: Config) -> None:

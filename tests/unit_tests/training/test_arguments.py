@@ -91,6 +91,11 @@ NON_DEFAULT = dict(
     valid_data_path="valid.jsonl",
     split="90,10,0",
     skip_train=True,
+    log_interval=7,
+    tensorboard_dir="tb",
+    wandb_project="proj",
+    wandb_exp_name="run1",
+    wandb_save_dir="wb",
     save_metrics="out",
     save="ck",
     load="ck",
@@ -397,7 +402,8 @@ def test_the_kinds_give_the_resume_and_comparison_lists():
         "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
         "compare_single_process", "compare_tolerance", "save_metrics", "save", "load",
         "save_interval", "ckpt_step", "finetune", "no_load_optim", "no_load_rng",
-        "exit_on_missing_checkpoint", "export_hf", "save_trainable_params_only",
+        "exit_on_missing_checkpoint", "export_hf", "log_interval", "tensorboard_dir",
+        "wandb_project", "wandb_exp_name", "wandb_save_dir", "save_trainable_params_only",
         "merge_lora",
     }  # fmt: skip
     assert single.nproc_per_node == 1
