@@ -83,11 +83,8 @@ _SECTIONS = {
     "train_iters": "optimization",
     "bf16": "mixed precision (docs/mixed_precision.md)",
     "eval_interval": "validation (docs/lifecycle.md)",
-<<<<<<< HEAD
     "lora_dim": "LoRA (docs/lora.md)",
-=======
     "log_interval": "logging (docs/lifecycle.md)",
->>>>>>> main
     "save_metrics": "output and checks",
     "save": "checkpoints (docs/checkpoints.md)",
     "compare_single_process": "output and checks",
@@ -653,7 +650,6 @@ class TrainingConfig:
         help="only evaluate: the validation loss of --load's checkpoint or --hf-model, then "
         "exit",
     )
-<<<<<<< HEAD
     # LoRA (Megatron-Bridge's semantics; docs/lora.md).
     lora_dim: Optional[int] = option(
         None,
@@ -749,7 +745,7 @@ class TrainingConfig:
         kind=OUTPUT,
         help="with --lora-dim and --export-hf: write the merged model (W + alpha/dim B A, "
         "merged in float32) instead of the PEFT adapter folder",
-=======
+    )
     # Logging (megatron's flags; docs/lifecycle.md).
     log_interval: int = option(
         100,
@@ -792,7 +788,6 @@ class TrainingConfig:
         type=str,
         metavar="DIR",
         help="where W&B keeps its run files; default: --save DIR/wandb, else ./wandb",
->>>>>>> main
     )
     # Output and checks.
     save_metrics: Optional[str] = option(
