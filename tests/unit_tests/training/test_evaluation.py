@@ -112,6 +112,7 @@ LAYOUTS = [
     ),
     pytest.param(
         dict(context_parallel_size=2, pipeline_model_parallel_size=2, from_hf=True),
+        marks=pytest.mark.slow,
         id="cp2-pp2-hf-model",
     ),
     pytest.param(
