@@ -200,6 +200,10 @@ def _train(
     elif config.data_path:  # the model's vocabulary is the tokenizer's
         config = dataclasses.replace(config, vocab_size=dataset.vocab_size)
     validation_set = build_validation_set(config)
+    if validation_set is not None:
+        _print(validation_set.describe())
+        for note in validation_set.notes:  # truncation counts of the validation records
+            _print(f"validation data: {note}")
     model = build_model(config, layout, pg_collection)
     if perturbation:
         _perturb_weights(model, perturbation)
