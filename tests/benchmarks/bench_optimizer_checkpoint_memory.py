@@ -17,9 +17,10 @@ Only the optimizer is saved and loaded (``--with-model`` adds the model, whose c
 TP = PP = 1 is the whole model on every rank whatever the DP size).
 
 The peak of a phase is the growth of the process's resident set over its size when the phase
-starts: Linux's high-water mark (``VmHWM``) is reset to the current RSS (``/proc/self/
-clear_refs`` = 5) just before the phase and read just after it, so the number is what the phase
-itself added at its worst moment. Also printed: this rank's optimizer-state bytes (Adam's
+starts: freed heap memory is returned to the system (``malloc_trim``), Linux's high-water
+mark (``VmHWM``) is reset to the current RSS (``/proc/self/clear_refs`` = 5) just before the
+phase and read just after it, so the number is what the phase itself added at its worst
+moment. Also printed: this rank's optimizer-state bytes (Adam's
 moments plus fp32 main copies that are not the model's storage) and the whole model's (the
 state a plain optimizer would hold). The expectation: the phase peaks scale like the state per
 rank, i.e. ~1/DP of the whole state. JSON on rank 0's stdout and in ``--json``. (A
@@ -27,6 +28,7 @@ load's peak includes creating the state itself, ~the state per rank.)
 """
 
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -48,8 +50,10 @@ def rss_bytes() -> int:
 
 
 def reset_peak() -> int:
-    """Reset VmHWM to the current RSS; returns the current RSS in bytes."""
+    """Give freed heap memory back to the system (so a phase cannot reuse pages an earlier
+    step freed without them counting), reset VmHWM to the current RSS; returns the RSS."""
     gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     return rss_bytes()
