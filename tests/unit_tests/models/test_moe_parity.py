@@ -44,7 +44,7 @@ DEFAULT = [
 
 SLOW = [
     C(ep=2, etp=1, tp=2, cp=2, mask="uneven", mode="per-token", losses="aux"),
-    C(ep=2, etp=2, tp=2, pp=2, mb=3, mask="uneven", losses="z", router="presoftmax", seed=2),
+    C(ep=1, etp=2, tp=2, pp=2, mb=3, mask="uneven", losses="z", router="presoftmax", seed=2),
     C(ep=4, etp=1, cp=4, mask="uneven", mode="per-token", losses="all", router="top1"),
     C(ep=2, etp=1, dp=4, mask="full", losses="aux", router="grouped", distopt=True),
     C(ep=2, etp=1, cp=2, pp=2, vpp=2, mb=2, mask="single", losses="seq", recompute=True),
