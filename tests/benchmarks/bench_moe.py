@@ -29,8 +29,9 @@ then statistically the same); tokens/s = tokens / median step time.
 
 Trainer (``--trainer``): ``megatron.training``'s ``pretrain`` (one process, ``--bf16``) on a
 MoE model of ``--trainer-layers`` layers of Qwen3-30B-A3B's shape (hidden 2048, 32 heads,
-4 query groups of 128 channels, q/k norm, 128 experts of FFN 768, top-8, vocabulary 151936,
-GroupedMLP, alltoall), sequence ``--trainer-seq``, 4 micro-batches of one sequence per step;
+4 query groups of 128 channels, 128 experts of FFN 768, top-8, vocabulary 151936,
+GroupedMLP, alltoall; no q/k norm: the trainer has no flag for it), sequence
+``--trainer-seq``, 4 micro-batches of one sequence per step;
 tokens/s from the trainer's own ``iteration_time_s`` (median of the timed steps), model
 TFLOP/s = tokens/s x (6 P_active + 6 L h s) (P_active: the non-expert parameters plus k/E
 of the expert ones; causal attention counted half), peak = ``torch.cuda.max_memory_allocated``.
@@ -353,8 +354,8 @@ def cpu_step_benchmark(args) -> Dict[str, dict]:
 
 
 QWEN3_MOE_ARGS = [
-    "--hidden-size", "2048", "--num-attention-heads", "32", "--group-query-attention",
-    "--num-query-groups", "4", "--kv-channels", "128", "--qk-layernorm",
+    "--hidden-size", "2048", "--num-attention-heads", "32",
+    "--num-query-groups", "4", "--kv-channels", "128",
     "--ffn-hidden-size", "6144", "--normalization", "RMSNorm", "--swiglu",
     "--position-embedding-type", "rope", "--disable-bias-linear",
     "--untie-embeddings-and-output-weights", "--vocab-size", "151936",

@@ -14,7 +14,18 @@ import pytest
 
 from megatron.core import dist_checkpointing, parallel_state
 from tests.unit_tests.dist_utils import assert_no_failures
-from tests.unit_tests.models.moe_parity import MoECase, build_model, run_step, use_moe_layout
+
+# The MoE package (issue 30) lands separately; until it is on the tree these tests are skipped
+# with this reason (importorskip on a present module is a no-op).
+_MOE = "megatron.core.transformer.moe.moe_layer"
+pytest.importorskip(_MOE, reason="megatron.core.transformer.moe is not on this tree yet")
+
+from tests.unit_tests.models.moe_parity import (  # noqa: E402
+    MoECase,
+    build_model,
+    run_step,
+    use_moe_layout,
+)
 
 LOAD_SEED = 1234
 TOL = 1e-5

@@ -16,10 +16,22 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-from megatron.core.transformer.moe import moe_utils
 from tests.unit_tests.dist_utils import assert_no_failures, gather_failures
-from tests.unit_tests.models import moe_parity
-from tests.unit_tests.models.moe_parity import MoECase, check, reference, run_step, use_moe_layout
+
+# The MoE package (issue 30) lands separately; until it is on the tree these tests are skipped
+# with this reason (importorskip on a present module is a no-op).
+_MOE = "megatron.core.transformer.moe.moe_layer"
+pytest.importorskip(_MOE, reason="megatron.core.transformer.moe is not on this tree yet")
+
+from megatron.core.transformer.moe import moe_utils  # noqa: E402
+from tests.unit_tests.models import moe_parity  # noqa: E402
+from tests.unit_tests.models.moe_parity import (  # noqa: E402
+    MoECase,
+    check,
+    reference,
+    run_step,
+    use_moe_layout,
+)
 
 C = MoECase
 

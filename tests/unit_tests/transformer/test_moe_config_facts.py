@@ -13,6 +13,11 @@ import torch
 
 from megatron.core.transformer import TransformerConfig
 
+# The MoE package (issue 30) lands separately; until it is on the tree these tests are skipped
+# with this reason (importorskip on a present module is a no-op).
+_MOE = "megatron.core.transformer.moe.moe_layer"
+pytest.importorskip(_MOE, reason="megatron.core.transformer.moe is not on this tree yet")
+
 FACTS = json.loads((Path(__file__).parents[1] / "data" / "mcore_moe_facts.json").read_text())
 
 pytestmark = pytest.mark.world(1)
