@@ -74,6 +74,15 @@ class SFTDataset:
             "position_ids": positions,
         }
 
+    def data_tokens(self, iteration: int, global_batch_size: int) -> int:
+        """Positions of the ``iteration``-th global batch that hold data (BOS .. the EOS
+        label, 2L + 2 per sample), not padding."""
+        start = iteration * global_batch_size
+        return sum(
+            int(self[i]["loss_mask"].nonzero().max()) + 1
+            for i in range(start, start + global_batch_size)
+        )
+
     def global_batch(self, iteration: int, global_batch_size: int) -> Batch:
         """The ``iteration``-th global batch (0-based): samples [i * GBS, (i + 1) * GBS),
         stacked to [GBS, seq_length] tensors."""
@@ -150,6 +159,12 @@ class PackedSFTDataset:
                 raise IndexError(f"PackedSFTDataset: no documents left for row {index}")
             self._rows.append(row)
         return self._rows[index]
+
+    def data_tokens(self, iteration: int, global_batch_size: int) -> int:
+        """Positions of the rows of the ``iteration``-th global batch that hold document
+        tokens (the documents' real lengths), not padding."""
+        start = iteration * global_batch_size
+        return sum(int(self[i]["cu_seqlens"][-1]) for i in range(start, start + global_batch_size))
 
     def all_rows(self) -> List[Batch]:
         """Every row of a finite set of documents (one whose ``document(j)`` returns None

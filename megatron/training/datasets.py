@@ -222,6 +222,15 @@ class FileSFTDataset:
             "loss_mask": torch.from_numpy(mask[1:n].astype(numpy.float32)),
         }
 
+    def data_tokens(self, iteration: int, global_batch_size: int) -> int:
+        """Positions of the ``iteration``-th global batch that hold record tokens (a record
+        of n ids fills ``min(n - 1, seq_length)`` positions), not padding."""
+        start = iteration * global_batch_size
+        return sum(
+            min(self._record(i)[0].size - 1, self.seq_length)
+            for i in range(start, start + global_batch_size)
+        )
+
     def global_batch(self, iteration: int, global_batch_size: int) -> Batch:
         """Samples ``[iteration * GBS, (iteration + 1) * GBS)`` stacked to [GBS, s] tensors."""
         start = iteration * global_batch_size
@@ -296,18 +305,27 @@ def _read_jsonl(path: str, tokenizer: Any) -> List[Record]:
     return records
 
 
-def tokenize_record(record: Any, tokenizer: Any, where: str) -> Record:
+TRAINER_TOKENIZER_HINT = (
+    "pass --tokenizer with a HuggingFace tokenizer folder (tokenizer.json + "
+    "tokenizer_config.json holding chat_template) or its tokenizer.json"
+)
+
+
+def tokenize_record(
+    record: Any, tokenizer: Any, where: str, tokenizer_hint: str = TRAINER_TOKENIZER_HINT
+) -> Record:
     """One JSONL record (any form of the module docstring) as ``(ids, mask)``; errors start
-    with ``where`` (``FILE:LINE``)."""
+    with ``where`` (``FILE:LINE``). ``tokenizer_hint`` ends the error of a chat record met
+    without a chat tokenizer (which flag to pass)."""
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected {_RECORD_FORMS}; got {type(record).__name__}")
     if "messages" in record:
-        return _conversation(record["messages"], tokenizer, where)
+        return _conversation(record["messages"], tokenizer, where, tokenizer_hint)
     if "prompt" in record and ("completion" in record or "response" in record):
         key = "completion" if "completion" in record else "response"
         prompt, answer = record["prompt"], record[key]
         if isinstance(prompt, list) and isinstance(answer, list):
-            return _conversation(prompt + answer, tokenizer, where)
+            return _conversation(prompt + answer, tokenizer, where, tokenizer_hint)
         _require_strings(where, prompt=prompt, **{key: answer})
         prompt_ids = _ids(_prefix(tokenizer) + list(tokenizer.tokenize(prompt)))
         answer_ids = _ids(list(tokenizer.tokenize(answer)) + [tokenizer.eod])
@@ -331,15 +349,11 @@ def _prefix(tokenizer: Any) -> List[int]:
     return list(getattr(tokenizer, "document_prefix", []))
 
 
-def _conversation(messages: Any, tokenizer: Any, where: str) -> Record:
+def _conversation(messages: Any, tokenizer: Any, where: str, hint: str) -> Record:
     from megatron.core.tokenizers.chat_template import ChatTemplateError, tokenize_conversation
 
     if not hasattr(tokenizer, "encode_with_offsets"):
-        raise ValueError(
-            f"{where}: a chat record needs a tokenizer with a chat template: pass --tokenizer "
-            "with a HuggingFace tokenizer folder (tokenizer.json + tokenizer_config.json "
-            "holding chat_template) or its tokenizer.json"
-        )
+        raise ValueError(f"{where}: a chat record needs a tokenizer with a chat template: {hint}")
     try:
         ids, mask = tokenize_conversation(tokenizer, messages)
     except ChatTemplateError as err:

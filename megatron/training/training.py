@@ -60,7 +60,7 @@ from megatron.training.evaluation import (
     evaluation_due,
 )
 from megatron.training.hf.checkpoint import export_hf
-from megatron.training.hf.config import resolve_hf_model
+from megatron.training.hf_settings import resolve_hf_model
 from megatron.training.initialize import (
     initialize_distributed,
     initialize_model_parallel_groups,
@@ -69,6 +69,7 @@ from megatron.training.initialize import (
     launched_world_size,
     single_process_groups,
 )
+from megatron.training.loggers import MetricsLoggers
 from megatron.training.metrics import save_metrics
 from megatron.training.model import build_model, precision_dtype
 
@@ -111,7 +112,7 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
         label = f"{layout.name} ({_processes(layout.world_size)})"
         _print_header(config, layout)
         started = time.perf_counter()
-        records = train(config, layout, groups, desc=label)
+        records = _as_the_last_rank_measured(train(config, layout, groups, desc=label))
         result = TrainingResult(layout, records)
         _print(_summary(records, layout, time.perf_counter() - started))
         if config.compare_single_process:
@@ -128,7 +129,8 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
                 config.save_metrics, records, label, result.reference
             )
             _print(f"metrics written to {', '.join(str(p) for p in result.metrics_files)}")
-        check_recent_steps(records)
+        if not config.skip_train:  # an evaluation-only run has no training steps
+            check_recent_steps(records)
         return result
     finally:
         parallel_state.destroy_model_parallel()
@@ -156,17 +158,36 @@ def train(
     perturbation: float = 0.0,
 ) -> List[dict]:
     """``config.train_iters`` iterations on this rank's chunks; returns one record per
-    iteration: ``iteration, loss, grad_norm, lr, tokens_per_s, valid_tokens,
-    iteration_time_s, skipped_iterations`` (how many of this run's iterations so far the
-    optimizer skipped: an fp16 overflow), and ``loss_scale`` (None without loss scaling).
+    iteration: ``iteration, loss, grad_norm, lr, tokens_per_s`` (tokens of the data, not
+    padding), ``valid_tokens, data_tokens, padding_tokens, iteration_time_s,
+    skipped_iterations`` (how many of this run's iterations so far the optimizer skipped:
+    an fp16 overflow), ``loss_scale`` (None without loss scaling), and ``valid_loss,
+    valid_ppl, validation_tokens`` after a validation pass.
     ``pg_collection=None``: one process without torch.distributed.
 
     Rank 0 shows a progress bar with the loss, tokens/s and, with loss scaling, the skipped
-    iterations (``config.progress``). With ``--check-for-nan-in-loss-and-grad`` (the
+    iterations (``config.progress``); the last rank mirrors the records to TensorBoard /
+    W&B (``loggers.MetricsLoggers``). With ``--check-for-nan-in-loss-and-grad`` (the
     default) a NaN/inf loss or gradient norm stops the run (``check_step``).
     ``perturbation`` > 0 scales every initial weight by ``1 + perturbation * u``, u uniform
     in [-1, 1] from a fixed generator (the comparison's sensitivity run).
     """
+    loggers = MetricsLoggers(config, writer=_is_last_rank())
+    try:
+        return _train(config, layout, pg_collection, desc, perturbation, loggers)
+    finally:
+        loggers.close()
+
+
+def _train(
+    config: TrainingConfig,
+    layout: Layout,
+    pg_collection: Optional[ProcessGroupCollection],
+    desc: str,
+    perturbation: float,
+    loggers: MetricsLoggers,
+) -> List[dict]:
+    """``train`` with its loggers."""
     dataset = build_sft_dataset(config)
     for note in getattr(dataset, "notes", []):  # truncation and empty-loss counts
         _print(note)
@@ -179,6 +200,10 @@ def train(
     elif config.data_path:  # the model's vocabulary is the tokenizer's
         config = dataclasses.replace(config, vocab_size=dataset.vocab_size)
     validation_set = build_validation_set(config)
+    if validation_set is not None:
+        _print(validation_set.describe())
+        for note in validation_set.notes:  # truncation counts of the validation records
+            _print(f"validation data: {note}")
     model = build_model(config, layout, pg_collection)
     if perturbation:
         _perturb_weights(model, perturbation)
@@ -200,6 +225,17 @@ def train(
         dynamic_ncols=True,
     )
     start_iteration = 0
+    if config.pretrained_checkpoint:  # the frozen base of a LoRA run
+        _, _, notes = load_checkpoint(
+            config.pretrained_checkpoint,
+            model,
+            optimizer,
+            layout=_layout_record(layout),
+            run_settings=_settings_record(config),
+            finetune=True,
+        )
+        for note in notes:
+            _print(note.replace("--finetune: ", "--pretrained-checkpoint: "))
     if config.load:
         start_iteration, _, notes = load_checkpoint(
             config.load,
@@ -215,6 +251,7 @@ def train(
             load_rng=not config.no_load_rng,
             train_iters=None if config.skip_train else config.train_iters,
             exit_on_missing_checkpoint=config.exit_on_missing_checkpoint,
+            base_source=config.hf_model or config.pretrained_checkpoint,
         )
         for note in notes:
             _print(note)
@@ -268,8 +305,9 @@ def train(
 
     if config.skip_train:
         bar.close()
-        fields = validate(start_iteration)
-        return [{"iteration": start_iteration, **(fields or {})}]
+        record = {"iteration": start_iteration, **(validate(start_iteration) or {})}
+        loggers.log(record)
+        return [record]
 
     upcoming = batch_of(start_iteration + 1) if start_iteration < config.train_iters else None
     last_validation = None
@@ -300,20 +338,24 @@ def train(
         if config.check_for_nan_in_loss_and_grad:
             check_step(iteration, loss, grad_norm)
         seconds = time.perf_counter() - start
+        data_tokens = dataset.data_tokens(iteration - 1, config.global_batch_size)
         records.append(
             {
                 "iteration": iteration,
                 "loss": loss,
                 "grad_norm": grad_norm,
                 "lr": lr,
-                "tokens_per_s": tokens_per_iteration / seconds,
+                "tokens_per_s": data_tokens / seconds,
                 "valid_tokens": int(global_batch["loss_mask"].sum().item()),
+                "data_tokens": data_tokens,
+                "padding_tokens": tokens_per_iteration - data_tokens,
                 "iteration_time_s": seconds,
                 "skipped_iterations": skipped,
                 "loss_scale": optimizer.get_loss_scale().item() if scaled else None,
+                **_memory_record(),
             }
         )
-        postfix = dict(loss=f"{loss:.4f}", tokens_per_s=f"{tokens_per_iteration / seconds:.0f}")
+        postfix = dict(loss=f"{loss:.4f}", tokens_per_s=f"{data_tokens / seconds:.0f}")
         if scaled:
             postfix["skipped"] = skipped
         if validation_set is not None and evaluation_due(config, iteration):
@@ -324,6 +366,9 @@ def train(
             postfix["valid_loss"] = f"{last_validation:.4f}"
         bar.set_postfix(**postfix)
         bar.update()
+        loggers.log(records[-1])
+        if not config.progress and iteration % config.log_interval == 0:
+            _print(_log_line(records[-1], config.train_iters))
         if config.save and _save_due(config, iteration):
             save_checkpoint(
                 config.save,
@@ -334,6 +379,7 @@ def train(
                 layout=_layout_record(layout),
                 consumed_samples=iteration * config.global_batch_size,
                 run_settings=_settings_record(config),
+                trainable_only=config.save_trainable_params_only,
             )
             if config.export_hf and iteration < config.train_iters:
                 target = Path(config.export_hf) / f"iter_{iteration:07d}"
@@ -399,7 +445,12 @@ def _export_final_model(config, model, optimizer, scheduler, layout, iteration: 
     ``--save`` checkpoint of that iteration, else from a temporary one beside DIR."""
     target = Path(config.export_hf)
     temporary = None
-    if config.save and _save_due(config, iteration):
+    merge = config.merge_lora
+    if (
+        config.save
+        and _save_due(config, iteration)
+        and not (merge and config.save_trainable_params_only)  # merging needs the base too
+    ):
         source = checkpoint_dir(config.save, iteration)
     else:
         shared = [str(target.parent / f".{target.name}.checkpoint") if is_rank_zero() else None]
@@ -415,10 +466,15 @@ def _export_final_model(config, model, optimizer, scheduler, layout, iteration: 
             layout=_layout_record(layout),
             run_settings=_settings_record(config),
         )
-    export_hf(source, target)
+    export_hf(source, target, merge_lora=merge)
     if temporary is not None and is_rank_zero():
         shutil.rmtree(temporary, ignore_errors=True)
-    _print(f"exported the model of iteration {iteration} to {target} (HuggingFace format)")
+    what = (
+        "the LoRA adapter (PEFT format)"
+        if config.lora_dim and not merge
+        else "the merged model" if merge else "the model"
+    )
+    _print(f"exported {what} of iteration {iteration} to {target} (HuggingFace format)")
 
 
 def build_optimizer(
@@ -505,6 +561,8 @@ def _settings_record(config: TrainingConfig) -> Dict[str, object]:
     record = {
         k: v for k, v in vars(config).items() if isinstance(v, (int, float, str, bool, type(None)))
     }
+    for name in ("lora_target_modules", "lora_exclude_modules"):  # which layers have adapters
+        record[name] = list(getattr(config, name))
     if config.hf_model:
         record["hf_config"] = (Path(config.hf_model) / "config.json").read_text()
     return record
@@ -657,6 +715,56 @@ def _on_this_cp_rank(
     return microbatch
 
 
+# Record fields each rank measures for itself (the rest is the same on every rank).
+MEASURED_FIELDS = (
+    "iteration_time_s",
+    "tokens_per_s",
+    "mem_allocated_bytes",
+    "mem_max_allocated_bytes",
+    "mem_reserved_bytes",
+)
+
+
+def _as_the_last_rank_measured(records: List[dict]) -> List[dict]:
+    """The records with the last rank's timings and memory (what it logged to TensorBoard /
+    W&B), so that metrics.jsonl, written on rank 0, holds the same values: one broadcast
+    after training."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return records
+    measured = [[{k: r[k] for k in MEASURED_FIELDS if k in r} for r in records]]
+    dist.broadcast_object_list(measured, src=dist.get_world_size() - 1)
+    return [{**r, **m} for r, m in zip(records, measured[0])]
+
+
+def _is_last_rank() -> bool:
+    """The last global rank (it holds the last pipeline stage): the one metrics writer."""
+    return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+
+
+def _memory_record() -> Dict[str, int]:
+    """The accelerator's memory counters (megatron's mem-* scalars); none on the CPU."""
+    device = comm_device()
+    if device.type != "cuda":
+        return {}
+    return {
+        "mem_allocated_bytes": torch.cuda.memory_allocated(device),
+        "mem_max_allocated_bytes": torch.cuda.max_memory_allocated(device),
+        "mem_reserved_bytes": torch.cuda.memory_reserved(device),
+    }
+
+
+def _log_line(record: dict, train_iters: int) -> str:
+    """megatron's console line: `` iteration 10/20 | lm loss: 3.2 | ...``."""
+    parts = [f" iteration {record['iteration']}/{train_iters}"]
+    parts.append(f"lm loss: {record['loss']:.6E}")
+    parts.append(f"learning rate: {record['lr']:.6E}")
+    if record.get("grad_norm") is not None:
+        parts.append(f"grad norm: {record['grad_norm']:.4f}")
+    parts.append(f"elapsed time per iteration (ms): {1000 * record['iteration_time_s']:.1f}")
+    parts.append(f"tokens per second: {record['tokens_per_s']:.0f}")
+    return " | ".join(parts)
+
+
 def _validation_line(iteration: int, result: Validation) -> str:
     """``validation at iteration 20: loss 1.2345, perplexity 3.437 (1234 tokens)``."""
     return (
@@ -707,6 +815,20 @@ def _print_header(config: TrainingConfig, layout: Layout) -> None:
         f"layout {layout.name} on {_processes(layout.world_size)} "
         f"({backend}); {layout.num_microbatches} microbatch(es) of {config.micro_batch_size} "
         f"x {config.seq_length} tokens per replica, global batch {config.global_batch_size}"
+    )
+    if comm_device().type == "cpu" and (config.bf16 or config.fp16):
+        _print(half_precision_on_cpu_warning(config))
+
+
+def half_precision_on_cpu_warning(config: TrainingConfig) -> str:
+    """The header's warning for ``--bf16``/``--fp16`` on the CPU: CPUs have few half-precision
+    kernels, so the run is slower than in fp32, not faster (--bf16 measured 3-4.5x slower
+    than fp32 on the default model, issue 29)."""
+    flag = "--bf16" if config.bf16 else "--fp16"
+    return (
+        f"warning: {flag} on the CPU is slower than fp32 (3-4.5x measured for --bf16 on this "
+        "model): CPUs have few half-precision kernels; leave it out unless you are testing "
+        "what a GPU run will do"
     )
 
 

@@ -8,6 +8,7 @@ from typing import Dict, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core.communication import broadcast_
 from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
 )
@@ -69,7 +70,12 @@ class DistributedDataParallel(torch.nn.Module):
             bucket_size = None
         self.shard_size = dp_cp_size if ddp_config.use_distributed_optimizer else None
         self.buffers = _make_buffers(
-            module, ddp_config.grad_reduce_in_fp32, bucket_size, self.shard_size
+            module,
+            ddp_config.grad_reduce_in_fp32,
+            bucket_size,
+            self.shard_size,
+            self.dp_cp_group,
+            self.pre_scale,
         )
         self.param_to_bucket: Dict[torch.nn.Parameter, GradBucket] = {}
         for buffer in self.buffers:
@@ -123,7 +129,7 @@ class DistributedDataParallel(torch.nn.Module):
         overlap = self.ddp_config.overlap_param_gather and not force_sync
         for bucket in reversed(self._buckets()):
             wait_param_gather(bucket)
-            gather_bucket_params(bucket, self.dp_cp_group, async_op=overlap)
+            gather_bucket_params(bucket, bucket.buffer.data_parallel_group, async_op=overlap)
             if not overlap:
                 wait_param_gather(bucket)
 
@@ -166,11 +172,10 @@ class DistributedDataParallel(torch.nn.Module):
 
     def broadcast_params(self) -> None:
         """Copy parameters from the first rank of the dp x cp group to the others."""
-        if self.dp_cp_group is None or self.dp_cp_group.size() == 1:
+        if get_pg_size(self.dp_cp_group) == 1:
             return
-        src = dist.get_global_rank(self.dp_cp_group, 0)
         for param in self.module.parameters():
-            dist.broadcast(param.data, src=src, group=self.dp_cp_group)
+            broadcast_(param.data, self.dp_cp_group, src=0)
 
     def state_dict(self, *args, **kwargs):
         """The wrapped module's state dict (parameter gathers in flight finished first)."""
@@ -210,8 +215,8 @@ class DistributedDataParallel(torch.nn.Module):
             self._check_finite(bucket)
         reduce_bucket(
             bucket,
-            self.dp_cp_group,
-            self.pre_scale,
+            bucket.buffer.data_parallel_group,
+            bucket.buffer.gradient_scaling_factor,
             self.average,
             async_op=self.ddp_config.overlap_grad_reduce,
             scatter=self.ddp_config.use_distributed_optimizer,
@@ -238,11 +243,21 @@ class DistributedDataParallel(torch.nn.Module):
 
 
 def _make_buffers(
-    module, grad_reduce_in_fp32: bool, bucket_size, shard_size: Optional[int]
+    module,
+    grad_reduce_in_fp32: bool,
+    bucket_size,
+    shard_size: Optional[int],
+    group: Optional[dist.ProcessGroup],
+    pre_scale: float,
 ) -> List[GradBuffer]:
     """One buffer per gradient dtype (fp32 when ``grad_reduce_in_fp32``), and with the
     distributed optimizer (``shard_size``) per parameter dtype as well (a parameter buffer
-    holds one dtype)."""
+    holds one dtype); each reduces over ``group`` with ``pre_scale``.
+
+    Expert parameters (``param.allreduce = False``) would go to buffers of their own built
+    with the expert-data-parallel group, its size as ``shard_size`` and megatron-core's
+    expert scaling factor; the reduction and the distributed optimizer already follow each
+    buffer's ``data_parallel_group``."""
     by_dtype: Dict[tuple, List[torch.nn.Parameter]] = {}
     for param in module.parameters():
         if param.requires_grad:
@@ -250,7 +265,7 @@ def _make_buffers(
             key = (dtype, param.dtype if shard_size is not None else None)
             by_dtype.setdefault(key, []).append(param)
     return [
-        GradBuffer(params, dtype, bucket_size, shard_size)
+        GradBuffer(params, dtype, bucket_size, shard_size, group, pre_scale)
         for (dtype, _), params in by_dtype.items()
     ]
 

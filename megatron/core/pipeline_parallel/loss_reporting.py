@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.core.device import comm_device
+from megatron.core.communication import all_reduce_
 
 
 def reduce_reported_losses(
@@ -47,10 +47,7 @@ def reduce_reported_totals(
             if pair is None:
                 raise ValueError(f"reported[{key!r}] must be [sum, count], got {reported[key]!r}")
             totals[i] += pair
-    if group is not None and group.size() > 1:
-        totals = totals.to(comm_device(group))
-        dist.all_reduce(totals, group=group)
-        totals = totals.cpu()
+    all_reduce_(totals, group)
     return {key: (totals[i, 0].item(), totals[i, 1].item()) for i, key in enumerate(keys)}
 
 

@@ -1,11 +1,12 @@
 """Parameter names and tensor layouts: HuggingFace safetensors <-> our GPT.
 
-One table per family says how each of our (one-chunk, global-layer) parameters is made of
-HuggingFace tensors: ``Source`` = our dim 0 is the concatenation of ``Segment`` s, each a
-range of rows of one HuggingFace tensor (or of its columns, ``transposed``, for GPT-2's
-Conv1D weights, stored [in, out]). The same table reads (a TP rank's rows or columns of a
-parameter, from only the bytes it needs: ``safe_open(...).get_slice``) and writes (each
-segment copied back into its HuggingFace tensor), so export is the exact inverse of import.
+Each family's table (``families/``) says how each of our (one-chunk, global-layer)
+parameters is made of HuggingFace tensors: a ``Source`` (``family.py``) = our dim 0 is the
+concatenation of ``Segment`` s, each a range of rows of one HuggingFace tensor (or of its
+columns, ``transposed``, for GPT-2's Conv1D weights, stored [in, out]). The same table
+reads (a TP rank's rows or columns of a parameter, from only the bytes it needs:
+``safe_open(...).get_slice``) and writes (each segment copied back into its HuggingFace
+tensor), so export is the exact inverse of import.
 
 Layouts on our side (megatron-core's): ``linear_qkv`` rows are, per query group g,
 [q heads of g, k_g, v_g] (each head ``kv_channels`` rows); a SwiGLU ``linear_fc1`` is
@@ -13,35 +14,34 @@ Layouts on our side (megatron-core's): ``linear_qkv`` rows are, per query group 
 """
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron.training.hf.config import HFArchitecture
+from megatron.training.errors import missing_package
+from megatron.training.hf.families import REGISTRY
+from megatron.training.hf.family import HFArchitecture, Source
+from megatron.training.hf.target import INDEX_FILENAME, SINGLE_FILENAME
 
-INDEX_FILENAME = "model.safetensors.index.json"
-SINGLE_FILENAME = "model.safetensors"
 # Tensors some checkpoints carry that hold no weights (buffers recomputed by the model).
 _BUFFER_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+# safetensors' names of the dtypes a weight may have (integers, booleans and float8 are
+# quantized or not weights at all).
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+# Rows compared at a time when checking that a tied model's lm_head equals its embeddings.
+_COMPARE_ROWS = 4096
 
 
-@dataclass(frozen=True)
-class Segment:
-    """Rows [start, stop) of HuggingFace tensor ``key`` (columns when ``transposed``)."""
-
-    key: str
-    start: int
-    stop: int
-    transposed: bool = False
-
-    @property
-    def length(self) -> int:
-        return self.stop - self.start
-
-
-Source = Tuple[Segment, ...]
+def safetensors_module():
+    """The ``safetensors`` package; an ImportError naming the ``hf`` extra without it
+    (one line, ``errors.missing_package``)."""
+    try:
+        import safetensors
+        import safetensors.torch  # noqa: F401 (save_file, used by export)
+    except ImportError:
+        raise missing_package("safetensors", "hf", "HuggingFace checkpoints") from None
+    return safetensors
 
 
 def parameter_sources(arch: HFArchitecture, prefix: Optional[str] = None) -> Dict[str, Source]:
@@ -54,96 +54,15 @@ def parameter_sources(arch: HFArchitecture, prefix: Optional[str] = None) -> Dic
 
 
 def global_sources(arch: HFArchitecture, prefix: Optional[str] = None) -> Dict[str, Source]:
-    """Embeddings, final norm and (untied) output layer."""
-    h, v = arch.hidden_size, arch.vocab_size
-    if arch.family == "gpt2":
-        p = "transformer." if prefix is None else prefix
-        out = {
-            "embedding.word_embeddings.weight": (Segment(f"{p}wte.weight", 0, v),),
-            "embedding.position_embeddings.weight": (
-                Segment(f"{p}wpe.weight", 0, arch.max_position_embeddings),
-            ),
-            "decoder.final_layernorm.weight": (Segment(f"{p}ln_f.weight", 0, h),),
-            "decoder.final_layernorm.bias": (Segment(f"{p}ln_f.bias", 0, h),),
-        }
-    else:
-        p = "model." if prefix is None else prefix
-        out = {
-            "embedding.word_embeddings.weight": (Segment(f"{p}embed_tokens.weight", 0, v),),
-            "decoder.final_layernorm.weight": (Segment(f"{p}norm.weight", 0, h),),
-        }
-    if not arch.tied:
-        out["output_layer.weight"] = (Segment("lm_head.weight", 0, v),)
-    return out
+    """Embeddings, final norm and (untied) output layer (the family's table)."""
+    return REGISTRY[arch.family].global_sources(arch, prefix)
 
 
 def layer_sources(
     arch: HFArchitecture, layer: int, prefix: Optional[str] = None
 ) -> Dict[str, Source]:
-    """The parameters of global layer ``layer``."""
-    ours = f"decoder.layers.{layer}."
-    h, d, ffn = arch.hidden_size, arch.kv_channels, arch.ffn_hidden_size
-    heads, groups = arch.num_attention_heads, arch.num_query_groups
-    per_group = heads // groups
-    if arch.family == "gpt2":
-        p = f"{'transformer.' if prefix is None else prefix}h.{layer}."
-
-        def qkv(kind: str, transposed: bool) -> Source:
-            key = f"{p}attn.c_attn.{kind}"
-            return tuple(
-                Segment(key, part * h + head * d, part * h + (head + 1) * d, transposed)
-                for head in range(heads)
-                for part in range(3)
-            )
-
-        table = {
-            "input_layernorm.weight": (Segment(f"{p}ln_1.weight", 0, h),),
-            "input_layernorm.bias": (Segment(f"{p}ln_1.bias", 0, h),),
-            "self_attention.linear_qkv.weight": qkv("weight", True),
-            "self_attention.linear_qkv.bias": qkv("bias", False),
-            "self_attention.linear_proj.weight": (Segment(f"{p}attn.c_proj.weight", 0, h, True),),
-            "self_attention.linear_proj.bias": (Segment(f"{p}attn.c_proj.bias", 0, h),),
-            "pre_mlp_layernorm.weight": (Segment(f"{p}ln_2.weight", 0, h),),
-            "pre_mlp_layernorm.bias": (Segment(f"{p}ln_2.bias", 0, h),),
-            "mlp.linear_fc1.weight": (Segment(f"{p}mlp.c_fc.weight", 0, ffn, True),),
-            "mlp.linear_fc1.bias": (Segment(f"{p}mlp.c_fc.bias", 0, ffn),),
-            "mlp.linear_fc2.weight": (Segment(f"{p}mlp.c_proj.weight", 0, h, True),),
-            "mlp.linear_fc2.bias": (Segment(f"{p}mlp.c_proj.bias", 0, h),),
-        }
-        return {ours + name: source for name, source in table.items()}
-
-    p = f"{'model.' if prefix is None else prefix}layers.{layer}."
-    attn, mlp = f"{p}self_attn.", f"{p}mlp."
-
-    def qkv(kind: str) -> Source:
-        out: List[Segment] = []
-        for g in range(groups):
-            out.append(Segment(f"{attn}q_proj.{kind}", g * per_group * d, (g + 1) * per_group * d))
-            out.append(Segment(f"{attn}k_proj.{kind}", g * d, (g + 1) * d))
-            out.append(Segment(f"{attn}v_proj.{kind}", g * d, (g + 1) * d))
-        return tuple(out)
-
-    table = {
-        "input_layernorm.weight": (Segment(f"{p}input_layernorm.weight", 0, h),),
-        "self_attention.linear_qkv.weight": qkv("weight"),
-        "self_attention.linear_proj.weight": (Segment(f"{attn}o_proj.weight", 0, h),),
-        "pre_mlp_layernorm.weight": (Segment(f"{p}post_attention_layernorm.weight", 0, h),),
-        "mlp.linear_fc1.weight": (
-            Segment(f"{mlp}gate_proj.weight", 0, ffn),
-            Segment(f"{mlp}up_proj.weight", 0, ffn),
-        ),
-        "mlp.linear_fc2.weight": (Segment(f"{mlp}down_proj.weight", 0, h),),
-    }
-    if arch.add_bias_linear or arch.add_qkv_bias:
-        table["self_attention.linear_qkv.bias"] = qkv("bias")
-    if arch.add_bias_linear:
-        table["self_attention.linear_proj.bias"] = (Segment(f"{attn}o_proj.bias", 0, h),)
-        table["mlp.linear_fc1.bias"] = (
-            Segment(f"{mlp}gate_proj.bias", 0, ffn),
-            Segment(f"{mlp}up_proj.bias", 0, ffn),
-        )
-        table["mlp.linear_fc2.bias"] = (Segment(f"{mlp}down_proj.bias", 0, h),)
-    return {ours + name: source for name, source in table.items()}
+    """The parameters of global layer ``layer`` (the family's table)."""
+    return REGISTRY[arch.family].layer_sources(arch, layer, prefix)
 
 
 def hf_shapes(arch: HFArchitecture, sources: Dict[str, Source], our_shapes) -> Dict[str, tuple]:
@@ -209,9 +128,7 @@ class SafetensorsReader:
     in ``model.safetensors.index.json``), read lazily with ``safe_open``."""
 
     def __init__(self, directory) -> None:
-        from safetensors import safe_open  # the ``hf`` extra
-
-        self._safe_open = safe_open
+        self._safe_open = safetensors_module().safe_open
         self.directory = Path(directory)
         index = self.directory / INDEX_FILENAME
         single = self.directory / SINGLE_FILENAME
@@ -228,6 +145,7 @@ class SafetensorsReader:
             for path in sorted(set(self.weight_map.values())):
                 if not path.is_file():
                     raise FileNotFoundError(f"{index} names {path.name}, which does not exist")
+            self._check_index(index)
         elif single.is_file():
             with self._open(single) as handle:
                 self.weight_map = {key: single for key in handle.keys()}
@@ -239,8 +157,33 @@ class SafetensorsReader:
                 "checkpoints are not read: they need unpickling)"
             )
 
+    def _check_index(self, index: Path) -> None:
+        """Every tensor the index names is in the file it names (ValueError naming the
+        tensor, the index and the file, and where the tensor is when another shard has it)."""
+        held = {}
+        for path in sorted(set(self.weight_map.values())):
+            with self._open(path) as handle:
+                held[path] = set(handle.keys())
+        for key, path in self.weight_map.items():
+            if key not in held[path]:
+                elsewhere = [p.name for p, keys in held.items() if key in keys]
+                where = f" (it is in {elsewhere[0]})" if elsewhere else ""
+                raise ValueError(
+                    f"{index}: tensor {key!r} is listed in file {path.name}, which does not "
+                    f"hold it{where}; the index and the shard files disagree"
+                )
+
     def keys(self) -> List[str]:
         return list(self.weight_map)
+
+    def file_of(self, key: str) -> Path:
+        """The file holding tensor ``key``."""
+        return self._file_of(key)
+
+    def dtype(self, key: str) -> str:
+        """safetensors' name of tensor ``key``'s dtype (``F32``, ``BF16``, ``I32``, ...)."""
+        with self._open(self._file_of(key)) as handle:
+            return handle.get_slice(key).get_dtype()
 
     def shape(self, key: str) -> Tuple[int, ...]:
         if key not in self._shapes:
@@ -297,6 +240,35 @@ def check_checkpoint_tensors(
             f"not part of the {arch.family} architecture config.json describes (e.g. biases "
             "or norms we do not have); refusing rather than dropping them"
         )
+    for key in expected:
+        dtype = reader.dtype(key)
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(
+                f"{reader.file_of(key)}: tensor {key!r} has dtype {dtype}; expected a floating "
+                f"dtype ({', '.join(FLOAT_DTYPES)}): quantized or integer weights are not read"
+            )
+    if arch.tied and "lm_head.weight" in present:
+        embedding = sources["embedding.word_embeddings.weight"][0].key
+        check_tied_head(reader, embedding, "lm_head.weight")
+
+
+def check_tied_head(reader: "SafetensorsReader", embedding: str, head: str) -> None:
+    """Under ``tie_word_embeddings: true`` a stored ``head`` must equal ``embedding``
+    (ValueError naming both otherwise: dropping a different head would change the logits).
+    Compared ``_COMPARE_ROWS`` rows at a time."""
+    rows = reader.shape(embedding)[0]
+    same = reader.shape(head) == reader.shape(embedding)
+    for start in range(0, rows, _COMPARE_ROWS):
+        if not same:
+            break
+        index = (slice(start, min(rows, start + _COMPARE_ROWS)),)
+        same = torch.equal(reader.read(head, index), reader.read(embedding, index))
+    if not same:
+        raise ValueError(
+            f"{reader.directory}: config.json says tie_word_embeddings: true, but {head!r} "
+            f"differs from {embedding!r}; expected them equal (set tie_word_embeddings to "
+            f"false if the head is its own, or remove {head})"
+        )
 
 
 def read_rows(
@@ -304,9 +276,11 @@ def read_rows(
     source: Source,
     row_ranges: Sequence[Tuple[int, int]],
     columns: Optional[Tuple[int, int]],
+    finite: bool = False,
 ) -> torch.Tensor:
     """Rows ``row_ranges`` (concatenated) and ``columns`` (None: all) of our tensor made of
-    ``source``, reading only the needed parts of each HuggingFace tensor."""
+    ``source``, reading only the needed parts of each HuggingFace tensor. ``finite``: a NaN
+    or infinite value is a ValueError naming its HuggingFace tensor and file."""
     pieces = []
     for first, last in row_ranges:
         offset = 0
@@ -321,6 +295,12 @@ def read_rows(
                     pieces.append(reader.read(seg.key, (rows,)))
                 else:
                     pieces.append(reader.read(seg.key, (rows, cols)))
+                if finite and not torch.isfinite(pieces[-1]).all():
+                    raise ValueError(
+                        f"{reader.file_of(seg.key)}: tensor {seg.key!r} holds NaN or infinite "
+                        "values; refusing a broken model (allow_non_finite=True, or import "
+                        "--allow-non-finite, loads it anyway)"
+                    )
             offset += seg.length
     return torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0].contiguous()
 
