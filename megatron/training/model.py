@@ -19,6 +19,7 @@ from megatron.core.distributed import (
 )
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import padded_vocab_size
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.lora import LoRAConfig, apply_lora, lora_modules
@@ -53,7 +54,12 @@ def build_model(
         gpt = GPTModel(
             config=transformer_config,
             transformer_layer_spec=get_gpt_layer_local_spec(normalization=config.normalization),
-            vocab_size=config.vocab_size,
+            vocab_size=padded_vocab_size(
+                config.vocab_size,
+                config.make_vocab_size_divisible_by,
+                layout.tensor_model_parallel_size,
+            ),
+            true_vocab_size=config.vocab_size,
             max_sequence_length=config.max_position_embeddings or config.seq_length,
             pre_process=stage == 0,
             post_process=stage == last_stage,
@@ -81,10 +87,8 @@ def build_model(
                 load_peft_adapter(gpt, config.hf_adapter, arch, lora_config(config))
         if config.compile:
             compile_layers(gpt)
-        if config.bf16 or config.fp16:
+        if config.bf16 or config.fp16:  # adapters too: fp32 main params in the optimizer
             gpt = Float16Module(transformer_config, gpt)
-            for adapter in lora_modules(gpt).values():  # adapters stay float32
-                adapter.float()
         chunks.append(
             DistributedDataParallel(
                 config=transformer_config,
