@@ -68,12 +68,40 @@ class DistributedDataParallel(torch.nn.Module):
         if disable_bucketing or not ddp_config.overlap_grad_reduce:
             bucket_size = None
         self.shard_size = dp_cp_size if ddp_config.use_distributed_optimizer else None
+        dense = [p for p in module.parameters() if p.requires_grad and _is_dense(p)]
+        experts = [p for p in module.parameters() if p.requires_grad and not _is_dense(p)]
         self.buffers = _make_buffers(
-            module, ddp_config.grad_reduce_in_fp32, bucket_size, self.shard_size
+            dense, ddp_config.grad_reduce_in_fp32, bucket_size, self.shard_size
         )
+        for buffer in self.buffers:
+            buffer.group, buffer.pre_scale = self.dp_cp_group, self.pre_scale
+        self.expt_dp_group = None
+        self.expert_buffers: List[GradBuffer] = []
+        if experts:
+            self.expt_dp_group = expert_data_parallel_group(pg_collection, config, dp_cp_size)
+            expt_size = get_pg_size(self.expt_dp_group)
+            if ddp_config.use_distributed_optimizer:
+                raise NotImplementedError(
+                    "DistributedDataParallel: use_distributed_optimizer=True with "
+                    "mixture-of-experts parameters (num_moe_experts) is not supported yet; "
+                    "expected use_distributed_optimizer=False"
+                )
+            # the dense factor: expert gradients are summed over expert DP and divided by
+            # D * C like every other gradient (AVG over expert DP divides by its own size)
+            expert_scale = self.pre_scale
+            if self.average:
+                expert_scale = expt_size / dp_cp_size
+            self.expert_buffers = _make_buffers(
+                experts, ddp_config.grad_reduce_in_fp32, bucket_size, None
+            )
+            for buffer in self.expert_buffers:
+                buffer.group, buffer.pre_scale = self.expt_dp_group, expert_scale
+            self.buffers = self.buffers + self.expert_buffers
         self.param_to_bucket: Dict[torch.nn.Parameter, GradBucket] = {}
         for buffer in self.buffers:
             self.param_to_bucket.update(buffer.param_to_bucket)
+            for bucket in buffer.buckets:
+                bucket.group, bucket.pre_scale = buffer.group, buffer.pre_scale
         self.param_names = {p: n for n, p in module.named_parameters()}
         self.is_last_microbatch = True
         self._hooks = [
@@ -166,11 +194,13 @@ class DistributedDataParallel(torch.nn.Module):
 
     def broadcast_params(self) -> None:
         """Copy parameters from the first rank of the dp x cp group to the others."""
-        if self.dp_cp_group is None or self.dp_cp_group.size() == 1:
-            return
-        src = dist.get_global_rank(self.dp_cp_group, 0)
-        for param in self.module.parameters():
-            dist.broadcast(param.data, src=src, group=self.dp_cp_group)
+        for group, dense in ((self.dp_cp_group, True), (self.expt_dp_group, False)):
+            if group is None or group.size() == 1:
+                continue
+            src = dist.get_global_rank(group, 0)
+            for param in self.module.parameters():
+                if _is_dense(param) == dense:
+                    dist.broadcast(param.data, src=src, group=group)
 
     def state_dict(self, *args, **kwargs):
         """The wrapped module's state dict (parameter gathers in flight finished first)."""
@@ -210,8 +240,8 @@ class DistributedDataParallel(torch.nn.Module):
             self._check_finite(bucket)
         reduce_bucket(
             bucket,
-            self.dp_cp_group,
-            self.pre_scale,
+            bucket.group,
+            bucket.pre_scale,
             self.average,
             async_op=self.ddp_config.overlap_grad_reduce,
             scatter=self.ddp_config.use_distributed_optimizer,
@@ -237,18 +267,38 @@ class DistributedDataParallel(torch.nn.Module):
         return [bucket for buffer in self.buffers for bucket in buffer.buckets]
 
 
+def expert_data_parallel_group(
+    pg_collection: Optional[ProcessGroupCollection], config, dp_cp_size: int
+) -> Optional[dist.ProcessGroup]:
+    """The group expert gradients are summed over: ``pg_collection.expt_dp``, else
+    ``parallel_state``'s expert data-parallel group (MPU fallback). It holds the ranks with
+    the same expert shard, whose tokens together are all of a pipeline stage's tokens."""
+    group = resolve_group("expt_dp", pg_collection=pg_collection)
+    if group is None and (dp_cp_size > 1 or config.tensor_model_parallel_size > 1):
+        raise ValueError(
+            "DistributedDataParallel: the model has expert parameters but pg_collection has "
+            "no expt_dp group (the expert data-parallel group); pass pg_collection.expt_dp"
+        )
+    return group
+
+
+def _is_dense(param: torch.nn.Parameter) -> bool:
+    """Reduced over dp x cp (``allreduce`` unset or True); expert parameters have
+    ``allreduce = False`` and are reduced over expert DP."""
+    return getattr(param, "allreduce", True)
+
+
 def _make_buffers(
-    module, grad_reduce_in_fp32: bool, bucket_size, shard_size: Optional[int]
+    params, grad_reduce_in_fp32: bool, bucket_size, shard_size: Optional[int]
 ) -> List[GradBuffer]:
     """One buffer per gradient dtype (fp32 when ``grad_reduce_in_fp32``), and with the
     distributed optimizer (``shard_size``) per parameter dtype as well (a parameter buffer
     holds one dtype)."""
     by_dtype: Dict[tuple, List[torch.nn.Parameter]] = {}
-    for param in module.parameters():
-        if param.requires_grad:
-            dtype = torch.float32 if grad_reduce_in_fp32 else param.dtype
-            key = (dtype, param.dtype if shard_size is not None else None)
-            by_dtype.setdefault(key, []).append(param)
+    for param in params:
+        dtype = torch.float32 if grad_reduce_in_fp32 else param.dtype
+        key = (dtype, param.dtype if shard_size is not None else None)
+        by_dtype.setdefault(key, []).append(param)
     return [
         GradBuffer(params, dtype, bucket_size, shard_size)
         for (dtype, _), params in by_dtype.items()

@@ -30,6 +30,7 @@ from megatron.core.optimizer.optimizer import (
     MixedPrecisionOptimizer,
 )
 from megatron.core.optimizer.optimizer_config import OptimizerConfig, unsupported_settings
+from megatron.core.utils import get_model_config
 
 __all__ = [
     "OptimizerConfig",
@@ -120,6 +121,11 @@ def get_megatron_optimizer(
     if pg_collection is not None:
         inner.grad_stats_parallel_group = pg_collection.mp
         inner.tp_group = pg_collection.tp
+    if any(getattr(get_model_config(c), "num_moe_experts", None) for c in model_chunks):
+        # expert gradients: their own norm part, over expert tp x ep x pp (MPU fallback)
+        inner.has_expert_params = True
+        if pg_collection is not None:
+            inner.expert_grad_stats_parallel_group = pg_collection.tp_ep_pp
     chained = ChainedOptimizer([inner])
     chained.model_chunks = list(model_chunks)
     return chained
