@@ -121,7 +121,7 @@ def get_megatron_optimizer(
     if pg_collection is not None:
         inner.grad_stats_parallel_group = pg_collection.mp
         inner.tp_group = pg_collection.tp
-    if any(getattr(get_model_config(c), "num_moe_experts", None) for c in model_chunks):
+    if any(_has_experts(chunk) for chunk in model_chunks):
         # expert gradients: their own norm part, over expert tp x ep x pp (MPU fallback)
         inner.has_expert_params = True
         if pg_collection is not None:
@@ -129,6 +129,15 @@ def get_megatron_optimizer(
     chained = ChainedOptimizer([inner])
     chained.model_chunks = list(model_chunks)
     return chained
+
+
+def _has_experts(chunk: torch.nn.Module) -> bool:
+    """Whether a model chunk has routed experts (its config sets ``num_moe_experts``)."""
+    try:
+        config = get_model_config(chunk)
+    except RuntimeError:  # a bare module without a config
+        return False
+    return getattr(config, "num_moe_experts", None) is not None
 
 
 def _grad_scaler(config: OptimizerConfig, device: torch.device):
