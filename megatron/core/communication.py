@@ -21,16 +21,27 @@ Conventions:
   the T row blocks of one output tensor through the list form.
 * ``start_*`` return a ``Pending``: the collective runs while the caller computes;
   ``Pending.wait()`` returns the result. On the GPU this overlaps communication with work.
+* Functions ending in ``_`` work in place on the caller's tensor (gradient buckets,
+  parameter buffers, statistics): ``all_reduce_``, ``broadcast_``,
+  ``start_reduce_scatter_shard_`` and ``start_all_gather_shards_`` (a flat buffer cut into
+  T equal shards, rank r owning shard r, as the distributed optimizer lays it out).
+  ``ReduceOp.AVG`` is emulated where the backend lacks it (SUM, then division by T).
+* Object collectives (``all_gather_object``, ``gather_object``, ``broadcast_object``,
+  ``barrier``) take ``world_group()`` for the default group: ``None`` still means one rank.
+* Point-to-point: ``p2p_op`` builds one send or receive, ``run_p2p`` posts a list of them
+  (batched, or one by one in a deadlock-free order) and waits.
 
 Block order is rank order within ``group``: block r of a gathered tensor is rank r's.
+Nothing else in ``megatron/core`` calls a ``torch.distributed`` collective
+(``tests/unit_tests/test_import_graph.py`` keeps it so, with a short allow-list).
 """
 
-from typing import Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megatron.core.device import comm_device
+from megatron.core.device import comm_device, supports_avg
 from megatron.core.process_groups_config import get_pg_rank, get_pg_size
 
 
@@ -203,3 +214,202 @@ class _KeepAlive:
 
     def wait(self) -> None:
         self.tensor = None
+
+
+# ---------------------------------------------------------------------------------------------
+# in place: statistics, gradient buckets, parameter buffers
+
+
+def all_reduce_(
+    tensor: torch.Tensor, group: Optional[dist.ProcessGroup], op=dist.ReduceOp.SUM
+) -> torch.Tensor:
+    """``tensor <- op over group of tensor``, in place (through the group's device when the
+    tensor lives elsewhere); returns ``tensor``."""
+    return start_all_reduce_(tensor, group, op).wait()
+
+
+def start_all_reduce_(
+    tensor: torch.Tensor, group: Optional[dist.ProcessGroup], op=dist.ReduceOp.SUM
+) -> Pending:
+    """Start ``all_reduce_``; ``wait()`` leaves the result in ``tensor`` (AVG emulated as SUM
+    then ``/ T`` where the backend lacks it) and returns it."""
+    size = get_pg_size(group)
+    if size == 1:
+        return Pending((), lambda: tensor)
+    op, divisor = _native_op(op, group, size)
+    buf, copy_back = _on_comm_device(tensor, group)
+    work = dist.all_reduce(buf, op=op, group=group, async_op=True)
+    return Pending((work,), lambda: _finish_in_place(tensor, buf, copy_back, divisor))
+
+
+def start_reduce_scatter_shard_(
+    flat: torch.Tensor, group: Optional[dist.ProcessGroup], op=dist.ReduceOp.SUM
+) -> Pending:
+    """Start reducing the 1-D ``flat`` (T equal shards) so that shard r of this rank (rank r
+    of ``group``) holds ``op`` over the group of everyone's shard r; ``wait()`` returns the
+    shard. The rest of ``flat`` is scratch: gloo has no reduce-scatter, so there all of
+    ``flat`` is all-reduced (the same sums, T times the traffic)."""
+    size, rank = get_pg_size(group), get_pg_rank(group)
+    if flat.numel() % size != 0:
+        raise ValueError(
+            f"reduce-scatter of a flat buffer: {flat.numel()} elements are not divisible by "
+            f"the group size {size}"
+        )
+    shard = flat.view(size, -1)[rank]
+    if size == 1:
+        return Pending((), lambda: shard)
+    if not is_nccl(group) or flat.device != comm_device(group):
+        reduced = start_all_reduce_(flat, group, op)
+        return Pending((), lambda: (reduced.wait(), shard)[1])
+    op, divisor = _native_op(op, group, size)
+    work = dist.reduce_scatter_tensor(shard, flat, op=op, group=group, async_op=True)
+    return Pending((work,), lambda: shard.div_(divisor) if divisor != 1 else shard)
+
+
+def start_all_gather_shards_(flat: torch.Tensor, group: Optional[dist.ProcessGroup]) -> Pending:
+    """Start filling every shard of the 1-D ``flat`` (T equal shards) with its owner's shard:
+    afterwards ``flat`` is the same on every rank; ``wait()`` returns it."""
+    size, rank = get_pg_size(group), get_pg_rank(group)
+    if size == 1:
+        return Pending((), lambda: flat)
+    pieces = flat.view(size, -1)
+    if is_nccl(group) and flat.device == comm_device(group):
+        work = dist.all_gather_into_tensor(flat, pieces[rank], group=group, async_op=True)
+        return Pending((work,), lambda: flat)
+    if flat.device == comm_device(group):  # gloo: the list form, the input not an output
+        local = pieces[rank].clone()
+        work = dist.all_gather(list(pieces.unbind(0)), local, group=group, async_op=True)
+        return Pending((work, _KeepAlive(local)), lambda: flat)
+    gathered = start_all_gather_along_first_dim(pieces[rank], group)
+    return Pending((), lambda: flat.copy_(gathered.wait().view(-1)))
+
+
+def broadcast_(
+    tensor: torch.Tensor, group: Optional[dist.ProcessGroup], src: int = 0
+) -> torch.Tensor:
+    """``tensor <- rank src's tensor`` (``src``: a rank of ``group``), in place; returns it."""
+    if get_pg_size(group) == 1:
+        return tensor
+    buf, copy_back = _on_comm_device(tensor, group)
+    dist.broadcast(buf, src=dist.get_global_rank(group, src), group=group)
+    return _finish_in_place(tensor, buf, copy_back, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# objects and synchronization
+
+
+def world_group() -> Optional[dist.ProcessGroup]:
+    """The default group when torch.distributed is initialized, else None (one rank)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return None
+
+
+def all_gather_object(obj: Any, group: Optional[dist.ProcessGroup]) -> List[Any]:
+    """Every rank's ``obj`` (picklable), in rank order; ``[obj]`` for one rank."""
+    size = get_pg_size(group)
+    if size == 1:
+        return [obj]
+    out: List[Any] = [None] * size
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def gather_object(obj: Any, group: Optional[dist.ProcessGroup], dst: int = 0) -> Optional[list]:
+    """Every rank's ``obj`` on rank ``dst`` of ``group`` (None on the others)."""
+    size = get_pg_size(group)
+    if size == 1:
+        return [obj]
+    out = [None] * size if get_pg_rank(group) == dst else None
+    dist.gather_object(obj, out, dst=dist.get_global_rank(group, dst), group=group)
+    return out
+
+
+def broadcast_object(obj: Any, group: Optional[dist.ProcessGroup], src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` (picklable) on every rank of ``group``."""
+    if get_pg_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, src), group=group)
+    return box[0]
+
+
+def barrier(group: Optional[dist.ProcessGroup]) -> None:
+    """Wait until every rank of ``group`` gets here."""
+    if get_pg_size(group) > 1:
+        dist.barrier(group=group)
+
+
+# ---------------------------------------------------------------------------------------------
+# point to point
+
+
+def p2p_op(
+    tensor: torch.Tensor,
+    peer: int,
+    group: Optional[dist.ProcessGroup],
+    tag: int = 0,
+    *,
+    is_send: bool,
+) -> dist.P2POp:
+    """One send of ``tensor`` to (or receive into it from) global rank ``peer``; a
+    non-contiguous tensor is sent from a contiguous copy."""
+    if is_send and not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    return dist.P2POp(dist.isend if is_send else dist.irecv, tensor, peer, group, tag=tag)
+
+
+def is_send(op: dist.P2POp) -> bool:
+    """Whether ``op`` (from ``p2p_op``) is a send."""
+    return op.op is dist.isend
+
+
+def run_p2p(
+    ops: Sequence[dist.P2POp], *, batched: bool, sends_first: bool, synchronize: bool = False
+) -> None:
+    """Post ``ops`` and wait for all of them: batched (one ``batch_isend_irecv``), or one by
+    one, sends before receives when ``sends_first`` else receives first (neighbours choose
+    opposite orders, so backends whose sends block until matched cannot deadlock).
+    ``synchronize``: after a batch on the GPU, wait for the device too."""
+    if not ops:
+        return
+    if batched:
+        works = dist.batch_isend_irecv(list(ops))
+    else:
+        sends = [op for op in ops if is_send(op)]
+        recvs = [op for op in ops if not is_send(op)]
+        ordered = sends + recvs if sends_first else recvs + sends
+        works = [op.op(op.tensor, op.peer, group=op.group, tag=op.tag) for op in ordered]
+    for work in works:
+        work.wait()
+    if batched and synchronize:
+        device = ops[0].tensor.device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _native_op(op, group: Optional[dist.ProcessGroup], size: int):
+    """(the op the backend runs, the divisor left to apply): AVG -> (SUM, T) without AVG."""
+    if op == dist.ReduceOp.AVG and not supports_avg(group):
+        return dist.ReduceOp.SUM, size
+    return op, 1
+
+
+def _on_comm_device(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]):
+    """(a contiguous tensor on the group's device to reduce in place, whether the result
+    must be copied back into ``tensor``)."""
+    if tensor.device == comm_device(group) and tensor.is_contiguous():
+        return tensor, False
+    return tensor.to(comm_device(group), copy=True).contiguous(), True
+
+
+def _finish_in_place(tensor, buf, copy_back: bool, divisor: int) -> torch.Tensor:
+    if divisor != 1:
+        buf.div_(divisor)
+    if copy_back:
+        tensor.copy_(buf)
+    return tensor

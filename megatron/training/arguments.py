@@ -1,41 +1,47 @@
-"""The main job's settings: one dataclass whose fields declare their command line, and the
-layout it implies.
+"""The main job's settings: one dataclass whose fields declare their command line.
 
 Each field of ``TrainingConfig`` is declared once, with ``option(default, "--flag", ...,
-help=..., check=...)`` (``megatron.training.options``): its flag (the first one names it in
-errors; later ones are aliases, megatron's long names among them), its help text and the
-check of its own value. The ``argparse`` parser is generated from the fields
-(``build_parser``), and ``command_line`` writes a config back as flags. ``validate_config``
-runs the per-field checks, then the rules between fields (the ones shared with
-``TransformerConfig`` live in ``megatron.core.config_rules``); it rejects impossible layouts
-and combinations with a message naming the flag, the value and what was expected, before any
-process group exists, identically on every rank.
+kind=..., help=..., check=...)`` (``megatron.training.options``): its flag (the first one
+names it in errors; later ones are aliases, megatron's long names among them), its kind
+(model, data, precision, optimizer, layout, output or run: what a resume compares, what the
+one-process comparison resets, what ``--load`` adopts), its help text and the check of its
+own value. The ``argparse`` parser is generated from the fields (``build_parser``), and
+``command_line`` writes a config back as flags. The rules between fields and the layout they
+imply are in ``megatron.training.validation`` (``validate_config``); the derived model
+defaults in ``megatron.training.model_settings`` (``resolved_model``).
 
 Every default (model size, batch sizes, sequence length, iterations) is independent of the
 parallel layout, so two runs that differ only in ``--cp/--pp/--vpp/--nproc-per-node`` train
 on the same data with the same objective. This module imports no torch (the launcher parses
 and checks the command line before starting the workers).
 
-Why one module of ~800 lines: it is the trainer's list of flags (one declaration each, about
-60) followed by the rules between them; a flag and the rules that mention it are meant to be
-read and changed together.
+Why one module of more than 700 lines: it is one concern, the trainer's list of flags (one
+declaration of 5-10 lines each, about 85 of them, in their ``--help`` sections); splitting
+the list would only scatter where a flag is declared.
 """
 
 import argparse
 from dataclasses import Field, dataclass, fields
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 from megatron.core import config_rules
 from megatron.core.config_rules import ATTENTION_BACKENDS, CP_COMM_TYPES, NORMALIZATIONS
 from megatron.training import options
-from megatron.training.errors import UsageError
+from megatron.training.model_settings import resolved_model
 from megatron.training.options import (
+    DATA,
+    LAYOUT,
+    MODEL,
+    OPTIMIZER,
+    OUTPUT,
+    PRECISION,
+    RUN,
     Check,
     Option,
-    check_fields,
     command_line,
     is_int,
     is_number,
+    loss_scale_number,
     non_negative,
     non_negative_number,
     one_of,
@@ -45,6 +51,7 @@ from megatron.training.options import (
     positive_number,
     unit_interval,
 )
+from megatron.training.validation import Layout, validate_config
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
@@ -62,6 +69,7 @@ __all__ = [
     "option",
     "option_of",
     "parse_args",
+    "resolved_model",
     "single_process_config",
     "validate_config",
 ]
@@ -74,6 +82,8 @@ _SECTIONS = {
     "num_layers": "model",
     "train_iters": "optimization",
     "bf16": "mixed precision (docs/mixed_precision.md)",
+    "eval_interval": "validation (docs/lifecycle.md)",
+    "log_interval": "logging (docs/lifecycle.md)",
     "save_metrics": "output and checks",
     "save": "checkpoints (docs/checkpoints.md)",
     "compare_single_process": "output and checks",
@@ -89,6 +99,7 @@ class TrainingConfig:
     nproc_per_node: Optional[int] = option(
         None,
         "--nproc-per-node",
+        kind=LAYOUT,
         type=int,
         metavar="N",
         check=positive,
@@ -99,6 +110,7 @@ class TrainingConfig:
         1,
         "--tp",
         "--tensor-model-parallel-size",
+        kind=LAYOUT,
         metavar="T",
         check=positive,
         help="tensor-parallel size T (heads, FFN and vocabulary split over T ranks)",
@@ -106,12 +118,14 @@ class TrainingConfig:
     sequence_parallel: bool = option(
         False,
         "--sequence-parallel",
+        kind=LAYOUT,
         help="with --tp > 1: norms, dropout and residuals on a 1/T share of the sequence",
     )
     context_parallel_size: int = option(
         1,
         "--cp",
         "--context-parallel-size",
+        kind=LAYOUT,
         metavar="C",
         check=positive,
         help="context-parallel size C (each sequence split into 2C chunks)",
@@ -120,6 +134,7 @@ class TrainingConfig:
         1,
         "--pp",
         "--pipeline-model-parallel-size",
+        kind=LAYOUT,
         metavar="P",
         check=positive,
         help="pipeline-parallel size",
@@ -128,6 +143,7 @@ class TrainingConfig:
         None,
         "--vpp",
         "--num-virtual-stages-per-pipeline-rank",
+        kind=LAYOUT,
         type=int,
         metavar="V",
         check=positive,
@@ -136,6 +152,7 @@ class TrainingConfig:
     distributed_backend: str = option(
         "auto",
         "--distributed-backend",
+        kind=RUN,
         choices=DISTRIBUTED_BACKENDS,
         check=one_of(DISTRIBUTED_BACKENDS),
         help="auto: nccl when every local process has a GPU, else gloo; one process "
@@ -144,6 +161,7 @@ class TrainingConfig:
     cp_comm_type: Union[str, List[str]] = option(
         "all_gather",
         "--cp-comm-type",
+        kind=LAYOUT,
         nargs="+",
         choices=CP_COMM_TYPES,
         metavar="KIND",
@@ -156,6 +174,7 @@ class TrainingConfig:
     hierarchical_context_parallel_sizes: Optional[List[int]] = option(
         None,
         "--hierarchical-context-parallel-sizes",
+        kind=LAYOUT,
         nargs=2,
         type=int,
         metavar=("A", "P"),
@@ -164,24 +183,29 @@ class TrainingConfig:
     )
     # Data and batches.
     micro_batch_size: int = option(
-        2, "--micro-batch-size", check=positive, help="sequences per microbatch"
+        2, "--micro-batch-size", kind=RUN, check=positive, help="sequences per microbatch"
     )
     global_batch_size: int = option(
         8,
         "--global-batch-size",
+        kind=RUN,
         check=positive,
         help="sequences per step, over all data-parallel replicas and microbatches",
     )
-    seq_length: int = option(32, "--seq-length", check=positive, help="tokens per sequence")
+    seq_length: int = option(
+        32, "--seq-length", kind=MODEL, check=positive, help="tokens per sequence"
+    )
     vocab_size: int = option(
         64,
         "--vocab-size",
+        kind=MODEL,
         check=Check("an integer >= 5", lambda v: is_int(v) and v >= 5),
         help="vocabulary size (4 special tokens)",
     )
     data_path: Optional[str] = option(
         None,
         "--data-path",
+        kind=DATA,
         type=str,
         metavar="PATH",
         help="train on a JSONL file (chat 'messages' records rendered with the tokenizer's "
@@ -194,6 +218,7 @@ class TrainingConfig:
     tokenizer: Optional[str] = option(
         None,
         "--tokenizer",
+        kind=MODEL,
         type=str,
         metavar="T",
         help="with --data-path: 'byte-level' (default; UTF-8 bytes, no file), a HuggingFace "
@@ -203,6 +228,7 @@ class TrainingConfig:
     eod_token: Optional[str] = option(
         None,
         "--eod-token",
+        kind=DATA,
         type=str,
         metavar="TOKEN",
         help="the end-of-document token of --tokenizer (appended to text records, used as "
@@ -211,20 +237,26 @@ class TrainingConfig:
     pack_sequences: bool = option(
         False,
         "--pack-sequences",
+        kind=RUN,
         help="pack documents (generated pairs or --data-path records) into rows of "
         "--seq-length tokens (THD format: documents never attend to each other, each "
         "padded to a multiple of 16, padding "
         "and prompts masked out of the loss); needs --micro-batch-size 1",
     )
     # Model.
-    num_layers: int = option(4, "--num-layers", check=positive, help="transformer layers")
-    hidden_size: int = option(32, "--hidden-size", check=positive, help="hidden size (model width)")
+    num_layers: int = option(
+        4, "--num-layers", kind=MODEL, check=positive, help="transformer layers"
+    )
+    hidden_size: int = option(
+        32, "--hidden-size", kind=MODEL, check=positive, help="hidden size (model width)"
+    )
     num_attention_heads: int = option(
-        4, "--num-attention-heads", check=positive, help="attention heads"
+        4, "--num-attention-heads", kind=MODEL, check=positive, help="attention heads"
     )
     num_query_groups: Optional[int] = option(
         None,
         "--num-query-groups",
+        kind=MODEL,
         type=int,
         check=positive,
         help="key/value head groups (grouped-query attention); default: one per head",
@@ -232,6 +264,7 @@ class TrainingConfig:
     ffn_hidden_size: Optional[int] = option(
         None,
         "--ffn-hidden-size",
+        kind=MODEL,
         type=int,
         check=positive,
         help="MLP hidden size; default: 4 x hidden size",
@@ -239,40 +272,52 @@ class TrainingConfig:
     normalization: str = option(
         "LayerNorm",
         "--normalization",
+        kind=MODEL,
         choices=NORMALIZATIONS,
         check=one_of(NORMALIZATIONS),
         help="normalization layer",
     )
     swiglu: bool = option(
-        False, "--swiglu", help="gated MLP silu(x W_gate) * (x W_up) instead of gelu(x W_1)"
+        False,
+        "--swiglu",
+        kind=MODEL,
+        help="gated MLP silu(x W_gate) * (x W_up) instead of gelu(x W_1)",
     )
     position_embedding_type: str = option(
         "learned_absolute",
         "--position-embedding-type",
+        kind=MODEL,
         choices=POSITION_EMBEDDING_TYPES,
         check=one_of(POSITION_EMBEDDING_TYPES),
         help="learned absolute positions or rotary embeddings",
     )
     disable_bias_linear: bool = option(
-        False, "--disable-bias-linear", help="no biases in the linear layers"
+        False, "--disable-bias-linear", kind=MODEL, help="no biases in the linear layers"
     )
     label_smoothing: float = option(
         0.0,
         "--label-smoothing",
+        kind=RUN,
         check=Check("in [0, 1)", config_rules.label_smoothing_allowed),
         help="label smoothing of the cross-entropy over the whole vocabulary",
     )
     init_method_std: float = option(
-        0.02, "--init-method-std", check=non_negative_number, help="std of initial weights"
+        0.02,
+        "--init-method-std",
+        kind=RUN,
+        check=non_negative_number,
+        help="std of initial weights",
     )
     untie_embeddings_and_output_weights: bool = option(
         False,
         "--untie-embeddings-and-output-weights",
+        kind=MODEL,
         help="separate output layer (default: tied to the word embeddings)",
     )
     kv_channels: Optional[int] = option(
         None,
         "--kv-channels",
+        kind=MODEL,
         type=int,
         check=positive,
         help="size of each attention head; default: hidden size / attention heads",
@@ -280,40 +325,50 @@ class TrainingConfig:
     max_position_embeddings: Optional[int] = option(
         None,
         "--max-position-embeddings",
+        kind=MODEL,
         type=int,
         check=positive,
         help="rows of the learned position table (learned_absolute); default: --seq-length",
     )
     norm_epsilon: float = option(
-        1e-5, "--norm-epsilon", check=positive_number, help="epsilon of LayerNorm / RMSNorm"
+        1e-5,
+        "--norm-epsilon",
+        kind=MODEL,
+        check=positive_number,
+        help="epsilon of LayerNorm / RMSNorm",
     )
     rotary_base: float = option(
-        10000.0, "--rotary-base", check=positive_number, help="RoPE base (rope_theta)"
+        10000.0, "--rotary-base", kind=MODEL, check=positive_number, help="RoPE base (rope_theta)"
     )
     use_rope_scaling: bool = option(
         False,
         "--use-rope-scaling",
+        kind=MODEL,
         help="Llama 3.x RoPE frequency scaling (by --rope-scaling-factor)",
     )
     rope_scaling_factor: float = option(
         8.0,
         "--rope-scaling-factor",
+        kind=MODEL,
         check=positive_number,
         help="--use-rope-scaling: the factor long wavelengths are divided by",
     )
     add_qkv_bias: bool = option(
         False,
         "--add-qkv-bias",
+        kind=MODEL,
         help="biases on the query/key/value projection even with --disable-bias-linear (Qwen2)",
     )
     openai_gelu: bool = option(
         False,
         "--openai-gelu",
+        kind=MODEL,
         help="GELU's tanh approximation (OpenAI's, GPT-2's gelu_new) instead of the exact one",
     )
     attention_backend: str = option(
         "auto",
         "--attention-backend",
+        kind=RUN,
         choices=ATTENTION_BACKENDS,
         check=one_of(ATTENTION_BACKENDS),
         help="attention kernel: auto (the one PyTorch's scaled_dot_product_attention picks for "
@@ -323,6 +378,7 @@ class TrainingConfig:
     window_size: Optional[List[int]] = option(
         None,
         "--window-size",
+        kind=MODEL,
         nargs=2,
         type=int,
         metavar=("LEFT", "RIGHT"),
@@ -335,6 +391,7 @@ class TrainingConfig:
     hf_model: Optional[str] = option(
         None,
         "--hf-model",
+        kind=RUN,
         type=str,
         metavar="DIR",
         help="start from a HuggingFace model (config.json + safetensors: Llama, Mistral, "
@@ -343,32 +400,43 @@ class TrainingConfig:
         "and with --data-path its tokenizer is the default --tokenizer",
     )
     # Optimization.
-    train_iters: int = option(20, "--train-iters", check=positive, help="training iterations")
-    lr: float = option(3e-3, "--lr", check=positive_number, help="peak Adam learning rate")
+    train_iters: int = option(
+        20, "--train-iters", kind=OPTIMIZER, check=positive, help="training iterations"
+    )
+    lr: float = option(
+        3e-3, "--lr", kind=OPTIMIZER, check=positive_number, help="peak Adam learning rate"
+    )
     adam_beta1: float = option(
-        0.9, "--adam-beta1", check=unit_interval, help="Adam's first-moment decay"
+        0.9, "--adam-beta1", kind=OPTIMIZER, check=unit_interval, help="Adam's first-moment decay"
     )
     adam_beta2: float = option(
-        0.999, "--adam-beta2", check=unit_interval, help="Adam's second-moment decay"
+        0.999,
+        "--adam-beta2",
+        kind=OPTIMIZER,
+        check=unit_interval,
+        help="Adam's second-moment decay",
     )
     adam_eps: float = option(
         1e-8,
         "--adam-eps",
+        kind=OPTIMIZER,
         check=positive_number,
         help="Adam's epsilon added to the root of the second moment",
     )
     weight_decay: float = option(
         0.0,
         "--weight-decay",
+        kind=OPTIMIZER,
         check=non_negative_number,
         help="decoupled weight decay (AdamW)",
     )
     lr_warmup_iters: int = option(
-        0, "--lr-warmup-iters", check=non_negative, help="linear warm-up from 0"
+        0, "--lr-warmup-iters", kind=OPTIMIZER, check=non_negative, help="linear warm-up from 0"
     )
     lr_decay_style: str = option(
         "constant",
         "--lr-decay-style",
+        kind=OPTIMIZER,
         choices=LR_DECAY_STYLES,
         check=one_of(LR_DECAY_STYLES),
         help="learning-rate decay after warm-up, down to --min-lr at --train-iters",
@@ -376,24 +444,28 @@ class TrainingConfig:
     min_lr: float = option(
         0.0,
         "--min-lr",
+        kind=OPTIMIZER,
         check=non_negative_number,
         help="learning rate at the end of the decay",
     )
     clip_grad: float = option(
         1.0,
         "--clip-grad",
-        check=Check(">= 0 (0 disables)", lambda v: is_number(v) and v >= 0),
+        kind=OPTIMIZER,
+        check=Check("a finite number >= 0 (0 disables)", lambda v: is_number(v) and v >= 0),
         help="gradient-norm clipping threshold, 0: off",
     )
     calculate_per_token_loss: bool = option(
         False,
         "--calculate-per-token-loss",
+        kind=RUN,
         help="train sum(loss)/sum(tokens) over the global batch instead of the mean over "
         "microbatches of each microbatch's token mean",
     )
     per_shard_loss_normalization: bool = option(
         False,
         "--per-shard-loss-normalization",
+        kind=RUN,
         help="negative control: train megatron-core 0.16.1's objective, each CP shard's "
         "loss divided by its own valid-token count and averaged over shards; with --cp > 1 "
         "on prompt-masked data it drifts from the one-process run",
@@ -401,11 +473,13 @@ class TrainingConfig:
     overlap_grad_reduce: bool = option(
         False,
         "--overlap-grad-reduce",
+        kind=RUN,
         help="reduce gradient buckets asynchronously during the backward",
     )
     use_distributed_optimizer: bool = option(
         False,
         "--use-distributed-optimizer",
+        kind=RUN,
         help="ZeRO-1: gradients reduce-scattered over data x context parallel ranks, fp32 "
         "main parameters and Adam state kept for this rank's shard only, parameters "
         "all-gathered after the step (docs/memory.md)",
@@ -413,6 +487,7 @@ class TrainingConfig:
     overlap_param_gather: bool = option(
         False,
         "--overlap-param-gather",
+        kind=RUN,
         help="with --use-distributed-optimizer: all-gather the updated parameters "
         "asynchronously, each module's forward waiting for its own bucket",
     )
@@ -420,6 +495,7 @@ class TrainingConfig:
     recompute_granularity: Optional[str] = option(
         None,
         "--recompute-granularity",
+        kind=RUN,
         choices=config_rules.RECOMPUTE_GRANULARITIES,
         help="recompute activations in the backward: full (whole layers, with "
         "--recompute-method and --recompute-num-layers) or selective (--recompute-modules)",
@@ -427,6 +503,7 @@ class TrainingConfig:
     recompute_method: Optional[str] = option(
         None,
         "--recompute-method",
+        kind=RUN,
         choices=config_rules.RECOMPUTE_METHODS,
         help="with --recompute-granularity full: uniform (groups of --recompute-num-layers "
         "layers, one checkpoint each) or block (the first --recompute-num-layers layers of "
@@ -435,6 +512,7 @@ class TrainingConfig:
     recompute_num_layers: Optional[int] = option(
         None,
         "--recompute-num-layers",
+        kind=RUN,
         type=int,
         metavar="N",
         help="layers per checkpoint (uniform) or layers checkpointed per chunk (block)",
@@ -442,6 +520,7 @@ class TrainingConfig:
     recompute_modules: Optional[List[str]] = option(
         None,
         "--recompute-modules",
+        kind=RUN,
         nargs="+",
         choices=config_rules.RECOMPUTE_MODULES,
         metavar="MODULE",
@@ -451,12 +530,14 @@ class TrainingConfig:
     gradient_accumulation_fusion: bool = option(
         False,
         "--gradient-accumulation-fusion",
+        kind=RUN,
         help="linear layers add their weight gradients into the fp32 main_grad inside the "
         "GEMM (megatron-core's gradient_accumulation_fusion)",
     )
     compile: bool = option(
         False,
         "--compile",
+        kind=RUN,
         help="torch.compile each transformer layer and the loss (an extra of this trainer; "
         "megatron-core's fusion switches are set too): the same math, fewer memory passes "
         "(docs/mixed_precision.md)",
@@ -464,6 +545,7 @@ class TrainingConfig:
     seed: int = option(
         1234,
         "--seed",
+        kind=RUN,
         check=non_negative,
         help="seed of the weights and of the generated data",
     )
@@ -471,38 +553,150 @@ class TrainingConfig:
     bf16: bool = option(
         False,
         "--bf16",
+        kind=PRECISION,
         help="bf16 weights and activations (Float16Module), fp32 main_grad and fp32 main "
         "parameters in the optimizer, loss in fp32",
     )
     fp16: bool = option(
-        False, "--fp16", help="as --bf16 in fp16, with dynamic loss scaling (below)"
+        False, "--fp16", kind=PRECISION, help="as --bf16 in fp16, with dynamic loss scaling (below)"
     )
     loss_scale: Optional[float] = option(
         None,
         "--loss-scale",
+        kind=OPTIMIZER,
         type=float,
-        check=positive_number,
+        check=loss_scale_number,
         help="a fixed loss scale instead of --fp16's dynamic one",
     )
     initial_loss_scale: float = option(
-        2.0**32, "--initial-loss-scale", check=positive_number, help="--fp16: the first scale"
+        2.0**32,
+        "--initial-loss-scale",
+        kind=OPTIMIZER,
+        check=loss_scale_number,
+        help="--fp16: the first scale",
     )
     min_loss_scale: float = option(
-        1.0, "--min-loss-scale", check=positive_number, help="--fp16: the smallest scale"
+        1.0,
+        "--min-loss-scale",
+        kind=OPTIMIZER,
+        check=loss_scale_number,
+        help="--fp16: the smallest scale",
     )
     loss_scale_window: float = option(
         1000.0,
         "--loss-scale-window",
-        check=Check(">= 1", lambda v: is_number(v) and v >= 1),
+        kind=OPTIMIZER,
+        check=Check("a finite number >= 1", lambda v: is_number(v) and v >= 1),
         help="--fp16: clean steps before the scale doubles",
     )
     hysteresis: int = option(
-        2, "--hysteresis", check=positive, help="--fp16: overflowing steps before it halves"
+        2,
+        "--hysteresis",
+        kind=OPTIMIZER,
+        check=positive,
+        help="--fp16: overflowing steps before it halves",
+    )
+    check_for_nan_in_loss_and_grad: bool = option(
+        True,
+        "--no-check-for-nan-in-loss-and-grad",
+        kind=RUN,
+        help="train on after an iteration whose loss or (unscaled) gradient norm is NaN or "
+        "inf; by default the run stops there naming the iteration (an fp16 overflow that "
+        "loss scaling skips is not stopped)",
+    )
+    # Validation (megatron's flags; docs/lifecycle.md).
+    eval_interval: Optional[int] = option(
+        None,
+        "--eval-interval",
+        kind=RUN,
+        type=int,
+        metavar="N",
+        check=positive,
+        help="compute the validation loss every N iterations (and after the last one)",
+    )
+    eval_iters: int = option(
+        100,
+        "--eval-iters",
+        kind=RUN,
+        metavar="K",
+        check=Check("an integer >= -1", lambda v: is_int(v) and v >= -1),
+        help="global batches per validation pass (the first K of the validation set, "
+        "fewer when it is smaller); -1: the whole validation set once; 0: no validation",
+    )
+    valid_data_path: Optional[str] = option(
+        None,
+        "--valid-data-path",
+        kind=RUN,
+        type=str,
+        metavar="PATH",
+        help="validation data (the forms of --data-path: JSONL, chat, indexed), every "
+        "record in file order",
+    )
+    split: Optional[str] = option(
+        None,
+        "--split",
+        kind=DATA,
+        type=str,
+        metavar="TRAIN,VALID,TEST",
+        help="split --data-path's records by weight, in file order (megatron's form, e.g. "
+        "969,30,1): the first part trains, the second validates, the third is held out; "
+        "the same for every layout and seed",
+    )
+    skip_train: bool = option(
+        False,
+        "--skip-train",
+        kind=RUN,
+        help="only evaluate: the validation loss of --load's checkpoint or --hf-model, then "
+        "exit",
+    )
+    # Logging (megatron's flags; docs/lifecycle.md).
+    log_interval: int = option(
+        100,
+        "--log-interval",
+        kind=OUTPUT,
+        check=positive,
+        help="iterations between TensorBoard / W&B training scalars (validation results are "
+        "always logged) and, with --no-progress, between console lines",
+    )
+    tensorboard_dir: Optional[str] = option(
+        None,
+        "--tensorboard-dir",
+        kind=OUTPUT,
+        type=str,
+        metavar="DIR",
+        help="write TensorBoard event files to DIR (megatron's scalar names: lm loss, lm loss "
+        "validation, learning-rate, grad-norm, ...; the 'tensorboard' extra)",
+    )
+    wandb_project: Optional[str] = option(
+        None,
+        "--wandb-project",
+        kind=OUTPUT,
+        type=str,
+        metavar="NAME",
+        help="log the same scalars to this Weights & Biases project (the 'wandb' extra; "
+        "WANDB_MODE=offline writes the run locally)",
+    )
+    wandb_exp_name: Optional[str] = option(
+        None,
+        "--wandb-exp-name",
+        kind=OUTPUT,
+        type=str,
+        metavar="NAME",
+        help="the W&B run's name",
+    )
+    wandb_save_dir: Optional[str] = option(
+        None,
+        "--wandb-save-dir",
+        kind=OUTPUT,
+        type=str,
+        metavar="DIR",
+        help="where W&B keeps its run files; default: --save DIR/wandb, else ./wandb",
     )
     # Output and checks.
     save_metrics: Optional[str] = option(
         None,
         "--save-metrics",
+        kind=OUTPUT,
         type=str,
         metavar="DIR",
         help="write DIR/metrics.jsonl (one line per iteration) and DIR/loss.png (loss, "
@@ -511,6 +705,7 @@ class TrainingConfig:
     save: Optional[str] = option(
         None,
         "--save",
+        kind=OUTPUT,
         type=str,
         metavar="DIR",
         help="save checkpoints to DIR/iter_NNNNNNN (every --save-interval iterations and at "
@@ -519,6 +714,7 @@ class TrainingConfig:
     load: Optional[str] = option(
         None,
         "--load",
+        kind=OUTPUT,
         type=str,
         metavar="DIR",
         help="resume from the newest complete checkpoint in DIR, or from DIR itself when it "
@@ -529,6 +725,7 @@ class TrainingConfig:
     export_hf: Optional[str] = option(
         None,
         "--export-hf",
+        kind=OUTPUT,
         type=str,
         metavar="DIR",
         help="write the trained model to DIR in HuggingFace format (config.json + "
@@ -537,6 +734,7 @@ class TrainingConfig:
     save_interval: Optional[int] = option(
         None,
         "--save-interval",
+        kind=OUTPUT,
         type=int,
         check=positive,
         help="iterations between checkpoints",
@@ -544,6 +742,7 @@ class TrainingConfig:
     ckpt_step: Optional[int] = option(
         None,
         "--ckpt-step",
+        kind=OUTPUT,
         type=int,
         metavar="N",
         check=non_negative,
@@ -552,46 +751,55 @@ class TrainingConfig:
     finetune: bool = option(
         False,
         "--finetune",
+        kind=OUTPUT,
         help="with --load: load the model weights only (no optimizer, scheduler or RNG "
         "state) and start at iteration 0; --data-path may differ from the saved run's",
     )
     no_load_optim: bool = option(
         False,
         "--no-load-optim",
+        kind=OUTPUT,
         help="with --load: do not load the optimizer and scheduler state",
     )
     no_load_rng: bool = option(
-        False, "--no-load-rng", help="with --load: do not restore the RNG states"
+        False, "--no-load-rng", kind=OUTPUT, help="with --load: do not restore the RNG states"
     )
     exit_on_missing_checkpoint: bool = option(
         False,
         "--exit-on-missing-checkpoint",
+        kind=OUTPUT,
         help="with --load DIR --save DIR: an error instead of starting from scratch when DIR "
         "holds no checkpoint yet (any other --load without a checkpoint is an error anyway)",
     )
     compare_single_process: bool = option(
         False,
         "--compare-single-process",
+        kind=OUTPUT,
         help="also train on one process and compare the losses per iteration; exit 1 when "
         "they differ by more than --compare-tolerance",
     )
     compare_tolerance: Optional[float] = option(
         None,
         "--compare-tolerance",
+        kind=OUTPUT,
         type=float,
         check=non_negative_number,
-        help="largest accepted |loss difference| per iteration; default 1e-4 in fp32, and "
-        "with --bf16/--fp16 three times the largest difference between the one-process run "
-        "in that precision and in fp32 (the precision's own rounding)",
+        help="largest accepted |loss difference| at every iteration; default: in fp32 1e-4, "
+        "or 10x the one-process run's own sensitivity when larger (a second one-process "
+        "run with perturbed initial weights; docs/lifecycle.md), and with --bf16/--fp16 "
+        "three times the largest difference between the one-process run in that precision "
+        "and in fp32 (the precision's own rounding)",
     )
     progress: bool = option(
         True,
         "--no-progress",
+        kind=RUN,
         help="hide the progress bar (rank 0 shows one by default)",
     )
     debug: bool = option(
         False,
         "--debug",
+        kind=RUN,
         help="show the traceback of every error (also MEGATRON_DEBUG=1); without it an "
         "error in a flag, a file or the data is printed once, as one line",
     )
@@ -605,377 +813,13 @@ def flag_of(name: str) -> str:
 _FIELDS: Dict[str, Field] = {f.name: f for f in fields(TrainingConfig)}
 
 
-@dataclass(frozen=True)
-class Layout:
-    """A run's parallel layout: world = TP * CP * PP * DP; M microbatches per replica per
-    step."""
-
-    world_size: int
-    context_parallel_size: int
-    pipeline_model_parallel_size: int
-    virtual_pipeline_model_parallel_size: Optional[int]
-    data_parallel_size: int
-    num_microbatches: int
-    tensor_model_parallel_size: int = 1
-    sequence_parallel: bool = False
-    hierarchical_context_parallel_sizes: Optional[Tuple[int, ...]] = None
-
-    @property
-    def hierarchical_sizes(self) -> Optional[List[int]]:
-        """``hierarchical_context_parallel_sizes`` as the list megatron-core takes, or None."""
-        sizes = self.hierarchical_context_parallel_sizes
-        return None if sizes is None else list(sizes)
-
-    @property
-    def name(self) -> str:
-        """Short name, e.g. ``cp2-pp2-vpp2-dp1`` or ``tp2-sp-cp2-pp1-dp1``."""
-        vpp = self.virtual_pipeline_model_parallel_size
-        tp = self.tensor_model_parallel_size
-        return (
-            f"{f'tp{tp}-' if tp > 1 else ''}{'sp-' if self.sequence_parallel else ''}"
-            f"cp{self.context_parallel_size}-pp{self.pipeline_model_parallel_size}"
-            f"{f'-vpp{vpp}' if vpp else ''}-dp{self.data_parallel_size}"
-        )
-
-
-def validate_config(config: TrainingConfig, world_size: int) -> Layout:
-    """The layout of ``config`` on ``world_size`` processes, or ValueError saying why not.
-
-    First each option's own check (``option(..., check=...)``), then the rules between
-    options. DP = world / (TP * CP * PP); M = GBS / (micro batch * DP). Rules: world
-    divisible by TP * CP * PP; seq_length divisible by 2 * CP (load-balanced CP split), times
-    TP under sequence parallelism; heads, query groups, FFN size and vocabulary divisible by
-    TP; sequence parallelism only with TP > 1; layers divisible by PP * VPP; GBS divisible by
-    micro batch * DP; VPP only with PP >= 2 and a microbatch count the interleaved schedule
-    can run; the cp_comm_type rules; combinations of options that one of them would ignore.
-    """
-    c = config
-    _require(
-        is_int(world_size) and world_size >= 1,
-        f"--nproc-per-node must be an integer >= 1, got {world_size}",
-    )
-    check_fields(c)
-    tp, cp, pp, vpp = (
-        c.tensor_model_parallel_size,
-        c.context_parallel_size,
-        c.pipeline_model_parallel_size,
-        c.virtual_pipeline_model_parallel_size,
-    )
-    model_parallel = tp * cp * pp
-    sizes = f"--cp {cp} x --pp {pp}" if tp == 1 else f"--tp {tp} x --cp {cp} x --pp {pp}"
-    _require(
-        world_size % model_parallel == 0,
-        f"world size {world_size} is not divisible by {sizes} = {model_parallel}; "
-        f"use a multiple of {model_parallel} processes",
-    )
-    dp = world_size // model_parallel
-    _require(
-        c.seq_length >= 4 and c.seq_length % (2 * cp) == 0,
-        f"--seq-length {c.seq_length} must be >= 4 and divisible by 2 x --cp = {2 * cp} "
-        f"(context parallelism splits each sequence into 2C equal chunks)",
-    )
-    _check_tensor_parallel(c)
-    if vpp is not None:
-        _require(pp >= 2, f"--vpp {vpp} needs pipeline parallelism: --pp must be >= 2, got {pp}")
-    chunks = pp * (vpp or 1)
-    _require(
-        c.num_layers % chunks == 0,
-        f"--num-layers {c.num_layers} is not divisible among {chunks} pipeline chunks "
-        f"(--pp {pp} x --vpp {vpp or 1}); use a multiple of {chunks} layers",
-    )
-    _require(
-        c.kv_channels is not None or c.hidden_size % c.num_attention_heads == 0,
-        f"--hidden-size {c.hidden_size} is not divisible by --num-attention-heads "
-        f"{c.num_attention_heads}",
-    )
-    per_step = c.micro_batch_size * dp
-    _require(
-        c.global_batch_size % per_step == 0,
-        f"--global-batch-size {c.global_batch_size} is not divisible by --micro-batch-size "
-        f"{c.micro_batch_size} x data-parallel size {dp} = {per_step}",
-    )
-    num_microbatches = c.global_batch_size // per_step
-    if vpp is not None:
-        # Imported here: the self-launching process checks layouts without importing torch.
-        from megatron.core.pipeline_parallel.schedules import interleaved_schedule_table
-
-        try:
-            interleaved_schedule_table(num_microbatches, vpp, pp, pp)
-        except ValueError as exc:
-            raise UsageError(
-                f"--vpp {vpp}: {num_microbatches} microbatches per data-parallel replica "
-                f"(--global-batch-size {c.global_batch_size} / (--micro-batch-size "
-                f"{c.micro_batch_size} x DP {dp})) cannot be interleaved: {exc}"
-            ) from None
-    _check_cp_comm_type(c)
-    if c.pack_sequences:
-        _check_packing(c)
-    _check_combinations(c)
-    hierarchical = c.hierarchical_context_parallel_sizes
-    return Layout(
-        world_size,
-        cp,
-        pp,
-        vpp,
-        dp,
-        num_microbatches,
-        tp,
-        c.sequence_parallel,
-        None if hierarchical is None else tuple(hierarchical),
-    )
-
-
-def _check_combinations(c: TrainingConfig) -> None:
-    """Options that need, or exclude, another one (so none is silently ignored)."""
-    _require(
-        not c.overlap_param_gather or c.use_distributed_optimizer,
-        "--overlap-param-gather only supported with distributed optimizer: add "
-        "--use-distributed-optimizer",
-    )
-    recompute = config_rules.recompute_problems(
-        c.recompute_granularity,
-        c.recompute_method,
-        c.recompute_num_layers,
-        c.recompute_modules,
-        c.num_layers // c.pipeline_model_parallel_size,
-        name=lambda field: "--" + field.replace("_", "-"),
-    )
-    _require(not recompute, "; ".join(recompute))
-    _require(
-        c.recompute_modules is None or c.recompute_granularity == "selective",
-        f"--recompute-modules {' '.join(c.recompute_modules or [])} needs "
-        f"--recompute-granularity selective (got {c.recompute_granularity})",
-    )
-    _require(
-        not (c.per_shard_loss_normalization and c.calculate_per_token_loss),
-        "--per-shard-loss-normalization emulates the averaged mode; it cannot be combined "
-        "with --calculate-per-token-loss",
-    )
-    _require(
-        c.save_interval is None or c.save is not None,
-        f"--save-interval {c.save_interval} needs --save DIR",
-    )
-    for name in (
-        "ckpt_step",
-        "finetune",
-        "no_load_optim",
-        "no_load_rng",
-        "exit_on_missing_checkpoint",
-    ):
-        value = getattr(c, name)
-        _require(
-            value is None or value is False or c.load is not None,
-            f"{option_of(_FIELDS[name]).flag}"
-            f"{'' if isinstance(value, bool) else f' {value}'} needs --load DIR "
-            "(nothing is loaded)",
-        )
-    _require(
-        not (c.compare_single_process and c.load),
-        "--compare-single-process compares a whole run from iteration 1; it cannot be "
-        f"combined with --load {c.load}",
-    )
-    _require(
-        c.lr_warmup_iters < c.train_iters,
-        f"--lr-warmup-iters must be >= 0 and < --train-iters {c.train_iters}, "
-        f"got {c.lr_warmup_iters}",
-    )
-    _require(c.min_lr <= c.lr, f"--min-lr must be in [0, --lr {c.lr}], got {c.min_lr}")
-    _require(
-        c.tokenizer is None or c.data_path is not None,
-        f"--tokenizer {c.tokenizer!r} needs --data-path (the generated data has its own ids)",
-    )
-    _require(
-        c.eod_token is None or c.tokenizer not in (None, "byte-level"),
-        f"--eod-token {c.eod_token!r} needs --tokenizer DIR_OR_tokenizer.json (the byte-level "
-        "tokenizer's end-of-document id is fixed)",
-    )
-    _require(
-        c.data_path is None or c.vocab_size == _FIELDS["vocab_size"].default or c.hf_model,
-        f"--vocab-size {c.vocab_size} is not used with --data-path: the vocabulary is the "
-        "tokenizer's (see --tokenizer); leave --vocab-size out",
-    )
-    _require(
-        c.min_lr == 0 or c.lr_decay_style != "constant",
-        f"--min-lr {c.min_lr} is the end of a decay, but --lr-decay-style constant keeps "
-        "--lr; use --lr-decay-style linear or cosine, or leave --min-lr out",
-    )
-    _require(
-        c.compare_single_process or c.compare_tolerance == _FIELDS["compare_tolerance"].default,
-        f"--compare-tolerance {c.compare_tolerance} needs --compare-single-process",
-    )
-    _require(not (c.bf16 and c.fp16), "--bf16 and --fp16 were both given; expected at most one")
-    _require(
-        c.position_embedding_type == "learned_absolute" or c.max_position_embeddings is None,
-        f"--max-position-embeddings {c.max_position_embeddings} sizes the learned position "
-        "table; --position-embedding-type rope has none",
-    )
-    _require(
-        c.position_embedding_type != "learned_absolute"
-        or (c.max_position_embeddings or c.seq_length) >= c.seq_length,
-        f"--seq-length {c.seq_length} is longer than the learned position table "
-        f"(--max-position-embeddings {c.max_position_embeddings})",
-    )
-    _require(
-        c.position_embedding_type == "rope"
-        or not (c.use_rope_scaling or c.rotary_base != _FIELDS["rotary_base"].default),
-        "--use-rope-scaling and --rotary-base need --position-embedding-type rope",
-    )
-    _require(
-        c.use_rope_scaling or c.rope_scaling_factor == _FIELDS["rope_scaling_factor"].default,
-        f"--rope-scaling-factor {c.rope_scaling_factor} needs --use-rope-scaling",
-    )
-    _require(not (c.openai_gelu and c.swiglu), "--openai-gelu and --swiglu exclude each other")
-    _require(
-        c.min_loss_scale <= c.initial_loss_scale,
-        f"--min-loss-scale {c.min_loss_scale} must be <= --initial-loss-scale "
-        f"{c.initial_loss_scale}",
-    )
-    dynamic = [
-        flag_of(name)
-        for name in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
-        if getattr(c, name) != _FIELDS[name].default
-    ]
-    _require(
-        c.fp16 or not dynamic,
-        f"{', '.join(dynamic)} set the dynamic loss scaling of --fp16, which is not given",
-    )
-
-
-def _check_packing(c: TrainingConfig) -> None:
-    """--pack-sequences: one packed row per microbatch, documents padded to a multiple of
-    PACK_PAD_MULTIPLE that the 2C context-parallel chunks divide."""
-    # Imported here: the self-launching process checks layouts without importing torch.
-    from megatron.training.data import PACK_PAD_MULTIPLE
-
-    cp = c.context_parallel_size
-    _require(
-        c.micro_batch_size == 1,
-        f"--pack-sequences packs documents into one row per microbatch: "
-        f"--micro-batch-size must be 1, got {c.micro_batch_size}",
-    )
-    _require(
-        c.seq_length % PACK_PAD_MULTIPLE == 0 and PACK_PAD_MULTIPLE % (2 * cp) == 0,
-        f"--pack-sequences pads documents to a multiple of {PACK_PAD_MULTIPLE}: "
-        f"--seq-length ({c.seq_length}) must be a multiple of it and 2 x --cp "
-        f"({2 * cp}) must divide it",
-    )
-
-
-def _check_cp_comm_type(c: TrainingConfig) -> None:
-    """--cp-comm-type: one kind or one per layer; a2a splits each tensor-parallel rank's
-    heads over CP, a2a+p2p over the first of --hierarchical-context-parallel-sizes [A, P]
-    (A x P = CP), which only a2a+p2p uses."""
-    kinds = config_rules.cp_comm_kinds(c.cp_comm_type)
-    _require(
-        config_rules.cp_comm_type_length_ok(c.cp_comm_type, c.num_layers),
-        f"--cp-comm-type takes one kind or one per layer (--num-layers {c.num_layers}), got "
-        f"{len(kinds)}: {kinds}",
-    )
-    bad = config_rules.unknown_cp_comm_types(c.cp_comm_type) + [k for k in kinds if k is None]
-    _require(not bad, f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got {bad}")
-    tp, cp = c.tensor_model_parallel_size, c.context_parallel_size
-    _require(
-        cp > 1 or set(kinds) == {_FIELDS["cp_comm_type"].default},
-        f"--cp-comm-type {' '.join(map(str, kinds))} chooses how context-parallel attention "
-        f"exchanges keys and values, but --cp is {cp}: nothing is exchanged; use --cp > 1 "
-        "or leave --cp-comm-type out",
-    )
-    hierarchical = c.hierarchical_context_parallel_sizes
-    if hierarchical is not None:
-        _require(
-            config_rules.hierarchical_sizes_valid(hierarchical)
-            and len(hierarchical) == 2
-            and config_rules.hierarchical_sizes_product(hierarchical) == cp,
-            f"--hierarchical-context-parallel-sizes takes two sizes [A, P] with A x P = --cp "
-            f"{cp}, got {hierarchical!r}",
-        )
-        _require(
-            "a2a+p2p" in kinds,
-            f"--hierarchical-context-parallel-sizes {' '.join(map(str, hierarchical))} is "
-            f"used only by --cp-comm-type a2a+p2p; got --cp-comm-type "
-            f"{' '.join(map(str, kinds))}: drop the sizes or use a2a+p2p",
-        )
-    _require(
-        "a2a+p2p" not in kinds or cp == 1 or hierarchical is not None,
-        f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P (A x P = --cp "
-        f"{cp}): heads all-to-all within A ranks, the ring over P",
-    )
-    heads, groups = c.num_attention_heads, c.num_query_groups or c.num_attention_heads
-    for kind, split, flag in (("a2a", cp, "--cp"), ("a2a+p2p", (hierarchical or [1])[0], "A")):
-        _require(
-            kind not in kinds or (heads % (tp * split) == 0 and groups % (tp * split) == 0),
-            f"--cp-comm-type {kind} splits each tensor-parallel rank's heads over {flag}: "
-            f"--num-attention-heads ({heads}) and the query groups ({groups}) must be "
-            f"divisible by --tp x {flag} = {tp * split}",
-        )
-
-
-def _check_tensor_parallel(c: TrainingConfig) -> None:
-    """The sizes TP splits (heads, query groups, FFN, vocabulary: the shared rule of
-    ``config_rules``); the sequence under sequence parallelism (2C chunks, each split over
-    TP); an even head size for rotary embeddings."""
-    tp, cp = c.tensor_model_parallel_size, c.context_parallel_size
-    _require(
-        config_rules.sequence_parallel_allowed(c.sequence_parallel, tp),
-        f"--sequence-parallel needs tensor parallelism: --tp must be > 1, got {tp}",
-    )
-    heads = c.num_attention_heads
-    groups = heads if c.num_query_groups is None else c.num_query_groups
-    _require(
-        config_rules.is_positive_multiple(heads, groups),
-        f"--num-query-groups {groups} must be an integer >= 1 dividing --num-attention-heads "
-        f"{heads}",
-    )
-    ffn = 4 * c.hidden_size if c.ffn_hidden_size is None else c.ffn_hidden_size
-    splits = {
-        "num_attention_heads": heads,
-        "num_query_groups": groups,
-        "ffn_hidden_size": ffn,
-        "vocab_size": c.vocab_size,
-    }
-    for name, value in config_rules.tensor_parallel_misfits(tp, splits):
-        raise UsageError(f"{flag_of(name)} {value} is not divisible by --tp {tp}")
-    if c.position_embedding_type == "rope":
-        head_dim = c.kv_channels or c.hidden_size // heads
-        _require(
-            head_dim % 2 == 0,
-            f"--position-embedding-type rope needs an even head size, got --hidden-size "
-            f"{c.hidden_size} / --num-attention-heads {heads} = {head_dim}",
-        )
-    if c.sequence_parallel:
-        _require(
-            c.seq_length % (2 * cp * tp) == 0,
-            f"--seq-length {c.seq_length} is not divisible by --tp {tp} x 2 x --cp {cp} = "
-            f"{2 * cp * tp} (sequence parallelism splits each of the 2C chunks over TP)",
-        )
-
-
 def single_process_config(config: TrainingConfig) -> TrainingConfig:
-    """The same run on one process: TP = CP = PP = 1, no VPP, no comparison, no metrics,
-    no checkpoints (those options back at their defaults)."""
+    """The same run on one process: the layout and output options (``kind=LAYOUT`` /
+    ``OUTPUT``: TP = CP = PP = 1, no VPP, no comparison, no metrics, no checkpoints) back at
+    their defaults, one process."""
     changes = {f.name: getattr(config, f.name) for f in fields(config)}
-    layout_and_output = (
-        "tensor_model_parallel_size",
-        "sequence_parallel",
-        "context_parallel_size",
-        "cp_comm_type",
-        "hierarchical_context_parallel_sizes",
-        "pipeline_model_parallel_size",
-        "virtual_pipeline_model_parallel_size",
-        "compare_single_process",
-        "compare_tolerance",
-        "save_metrics",
-        "save",
-        "load",
-        "save_interval",
-        "ckpt_step",
-        "finetune",
-        "no_load_optim",
-        "no_load_rng",
-        "exit_on_missing_checkpoint",
-        "export_hf",
-    )
-    changes.update({name: _FIELDS[name].default for name in layout_and_output})
+    reset = options.fields_of_kind(TrainingConfig, LAYOUT, OUTPUT)
+    changes.update({name: _FIELDS[name].default for name in reset})
     changes.update(nproc_per_node=1)
     return TrainingConfig(**changes)
 
@@ -1006,12 +850,3 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> TrainingConfig:
 def explicit_options(argv: Sequence[str]) -> List[str]:
     """The ``TrainingConfig`` fields that ``argv`` gives explicitly (whatever their value)."""
     return options.explicit_fields(build_parser(), argv)
-
-
-# ----------------------------------------------------------------------------- checks
-
-
-def _require(condition: bool, message: str) -> None:
-    """Raise UsageError(message) (a ValueError) unless ``condition``."""
-    if not condition:
-        raise UsageError(message)

@@ -36,7 +36,9 @@ from tqdm import tqdm
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedObject
 from megatron.core.dist_checkpointing.core import CONFIG_FNAME
-from megatron.training.arguments import flag_of
+from megatron.training.arguments import TrainingConfig, flag_of
+from megatron.training.model_settings import resolved_model
+from megatron.training.options import DATA, MODEL, PRECISION, fields_of_kind
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 
@@ -310,38 +312,16 @@ def resolve_checkpoint(
     return checkpoint_dir(load_dir, iteration), notes
 
 
-# Run settings that change the model (saved weights would not fit, or would mean something
-# else), as TrainingConfig field names (errors name their flags, ``arguments.flag_of``);
-# checked on resume by ``compare_run_settings``.
-MODEL_SETTINGS = (
-    "num_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "ffn_hidden_size",
-    "normalization",
-    "position_embedding_type",
-    "swiglu",
-    "disable_bias_linear",
-    "untie_embeddings_and_output_weights",
-    "vocab_size",
-    "kv_channels",
-    "norm_epsilon",
-    "rotary_base",
-    "use_rope_scaling",
-    "rope_scaling_factor",
-    "add_qkv_bias",
-    "openai_gelu",
-    "window_size",
-    "tokenizer",
-    "seq_length",
-    "max_position_embeddings",
-)
-# The data the run trains on (a resumed run continues its position in it).
-DATA_SETTINGS = ("data_path", "eod_token")
-# Settings that give the optimizer state another form (fp32 main parameters, loss scale):
-# compared only when the optimizer state is loaded.
-OPTIMIZER_SETTINGS = ("bf16", "fp16")
+# The run settings a resume compares, by the kind declared with each ``TrainingConfig`` field
+# (``option(..., kind=...)``; errors name their flags, ``arguments.flag_of``):
+# what the weights mean (a model setting: saved weights would not fit, or would mean
+# something else; with learned absolute positions --seq-length too),
+MODEL_SETTINGS = fields_of_kind(TrainingConfig, MODEL)
+# the data the run trains on (a resumed run continues its position in it),
+DATA_SETTINGS = fields_of_kind(TrainingConfig, DATA)
+# and the form of the optimizer state (fp32 main parameters, loss scale): compared only when
+# the optimizer state is loaded.
+OPTIMIZER_SETTINGS = fields_of_kind(TrainingConfig, PRECISION)
 
 
 def compare_run_settings(
@@ -389,14 +369,11 @@ def compare_run_settings(
 
 
 def _effective_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
-    """``settings`` with defaults resolved as the model resolves them."""
-    out = dict(settings)
-    if out.get("num_query_groups") is None and "num_attention_heads" in out:
-        out["num_query_groups"] = out["num_attention_heads"]
-    if out.get("ffn_hidden_size") is None and "hidden_size" in out:
-        out["ffn_hidden_size"] = 4 * out["hidden_size"]
-    if out.get("kv_channels") is None and "num_attention_heads" in out and "hidden_size" in out:
-        out["kv_channels"] = out["hidden_size"] // out["num_attention_heads"]
+    """``settings`` with defaults resolved as the model resolves them (``resolved_model``);
+    the tokenizer counts only with a data path, the sequence length only when it sizes the
+    learned position table."""
+    table_given = settings.get("max_position_embeddings") is not None
+    out = resolved_model(settings)
     if out.get("data_path"):
         out["data_path"] = os.path.normpath(out["data_path"])
         out["tokenizer"] = out.get("tokenizer") or "byte-level"
@@ -405,10 +382,8 @@ def _effective_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
     if out.get("position_embedding_type", "learned_absolute") != "learned_absolute":
         out.pop("seq_length", None)
         out.pop("max_position_embeddings", None)
-    elif out.get("max_position_embeddings") is not None:
+    elif table_given:
         out.pop("seq_length", None)  # the table has max_position_embeddings rows
-    elif "seq_length" in out:
-        out["max_position_embeddings"] = out["seq_length"]
     return out
 
 

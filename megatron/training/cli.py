@@ -36,7 +36,7 @@ from megatron.training.errors import (
     report_error,
     usage_error_of_failure,
 )
-from megatron.training.hf.config import resolve_hf_model
+from megatron.training.hf_settings import resolve_hf_model
 
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
 VERDICT_FILE_VARIABLE = "MEGATRON_TRAINING_VERDICT_FILE"

@@ -32,7 +32,7 @@ class SFTDataset:
     (float, 1 on response labels) and ``position_ids``.
     """
 
-    def __init__(self, seq_length: int, vocab_size: int, seed: int) -> None:
+    def __init__(self, seq_length: int, vocab_size: int, seed: int, stream: str = "sft") -> None:
         if seq_length < 4:
             raise ValueError(f"SFTDataset: seq_length must be >= 4, got {seq_length}")
         if vocab_size <= FIRST_SYMBOL:
@@ -41,13 +41,14 @@ class SFTDataset:
                 f"got {vocab_size}"
             )
         self.seq_length, self.vocab_size, self.seed = seq_length, vocab_size, seed
+        self.stream = stream  # "sft": the training samples; "sft-valid": held out
         self.num_symbols = min(MAX_SYMBOLS, vocab_size - FIRST_SYMBOL)
         # BOS + L prompt tokens + SEP + L response tokens + EOS fit in seq_length + 1.
         self.max_prompt_length = (seq_length - 2) // 2
 
     def __getitem__(self, index: int) -> Batch:
         """Sample ``index``: a prompt of length L ~ U{1..max_prompt_length}, its reversal."""
-        generator = torch.Generator().manual_seed(_sample_seed(self.seed, index))
+        generator = torch.Generator().manual_seed(_sample_seed(self.seed, index, self.stream))
         length = int(torch.randint(1, self.max_prompt_length + 1, (1,), generator=generator))
         prompt = torch.randint(
             FIRST_SYMBOL, FIRST_SYMBOL + self.num_symbols, (length,), generator=generator
@@ -72,6 +73,15 @@ class SFTDataset:
             "loss_mask": loss_mask,
             "position_ids": positions,
         }
+
+    def data_tokens(self, iteration: int, global_batch_size: int) -> int:
+        """Positions of the ``iteration``-th global batch that hold data (BOS .. the EOS
+        label, 2L + 2 per sample), not padding."""
+        start = iteration * global_batch_size
+        return sum(
+            int(self[i]["loss_mask"].nonzero().max()) + 1
+            for i in range(start, start + global_batch_size)
+        )
 
     def global_batch(self, iteration: int, global_batch_size: int) -> Batch:
         """The ``iteration``-th global batch (0-based): samples [i * GBS, (i + 1) * GBS),
@@ -98,9 +108,9 @@ def microbatches_for_rank(
     return microbatches
 
 
-def _sample_seed(seed: int, index: int) -> int:
+def _sample_seed(seed: int, index: int, stream: str = "sft") -> int:
     """A 63-bit generator seed for sample ``index`` of the stream of ``seed``."""
-    digest = hashlib.sha256(f"sft/{seed}/{index}".encode()).digest()
+    digest = hashlib.sha256(f"{stream}/{seed}/{index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
@@ -144,8 +154,26 @@ class PackedSFTDataset:
 
     def __getitem__(self, index: int) -> Batch:
         while len(self._rows) <= index:
-            self._rows.append(self._pack_row())
+            row = self._pack_row()
+            if row is None:
+                raise IndexError(f"PackedSFTDataset: no documents left for row {index}")
+            self._rows.append(row)
         return self._rows[index]
+
+    def data_tokens(self, iteration: int, global_batch_size: int) -> int:
+        """Positions of the rows of the ``iteration``-th global batch that hold document
+        tokens (the documents' real lengths), not padding."""
+        start = iteration * global_batch_size
+        return sum(int(self[i]["cu_seqlens"][-1]) for i in range(start, start + global_batch_size))
+
+    def all_rows(self) -> List[Batch]:
+        """Every row of a finite set of documents (one whose ``document(j)`` returns None
+        past its end), in order."""
+        while True:
+            row = self._pack_row()
+            if row is None:
+                return list(self._rows)
+            self._rows.append(row)
 
     def global_batch(self, iteration: int, global_batch_size: int) -> Batch:
         """Rows [i * GBS, (i + 1) * GBS) stacked to [GBS, ...] tensors."""
@@ -164,6 +192,8 @@ class PackedSFTDataset:
         real, padded = [0], [0]
         while True:
             document = self.documents.document(self._next_document)
+            if document is None:  # a finite set of documents (validation) has ended
+                break
             length = int(document["tokens"].numel())
             if length == 0:
                 self._next_document += 1
@@ -183,12 +213,31 @@ class PackedSFTDataset:
             real.append(real[-1] + length)
             padded.append(start + padded_length)
             self._next_document += 1
+        if len(real) == 1:
+            return None
         fill = self.max_documents + 1 - len(real)
         row["cu_seqlens"] = torch.tensor(real + real[-1:] * fill, dtype=torch.int32)
         row["cu_seqlens_padded"] = torch.tensor(padded + padded[-1:] * fill, dtype=torch.int32)
         longest = max(b - a for a, b in zip(padded[:-1], padded[1:]))
         row["max_seqlen"] = torch.tensor([longest], dtype=torch.int32)
         return row
+
+
+def empty_sample(seq_length: int, packed: bool, pad: int = PAD) -> Batch:
+    """A sample with no trained token (fills a last, partial validation batch): padding,
+    loss mask 0; packed, it is one document of ``seq_length`` padding positions."""
+    sample = {
+        "tokens": torch.full((seq_length,), pad, dtype=torch.long),
+        "labels": torch.full((seq_length,), pad, dtype=torch.long),
+        "loss_mask": torch.zeros(seq_length),
+        "position_ids": torch.arange(seq_length),
+    }
+    if packed:
+        bounds = [0] + [seq_length] * (seq_length // PACK_PAD_MULTIPLE)
+        sample["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32)
+        sample["cu_seqlens_padded"] = torch.tensor(bounds, dtype=torch.int32)
+        sample["max_seqlen"] = torch.tensor([seq_length], dtype=torch.int32)
+    return sample
 
 
 class _GeneratedDocuments:

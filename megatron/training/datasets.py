@@ -36,6 +36,7 @@ Records longer than ``seq_length + 1`` tokens are cut; the job reports how many 
 records have no trained token left), and refuses data with no trained token at all.
 """
 
+import copy
 import json
 import os
 from typing import Any, Dict, List, Optional, Tuple
@@ -64,9 +65,41 @@ def build_sft_dataset(config: Any):
         config.seed,
         eod_token=getattr(config, "eod_token", None),
     )
+    if getattr(config, "split", None):  # the training part of --split
+        dataset = dataset.part(split_ranges(config.split, len(dataset))[0], "--split")
     if config.pack_sequences:
         return PackedSFTDataset(config.seq_length, dataset.vocab_size, config.seed, dataset)
     return dataset
+
+
+def parse_split(split: str) -> List[float]:
+    """megatron's ``--split`` string (``"969,30,1"``, ``"90/10/0"``: train, validation, test
+    weights, missing ones 0) as three non-negative weights with a positive sum; a
+    ValueError naming the flag otherwise."""
+    parts = [p.strip() for p in split.replace("/", ",").split(",")]
+    try:
+        weights = [float(p) for p in parts]
+    except ValueError:
+        weights = []
+    if not 1 <= len(weights) <= 3 or any(not w >= 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(
+            f"--split {split!r}: expected up to three non-negative weights with a positive "
+            "sum, train,validation,test (e.g. 969,30,1)"
+        )
+    return weights + [0.0] * (3 - len(weights))
+
+
+def split_ranges(split: str, count: int) -> List[Tuple[int, int]]:
+    """The ``[start, end)`` record ranges of the train, validation and test parts of
+    ``count`` records in file order: part k ends at ``round(count * (w_0 + .. + w_k) /
+    sum w)``. Contiguous and independent of the seed and the layout (megatron's rule)."""
+    weights = parse_split(split)
+    total, bounds, running = sum(weights), [0], 0.0
+    for weight in weights:
+        running += weight
+        bounds.append(int(round(count * running / total)))
+    bounds[-1] = count
+    return [(bounds[k], bounds[k + 1]) for k in range(3)]
 
 
 def build_training_tokenizer(tokenizer: Any, eod_token: Optional[str] = None):
@@ -132,8 +165,38 @@ class FileSFTDataset:
     def __len__(self) -> int:
         return len(self.records)
 
+    def part(self, bounds: Tuple[int, int], name: str) -> "FileSFTDataset":
+        """The records ``[start, end)`` (file order) as a data set of their own (``name``,
+        e.g. ``--split``, in its messages); a part without any trained token is an error."""
+        start, end = bounds
+        subset = copy.copy(self)
+        subset.records = self.records[start:end]
+        subset.data_path = f"{self.data_path} ({name} records {start}..{end - 1})"
+        if not subset.records:
+            raise ValueError(
+                f"{name}: the part of --data-path {self.data_path!r} in records "
+                f"[{start}, {end}) is empty ({len(self.records)} records); give it a larger "
+                "weight"
+            )
+        subset.notes = subset._check_lengths()
+        subset._perms = {}
+        return subset
+
+    def sample_of_record(self, position: int) -> Batch:
+        """Record ``position`` in file order (not the shuffled order) as a sample."""
+        return self._sample(self.records[position])
+
+    def document_of_record(self, position: int) -> Optional[Batch]:
+        """Record ``position`` in file order as a document; None past the last record."""
+        if position >= len(self.records):
+            return None
+        return self._document(self.records[position])
+
     def __getitem__(self, index: int) -> Batch:
-        ids, mask = self._record(index)
+        return self._sample(self._record(index))
+
+    def _sample(self, record: Record) -> Batch:
+        ids, mask = record
         s = self.seq_length
         n = min(ids.size, s + 1)
         x = torch.full((s + 1,), self.pad, dtype=torch.long)
@@ -158,6 +221,15 @@ class FileSFTDataset:
             "labels": x[1:].clone(),
             "loss_mask": torch.from_numpy(mask[1:n].astype(numpy.float32)),
         }
+
+    def data_tokens(self, iteration: int, global_batch_size: int) -> int:
+        """Positions of the ``iteration``-th global batch that hold record tokens (a record
+        of n ids fills ``min(n - 1, seq_length)`` positions), not padding."""
+        start = iteration * global_batch_size
+        return sum(
+            min(self._record(i)[0].size - 1, self.seq_length)
+            for i in range(start, start + global_batch_size)
+        )
 
     def global_batch(self, iteration: int, global_batch_size: int) -> Batch:
         """Samples ``[iteration * GBS, (iteration + 1) * GBS)`` stacked to [GBS, s] tensors."""
@@ -233,18 +305,27 @@ def _read_jsonl(path: str, tokenizer: Any) -> List[Record]:
     return records
 
 
-def tokenize_record(record: Any, tokenizer: Any, where: str) -> Record:
+TRAINER_TOKENIZER_HINT = (
+    "pass --tokenizer with a HuggingFace tokenizer folder (tokenizer.json + "
+    "tokenizer_config.json holding chat_template) or its tokenizer.json"
+)
+
+
+def tokenize_record(
+    record: Any, tokenizer: Any, where: str, tokenizer_hint: str = TRAINER_TOKENIZER_HINT
+) -> Record:
     """One JSONL record (any form of the module docstring) as ``(ids, mask)``; errors start
-    with ``where`` (``FILE:LINE``)."""
+    with ``where`` (``FILE:LINE``). ``tokenizer_hint`` ends the error of a chat record met
+    without a chat tokenizer (which flag to pass)."""
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected {_RECORD_FORMS}; got {type(record).__name__}")
     if "messages" in record:
-        return _conversation(record["messages"], tokenizer, where)
+        return _conversation(record["messages"], tokenizer, where, tokenizer_hint)
     if "prompt" in record and ("completion" in record or "response" in record):
         key = "completion" if "completion" in record else "response"
         prompt, answer = record["prompt"], record[key]
         if isinstance(prompt, list) and isinstance(answer, list):
-            return _conversation(prompt + answer, tokenizer, where)
+            return _conversation(prompt + answer, tokenizer, where, tokenizer_hint)
         _require_strings(where, prompt=prompt, **{key: answer})
         prompt_ids = _ids(_prefix(tokenizer) + list(tokenizer.tokenize(prompt)))
         answer_ids = _ids(list(tokenizer.tokenize(answer)) + [tokenizer.eod])
@@ -268,15 +349,11 @@ def _prefix(tokenizer: Any) -> List[int]:
     return list(getattr(tokenizer, "document_prefix", []))
 
 
-def _conversation(messages: Any, tokenizer: Any, where: str) -> Record:
+def _conversation(messages: Any, tokenizer: Any, where: str, hint: str) -> Record:
     from megatron.core.tokenizers.chat_template import ChatTemplateError, tokenize_conversation
 
     if not hasattr(tokenizer, "encode_with_offsets"):
-        raise ValueError(
-            f"{where}: a chat record needs a tokenizer with a chat template: pass --tokenizer "
-            "with a HuggingFace tokenizer folder (tokenizer.json + tokenizer_config.json "
-            "holding chat_template) or its tokenizer.json"
-        )
+        raise ValueError(f"{where}: a chat record needs a tokenizer with a chat template: {hint}")
     try:
         ids, mask = tokenize_conversation(tokenizer, messages)
     except ChatTemplateError as err:

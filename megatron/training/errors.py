@@ -16,7 +16,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 DEBUG_VARIABLE = "MEGATRON_DEBUG"
 # Set by the self-launch for its workers: the launcher prints the line, not the worker.
@@ -39,8 +39,15 @@ class UsageError(ValueError):
     contents. Reported as one line naming the flag or file, without a traceback."""
 
 
+class TrainingStopped(RuntimeError):
+    """The run went wrong in a way the user must act on (a NaN loss, every recent fp16
+    step overflowing): reported as one line naming the iteration and the cause; the
+    launch exits 1."""
+
+
 _KNOWN = (
     ValueError,  # UsageError, and the library's argument checks
+    TrainingStopped,
     NotImplementedError,  # a setting this core refuses by name
     FileNotFoundError,
     IsADirectoryError,
@@ -51,12 +58,39 @@ _KNOWN = (
 
 def is_usage_error(exc: BaseException) -> bool:
     """True for errors reported as one line: ``UsageError``, ``ValueError`` (the library's
-    argument checks), ``NotImplementedError``, a missing or unreadable file, and
-    ``dist_checkpointing``'s ``CheckpointingException``."""
+    argument checks), ``TrainingStopped``, ``NotImplementedError``, a missing or unreadable
+    file, a missing optional package (an ``ImportError`` whose message says what to ``pip
+    install``, as ``missing_package`` writes it) and ``dist_checkpointing``'s
+    ``CheckpointingException``."""
     if isinstance(exc, _KNOWN):
+        return True
+    if isinstance(exc, ImportError) and "pip install" in str(exc):
         return True
     checkpointing = sys.modules.get("megatron.core.dist_checkpointing.core")
     return checkpointing is not None and isinstance(exc, checkpointing.CheckpointingException)
+
+
+def missing_package(package: str, extra: str, needed_for: str) -> ImportError:
+    """The error for an optional package that is not installed: names what needs it and the
+    extra that installs it (reported as one line)."""
+    return ImportError(
+        f"{needed_for} needs the '{package}' package, which is not installed: "
+        f"pip install -e '.[{extra}]' (or pip install {package})"
+    )
+
+
+def run_tool(main: Callable[[Optional[Sequence[str]]], Any], prog: str, argv=None) -> int:
+    """Run a command-line tool's ``main(argv)``; returns the exit status. A known error
+    (``is_usage_error``) is printed as one line, ``prog: error: message``, with status 1;
+    ``MEGATRON_DEBUG=1`` shows its traceback instead."""
+    try:
+        main(argv)
+    except Exception as exc:
+        if debug_requested() or not is_usage_error(exc):
+            raise
+        print(f"{prog}: error: {one_line(exc)}", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 def debug_requested(argv: Sequence[str] = ()) -> bool:

@@ -1,6 +1,7 @@
 """What a run leaves behind: ``metrics.jsonl`` (one JSON object per iteration) and
-``loss.png`` (the loss, the gradient norm and the learning rate against iteration; the
-one-process run's too when compared)."""
+``loss.png`` (the loss and the validation loss, the gradient norm and the learning rate
+against iteration; the one-process run's too when compared). A resumed run continues both
+(``continued_history``)."""
 
 import json
 import warnings
@@ -26,6 +27,8 @@ def save_metrics(
     """
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
+    if (out / METRICS_FILE).exists():
+        records = continued_history(read_jsonl(out / METRICS_FILE), records)
     written = [write_jsonl(out / METRICS_FILE, records)]
     curves = {label: records}
     if reference is not None:
@@ -34,8 +37,33 @@ def save_metrics(
     try:
         written.append(plot_loss_curves(out / LOSS_PLOT_FILE, curves))
     except ImportError as exc:
-        warnings.warn(f"{LOSS_PLOT_FILE} not written: {exc} (pip install matplotlib)", stacklevel=2)
+        warnings.warn(
+            f"{LOSS_PLOT_FILE} not written: matplotlib is not installed ({exc}); "
+            "pip install -e '.[plot]' (or pip install matplotlib)",
+            stacklevel=2,
+        )
     return written
+
+
+def continued_history(earlier: List[dict], records: List[dict]) -> List[dict]:
+    """The records of a run continued from ``earlier`` (an existing ``metrics.jsonl``): the
+    earlier records before this run's first iteration, then this run's (a resumed run
+    continues its history; a run from iteration 1 replaces it). Records of an
+    evaluation-only run (``--skip-train``: no ``loss``) are merged into the earlier record
+    of their iteration, or added after the history."""
+    if not records:
+        return earlier
+    if all("loss" not in r for r in records):
+        merged = [dict(r) for r in earlier]
+        by_iteration = {r["iteration"]: r for r in merged}
+        for record in records:
+            if record["iteration"] in by_iteration:
+                by_iteration[record["iteration"]].update(record)
+            else:
+                merged.append(record)
+        return merged
+    first = records[0]["iteration"]
+    return [r for r in earlier if r["iteration"] < first] + list(records)
 
 
 def write_jsonl(path: Path, records: List[dict]) -> Path:
@@ -86,6 +114,16 @@ def loss_figure(curves: Dict[str, List[dict]]):
         for i, (name, records) in enumerate(curves.items()):
             points = [(r["iteration"], r[key]) for r in records if r.get(key) is not None]
             axes.plot([x for x, _ in points], [y for _, y in points], label=name, **styles[i % 2])
+            if key == "loss":  # the validation loss beside the training loss
+                valid = [(r["iteration"], r["valid_loss"]) for r in records if "valid_loss" in r]
+                if valid:
+                    axes.plot(
+                        [x for x, _ in valid],
+                        [y for _, y in valid],
+                        label=f"{name} validation",
+                        linestyle=":",
+                        marker="s",
+                    )
         if log_scale and all(y > 0 for line in axes.get_lines() for y in line.get_ydata()):
             axes.set_yscale("log")
         axes.set_ylabel(label)

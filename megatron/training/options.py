@@ -1,7 +1,11 @@
 """Options declared once: a dataclass field that carries its command line.
 
-``option(default, "--flag", "--alias", help=..., check=...)`` is a ``dataclasses.field``
-whose metadata holds the option (its flags, help text and the check of its own value). From
+``option(default, "--flag", "--alias", kind=MODEL, help=..., check=...)`` is a
+``dataclasses.field`` whose metadata holds the option (its flags, its kind, help text and the
+check of its own value). The kind says what the setting is to the rest of the trainer, so no
+side list restates it (``KINDS``; ``fields_of_kind``): a resume compares the model and data
+kinds with the checkpoint's, the one-process comparison run resets the layout and output
+kinds, and ``--load`` adopts the recorded model kind. From
 a dataclass of such fields this module builds the ``argparse`` parser (``build_parser``),
 parses a command line into an instance (``parse``), writes an instance back as flags
 (``command_line``) and runs every field's own check (``check_fields``). Checks between
@@ -10,6 +14,7 @@ fields belong to the config's own validation (``arguments.validate_config``). No
 
 import argparse
 import copy
+import math
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
@@ -25,20 +30,38 @@ class Check:
     test: Callable[[Any], bool]
 
 
+# What a setting is to the trainer (``option(..., kind=...)``).
+MODEL = "model"  # what the weights mean: recorded, adopted by --load, another value refused
+DATA = "data"  # the training data: another value on resume refused (unless --finetune)
+PRECISION = "precision"  # the optimizer state's form: refused on resume with the optimizer state
+OPTIMIZER = "optimizer"  # optimizer and schedule hyper-parameters: on resume, the new value wins
+LAYOUT = "layout"  # how the run is split over processes: reset in the one-process comparison
+OUTPUT = "output"  # what the run writes, loads or checks: reset in the one-process comparison
+RUN = "run"  # the rest (batches, seed, kernels, recomputation): kept by the comparison run
+KINDS = (MODEL, DATA, PRECISION, OPTIMIZER, LAYOUT, OUTPUT, RUN)
+
+
 def is_int(value: object) -> bool:
     """An int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def is_number(value: object) -> bool:
-    """An int or float that is not a bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """An int or float that is not a bool, and not inf or NaN."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
+
+FP32_MAX = 3.4028234663852886e38  # float32's largest finite value (no torch here)
 
 positive = Check("an integer >= 1", lambda v: is_int(v) and v >= 1)
 non_negative = Check("an integer >= 0", lambda v: is_int(v) and v >= 0)
-positive_number = Check("> 0", lambda v: is_number(v) and v > 0)
-non_negative_number = Check(">= 0", lambda v: is_number(v) and v >= 0)
+positive_number = Check("a finite number > 0", lambda v: is_number(v) and v > 0)
+non_negative_number = Check("a finite number >= 0", lambda v: is_number(v) and v >= 0)
+# A loss scale is held in float32: inf (or a value float32 rounds to inf) never backs off.
+loss_scale_number = Check(
+    "a number > 0 that is finite in float32 (at most 3.4e38)",
+    lambda v: is_number(v) and 0 < v <= FP32_MAX,
+)
 unit_interval = Check("in [0, 1)", lambda v: is_number(v) and 0 <= v < 1)
 
 
@@ -57,6 +80,7 @@ class Option:
 
     flags: Tuple[str, ...]
     help: str
+    kind: str = RUN
     check: Optional[Check] = None
     type: Optional[Callable[[str], Any]] = None
     choices: Optional[Sequence[str]] = None
@@ -73,6 +97,7 @@ class Option:
 def option(
     default: Any,
     *flags: str,
+    kind: str,
     help: str,
     check: Optional[Check] = None,
     type: Optional[Callable[[str], Any]] = None,
@@ -82,18 +107,29 @@ def option(
     one_or_list: bool = False,
 ) -> Any:
     """A dataclass field with its command line: ``flags`` (the first names it in errors),
-    ``help``, and ``check`` on its own value (skipped when the value is None and the default
-    is None). A bool default makes a switch: ``store_true`` for False, ``store_false`` for
-    True. The value type is ``type``, else the default's type."""
+    its ``kind`` (one of ``KINDS``), ``help``, and ``check`` on its own value (skipped when
+    the value is None and the default is None). A bool default makes a switch:
+    ``store_true`` for False, ``store_false`` for True. The value type is ``type``, else the
+    default's type."""
     if not flags or not all(f.startswith("--") for f in flags):
         raise ValueError(f"option: flags must start with '--', got {flags!r}")
-    spec = Option(tuple(flags), help, check, type, choices, nargs, metavar, one_or_list)
+    if kind not in KINDS:
+        raise ValueError(f"option {flags[0]}: kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    spec = Option(tuple(flags), help, kind, check, type, choices, nargs, metavar, one_or_list)
     return field(default=default, metadata={"option": spec})
 
 
 def option_of(config_field: Field) -> Option:
     """The ``Option`` a field was declared with."""
     return config_field.metadata["option"]
+
+
+def fields_of_kind(config_class: Type, *kinds: str) -> Tuple[str, ...]:
+    """The names of ``config_class``'s fields of any of ``kinds``, in declaration order."""
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        raise ValueError(f"fields_of_kind: unknown kinds {unknown}; expected {', '.join(KINDS)}")
+    return tuple(f.name for f in fields(config_class) if option_of(f).kind in kinds)
 
 
 def build_parser(

@@ -31,11 +31,18 @@ import torch
 
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 from megatron.training.datasets import tokenize_record
+from megatron.training.errors import run_tool
 from megatron.training.tokenizer.tokenizer import build_tokenizer
+
+CHAT_TOKENIZER_HINT = (
+    "pass --tokenizer-type HuggingFaceTokenizer --tokenizer-model with a HuggingFace "
+    "tokenizer folder (tokenizer.json + tokenizer_config.json holding chat_template)"
+)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> List[str]:
-    """Run the tool; returns the written prefixes."""
+    """Run the tool; returns the written prefixes. From the command line a known error (a
+    flag, a file, a bad line) is one line on stderr and exit 1 (``errors.run_tool``)."""
     args = _parser().parse_args(argv)
     folder = os.path.dirname(args.output_prefix) or "."
     if not os.path.isdir(folder):
@@ -90,7 +97,10 @@ def main(argv: Optional[Sequence[str]] = None) -> List[str]:
                     f"{args.input}:{line_no}: not valid JSON ({err.msg} at column {err.colno})"
                 ) from None
             if args.chat:
-                _add_segments(builders[0], tokenize_record(record, tokenizer, where(line_no)))
+                ids_and_mask = tokenize_record(
+                    record, tokenizer, where(line_no), CHAT_TOKENIZER_HINT
+                )
+                _add_segments(builders[0], ids_and_mask)
                 count += 1
                 continue
             if not isinstance(record, dict):
@@ -180,4 +190,4 @@ def _parser() -> argparse.ArgumentParser:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_tool(main, "megatron.training.preprocess_data"))

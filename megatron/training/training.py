@@ -14,12 +14,13 @@ over the global batch's microbatches of S / max(N, 1), or sum S / sum N with
 
 import dataclasses
 import functools
+import math
 import os
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -43,11 +44,23 @@ from megatron.training.arguments import (
     validate_config,
 )
 from megatron.training.checkpointing import checkpoint_dir, load_checkpoint, save_checkpoint
-from megatron.training.compare import Comparison, compare_losses, format_comparison
+from megatron.training.compare import (
+    Comparison,
+    compare_losses,
+    format_comparison,
+    sensitivity_tolerances,
+)
 from megatron.training.data import microbatches_for_rank
 from megatron.training.datasets import build_sft_dataset, build_training_tokenizer
+from megatron.training.errors import TrainingStopped
+from megatron.training.evaluation import (
+    Validation,
+    build_validation_set,
+    evaluate,
+    evaluation_due,
+)
 from megatron.training.hf.checkpoint import export_hf
-from megatron.training.hf.config import resolve_hf_model
+from megatron.training.hf_settings import resolve_hf_model
 from megatron.training.initialize import (
     initialize_distributed,
     initialize_model_parallel_groups,
@@ -56,6 +69,7 @@ from megatron.training.initialize import (
     launched_world_size,
     single_process_groups,
 )
+from megatron.training.loggers import MetricsLoggers
 from megatron.training.metrics import save_metrics
 from megatron.training.model import build_model, precision_dtype
 
@@ -98,14 +112,14 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
         label = f"{layout.name} ({_processes(layout.world_size)})"
         _print_header(config, layout)
         started = time.perf_counter()
-        records = train(config, layout, groups, desc=label)
+        records = _as_the_last_rank_measured(train(config, layout, groups, desc=label))
         result = TrainingResult(layout, records)
         _print(_summary(records, layout, time.perf_counter() - started))
         if config.compare_single_process:
             result.reference = train_single_process(config)
-            tolerance = comparison_tolerance(config, result.reference)
+            tolerances, rule = comparison_tolerances(config, result.reference)
             if is_rank_zero():
-                result.comparison = compare_losses(records, result.reference, tolerance)
+                result.comparison = compare_losses(records, result.reference, tolerances, rule)
                 _print(format_comparison(result.comparison, label, "1 process"))
             result.passed = _agree_on_rank_zero(
                 result.comparison is None or result.comparison.passed
@@ -115,6 +129,8 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
                 config.save_metrics, records, label, result.reference
             )
             _print(f"metrics written to {', '.join(str(p) for p in result.metrics_files)}")
+        if not config.skip_train:  # an evaluation-only run has no training steps
+            check_recent_steps(records)
         return result
     finally:
         parallel_state.destroy_model_parallel()
@@ -139,13 +155,39 @@ def train(
     layout: Layout,
     pg_collection: Optional[ProcessGroupCollection],
     desc: str = "train",
+    perturbation: float = 0.0,
 ) -> List[dict]:
     """``config.train_iters`` iterations on this rank's chunks; returns one record per
-    iteration: ``iteration, loss, grad_norm, lr, tokens_per_s, valid_tokens,
-    iteration_time_s``. ``pg_collection=None``: one process without torch.distributed.
+    iteration: ``iteration, loss, grad_norm, lr, tokens_per_s`` (tokens of the data, not
+    padding), ``valid_tokens, data_tokens, padding_tokens, iteration_time_s,
+    skipped_iterations`` (how many of this run's iterations so far the optimizer skipped:
+    an fp16 overflow), ``loss_scale`` (None without loss scaling), and ``valid_loss,
+    valid_ppl, validation_tokens`` after a validation pass.
+    ``pg_collection=None``: one process without torch.distributed.
 
-    Rank 0 shows a progress bar with the loss and tokens/s (``config.progress``).
+    Rank 0 shows a progress bar with the loss, tokens/s and, with loss scaling, the skipped
+    iterations (``config.progress``); the last rank mirrors the records to TensorBoard /
+    W&B (``loggers.MetricsLoggers``). With ``--check-for-nan-in-loss-and-grad`` (the
+    default) a NaN/inf loss or gradient norm stops the run (``check_step``).
+    ``perturbation`` > 0 scales every initial weight by ``1 + perturbation * u``, u uniform
+    in [-1, 1] from a fixed generator (the comparison's sensitivity run).
     """
+    loggers = MetricsLoggers(config, writer=_is_last_rank())
+    try:
+        return _train(config, layout, pg_collection, desc, perturbation, loggers)
+    finally:
+        loggers.close()
+
+
+def _train(
+    config: TrainingConfig,
+    layout: Layout,
+    pg_collection: Optional[ProcessGroupCollection],
+    desc: str,
+    perturbation: float,
+    loggers: MetricsLoggers,
+) -> List[dict]:
+    """``train`` with its loggers."""
     dataset = build_sft_dataset(config)
     for note in getattr(dataset, "notes", []):  # truncation and empty-loss counts
         _print(note)
@@ -157,9 +199,13 @@ def train(
             )
     elif config.data_path:  # the model's vocabulary is the tokenizer's
         config = dataclasses.replace(config, vocab_size=dataset.vocab_size)
+    validation_set = build_validation_set(config)
     model = build_model(config, layout, pg_collection)
+    if perturbation:
+        _perturb_weights(model, perturbation)
     optimizer, scheduler = build_optimizer(config, model, pg_collection)
-    if config.fp16 or config.loss_scale is not None:  # the schedule scales the loss
+    scaled = config.fp16 or config.loss_scale is not None
+    if scaled:  # the schedule scales the loss
         model[0].config.grad_scale_func = optimizer.scale_loss
     vpp = layout.virtual_pipeline_model_parallel_size
     forward_backward_func = get_forward_backward_func(layout.pipeline_model_parallel_size, vpp)
@@ -188,27 +234,67 @@ def train(
             finetune=config.finetune,
             load_optim=not config.no_load_optim,
             load_rng=not config.no_load_rng,
-            train_iters=config.train_iters,
+            train_iters=None if config.skip_train else config.train_iters,
             exit_on_missing_checkpoint=config.exit_on_missing_checkpoint,
         )
         for note in notes:
             _print(note)
         bar.update(start_iteration)
     records = []
+    skipped = 0  # iterations of this run whose update the optimizer skipped
 
-    def batch_of(iteration: int):
-        """The global batch of ``iteration`` and this rank's microbatches of it, on the
-        compute device."""
-        global_batch = dataset.global_batch(iteration - 1, config.global_batch_size)
-        microbatches = [
+    def microbatches_of(global_batch):
+        """This rank's microbatches of ``global_batch`` (this CP rank's shard, on the
+        compute device)."""
+        return [
             _on_this_cp_rank(microbatch, pg_collection)
             for microbatch in microbatches_for_rank(
                 global_batch, config.micro_batch_size, layout.num_microbatches, dp_rank
             )
         ]
-        return global_batch, microbatches
+
+    def batch_of(iteration: int):
+        """The global batch of ``iteration`` and this rank's microbatches of it."""
+        global_batch = dataset.global_batch(iteration - 1, config.global_batch_size)
+        return global_batch, microbatches_of(global_batch)
+
+    def validate(iteration: int) -> Optional[dict]:
+        """The validation pass after ``iteration`` (``evaluation.evaluate``): its record
+        fields, printed on rank 0."""
+        result = evaluate(
+            model,
+            validation_set,
+            forward_backward_func,
+            functools.partial(forward_step, per_shard_cp_size=None),
+            microbatches_of,
+            num_microbatches=layout.num_microbatches,
+            seq_length=config.seq_length,
+            micro_batch_size=config.micro_batch_size,
+            pg_collection=pg_collection,
+            interleaved=bool(vpp),
+            loss_key=LOSS_KEY,
+            stop_check=None,  # the preemption check plugs in here (a per-batch hook)
+        )
+        if result is None:
+            return None
+        if config.progress and is_rank_zero():
+            bar.write(_validation_line(iteration, result))
+        else:
+            _print(_validation_line(iteration, result))
+        return {
+            "valid_loss": result.loss,
+            "valid_ppl": result.ppl,
+            "validation_tokens": result.tokens,
+        }
+
+    if config.skip_train:
+        bar.close()
+        record = {"iteration": start_iteration, **(validate(start_iteration) or {})}
+        loggers.log(record)
+        return [record]
 
     upcoming = batch_of(start_iteration + 1) if start_iteration < config.train_iters else None
+    last_validation = None
     for iteration in range(start_iteration + 1, config.train_iters + 1):
         start = time.perf_counter()
         global_batch, microbatches = upcoming
@@ -227,25 +313,46 @@ def train(
         if scheduler.num_steps != iteration - 1:  # e.g. resumed from a checkpoint
             scheduler.step(increment=iteration - 1 - scheduler.num_steps)
         lr = optimizer.param_groups[0]["lr"]
-        _, grad_norm, _ = optimizer.step()
+        updated, grad_norm, _ = optimizer.step()
         scheduler.step(increment=1)
         # The next batch is made while the device finishes this step (the logged loss waits).
         upcoming = batch_of(iteration + 1) if iteration < config.train_iters else None
         loss = logged_loss(reported, pg_collection)
+        skipped += 0 if updated else 1
+        if config.check_for_nan_in_loss_and_grad:
+            check_step(iteration, loss, grad_norm)
         seconds = time.perf_counter() - start
+        data_tokens = dataset.data_tokens(iteration - 1, config.global_batch_size)
         records.append(
             {
                 "iteration": iteration,
                 "loss": loss,
                 "grad_norm": grad_norm,
                 "lr": lr,
-                "tokens_per_s": tokens_per_iteration / seconds,
+                "tokens_per_s": data_tokens / seconds,
                 "valid_tokens": int(global_batch["loss_mask"].sum().item()),
+                "data_tokens": data_tokens,
+                "padding_tokens": tokens_per_iteration - data_tokens,
                 "iteration_time_s": seconds,
+                "skipped_iterations": skipped,
+                "loss_scale": optimizer.get_loss_scale().item() if scaled else None,
+                **_memory_record(),
             }
         )
-        bar.set_postfix(loss=f"{loss:.4f}", tokens_per_s=f"{tokens_per_iteration / seconds:.0f}")
+        postfix = dict(loss=f"{loss:.4f}", tokens_per_s=f"{data_tokens / seconds:.0f}")
+        if scaled:
+            postfix["skipped"] = skipped
+        if validation_set is not None and evaluation_due(config, iteration):
+            records[-1].update(validate(iteration) or {})
+        if "valid_loss" in records[-1]:
+            last_validation = records[-1]["valid_loss"]
+        if last_validation is not None:
+            postfix["valid_loss"] = f"{last_validation:.4f}"
+        bar.set_postfix(**postfix)
         bar.update()
+        loggers.log(records[-1])
+        if not config.progress and iteration % config.log_interval == 0:
+            _print(_log_line(records[-1], config.train_iters))
         if config.save and _save_due(config, iteration):
             save_checkpoint(
                 config.save,
@@ -265,6 +372,55 @@ def train(
     if config.export_hf and records:
         _export_final_model(config, model, optimizer, scheduler, layout, records[-1]["iteration"])
     return records
+
+
+# A run whose last RECENT_STEPS iterations (or all of them, when fewer) were all skipped, or
+# all had a NaN/inf loss, ends with an error: its weights stopped changing, or are garbage.
+RECENT_STEPS = 10
+
+
+def check_step(iteration: int, loss: float, grad_norm: Optional[float]) -> None:
+    """``--check-for-nan-in-loss-and-grad`` (megatron's, on by default): stop at an iteration
+    whose loss, or whose gradient norm after unscaling, is NaN or inf. A step the loss scaler
+    skipped (``grad_norm`` None) is not an error. Every rank holds the same values, so every
+    rank stops together."""
+    if not math.isfinite(loss):
+        raise TrainingStopped(
+            f"iteration {iteration}: the loss is {loss}; stopped by "
+            "--check-for-nan-in-loss-and-grad (on by default; "
+            "--no-check-for-nan-in-loss-and-grad trains on)"
+        )
+    if grad_norm is not None and not math.isfinite(grad_norm):
+        raise TrainingStopped(
+            f"iteration {iteration}: the gradient norm is {grad_norm}; stopped by "
+            "--check-for-nan-in-loss-and-grad (on by default; "
+            "--no-check-for-nan-in-loss-and-grad trains on)"
+        )
+
+
+def check_recent_steps(records: List[dict]) -> None:
+    """Raise ``TrainingStopped`` when the last ``RECENT_STEPS`` iterations of this run (all
+    of them when fewer) all had a NaN/inf loss, or were all skipped by the optimizer (every
+    fp16 gradient overflowed: no update was applied)."""
+    recent = records[-RECENT_STEPS:]
+    if not recent:
+        return
+    first, last = recent[0]["iteration"], recent[-1]["iteration"]
+    what = f"iterations {first}-{last}" if len(recent) > 1 else f"iteration {last}"
+    what += f" (the last {len(recent)} of this run)" if len(recent) > 1 else " (the last)"
+    if all(not math.isfinite(r["loss"]) for r in recent):
+        raise TrainingStopped(
+            f"{what}: every loss was NaN or inf ({recent[-1]['loss']} at the end); the model "
+            "is not training (--check-for-nan-in-loss-and-grad stops at the first one)"
+        )
+    before = records[-len(recent) - 1]["skipped_iterations"] if len(records) > len(recent) else 0
+    if recent[-1]["skipped_iterations"] - before == len(recent):
+        scale = recent[-1].get("loss_scale")
+        raise TrainingStopped(
+            f"{what}: every step was skipped, no update applied: the scaled fp16 gradients "
+            f"overflowed (loss scale {scale}); lower --loss-scale, or --initial-loss-scale "
+            "for dynamic scaling (--bf16 needs no loss scaling)"
+        )
 
 
 def _export_final_model(config, model, optimizer, scheduler, layout, iteration: int) -> None:
@@ -344,6 +500,17 @@ def build_optimizer(
     return optimizer, scheduler
 
 
+def _perturb_weights(model: List[torch.nn.Module], relative: float) -> None:
+    """Scale each weight by ``1 + relative * u``, u uniform in [-1, 1] (fixed generator)."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for chunk in model:
+            for _, parameter in sorted(chunk.named_parameters()):
+                noise = torch.rand(parameter.shape, generator=generator, dtype=torch.float64)
+                factor = 1 + relative * (2 * noise - 1)
+                parameter.mul_(factor.to(device=parameter.device, dtype=parameter.dtype))
+
+
 def _save_due(config: TrainingConfig, iteration: int) -> bool:
     """Every ``--save-interval`` iterations, and after the last one."""
     interval = config.save_interval
@@ -383,49 +550,70 @@ PRECISION_FIELDS = (
 )
 FP32_COMPARE_TOLERANCE = 1e-4
 HALF_PRECISION_TOLERANCE_FACTOR = 3.0
+SENSITIVITY_PERTURBATION = 1e-6
+SENSITIVITY_FACTOR = 10.0
 
 
-def comparison_tolerance(config: TrainingConfig, reference: Optional[List[dict]]) -> float:
-    """``--compare-tolerance`` when given; else 1e-4 in fp32 and, with ``--bf16``/``--fp16``,
+def comparison_tolerances(
+    config: TrainingConfig, reference: Optional[List[dict]]
+) -> Tuple[Optional[List[float]], str]:
+    """The per-iteration tolerances of ``--compare-single-process`` and their rule, on
+    rank 0 (None elsewhere); the rule of ``megatron.training.compare``:
 
-        tolerance = 3 * max_i |loss_i(one process, half precision) - loss_i(one process, fp32)|
+    - ``--compare-tolerance T``: T everywhere;
+    - fp32: ``max(1e-4, 10 * e_i)``, e_i the running largest |difference| between the
+      one-process run and a second one whose initial weights are scaled by
+      ``1 + 1e-6 * u`` (u uniform in [-1, 1], fixed): the run's own sensitivity to
+      rounding-sized changes, which Adam amplifies over long runs;
+    - bf16 / fp16: ``3 * max_i |one process half - one process fp32|`` everywhere: a
+      layout's rounding and the one-process run's are independent, each about as large as
+      that difference, so the two runs can differ by about twice it.
 
-    A layout's rounding and the one-process run's are independent, each about as large as
-    the one-process half-vs-fp32 difference, so the two runs can differ by about twice it;
-    3x leaves room, and a layout whose losses leave that band differs by more than rounding
-    (the fp32 one-process run is trained here, on rank 0, to measure it). Printed on rank
-    0."""
+    The extra one-process run trains on rank 0 while the other ranks wait."""
+    n = len(reference) if reference is not None else 0
     if config.compare_tolerance is not None:
-        return config.compare_tolerance
+        tolerance = config.compare_tolerance
+        return [tolerance] * n, f"--compare-tolerance {tolerance:.2e} at every iteration"
     if not (config.bf16 or config.fp16):
-        return FP32_COMPARE_TOLERANCE
+        perturbed = train_single_process(config, perturbation=SENSITIVITY_PERTURBATION)
+        if not is_rank_zero():
+            return None, ""
+        tolerances = sensitivity_tolerances(
+            reference, perturbed, FP32_COMPARE_TOLERANCE, SENSITIVITY_FACTOR
+        )
+        return tolerances, (
+            f"{FP32_COMPARE_TOLERANCE:.0e}, or {SENSITIVITY_FACTOR:g} x the one-process run's "
+            "own sensitivity when larger (the running largest |difference| from a one-process "
+            f"run with initial weights perturbed by {SENSITIVITY_PERTURBATION:.0e}, relative)"
+        )
     defaults = TrainingConfig()
     fp32 = dataclasses.replace(
         config, **{name: getattr(defaults, name) for name in PRECISION_FIELDS}
     )
     fp32_records = train_single_process(fp32)
-    tolerance = 0.0
-    if is_rank_zero():
-        rounding = max(abs(a["loss"] - b["loss"]) for a, b in zip(reference, fp32_records))
-        tolerance = HALF_PRECISION_TOLERANCE_FACTOR * rounding
-        precision = "bf16" if config.bf16 else "fp16"
-        _print(
-            f"tolerance {tolerance:.2e} = {HALF_PRECISION_TOLERANCE_FACTOR:g} x the largest "
-            f"|one process {precision} - one process fp32| loss difference ({rounding:.2e})"
-        )
-    return tolerance
+    if not is_rank_zero():
+        return None, ""
+    rounding = max(abs(a["loss"] - b["loss"]) for a, b in zip(reference, fp32_records))
+    tolerance = HALF_PRECISION_TOLERANCE_FACTOR * rounding
+    precision = "bf16" if config.bf16 else "fp16"
+    return [tolerance] * n, (
+        f"{tolerance:.2e} at every iteration = {HALF_PRECISION_TOLERANCE_FACTOR:g} x the "
+        f"largest |one process {precision} - one process fp32| loss difference "
+        f"({rounding:.2e})"
+    )
 
 
-def train_single_process(config: TrainingConfig) -> Optional[List[dict]]:
+def train_single_process(config: TrainingConfig, perturbation: float = 0.0) -> Optional[List[dict]]:
     """The same training on one process: here when there is no torch.distributed, else on
     global rank 0 with groups of its own while the other ranks wait. Returns the records
-    on the process that trained, None elsewhere."""
+    on the process that trained, None elsewhere. ``perturbation``: see ``train``."""
     reference_config = single_process_config(config)
     layout = validate_config(reference_config, 1)
     groups = single_process_groups(rank=0)
     records = None
     if is_rank_zero():
-        records = train(reference_config, layout, groups, desc="1 process")
+        label = "1 process, perturbed" if perturbation else "1 process"
+        records = train(reference_config, layout, groups, desc=label, perturbation=perturbation)
     if dist.is_initialized():
         dist.barrier()
     return records
@@ -498,6 +686,64 @@ def _on_this_cp_rank(
     return microbatch
 
 
+# Record fields each rank measures for itself (the rest is the same on every rank).
+MEASURED_FIELDS = (
+    "iteration_time_s",
+    "tokens_per_s",
+    "mem_allocated_bytes",
+    "mem_max_allocated_bytes",
+    "mem_reserved_bytes",
+)
+
+
+def _as_the_last_rank_measured(records: List[dict]) -> List[dict]:
+    """The records with the last rank's timings and memory (what it logged to TensorBoard /
+    W&B), so that metrics.jsonl, written on rank 0, holds the same values: one broadcast
+    after training."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return records
+    measured = [[{k: r[k] for k in MEASURED_FIELDS if k in r} for r in records]]
+    dist.broadcast_object_list(measured, src=dist.get_world_size() - 1)
+    return [{**r, **m} for r, m in zip(records, measured[0])]
+
+
+def _is_last_rank() -> bool:
+    """The last global rank (it holds the last pipeline stage): the one metrics writer."""
+    return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+
+
+def _memory_record() -> Dict[str, int]:
+    """The accelerator's memory counters (megatron's mem-* scalars); none on the CPU."""
+    device = comm_device()
+    if device.type != "cuda":
+        return {}
+    return {
+        "mem_allocated_bytes": torch.cuda.memory_allocated(device),
+        "mem_max_allocated_bytes": torch.cuda.max_memory_allocated(device),
+        "mem_reserved_bytes": torch.cuda.memory_reserved(device),
+    }
+
+
+def _log_line(record: dict, train_iters: int) -> str:
+    """megatron's console line: `` iteration 10/20 | lm loss: 3.2 | ...``."""
+    parts = [f" iteration {record['iteration']}/{train_iters}"]
+    parts.append(f"lm loss: {record['loss']:.6E}")
+    parts.append(f"learning rate: {record['lr']:.6E}")
+    if record.get("grad_norm") is not None:
+        parts.append(f"grad norm: {record['grad_norm']:.4f}")
+    parts.append(f"elapsed time per iteration (ms): {1000 * record['iteration_time_s']:.1f}")
+    parts.append(f"tokens per second: {record['tokens_per_s']:.0f}")
+    return " | ".join(parts)
+
+
+def _validation_line(iteration: int, result: Validation) -> str:
+    """``validation at iteration 20: loss 1.2345, perplexity 3.437 (1234 tokens)``."""
+    return (
+        f"validation at iteration {iteration}: loss {result.loss:.4f}, perplexity "
+        f"{result.ppl:.3f} ({result.tokens} tokens)"
+    )
+
+
 def _agree_on_rank_zero(passed: bool) -> bool:
     """Rank 0's verdict, on every rank."""
     if not dist.is_initialized():
@@ -508,14 +754,20 @@ def _agree_on_rank_zero(passed: bool) -> bool:
 
 
 def _summary(records: List[dict], layout: Layout, seconds: float) -> str:
-    """One line: loss at the first and last iteration, time."""
+    """One line: loss at the first and last iteration, skipped iterations (with loss
+    scaling), time."""
     if not records:
         return f"{layout.name}: no iterations left to train, {seconds:.1f} s"
+    if "loss" not in records[0]:  # --skip-train
+        return f"{layout.name}: evaluated only (--skip-train), {seconds:.1f} s"
     first, last = records[0]["loss"], records[-1]["loss"]
     trend = "falls" if last < first else "does not fall"
+    skipped = ""
+    if records[-1].get("loss_scale") is not None:
+        skipped = f", {records[-1]['skipped_iterations']} skipped (fp16 overflow)"
     return (
         f"{layout.name}: loss {first:.4f} -> {last:.4f} over {len(records)} iterations "
-        f"({trend}), {seconds:.1f} s"
+        f"({trend}){skipped}, {seconds:.1f} s"
     )
 
 

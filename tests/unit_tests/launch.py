@@ -2,6 +2,7 @@
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -57,3 +58,57 @@ def run_torchrun(
         output, _ = proc.communicate()
         pytest.fail(f"the launch still ran after {limit_s} s:\n{output[-4000:]}")
     return proc.returncode, output, time.monotonic() - start
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the rendezvous endpoint)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_torchrun_nodes(
+    nnodes: int,
+    nproc: int,
+    target: List[str],
+    *,
+    limit_s: float,
+    cwd: Optional[Path] = None,
+) -> List[Tuple[int, str]]:
+    """``nnodes`` torchrun agents on this machine, as on ``nnodes`` nodes of ``nproc`` processes:
+    c10d rendezvous on 127.0.0.1, the agents started apart as a cluster's would be; each
+    agent's (exit code, output), agent 0 first. Past ``limit_s`` every agent is killed and the
+    test fails with the outputs' tails."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env.update(OMP_NUM_THREADS="1")
+    endpoint = f"127.0.0.1:{free_port()}"
+    agents = []
+    for node in range(nnodes):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes)]
+        command += ["--nproc-per-node", str(nproc), "--rdzv-backend", "c10d"]
+        command += ["--rdzv-endpoint", endpoint, "--rdzv-id", f"test-{os.getpid()}"]
+        command += ["--node-rank", str(node), *target]  # c10d ignores it; SLURM scripts pass it
+        agents.append(
+            subprocess.Popen(
+                command,
+                cwd=cwd or ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
+    deadline = time.monotonic() + limit_s
+    results = []
+    for agent in agents:
+        try:
+            output, _ = agent.communicate(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            for other in agents:
+                if other.poll() is None:
+                    os.killpg(other.pid, signal.SIGKILL)
+            output, _ = agent.communicate()
+            pytest.fail(f"the {nnodes}-node launch still ran after {limit_s} s:\n{output[-4000:]}")
+        results.append((agent.returncode, output))
+    return results

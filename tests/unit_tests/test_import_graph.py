@@ -1,5 +1,7 @@
 """The package's import graph (SPEC section 9): no circles, no private names across packages,
-and ``megatron.core`` never imports ``megatron.training``.
+``megatron.core`` never imports ``megatron.training``, and ``torch.distributed`` collectives
+in ``megatron.core`` are called from ``megatron.core.communication`` only (plus a short
+allow-list, each entry with its reason).
 
 Every ``import`` / ``from ... import`` statement of every module under ``megatron/`` counts,
 wherever it is written (module level, inside a function, under ``if``): Python runs a
@@ -24,6 +26,21 @@ ROOT = Path(__file__).resolve().parents[2]
 # Private names imported across packages that another change in flight removes; each entry
 # names the change. ``test_pending_exceptions_still_occur`` fails once an entry is obsolete.
 PENDING: Set[Tuple[str, str]] = set()
+
+
+# torch.distributed functions that communicate: outside megatron.core.communication they may
+# appear (called or referenced) only where RAW_COLLECTIVES_ALLOWED says why.
+COLLECTIVES = frozenset(
+    """all_reduce all_reduce_coalesced all_gather all_gather_into_tensor all_gather_object
+    all_gather_coalesced _all_gather_base reduce_scatter reduce_scatter_tensor
+    _reduce_scatter_base all_to_all all_to_all_single broadcast broadcast_object_list reduce
+    send recv isend irecv batch_isend_irecv P2POp gather gather_object scatter
+    scatter_object_list barrier monitored_barrier send_object_list recv_object_list""".split()
+)
+CALL_ONLY = frozenset({"P2POp"})  # a class: counts when constructed, not in annotations
+COMMUNICATION_MODULE = "megatron.core.communication"
+# (module, function name): why the raw call is better where it is
+RAW_COLLECTIVES_ALLOWED: Dict[Tuple[str, str], str] = {}
 
 
 class Module(NamedTuple):
@@ -84,6 +101,77 @@ def private_imports(modules: Dict[str, Module]) -> List[PrivateImport]:
             if source_package != package:
                 found.append(PrivateImport(importer, line, target, name))
     return found
+
+
+class RawCollective(NamedTuple):
+    module: str
+    line: int
+    name: str
+
+
+def raw_collectives(modules: Dict[str, Module]) -> List[RawCollective]:
+    """Uses of a ``torch.distributed`` collective (``COLLECTIVES``) in ``megatron.core``
+    outside ``communication``: ``dist.all_reduce`` through any alias of the module
+    (``import torch.distributed as dist``, ``torch.distributed.x``, ``from torch import
+    distributed``), or the function imported by name (``from torch.distributed import x``),
+    called or only referenced."""
+    found = []
+    for name, (source, _) in modules.items():
+        if not name.startswith("megatron.core") or name == COMMUNICATION_MODULE:
+            continue
+        tree = ast.parse(source)
+        module_aliases, function_aliases = _distributed_aliases(tree)
+        called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in CALL_ONLY
+                and id(node) not in called
+            ):
+                continue  # a type annotation, not a message
+            if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES:
+                if _dotted(node.value) in module_aliases:
+                    found.append(RawCollective(name, node.lineno, node.attr))
+            elif isinstance(node, ast.Name) and node.id in function_aliases:
+                found.append(RawCollective(name, node.lineno, function_aliases[node.id]))
+            elif isinstance(node, ast.ImportFrom) and node.module in _DISTRIBUTED_MODULES:
+                for alias in node.names:
+                    if alias.name in COLLECTIVES:
+                        found.append(RawCollective(name, node.lineno, alias.name))
+    return found
+
+
+_DISTRIBUTED_MODULES = ("torch.distributed", "torch.distributed.distributed_c10d")
+
+
+def _distributed_aliases(tree: ast.AST) -> Tuple[Set[str], Dict[str, str]]:
+    """(dotted names bound to torch.distributed, {local name: collective it is bound to})."""
+    modules = set(_DISTRIBUTED_MODULES)
+    functions: Dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in _DISTRIBUTED_MODULES and alias.asname:
+                    modules.add(alias.asname)
+        elif isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                if full in _DISTRIBUTED_MODULES:
+                    modules.add(alias.asname or alias.name)
+                elif node.module in _DISTRIBUTED_MODULES and alias.name in COLLECTIVES:
+                    functions[alias.asname or alias.name] = alias.name
+    return modules, functions
+
+
+def _dotted(node: ast.AST) -> str:
+    """``a.b.c`` for a chain of attributes on a name, else ""."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return ""
+    return ".".join([node.id] + parts[::-1])
 
 
 def import_cycles(edges: List[Edge]) -> List[List[str]]:
@@ -226,6 +314,28 @@ def test_core_never_imports_training():
     )
 
 
+def test_collectives_only_in_communication():
+    """Every torch.distributed collective of megatron.core goes through communication.py
+    (its gloo/NCCL, device and async-handle choices are made there once)."""
+    found = [
+        c
+        for c in raw_collectives(package_modules())
+        if (c.module, c.name) not in RAW_COLLECTIVES_ALLOWED
+    ]
+    assert not found, (
+        "torch.distributed collectives outside megatron.core.communication (add a function "
+        "there, or an allow-list entry with its reason):\n"
+        + "\n".join(f"  {c.module}:{c.line} {c.name}" for c in found)
+    )
+
+
+def test_collective_allow_list_entries_still_occur():
+    """Each RAW_COLLECTIVES_ALLOWED entry must still be needed."""
+    occurring = {(c.module, c.name) for c in raw_collectives(package_modules())}
+    obsolete = set(RAW_COLLECTIVES_ALLOWED) - occurring
+    assert not obsolete, f"remove these RAW_COLLECTIVES_ALLOWED entries: {obsolete}"
+
+
 # ----------------------------------------------------------------------------- negative controls
 
 
@@ -294,3 +404,36 @@ def test_core_importing_training_is_found():
     )
     edges = import_edges(modules)
     assert ("megatron.core.a", "megatron.training.t") in {(e.importer, e.target) for e in edges}
+
+
+def test_a_planted_raw_collective_is_found():
+    """Each way of reaching a collective is caught; communication.py and megatron.training
+    are not checked; a non-collective torch.distributed function is not flagged."""
+    modules = _invented(
+        {
+            "megatron.__init__": "",
+            "megatron.core.__init__": "",
+            "megatron.core.communication": "import torch.distributed as dist\n"
+            "def f(t):\n    dist.all_reduce(t)\n",
+            "megatron.core.a": "import torch.distributed as dist\n"
+            "def f(t, g):\n    dist.all_reduce(t, group=g)\n    return dist.get_rank(g)\n",
+            "megatron.core.b": "import torch\n"
+            "def f(t):\n    torch.distributed.broadcast(t, 0)\n",
+            "megatron.core.c": "from torch.distributed import all_to_all_single as a2a\n",
+            "megatron.core.d": "from torch import distributed as td\n"
+            "def f(ops):\n    return td.batch_isend_irecv(ops)\n",
+            "megatron.core.e": "import torch.distributed as dist\n"
+            "def f(t, peer) -> dist.P2POp:\n    return dist.P2POp(dist.isend, t, peer)\n",
+            "megatron.training.t": "import torch.distributed as dist\n"
+            "def f():\n    dist.barrier()\n",
+        }
+    )
+    found = sorted((c.module, c.name) for c in raw_collectives(modules))
+    assert found == [
+        ("megatron.core.a", "all_reduce"),
+        ("megatron.core.b", "broadcast"),
+        ("megatron.core.c", "all_to_all_single"),
+        ("megatron.core.d", "batch_isend_irecv"),
+        ("megatron.core.e", "P2POp"),
+        ("megatron.core.e", "isend"),
+    ]

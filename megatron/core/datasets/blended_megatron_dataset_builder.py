@@ -11,6 +11,7 @@ from typing import Any, Callable, List, Optional, Type, Union
 import numpy
 import torch
 
+from megatron.core.communication import barrier, world_group
 from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron.core.datasets.megatron_dataset import MegatronDataset
@@ -136,7 +137,7 @@ class BlendedMegatronDatasetBuilder:
             for p, prefix in enumerate(prefixes):
                 out[p] = self._build_splits(prefix, split, sizes_per_dataset[p], sync=False)
         if distributed:
-            torch.distributed.barrier()
+            barrier(world_group())
         if rank != 0:
             for p, prefix in enumerate(prefixes):
                 out[p] = self._build_splits(prefix, split, sizes_per_dataset[p], sync=False)
@@ -153,7 +154,7 @@ class BlendedMegatronDatasetBuilder:
         if torch.distributed.is_initialized() and not self.is_built_on_rank():
             for i in range(len(Split)):
                 if split[i] is not None and sync:
-                    torch.distributed.barrier()
+                    barrier(world_group())
             return [None] * len(Split)
         low_level = self.cls.build_low_level_dataset(dataset_path, self.config)
         num_elements = self.cls.numel_low_level_dataset(low_level)
@@ -204,7 +205,7 @@ class BlendedMegatronDatasetBuilder:
                     "config to a writable directory"
                 ) from err
         if synchronize_ranks:
-            torch.distributed.barrier()
+            barrier(world_group())
         if rank != 0 and is_built_on_rank():
             dataset = cls(*args)
         return dataset

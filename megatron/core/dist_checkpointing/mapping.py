@@ -14,7 +14,7 @@ A ``ShardedObject`` is a non-tensor piece at a position of a grid (``global_shap
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -72,8 +72,12 @@ class ShardedTensor(ShardedBase):
     ``prepend_axis_num`` leading axes of the global tensor have no counterpart in ``data``
     (each has local size 1): a layer index, for example, so that every layer of a stack
     shares one key. ``allow_shape_mismatch``: on load the stored global shape may differ
-    (padded vocabularies); only the overlap is read. ``flattened_range`` (megatron-core's
-    distributed optimizer) is not supported and is rejected.
+    (padded vocabularies); only the overlap is read.
+
+    ``flattened_range`` (the distributed optimizer's shards): ``data`` is 1-D and holds the
+    elements ``[start, stop)`` of the box flattened in row-major order (``local_shape`` is
+    still the whole box). On disk such a piece is the few rectangular boxes that range is made
+    of (``flat_boxes``), so it reads back at any other layout, flat or not.
     """
 
     key: str
@@ -93,12 +97,6 @@ class ShardedTensor(ShardedBase):
 
     def validate_metadata_integrity(self) -> None:
         """Check shapes, offsets and dtype against each other and against ``data``."""
-        if self.flattened_range is not None:
-            raise CheckpointingException(
-                f"ShardedTensor {self.key!r}: flattened_range={self.flattened_range!r} is not "
-                "supported (megatron-core's flat-range optimizer format; this package's "
-                "distributed optimizer stores whole per-parameter tensors); expected None"
-            )
         ndim = len(self.global_shape)
         if len(self.local_shape) != ndim or len(self.global_offset) != ndim:
             raise CheckpointingException(
@@ -125,7 +123,9 @@ class ShardedTensor(ShardedBase):
                 f"ShardedTensor {self.key!r}: prepended axes must have local size 1, got "
                 f"local_shape {self.local_shape} with prepend_axis_num={self.prepend_axis_num}"
             )
-        if self.data is not None:
+        if self.flattened_range is not None:
+            self._validate_flattened_range()
+        elif self.data is not None:
             expected = tuple(self.local_shape[self.prepend_axis_num :])
             if tuple(self.data.shape) != expected:
                 raise CheckpointingException(
@@ -133,11 +133,29 @@ class ShardedTensor(ShardedBase):
                     f"expected {expected} (local_shape {self.local_shape} without "
                     f"{self.prepend_axis_num} prepended axes)"
                 )
-            if self.data.dtype != self.dtype:
-                raise CheckpointingException(
-                    f"ShardedTensor {self.key!r}: data dtype {self.data.dtype} differs from "
-                    f"dtype {self.dtype}"
-                )
+        if self.data is not None and self.data.dtype != self.dtype:
+            raise CheckpointingException(
+                f"ShardedTensor {self.key!r}: data dtype {self.data.dtype} differs from "
+                f"dtype {self.dtype}"
+            )
+
+    def _validate_flattened_range(self) -> None:
+        rng, numel = self.flattened_range, _numel(self.local_shape)
+        if not isinstance(rng, slice) or rng.step not in (None, 1):
+            raise CheckpointingException(
+                f"ShardedTensor {self.key!r}: flattened_range={rng!r}; expected a slice "
+                "start:stop with step 1"
+            )
+        if rng.start is None or rng.stop is None or not 0 <= rng.start < rng.stop <= numel:
+            raise CheckpointingException(
+                f"ShardedTensor {self.key!r}: flattened_range={rng!r} must satisfy "
+                f"0 <= start < stop <= {numel} (the box {self.local_shape} flattened)"
+            )
+        if self.data is not None and tuple(self.data.shape) != (rng.stop - rng.start,):
+            raise CheckpointingException(
+                f"ShardedTensor {self.key!r}: data has shape {tuple(self.data.shape)}, "
+                f"expected ({rng.stop - rng.start},) for flattened_range={rng!r}"
+            )
 
     @classmethod
     def from_rank_offsets(
@@ -160,8 +178,8 @@ class ShardedTensor(ShardedBase):
         if flattened_range is not None:
             raise CheckpointingException(
                 f"ShardedTensor.from_rank_offsets({key!r}): flattened_range="
-                f"{flattened_range!r} is not supported (the distributed optimizer stores whole "
-                "per-parameter tensors); expected None"
+                f"{flattened_range!r} is not accepted here; use from_rank_offsets_flat (data "
+                "1-D, the box's shape given separately)"
             )
         if not isinstance(data, torch.Tensor):
             raise CheckpointingException(
@@ -208,6 +226,53 @@ class ShardedTensor(ShardedBase):
             **init_kwargs,
         )
 
+    @classmethod
+    def from_rank_offsets_flat(
+        cls,
+        key: str,
+        data: torch.Tensor,
+        non_flat_local_shape: Tuple[int, ...],
+        *rank_offsets: Tuple[int, int, int],
+        flattened_range: slice,
+        **init_kwargs,
+    ) -> "ShardedTensor":
+        """As ``from_rank_offsets`` for a box of shape ``non_flat_local_shape`` of which the
+        1-D ``data`` is the elements ``flattened_range`` (row-major)."""
+        if flattened_range is None:
+            raise CheckpointingException(
+                f"ShardedTensor.from_rank_offsets_flat({key!r}): flattened_range is None; "
+                "expected a slice (use from_rank_offsets for whole boxes)"
+            )
+        if not isinstance(data, torch.Tensor) or data.dim() != 1:
+            raise CheckpointingException(
+                f"ShardedTensor.from_rank_offsets_flat({key!r}): data must be a 1-D tensor"
+            )
+        meta = torch.empty(tuple(non_flat_local_shape), dtype=data.dtype, device="meta")
+        box = cls.from_rank_offsets(key, meta, *rank_offsets, **init_kwargs)
+        return replace(box, data=data, flattened_range=flattened_range)
+
+    def flat_boxes(self) -> List[Tuple[Tuple[int, ...], Tuple[int, ...], int, int]]:
+        """The rectangular boxes this piece covers: ``(global_offset, shape, start, stop)``
+        each, ``data[start:stop]`` (reshaped to ``shape``) being the box at ``global_offset``
+        (shapes include the prepended axes). One box, the whole ``data``, without
+        ``flattened_range``."""
+        if self.flattened_range is None:
+            return [
+                (tuple(self.global_offset), tuple(self.local_shape), 0, _numel(self.local_shape))
+            ]
+        rng = self.flattened_range
+        return [
+            (
+                tuple(o + g for o, g in zip(offset, self.global_offset)),
+                shape,
+                a - rng.start,
+                b - rng.start,
+            )
+            for offset, shape, a, b in flat_range_boxes(
+                tuple(self.local_shape), rng.start, rng.stop
+            )
+        ]
+
     def global_slice(self) -> Tuple[slice, ...]:
         """The box this piece covers, as slices of the global tensor."""
         return tuple(
@@ -221,6 +286,8 @@ class ShardedTensor(ShardedBase):
         """Allocate ``data`` (shape ``local_shape`` without prepended axes) if it is None."""
         if self.data is None:
             shape = self.local_shape[self.prepend_axis_num :]
+            if self.flattened_range is not None:
+                shape = (self.flattened_range.stop - self.flattened_range.start,)
             self.data = init_fn(shape, dtype=self.dtype, device=device)
 
     def __str__(self) -> str:
@@ -229,6 +296,54 @@ class ShardedTensor(ShardedBase):
             f"global_offset={self.global_offset}, local_shape={self.local_shape}, "
             f"replica_id={self.replica_id})"
         )
+
+
+def flat_range_boxes(
+    shape: Tuple[int, ...], start: int, stop: int
+) -> List[Tuple[Tuple[int, ...], Tuple[int, ...], int, int]]:
+    """The elements ``[start, stop)`` of a row-major array of ``shape`` as rectangular boxes
+    ``(offset, box shape, start, stop)`` in flat order (at most 2 per dimension): a partial
+    leading row, whole rows, a partial trailing row, recursively."""
+    if start >= stop:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (stop - start,), start, stop)] if shape else [((), (), 0, 1)]
+    inner = _numel(shape[1:])
+    boxes = []
+
+    def rows(first: int, count: int, base: int) -> None:
+        boxes.append(
+            (
+                (first,) + (0,) * (len(shape) - 1),
+                (count,) + tuple(shape[1:]),
+                base,
+                base + count * inner,
+            )
+        )
+
+    def partial(row: int, lo: int, hi: int) -> None:
+        for offset, sub, a, b in flat_range_boxes(tuple(shape[1:]), lo, hi):
+            boxes.append(((row,) + offset, (1,) + sub, row * inner + a, row * inner + b))
+
+    if start % inner:
+        row = start // inner
+        partial(row, start % inner, min(stop - row * inner, inner))
+        start = min(stop, (row + 1) * inner)
+    if stop // inner > start // inner and start < stop:
+        first, last = start // inner, stop // inner
+        rows(first, last - first, start)
+        start = last * inner
+    if start < stop:
+        row = start // inner
+        partial(row, 0, stop - row * inner)
+    return boxes
+
+
+def _numel(shape: Tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
 
 
 @dataclass

@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from megatron.core.communication import all_gather_object, barrier, gather_object, world_group
 from megatron.core.dist_checkpointing import storage
 from megatron.core.dist_checkpointing.core import (
     CONFIG_FNAME,
@@ -176,7 +177,9 @@ def load(
     a tensor holding its box of the saved global tensor (whatever layout saved it), each
     ShardedObject by its saved object, each factory by its merged tensor, each
     LocalNonpersistentObject by its value, merged with the checkpoint's common state. A
-    loaded tensor has the requested dtype and lives on the device of the request's data.
+    loaded tensor has the requested dtype and lives on the device of the request's data; it
+    is a new tensor, except for a flat piece (``flattened_range``: the distributed
+    optimizer's shards), which is read into its own ``data`` (no second copy of the state).
 
     Keys the request has and the checkpoint lacks ("unexpected") and the reverse ("missing")
     are handled by ``strict`` (``StrictHandling``); with the default an unexpected key is an
@@ -453,9 +456,15 @@ def _pieces_to_write(pieces: List[ShardedBase]):
             if not isinstance(p.data, torch.Tensor):
                 raise CheckpointingException(f"ShardedTensor {p.key!r} has no data to save")
             p.validate_metadata_integrity()
-            boxes.append(
-                storage.TensorBox(p.key, _box_tensor(p, p.data), p.global_shape, p.global_offset)
-            )
+            if p.flattened_range is None:
+                box = storage.TensorBox(
+                    p.key, _box_tensor(p, p.data), p.global_shape, p.global_offset
+                )
+                boxes.append(box)
+                continue
+            for offset, shape, start, stop in p.flat_boxes():
+                data = p.data[start:stop].reshape(shape)
+                boxes.append(storage.TensorBox(p.key, data, p.global_shape, offset))
         else:
             objects[p.unique_key] = storage.serialize_checked(
                 p.data, f"ShardedObject {p.unique_key!r}"
@@ -470,14 +479,35 @@ def _boxes_to_read(pieces: List[ShardedBase], stored_shapes: Dict[str, Tuple[int
         if not isinstance(p, ShardedTensor):
             continue
         shape = tuple(p.local_shape[p.prepend_axis_num :])
+        if p.flattened_range is not None:
+            shape = (p.flattened_range.stop - p.flattened_range.start,)
         device = p.data.device if isinstance(p.data, torch.Tensor) else torch.device("cpu")
-        if tuple(stored_shapes[p.key]) != tuple(p.global_shape) and p.data is not None:
+        same_shape = tuple(stored_shapes[p.key]) == tuple(p.global_shape)
+        if p.flattened_range is not None and same_shape and _readable_in_place(p, shape):
+            out = p.data.detach()  # a flat shard is read into its own storage (no copy)
+        elif not same_shape and p.data is not None:
             out = p.data.detach().clone().to(p.dtype)  # keeps what the checkpoint lacks
         else:
             out = torch.empty(shape, dtype=p.dtype, device=device)
         destinations[id(p)] = out
-        boxes.append(storage.TensorBox(p.key, _box_tensor(p, out), p.global_shape, p.global_offset))
+        if p.flattened_range is None:
+            box = storage.TensorBox(p.key, _box_tensor(p, out), p.global_shape, p.global_offset)
+            boxes.append(box)
+            continue
+        for offset, box_shape, start, stop in p.flat_boxes():  # views of the flat destination
+            view = out[start:stop].view(box_shape)
+            boxes.append(storage.TensorBox(p.key, view, p.global_shape, offset))
     return boxes, destinations
+
+
+def _readable_in_place(piece: ShardedTensor, shape: Tuple[int, ...]) -> bool:
+    data = piece.data
+    return (
+        isinstance(data, torch.Tensor)
+        and data.dtype == piece.dtype
+        and tuple(data.shape) == tuple(shape)
+        and data.is_contiguous()
+    )
 
 
 def _shape_errors(pieces, stored_shapes, unexpected) -> List[str]:
@@ -514,7 +544,7 @@ def _sharding_errors(metas_per_rank: List[List[ShardedBase]]) -> List[str]:
                 shapes[m.key] = m.global_shape
                 entries = tensors.setdefault(m.key, [])
                 if is_main_replica(m.replica_id):
-                    entries.append(((m.global_offset, m.local_shape), rank))
+                    entries += [((o, s), rank) for o, s, _, _ in m.flat_boxes()]
             else:
                 entries = objects.setdefault(m.key, [])
                 entries.append((m, rank))
@@ -570,8 +600,7 @@ def _log_common_differences(common: StateDict, preprocess: Optional[Callable]) -
     view = preprocess(common) if preprocess is not None else common
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
-    gathered = [None] * dist.get_world_size() if _rank() == 0 else None
-    dist.gather_object(view, gathered, dst=0)
+    gathered = gather_object(view, world_group(), dst=0)
     if _rank() != 0:
         return
     for rank, other in enumerate(gathered[1:], start=1):
@@ -606,17 +635,12 @@ def _rank() -> int:
 
 
 def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    barrier(world_group())
 
 
 def _all_gather(obj: Any) -> List[Any]:
     """Every rank's ``obj`` (just ``[obj]`` without torch.distributed)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return [obj]
-    out: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    return all_gather_object(obj, world_group())
 
 
 __all__ = [

@@ -8,6 +8,7 @@ from typing import Dict, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core.communication import broadcast_
 from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
 )
@@ -71,37 +72,33 @@ class DistributedDataParallel(torch.nn.Module):
         dense = [p for p in module.parameters() if p.requires_grad and _is_dense(p)]
         experts = [p for p in module.parameters() if p.requires_grad and not _is_dense(p)]
         self.buffers = _make_buffers(
-            dense, ddp_config.grad_reduce_in_fp32, bucket_size, self.shard_size
+            dense,
+            ddp_config.grad_reduce_in_fp32,
+            bucket_size,
+            self.shard_size,
+            self.dp_cp_group,
+            self.pre_scale,
         )
-        for buffer in self.buffers:
-            buffer.group, buffer.pre_scale = self.dp_cp_group, self.pre_scale
         self.expt_dp_group = None
-        self.expert_buffers: List[GradBuffer] = []
         if experts:
+            # Expert parameters (allreduce=False): their own buffers, reduced (and, with the
+            # distributed optimizer, sharded) over expert DP with the dense factor: summed
+            # over expert DP and divided by D * C like every other gradient (AVG over expert
+            # DP divides by its own size, hence expt_dp / (D * C) with average_in_collective).
             self.expt_dp_group = expert_data_parallel_group(pg_collection, config, dp_cp_size)
             expt_size = get_pg_size(self.expt_dp_group)
-            if ddp_config.use_distributed_optimizer:
-                raise NotImplementedError(
-                    "DistributedDataParallel: use_distributed_optimizer=True with "
-                    "mixture-of-experts parameters (num_moe_experts) is not supported yet; "
-                    "expected use_distributed_optimizer=False"
-                )
-            # the dense factor: expert gradients are summed over expert DP and divided by
-            # D * C like every other gradient (AVG over expert DP divides by its own size)
-            expert_scale = self.pre_scale
-            if self.average:
-                expert_scale = expt_size / dp_cp_size
-            self.expert_buffers = _make_buffers(
-                experts, ddp_config.grad_reduce_in_fp32, bucket_size, None
+            expert_scale = expt_size / dp_cp_size if self.average else self.pre_scale
+            self.buffers += _make_buffers(
+                experts,
+                ddp_config.grad_reduce_in_fp32,
+                bucket_size,
+                expt_size if ddp_config.use_distributed_optimizer else None,
+                self.expt_dp_group,
+                expert_scale,
             )
-            for buffer in self.expert_buffers:
-                buffer.group, buffer.pre_scale = self.expt_dp_group, expert_scale
-            self.buffers = self.buffers + self.expert_buffers
         self.param_to_bucket: Dict[torch.nn.Parameter, GradBucket] = {}
         for buffer in self.buffers:
             self.param_to_bucket.update(buffer.param_to_bucket)
-            for bucket in buffer.buckets:
-                bucket.group, bucket.pre_scale = buffer.group, buffer.pre_scale
         self.param_names = {p: n for n, p in module.named_parameters()}
         self.is_last_microbatch = True
         self._hooks = [
@@ -151,7 +148,7 @@ class DistributedDataParallel(torch.nn.Module):
         overlap = self.ddp_config.overlap_param_gather and not force_sync
         for bucket in reversed(self._buckets()):
             wait_param_gather(bucket)
-            gather_bucket_params(bucket, self.dp_cp_group, async_op=overlap)
+            gather_bucket_params(bucket, bucket.buffer.data_parallel_group, async_op=overlap)
             if not overlap:
                 wait_param_gather(bucket)
 
@@ -193,14 +190,14 @@ class DistributedDataParallel(torch.nn.Module):
             param.grad = None
 
     def broadcast_params(self) -> None:
-        """Copy parameters from the first rank of the dp x cp group to the others."""
+        """Copy parameters from the first rank of the dp x cp group to the others (expert
+        parameters: of the expert data-parallel group)."""
         for group, dense in ((self.dp_cp_group, True), (self.expt_dp_group, False)):
-            if group is None or group.size() == 1:
+            if get_pg_size(group) == 1:
                 continue
-            src = dist.get_global_rank(group, 0)
             for param in self.module.parameters():
                 if _is_dense(param) == dense:
-                    dist.broadcast(param.data, src=src, group=group)
+                    broadcast_(param.data, group, src=0)
 
     def state_dict(self, *args, **kwargs):
         """The wrapped module's state dict (parameter gathers in flight finished first)."""
@@ -240,8 +237,8 @@ class DistributedDataParallel(torch.nn.Module):
             self._check_finite(bucket)
         reduce_bucket(
             bucket,
-            bucket.group,
-            bucket.pre_scale,
+            bucket.buffer.data_parallel_group,
+            bucket.buffer.gradient_scaling_factor,
             self.average,
             async_op=self.ddp_config.overlap_grad_reduce,
             scatter=self.ddp_config.use_distributed_optimizer,
@@ -289,18 +286,28 @@ def _is_dense(param: torch.nn.Parameter) -> bool:
 
 
 def _make_buffers(
-    params, grad_reduce_in_fp32: bool, bucket_size, shard_size: Optional[int]
+    params: List[torch.nn.Parameter],
+    grad_reduce_in_fp32: bool,
+    bucket_size,
+    shard_size: Optional[int],
+    group: Optional[dist.ProcessGroup],
+    pre_scale: float,
 ) -> List[GradBuffer]:
     """One buffer per gradient dtype (fp32 when ``grad_reduce_in_fp32``), and with the
     distributed optimizer (``shard_size``) per parameter dtype as well (a parameter buffer
-    holds one dtype)."""
+    holds one dtype); each reduces over ``group`` with ``pre_scale``.
+
+    Expert parameters (``param.allreduce = False``) get buffers of their own (the caller
+    passes them apart) with the expert-data-parallel group, its size as ``shard_size`` and
+    the dense scaling factor; the reduction and the distributed optimizer follow each
+    buffer's ``data_parallel_group``."""
     by_dtype: Dict[tuple, List[torch.nn.Parameter]] = {}
     for param in params:
         dtype = torch.float32 if grad_reduce_in_fp32 else param.dtype
         key = (dtype, param.dtype if shard_size is not None else None)
         by_dtype.setdefault(key, []).append(param)
     return [
-        GradBuffer(params, dtype, bucket_size, shard_size)
+        GradBuffer(params, dtype, bucket_size, shard_size, group, pre_scale)
         for (dtype, _), params in by_dtype.items()
     ]
 

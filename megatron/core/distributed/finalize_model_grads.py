@@ -7,8 +7,13 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from megatron.core.communication import all_reduce_, broadcast_
 from megatron.core.device import comm_device
-from megatron.core.process_groups_config import ProcessGroupCollection, resolve_pg_collection
+from megatron.core.process_groups_config import (
+    ProcessGroupCollection,
+    get_pg_size,
+    resolve_pg_collection,
+)
 from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
 from megatron.core.utils import get_attr_wrapped_model
 
@@ -94,10 +99,8 @@ def _global_token_count(num_tokens: torch.Tensor, groups) -> torch.Tensor:
     if groups is None:
         return total
     pp = groups.pp
-    if pp is not None and pp.size() > 1:
-        dist.broadcast(total, src=dist.get_global_rank(pp, pp.size() - 1), group=pp)
-    dist.all_reduce(total, group=groups.dp_cp)
-    return total
+    broadcast_(total, pp, src=get_pg_size(pp) - 1)
+    return all_reduce_(total, groups.dp_cp)
 
 
 def _allreduce_sequence_parallel_grads(
@@ -116,8 +119,7 @@ def _allreduce_sequence_parallel_grads(
             if grad is not None:
                 by_dtype.setdefault(grad.dtype, []).append(grad)
     for grads in by_dtype.values():
-        flat = _flatten_dense_tensors(grads).to(comm_device(tp_group))
-        dist.all_reduce(flat, group=tp_group)
+        flat = all_reduce_(_flatten_dense_tensors(grads), tp_group)
         for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
             grad.copy_(reduced)
 
@@ -140,7 +142,7 @@ def _allreduce_word_embedding_grads(model: List[torch.nn.Module], groups) -> Non
     if owner is None or not owner.share_embeddings_and_output_weights:
         return
     weight = owner.shared_embedding_or_output_weight()
-    dist.all_reduce(_grad_of(weight), group=embd)
+    all_reduce_(_grad_of(weight), embd)
 
 
 def _allreduce_position_embedding_grads(model: List[torch.nn.Module], groups) -> None:
@@ -151,7 +153,7 @@ def _allreduce_position_embedding_grads(model: List[torch.nn.Module], groups) ->
     owner = _find(model[0] if pp is None or pp.rank() == 0 else model[-1], "embedding")
     weight = getattr(getattr(owner, "embedding", None), "position_embeddings", None)
     if weight is not None:
-        dist.all_reduce(_grad_of(weight.weight), group=pos)
+        all_reduce_(_grad_of(weight.weight), pos)
 
 
 def _grad_of(param: torch.nn.Parameter) -> torch.Tensor:

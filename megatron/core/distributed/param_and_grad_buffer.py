@@ -16,15 +16,21 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.core.device import comm_device, supports_avg
+from megatron.core.communication import (
+    Pending,
+    start_all_gather_shards_,
+    start_all_reduce_,
+    start_reduce_scatter_shard_,
+)
+from megatron.core.process_groups_config import get_pg_size
 
 
 class GradBucket:
     """A slice ``[start, end)`` of a buffer holding the ``main_grad`` (and, with the
     distributed optimizer, the parameters) of some parameters.
 
-    Reduction: ``grad <- op_{dp_cp}(grad * pre_scale)``, then ``/ size`` where AVG must be
-    emulated (gloo has no AVG); with the distributed optimizer only this rank's shard
+    Reduction: ``grad <- op_{dp_cp}(grad * pre_scale)`` (AVG emulated where the backend
+    lacks it, in ``communication``); with the distributed optimizer only this rank's shard
     ``[start + r * n / D, start + (r + 1) * n / D)`` is guaranteed to hold the result.
     """
 
@@ -39,15 +45,16 @@ class GradBucket:
         self.params, self.grad_data, self.index = params, grad_data, index
         self.start, self.end = start, start + grad_data.numel()
         self.param_data = param_data
+        self.buffer: Optional["GradBuffer"] = None  # set by the buffer that holds it
         self.ready: set = set()
-        self.handle: Optional[dist.Work] = None
-        self.launched, self.post_divisor = False, 1
-        self.gather_handle: Optional[dist.Work] = None
+        self.handle: Optional[Pending] = None
+        self.launched = False
+        self.gather_handle: Optional[Pending] = None
 
     def reset(self) -> None:
         """Forget readiness and in-flight reductions (start of a new iteration)."""
         self.ready.clear()
-        self.handle, self.launched, self.post_divisor = None, False, 1
+        self.handle, self.launched = None, False
 
     def shard_range(self, rank: int, size: int) -> Tuple[int, int]:
         """Buffer coordinates ``[lo, hi)`` of rank ``rank``'s shard (bucket split in ``size``)."""
@@ -60,9 +67,15 @@ class GradBuffer:
     in reverse order of registration (roughly the order their gradients arrive) and cut into
     buckets of at least ``bucket_size`` elements (one bucket when None).
 
-    ``shard_size`` (the dp x cp size, distributed optimizer only): buckets padded to a
-    multiple of it, parameters moved into ``param_data``, ``shared_embedding`` parameters in
-    a bucket of their own. ``param_ranges[p] = (start, end)`` in buffer coordinates.
+    ``shard_size`` (the size of the buffer's data-parallel group, distributed optimizer
+    only): buckets padded to a multiple of it, parameters moved into ``param_data``,
+    ``shared_embedding`` parameters in a bucket of their own. ``param_ranges[p] = (start,
+    end)`` in buffer coordinates.
+
+    A buffer carries the group its buckets reduce over (``data_parallel_group``: dp x cp for
+    dense parameters; an expert buffer would carry the expert-data-parallel group) and the
+    factor its gradients are pre-scaled by (``gradient_scaling_factor``); DDP reduces and the
+    distributed optimizer shards each buffer over its own group.
     """
 
     def __init__(
@@ -71,7 +84,16 @@ class GradBuffer:
         grad_dtype: torch.dtype,
         bucket_size: Optional[int],
         shard_size: Optional[int] = None,
+        data_parallel_group: Optional[dist.ProcessGroup] = None,
+        gradient_scaling_factor: float = 1.0,
     ) -> None:
+        if shard_size is not None and shard_size != get_pg_size(data_parallel_group):
+            raise ValueError(
+                f"GradBuffer: shard_size={shard_size} differs from the size of its "
+                f"data_parallel_group ({get_pg_size(data_parallel_group)}); expected equal"
+            )
+        self.data_parallel_group = data_parallel_group
+        self.gradient_scaling_factor = gradient_scaling_factor
         self.params = list(reversed(params))
         self.grad_dtype = grad_dtype
         self.param_dtype = self.params[0].dtype
@@ -104,6 +126,7 @@ class GradBuffer:
                 start,
                 None if self.param_data is None else self.param_data[start:end],
             )
+            bucket.buffer = self
             self.buckets.append(bucket)
             self.param_to_bucket.update({p: bucket for p in members})
 
@@ -150,38 +173,28 @@ def reduce_bucket(
 ) -> None:
     """Start reducing ``bucket`` over ``group``: SUM of pre-scaled grads, or AVG.
 
-    AVG runs in the collective where the backend has it, else as SUM then division.
-    ``scatter`` (distributed optimizer): a reduce-scatter into this rank's shard of the
-    bucket; gloo has none, so there the whole bucket is all-reduced (the shard gets the same
-    sum; CPU runs are for correctness).
+    ``scatter`` (distributed optimizer): only this rank's shard of the bucket is guaranteed
+    to hold the result (``communication.start_reduce_scatter_shard_``; on gloo the whole
+    bucket is all-reduced). AVG where the backend lacks it is SUM then division
+    (``communication``).
     """
     bucket.launched = True
     if pre_scale != 1.0:
         bucket.grad_data.mul_(pre_scale)
-    if group is None or group.size() == 1:
+    if get_pg_size(group) == 1:
         return
-    op = dist.ReduceOp.SUM
-    if average:
-        if supports_avg(group):
-            op = dist.ReduceOp.AVG
-        else:
-            bucket.post_divisor = group.size()
-    if scatter and comm_device(group).type != "cpu":
-        size, rank = group.size(), group.rank()
-        shard = bucket.grad_data.view(size, -1)[rank]
-        bucket.handle = dist.reduce_scatter_tensor(
-            shard, bucket.grad_data, op=op, group=group, async_op=async_op
-        )
-        return
-    bucket.handle = dist.all_reduce(bucket.grad_data, op=op, group=group, async_op=async_op)
+    op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+    start = start_reduce_scatter_shard_ if scatter else start_all_reduce_
+    bucket.handle = start(bucket.grad_data, group, op)
+    if not async_op:
+        wait_bucket(bucket)
 
 
 def wait_bucket(bucket: GradBucket) -> None:
-    """Wait for the bucket's reduction and apply any division left to do."""
-    if bucket.handle is not None and hasattr(bucket.handle, "wait"):
+    """Wait for the bucket's reduction (if one is in flight)."""
+    if bucket.handle is not None:
         bucket.handle.wait()
-    if bucket.post_divisor != 1:
-        bucket.grad_data.div_(bucket.post_divisor)
+    bucket.handle = None
 
 
 def gather_bucket_params(
@@ -190,23 +203,15 @@ def gather_bucket_params(
     """Start all-gathering the bucket's parameter shards over ``group`` (distributed
     optimizer): afterwards every rank's ``param_data`` slice holds every rank's shard."""
     bucket.gather_handle = None
-    if group is None or group.size() == 1:
+    if get_pg_size(group) == 1:
         return
-    size, rank = group.size(), group.rank()
-    pieces = bucket.param_data.view(size, -1)
-    if comm_device(group).type != "cpu":
-        bucket.gather_handle = dist.all_gather_into_tensor(
-            bucket.param_data, pieces[rank], group=group, async_op=async_op
-        )
-        return
-    local = pieces[rank].clone()  # gloo: list all-gather, the input not aliasing an output
-    bucket.gather_handle = dist.all_gather(
-        list(pieces.unbind(0)), local, group=group, async_op=async_op
-    )
+    bucket.gather_handle = start_all_gather_shards_(bucket.param_data, group)
+    if not async_op:
+        wait_param_gather(bucket)
 
 
 def wait_param_gather(bucket: GradBucket) -> None:
     """Wait for the bucket's parameter all-gather (if one is in flight)."""
-    if bucket.gather_handle is not None and hasattr(bucket.gather_handle, "wait"):
+    if bucket.gather_handle is not None:
         bucket.gather_handle.wait()
     bucket.gather_handle = None

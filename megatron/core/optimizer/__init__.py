@@ -28,6 +28,7 @@ from megatron.core.optimizer.optimizer import (
     FP32Optimizer,
     MegatronOptimizer,
     MixedPrecisionOptimizer,
+    init_optimizer_state,
 )
 from megatron.core.optimizer.optimizer_config import OptimizerConfig, unsupported_settings
 from megatron.core.utils import get_model_config
@@ -110,14 +111,16 @@ def get_megatron_optimizer(
             optimizer,
             config,
             grad_scaler,
-            None,
+            init_optimizer_state,
             model_chunks=model_chunks,
             data_parallel_group=None if pg_collection is None else pg_collection.dp_cp,
         )
     elif config.fp16 or config.bf16:
-        inner = Float16OptimizerWithFloat16Params(optimizer, config, grad_scaler, _init_state_fn)
+        inner = Float16OptimizerWithFloat16Params(
+            optimizer, config, grad_scaler, init_optimizer_state
+        )
     else:
-        inner = FP32Optimizer(optimizer, config, _init_state_fn)
+        inner = FP32Optimizer(optimizer, config, init_optimizer_state)
     if pg_collection is not None:
         inner.grad_stats_parallel_group = pg_collection.mp
         inner.tp_group = pg_collection.tp
@@ -243,14 +246,3 @@ def _build_torch_optimizer(
         momentum=config.sgd_momentum,
         **kernel,
     )
-
-
-def _init_state_fn(opt: torch.optim.Optimizer, config: Optional[OptimizerConfig] = None) -> None:
-    """Create empty Adam state (step 0, zero moments) so a checkpoint's state can load into it."""
-    for group in opt.param_groups:
-        for p in group["params"]:
-            state = opt.state[p]
-            if len(state) == 0 and isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
-                state["step"] = torch.zeros((), dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p.data)
-                state["exp_avg_sq"] = torch.zeros_like(p.data)

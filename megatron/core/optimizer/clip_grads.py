@@ -13,13 +13,18 @@ embeddings (``param.shared``). DP/CP replicas are not summed because the group e
 """
 
 import math
-from typing import List, Optional, Union
+from typing import Any, Callable, List, Optional, Union
 
 import torch
 import torch.distributed as dist
 
+from megatron.core.communication import all_reduce_
 from megatron.core.device import comm_device
 from megatron.core.transformer.module import param_is_not_shared
+
+# reduce(tensor, op) -> tensor: sums (or maxes) a local statistic over the ranks that hold the
+# other pieces of the gradient (an optimizer's ``_reduce_grad_stats``)
+StatsReduce = Callable[[torch.Tensor, Any], torch.Tensor]
 
 
 def get_grad_norm_fp32(
@@ -29,27 +34,39 @@ def get_grad_norm_fp32(
 ) -> float:
     """The ``norm_type`` norm of ``grads_for_norm`` viewed as one vector spanning the group.
 
-    p-norm: ``(sum_ranks sum_i ||g_i||_p^p)^(1/p)`` (squares summed in float64); ``inf``: the
-    largest |g| over the group. ``grad_stats_parallel_group=None`` reduces over the default
-    group when torch.distributed is initialized (megatron-core's meaning of None), and does
-    no collective otherwise.
+    p-norm: ``(sum_ranks sum_i ||g_i||_p^p)^(1/p)`` (powers summed in float64); ``inf``: the
+    largest |g| over the group. The group is a resolved one (``resolve_group``): None means
+    this rank alone (no collective), as everywhere in this package.
     """
+    return grad_norm(
+        grads_for_norm,
+        norm_type,
+        _group_reduce(grad_stats_parallel_group),
+        comm_device(grad_stats_parallel_group),
+    )
+
+
+def grad_norm(
+    grads_for_norm: Union[List[torch.Tensor], torch.Tensor],
+    norm_type: Union[int, float],
+    reduce: StatsReduce,
+    device: torch.device,
+) -> float:
+    """``get_grad_norm_fp32`` with the reduction given as ``reduce`` (statistics on
+    ``device``): the one norm the plain and the distributed optimizer share."""
     if isinstance(grads_for_norm, torch.Tensor):
         grads_for_norm = [grads_for_norm]
     norm_type = float(norm_type)
-    device = comm_device(grad_stats_parallel_group)
     grads = [g.detach() for g in grads_for_norm]
     if norm_type == math.inf:
         local = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
         total = torch.tensor([local], dtype=torch.float64, device=device)
-        _all_reduce(total, dist.ReduceOp.MAX, grad_stats_parallel_group)
-        return float(total.item())
+        return float(reduce(total, dist.ReduceOp.MAX).item())
     total = torch.zeros(1, dtype=torch.float64, device=device)
     if grads:
         norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in grads]
         total += torch.stack(norms).pow(norm_type).sum().to(device)
-    _all_reduce(total, dist.ReduceOp.SUM, grad_stats_parallel_group)
-    return float(total.item()) ** (1.0 / norm_type)
+    return float(reduce(total, dist.ReduceOp.SUM).item()) ** (1.0 / norm_type)
 
 
 def clip_grad_by_total_norm_fp32(
@@ -76,7 +93,7 @@ def clip_grad_by_total_norm_fp32(
 
 def count_zeros_fp32(
     parameters: Union[List[torch.Tensor], torch.Tensor],
-    grad_stats_parallel_group: dist.ProcessGroup,
+    grad_stats_parallel_group: Optional[dist.ProcessGroup],
     use_decoupled_grad: bool = False,
     tp_group: Optional[dist.ProcessGroup] = None,
 ) -> float:
@@ -88,20 +105,25 @@ def count_zeros_fp32(
         raise NotImplementedError("use_decoupled_grad=True: decoupled grads are not supported")
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    total = torch.zeros(1, dtype=torch.float64, device=comm_device(grad_stats_parallel_group))
-    for p in parameters:
-        if p.grad is None or not param_is_not_shared(p):
-            continue
-        if not param_is_not_tensor_parallel_duplicate(p, tp_group):
-            continue
-        total += float(p.grad.numel() - torch.count_nonzero(p.grad).item())
-    _all_reduce(total, dist.ReduceOp.SUM, grad_stats_parallel_group)
-    return float(total.item())
+    grads = [
+        p.grad
+        for p in parameters
+        if p.grad is not None
+        and param_is_not_shared(p)
+        and param_is_not_tensor_parallel_duplicate(p, tp_group)
+    ]
+    return count_zeros(
+        grads, _group_reduce(grad_stats_parallel_group), comm_device(grad_stats_parallel_group)
+    )
 
 
-def _all_reduce(tensor: torch.Tensor, op, group: Optional[dist.ProcessGroup]) -> None:
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    if group is not None and dist.get_world_size(group) == 1:
-        return
-    dist.all_reduce(tensor, op=op, group=group)
+def count_zeros(grads: List[torch.Tensor], reduce: StatsReduce, device: torch.device) -> float:
+    """Zero elements of ``grads`` (already filtered), summed by ``reduce``."""
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    for grad in grads:
+        total += float(grad.numel() - torch.count_nonzero(grad).item())
+    return float(reduce(total, dist.ReduceOp.SUM).item())
+
+
+def _group_reduce(group: Optional[dist.ProcessGroup]) -> StatsReduce:
+    return lambda tensor, op: all_reduce_(tensor, group, op)

@@ -1,5 +1,6 @@
 """Loss scalers for fp16 training (megatron-core names)."""
 
+import math
 from abc import ABC, abstractmethod
 from typing import Dict, Optional
 
@@ -10,8 +11,11 @@ class MegatronGradScaler(ABC):
     """Holds the loss scale ``s``: the loss is multiplied by ``s``, gradients by ``1/s``."""
 
     def __init__(self, initial_scale: float, device: Optional[torch.device] = None) -> None:
-        if initial_scale <= 0.0:
-            raise ValueError(f"initial_scale={initial_scale}: expected > 0")
+        if not is_valid_loss_scale(initial_scale):
+            raise ValueError(
+                f"initial_scale={initial_scale}: expected a number > 0, finite in float32 "
+                "(an infinite scale overflows every step and can never back off)"
+            )
         self._scale = torch.tensor([float(initial_scale)], dtype=torch.float, device=device)
 
     @property
@@ -60,7 +64,12 @@ class DynamicGradScaler(MegatronGradScaler):
         device: Optional[torch.device] = None,
     ) -> None:
         super().__init__(initial_scale, device)
-        if not (0.0 < min_scale <= initial_scale and growth_factor > 1.0):
+        if not (is_valid_loss_scale(min_scale) and min_scale <= initial_scale):
+            raise ValueError(
+                f"min_scale={min_scale}: expected a number > 0, finite in float32 and <= "
+                f"initial_scale ({initial_scale})"
+            )
+        if not (math.isfinite(growth_factor) and growth_factor > 1.0):
             raise ValueError(
                 f"min_scale={min_scale}, growth_factor={growth_factor}: expected "
                 "0 < min_scale <= initial_scale and growth_factor > 1"
@@ -104,3 +113,17 @@ class DynamicGradScaler(MegatronGradScaler):
         self._scale = state_dict["scale"].to(self._scale.device)
         self._growth_tracker = state_dict["growth_tracker"]
         self._hysteresis_tracker = state_dict["hysteresis_tracker"]
+
+
+FP32_MAX = torch.finfo(torch.float32).max  # the scale is held in float32
+
+
+def is_valid_loss_scale(value: object) -> bool:
+    """A number > 0 that stays finite in float32 (an infinite scale overflows every fp16
+    step and backing off from it stays infinite)."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 < value <= FP32_MAX
+    )

@@ -9,6 +9,10 @@ For a bf16/fp16 model parameter p with its fp32 gradient g = p.main_grad (DDP's 
     p <- round(main)                (copy_main_params_to_model_params)
 
 so updates smaller than p's rounding step accumulate in ``main`` instead of being lost.
+
+The distributed optimizer keeps the same bookkeeping for a flat range ``[a, b)`` of p
+(``make_main_shard``): an fp32 view of ``p.view(-1)[a:b]`` when p is fp32 (stepped in place),
+else an fp32 copy of it; the attributes are copied the same way (``copy_main_attributes``).
 """
 
 from typing import List, Optional, Sequence
@@ -30,11 +34,27 @@ def make_main_param(model_param: torch.nn.Parameter) -> torch.nn.Parameter:
     attributes and ``shared`` (gradient-norm bookkeeping reads them), and recorded as
     ``model_param.main_param``."""
     main_param = torch.nn.Parameter(model_param.detach().clone().float())
-    for attr in _COPIED_ATTRIBUTES:
-        if hasattr(model_param, attr):
-            setattr(main_param, attr, getattr(model_param, attr))
+    copy_main_attributes(model_param, main_param)
     model_param.main_param = main_param
     return main_param
+
+
+def make_main_shard(model_param: torch.nn.Parameter, start: int, end: int) -> torch.Tensor:
+    """The fp32 tensor an optimizer steps for elements ``[start, end)`` of ``model_param``
+    (flattened): a view when the parameter is fp32, else an fp32 copy; it carries the
+    parameter's tensor-parallel attributes and ``shared``."""
+    flat = model_param.detach().view(-1)[start:end]
+    main = flat if flat.dtype == torch.float32 else flat.clone().float()
+    copy_main_attributes(model_param, main)
+    return main
+
+
+def copy_main_attributes(model_param: torch.Tensor, main: torch.Tensor) -> None:
+    """Give ``main`` the attributes the gradient statistics read (tensor-parallel ones and
+    ``shared``) from ``model_param``."""
+    for attr in _COPIED_ATTRIBUTES:
+        if hasattr(model_param, attr):
+            setattr(main, attr, getattr(model_param, attr))
 
 
 def model_grad(model_param: torch.Tensor) -> Optional[torch.Tensor]:

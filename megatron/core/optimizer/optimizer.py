@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core.communication import all_reduce_
 from megatron.core.device import comm_device
 from megatron.core.dist_checkpointing.optimizer import (
     extract_common_step,
@@ -24,8 +25,8 @@ from megatron.core.dist_checkpointing.optimizer import (
 )
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
-    count_zeros_fp32,
-    get_grad_norm_fp32,
+    count_zeros,
+    grad_norm,
     param_is_not_shared,
 )
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
@@ -46,6 +47,11 @@ class MegatronOptimizer(ABC):
     ``grad_stats_parallel_group`` (the model-parallel group, tp x pp) and ``tp_group`` are
     set by ``get_megatron_optimizer`` from its ``pg_collection``; when unset, the MPU
     fallback of ``resolve_group("mp")`` / ``resolve_group("tp")`` is used.
+
+    Gradient statistics (norm, zero count, the inf/nan flag) are local sums over
+    ``get_main_grads_for_grad_norm`` reduced by one hook, ``_reduce_grad_stats``, over
+    ``_grad_stats_groups()``: the model-parallel group here; the distributed optimizer puts
+    its data-parallel group first (each rank holds a shard of every gradient).
     """
 
     def __init__(
@@ -110,12 +116,28 @@ class MegatronOptimizer(ABC):
     def step_with_ready_grads(self) -> bool:
         """Step the torch optimizer and refresh the model parameters; True on success."""
 
+    def _grad_stats_groups(self) -> List[Optional[dist.ProcessGroup]]:
+        """The groups a local gradient statistic is reduced over, in order."""
+        return [self.get_grad_stats_parallel_group()]
+
+    def _reduce_grad_stats(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """``tensor`` (a local statistic) reduced in place by ``op`` over every group of
+        ``_grad_stats_groups()``; returns it."""
+        for group in self._grad_stats_groups():
+            all_reduce_(tensor, group, op)
+        return tensor
+
+    def _grad_stats_device(self) -> torch.device:
+        return comm_device(self._grad_stats_groups()[0])
+
     @torch.no_grad()
     def get_grad_norm(self) -> float:
         """The global gradient norm (rule 4 of SPEC section 12)."""
-        dense = get_grad_norm_fp32(
+        dense = grad_norm(
             self.get_main_grads_for_grad_norm(),
-            grad_stats_parallel_group=self.get_grad_stats_parallel_group(),
+            2.0,
+            self._reduce_grad_stats,
+            self._grad_stats_device(),
         )
         if not getattr(self, "has_expert_params", False):
             return dense
@@ -137,10 +159,8 @@ class MegatronOptimizer(ABC):
 
     def count_zeros(self) -> float:
         """Zero gradient elements over the model (each counted once)."""
-        return count_zeros_fp32(
-            self.get_parameters(),
-            grad_stats_parallel_group=self.get_grad_stats_parallel_group(),
-            tp_group=self._tp_group(),
+        return count_zeros(
+            self.get_main_grads_for_grad_norm(), self._reduce_grad_stats, self._grad_stats_device()
         )
 
     @abstractmethod
@@ -216,10 +236,9 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
             torch._amp_foreach_non_finite_check_and_unscale_(
                 grads, self.found_inf, self.grad_scaler.inv_scale.to(self._device)
             )
-        group = self.get_grad_stats_parallel_group()
-        found = self.found_inf.to(comm_device(group))
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        found = self._reduce_grad_stats(
+            self.found_inf.to(self._grad_stats_device()), dist.ReduceOp.MAX
+        )
         return bool(found.item() > 0)
 
     @abstractmethod
@@ -604,6 +623,22 @@ def _zero_grad(params: List[torch.Tensor], set_to_none: bool) -> None:
             else:
                 p.grad.requires_grad_(False)
             p.grad.zero_()
+
+
+def init_optimizer_state(
+    opt: torch.optim.Optimizer, config: Optional[OptimizerConfig] = None
+) -> None:
+    """Create empty Adam state (step 0, zero moments) so a checkpoint's state can load into
+    it (megatron's ``init_state_fn``; other optimizers are left as they are)."""
+    if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        return
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state[p]
+            if len(state) == 0:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p.data)
+                state["exp_avg_sq"] = torch.zeros_like(p.data)
 
 
 def _params_device(optimizer: Optional[torch.optim.Optimizer]) -> torch.device:

@@ -15,6 +15,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from megatron.core.optimizer.grad_scaler import is_valid_loss_scale
+
 
 @dataclass
 class OptimizerConfig:
@@ -83,6 +85,16 @@ class OptimizerConfig:
             raise ValueError(
                 f"OptimizerConfig: optimizer={self.optimizer!r}; expected 'adam' or 'sgd'"
             )
+        scales = [("initial_loss_scale", self.initial_loss_scale)]
+        scales += [("min_loss_scale", self.min_loss_scale)]
+        if self.loss_scale is not None:
+            scales.append(("loss_scale", self.loss_scale))
+        for name, value in scales:
+            if not is_valid_loss_scale(value):
+                raise ValueError(
+                    f"OptimizerConfig: {name}={value!r}; expected a number > 0, finite in "
+                    "float32 (an infinite loss scale overflows every fp16 step)"
+                )
 
 
 def unsupported_settings(config: OptimizerConfig) -> list:

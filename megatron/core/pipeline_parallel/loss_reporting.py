@@ -6,12 +6,12 @@ valid-token count). The logged value is one ratio over everything, not a mean of
 one-process value for every layout.
 """
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from megatron.core.device import comm_device
+from megatron.core.communication import all_reduce_
 
 
 def reduce_reported_losses(
@@ -24,6 +24,17 @@ def reduce_reported_losses(
     Call it on every rank of ``group`` (the dp x cp group of the last pipeline stage);
     ranks of a stage with no reports (not the last) get ``{}`` and run no collective.
     """
+    return {
+        key: total / count if count > 0 else 0.0
+        for key, (total, count) in reduce_reported_totals(forward_data_store, group).items()
+    }
+
+
+def reduce_reported_totals(
+    forward_data_store: List[dict], group: Optional[dist.ProcessGroup] = None
+) -> Dict[str, Tuple[float, float]]:
+    """``{key: (sum(sum), sum(count))}`` in float64 over microbatches and ``group``: the
+    totals behind ``reduce_reported_losses`` (same keys, same calling rule)."""
     if not forward_data_store:
         return {}
     keys = sorted(k for k, v in forward_data_store[0].items() if _pair(v) is not None)
@@ -36,14 +47,8 @@ def reduce_reported_losses(
             if pair is None:
                 raise ValueError(f"reported[{key!r}] must be [sum, count], got {reported[key]!r}")
             totals[i] += pair
-    if group is not None and group.size() > 1:
-        totals = totals.to(comm_device(group))
-        dist.all_reduce(totals, group=group)
-        totals = totals.cpu()
-    return {
-        key: (totals[i, 0] / totals[i, 1]).item() if totals[i, 1] > 0 else 0.0
-        for i, key in enumerate(keys)
-    }
+    all_reduce_(totals, group)
+    return {key: (totals[i, 0].item(), totals[i, 1].item()) for i, key in enumerate(keys)}
 
 
 def _pair(value) -> Optional[torch.Tensor]:

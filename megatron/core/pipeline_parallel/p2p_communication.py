@@ -14,6 +14,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from megatron.core.communication import p2p_op, run_p2p
 from megatron.core.device import comm_device
 from megatron.core.model_parallel_config import ModelParallelConfig
 
@@ -223,21 +224,14 @@ class P2PCommunicator:
         return as_shape(buf_prev), as_shape(buf_next)
 
     def _run(self, ops: List[dist.P2POp]) -> None:
-        """Post ``ops`` (batched or one by one) and wait for all of them."""
-        if not ops:
-            return
-        if self.config.batch_p2p_comm:
-            works = dist.batch_isend_irecv(ops)
-        else:
-            works = [
-                op.op(op.tensor, op.peer, group=op.group, tag=op.tag)
-                for op in _even_odd(ops, self.pp_rank)
-            ]
-        for work in works:
-            work.wait()
-        if self.config.batch_p2p_comm and self.config.batch_p2p_sync:
-            if self.device.type != "cpu":
-                torch.cuda.synchronize(self.device)
+        """Post ``ops`` (batched, or one by one: even stages send first, odd stages receive
+        first) and wait for all of them."""
+        run_p2p(
+            ops,
+            batched=self.config.batch_p2p_comm,
+            sends_first=self.pp_rank % 2 == 0,
+            synchronize=self.config.batch_p2p_sync,
+        )
 
     def _empty(self, shape: Optional[Shape]) -> torch.Tensor:
         """A receive buffer of ``shape`` in ``pipeline_dtype`` on the backend's device."""
@@ -290,25 +284,12 @@ class P2PCommunicator:
 
 
 def _ops(group: dist.ProcessGroup, *entries) -> List[dist.P2POp]:
-    """P2POps over ``group`` for ``(tensor, peer, tag, is_send)`` entries with a tensor
-    (a non-contiguous tensor is sent from a contiguous copy)."""
-    ops = []
-    for tensor, peer, tag, is_send in entries:
-        if tensor is not None:
-            if is_send and not tensor.is_contiguous():
-                tensor = tensor.contiguous()
-            ops.append(
-                dist.P2POp(dist.isend if is_send else dist.irecv, tensor, peer, group, tag=tag)
-            )
-    return ops
-
-
-def _even_odd(ops: List[dist.P2POp], pp_rank: int) -> List[dist.P2POp]:
-    """Unbatched order: even stages send first, odd stages receive first (no deadlock on
-    backends whose sends block until matched)."""
-    sends = [op for op in ops if op.op is dist.isend]
-    recvs = [op for op in ops if op.op is not dist.isend]
-    return sends + recvs if pp_rank % 2 == 0 else recvs + sends
+    """P2POps over ``group`` for ``(tensor, peer, tag, is_send)`` entries with a tensor."""
+    return [
+        p2p_op(tensor, peer, group, tag, is_send=is_send)
+        for tensor, peer, tag, is_send in entries
+        if tensor is not None
+    ]
 
 
 def _as_list(tensors) -> list:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.autograd.variable import Variable
 
 from megatron.core import parallel_state
+from megatron.core.communication import all_reduce_
 from megatron.core.device import comm_device
 from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
@@ -594,8 +595,7 @@ def reduce_loss_across_cp(
     cp_size = get_pg_size(cp_group)
     if cp_size == 1:
         return loss_sum / _count_denominator(num_tokens, loss_sum)
-    total = num_tokens.detach().clone().to(comm_device(cp_group))
-    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=cp_group)
+    total = all_reduce_(num_tokens.detach().clone().to(comm_device(cp_group)), cp_group)
     return loss_sum * cp_size / _count_denominator(total, loss_sum)
 
 

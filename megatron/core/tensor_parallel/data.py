@@ -12,6 +12,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core.communication import broadcast_
 from megatron.core.device import comm_device
 from megatron.core.process_groups_config import get_pg_rank, get_pg_size, resolve_group
 
@@ -39,9 +40,7 @@ def broadcast_data(
     if rank == 0:
         for i, key in enumerate(keys):
             shapes[i, : data[key].dim()] = torch.tensor(data[key].shape, dtype=torch.long)
-    shapes = shapes.to(device)
-    source = dist.get_global_rank(group, 0)
-    dist.broadcast(shapes, source, group=group)
+    shapes = broadcast_(shapes.to(device), group, src=0)
     sizes = [[int(d) for d in row if d > 0] for row in shapes.cpu().tolist()]
     numels = [int(torch.tensor(s).prod().item()) if s else 0 for s in sizes]
 
@@ -49,7 +48,7 @@ def broadcast_data(
         flat = torch.cat([data[key].to(device).contiguous().reshape(-1) for key in keys])
     else:
         flat = torch.empty(sum(numels), dtype=datatype, device=device)
-    dist.broadcast(flat, source, group=group)
+    broadcast_(flat, group, src=0)
     out, offset = {}, 0
     for key, shape, numel in zip(keys, sizes, numels):
         out[key] = flat.narrow(0, offset, numel).view(shape)

@@ -150,29 +150,76 @@ def _strip_sentinels(marked: str) -> Tuple[str, List[Tuple[int, int]]]:
 
 
 def _check_messages(messages: Any, need_assistant: bool = True) -> None:
+    """Each field's type: ``messages`` a non-empty list of objects; ``role`` a string, one of
+    ``ROLES``; ``content`` a string (None or absent only on an assistant message with
+    ``tool_calls``); ``name`` / ``tool_call_id`` strings; ``tool_calls`` a list of objects.
+    A wrong type would otherwise be rendered as Python text and trained on."""
     if not isinstance(messages, list) or not messages:
         raise ChatTemplateError(
             f"'messages' must be a non-empty list of {{'role', 'content'}} objects, got "
-            f"{type(messages).__name__}"
+            f"{_shown(messages)}"
         )
     for k, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message:
             raise ChatTemplateError(
                 f"messages[{k}]: expected an object with 'role' and 'content', got "
-                f"{json.dumps(message)[:80]}"
+                f"{_shown(message)}"
             )
-        if message["role"] not in ROLES:
+        role = message["role"]
+        if not isinstance(role, str) or role not in ROLES:
+            shown = (
+                repr(role) if isinstance(role, str) else f"is {type(role).__name__} {_shown(role)}"
+            )
             raise ChatTemplateError(
-                f"messages[{k}]: role {message['role']!r}; expected one of {', '.join(ROLES)}"
+                f"messages[{k}]: role {shown}; expected one of {', '.join(ROLES)}"
             )
-        content = message.get("content")
-        if isinstance(content, str) and (_OPEN in content or _CLOSE in content):
-            raise ChatTemplateError(
-                f"messages[{k}]: content holds a private-use character U+E000/U+E001 that the "
-                "renderer reserves"
-            )
+        _check_fields(message, k)
     if need_assistant and not any(m["role"] == "assistant" for m in messages):
         raise ChatTemplateError("no 'assistant' message: nothing to train on")
+
+
+def _check_fields(message: Message, k: int) -> None:
+    """The types of message ``k``'s fields (``_check_messages``)."""
+    content = message.get("content")
+    tool_calls = message.get("tool_calls")
+    if content is None and not (message["role"] == "assistant" and tool_calls):
+        raise ChatTemplateError(
+            f"messages[{k}] ({message['role']}): 'content' is "
+            f"{'missing' if 'content' not in message else 'null'}; expected a string (only an "
+            "assistant message with 'tool_calls' may leave it out)"
+        )
+    if content is not None and not isinstance(content, str):
+        raise ChatTemplateError(
+            f"messages[{k}] ({message['role']}): 'content' is {type(content).__name__} "
+            f"{_shown(content)}; expected a string"
+        )
+    if isinstance(content, str) and (_OPEN in content or _CLOSE in content):
+        raise ChatTemplateError(
+            f"messages[{k}]: content holds a private-use character U+E000/U+E001 that the "
+            "renderer reserves"
+        )
+    for key in ("name", "tool_call_id"):
+        if key in message and not isinstance(message[key], str):
+            raise ChatTemplateError(
+                f"messages[{k}] ({message['role']}): {key!r} is {type(message[key]).__name__} "
+                f"{_shown(message[key])}; expected a string"
+            )
+    if tool_calls is not None and not (
+        isinstance(tool_calls, list) and all(isinstance(c, dict) for c in tool_calls)
+    ):
+        raise ChatTemplateError(
+            f"messages[{k}] ({message['role']}): 'tool_calls' is {_shown(tool_calls)}; "
+            "expected a list of objects"
+        )
+
+
+def _shown(value: Any) -> str:
+    """``value`` as JSON, cut to 80 characters."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @lru_cache(maxsize=8)

@@ -20,6 +20,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.utils import openai_gelu
 from megatron.core.utils import get_pg_rank, get_pg_size
 from megatron.training.hf.config import HFArchitecture, read_hf_config
+from megatron.training.hf.families import REGISTRY
 from megatron.training.hf.weights import (
     SafetensorsReader,
     Source,
@@ -176,11 +177,9 @@ def load_hf_weights(model: GPTModel, reader, arch: Optional[HFArchitecture] = No
 
 
 def hf_prefix(reader: SafetensorsReader, arch: HFArchitecture) -> Optional[str]:
-    """The key prefix of the checkpoint's transformer tensors (GPT-2 files are written with
-    and without ``transformer.``); None: the family's usual one."""
-    if arch.family == "gpt2" and "wte.weight" in reader.weight_map:
-        return ""
-    return None
+    """The key prefix of the checkpoint's transformer tensors when the family writes files
+    with and without one (GPT-2's ``transformer.``); None: the family's usual one."""
+    return REGISTRY[arch.family].key_prefix(reader.weight_map)
 
 
 def one_chunk_name(model: GPTModel, name: str) -> str:

@@ -1,11 +1,12 @@
 """Parameter names and tensor layouts: HuggingFace safetensors <-> our GPT.
 
-One table per family says how each of our (one-chunk, global-layer) parameters is made of
-HuggingFace tensors: ``Source`` = our dim 0 is the concatenation of ``Segment`` s, each a
-range of rows of one HuggingFace tensor (or of its columns, ``transposed``, for GPT-2's
-Conv1D weights, stored [in, out]). The same table reads (a TP rank's rows or columns of a
-parameter, from only the bytes it needs: ``safe_open(...).get_slice``) and writes (each
-segment copied back into its HuggingFace tensor), so export is the exact inverse of import.
+Each family's table (``families/``) says how each of our (one-chunk, global-layer)
+parameters is made of HuggingFace tensors: a ``Source`` (``family.py``) = our dim 0 is the
+concatenation of ``Segment`` s, each a range of rows of one HuggingFace tensor (or of its
+columns, ``transposed``, for GPT-2's Conv1D weights, stored [in, out]). The same table
+reads (a TP rank's rows or columns of a parameter, from only the bytes it needs:
+``safe_open(...).get_slice``) and writes (each segment copied back into its HuggingFace
+tensor), so export is the exact inverse of import.
 
 Layouts on our side (megatron-core's): ``linear_qkv`` rows are, per query group g,
 [q heads of g, k_g, v_g] (each head ``kv_channels`` rows); a SwiGLU ``linear_fc1`` is
@@ -13,35 +14,18 @@ Layouts on our side (megatron-core's): ``linear_qkv`` rows are, per query group 
 """
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron.training.hf.config import HFArchitecture
+from megatron.training.hf.families import REGISTRY
+from megatron.training.hf.family import HFArchitecture, Source
 
 INDEX_FILENAME = "model.safetensors.index.json"
 SINGLE_FILENAME = "model.safetensors"
 # Tensors some checkpoints carry that hold no weights (buffers recomputed by the model).
 _BUFFER_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Rows [start, stop) of HuggingFace tensor ``key`` (columns when ``transposed``)."""
-
-    key: str
-    start: int
-    stop: int
-    transposed: bool = False
-
-    @property
-    def length(self) -> int:
-        return self.stop - self.start
-
-
-Source = Tuple[Segment, ...]
 
 
 def parameter_sources(arch: HFArchitecture, prefix: Optional[str] = None) -> Dict[str, Source]:
@@ -54,96 +38,15 @@ def parameter_sources(arch: HFArchitecture, prefix: Optional[str] = None) -> Dic
 
 
 def global_sources(arch: HFArchitecture, prefix: Optional[str] = None) -> Dict[str, Source]:
-    """Embeddings, final norm and (untied) output layer."""
-    h, v = arch.hidden_size, arch.vocab_size
-    if arch.family == "gpt2":
-        p = "transformer." if prefix is None else prefix
-        out = {
-            "embedding.word_embeddings.weight": (Segment(f"{p}wte.weight", 0, v),),
-            "embedding.position_embeddings.weight": (
-                Segment(f"{p}wpe.weight", 0, arch.max_position_embeddings),
-            ),
-            "decoder.final_layernorm.weight": (Segment(f"{p}ln_f.weight", 0, h),),
-            "decoder.final_layernorm.bias": (Segment(f"{p}ln_f.bias", 0, h),),
-        }
-    else:
-        p = "model." if prefix is None else prefix
-        out = {
-            "embedding.word_embeddings.weight": (Segment(f"{p}embed_tokens.weight", 0, v),),
-            "decoder.final_layernorm.weight": (Segment(f"{p}norm.weight", 0, h),),
-        }
-    if not arch.tied:
-        out["output_layer.weight"] = (Segment("lm_head.weight", 0, v),)
-    return out
+    """Embeddings, final norm and (untied) output layer (the family's table)."""
+    return REGISTRY[arch.family].global_sources(arch, prefix)
 
 
 def layer_sources(
     arch: HFArchitecture, layer: int, prefix: Optional[str] = None
 ) -> Dict[str, Source]:
-    """The parameters of global layer ``layer``."""
-    ours = f"decoder.layers.{layer}."
-    h, d, ffn = arch.hidden_size, arch.kv_channels, arch.ffn_hidden_size
-    heads, groups = arch.num_attention_heads, arch.num_query_groups
-    per_group = heads // groups
-    if arch.family == "gpt2":
-        p = f"{'transformer.' if prefix is None else prefix}h.{layer}."
-
-        def qkv(kind: str, transposed: bool) -> Source:
-            key = f"{p}attn.c_attn.{kind}"
-            return tuple(
-                Segment(key, part * h + head * d, part * h + (head + 1) * d, transposed)
-                for head in range(heads)
-                for part in range(3)
-            )
-
-        table = {
-            "input_layernorm.weight": (Segment(f"{p}ln_1.weight", 0, h),),
-            "input_layernorm.bias": (Segment(f"{p}ln_1.bias", 0, h),),
-            "self_attention.linear_qkv.weight": qkv("weight", True),
-            "self_attention.linear_qkv.bias": qkv("bias", False),
-            "self_attention.linear_proj.weight": (Segment(f"{p}attn.c_proj.weight", 0, h, True),),
-            "self_attention.linear_proj.bias": (Segment(f"{p}attn.c_proj.bias", 0, h),),
-            "pre_mlp_layernorm.weight": (Segment(f"{p}ln_2.weight", 0, h),),
-            "pre_mlp_layernorm.bias": (Segment(f"{p}ln_2.bias", 0, h),),
-            "mlp.linear_fc1.weight": (Segment(f"{p}mlp.c_fc.weight", 0, ffn, True),),
-            "mlp.linear_fc1.bias": (Segment(f"{p}mlp.c_fc.bias", 0, ffn),),
-            "mlp.linear_fc2.weight": (Segment(f"{p}mlp.c_proj.weight", 0, h, True),),
-            "mlp.linear_fc2.bias": (Segment(f"{p}mlp.c_proj.bias", 0, h),),
-        }
-        return {ours + name: source for name, source in table.items()}
-
-    p = f"{'model.' if prefix is None else prefix}layers.{layer}."
-    attn, mlp = f"{p}self_attn.", f"{p}mlp."
-
-    def qkv(kind: str) -> Source:
-        out: List[Segment] = []
-        for g in range(groups):
-            out.append(Segment(f"{attn}q_proj.{kind}", g * per_group * d, (g + 1) * per_group * d))
-            out.append(Segment(f"{attn}k_proj.{kind}", g * d, (g + 1) * d))
-            out.append(Segment(f"{attn}v_proj.{kind}", g * d, (g + 1) * d))
-        return tuple(out)
-
-    table = {
-        "input_layernorm.weight": (Segment(f"{p}input_layernorm.weight", 0, h),),
-        "self_attention.linear_qkv.weight": qkv("weight"),
-        "self_attention.linear_proj.weight": (Segment(f"{attn}o_proj.weight", 0, h),),
-        "pre_mlp_layernorm.weight": (Segment(f"{p}post_attention_layernorm.weight", 0, h),),
-        "mlp.linear_fc1.weight": (
-            Segment(f"{mlp}gate_proj.weight", 0, ffn),
-            Segment(f"{mlp}up_proj.weight", 0, ffn),
-        ),
-        "mlp.linear_fc2.weight": (Segment(f"{mlp}down_proj.weight", 0, h),),
-    }
-    if arch.add_bias_linear or arch.add_qkv_bias:
-        table["self_attention.linear_qkv.bias"] = qkv("bias")
-    if arch.add_bias_linear:
-        table["self_attention.linear_proj.bias"] = (Segment(f"{attn}o_proj.bias", 0, h),)
-        table["mlp.linear_fc1.bias"] = (
-            Segment(f"{mlp}gate_proj.bias", 0, ffn),
-            Segment(f"{mlp}up_proj.bias", 0, ffn),
-        )
-        table["mlp.linear_fc2.bias"] = (Segment(f"{mlp}down_proj.bias", 0, h),)
-    return {ours + name: source for name, source in table.items()}
+    """The parameters of global layer ``layer`` (the family's table)."""
+    return REGISTRY[arch.family].layer_sources(arch, layer, prefix)
 
 
 def hf_shapes(arch: HFArchitecture, sources: Dict[str, Source], our_shapes) -> Dict[str, tuple]:

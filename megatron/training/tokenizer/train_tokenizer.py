@@ -20,6 +20,8 @@ import json
 import os
 from typing import Any, Iterator, List, Optional, Sequence
 
+from megatron.training.errors import missing_package
+
 DEFAULT_EOD = "<|endoftext|>"
 CHATML_SPECIAL = ["<|im_start|>", "<|im_end|>"]
 
@@ -45,16 +47,22 @@ def train_tokenizer(
     chat_template: Optional[str] = "chatml",
     min_frequency: int = 2,
 ) -> str:
-    """Train and save (module docstring); returns ``output_dir``. ``chat_template``:
+    """Train and save (module docstring) into ``output_dir`` (created when missing); returns
+    ``output_dir``. ``chat_template``:
     ``"chatml"``, a path to a Jinja file, or ``None``/``"none"`` for no template.
     ``special_tokens`` default to ChatML's with the chatml template, else none."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    except ImportError:
+        raise missing_package("tokenizers", "tokenizers", "training a tokenizer") from None
 
     for path in inputs:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"--input {path!r}: no such file")
-    if not os.path.isdir(output_dir):
-        raise FileNotFoundError(f"--output-dir {output_dir!r}: the folder does not exist")
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise NotADirectoryError(
+            f"--output-dir {output_dir!r} is a file; expected a folder (created when missing)"
+        )
     template = _template(chat_template)
     if special_tokens is None:
         special_tokens = CHATML_SPECIAL if chat_template == "chatml" else []
@@ -76,6 +84,7 @@ def train_tokenizer(
         show_progress=False,
     )
     tokenizer.train_from_iterator(_texts(inputs), trainer)
+    os.makedirs(output_dir, exist_ok=True)
     tokenizer.save(os.path.join(output_dir, "tokenizer.json"))
     config: dict = {"eos_token": eod_token, "tokenizer_class": "PreTrainedTokenizerFast"}
     if template is not None:
@@ -91,7 +100,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train a byte-level BPE tokenizer")
     train.add_argument("--input", nargs="+", required=True, help="text or JSONL files")
-    train.add_argument("--output-dir", required=True, help="an existing folder")
+    train.add_argument("--output-dir", required=True, help="the folder (created when missing)")
     train.add_argument("--vocab-size", type=int, default=4096)
     train.add_argument("--eod-token", default=DEFAULT_EOD, help="end-of-document token")
     train.add_argument("--special-tokens", nargs="*", default=None, help="more special tokens")

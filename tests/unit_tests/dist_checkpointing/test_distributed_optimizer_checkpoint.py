@@ -215,14 +215,16 @@ def test_distributed_optimizer_checkpoint_reshards_bitwise(save, load, model, bf
 
 
 @pytest.mark.world(2, 4)
-def test_negative_control_state_assembled_one_element_off_is_caught(shared_dir, monkeypatch):
-    """The per-parameter state assembled from the ranks' shards one element off (the gathered
-    bucket rolled by one) must not load as the reference."""
+def test_negative_control_shards_written_one_element_off_are_caught(shared_dir, monkeypatch):
+    """Each rank's flat shards written one element off (every state shard rolled by one before
+    it is saved) must not load as the reference."""
     from megatron.core.optimizer import distrib_optimizer
 
-    original = distrib_optimizer._all_gather_flat
+    original = distrib_optimizer._flat_pieces
     monkeypatch.setattr(
-        distrib_optimizer, "_all_gather_flat", lambda *args: original(*args).roll(1)
+        distrib_optimizer,
+        "_flat_pieces",
+        lambda piece, shard, value, prefix: original(piece, shard, value.roll(1), prefix),
     )
     layout = Layout(dp=dist.get_world_size())
     try:
@@ -231,4 +233,4 @@ def test_negative_control_state_assembled_one_element_off_is_caught(shared_dir, 
         parallel_state.destroy_model_parallel()
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, len(failures))
-    assert sum(everyone) > 0, "state assembled one element off went unnoticed"
+    assert sum(everyone) > 0, "state written one element off went unnoticed"

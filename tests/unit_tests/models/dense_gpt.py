@@ -20,7 +20,7 @@ p * base^(-2i/d). SwiGLU (``swiglu``): fc1's output is [gate | up], act = silu(g
 
 import math
 from dataclasses import dataclass
-from typing import Dict
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -47,10 +47,21 @@ class Arch:
     qk_norm: bool = False
 
 
+MLP = Callable[[int, torch.Tensor, Dict[str, torch.Tensor]], torch.Tensor]
+
+
 def dense_gpt_losses(
-    params: Dict[str, torch.Tensor], arch: Arch, tokens: torch.Tensor, labels: torch.Tensor
+    params: Dict[str, torch.Tensor],
+    arch: Arch,
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    mlp: Optional[MLP] = None,
 ) -> torch.Tensor:
-    """Per-token losses [b, s] of the dense model on [b, s] tokens and labels."""
+    """Per-token losses [b, s] of the dense model on [b, s] tokens and labels.
+
+    ``mlp(layer, h, p)``, when given, replaces the dense MLP: it maps the normalized hidden
+    states h [b, s, hidden] of layer ``layer`` (p: that layer's parameters, unprefixed) to
+    the MLP's output (the mixture-of-experts reference plugs in here)."""
     b, s = tokens.shape
     d = arch.hidden // arch.heads
     x = params["embedding.word_embeddings.weight"][tokens]
@@ -77,17 +88,23 @@ def dense_gpt_losses(
         context = torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, arch.heads * d)
         x = x + _linear(context, p, "self_attention.linear_proj")
         h = _norm(x, p, "pre_mlp_layernorm", arch)
-        u = _linear(h, p, "mlp.linear_fc1")
-        if arch.swiglu:
-            gate, up = u.chunk(2, dim=-1)
-            u = F.silu(gate) * up
-        else:
-            u = F.gelu(u)
-        x = x + _linear(u, p, "mlp.linear_fc2")
+        x = x + (mlp(layer, h, p) if mlp is not None else dense_mlp(h, p, "mlp", arch.swiglu))
     x = _norm(x, params, "decoder.final_layernorm", arch)
     out = params["embedding.word_embeddings.weight" if arch.tied else "output_layer.weight"]
     logits = x @ out.t()
     return _smoothed_cross_entropy(logits, labels, arch.label_smoothing)
+
+
+def dense_mlp(h: torch.Tensor, p: Dict[str, torch.Tensor], prefix: str, swiglu: bool):
+    """fc2(act(fc1(h))) with the weights ``{prefix}.linear_fc1/2``; SwiGLU: fc1's output is
+    [gate | up], act = silu(gate) * up; else gelu."""
+    u = _linear(h, p, f"{prefix}.linear_fc1")
+    if swiglu:
+        gate, up = u.chunk(2, dim=-1)
+        u = F.silu(gate) * up
+    else:
+        u = F.gelu(u)
+    return _linear(u, p, f"{prefix}.linear_fc2")
 
 
 def _prefixed(params: Dict[str, torch.Tensor], prefix: str) -> Dict[str, torch.Tensor]:

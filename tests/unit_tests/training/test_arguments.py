@@ -85,6 +85,17 @@ NON_DEFAULT = dict(
     min_loss_scale=2.0,
     loss_scale_window=100.0,
     hysteresis=3,
+    check_for_nan_in_loss_and_grad=False,
+    eval_interval=5,
+    eval_iters=-1,
+    valid_data_path="valid.jsonl",
+    split="90,10,0",
+    skip_train=True,
+    log_interval=7,
+    tensorboard_dir="tb",
+    wandb_project="proj",
+    wandb_exp_name="run1",
+    wandb_save_dir="wb",
     save_metrics="out",
     save="ck",
     load="ck",
@@ -167,6 +178,23 @@ def test_each_field_check_names_its_flag_and_value(name):
     with pytest.raises(ValueError) as error:
         validate_config(TrainingConfig(**{name: bad}), 1)
     assert str(error.value) == f"{spec.flag} must be {spec.check.expected}, got {bad!r}"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        f.name
+        for f in fields(TrainingConfig)
+        if "finite" in getattr(option_of(f).check, "expected", "")
+    ],
+)
+def test_number_checks_refuse_inf_and_nan(name):
+    """Every check that asks for a finite number refuses inf and NaN naming the flag (an
+    infinite loss scale or learning rate was accepted before)."""
+    spec = option_of({f.name: f for f in fields(TrainingConfig)}[name])
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=f"^{spec.flag} must be .*finite.*, got {bad}$"):
+            validate_config(TrainingConfig(**{name: bad}), 1)
 
 
 def test_switches_must_be_booleans():
@@ -319,3 +347,64 @@ def test_the_resume_checks_name_existing_fields():
 
     names = {f.name for f in fields(TrainingConfig)}
     assert set(MODEL_SETTINGS + DATA_SETTINGS + OPTIMIZER_SETTINGS) <= names
+
+
+def test_every_option_declares_its_kind():
+    """A flag's kind is part of its declaration: left out it is a TypeError, an unknown one
+    a ValueError naming the flag."""
+    from megatron.training.options import KINDS, option
+
+    assert {option_of(f).kind for f in fields(TrainingConfig)} <= set(KINDS)
+    with pytest.raises(TypeError, match="kind"):
+        option(1, "--new-flag", help="a new flag")
+    with pytest.raises(ValueError, match=r"--new-flag: kind must be one of .*got 'modle'"):
+        option(1, "--new-flag", kind="modle", help="a new flag")
+
+
+def test_the_kinds_give_the_resume_and_comparison_lists():
+    """The resume compares the model, data and precision kinds; the comparison run resets the
+    layout and output kinds (written out here: a field moved to another kind fails)."""
+    from megatron.training.arguments import single_process_config
+    from megatron.training.checkpointing import DATA_SETTINGS, MODEL_SETTINGS, OPTIMIZER_SETTINGS
+
+    assert set(MODEL_SETTINGS) == {
+        "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+        "ffn_hidden_size", "normalization", "position_embedding_type", "swiglu",
+        "disable_bias_linear", "untie_embeddings_and_output_weights", "vocab_size",
+        "kv_channels", "norm_epsilon", "rotary_base", "use_rope_scaling",
+        "rope_scaling_factor", "add_qkv_bias", "openai_gelu", "window_size", "tokenizer",
+        "seq_length", "max_position_embeddings",
+    }  # fmt: skip
+    assert (set(DATA_SETTINGS), set(OPTIMIZER_SETTINGS)) == (
+        {"data_path", "eod_token", "split"},
+        {"bf16", "fp16"},
+    )
+    single = single_process_config(TrainingConfig(**NON_DEFAULT))
+    reset = {
+        f.name for f in fields(TrainingConfig) if getattr(single, f.name) != NON_DEFAULT[f.name]
+    }
+    assert reset == {
+        "nproc_per_node", "tensor_model_parallel_size", "sequence_parallel",
+        "context_parallel_size", "cp_comm_type", "hierarchical_context_parallel_sizes",
+        "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+        "compare_single_process", "compare_tolerance", "save_metrics", "save", "load",
+        "save_interval", "ckpt_step", "finetune", "no_load_optim", "no_load_rng",
+        "exit_on_missing_checkpoint", "export_hf", "log_interval", "tensorboard_dir",
+        "wandb_project", "wandb_exp_name", "wandb_save_dir",
+    }  # fmt: skip
+    assert single.nproc_per_node == 1
+
+
+def test_resolved_model_derives_the_defaults_once():
+    """Query groups = heads, FFN = 4 x hidden, head size = hidden / heads, position table =
+    sequence length; given values kept; recorded settings lacking a source left alone."""
+    from megatron.training.arguments import resolved_model
+
+    model = resolved_model(TrainingConfig(hidden_size=48, num_attention_heads=6, seq_length=40))
+    assert [model[k] for k in ("num_query_groups", "ffn_hidden_size", "kv_channels")] == [6, 192, 8]
+    assert model["max_position_embeddings"] == 40
+    given = dict(hidden_size=48, num_attention_heads=6, num_query_groups=2, ffn_hidden_size=100)
+    given.update(kv_channels=16, max_position_embeddings=64, seq_length=40)
+    assert resolved_model(given) == given
+    old = resolved_model({"hidden_size": 48, "num_query_groups": None})
+    assert old == {"hidden_size": 48, "num_query_groups": None, "ffn_hidden_size": 192}

@@ -10,6 +10,8 @@ turn's content followed by ``<|im_end|>`` (the text the template's generation bl
 
 import json
 import os
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -20,6 +22,8 @@ from megatron.core.tokenizers.chat_template import tokenize_conversation
 from megatron.training import TrainingConfig
 from megatron.training.data import PackedSFTDataset
 from megatron.training.datasets import FileSFTDataset
+from megatron.training.errors import run_tool
+from megatron.training.preprocess_data import main as preprocess_main
 from megatron.training.tokenizer import load_hf_tokenizer
 from megatron.training.tokenizer.train_tokenizer import CHATML_TEMPLATE
 from megatron.training.tokenizer.train_tokenizer import main as tokenizer_main
@@ -195,13 +199,24 @@ def test_preprocessed_chat_gives_the_jsonl_samples(tmp_path):
 
 
 @pytest.mark.world(1)
-def test_tokenizer_command_errors_name_the_flag(tmp_path):
+def test_tokenizer_command_errors_name_the_flag(tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="--input .*nope.txt"):
         tokenizer_main(["train", "--input", str(tmp_path / "nope.txt"), "--output-dir", "."])
     corpus = tmp_path / "c.txt"
     corpus.write_text("hello\n")
-    with pytest.raises(FileNotFoundError, match="--output-dir .*missing"):
-        tokenizer_main(["train", "--input", str(corpus), "--output-dir", str(tmp_path / "missing")])
+    # a missing --output-dir is created (the folder really did not exist before)
+    target = tmp_path / "new" / "tok"
+    assert not target.exists()
+    tokenizer_main(["train", "--input", str(corpus), "--output-dir", str(target),
+                    "--vocab-size", "300"])  # fmt: skip
+    assert sorted(p.name for p in target.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    # a file where the folder should be: one line from the command, exit 1
+    argv = ["train", "--input", str(corpus), "--output-dir", str(corpus)]
+    assert run_tool(tokenizer_main, "megatron.training.tokenizer", argv) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"megatron.training.tokenizer: error: --output-dir {str(corpus)!r} is a file; expected "
+        "a folder (created when missing)"
+    ]
     with pytest.raises(ValueError, match="--vocab-size 100: .* at least 259"):
         tokenizer_main(["train", "--input", str(corpus), "--output-dir", str(tmp_path),
                         "--vocab-size", "100"])  # fmt: skip
@@ -246,3 +261,107 @@ def test_chat_training_at_cp2_follows_the_one_process_run(capsys, pack):
         if any(r["valid_tokens"] == 0 for r in result.records):
             failures.append("an iteration had no trained tokens")
     assert_no_failures(failures)
+
+
+GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+
+
+def _with_message(**changes) -> dict:
+    """GOOD with its assistant message changed (a value None deletes the key)."""
+    message = dict(GOOD["messages"][1], **changes)
+    return {"messages": [GOOD["messages"][0], {k: v for k, v in message.items() if v is not None}]}
+
+
+BAD_CHAT_RECORDS = {
+    "content-dict": (_with_message(content={"text": "yo"}),
+                     r"messages\[1\] \(assistant\): 'content' is dict \{\"text\": \"yo\"\}; "
+                     "expected a string"),
+    "content-number": (_with_message(content=42), r"'content' is int 42; expected a string"),
+    "content-list": (_with_message(content=[{"type": "text", "text": "yo"}]),
+                     r"'content' is list .*; expected a string"),
+    "content-missing": (_with_message(content=None), r"'content' is missing; expected a string"),
+    "content-null": ({"messages": [{"role": "user", "content": None}, GOOD["messages"][1]]},
+                     r"messages\[0\] \(user\): 'content' is null"),
+    "role-number": (_with_message(role=7), r"messages\[1\]: role is int 7; expected one of system"),
+    "role-unknown": (_with_message(role="robot"), r"role 'robot'; expected one of"),
+    "name-number": (_with_message(name=3), r"'name' is int 3; expected a string"),
+    "tool-calls-dict": (_with_message(tool_calls={"f": 1}), r"'tool_calls' is .*list of objects"),
+    "messages-dict": ({"messages": {"role": "user"}}, r"'messages' must be a non-empty list"),
+    "message-string": ({"messages": ["hi", GOOD["messages"][1]]},
+                       r"messages\[0\]: expected an object with 'role'"),
+    "completion-content-dict": ({"prompt": GOOD["messages"][:1],
+                                 "completion": [{"role": "assistant", "content": {"a": 1}}]},
+                                r"messages\[1\] \(assistant\): 'content' is dict"),
+}  # fmt: skip
+
+
+@pytest.mark.world(1)
+@pytest.mark.parametrize("case", sorted(BAD_CHAT_RECORDS))
+def test_chat_fields_of_the_wrong_type_are_refused_with_file_and_line(tmp_path_factory, case):
+    """A chat record whose field has the wrong type (before: rendered as Python text and
+    trained on) is refused as FILE:LINE naming the message and field, by the trainer's
+    reader and by ``preprocess_data --chat`` (one line, exit 1). Positive control: the bad
+    record is line 2 of the file, and line 1 alone reads."""
+    tokenizer_dir = _shared_tokenizer(tmp_path_factory)
+    record, message = BAD_CHAT_RECORDS[case]
+    path = tmp_path_factory.mktemp(case) / "bad.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n" + json.dumps(record) + "\n")
+    assert json.loads(path.read_text().splitlines()[1]) == record
+    with pytest.raises(ValueError, match=f"^{path}:2: (.* )?{message}"):
+        FileSFTDataset(str(path), tokenizer_dir, 32, seed=0)
+    good = path.with_name("good.jsonl")
+    good.write_text(path.read_text().splitlines()[0] + "\n")
+    assert len(FileSFTDataset(str(good), tokenizer_dir, 32, seed=0)) == 1
+
+
+_TOKENIZER = {}
+
+
+def _shared_tokenizer(tmp_path_factory) -> str:
+    """One small trained ChatML tokenizer for the parametrized cases."""
+    if "dir" not in _TOKENIZER:
+        folder = tmp_path_factory.mktemp("shared_tok")
+        corpus = folder / "corpus.txt"
+        corpus.write_text("\n".join(WORDS) + "\n")
+        tokenizer_main(["train", "--input", str(corpus), "--output-dir", str(folder / "tok"),
+                        "--vocab-size", "280"])  # fmt: skip
+        _TOKENIZER["dir"] = str(folder / "tok")
+    return _TOKENIZER["dir"]
+
+
+@pytest.mark.world(1)
+def test_preprocess_chat_errors_are_one_line(tmp_path_factory, capsys):
+    """``python -m megatron.training.preprocess_data --chat``: a bad role, a chat record
+    without a chat tokenizer and a missing tokenizer file are one line each, exit 1 (before:
+    tracebacks). The command line itself is run once in a subprocess."""
+    tokenizer_dir = _shared_tokenizer(tmp_path_factory)
+    folder = tmp_path_factory.mktemp("pre")
+    bad = folder / "bad.jsonl"
+    bad.write_text(json.dumps(GOOD) + "\n" + json.dumps(_with_message(role="robot")) + "\n")
+    hf = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model"]
+    base = ["--chat", "--output-prefix", str(folder / "out"), "--input"]
+    cases = [
+        (base + [str(bad)] + hf + [tokenizer_dir],
+         f"{bad}:2: messages[1]: role 'robot'; expected one of system, user, assistant, tool"),
+        (base + [str(bad)],
+         f"{bad}:1: a chat record needs a tokenizer with a chat template: pass "
+         "--tokenizer-type HuggingFaceTokenizer --tokenizer-model with a HuggingFace "
+         "tokenizer folder (tokenizer.json + tokenizer_config.json holding chat_template)"),
+        (base + [str(bad)] + hf + [str(folder / "nope")],
+         f"--tokenizer-model {str(folder / 'nope')!r}: no such file (--tokenizer-type "
+         "HuggingFaceTokenizer needs a tokenizers JSON file)"),
+    ]  # fmt: skip
+    for argv, line in cases:
+        assert run_tool(preprocess_main, "megatron.training.preprocess_data", argv) == 1
+        assert capsys.readouterr().err.splitlines() == [
+            f"megatron.training.preprocess_data: error: {line}"
+        ]
+    good = folder / "good.jsonl"
+    good.write_text(json.dumps(GOOD) + "\n")  # positive control: the same command works
+    assert run_tool(preprocess_main, "p", base + [str(good)] + hf + [tokenizer_dir]) == 0
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron.training.preprocess_data"] + cases[0][0],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [f"megatron.training.preprocess_data: error: {cases[0][1]}"]

@@ -1,0 +1,27 @@
+"""The HuggingFace families the converter reads and writes: one module each, one line each.
+
+To add a family: write ``families/NAME.py`` with a ``Family`` subclass (its ``config.json``
+reading and writing, its weight table, its refusals) and ``FAMILY = NAME()``, then add one
+line below. Order matters only for ``claims`` (the first family that claims a trained
+model's settings writes it).
+"""
+
+from typing import Dict
+
+from megatron.training.hf.families import gpt2, llama, mistral, qwen2
+from megatron.training.hf.family import Family
+
+REGISTRY: Dict[str, Family] = {
+    family.model_type: family
+    for family in (
+        llama.FAMILY,
+        mistral.FAMILY,
+        qwen2.FAMILY,
+        gpt2.FAMILY,
+    )
+}
+
+
+def family_of(model_type: str) -> Family:
+    """The registered family of ``model_type`` (KeyError when none)."""
+    return REGISTRY[model_type]

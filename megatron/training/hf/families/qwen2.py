@@ -1,0 +1,40 @@
+"""Qwen2 (``Qwen2ForCausalLM``): Llama-shaped with q/k/v biases only; sliding windows and
+multimodal rotary embeddings refused."""
+
+from typing import Any, Dict
+
+from megatron.training.hf.families.llama import LlamaShaped, rmsnorm_swiglu_rope
+from megatron.training.hf.family import ConfigReader
+
+
+class Qwen2(LlamaShaped):
+    model_type = "qwen2"
+    architecture = "Qwen2ForCausalLM"
+    settings_hint = "RMSNorm + swiglu + rope + --add-qkv-bias --disable-bias-linear (Qwen2)"
+
+    def read_extra(self, c: ConfigReader) -> Dict[str, Any]:
+        use_window = c.optional("use_sliding_window", False)
+        c.require(
+            use_window is False,
+            "use_sliding_window",
+            use_window,
+            "false (sliding-window attention is not supported)",
+        )
+        c.seen("sliding_window", "max_window_layers")  # unused without use_sliding_window
+        layer_types = c.optional("layer_types", None)
+        c.require(
+            layer_types is None or set(layer_types) <= {"full_attention"},
+            "layer_types",
+            layer_types,
+            "full_attention for every layer",
+        )
+        c.expect("use_mrope", False, "false", default=False)
+        return {"add_qkv_bias": True}
+
+    def claims(self, settings: Dict[str, Any]) -> bool:
+        bias = not settings.get("disable_bias_linear", False)
+        qkv_bias = bool(settings.get("add_qkv_bias", False))
+        return rmsnorm_swiglu_rope(settings) and qkv_bias and not bias
+
+
+FAMILY = Qwen2()

@@ -1,0 +1,202 @@
+"""What a HuggingFace family is, to the converter: the shared vocabulary of the families.
+
+``HFArchitecture`` is a decoder in our GPT's terms; ``Segment`` / ``Source`` say how one of
+our parameters is made of HuggingFace tensors; ``ConfigReader`` reads ``config.json`` keys,
+remembering which were looked at, so anything a family did not read is refused; ``Family``
+is the interface one family implements (one module under ``families/``, one line in
+``families/__init__.py``). No torch here: reading a config needs none.
+"""
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Iterable, Optional, Tuple
+
+# Keys that do not change what the weights compute, for every family: bookkeeping,
+# generation defaults, token ids (the tokenizer's business), initialization and dropout
+# (training-time choices; our trainer trains without dropout).
+IGNORED_KEYS = frozenset({
+    "_name_or_path", "architectures", "model_type", "transformers_version", "dtype",
+    "torch_dtype", "use_cache", "initializer_range", "id2label", "label2id", "problem_type",
+    "return_dict", "output_attentions", "output_hidden_states", "chunk_size_feed_forward",
+    "is_encoder_decoder", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id",
+    "decoder_start_token_id", "tokenizer_class", "prefix", "task_specific_params",
+    "finetuning_task", "torchscript", "use_bfloat16", "tf_legacy_loss", "bad_words_ids",
+    "begin_suppress_tokens", "suppress_tokens", "diversity_penalty", "do_sample",
+    "early_stopping", "encoder_no_repeat_ngram_size", "exponential_decay_length_penalty",
+    "forced_bos_token_id", "forced_eos_token_id", "length_penalty", "max_length",
+    "min_length", "no_repeat_ngram_size", "num_beam_groups", "num_beams",
+    "num_return_sequences", "output_scores", "remove_invalid_values", "repetition_penalty",
+    "return_dict_in_generate", "temperature", "top_k", "top_p", "typical_p",
+    "cross_attention_hidden_size", "tie_encoder_decoder", "attention_dropout",
+    "attn_pdrop", "embd_pdrop", "resid_pdrop", "summary_activation", "summary_first_dropout",
+    "summary_proj_to_labels", "summary_type", "summary_use_proj", "n_ctx",
+})  # fmt: skip
+# Keys refused for every family when set: models we cannot express.
+REFUSED_KEYS = ("quantization_config", "pruned_heads", "is_decoder")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class HFArchitecture:
+    """What a HuggingFace decoder is, in our GPT's terms.
+
+    ``activation``: "silu" (gated: SwiGLU), "gelu" (erf) or "gelu_tanh" (OpenAI's tanh
+    approximation, GPT-2's ``gelu_new``). ``rope_scaling_factor``: Llama 3.x frequency
+    scaling (None: none). ``dtype``: the dtype the checkpoint declares (a torch name).
+    """
+
+    family: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    ffn_hidden_size: int
+    vocab_size: int
+    normalization: str
+    norm_epsilon: float
+    swiglu: bool
+    activation: str
+    position_embedding_type: str
+    max_position_embeddings: int
+    rotary_base: float
+    rope_scaling_factor: Optional[float]
+    add_bias_linear: bool
+    add_qkv_bias: bool
+    tied: bool
+    dtype: str = "float32"
+    window_size: Optional[Tuple[int, int]] = None  # (left, 0): sliding-window attention
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain values (kept in checkpoints)."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows [start, stop) of HuggingFace tensor ``key`` (columns when ``transposed``)."""
+
+    key: str
+    start: int
+    stop: int
+    transposed: bool = False
+
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
+
+
+Source = Tuple[Segment, ...]
+
+
+class Family:
+    """One HuggingFace family: ``config.json`` <-> ``HFArchitecture`` both ways, and the
+    weight table (which HuggingFace rows make each of our parameters).
+
+    A subclass sets ``model_type`` and ``architecture`` (the ``architectures`` entry of a
+    causal LM) and implements the four abstract methods; ``claims`` and ``key_prefix`` have
+    defaults. Refusals live in ``read``: every key it does not look at is refused.
+    """
+
+    model_type: str = ""
+    architecture: str = ""
+    # For the export error listing what our trained models can be written as (None: this
+    # family is only ever written from an imported config.json).
+    settings_hint: Optional[str] = None
+
+    def read(self, c: "ConfigReader") -> HFArchitecture:
+        """The architecture ``config.json`` describes (``c.fail`` for what we cannot express)."""
+        raise NotImplementedError
+
+    def write(self, arch: HFArchitecture) -> Dict[str, Any]:
+        """A fresh ``config.json`` for ``arch`` (without ``dtype``)."""
+        raise NotImplementedError
+
+    def global_sources(self, arch: HFArchitecture, prefix: Optional[str]) -> Dict[str, Source]:
+        """Embeddings, final norm and (untied) output layer (``prefix``: the HuggingFace
+        key prefix, None: the family's usual one)."""
+        raise NotImplementedError
+
+    def layer_sources(
+        self, arch: HFArchitecture, layer: int, prefix: Optional[str]
+    ) -> Dict[str, Source]:
+        """The parameters of global layer ``layer``, by their full one-chunk names."""
+        raise NotImplementedError
+
+    def claims(self, settings: Dict[str, Any]) -> bool:
+        """Whether a model our trainer built (its saved run settings) is written as this
+        family when it has no imported ``config.json``."""
+        return False
+
+    def key_prefix(self, keys: Iterable[str]) -> Optional[str]:
+        """The prefix of this checkpoint's tensor names when it is not the usual one."""
+        return None
+
+
+class ConfigReader:
+    """Reads keys of a config dict, remembering which were looked at; every failure is a
+    ValueError naming the file, the key, its value and what was expected."""
+
+    def __init__(self, raw: Dict[str, Any], where: str, family: str):
+        self.raw, self.where, self.family = raw, where, family
+        self._seen = set(IGNORED_KEYS)
+        for key in REFUSED_KEYS:
+            value = raw.get(key)
+            if value:
+                self.fail(
+                    key,
+                    value,
+                    "absent (quantized / pruned / decoder-with-cross-attention "
+                    "models are not supported)",
+                )
+            self._seen.add(key)
+
+    def fail(self, key: str, value: Any, expected: str) -> None:
+        raise ValueError(
+            f"{self.where}: {key}={json.dumps(value)} is not supported for model_type "
+            f"{self.family!r}; expected {expected}"
+        )
+
+    def require(self, condition: bool, key: str, value: Any, expected: str) -> None:
+        if not condition:
+            self.fail(key, value, expected)
+
+    def seen(self, *keys: str) -> None:
+        self._seen.update(keys)
+
+    def optional(self, key: str, default: Any) -> Any:
+        self._seen.add(key)
+        return self.raw.get(key, default) if self.raw.get(key) is not None else default
+
+    def expect(self, key: str, value: Any, expected: str, default: Any = None, allow=None) -> None:
+        got = self.optional(key, default)
+        ok = allow(got) if allow is not None else got == value
+        self.require(ok, key, got, expected)
+
+    def positive_int(self, key: str, default: Optional[int] = None) -> int:
+        value = self.optional(key, default)
+        self.require(isinstance(value, int) and value >= 1, key, value, "a positive integer")
+        return value
+
+    def positive_float(self, key: str, default: Optional[float] = None) -> float:
+        value = self.optional(key, default)
+        ok = isinstance(value, (int, float)) and value > 0 and math.isfinite(value)
+        self.require(ok, key, value, "a number > 0")
+        return float(value)
+
+    def dtype(self) -> str:
+        """The checkpoint's declared dtype (``dtype``, or transformers 4's ``torch_dtype``)."""
+        value = self.raw.get("dtype", self.raw.get("torch_dtype")) or "float32"
+        self.require(value in DTYPE_NAMES, "dtype", value, "float32, bfloat16 or float16")
+        return value
+
+    def refuse_unknown(self) -> None:
+        unknown = sorted(set(self.raw) - self._seen)
+        if unknown:
+            key = unknown[0]
+            raise ValueError(
+                f"{self.where}: {key}={json.dumps(self.raw[key])} is an option the converter "
+                f"does not know for model_type {self.family!r} (unknown: {', '.join(unknown)}); "
+                "refusing rather than building a possibly different model"
+            )

@@ -1,0 +1,45 @@
+"""``--hf-model DIR``: the run's model settings from a HuggingFace directory's config.json.
+
+The converter (``megatron.training.hf``) says what the directory's architecture is in the
+trainer's terms (``training_settings``); this module decides how that meets the command line.
+"""
+
+from dataclasses import fields, replace
+from pathlib import Path
+
+from megatron.training.arguments import flag_of
+from megatron.training.hf.config import read_hf_config, training_settings
+
+
+def resolve_hf_model(config, explicit=None):
+    """``config`` (a ``TrainingConfig``) with ``--hf-model DIR``'s model settings filled in.
+
+    Each model option not given explicitly takes config.json's value; one given explicitly
+    with another value is a ValueError naming the flag and both values. ``explicit``: the
+    fields given on the command line (None: those that differ from their defaults). With
+    ``--data-path`` and no ``--tokenizer``, the tokenizer is DIR's (``tokenizer.json``).
+    Idempotent.
+    """
+    if config.hf_model is None:
+        return config
+    arch, _ = read_hf_config(config.hf_model)
+    defaults = {f.name: f.default for f in fields(config)}
+    changes, conflicts = {}, []
+    for name, value in training_settings(arch).items():
+        current = getattr(config, name)
+        if current == value:
+            continue
+        given = name in explicit if explicit is not None else current != defaults[name]
+        if not given:
+            changes[name] = value
+        else:
+            conflicts.append(f"{flag_of(name)} {current} (config.json gives {value})")
+    if conflicts:
+        raise ValueError(
+            f"--hf-model {config.hf_model} sets the model from its config.json, but "
+            f"{'; '.join(conflicts)}; leave these flags out"
+        )
+    tokenizer = Path(config.hf_model) / "tokenizer.json"
+    if config.data_path is not None and config.tokenizer is None and tokenizer.is_file():
+        changes["tokenizer"] = str(config.hf_model)
+    return replace(config, **changes)

@@ -1,0 +1,469 @@
+"""The rules between the main job's flags, and the layout they imply.
+
+``validate_config(config, world_size)`` runs each field's own check (declared with the
+field in ``megatron.training.arguments``, which re-exports this module's two names), then the
+rules between fields (the ones shared with ``TransformerConfig`` live in
+``megatron.core.config_rules``); it rejects impossible layouts and combinations with a message
+naming the flag, the value and what was expected, before any process group exists,
+identically on every rank, and returns the ``Layout``. Derived model
+defaults (query groups, FFN size, head size) come from ``resolved_model``. No torch here
+(the launcher checks the command line before starting the workers).
+"""
+
+from dataclasses import dataclass, fields
+from typing import Any, List, Optional, Tuple
+
+from megatron.core import config_rules
+from megatron.core.config_rules import CP_COMM_TYPES
+from megatron.training.errors import UsageError
+from megatron.training.model_settings import resolved_model
+from megatron.training.options import check_fields, is_int, option_of
+
+__all__ = ["Layout", "validate_config"]
+
+# A ``megatron.training.arguments.TrainingConfig`` (not imported: ``arguments`` re-exports
+# this module's names, and the rules need only its fields).
+Config = Any
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A run's parallel layout: world = TP * CP * PP * DP; M microbatches per replica per
+    step."""
+
+    world_size: int
+    context_parallel_size: int
+    pipeline_model_parallel_size: int
+    virtual_pipeline_model_parallel_size: Optional[int]
+    data_parallel_size: int
+    num_microbatches: int
+    tensor_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    hierarchical_context_parallel_sizes: Optional[Tuple[int, ...]] = None
+
+    @property
+    def hierarchical_sizes(self) -> Optional[List[int]]:
+        """``hierarchical_context_parallel_sizes`` as the list megatron-core takes, or None."""
+        sizes = self.hierarchical_context_parallel_sizes
+        return None if sizes is None else list(sizes)
+
+    @property
+    def name(self) -> str:
+        """Short name, e.g. ``cp2-pp2-vpp2-dp1`` or ``tp2-sp-cp2-pp1-dp1``."""
+        vpp = self.virtual_pipeline_model_parallel_size
+        tp = self.tensor_model_parallel_size
+        return (
+            f"{f'tp{tp}-' if tp > 1 else ''}{'sp-' if self.sequence_parallel else ''}"
+            f"cp{self.context_parallel_size}-pp{self.pipeline_model_parallel_size}"
+            f"{f'-vpp{vpp}' if vpp else ''}-dp{self.data_parallel_size}"
+        )
+
+
+def validate_config(config: Config, world_size: int) -> Layout:
+    """The layout of ``config`` on ``world_size`` processes, or ValueError saying why not.
+
+    First each option's own check (``option(..., check=...)``), then the rules between
+    options. DP = world / (TP * CP * PP); M = GBS / (micro batch * DP). Rules: world
+    divisible by TP * CP * PP; seq_length divisible by 2 * CP (load-balanced CP split), times
+    TP under sequence parallelism; heads, query groups, FFN size and vocabulary divisible by
+    TP; sequence parallelism only with TP > 1; layers divisible by PP * VPP; GBS divisible by
+    micro batch * DP; VPP only with PP >= 2 and a microbatch count the interleaved schedule
+    can run; the cp_comm_type rules; combinations of options that one of them would ignore.
+    """
+    c = config
+    _require(
+        is_int(world_size) and world_size >= 1,
+        f"--nproc-per-node must be an integer >= 1, got {world_size}",
+    )
+    check_fields(c)
+    tp, cp, pp, vpp = (
+        c.tensor_model_parallel_size,
+        c.context_parallel_size,
+        c.pipeline_model_parallel_size,
+        c.virtual_pipeline_model_parallel_size,
+    )
+    model_parallel = tp * cp * pp
+    sizes = f"--cp {cp} x --pp {pp}" if tp == 1 else f"--tp {tp} x --cp {cp} x --pp {pp}"
+    _require(
+        world_size % model_parallel == 0,
+        f"world size {world_size} is not divisible by {sizes} = {model_parallel}; "
+        f"use a multiple of {model_parallel} processes",
+    )
+    dp = world_size // model_parallel
+    _require(
+        c.seq_length >= 4 and c.seq_length % (2 * cp) == 0,
+        f"--seq-length {c.seq_length} must be >= 4 and divisible by 2 x --cp = {2 * cp} "
+        f"(context parallelism splits each sequence into 2C equal chunks)",
+    )
+    _check_tensor_parallel(c)
+    if vpp is not None:
+        _require(pp >= 2, f"--vpp {vpp} needs pipeline parallelism: --pp must be >= 2, got {pp}")
+    chunks = pp * (vpp or 1)
+    _require(
+        c.num_layers % chunks == 0,
+        f"--num-layers {c.num_layers} is not divisible among {chunks} pipeline chunks "
+        f"(--pp {pp} x --vpp {vpp or 1}); use a multiple of {chunks} layers",
+    )
+    _require(
+        c.kv_channels is not None or c.hidden_size % c.num_attention_heads == 0,
+        f"--hidden-size {c.hidden_size} is not divisible by --num-attention-heads "
+        f"{c.num_attention_heads}",
+    )
+    per_step = c.micro_batch_size * dp
+    _require(
+        c.global_batch_size % per_step == 0,
+        f"--global-batch-size {c.global_batch_size} is not divisible by --micro-batch-size "
+        f"{c.micro_batch_size} x data-parallel size {dp} = {per_step}",
+    )
+    num_microbatches = c.global_batch_size // per_step
+    if vpp is not None:
+        # Imported here: the self-launching process checks layouts without importing torch.
+        from megatron.core.pipeline_parallel.schedules import interleaved_schedule_table
+
+        try:
+            interleaved_schedule_table(num_microbatches, vpp, pp, pp)
+        except ValueError as exc:
+            raise UsageError(
+                f"--vpp {vpp}: {num_microbatches} microbatches per data-parallel replica "
+                f"(--global-batch-size {c.global_batch_size} / (--micro-batch-size "
+                f"{c.micro_batch_size} x DP {dp})) cannot be interleaved: {exc}"
+            ) from None
+    _check_cp_comm_type(c)
+    if c.pack_sequences:
+        _check_packing(c)
+    _check_combinations(c)
+    hierarchical = c.hierarchical_context_parallel_sizes
+    return Layout(
+        world_size,
+        cp,
+        pp,
+        vpp,
+        dp,
+        num_microbatches,
+        tp,
+        c.sequence_parallel,
+        None if hierarchical is None else tuple(hierarchical),
+    )
+
+
+def _check_combinations(c: Config) -> None:
+    """Options that need, or exclude, another one (so none is silently ignored)."""
+    _require(
+        not c.overlap_param_gather or c.use_distributed_optimizer,
+        "--overlap-param-gather only supported with distributed optimizer: add "
+        "--use-distributed-optimizer",
+    )
+    recompute = config_rules.recompute_problems(
+        c.recompute_granularity,
+        c.recompute_method,
+        c.recompute_num_layers,
+        c.recompute_modules,
+        c.num_layers // c.pipeline_model_parallel_size,
+        name=lambda field: "--" + field.replace("_", "-"),
+    )
+    _require(not recompute, "; ".join(recompute))
+    _require(
+        c.recompute_modules is None or c.recompute_granularity == "selective",
+        f"--recompute-modules {' '.join(c.recompute_modules or [])} needs "
+        f"--recompute-granularity selective (got {c.recompute_granularity})",
+    )
+    _require(
+        not (c.per_shard_loss_normalization and c.calculate_per_token_loss),
+        "--per-shard-loss-normalization emulates the averaged mode; it cannot be combined "
+        "with --calculate-per-token-loss",
+    )
+    _require(
+        c.save_interval is None or c.save is not None,
+        f"--save-interval {c.save_interval} needs --save DIR",
+    )
+    for name in (
+        "ckpt_step",
+        "finetune",
+        "no_load_optim",
+        "no_load_rng",
+        "exit_on_missing_checkpoint",
+    ):
+        value = getattr(c, name)
+        _require(
+            value is None or value is False or c.load is not None,
+            f"{_flag(c, name)}"
+            f"{'' if isinstance(value, bool) else f' {value}'} needs --load DIR "
+            "(nothing is loaded)",
+        )
+    _require(
+        not (c.compare_single_process and c.load),
+        "--compare-single-process compares a whole run from iteration 1; it cannot be "
+        f"combined with --load {c.load}",
+    )
+    _require(
+        c.lr_warmup_iters < c.train_iters,
+        f"--lr-warmup-iters must be >= 0 and < --train-iters {c.train_iters}, "
+        f"got {c.lr_warmup_iters}",
+    )
+    _require(c.min_lr <= c.lr, f"--min-lr must be in [0, --lr {c.lr}], got {c.min_lr}")
+    _require(
+        c.tokenizer is None or c.data_path is not None,
+        f"--tokenizer {c.tokenizer!r} needs --data-path (the generated data has its own ids)",
+    )
+    _require(
+        c.eod_token is None or c.tokenizer not in (None, "byte-level"),
+        f"--eod-token {c.eod_token!r} needs --tokenizer DIR_OR_tokenizer.json (the byte-level "
+        "tokenizer's end-of-document id is fixed)",
+    )
+    _require(
+        c.data_path is None or c.vocab_size == _default(c, "vocab_size") or c.hf_model,
+        f"--vocab-size {c.vocab_size} is not used with --data-path: the vocabulary is the "
+        "tokenizer's (see --tokenizer); leave --vocab-size out",
+    )
+    _require(
+        c.min_lr == 0 or c.lr_decay_style != "constant",
+        f"--min-lr {c.min_lr} is the end of a decay, but --lr-decay-style constant keeps "
+        "--lr; use --lr-decay-style linear or cosine, or leave --min-lr out",
+    )
+    _require(
+        c.compare_single_process or c.compare_tolerance == _default(c, "compare_tolerance"),
+        f"--compare-tolerance {c.compare_tolerance} needs --compare-single-process",
+    )
+    _require(not (c.bf16 and c.fp16), "--bf16 and --fp16 were both given; expected at most one")
+    _check_evaluation(c)
+    _check_logging(c)
+    _require(
+        c.position_embedding_type == "learned_absolute" or c.max_position_embeddings is None,
+        f"--max-position-embeddings {c.max_position_embeddings} sizes the learned position "
+        "table; --position-embedding-type rope has none",
+    )
+    _require(
+        c.position_embedding_type != "learned_absolute"
+        or (c.max_position_embeddings or c.seq_length) >= c.seq_length,
+        f"--seq-length {c.seq_length} is longer than the learned position table "
+        f"(--max-position-embeddings {c.max_position_embeddings})",
+    )
+    _require(
+        c.position_embedding_type == "rope"
+        or not (c.use_rope_scaling or c.rotary_base != _default(c, "rotary_base")),
+        "--use-rope-scaling and --rotary-base need --position-embedding-type rope",
+    )
+    _require(
+        c.use_rope_scaling or c.rope_scaling_factor == _default(c, "rope_scaling_factor"),
+        f"--rope-scaling-factor {c.rope_scaling_factor} needs --use-rope-scaling",
+    )
+    _require(not (c.openai_gelu and c.swiglu), "--openai-gelu and --swiglu exclude each other")
+    _require(
+        c.min_loss_scale <= c.initial_loss_scale,
+        f"--min-loss-scale {c.min_loss_scale} must be <= --initial-loss-scale "
+        f"{c.initial_loss_scale}",
+    )
+    dynamic = [
+        _flag(c, name)
+        for name in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
+        if getattr(c, name) != _default(c, name)
+    ]
+    _require(
+        c.fp16 or not dynamic,
+        f"{', '.join(dynamic)} set the dynamic loss scaling of --fp16, which is not given",
+    )
+
+
+def _check_evaluation(c: Config) -> None:
+    """--eval-interval, --eval-iters, --valid-data-path, --split, --skip-train: each used,
+    none contradicting another."""
+    _require(
+        c.valid_data_path is None or c.data_path is not None,
+        f"--valid-data-path {c.valid_data_path!r} needs --data-path (the generated data "
+        "validates on held-out generated pairs)",
+    )
+    _require(
+        c.split is None or c.data_path is not None,
+        f"--split {c.split!r} splits --data-path, which is not given",
+    )
+    _require(
+        not (c.split and c.valid_data_path),
+        f"--split {c.split!r} and --valid-data-path {c.valid_data_path!r} both name "
+        "validation data; give one",
+    )
+    if c.split is not None:
+        from megatron.training.datasets import parse_split
+
+        try:
+            weights = parse_split(c.split)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        _require(
+            weights[0] > 0 or c.skip_train,
+            f"--split {c.split!r} leaves no training data (its first weight is 0)",
+        )
+        _require(
+            weights[1] > 0 or (c.eval_interval is None and not c.skip_train),
+            f"--split {c.split!r} has no validation part (its second weight is 0), but "
+            f"{'--skip-train' if c.skip_train else f'--eval-interval {c.eval_interval}'} "
+            "needs validation data",
+        )
+    _require(
+        c.eval_iters != -1 or c.data_path is not None,
+        "--eval-iters -1 (the whole validation set) needs --valid-data-path or --split: the "
+        "generated validation data is endless; give a number of global batches",
+    )
+    enabled = c.eval_interval or c.valid_data_path or c.split or c.skip_train
+    _require(
+        c.eval_iters == _default(c, "eval_iters") or enabled,
+        f"--eval-iters {c.eval_iters} needs validation: add --eval-interval N, "
+        "--valid-data-path or --split",
+    )
+    _require(
+        not c.skip_train or c.load is not None or c.hf_model is not None,
+        "--skip-train evaluates a trained model: add --load DIR or --hf-model DIR",
+    )
+    _require(
+        not c.skip_train or c.eval_iters != 0,
+        "--skip-train only evaluates, but --eval-iters 0 turns validation off",
+    )
+    _require(
+        not (c.skip_train and c.compare_single_process),
+        "--skip-train trains nothing; --compare-single-process compares training runs",
+    )
+
+
+def _check_logging(c: Config) -> None:
+    """The W&B details need --wandb-project; each logger's package is installed."""
+    from megatron.training.loggers import check_logging_packages
+
+    for name in ("wandb_exp_name", "wandb_save_dir"):
+        value = getattr(c, name)
+        _require(
+            value is None or c.wandb_project is not None,
+            f"{_flag(c, name)} {value} needs --wandb-project NAME",
+        )
+    check_logging_packages(c)
+
+
+def _check_packing(c: Config) -> None:
+    """--pack-sequences: one packed row per microbatch, documents padded to a multiple of
+    PACK_PAD_MULTIPLE that the 2C context-parallel chunks divide."""
+    # Imported here: the self-launching process checks layouts without importing torch.
+    from megatron.training.data import PACK_PAD_MULTIPLE
+
+    cp = c.context_parallel_size
+    _require(
+        c.micro_batch_size == 1,
+        f"--pack-sequences packs documents into one row per microbatch: "
+        f"--micro-batch-size must be 1, got {c.micro_batch_size}",
+    )
+    _require(
+        c.seq_length % PACK_PAD_MULTIPLE == 0 and PACK_PAD_MULTIPLE % (2 * cp) == 0,
+        f"--pack-sequences pads documents to a multiple of {PACK_PAD_MULTIPLE}: "
+        f"--seq-length ({c.seq_length}) must be a multiple of it and 2 x --cp "
+        f"({2 * cp}) must divide it",
+    )
+
+
+def _check_cp_comm_type(c: Config) -> None:
+    """--cp-comm-type: one kind or one per layer; a2a splits each tensor-parallel rank's
+    heads over CP, a2a+p2p over the first of --hierarchical-context-parallel-sizes [A, P]
+    (A x P = CP), which only a2a+p2p uses."""
+    kinds = config_rules.cp_comm_kinds(c.cp_comm_type)
+    _require(
+        config_rules.cp_comm_type_length_ok(c.cp_comm_type, c.num_layers),
+        f"--cp-comm-type takes one kind or one per layer (--num-layers {c.num_layers}), got "
+        f"{len(kinds)}: {kinds}",
+    )
+    bad = config_rules.unknown_cp_comm_types(c.cp_comm_type) + [k for k in kinds if k is None]
+    _require(not bad, f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got {bad}")
+    tp, cp = c.tensor_model_parallel_size, c.context_parallel_size
+    _require(
+        cp > 1 or set(kinds) == {_default(c, "cp_comm_type")},
+        f"--cp-comm-type {' '.join(map(str, kinds))} chooses how context-parallel attention "
+        f"exchanges keys and values, but --cp is {cp}: nothing is exchanged; use --cp > 1 "
+        "or leave --cp-comm-type out",
+    )
+    hierarchical = c.hierarchical_context_parallel_sizes
+    if hierarchical is not None:
+        _require(
+            config_rules.hierarchical_sizes_valid(hierarchical)
+            and len(hierarchical) == 2
+            and config_rules.hierarchical_sizes_product(hierarchical) == cp,
+            f"--hierarchical-context-parallel-sizes takes two sizes [A, P] with A x P = --cp "
+            f"{cp}, got {hierarchical!r}",
+        )
+        _require(
+            "a2a+p2p" in kinds,
+            f"--hierarchical-context-parallel-sizes {' '.join(map(str, hierarchical))} is "
+            f"used only by --cp-comm-type a2a+p2p; got --cp-comm-type "
+            f"{' '.join(map(str, kinds))}: drop the sizes or use a2a+p2p",
+        )
+    _require(
+        "a2a+p2p" not in kinds or cp == 1 or hierarchical is not None,
+        f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P (A x P = --cp "
+        f"{cp}): heads all-to-all within A ranks, the ring over P",
+    )
+    model = resolved_model(c)
+    heads, groups = model["num_attention_heads"], model["num_query_groups"]
+    for kind, split, flag in (("a2a", cp, "--cp"), ("a2a+p2p", (hierarchical or [1])[0], "A")):
+        _require(
+            kind not in kinds or (heads % (tp * split) == 0 and groups % (tp * split) == 0),
+            f"--cp-comm-type {kind} splits each tensor-parallel rank's heads over {flag}: "
+            f"--num-attention-heads ({heads}) and the query groups ({groups}) must be "
+            f"divisible by --tp x {flag} = {tp * split}",
+        )
+
+
+def _check_tensor_parallel(c: Config) -> None:
+    """The sizes TP splits (heads, query groups, FFN, vocabulary: the shared rule of
+    ``config_rules``); the sequence under sequence parallelism (2C chunks, each split over
+    TP); an even head size for rotary embeddings."""
+    tp, cp = c.tensor_model_parallel_size, c.context_parallel_size
+    _require(
+        config_rules.sequence_parallel_allowed(c.sequence_parallel, tp),
+        f"--sequence-parallel needs tensor parallelism: --tp must be > 1, got {tp}",
+    )
+    model = resolved_model(c)
+    heads, groups, ffn = (
+        model["num_attention_heads"],
+        model["num_query_groups"],
+        model["ffn_hidden_size"],
+    )
+    _require(
+        config_rules.is_positive_multiple(heads, groups),
+        f"--num-query-groups {groups} must be an integer >= 1 dividing --num-attention-heads "
+        f"{heads}",
+    )
+    splits = {
+        "num_attention_heads": heads,
+        "num_query_groups": groups,
+        "ffn_hidden_size": ffn,
+        "vocab_size": c.vocab_size,
+    }
+    for name, value in config_rules.tensor_parallel_misfits(tp, splits):
+        raise UsageError(f"{_flag(c, name)} {value} is not divisible by --tp {tp}")
+    if c.position_embedding_type == "rope":
+        head_dim = model["kv_channels"]
+        _require(
+            head_dim % 2 == 0,
+            f"--position-embedding-type rope needs an even head size, got --hidden-size "
+            f"{c.hidden_size} / --num-attention-heads {heads} = {head_dim}",
+        )
+    if c.sequence_parallel:
+        _require(
+            c.seq_length % (2 * cp * tp) == 0,
+            f"--seq-length {c.seq_length} is not divisible by --tp {tp} x 2 x --cp {cp} = "
+            f"{2 * cp * tp} (sequence parallelism splits each of the 2C chunks over TP)",
+        )
+
+
+def _flag(c: Config, name: str) -> str:
+    """The flag naming field ``name`` of ``c`` in messages (e.g. ``--tp``)."""
+    return option_of(_field(c, name)).flag
+
+
+def _default(c: Config, name: str) -> Any:
+    """The declared default of field ``name`` of ``c``."""
+    return _field(c, name).default
+
+
+def _field(c: Config, name: str):
+    return next(f for f in fields(c) if f.name == name)
+
+
+def _require(condition: bool, message: str) -> None:
+    """Raise UsageError(message) (a ValueError) unless ``condition``."""
+    if not condition:
+        raise UsageError(message)
