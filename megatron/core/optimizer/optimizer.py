@@ -26,6 +26,7 @@ from megatron.core.dist_checkpointing.optimizer import (
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros,
+    get_grad_norm_fp32,
     grad_norm,
     param_is_not_shared,
 )
