@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from megatron.training.arguments import explicit_options, parse_args, validate_config
+from megatron.training.config_errors import name_the_flags
 from megatron.training.errors import (
     LAUNCHER_REPORTS_VARIABLE,
     UsageError,
@@ -66,7 +67,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _run(config)
     except Exception as exc:
         if not debug and is_usage_error(exc):
-            report_error(one_line(exc))
+            report_error(name_the_flags(one_line(exc), config))
             return 1
         if world_size > 1 and lost_peer(exc) and another_rank_reported(PEER_FAILURE_WAIT_S):
             return 1  # the consequence of another rank's error, which is the one reported

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from megatron.training.arguments import flag_of
 from megatron.training.hf.config import read_hf_config, training_settings
+from megatron.training.hf.target import check_export_target
 
 
 def resolve_hf_model(config, explicit=None):
@@ -18,11 +19,15 @@ def resolve_hf_model(config, explicit=None):
     with another value is a ValueError naming the flag and both values. ``explicit``: the
     fields given on the command line (None: those that differ from their defaults). With
     ``--data-path`` and no ``--tokenizer``, the tokenizer is DIR's (``tokenizer.json``).
-    Idempotent.
+    The HuggingFace paths are checked first (``check_hf_paths``). Idempotent.
     """
+    check_hf_paths(config)
     if config.hf_model is None:
         return config
-    arch, _ = read_hf_config(config.hf_model)
+    try:
+        arch, _ = read_hf_config(config.hf_model)
+    except (FileNotFoundError, NotADirectoryError) as err:
+        raise type(err)(f"--hf-model: {err}") from None
     defaults = {f.name: f.default for f in fields(config)}
     changes, conflicts = {}, []
     for name, value in training_settings(arch).items():
@@ -43,3 +48,18 @@ def resolve_hf_model(config, explicit=None):
     if config.data_path is not None and config.tokenizer is None and tokenizer.is_file():
         changes["tokenizer"] = str(config.hf_model)
     return replace(config, **changes)
+
+
+def check_hf_paths(config) -> None:
+    """Before anything runs: ``--export-hf`` names a folder an export may write (new, empty
+    or an earlier export; never a file or another model's folder) and is not ``--hf-model``
+    (the export would replace the model the run reads)."""
+    if config.export_hf is None:
+        return
+    target = Path(config.export_hf)
+    if config.hf_model is not None and target.resolve() == Path(config.hf_model).resolve():
+        raise ValueError(
+            f"--export-hf {config.export_hf} is --hf-model's folder; the export would replace "
+            "the model this run starts from: choose another folder"
+        )
+    check_export_target(target, flag="--export-hf")

@@ -45,6 +45,10 @@ def main(argv: Optional[Sequence[str]] = None) -> List[str]:
     flag, a file, a bad line) is one line on stderr and exit 1 (``errors.run_tool``)."""
     args = _parser().parse_args(argv)
     folder = os.path.dirname(args.output_prefix) or "."
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise NotADirectoryError(
+            f"--output-prefix {args.output_prefix!r}: {folder!r} is a file; expected a folder"
+        )
     if not os.path.isdir(folder):
         raise FileNotFoundError(
             f"--output-prefix {args.output_prefix!r}: the folder {folder!r} does not exist "

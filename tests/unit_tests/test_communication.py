@@ -163,3 +163,61 @@ def test_resolve_group_order_explicit_then_collection_then_parallel_state():
         assert resolve_pg_collection(None, ["tp"]).tp is mpu_tp
         assert (get_pg_size(mpu_tp), get_pg_rank(mpu_tp)) == (2, dist.get_rank())
     assert resolve_group("tp") is None
+
+
+@pytest.mark.world(2, 4)
+def test_in_place_collectives_match_a_local_reference():
+    """all_reduce_ (SUM, AVG emulated on gloo, MAX), broadcast_ from a non-zero source, the
+    shard reduce-scatter and the shard all-gather, each against the formula computed here."""
+    for group, ranks in _groups():
+        size, me = len(ranks), ranks.index(dist.get_rank())
+        mine = _x(dist.get_rank())
+        assert comm.all_reduce_(mine, group) is mine
+        torch.testing.assert_close(mine, sum(_x(r) for r in ranks), rtol=0, atol=0)
+        mine = _x(dist.get_rank())
+        comm.all_reduce_(mine, group, dist.ReduceOp.AVG)
+        torch.testing.assert_close(mine, sum(_x(r) for r in ranks) / size, rtol=0, atol=0)
+        mine = _x(dist.get_rank())
+        comm.broadcast_(mine, group, src=size - 1)
+        torch.testing.assert_close(mine, _x(ranks[-1]), rtol=0, atol=0)
+        flat = _x(dist.get_rank(), rows=2 * size).reshape(-1)
+        shard = comm.start_reduce_scatter_shard_(flat, group).wait()
+        whole = sum(_x(r, rows=2 * size) for r in ranks).reshape(-1)
+        torch.testing.assert_close(shard, whole.view(size, -1)[me], rtol=0, atol=0)
+        assert shard.data_ptr() == flat.view(size, -1)[me].data_ptr(), "not the shard in place"
+        flat = torch.zeros(size * 5, dtype=torch.float64)
+        flat.view(size, -1)[me] = dist.get_rank() + 1.0
+        assert comm.start_all_gather_shards_(flat, group).wait() is flat
+        expected = torch.tensor([r + 1.0 for r in ranks], dtype=torch.float64).repeat_interleave(5)
+        torch.testing.assert_close(flat, expected, rtol=0, atol=0)
+
+
+@pytest.mark.world(2, 4)
+def test_object_collectives_and_p2p():
+    for group, ranks in _groups():
+        me = ranks.index(dist.get_rank())
+        assert comm.all_gather_object(("r", dist.get_rank()), group) == [("r", r) for r in ranks]
+        gathered = comm.gather_object(dist.get_rank(), group, dst=0)
+        assert gathered == (ranks if me == 0 else None)
+        assert comm.broadcast_object({"from": dist.get_rank()}, group, src=1) == {"from": ranks[1]}
+        comm.barrier(group)
+        # a ring through p2p_op / run_p2p, unbatched (even ranks send first) and batched
+        nxt, prv = ranks[(me + 1) % len(ranks)], ranks[(me - 1) % len(ranks)]
+        for batched in (False, True):
+            got = torch.empty(3, dtype=torch.float64)
+            ops = [
+                comm.p2p_op(_x(dist.get_rank(), rows=1)[0], nxt, group, 7, is_send=True),
+                comm.p2p_op(got, prv, group, 7, is_send=False),
+            ]
+            comm.run_p2p(ops, batched=batched, sends_first=me % 2 == 0)
+            torch.testing.assert_close(got, _x(prv, rows=1)[0], rtol=0, atol=0)
+    assert comm.all_gather_object(1, None) == [1] and comm.broadcast_object(2, None) == 2
+
+
+def test_one_rank_in_place_collectives_are_the_identity():
+    t = torch.arange(6.0)
+    assert comm.all_reduce_(t, None, dist.ReduceOp.AVG) is t
+    assert torch.equal(t, torch.arange(6.0))
+    assert torch.equal(comm.start_reduce_scatter_shard_(t, None).wait(), t)
+    assert comm.start_all_gather_shards_(t, None).wait() is t
+    assert comm.broadcast_(t, None) is t

@@ -139,6 +139,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self.shards = [s for shards in self.shard_groups for s in shards]
         self._model_index = {p: i for i, p in enumerate(self.model_params)}
         self._shard_of = {s.param: s for s in self.shards}
+        self._shard_position = {s.param: j for j, s in enumerate(self.shards)}
         super().__init__(optimizer, config, grad_scaler, init_state_fn or init_optimizer_state)
         if not self.shards:  # the loss-scale tensors live with the model
             self._device = _first_param_device(self.model_chunks)
@@ -301,7 +302,6 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         flat = state_dict.get(SHARD_LAYOUT_KEY) == FLAT_SHARDS
         optim = state_dict["optimizer"] if "optimizer" in state_dict else state_dict
         restore_common_step(optim)
-        position = {s.param: j for j, s in enumerate(self.shards)}
         state: Dict[int, Dict[str, Any]] = {}
         for i, param in enumerate(self.model_params):
             saved = optim["state"].get(i)
@@ -309,7 +309,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             if saved is None or shard is None:
                 continue
             current = self.optimizer.state.get(shard.main, {})
-            state[position[param]] = {
+            state[self._shard_position[param]] = {
                 name: (
                     value
                     if name == "step"

@@ -1,7 +1,8 @@
 """``python -m megatron.training.hf import|export``: HuggingFace <-> dist checkpoints.
 
-python -m megatron.training.hf import --hf DIR --out CKPT [--dtype bfloat16]
+python -m megatron.training.hf import --hf DIR --out CKPT [--dtype bfloat16] [--allow-non-finite]
 python -m megatron.training.hf export --load CKPT --out DIR [--dtype ...] [--max-shard-size 2GB]
+    [--overwrite]
 """
 
 import argparse
@@ -11,6 +12,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from megatron.training.errors import is_usage_error, one_line
 from megatron.training.hf.checkpoint import DEFAULT_MAX_SHARD_SIZE, DTYPES, export_hf, import_hf
 
 _UNITS = {
@@ -32,15 +34,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     started = time.perf_counter()
     try:
         if args.command == "import":
-            where = import_hf(args.hf, args.out, dtype=args.dtype)
+            where = import_hf(
+                args.hf, args.out, dtype=args.dtype, allow_non_finite=args.allow_non_finite
+            )
             what = f"imported {args.hf} into {where}"
         else:
             where = export_hf(
-                args.load, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size
+                args.load,
+                args.out,
+                dtype=args.dtype,
+                max_shard_size=args.max_shard_size,
+                overwrite=args.overwrite,
             )
             what = f"exported {args.load} to {where}"
-    except (ValueError, FileNotFoundError, NotADirectoryError, RuntimeError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except Exception as err:  # a known error is one line; anything else is a bug
+        if not (is_usage_error(err) or isinstance(err, RuntimeError)):
+            raise
+        print(f"error: {one_line(err)}", file=sys.stderr)
         return 2
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"{what} in {time.perf_counter() - started:.1f} s (peak resident memory {peak:.2f} GiB)")
@@ -60,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument(
         "--dtype", choices=sorted(DTYPES), help="stored dtype (default: config.json's)"
     )
+    imp.add_argument(
+        "--allow-non-finite",
+        action="store_true",
+        help="import weights holding NaN or infinite values (refused by default)",
+    )
     exp = sub.add_parser("export", help="checkpoint -> HuggingFace directory")
     exp.add_argument("--load", required=True, metavar="CKPT", help="a --save directory or iter_*")
     exp.add_argument("--out", required=True, metavar="DIR", help="HuggingFace directory to write")
@@ -70,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_SHARD_SIZE,
         metavar="SIZE",
         help="largest safetensors file, e.g. 2GB, 500MB (default: 2GiB)",
+    )
+    exp.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into a non-empty folder that is not an earlier export (its model files "
+        "are replaced)",
     )
     return parser
 

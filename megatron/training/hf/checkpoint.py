@@ -7,6 +7,11 @@ checkpoint's dtype, with the run settings the trainer records and the original
 (imported or trained) one layer at a time and writes ``config.json`` plus safetensors shards
 of at most ``max_shard_size`` bytes (with ``model.safetensors.index.json`` when there are
 several), so neither direction holds the model twice.
+
+Export never destroys what it did not write: the target must be new, empty or an earlier
+export of ours (its safetensors files carry ``EXPORT_METADATA``; ``overwrite`` allows any
+folder), and the files are written into a staging folder beside it and moved in only once
+all of them are complete, so a failed export leaves the target as it was.
 """
 
 import json
@@ -31,6 +36,12 @@ from megatron.training.hf.config import (
     read_hf_config,
     training_settings,
 )
+from megatron.training.hf.target import (
+    EXPORT_METADATA,
+    SIDECAR_FILES,
+    STAGING_MARK,
+    check_export_target,
+)
 from megatron.training.hf.weights import (
     INDEX_FILENAME,
     SINGLE_FILENAME,
@@ -38,30 +49,23 @@ from megatron.training.hf.weights import (
     hf_shapes,
     layer_sources,
     our_full_shapes,
+    safetensors_module,
     scatter_to_hf,
 )
 
 MODEL_ONLY_KEY = "model_only"
 HF_CONFIG_KEY = "hf_config"
 HF_FILES_KEY = "hf_files"
-# Small files of a HuggingFace directory carried through a checkpoint to the export.
-SIDECAR_FILES = (
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 SIDECAR_LIMIT = 64 * 1024 * 1024
 DEFAULT_MAX_SHARD_SIZE = 2 * 1024**3
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def import_hf(hf_dir, out_dir, dtype: Optional[str] = None) -> Path:
+def import_hf(hf_dir, out_dir, dtype: Optional[str] = None, allow_non_finite: bool = False) -> Path:
     """Convert the HuggingFace model in ``hf_dir`` into ``out_dir/iter_0000000`` (one
     process). ``dtype``: the stored dtype (default: the checkpoint's, so export gives the
-    original bytes back). Returns the iteration directory."""
+    original bytes back); ``allow_non_finite``: see ``model_from_hf``. Returns the
+    iteration directory."""
     from megatron.training.hf.loading import model_from_hf
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -70,7 +74,14 @@ def import_hf(hf_dir, out_dir, dtype: Optional[str] = None) -> Path:
     dtype = dtype or arch.dtype
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    model, _ = model_from_hf(hf_dir, params_dtype=DTYPES[dtype], use_cpu_initialization=True)
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise NotADirectoryError(f"--out {out_dir} is a file; expected a checkpoint folder")
+    model, _ = model_from_hf(
+        hf_dir,
+        params_dtype=DTYPES[dtype],
+        use_cpu_initialization=True,
+        allow_non_finite=allow_non_finite,
+    )
     directory = checkpoint_dir(str(out_dir), 0)
     directory.mkdir(parents=True, exist_ok=True)
     state = {
@@ -97,13 +108,18 @@ def export_hf(
     out_dir,
     dtype: Optional[str] = None,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    overwrite: bool = False,
 ) -> Path:
     """Write the model of checkpoint ``load_dir`` (a ``--save`` directory, its newest
     complete iteration, or an ``iter_*`` directory) to ``out_dir`` in HuggingFace format.
 
-    ``dtype``: of the written tensors (default: the checkpoint's). Collective when
-    torch.distributed is initialized: every rank calls it, rank 0 reads and writes.
+    ``dtype``: of the written tensors (default: the checkpoint's). ``out_dir`` must be new,
+    empty or an earlier export (``check_export_target``; ``overwrite``: any folder, whose
+    model files are replaced). The files are staged beside ``out_dir`` and moved in at the
+    end: a failure leaves ``out_dir`` as it was. Collective when torch.distributed is
+    initialized: every rank calls it, rank 0 reads and writes.
     """
+    out_dir = check_export_target(out_dir, overwrite=overwrite)
     directory = resolve_checkpoint(load_dir)
     common = dist_checkpointing.load_common_state_dict(str(directory))
     arch, original = checkpoint_architecture(common, directory)
@@ -115,7 +131,55 @@ def export_hf(
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     writing = not dist.is_initialized() or dist.get_rank() == 0
-    writer = _ShardWriter(Path(out_dir), max_shard_size) if writing else None
+    staging = _make_staging(out_dir) if writing else None
+    try:
+        _export_into(staging, directory, common, arch, original, stored, dtype, max_shard_size)
+        if writing:
+            _move_into(staging, out_dir)
+    finally:
+        if staging is not None:
+            remove_tree(staging)
+    if dist.is_initialized():
+        dist.barrier()
+    return out_dir
+
+
+def _make_staging(out_dir: Path) -> Path:
+    """A fresh folder beside ``out_dir`` (the same file system, so moving is renaming)."""
+    staging = out_dir.parent / f".{out_dir.name}{STAGING_MARK}{os.getpid()}"
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        remove_tree(staging)
+        staging.mkdir()
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise PermissionError(
+            f"--out {out_dir}: cannot write there ({reason}: {err.filename or out_dir.parent})"
+        ) from None
+    return staging
+
+
+def _move_into(staging: Path, out_dir: Path) -> None:
+    """Put the complete export in ``staging`` at ``out_dir``: a rename when ``out_dir`` does
+    not exist; else each file replaced, then the old weight files that the new export does
+    not have removed (so ``out_dir`` never lacks a complete set of weights)."""
+    if not out_dir.exists():
+        os.rename(staging, out_dir)
+        return
+    written = {path.name for path in staging.iterdir()}
+    for path in staging.iterdir():
+        os.replace(path, out_dir / path.name)
+    stale = list(out_dir.glob("model*.safetensors")) + [out_dir / INDEX_FILENAME]
+    for path in stale:
+        if path.name not in written and path.is_file():
+            path.unlink()
+
+
+def _export_into(staging, directory, common, arch, original, stored, dtype, max_shard_size):
+    """Read the checkpoint one unit at a time (collective) and, on the writing rank
+    (``staging`` not None), write the HuggingFace files into ``staging``."""
+    writing = staging is not None
+    writer = _ShardWriter(staging, max_shard_size) if writing else None
     outer = global_sources(arch)
     embeddings = {k: v for k, v in outer.items() if k.startswith("embedding.")}
     head = {k: v for k, v in outer.items() if k not in embeddings}
@@ -130,16 +194,13 @@ def export_hf(
     if writing:
         writer.finish()
         config = hf_config_for_export(arch, original, dtype)
-        (Path(out_dir) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         sidecars = common.get(HF_FILES_KEY)
         source = (common.get("run_settings") or {}).get("hf_model")
         if sidecars is None and source and Path(source).is_dir():
             sidecars = _sidecar_files(Path(source))  # a run started from --hf-model
         for name, text in (sidecars or {}).items():
-            (Path(out_dir) / name).write_text(text)
-    if dist.is_initialized():
-        dist.barrier()
-    return Path(out_dir)
+            (staging / name).write_text(text)
 
 
 def resolve_checkpoint(load_dir) -> Path:
@@ -239,10 +300,6 @@ class _ShardWriter:
         if limit < 1:
             raise ValueError(f"--max-shard-size must be >= 1 byte, got {limit}")
         self.directory, self.limit = directory, limit
-        directory.mkdir(parents=True, exist_ok=True)
-        for old in list(directory.glob("model*.safetensors")) + [directory / INDEX_FILENAME]:
-            if old.exists():
-                old.unlink()
         self.pending: Dict[str, torch.Tensor] = {}
         self.pending_bytes = 0
         self.files: List[Path] = []
@@ -275,10 +332,9 @@ class _ShardWriter:
         (self.directory / INDEX_FILENAME).write_text(json.dumps(index, indent=2) + "\n")
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
-
+        save_file = safetensors_module().torch.save_file
         path = self.directory / f".partial-{len(self.files):05d}.safetensors"
-        save_file(self.pending, str(path), metadata={"format": "pt"})
+        save_file(self.pending, str(path), metadata=dict(EXPORT_METADATA))
         self.files.append(path)
         self.pending, self.pending_bytes = {}, 0
 

@@ -35,6 +35,12 @@ __all__ = [
 def read_hf_config(directory) -> "tuple[HFArchitecture, Dict[str, Any]]":
     """(architecture, the raw config dict) of the HuggingFace model in ``directory``."""
     path = Path(directory) / "config.json"
+    if Path(directory).is_file():
+        raise NotADirectoryError(
+            f"HuggingFace model directory {str(directory)!r} is a file, not a directory; "
+            f"expected the folder holding config.json and the safetensors (e.g. "
+            f"{str(Path(directory).parent)!r})"
+        )
     if not Path(directory).is_dir():
         raise FileNotFoundError(f"HuggingFace model directory {str(directory)!r} does not exist")
     if not path.is_file():

@@ -39,6 +39,7 @@ def model_from_hf(
     pg_collection: Optional[ProcessGroupCollection] = None,
     vp_stage: Optional[int] = None,
     max_sequence_length: Optional[int] = None,
+    allow_non_finite: bool = False,
     **overrides: Any,
 ) -> Tuple[GPTModel, TransformerConfig]:
     """(this rank's GPT chunk with the HuggingFace weights, its TransformerConfig).
@@ -50,13 +51,15 @@ def model_from_hf(
     initialized (MPU fallback), else one process. Dropout is 0 unless overridden (config.json's
     dropout probabilities are training choices, not weights). ``max_sequence_length``: the
     position table for learned positions (must be config.json's ``n_positions``), else the
-    model's nominal length (default: ``max_position_embeddings``).
+    model's nominal length (default: ``max_position_embeddings``). The files are checked
+    against ``config.json`` first (``load_hf_weights``); ``allow_non_finite`` loads NaN or
+    infinite weights instead of refusing them.
     """
     arch, _ = read_hf_config(path)
     reader = SafetensorsReader(path)
     config = transformer_config_from_hf(arch, pg_collection, **overrides)
     model = build_gpt_chunk(arch, config, pg_collection, vp_stage, max_sequence_length)
-    load_hf_weights(model, reader, arch)
+    load_hf_weights(model, reader, arch, allow_non_finite=allow_non_finite)
     return model, config
 
 
@@ -148,11 +151,19 @@ def build_gpt_chunk(
 
 
 @torch.no_grad()
-def load_hf_weights(model: GPTModel, reader, arch: Optional[HFArchitecture] = None) -> None:
+def load_hf_weights(
+    model: GPTModel,
+    reader,
+    arch: Optional[HFArchitecture] = None,
+    *,
+    allow_non_finite: bool = False,
+) -> None:
     """Fill every parameter of ``model`` (one chunk, any TP shard and stage) from the
     HuggingFace checkpoint ``reader`` (a ``SafetensorsReader`` or a directory), reading only
-    this shard's bytes. The checkpoint is first checked against the architecture: missing,
-    misshapen or unused tensors are errors naming them."""
+    this shard's bytes. The checkpoint is first checked to be one consistent model: missing,
+    misshapen, unused or non-floating tensors, an index that disagrees with its shards, and
+    a stored head that differs from tied embeddings are errors naming them; so is a NaN or
+    infinite value in the bytes this rank reads, unless ``allow_non_finite``."""
     if not isinstance(reader, SafetensorsReader):
         if arch is None:
             arch, _ = read_hf_config(reader)
@@ -167,7 +178,7 @@ def load_hf_weights(model: GPTModel, reader, arch: Optional[HFArchitecture] = No
         full_name = one_chunk_name(model, name)
         source = _source_of(full_name, sources, arch)
         rows, columns = shard_ranges(param, full_shapes[full_name], tp_size, tp_rank)
-        value = read_rows(reader, source, rows, columns)
+        value = read_rows(reader, source, rows, columns, finite=not allow_non_finite)
         if tuple(value.shape) != tuple(param.shape):
             raise RuntimeError(
                 f"load_hf_weights: {name} has shape {list(param.shape)} but its HuggingFace "

@@ -19,13 +19,29 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron.training.errors import missing_package
 from megatron.training.hf.families import REGISTRY
 from megatron.training.hf.family import HFArchitecture, Source
+from megatron.training.hf.target import INDEX_FILENAME, SINGLE_FILENAME
 
-INDEX_FILENAME = "model.safetensors.index.json"
-SINGLE_FILENAME = "model.safetensors"
 # Tensors some checkpoints carry that hold no weights (buffers recomputed by the model).
 _BUFFER_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+# safetensors' names of the dtypes a weight may have (integers, booleans and float8 are
+# quantized or not weights at all).
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+# Rows compared at a time when checking that a tied model's lm_head equals its embeddings.
+_COMPARE_ROWS = 4096
+
+
+def safetensors_module():
+    """The ``safetensors`` package; an ImportError naming the ``hf`` extra without it
+    (one line, ``errors.missing_package``)."""
+    try:
+        import safetensors
+        import safetensors.torch  # noqa: F401 (save_file, used by export)
+    except ImportError:
+        raise missing_package("safetensors", "hf", "HuggingFace checkpoints") from None
+    return safetensors
 
 
 def parameter_sources(arch: HFArchitecture, prefix: Optional[str] = None) -> Dict[str, Source]:
@@ -112,9 +128,7 @@ class SafetensorsReader:
     in ``model.safetensors.index.json``), read lazily with ``safe_open``."""
 
     def __init__(self, directory) -> None:
-        from safetensors import safe_open  # the ``hf`` extra
-
-        self._safe_open = safe_open
+        self._safe_open = safetensors_module().safe_open
         self.directory = Path(directory)
         index = self.directory / INDEX_FILENAME
         single = self.directory / SINGLE_FILENAME
@@ -131,6 +145,7 @@ class SafetensorsReader:
             for path in sorted(set(self.weight_map.values())):
                 if not path.is_file():
                     raise FileNotFoundError(f"{index} names {path.name}, which does not exist")
+            self._check_index(index)
         elif single.is_file():
             with self._open(single) as handle:
                 self.weight_map = {key: single for key in handle.keys()}
@@ -142,8 +157,33 @@ class SafetensorsReader:
                 "checkpoints are not read: they need unpickling)"
             )
 
+    def _check_index(self, index: Path) -> None:
+        """Every tensor the index names is in the file it names (ValueError naming the
+        tensor, the index and the file, and where the tensor is when another shard has it)."""
+        held = {}
+        for path in sorted(set(self.weight_map.values())):
+            with self._open(path) as handle:
+                held[path] = set(handle.keys())
+        for key, path in self.weight_map.items():
+            if key not in held[path]:
+                elsewhere = [p.name for p, keys in held.items() if key in keys]
+                where = f" (it is in {elsewhere[0]})" if elsewhere else ""
+                raise ValueError(
+                    f"{index}: tensor {key!r} is listed in file {path.name}, which does not "
+                    f"hold it{where}; the index and the shard files disagree"
+                )
+
     def keys(self) -> List[str]:
         return list(self.weight_map)
+
+    def file_of(self, key: str) -> Path:
+        """The file holding tensor ``key``."""
+        return self._file_of(key)
+
+    def dtype(self, key: str) -> str:
+        """safetensors' name of tensor ``key``'s dtype (``F32``, ``BF16``, ``I32``, ...)."""
+        with self._open(self._file_of(key)) as handle:
+            return handle.get_slice(key).get_dtype()
 
     def shape(self, key: str) -> Tuple[int, ...]:
         if key not in self._shapes:
@@ -200,6 +240,35 @@ def check_checkpoint_tensors(
             f"not part of the {arch.family} architecture config.json describes (e.g. biases "
             "or norms we do not have); refusing rather than dropping them"
         )
+    for key in expected:
+        dtype = reader.dtype(key)
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(
+                f"{reader.file_of(key)}: tensor {key!r} has dtype {dtype}; expected a floating "
+                f"dtype ({', '.join(FLOAT_DTYPES)}): quantized or integer weights are not read"
+            )
+    if arch.tied and "lm_head.weight" in present:
+        embedding = sources["embedding.word_embeddings.weight"][0].key
+        check_tied_head(reader, embedding, "lm_head.weight")
+
+
+def check_tied_head(reader: "SafetensorsReader", embedding: str, head: str) -> None:
+    """Under ``tie_word_embeddings: true`` a stored ``head`` must equal ``embedding``
+    (ValueError naming both otherwise: dropping a different head would change the logits).
+    Compared ``_COMPARE_ROWS`` rows at a time."""
+    rows = reader.shape(embedding)[0]
+    same = reader.shape(head) == reader.shape(embedding)
+    for start in range(0, rows, _COMPARE_ROWS):
+        if not same:
+            break
+        index = (slice(start, min(rows, start + _COMPARE_ROWS)),)
+        same = torch.equal(reader.read(head, index), reader.read(embedding, index))
+    if not same:
+        raise ValueError(
+            f"{reader.directory}: config.json says tie_word_embeddings: true, but {head!r} "
+            f"differs from {embedding!r}; expected them equal (set tie_word_embeddings to "
+            f"false if the head is its own, or remove {head})"
+        )
 
 
 def read_rows(
@@ -207,9 +276,11 @@ def read_rows(
     source: Source,
     row_ranges: Sequence[Tuple[int, int]],
     columns: Optional[Tuple[int, int]],
+    finite: bool = False,
 ) -> torch.Tensor:
     """Rows ``row_ranges`` (concatenated) and ``columns`` (None: all) of our tensor made of
-    ``source``, reading only the needed parts of each HuggingFace tensor."""
+    ``source``, reading only the needed parts of each HuggingFace tensor. ``finite``: a NaN
+    or infinite value is a ValueError naming its HuggingFace tensor and file."""
     pieces = []
     for first, last in row_ranges:
         offset = 0
@@ -224,6 +295,12 @@ def read_rows(
                     pieces.append(reader.read(seg.key, (rows,)))
                 else:
                     pieces.append(reader.read(seg.key, (rows, cols)))
+                if finite and not torch.isfinite(pieces[-1]).all():
+                    raise ValueError(
+                        f"{reader.file_of(seg.key)}: tensor {seg.key!r} holds NaN or infinite "
+                        "values; refusing a broken model (allow_non_finite=True, or import "
+                        "--allow-non-finite, loads it anyway)"
+                    )
             offset += seg.length
     return torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0].contiguous()
 

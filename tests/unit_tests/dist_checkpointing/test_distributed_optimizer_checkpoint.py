@@ -234,3 +234,40 @@ def test_negative_control_shards_written_one_element_off_are_caught(shared_dir, 
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, len(failures))
     assert sum(everyone) > 0, "state written one element off went unnoticed"
+
+
+@pytest.mark.world(2)
+def test_sharded_save_and_load_never_assemble_whole_tensors(shared_dir, monkeypatch):
+    """While the distributed optimizer builds its sharded state dict, saves, loads and takes
+    the loaded state, no gather may run (each rank writes and reads its own shards); the
+    loaded state still equals the saved one. Negative control: the same guard does trip on
+    ``state_dict()``, which does assemble whole tensors."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    layout = Layout(dp=dist.get_world_size())
+    try:
+        chunks, optimizer = build(layout, "gpt2", SAVE_SEED, False, "dist")
+        take_a_step(chunks, optimizer)
+        saved = snapshot(chunks, optimizer)
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("a gather ran during a sharded save or load")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(distrib_optimizer, "all_gather_along_first_dim", refuse)
+            sharded = model_sharded_state_dict(chunks)
+            state = {"model": sharded, "optimizer": optimizer.sharded_state_dict(sharded)}
+            dist_checkpointing.save(state, str(shared_dir))
+            chunks, optimizer = build(layout, "gpt2", LOAD_SEED, False, "dist")
+            sharded = model_sharded_state_dict(chunks)
+            request = {"model": sharded, "optimizer": optimizer.sharded_state_dict(sharded, True)}
+            loaded = dist_checkpointing.load(request, str(shared_dir))
+            chunks[0].module.load_state_dict(loaded["model"])
+            optimizer.load_state_dict(loaded["optimizer"])
+            with pytest.raises(AssertionError, match="a gather ran"):
+                optimizer.state_dict()
+        got = snapshot(chunks, optimizer)
+    finally:
+        parallel_state.destroy_model_parallel()
+    assert set(got) == set(saved)
+    assert_no_failures([n for n in saved if not torch.equal(got[n], saved[n])])

@@ -361,7 +361,7 @@ def test_preprocess_chat_errors_are_one_line(tmp_path_factory, capsys):
     assert run_tool(preprocess_main, "p", base + [str(good)] + hf + [tokenizer_dir]) == 0
     done = subprocess.run(
         [sys.executable, "-m", "megatron.training.preprocess_data"] + cases[0][0],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 1
     assert done.stderr.splitlines() == [f"megatron.training.preprocess_data: error: {cases[0][1]}"]

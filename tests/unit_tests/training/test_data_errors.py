@@ -53,6 +53,8 @@ def test_missing_data_path_and_preprocess_problems_name_the_flag(tmp_path):
     data = _jsonl(tmp_path / "d.jsonl", [json.dumps({"text": "hi"})])
     with pytest.raises(FileNotFoundError, match="--output-prefix .*the folder .*no_dir.* does not"):
         preprocess(["--input", data, "--output-prefix", str(tmp_path / "no_dir" / "out")])
+    with pytest.raises(NotADirectoryError, match="--output-prefix .*d.jsonl.* is a file; expected"):
+        preprocess(["--input", data, "--output-prefix", str(tmp_path / "d.jsonl" / "out")])
     with pytest.raises(FileNotFoundError, match="--input .*nope.jsonl.*no such file"):
         preprocess(["--input", str(tmp_path / "nope.jsonl"), "--output-prefix", str(tmp_path)])
     with pytest.raises(FileNotFoundError, match="--tokenizer-model None"):

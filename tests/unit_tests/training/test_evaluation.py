@@ -111,6 +111,11 @@ LAYOUTS = [
         id="cp2-pp2-packed",
     ),
     pytest.param(
+        dict(context_parallel_size=2, pipeline_model_parallel_size=2, from_hf=True),
+        marks=pytest.mark.slow,
+        id="cp2-pp2-hf-model",
+    ),
+    pytest.param(
         dict(tensor_model_parallel_size=2, sequence_parallel=True),
         marks=pytest.mark.slow,
         id="tp2-sp-dp2",
@@ -150,11 +155,13 @@ def trained_model():
 @pytest.mark.world(4)
 @pytest.mark.parametrize("changes", LAYOUTS)
 def test_validation_loss_equals_float64_reference(trained_model, changes):
-    """``--skip-train --load`` at each layout: the validation loss equals transformers'
-    float64 recomputation (and the training run's own and the one-process run's); the
+    """``--skip-train --load`` (or ``--hf-model``) at each layout: the validation loss equals
+    transformers' float64 recomputation (and the training run's own and the one-process run's); the
     mean of microbatch means does not (negative control)."""
     checkpoint, hf_folder, trained_value, one_process_value = trained_model
-    config = TrainingConfig(skip_train=True, load=checkpoint, **{**BASE, **changes})
+    changes = dict(changes)
+    source = dict(hf_model=hf_folder) if changes.pop("from_hf", False) else dict(load=checkpoint)
+    config = TrainingConfig(skip_train=True, **source, **{**BASE, **changes})
     with fresh_layout():
         result = pretrain(config)
     value = result.records[-1]["valid_loss"]

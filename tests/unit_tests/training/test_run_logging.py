@@ -95,6 +95,7 @@ def test_tensorboard_holds_the_metrics_values(tmp_path):
         assert record["tokens_per_s"] == pytest.approx(expected / record["iteration_time_s"])
 
 
+@pytest.mark.slow  # wandb starts a service process: seconds of CPU
 @pytest.mark.world(1)
 def test_wandb_offline_writes_its_run_directory(tmp_path, monkeypatch):
     """WANDB_MODE=offline: the run directory appears under --wandb-save-dir."""

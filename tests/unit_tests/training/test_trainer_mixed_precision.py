@@ -75,9 +75,10 @@ HALF = {"bf16": {"bf16": True}, "fp16": {"fp16": True, "initial_loss_scale": 102
 
 @pytest.mark.world(1)
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_one_process_half_precision_trains(precision):
+def test_one_process_half_precision_trains(precision, capsys):
     """bf16 / fp16 (dynamic loss scaling from 1024) on one process: the loss falls and stays
-    within a few bf16/fp16 rounding steps of the fp32 run's."""
+    within a few bf16/fp16 rounding steps of the fp32 run's. On the CPU the half-precision
+    run (not the fp32 one) warns once that it is slower there."""
     runs = {
         name: pretrain(TrainingConfig(train_iters=4, progress=False, **flags)).records
         for name, flags in (("fp32", {}), (precision, HALF[precision]))
@@ -88,6 +89,9 @@ def test_one_process_half_precision_trains(precision):
     assert losses == pytest.approx(fp32, abs=2e-2)
     assert losses != fp32  # it really ran in half precision
     assert runs[precision][-1]["skipped_iterations"] == 0  # a normal run skips nothing
+    if not torch.cuda.is_available():
+        out = capsys.readouterr().out
+        assert out.count(f"warning: --{precision} on the CPU is slower than fp32") == 1, out
 
 
 @pytest.mark.world(1)
