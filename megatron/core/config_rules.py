@@ -189,3 +189,10 @@ def moe_layer_pattern(moe_layer_freq, num_layers: int) -> Optional[List[int]]:
             return None
         return [int(v) for v in moe_layer_freq]
     return None
+
+
+# LoRA (megatron.core.transformer.lora; the trainer's --lora-* flags): the layers an adapter
+# can go on, the init methods of A and B, and where dropout acts (Megatron-Bridge's names).
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+LORA_INIT_METHODS = ("xavier", "normal", "kaiming", "zero")
+LORA_DROPOUT_POSITIONS = ("pre", "post")

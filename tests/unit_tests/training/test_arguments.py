@@ -130,6 +130,18 @@ NON_DEFAULT = dict(
     compare_tolerance=1e-3,
     progress=False,
     debug=True,
+    lora_dim=8,
+    lora_alpha=16.0,
+    lora_target_modules=["linear_qkv", "*.layers.1.*.linear_fc2"],
+    lora_exclude_modules=["*.layers.0.*"],
+    lora_dropout=0.1,
+    lora_dropout_position="post",
+    lora_a_init_method="kaiming",
+    lora_b_init_method="normal",
+    save_trainable_params_only=True,
+    pretrained_checkpoint="base-ckpt",
+    merge_lora=True,
+    hf_adapter="adapter-dir",
 )
 
 
@@ -397,7 +409,8 @@ def test_the_kinds_give_the_resume_and_comparison_lists():
         "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
         "moe_router_pre_softmax", "moe_router_score_function", "moe_router_enable_expert_bias",
         "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
-        "moe_layer_freq",
+        "moe_layer_freq", "lora_dim", "lora_alpha",
+        "lora_target_modules", "lora_exclude_modules", "pretrained_checkpoint",
     }  # fmt: skip
     assert (set(DATA_SETTINGS), set(OPTIMIZER_SETTINGS)) == (
         {"data_path", "eod_token", "split"},
@@ -415,7 +428,8 @@ def test_the_kinds_give_the_resume_and_comparison_lists():
         "save_interval", "ckpt_step", "finetune", "no_load_optim", "no_load_rng",
         "exit_on_missing_checkpoint", "export_hf", "log_interval", "tensorboard_dir",
         "wandb_project", "wandb_exp_name", "wandb_save_dir", "expert_model_parallel_size",
-        "expert_tensor_parallel_size",
+        "expert_tensor_parallel_size", "save_trainable_params_only",
+        "merge_lora",
     }  # fmt: skip
     assert single.nproc_per_node == 1
 

@@ -161,6 +161,10 @@ def test_gradient_accumulation_fusion_trains_the_same_model():
         assert fused == pytest.approx(plain, rel=1e-5), key
 
 
+# Slow: four interpreters of its own. The default run covers the self-launch
+# (test_launch_errors.py, a self-launch on 2 ranks) and the comparison, metrics and picture
+# in-process (test_cp2_pp2_training_follows_the_one_process_run, 4 ranks).
+@pytest.mark.slow
 @pytest.mark.world(1)
 @pytest.mark.timeout(180)
 def test_command_line_self_launches_and_prints_the_verdict(tmp_path):

@@ -229,12 +229,7 @@ class GPTModel(MegatronModule):
         out of their router losses and counts. It is sharded like the hidden states
         (``shard_per_token_tensor``: over the model's TP group under sequence parallelism).
         """
-        for name, value in (
-            ("inference_context", inference_context),
-            ("inference_params", inference_params),
-        ):
-            if value is not None:
-                raise NotImplementedError(f"GPTModel.forward: {name} is not supported; pass None")
+        inference_context = inference_context if inference_context is not None else inference_params
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
         if not self.pre_process and self.decoder.input_tensor is None:
@@ -249,12 +244,15 @@ class GPTModel(MegatronModule):
             )
             extra_block_kwargs = block_kwargs
         rotary_pos_emb = None
-        if self.position_embedding_type == "rope":
+        if self.position_embedding_type == "rope" and inference_context is not None:
+            rotary_pos_emb = self._rotary_angles_from(inference_context, decoder_input)
+        elif self.position_embedding_type == "rope":
             rotary_pos_emb = self._rotary_angles(input_ids, decoder_input, packed_seq_params)
         hidden_states = self.decoder(
             hidden_states=decoder_input,
             attention_mask=attention_mask,
             rotary_pos_emb=rotary_pos_emb,
+            inference_context=inference_context,
             packed_seq_params=packed_seq_params,
             **(extra_block_kwargs or {}),
         )
@@ -367,6 +365,13 @@ class GPTModel(MegatronModule):
             angles = self.rotary_pos_emb(total, packed_seq=False, cp_group=cp_group)
             self._rotary_cache = (key, angles.to(device))
         return self._rotary_cache[1]
+
+    def _rotary_angles_from(self, inference_context, decoder_input) -> Tensor:
+        """RoPE angles of the positions [offset, offset + s) a cached forward runs."""
+        hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
+        offset = inference_context.sequence_len_offset
+        angles = self.rotary_pos_emb(offset + hidden.shape[0], packed_seq=False, cp_group=None)
+        return angles[offset:].to(hidden.device)
 
     def _global_seq_length(self, input_ids, decoder_input, cp_group) -> int:
         """The whole sequence's length s from this rank's inputs (for RoPE)."""
