@@ -203,6 +203,15 @@ class TrainingConfig:
         check=Check("an integer >= 5", lambda v: is_int(v) and v >= 5),
         help="vocabulary size (4 special tokens)",
     )
+    make_vocab_size_divisible_by: int = option(
+        1,
+        "--make-vocab-size-divisible-by",
+        kind=RUN,
+        check=positive,
+        help="pad the model's vocabulary to a multiple of this x --tp (megatron's flag, whose "
+        "default is 128); padded ids are excluded from the softmax, so results do not depend "
+        "on it",
+    )
     data_path: Optional[str] = option(
         None,
         "--data-path",

@@ -22,6 +22,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
 )
+from megatron.core.models.gpt.gpt_model import padded_vocab_size
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.lora import LoRAConfig, apply_lora, lora_modules
@@ -56,7 +57,12 @@ def build_model(
         gpt = GPTModel(
             config=transformer_config,
             transformer_layer_spec=layer_spec(config, transformer_config, vp_stage, pp_rank),
-            vocab_size=config.vocab_size,
+            vocab_size=padded_vocab_size(
+                config.vocab_size,
+                config.make_vocab_size_divisible_by,
+                layout.tensor_model_parallel_size,
+            ),
+            true_vocab_size=config.vocab_size,
             max_sequence_length=config.max_position_embeddings or config.seq_length,
             pre_process=stage == 0,
             post_process=stage == last_stage,

@@ -530,8 +530,7 @@ def _check_tensor_parallel(c: Config) -> None:
         "num_attention_heads": heads,
         "num_query_groups": groups,
         "ffn_hidden_size": ffn,
-        "vocab_size": c.vocab_size,
-    }
+    }  # the vocabulary is padded to a multiple of TP (--make-vocab-size-divisible-by)
     for name, value in config_rules.tensor_parallel_misfits(tp, splits):
         raise UsageError(f"{_flag(c, name)} {value} is not divisible by --tp {tp}")
     if c.position_embedding_type == "rope":

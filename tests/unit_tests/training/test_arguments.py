@@ -16,6 +16,7 @@ pytestmark = pytest.mark.world(1)
 
 # A value other than the default for every field (the round trip must cover them all).
 NON_DEFAULT = dict(
+    make_vocab_size_divisible_by=128,
     nproc_per_node=8,
     tensor_model_parallel_size=2,
     sequence_parallel=True,

@@ -277,11 +277,6 @@ def test_global_batches_and_microbatches_do_not_depend_on_the_layout():
         ),
         (dict(num_query_groups=3), 1, r"--num-query-groups 3 must .* dividing"),
         (
-            dict(tensor_model_parallel_size=4, vocab_size=66),
-            4,
-            r"--vocab-size 66 is not divisible by --tp 4",
-        ),
-        (
             dict(tensor_model_parallel_size=2, ffn_hidden_size=33),
             2,
             r"--ffn-hidden-size 33 .* divisible by --tp 2",
