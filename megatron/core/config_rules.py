@@ -155,3 +155,10 @@ def window_left(window_size: Optional[Sequence[int]]) -> Optional[int]:
 def _is_int(value: object) -> bool:
     """An int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+# LoRA (megatron.core.transformer.lora; the trainer's --lora-* flags): the layers an adapter
+# can go on, the init methods of A and B, and where dropout acts (Megatron-Bridge's names).
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+LORA_INIT_METHODS = ("xavier", "normal", "kaiming", "zero")
+LORA_DROPOUT_POSITIONS = ("pre", "post")

@@ -83,6 +83,7 @@ _SECTIONS = {
     "train_iters": "optimization",
     "bf16": "mixed precision (docs/mixed_precision.md)",
     "eval_interval": "validation (docs/lifecycle.md)",
+    "lora_dim": "LoRA (docs/lora.md)",
     "log_interval": "logging (docs/lifecycle.md)",
     "save_metrics": "output and checks",
     "save": "checkpoints (docs/checkpoints.md)",
@@ -201,6 +202,15 @@ class TrainingConfig:
         kind=MODEL,
         check=Check("an integer >= 5", lambda v: is_int(v) and v >= 5),
         help="vocabulary size (4 special tokens)",
+    )
+    make_vocab_size_divisible_by: int = option(
+        1,
+        "--make-vocab-size-divisible-by",
+        kind=RUN,
+        check=positive,
+        help="pad the model's vocabulary to a multiple of this x --tp (megatron's flag, whose "
+        "default is 128); padded ids are excluded from the softmax, so results do not depend "
+        "on it",
     )
     data_path: Optional[str] = option(
         None,
@@ -648,6 +658,102 @@ class TrainingConfig:
         kind=RUN,
         help="only evaluate: the validation loss of --load's checkpoint or --hf-model, then "
         "exit",
+    )
+    # LoRA (Megatron-Bridge's semantics; docs/lora.md).
+    lora_dim: Optional[int] = option(
+        None,
+        "--lora-dim",
+        kind=MODEL,
+        type=int,
+        check=positive,
+        metavar="R",
+        help="train LoRA adapters of rank R on the target layers; every base weight frozen",
+    )
+    lora_alpha: float = option(
+        32.0,
+        "--lora-alpha",
+        kind=MODEL,
+        type=float,
+        check=options.positive_number,
+        help="with --lora-dim: the adapter output is scaled by alpha / dim",
+    )
+    lora_target_modules: Sequence[str] = option(
+        tuple(config_rules.LORA_TARGETS),
+        "--lora-target-modules",
+        kind=MODEL,
+        type=str,
+        nargs="+",
+        metavar="MODULE",
+        help="with --lora-dim: linear_qkv, linear_proj, linear_fc1, linear_fc2, or wildcards "
+        "on the global module name (e.g. '*.layers.0.*.linear_qkv')",
+    )
+    lora_exclude_modules: Sequence[str] = option(
+        (),
+        "--lora-exclude-modules",
+        kind=MODEL,
+        type=str,
+        nargs="+",
+        metavar="MODULE",
+        help="with --lora-dim: names or wildcards removed from the targets",
+    )
+    lora_dropout: float = option(
+        0.0,
+        "--lora-dropout",
+        kind=RUN,
+        type=float,
+        check=options.unit_interval,
+        help="with --lora-dim: dropout on the adapter's input (or output, see below)",
+    )
+    lora_dropout_position: str = option(
+        "pre",
+        "--lora-dropout-position",
+        kind=RUN,
+        choices=config_rules.LORA_DROPOUT_POSITIONS,
+        help="with --lora-dim: pre (on the adapter's input) or post (on its output)",
+    )
+    lora_a_init_method: str = option(
+        "xavier",
+        "--lora-a-init-method",
+        kind=RUN,
+        choices=config_rules.LORA_INIT_METHODS,
+        help="with --lora-dim: how A is drawn (seeded by --seed and the layer's name)",
+    )
+    lora_b_init_method: str = option(
+        "zero",
+        "--lora-b-init-method",
+        kind=RUN,
+        choices=config_rules.LORA_INIT_METHODS,
+        help="with --lora-dim: how B is drawn (zero: training starts at the base model)",
+    )
+    save_trainable_params_only: bool = option(
+        False,
+        "--save-trainable-params-only",
+        kind=OUTPUT,
+        help="with --lora-dim and --save: checkpoints hold the adapters and their optimizer "
+        "state only (the base comes from --hf-model or --pretrained-checkpoint on resume)",
+    )
+    pretrained_checkpoint: Optional[str] = option(
+        None,
+        "--pretrained-checkpoint",
+        kind=MODEL,
+        metavar="DIR",
+        help="with --lora-dim: load the frozen base weights from this checkpoint of ours "
+        "(weights only) before --load",
+    )
+    hf_adapter: Optional[str] = option(
+        None,
+        "--hf-adapter",
+        kind=RUN,
+        metavar="DIR",
+        help="with --lora-dim and --hf-model: start the adapters from this PEFT adapter folder "
+        "(adapter_config.json + adapter_model.safetensors, e.g. an earlier --export-hf)",
+    )
+    merge_lora: bool = option(
+        False,
+        "--merge-lora",
+        kind=OUTPUT,
+        help="with --lora-dim and --export-hf: write the merged model (W + alpha/dim B A, "
+        "merged in float32) instead of the PEFT adapter folder",
     )
     # Logging (megatron's flags; docs/lifecycle.md).
     log_interval: int = option(

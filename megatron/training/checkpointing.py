@@ -57,8 +57,12 @@ def save_checkpoint(
     layout: Optional[Dict[str, Any]] = None,
     consumed_samples: int = 0,
     run_settings: Optional[Dict[str, Any]] = None,
+    trainable_only: bool = False,
 ) -> Path:
     """Collective: write ``save_dir/iter_<iteration>`` and then point the tracker at it.
+
+    ``trainable_only`` (``--save-trainable-params-only``): only the LoRA adapters of the
+    model (and the optimizer state, which is theirs alone); the frozen base is not written.
 
     ``model``: this rank's chunks (DDP-wrapped or not). ``optimizer``: anything with
     ``sharded_state_dict(model_sharded_state_dict)``. ``layout`` and ``run_settings`` are
@@ -71,8 +75,11 @@ def save_checkpoint(
         directory.mkdir(parents=True, exist_ok=True)
     _barrier()
     model_state = _model_sharded_state_dict(model)
+    if trainable_only:
+        model_state = _select(model_state, adapters=True)
     state = {
         **model_state,
+        "trainable_params_only": trainable_only,
         "optimizer": optimizer.sharded_state_dict(model_state),
         "iteration": iteration,
         "consumed_samples": consumed_samples,
@@ -146,6 +153,7 @@ def load_checkpoint(
     load_rng: bool = True,
     train_iters: Optional[int] = None,
     exit_on_missing_checkpoint: bool = False,
+    base_source: Optional[str] = None,
 ) -> Tuple[int, int, List[str]]:
     """Collective: restore model, optimizer (and scheduler) from the checkpoint that
     ``--load load_dir`` names (``resolve_checkpoint``). Returns (iteration,
@@ -159,6 +167,11 @@ def load_checkpoint(
     without ``load_optim`` and RNG states not restored). ``finetune``: the model only,
     iteration 0 (megatron's ``--finetune``). RNG states are restored only when the saved
     ``layout`` equals ``layout`` (and ``load_rng``).
+
+    LoRA: a checkpoint of adapters only (``--save-trainable-params-only``) loads the model's
+    adapters, and needs ``base_source`` (the ``--hf-model`` or ``--pretrained-checkpoint``
+    the frozen base was loaded from); with ``finetune``, a checkpoint without adapters (a
+    base model) loads into a model with adapters, which keep their fresh initialization.
     """
     directory, notes = _agree_or_raise(
         lambda: resolve_checkpoint(load_dir, save_dir, ckpt_step, exit_on_missing_checkpoint)
@@ -187,6 +200,31 @@ def load_checkpoint(
     same_layout = common.get("layout") == dict(layout or {})
     restore_rng = load_rng and not finetune and same_layout
     model_state = _model_sharded_state_dict(model)
+    has_adapters = any(_is_adapter(k) for k in _model_keys(model_state))
+    part = None  # which part of the model the checkpoint gives: None = all of it
+    if common.get("trainable_params_only"):
+        if not has_adapters:
+            raise ValueError(
+                f"--load {load_dir}: checkpoint {directory} holds LoRA adapters only "
+                "(--save-trainable-params-only); pass --lora-dim and the base model "
+                "(--hf-model or --pretrained-checkpoint) it was trained on"
+            )
+        if base_source is None:
+            raise ValueError(
+                f"--load {load_dir}: checkpoint {directory} holds LoRA adapters only; the "
+                "frozen base must come from --hf-model or --pretrained-checkpoint"
+            )
+        part = "adapters"
+    elif has_adapters and not (common.get("run_settings") or {}).get("lora_dim"):
+        if not finetune:
+            raise ValueError(
+                f"--load {load_dir}: checkpoint {directory} is a model without LoRA adapters; "
+                "to train adapters on it pass --finetune (or --pretrained-checkpoint)"
+            )
+        part = "base"
+        notes.append("the checkpoint is a base model: the LoRA adapters start fresh")
+    if part is not None:
+        model_state = _select(model_state, adapters=part == "adapters")
     request: Dict[str, Any] = dict(model_state)
     if load_optim:
         request["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=True)
@@ -200,11 +238,16 @@ def load_checkpoint(
     _check_keys(directory, missing, unexpected, skipped)
 
     chunks = [getattr(chunk, "module", chunk) for chunk in model]
-    if len(chunks) == 1:
-        chunks[0].load_state_dict(loaded["model"])
-    else:
-        for i, chunk in enumerate(chunks):
-            chunk.load_state_dict(loaded[f"model{i}"])
+    for i, chunk in enumerate(chunks):
+        state = loaded["model" if len(chunks) == 1 else f"model{i}"]
+        result = chunk.load_state_dict(state, strict=part is None)
+        if part is not None:  # only the keys of the other part may be left out
+            wrong = [k for k in result.missing_keys if _is_adapter(k) == (part == "adapters")]
+            if wrong or result.unexpected_keys:
+                raise dist_checkpointing.CheckpointingException(
+                    f"--load: checkpoint {directory}: {_few(wrong + result.unexpected_keys)} "
+                    "not loaded"
+                )
     if load_optim:
         optimizer.load_state_dict(loaded["optimizer"])
         if opt_param_scheduler is not None and "opt_param_scheduler" in loaded:
@@ -322,6 +365,10 @@ DATA_SETTINGS = fields_of_kind(TrainingConfig, DATA)
 # and the form of the optimizer state (fp32 main parameters, loss scale): compared only when
 # the optimizer state is loaded.
 OPTIMIZER_SETTINGS = fields_of_kind(TrainingConfig, PRECISION)
+# what a LoRA run adds to its base model's settings
+LORA_SETTINGS = tuple(n for n in MODEL_SETTINGS if n.startswith("lora_")) + (
+    "pretrained_checkpoint",
+)
 
 
 def compare_run_settings(
@@ -343,6 +390,8 @@ def compare_run_settings(
         return
     before, now = _effective_settings(saved), _effective_settings(current)
     checked = MODEL_SETTINGS + (() if finetune else DATA_SETTINGS)
+    if finetune and not before.get("lora_dim"):  # a base model for new LoRA adapters
+        checked = tuple(n for n in checked if n not in LORA_SETTINGS)
     differences = [
         f"{flag_of(name)} {_shown(before[name])} when saved, {_shown(now[name])} now"
         for name in checked
@@ -443,6 +492,23 @@ def _model_sharded_state_dict(model: List[torch.nn.Module]) -> Dict[str, Any]:
     if len(chunks) == 1:
         return {"model": chunks[0].sharded_state_dict()}
     return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+def _is_adapter(key: str) -> bool:
+    """A LoRA adapter's state-dict key (``...linear_qkv.adapter.linear_in.weight``)."""
+    return ".adapter." in key
+
+
+def _model_keys(model_state: Dict[str, Any]) -> List[str]:
+    return [k for chunk in model_state.values() for k in chunk]
+
+
+def _select(model_state: Dict[str, Any], adapters: bool) -> Dict[str, Any]:
+    """The adapters' entries of each chunk's sharded state dict, or everything else."""
+    return {
+        name: {k: v for k, v in chunk.items() if _is_adapter(k) == adapters}
+        for name, chunk in model_state.items()
+    }
 
 
 def _rng_object(data: Any = "current") -> ShardedObject:

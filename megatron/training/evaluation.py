@@ -24,7 +24,7 @@ no gradient is computed, and the validation batches come from their own data set
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -55,6 +55,14 @@ class ValidationSet:
     batches: List[Batch]
     num_samples: int
     source: str
+    notes: List[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        """``validation: 16 samples in 2 global batches of held-out generated pairs``."""
+        return (
+            f"validation: {self.num_samples} samples in {len(self.batches)} global "
+            f"batch(es) of {self.source}"
+        )
 
 
 @dataclass
@@ -92,7 +100,7 @@ def build_validation_set(config: Any) -> Optional[ValidationSet]:
     gbs, seq_length = config.global_batch_size, config.seq_length
     limit = None if config.eval_iters == WHOLE_SET else config.eval_iters * gbs
     packed = bool(config.pack_sequences)
-    pad = 0
+    pad, notes = 0, []
     if config.valid_data_path or config.data_path:
         if config.valid_data_path:
             dataset = _file_dataset(config, config.valid_data_path)
@@ -104,7 +112,7 @@ def build_validation_set(config: Any) -> Optional[ValidationSet]:
             source = (
                 f"--split {config.split}: records {bounds[0]}..{bounds[1] - 1} of {full.data_path}"
             )
-        pad = dataset.pad
+        pad, notes = dataset.pad, list(dataset.notes)
         if packed:
             rows = PackedSFTDataset(
                 seq_length, dataset.vocab_size, config.seed, _FileOrder(dataset)
@@ -130,7 +138,7 @@ def build_validation_set(config: Any) -> Optional[ValidationSet]:
         {key: torch.stack([s[key] for s in samples[i : i + gbs]]) for key in samples[0]}
         for i in range(0, len(samples), gbs)
     ]
-    return ValidationSet(batches, num_samples, source)
+    return ValidationSet(batches, num_samples, source, notes)
 
 
 def evaluate(

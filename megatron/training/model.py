@@ -11,6 +11,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
+from megatron.core.device import comm_device
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -18,11 +19,13 @@ from megatron.core.distributed import (
 )
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import padded_vocab_size
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.lora import LoRAConfig, apply_lora, lora_modules
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.utils import openai_gelu
-from megatron.training.arguments import Layout, TrainingConfig
+from megatron.training.arguments import Layout, TrainingConfig, flag_of
 
 
 def build_model(
@@ -51,7 +54,12 @@ def build_model(
         gpt = GPTModel(
             config=transformer_config,
             transformer_layer_spec=get_gpt_layer_local_spec(normalization=config.normalization),
-            vocab_size=config.vocab_size,
+            vocab_size=padded_vocab_size(
+                config.vocab_size,
+                config.make_vocab_size_divisible_by,
+                layout.tensor_model_parallel_size,
+            ),
+            true_vocab_size=config.vocab_size,
             max_sequence_length=config.max_position_embeddings or config.seq_length,
             pre_process=stage == 0,
             post_process=stage == last_stage,
@@ -69,9 +77,17 @@ def build_model(
             from megatron.training.hf import load_hf_weights
 
             load_hf_weights(gpt, config.hf_model)
+        if config.lora_dim is not None:  # after the base weights, before any wrapper
+            apply_lora(gpt, lora_config(config))
+            if config.hf_adapter:
+                from megatron.training.hf import read_hf_config
+                from megatron.training.hf.peft import load_peft_adapter
+
+                arch, _ = read_hf_config(config.hf_model)
+                load_peft_adapter(gpt, config.hf_adapter, arch, lora_config(config))
         if config.compile:
             compile_layers(gpt)
-        if config.bf16 or config.fp16:
+        if config.bf16 or config.fp16:  # adapters too: fp32 main params in the optimizer
             gpt = Float16Module(transformer_config, gpt)
         chunks.append(
             DistributedDataParallel(
@@ -81,12 +97,46 @@ def build_model(
                 pg_collection=pg_collection,
             )
         )
+    if config.lora_dim is not None:
+        _check_some_layer_adapted(config, chunks)
     one_or_list = (lambda fns: fns) if vpp else (lambda fns: fns[0])
     transformer_config.no_sync_func = one_or_list([c.no_sync for c in chunks])
     if config.overlap_grad_reduce:
         transformer_config.grad_sync_func = one_or_list([c.start_grad_sync for c in chunks])
     transformer_config.finalize_model_grads_func = finalize_model_grads
     return chunks
+
+
+def lora_config(config: TrainingConfig) -> LoRAConfig:
+    """The ``LoRAConfig`` of a run's ``--lora-*`` flags (errors name the flags)."""
+    return LoRAConfig(
+        target_modules=tuple(config.lora_target_modules),
+        exclude_modules=tuple(config.lora_exclude_modules),
+        dim=config.lora_dim,
+        alpha=config.lora_alpha,
+        dropout=config.lora_dropout,
+        dropout_position=config.lora_dropout_position,
+        lora_A_init_method=config.lora_a_init_method,
+        lora_B_init_method=config.lora_b_init_method,
+        seed=config.seed,
+        flags={f: flag_of(f"lora_{f}") for f in ("dim", "alpha", "dropout")}
+        | {"target_modules": "--lora-target-modules"},
+    )
+
+
+def _check_some_layer_adapted(config: TrainingConfig, chunks) -> None:
+    """Refuse targets that match no layer on any rank (the count is summed over the world:
+    each pipeline stage sees its own layers only)."""
+    count = torch.tensor([sum(len(lora_modules(c)) for c in chunks)], dtype=torch.int64)
+    if torch.distributed.is_initialized():
+        count = count.to(comm_device(None))
+        torch.distributed.all_reduce(count)
+    if int(count.item()) == 0:
+        raise ValueError(
+            f"--lora-target-modules {' '.join(config.lora_target_modules)} (less "
+            f"--lora-exclude-modules {' '.join(config.lora_exclude_modules) or '(none)'}) "
+            "matches no layer of the model"
+        )
 
 
 def transformer_config_from(config: TrainingConfig, layout: Layout) -> TransformerConfig:

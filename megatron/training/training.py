@@ -200,6 +200,10 @@ def _train(
     elif config.data_path:  # the model's vocabulary is the tokenizer's
         config = dataclasses.replace(config, vocab_size=dataset.vocab_size)
     validation_set = build_validation_set(config)
+    if validation_set is not None:
+        _print(validation_set.describe())
+        for note in validation_set.notes:  # truncation counts of the validation records
+            _print(f"validation data: {note}")
     model = build_model(config, layout, pg_collection)
     if perturbation:
         _perturb_weights(model, perturbation)
@@ -221,6 +225,17 @@ def _train(
         dynamic_ncols=True,
     )
     start_iteration = 0
+    if config.pretrained_checkpoint:  # the frozen base of a LoRA run
+        _, _, notes = load_checkpoint(
+            config.pretrained_checkpoint,
+            model,
+            optimizer,
+            layout=_layout_record(layout),
+            run_settings=_settings_record(config),
+            finetune=True,
+        )
+        for note in notes:
+            _print(note.replace("--finetune: ", "--pretrained-checkpoint: "))
     if config.load:
         start_iteration, _, notes = load_checkpoint(
             config.load,
@@ -236,6 +251,7 @@ def _train(
             load_rng=not config.no_load_rng,
             train_iters=None if config.skip_train else config.train_iters,
             exit_on_missing_checkpoint=config.exit_on_missing_checkpoint,
+            base_source=config.hf_model or config.pretrained_checkpoint,
         )
         for note in notes:
             _print(note)
@@ -363,6 +379,7 @@ def _train(
                 layout=_layout_record(layout),
                 consumed_samples=iteration * config.global_batch_size,
                 run_settings=_settings_record(config),
+                trainable_only=config.save_trainable_params_only,
             )
             if config.export_hf and iteration < config.train_iters:
                 target = Path(config.export_hf) / f"iter_{iteration:07d}"
@@ -428,7 +445,12 @@ def _export_final_model(config, model, optimizer, scheduler, layout, iteration: 
     ``--save`` checkpoint of that iteration, else from a temporary one beside DIR."""
     target = Path(config.export_hf)
     temporary = None
-    if config.save and _save_due(config, iteration):
+    merge = config.merge_lora
+    if (
+        config.save
+        and _save_due(config, iteration)
+        and not (merge and config.save_trainable_params_only)  # merging needs the base too
+    ):
         source = checkpoint_dir(config.save, iteration)
     else:
         shared = [str(target.parent / f".{target.name}.checkpoint") if is_rank_zero() else None]
@@ -444,10 +466,15 @@ def _export_final_model(config, model, optimizer, scheduler, layout, iteration: 
             layout=_layout_record(layout),
             run_settings=_settings_record(config),
         )
-    export_hf(source, target)
+    export_hf(source, target, merge_lora=merge)
     if temporary is not None and is_rank_zero():
         shutil.rmtree(temporary, ignore_errors=True)
-    _print(f"exported the model of iteration {iteration} to {target} (HuggingFace format)")
+    what = (
+        "the LoRA adapter (PEFT format)"
+        if config.lora_dim and not merge
+        else "the merged model" if merge else "the model"
+    )
+    _print(f"exported {what} of iteration {iteration} to {target} (HuggingFace format)")
 
 
 def build_optimizer(
@@ -534,6 +561,8 @@ def _settings_record(config: TrainingConfig) -> Dict[str, object]:
     record = {
         k: v for k, v in vars(config).items() if isinstance(v, (int, float, str, bool, type(None)))
     }
+    for name in ("lora_target_modules", "lora_exclude_modules"):  # which layers have adapters
+        record[name] = list(getattr(config, name))
     if config.hf_model:
         record["hf_config"] = (Path(config.hf_model) / "config.json").read_text()
     return record

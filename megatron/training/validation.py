@@ -132,6 +132,7 @@ def validate_config(config: Config, world_size: int) -> Layout:
     if c.pack_sequences:
         _check_packing(c)
     _check_combinations(c)
+    _check_lora(c)
     hierarchical = c.hierarchical_context_parallel_sizes
     return Layout(
         world_size,
@@ -430,8 +431,7 @@ def _check_tensor_parallel(c: Config) -> None:
         "num_attention_heads": heads,
         "num_query_groups": groups,
         "ffn_hidden_size": ffn,
-        "vocab_size": c.vocab_size,
-    }
+    }  # the vocabulary is padded to a multiple of TP (--make-vocab-size-divisible-by)
     for name, value in config_rules.tensor_parallel_misfits(tp, splits):
         raise UsageError(f"{_flag(c, name)} {value} is not divisible by --tp {tp}")
     if c.position_embedding_type == "rope":
@@ -447,6 +447,74 @@ def _check_tensor_parallel(c: Config) -> None:
             f"--seq-length {c.seq_length} is not divisible by --tp {tp} x 2 x --cp {cp} = "
             f"{2 * cp * tp} (sequence parallelism splits each of the 2C chunks over TP)",
         )
+
+
+LORA_FIELDS = (
+    "lora_alpha",
+    "lora_target_modules",
+    "lora_exclude_modules",
+    "lora_dropout",
+    "lora_dropout_position",
+    "lora_a_init_method",
+    "lora_b_init_method",
+    "save_trainable_params_only",
+    "pretrained_checkpoint",
+    "merge_lora",
+    "hf_adapter",
+)
+
+
+def _check_lora(c: Config) -> None:
+    """The --lora-* flags need --lora-dim; adapters on column-parallel layers split their
+    rank over TP; a base comes from one place; adapter-only saves need --save."""
+    if c.lora_dim is None:
+        for name in LORA_FIELDS:
+            value = getattr(c, name)
+            _require(
+                value == _default(c, name),
+                f"{_flag(c, name)} {_shown(value)} needs --lora-dim R (LoRA is off without it)",
+            )
+        return
+    column = {"linear_qkv", "linear_fc1"}
+    column_targets = any(
+        t in column or any(ch in t for ch in "*?[.") for t in c.lora_target_modules
+    )
+    _require(
+        not column_targets or c.lora_dim % c.tensor_model_parallel_size == 0,
+        f"--lora-dim {c.lora_dim} is not divisible by --tp {c.tensor_model_parallel_size} "
+        "(the adapters of column-parallel layers split their rank over TP)",
+    )
+    for target in [*c.lora_target_modules, *c.lora_exclude_modules]:
+        _require(
+            target in config_rules.LORA_TARGETS or any(ch in target for ch in "*?[."),
+            f"--lora-target-modules / --lora-exclude-modules {target!r}: expected one of "
+            f"{', '.join(config_rules.LORA_TARGETS)} or a wildcard pattern",
+        )
+    _require(
+        not (c.pretrained_checkpoint and c.hf_model),
+        f"--pretrained-checkpoint {c.pretrained_checkpoint} and --hf-model {c.hf_model} both "
+        "give the base weights; pass one",
+    )
+    _require(
+        not c.save_trainable_params_only or c.save is not None,
+        "--save-trainable-params-only needs --save DIR",
+    )
+    _require(not c.merge_lora or c.export_hf, "--merge-lora needs --export-hf DIR")
+    _require(
+        not c.hf_adapter or c.hf_model,
+        f"--hf-adapter {c.hf_adapter} needs --hf-model (the base the adapter was trained on)",
+    )
+    _require(
+        not (c.merge_lora and c.save_trainable_params_only and c.save_interval),
+        "--merge-lora with --save-trainable-params-only and --save-interval: the interval "
+        "exports merge from the saved checkpoints, which hold no base; drop one of them",
+    )
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return " ".join(str(v) for v in value) or "(empty)"
+    return str(value)
 
 
 def _flag(c: Config, name: str) -> str:

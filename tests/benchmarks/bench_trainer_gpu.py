@@ -22,6 +22,9 @@ Variants:
   the trainer's ``--compile``. ``ours-recompute``: ``--recompute-granularity full
   --recompute-method uniform --recompute-num-layers 1``; ``ours-selective``:
   ``--recompute-granularity selective`` (core attention); both eager ``--bf16``.
+  ``ours-lora``: ``--lora-dim 8 --lora-alpha 16`` (adapters on linear_qkv, linear_proj,
+  linear_fc1, linear_fc2; the base frozen, fp32 adapters), ``ours-lora-compile`` with
+  ``--compile``: against ``ours`` (full fine-tuning) in the same launch.
 
 Each variant runs ``--warmup`` untimed steps then ``--steps`` timed ones; the trainer's
 steps are its own ``iteration_time_s`` (data, schedule, optimizer, logging). tokens/s =
@@ -227,6 +230,8 @@ def run_ours(c: Shape, args, variant: str, warmup: int, steps: int):
         extra["recompute_num_layers"] = 1
     if "selective" in variant:  # megatron-core's default selective module: core attention
         extra["recompute_granularity"] = "selective"
+    if "lora" in variant:  # issue 32: rank-8 adapters on every linear layer, base frozen
+        extra.update(lora_dim=8, lora_alpha=16.0)
     original = trainer_model.transformer_config_from
     if "fused" in variant:  # the library's switches (the trainer has no flag for each)
 

@@ -112,6 +112,8 @@ def _allreduce_word_embedding_grads(model: List[torch.nn.Module], groups) -> Non
     if owner is None or not owner.share_embeddings_and_output_weights:
         return
     weight = owner.shared_embedding_or_output_weight()
+    if not weight.requires_grad:  # frozen (a LoRA base): no gradient to sum
+        return
     all_reduce_(_grad_of(weight), embd)
 
 
@@ -122,7 +124,7 @@ def _allreduce_position_embedding_grads(model: List[torch.nn.Module], groups) ->
         return
     owner = _find(model[0] if pp is None or pp.rank() == 0 else model[-1], "embedding")
     weight = getattr(getattr(owner, "embedding", None), "position_embeddings", None)
-    if weight is not None:
+    if weight is not None and weight.weight.requires_grad:
         all_reduce_(_grad_of(weight.weight), pos)
 
 

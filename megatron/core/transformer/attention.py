@@ -112,10 +112,9 @@ class Attention(MegatronModule):
 
         ``rotary_pos_emb`` [s_local, 1, 1, r] rotates queries and keys (RoPE).
         """
+        inference_context = inference_context if inference_context is not None else inference_params
         for name, value in (
             ("key_value_states", key_value_states),
-            ("inference_context", inference_context),
-            ("inference_params", inference_params),
             ("rotary_pos_cos", rotary_pos_cos),
             ("rotary_pos_sin", rotary_pos_sin),
             ("rotary_pos_cos_sin", rotary_pos_cos_sin),
@@ -130,6 +129,8 @@ class Attention(MegatronModule):
                 q_emb = k_emb = rotary_pos_emb
             query = apply_rotary_pos_emb(query, q_emb, config=self.config)
             key = apply_rotary_pos_emb(key, k_emb, config=self.config)
+        if inference_context is not None:
+            return self.linear_proj(self._cached_attention(query, key, value, inference_context))
 
         def core_attention(q, k, v, mask):
             return self.core_attention(
@@ -155,6 +156,40 @@ class Attention(MegatronModule):
         else:
             context = core_attention(query, key, value, attention_mask)
         return self.linear_proj(context)
+
+    def _cached_attention(self, query, key, value, inference_context) -> torch.Tensor:
+        """Attention of the new queries [s, b, np, d] over every key cached so far (the
+        new ones stored first): query i at position o + i (o = the context's
+        ``sequence_len_offset``) sees positions <= o + i, within ``window_size`` when set.
+        Context parallelism does not apply (one rank holds the whole sequence)."""
+        if self.config.context_parallel_size > 1:
+            raise NotImplementedError(
+                "inference_context with context_parallel_size > 1; generate at CP = 1"
+            )
+        keys, values = inference_context.store(self.layer_number, key, value)
+        s, total = query.shape[0], keys.shape[0]
+        window = self.config.window_size
+        windowed = window is not None and window[0] >= 0 and total > window[0] + 1
+        mask, causal = None, False
+        if windowed or (s > 1 and total > s):  # a chunk after cached tokens, or a window
+            positions = torch.arange(total - s, total, device=query.device)[:, None]
+            seen = torch.arange(total, device=query.device)[None, :]
+            mask = seen <= positions
+            if windowed:
+                mask &= positions - seen <= window[0]
+        elif s > 1:  # the prompt: plain causal attention
+            causal = True
+        per_group = query.shape[2] // keys.shape[2]
+        q = query.permute(1, 2, 0, 3)
+        k = keys.permute(1, 2, 0, 3)
+        v = values.permute(1, 2, 0, 3)
+        if per_group > 1:  # grouped-query attention: each key/value head serves per_group
+            k = k.repeat_interleave(per_group, dim=1)
+            v = v.repeat_interleave(per_group, dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=self.core_attention.softmax_scale
+        )
+        return out.permute(2, 0, 1, 3).reshape(s, out.shape[0], -1)
 
 
 class SelfAttention(Attention):

@@ -2,7 +2,9 @@
 
 python -m megatron.training.hf import --hf DIR --out CKPT [--dtype bfloat16] [--allow-non-finite]
 python -m megatron.training.hf export --load CKPT --out DIR [--dtype ...] [--max-shard-size 2GB]
-    [--overwrite]
+    [--overwrite] [--merge-lora]
+    (a checkpoint with LoRA adapters: a PEFT adapter folder, or the merged model with
+    --merge-lora)
 """
 
 import argparse
@@ -45,6 +47,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 dtype=args.dtype,
                 max_shard_size=args.max_shard_size,
                 overwrite=args.overwrite,
+                merge_lora=args.merge_lora,
             )
             what = f"exported {args.load} to {where}"
     except Exception as err:  # a known error is one line; anything else is a bug
@@ -79,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--load", required=True, metavar="CKPT", help="a --save directory or iter_*")
     exp.add_argument("--out", required=True, metavar="DIR", help="HuggingFace directory to write")
     exp.add_argument("--dtype", choices=sorted(DTYPES), help="written dtype (default: stored)")
+    exp.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="a checkpoint with LoRA adapters: write the merged model (W + alpha/r B A) instead "
+        "of the PEFT adapter folder",
+    )
     exp.add_argument(
         "--max-shard-size",
         type=parse_size,

@@ -36,6 +36,15 @@ from megatron.training.hf.config import (
     read_hf_config,
     training_settings,
 )
+from megatron.training.hf.peft import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    adapter_shapes,
+    lora_of_settings,
+    merge_adapters,
+    peft_config,
+    to_peft,
+)
 from megatron.training.hf.target import (
     EXPORT_METADATA,
     SIDECAR_FILES,
@@ -58,6 +67,9 @@ HF_CONFIG_KEY = "hf_config"
 HF_FILES_KEY = "hf_files"
 SIDECAR_LIMIT = 64 * 1024 * 1024
 DEFAULT_MAX_SHARD_SIZE = 2 * 1024**3
+# Stored tensors whose rows are the vocabulary: a padded model stores more rows than the
+# true vocabulary; export writes the true ones.
+PADDED_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -109,6 +121,7 @@ def export_hf(
     dtype: Optional[str] = None,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     overwrite: bool = False,
+    merge_lora: bool = False,
 ) -> Path:
     """Write the model of checkpoint ``load_dir`` (a ``--save`` directory, its newest
     complete iteration, or an ``iter_*`` directory) to ``out_dir`` in HuggingFace format.
@@ -117,13 +130,26 @@ def export_hf(
     empty or an earlier export (``check_export_target``; ``overwrite``: any folder, whose
     model files are replaced). The files are staged beside ``out_dir`` and moved in at the
     end: a failure leaves ``out_dir`` as it was. Collective when torch.distributed is
-    initialized: every rank calls it, rank 0 reads and writes.
+    initialized: every rank calls it, rank 0 reads and writes. A checkpoint with LoRA
+    adapters is written as a PEFT adapter folder (``adapter_config.json``,
+    ``adapter_model.safetensors``, the tokenizer files), or with ``merge_lora`` as the
+    merged model (W + alpha/r B A, in float32).
     """
     out_dir = check_export_target(out_dir, overwrite=overwrite)
     directory = resolve_checkpoint(load_dir)
     common = dist_checkpointing.load_common_state_dict(str(directory))
     arch, original = checkpoint_architecture(common, directory)
     stored = dist_checkpointing.load_tensors_metadata(str(directory))
+    lora = lora_of_settings(common.get("run_settings") or {})
+    if merge_lora and lora is None:
+        raise ValueError(f"--merge-lora: checkpoint {directory} has no LoRA adapters to merge")
+    if merge_lora and common.get("trainable_params_only"):
+        raise ValueError(
+            f"--merge-lora: checkpoint {directory} holds the LoRA adapters only (saved with "
+            "--save-trainable-params-only), not the base to merge them into; export the "
+            "adapter (without --merge-lora), or merge from a full checkpoint"
+        )
+    adapter_only = lora is not None and not merge_lora
     embedding = stored.get("embedding.word_embeddings.weight")
     if embedding is None:
         raise ValueError(f"{directory}: no embedding.word_embeddings.weight; not a GPT checkpoint")
@@ -133,7 +159,13 @@ def export_hf(
     writing = not dist.is_initialized() or dist.get_rank() == 0
     staging = _make_staging(out_dir) if writing else None
     try:
-        _export_into(staging, directory, common, arch, original, stored, dtype, max_shard_size)
+        if adapter_only:
+            _export_adapter_into(staging, directory, common, arch, stored)
+        else:
+            merge = lora if merge_lora else None
+            _export_into(
+                staging, directory, common, arch, original, stored, dtype, max_shard_size, merge
+            )
         if writing:
             _move_into(staging, out_dir)
     finally:
@@ -175,9 +207,12 @@ def _move_into(staging: Path, out_dir: Path) -> None:
             path.unlink()
 
 
-def _export_into(staging, directory, common, arch, original, stored, dtype, max_shard_size):
+def _export_into(
+    staging, directory, common, arch, original, stored, dtype, max_shard_size, lora=None
+):
     """Read the checkpoint one unit at a time (collective) and, on the writing rank
-    (``staging`` not None), write the HuggingFace files into ``staging``."""
+    (``staging`` not None), write the HuggingFace files into ``staging``; ``lora``: fold the
+    LoRA adapters into their layers' weights first."""
     writing = staging is not None
     writer = _ShardWriter(staging, max_shard_size) if writing else None
     outer = global_sources(arch)
@@ -185,8 +220,15 @@ def _export_into(staging, directory, common, arch, original, stored, dtype, max_
     head = {k: v for k, v in outer.items() if k not in embeddings}
     units = [embeddings] + [layer_sources(arch, i) for i in range(arch.num_layers)] + [head]
     full_shapes = our_full_shapes(arch)
+    adapter_full = {} if lora is None else adapter_shapes(arch, lora)
     for sources in units:  # HuggingFace's order: embeddings, layers, final norm, head
         ours = _read_our_tensors(directory, sources, stored, full_shapes, arch, writing)
+        mine = [n for n in adapter_full if n.rsplit(".adapter.", 1)[0] + ".weight" in sources]
+        if mine:
+            adapters = _read_our_tensors(
+                directory, dict.fromkeys(mine), stored, adapter_full, arch, writing
+            )
+            ours = merge_adapters(ours, adapters, lora) if writing else ours
         if writing:
             shapes = hf_shapes(arch, sources, full_shapes)
             for key, tensor in scatter_to_hf(ours, sources, shapes).items():
@@ -200,6 +242,33 @@ def _export_into(staging, directory, common, arch, original, stored, dtype, max_
         if sidecars is None and source and Path(source).is_dir():
             sidecars = _sidecar_files(Path(source))  # a run started from --hf-model
         for name, text in (sidecars or {}).items():
+            (staging / name).write_text(text)
+
+
+def _export_adapter_into(staging, directory, common, arch, stored) -> None:
+    """The LoRA adapters of checkpoint ``directory`` as a PEFT folder in ``staging`` (on
+    the writing rank); ``base_model_name_or_path`` is the run's ``--hf-model``."""
+    from safetensors.torch import save_file
+
+    settings = common.get("run_settings") or {}
+    lora = lora_of_settings(settings)
+    shapes = adapter_shapes(arch, lora)
+    adapters = _read_our_tensors(
+        directory, dict.fromkeys(shapes), stored, shapes, arch, staging is not None
+    )
+    if staging is None:
+        return
+    tensors, modules = to_peft(adapters, arch, lora)
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    save_file(tensors, str(staging / ADAPTER_WEIGHTS), metadata=EXPORT_METADATA)
+    config = peft_config(arch, lora, modules, settings.get("hf_model"))
+    (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    sidecars = common.get(HF_FILES_KEY)
+    source = settings.get("hf_model")
+    if sidecars is None and source and Path(source).is_dir():
+        sidecars = _sidecar_files(Path(source))
+    for name, text in (sidecars or {}).items():
+        if name != "generation_config.json":
             (staging / name).write_text(text)
 
 
@@ -254,6 +323,8 @@ def _read_our_tensors(directory, sources, stored, full_shapes, arch, requesting:
         shape = tuple(full_shapes[name])
         saved = tuple(stored[key].global_shape)
         expected = shape if layer is None else (arch.num_layers,) + shape
+        if key in PADDED_KEYS and saved[1:] == expected[1:] and saved[0] >= expected[0]:
+            expected = saved  # a padded vocabulary: the true rows are read, the padding left
         if saved != expected:
             raise ValueError(
                 f"{directory}: {key!r} has shape {list(saved)}; the {arch.family} "

@@ -60,7 +60,7 @@ def check_export_target(out_dir, overwrite: bool = False, flag: str = "--out") -
 def foreign_entries(folder: Path) -> List[str]:
     """The entries of ``folder`` that an export of ours did not write (see
     ``check_export_target``)."""
-    ours = {"config.json", INDEX_FILENAME, *SIDECAR_FILES}
+    ours = {"config.json", "adapter_config.json", INDEX_FILENAME, *SIDECAR_FILES}
     foreign = []
     for entry in sorted(folder.iterdir()):
         name = entry.name
@@ -68,7 +68,7 @@ def foreign_entries(folder: Path) -> List[str]:
             mine = (_ITERATION_DIR.fullmatch(name) and not foreign_entries(entry)) or (
                 STAGING_MARK in name
             )
-        elif name.endswith(".safetensors") and name.startswith("model"):
+        elif name.endswith(".safetensors") and name.startswith(("model", "adapter_model")):
             mine = _is_our_export(entry)
         else:
             mine = name in ours

@@ -184,9 +184,6 @@ def test_decoder_input_replaces_the_embedding_lookup():
     fed = full(None, None, None, embedded, batch["labels"])
     assert torch.equal(plain, fed)
     assert not torch.equal(plain, full(None, None, None, embedded * 2, batch["labels"]))
-    for name in ("inference_context", "inference_params"):
-        with pytest.raises(NotImplementedError, match=f"GPTModel.forward: {name} is not"):
-            full(batch["tokens"], batch["position_ids"], **{name: object()})
 
 
 def test_attention_matches_torch_causal_sdpa():

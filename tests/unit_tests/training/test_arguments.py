@@ -16,6 +16,7 @@ pytestmark = pytest.mark.world(1)
 
 # A value other than the default for every field (the round trip must cover them all).
 NON_DEFAULT = dict(
+    make_vocab_size_divisible_by=128,
     nproc_per_node=8,
     tensor_model_parallel_size=2,
     sequence_parallel=True,
@@ -110,6 +111,18 @@ NON_DEFAULT = dict(
     compare_tolerance=1e-3,
     progress=False,
     debug=True,
+    lora_dim=8,
+    lora_alpha=16.0,
+    lora_target_modules=["linear_qkv", "*.layers.1.*.linear_fc2"],
+    lora_exclude_modules=["*.layers.0.*"],
+    lora_dropout=0.1,
+    lora_dropout_position="post",
+    lora_a_init_method="kaiming",
+    lora_b_init_method="normal",
+    save_trainable_params_only=True,
+    pretrained_checkpoint="base-ckpt",
+    merge_lora=True,
+    hf_adapter="adapter-dir",
 )
 
 
@@ -373,7 +386,8 @@ def test_the_kinds_give_the_resume_and_comparison_lists():
         "disable_bias_linear", "untie_embeddings_and_output_weights", "vocab_size",
         "kv_channels", "norm_epsilon", "rotary_base", "use_rope_scaling",
         "rope_scaling_factor", "add_qkv_bias", "openai_gelu", "window_size", "tokenizer",
-        "seq_length", "max_position_embeddings",
+        "seq_length", "max_position_embeddings", "lora_dim", "lora_alpha",
+        "lora_target_modules", "lora_exclude_modules", "pretrained_checkpoint",
     }  # fmt: skip
     assert (set(DATA_SETTINGS), set(OPTIMIZER_SETTINGS)) == (
         {"data_path", "eod_token", "split"},
@@ -390,7 +404,8 @@ def test_the_kinds_give_the_resume_and_comparison_lists():
         "compare_single_process", "compare_tolerance", "save_metrics", "save", "load",
         "save_interval", "ckpt_step", "finetune", "no_load_optim", "no_load_rng",
         "exit_on_missing_checkpoint", "export_hf", "log_interval", "tensorboard_dir",
-        "wandb_project", "wandb_exp_name", "wandb_save_dir",
+        "wandb_project", "wandb_exp_name", "wandb_save_dir", "save_trainable_params_only",
+        "merge_lora",
     }  # fmt: skip
     assert single.nproc_per_node == 1
 

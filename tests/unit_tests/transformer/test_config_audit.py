@@ -18,6 +18,7 @@ to add it: a new field is classified when it is added, not discovered later.
 
 import dataclasses
 import warnings
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -260,8 +261,34 @@ def test_a_non_default_value_is_honoured_or_refused_by_name(name, baseline):
     )
 
 
-@pytest.mark.parametrize("name", sorted(SPEED_ONLY))
-def test_speed_only_fields_leave_the_numbers_alone(name, baseline):
+# Fields that switch a ``jit_fuser`` (torch.compile) function on. Compiling takes tens of
+# seconds of CPU per field, so the default run takes the fused code paths uncompiled
+# (``force_eager``: the same functions run as written) and ``-m slow`` compiles them, as
+# tests/unit_tests/transformer/test_fusions.py does.
+COMPILED_FIELDS = {
+    "bias_activation_fusion",
+    "bias_dropout_fusion",
+    "apply_rope_fusion",
+    "persist_layer_norm",
+    "cross_entropy_loss_fusion",
+}
+
+SPEED_CASES = [
+    case
+    for name in sorted(SPEED_ONLY)
+    for case in (
+        [
+            pytest.param(name, True, marks=pytest.mark.slow, id=f"{name}-compiled"),
+            pytest.param(name, False, id=f"{name}-eager"),
+        ]
+        if name in COMPILED_FIELDS
+        else [pytest.param(name, None, id=name)]
+    )
+]
+
+
+@pytest.mark.parametrize("name, compiled", SPEED_CASES)
+def test_speed_only_fields_leave_the_numbers_alone(name, compiled, baseline):
     default = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}[name]
     value = SPEED_VALUES.get(name, not default)
     context = {}
@@ -272,8 +299,10 @@ def test_speed_only_fields_leave_the_numbers_alone(name, baseline):
             context = {"recompute_granularity": "selective"}
     elif name == "recompute_granularity":
         context = {"recompute_method": "uniform", "recompute_num_layers": 1}
+    eager = torch.compiler.set_stance("force_eager") if compiled is False else nullcontext()
     try:
-        result = _run(_config(**{**context, name: value}))
+        with eager:
+            result = _run(_config(**{**context, name: value}))
     except (ValueError, TypeError, NotImplementedError, RuntimeError) as error:
         assert name in str(error), f"{name}={value!r} refused without naming it: {error}"
         return

@@ -1,0 +1,250 @@
+"""LoRA adapters in HuggingFace PEFT's format, out of a checkpoint and back into a model.
+
+Our adapter on a fused layer is one A [r, in] and one B [out, r]; PEFT puts one (A, B) pair
+on each HuggingFace module. The family's weight table (``layer_sources``) says which rows of
+our layer's output are which rows of which HuggingFace module, so B is cut exactly as the
+base weight is (``linear_qkv`` into ``q_proj`` / ``k_proj`` / ``v_proj`` rows, or into
+``c_attn``'s interleaved rows for GPT-2; ``linear_fc1`` into ``gate_proj`` / ``up_proj``),
+and every module of the layer gets the same A:
+
+    W_m x + (alpha / r) B_m A x   for each HuggingFace module m  ==  our W x + (alpha/r) B A x.
+
+PEFT keeps ``lora_A`` [r, in] / ``lora_B`` [out, r] as linear layers also for GPT-2's
+Conv1D (``fan_in_fan_out`` concerns the base weight only). Keys:
+``base_model.model.<module>.lora_A.weight``. ``merge_adapters`` folds W + (alpha/r) B A in
+float32 for a merged export. Written here because peft converts its own ``nn.Linear``
+wrappers only; the table is the converter's.
+"""
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from megatron.core.transformer.lora import LoRAConfig
+from megatron.training.hf.family import HFArchitecture, Source
+from megatron.training.hf.weights import layer_sources, our_full_shapes
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+ADAPTABLE = (
+    "self_attention.linear_qkv",
+    "self_attention.linear_proj",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+)
+# the trainer's run settings that describe the adapters (recorded in every checkpoint)
+LORA_SETTINGS = ("lora_dim", "lora_alpha", "lora_dropout", "lora_target_modules",
+                 "lora_exclude_modules")  # fmt: skip
+
+
+def lora_of_settings(settings: Dict[str, Any]) -> Optional[LoRAConfig]:
+    """The ``LoRAConfig`` a checkpoint's run settings record (None: no adapters)."""
+    if not settings.get("lora_dim"):
+        return None
+    return LoRAConfig(
+        target_modules=tuple(settings.get("lora_target_modules") or LoRAConfig.target_modules),
+        exclude_modules=tuple(settings.get("lora_exclude_modules") or ()),
+        dim=int(settings["lora_dim"]),
+        alpha=float(settings.get("lora_alpha", 32.0)),
+        dropout=float(settings.get("lora_dropout", 0.0)),
+    )
+
+
+def adapted_layers(arch: HFArchitecture, lora: LoRAConfig) -> List[str]:
+    """Our one-chunk names of the layers with an adapter (``decoder.layers.3.mlp.linear_fc1``)."""
+    return [
+        f"decoder.layers.{layer}.{path}"
+        for layer in range(arch.num_layers)
+        for path in ADAPTABLE
+        if lora.matches(f"decoder.layers.{layer}.{path}")
+    ]
+
+
+def adapter_shapes(arch: HFArchitecture, lora: LoRAConfig) -> Dict[str, Tuple[int, int]]:
+    """{our adapter parameter name: full shape}: A [r, in], B [out, r] of each layer."""
+    base = our_full_shapes(arch)
+    shapes = {}
+    for name in adapted_layers(arch, lora):
+        out_features, in_features = base[f"{name}.weight"]
+        shapes[f"{name}.adapter.linear_in.weight"] = (lora.dim, in_features)
+        shapes[f"{name}.adapter.linear_out.weight"] = (out_features, lora.dim)
+    return shapes
+
+
+def to_peft(
+    adapters: Dict[str, torch.Tensor], arch: HFArchitecture, lora: LoRAConfig
+) -> Tuple[Dict[str, torch.Tensor], List[str]]:
+    """(PEFT's tensors, the HuggingFace module names adapted) from our full adapter tensors."""
+    tensors: Dict[str, torch.Tensor] = {}
+    modules: List[str] = []
+    for name in adapted_layers(arch, lora):
+        a = adapters[f"{name}.adapter.linear_in.weight"]
+        b = adapters[f"{name}.adapter.linear_out.weight"]
+        offset = 0
+        for seg in _source(arch, name):
+            module = seg.key[: -len(".weight")]
+            key = f"{PEFT_PREFIX}{module}"
+            if module not in modules:
+                modules.append(module)
+                tensors[f"{key}.lora_A.weight"] = a.clone()
+                rows = _module_rows(arch, name, module)
+                tensors[f"{key}.lora_B.weight"] = torch.zeros(rows, lora.dim, dtype=b.dtype)
+            tensors[f"{key}.lora_B.weight"][seg.start : seg.stop] = b[offset : offset + seg.length]
+            offset += seg.length
+    return tensors, modules
+
+
+def from_peft(
+    tensors: Dict[str, torch.Tensor], arch: HFArchitecture, lora: LoRAConfig, where: str
+) -> Dict[str, torch.Tensor]:
+    """Our full adapter tensors from PEFT's (the inverse of ``to_peft``). The modules of one
+    fused layer must share their A (an adapter trained elsewhere with different A per q/k/v
+    has rank 3r as one fused adapter: refused, naming the modules)."""
+    out: Dict[str, torch.Tensor] = {}
+    for name in adapted_layers(arch, lora):
+        a, parts = None, []
+        for seg in _source(arch, name):
+            key = f"{PEFT_PREFIX}{seg.key[: -len('.weight')]}"
+            for suffix in ("lora_A.weight", "lora_B.weight"):
+                if f"{key}.{suffix}" not in tensors:
+                    raise ValueError(f"{where}: no tensor {key}.{suffix} (needed for {name})")
+            this_a = tensors[f"{key}.lora_A.weight"]
+            if this_a.shape != (lora.dim, our_full_shapes(arch)[f"{name}.weight"][1]):
+                raise ValueError(
+                    f"{where}: {key}.lora_A.weight has shape {list(this_a.shape)}, expected "
+                    f"[{lora.dim}, {our_full_shapes(arch)[f'{name}.weight'][1]}] (r = {lora.dim})"
+                )
+            if a is None:
+                a = this_a
+            elif not torch.equal(a, this_a):
+                raise ValueError(
+                    f"{where}: {key}.lora_A.weight differs from the A of the other modules of "
+                    f"{name}; our fused layer has one A (train separate adapters per module "
+                    "elsewhere, or merge them first)"
+                )
+            parts.append(tensors[f"{key}.lora_B.weight"][seg.start : seg.stop])
+        out[f"{name}.adapter.linear_in.weight"] = a
+        out[f"{name}.adapter.linear_out.weight"] = torch.cat(parts, dim=0)
+    return out
+
+
+def peft_config(
+    arch: HFArchitecture, lora: LoRAConfig, modules: List[str], base: Optional[str]
+) -> Dict[str, Any]:
+    """``adapter_config.json``: exact module names as targets (a wildcard or exclusion that
+    adapts some layers only is kept exactly), GPT-2's Conv1D as ``fan_in_fan_out``."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": lora.dim,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": sorted(modules),
+        "fan_in_fan_out": arch.family == "gpt2",
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+    }
+
+
+def read_peft_config(directory: Path) -> Dict[str, Any]:
+    """``adapter_config.json`` of a PEFT folder, checked for what we can express."""
+    path = Path(directory) / ADAPTER_CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory}: no {ADAPTER_CONFIG} (not a PEFT adapter folder)")
+    raw = json.loads(path.read_text())
+    expected = {"peft_type": "LORA", "use_rslora": False, "use_dora": False, "bias": "none"}
+    for key, value in expected.items():
+        if raw.get(key, value) != value:
+            raise ValueError(f"{path}: {key}={raw.get(key)!r} is not supported; expected {value!r}")
+    return raw
+
+
+def merge_adapters(
+    ours: Dict[str, torch.Tensor], adapters: Dict[str, torch.Tensor], lora: LoRAConfig
+) -> Dict[str, torch.Tensor]:
+    """Base weights with W + (alpha/r) B A folded in (float32 arithmetic, the base dtype kept)."""
+    merged = dict(ours)
+    for name, weight in ours.items():
+        layer = name[: -len(".weight")]
+        a = adapters.get(f"{layer}.adapter.linear_in.weight")
+        if a is None or not name.endswith(".weight"):
+            continue
+        b = adapters[f"{layer}.adapter.linear_out.weight"]
+        delta = lora.scale * (b.float() @ a.float())
+        merged[name] = (weight.float() + delta).to(weight.dtype)
+    return merged
+
+
+def _source(arch: HFArchitecture, name: str) -> Source:
+    layer = int(name.split(".")[2])
+    return layer_sources(arch, layer)[f"{name}.weight"]
+
+
+def _module_rows(arch: HFArchitecture, name: str, module: str) -> int:
+    """The output size of HuggingFace module ``module`` (rows of its lora_B)."""
+    return max(seg.stop for seg in _source(arch, name) if seg.key == f"{module}.weight")
+
+
+def load_peft_adapter(model: torch.nn.Module, directory, arch: HFArchitecture, lora) -> None:
+    """Load a PEFT adapter folder into the adapters of ``model`` (a GPT chunk with
+    ``apply_lora`` done, at any TP/PP layout): r and alpha must be the run's, every tensor
+    the adapters need must be there and every tensor there must be used (else a ValueError
+    naming them)."""
+    from safetensors.torch import load_file
+
+    from megatron.core.transformer.lora import global_module_name, lora_modules
+
+    directory = Path(directory)
+    raw = read_peft_config(directory)
+    for key, ours, flag in (("r", lora.dim, "--lora-dim"), ("lora_alpha", lora.alpha,
+                                                               "--lora-alpha")):  # fmt: skip
+        if raw.get(key) is None or float(raw[key]) != float(ours):
+            raise ValueError(
+                f"{directory / ADAPTER_CONFIG}: {key}={raw.get(key)!r}, but {flag} {ours}"
+            )
+    path = directory / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory}: no {ADAPTER_WEIGHTS}")
+    tensors = load_file(str(path))
+    full = from_peft(tensors, arch, lora, str(path))
+    used = set()
+    for name in adapted_layers(arch, lora):
+        for seg in _source(arch, name):
+            key = f"{PEFT_PREFIX}{seg.key[: -len('.weight')]}"
+            used.update({f"{key}.lora_A.weight", f"{key}.lora_B.weight"})
+    extra = sorted(set(tensors) - used)
+    if extra:
+        raise ValueError(
+            f"{path}: {', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''} adapt layers "
+            "this run's --lora-target-modules do not (set the same targets)"
+        )
+    local = {}
+    for local_name, module in model.named_modules():
+        if module in lora_modules(model).values():
+            local[global_module_name(model, local_name).rsplit(".adapter", 1)[0]] = module
+    with torch.no_grad():
+        for layer, adapter in local.items():
+            for part in ("linear_in", "linear_out"):
+                param = getattr(adapter, part).weight
+                value = full[f"{layer}.adapter.{part}.weight"]
+                param.copy_(_tp_slice(value, param, getattr(adapter, part)))
+
+
+def _tp_slice(full: torch.Tensor, param: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    """This TP rank's part of ``full``: along ``partition_dim``, blocks r, r + T, ... of
+    T * ``partition_stride`` blocks (the whole tensor for a replicated parameter)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    group = getattr(layer, "tp_group", None)
+    size, rank = (1, 0) if group is None else (group.size(), group.rank())
+    blocks = full.chunk(size * getattr(param, "partition_stride", 1), dim=param.partition_dim)
+    return torch.cat(blocks[rank::size], dim=param.partition_dim)

@@ -1,0 +1,133 @@
+"""Sampling from a model (SPEC section 20): ``python -m megatron.training.generate``.
+
+- The key/value cache is exact: a prompt run in one cached forward, a chunk of tokens after
+  it, then one token per forward give, at every position, the logits of the full forward
+  without a cache.
+- Greedy tokens equal transformers' ``generate(do_sample=False)`` on the same HuggingFace
+  model (Llama with grouped-query attention and RoPE; GPT-2 with learned positions), with a
+  margin guard: each chosen token leads the runner-up by more than rounding could move.
+- The command line at TP 2, PP 2 and TP 2 x PP 2 prints the one-process tokens; with a seed,
+  sampling is reproducible; padded vocabulary rows are never chosen.
+"""
+
+import contextlib
+import io
+
+import pytest
+import torch
+
+from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.training.generate import Sampling, _choose, generate, main
+from megatron.training.hf import model_from_hf
+from tests.unit_tests.dist_utils import fresh_layout, rel_error
+from tests.unit_tests.hf.hf_models import (
+    GPT2_CONFIG,
+    HAVE_TRANSFORMERS,
+    LLAMA_CONFIG,
+    SKIP_REASON,
+    write_random_hf_model,
+)
+
+PROMPT = [3, 17, 42, 5, 99, 8]
+NEW = 8
+# std 0.5: logits spread enough that greedy choices are far from ties
+STD = 0.5
+
+
+@pytest.mark.world(1)
+@pytest.mark.parametrize("config", [LLAMA_CONFIG, GPT2_CONFIG], ids=["llama", "gpt2"])
+def test_the_cached_forward_equals_the_full_forward(tmp_path, config):
+    path = write_random_hf_model(tmp_path / "m", config, std=STD)
+    model, _ = model_from_hf(path)
+    model.eval()
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        full = model(ids, torch.arange(len(PROMPT))[None])
+        context = StaticInferenceContext(1, len(PROMPT))
+        steps = []
+        for start, stop in ((0, 3), (3, 5)):  # the prompt (causal), then a chunk after it
+            steps.append(model(ids[:, start:stop], torch.arange(start, stop)[None],
+                               inference_context=context))  # fmt: skip
+            context.increment_sequence_len_offset(stop - start)
+        for i in range(5, len(PROMPT)):  # then one token at a time
+            steps.append(model(ids[:, i : i + 1], torch.tensor([[i]]), inference_context=context))
+            context.increment_sequence_len_offset(1)
+    assert rel_error(torch.cat(steps, dim=1), full) <= 1e-6
+
+
+@pytest.mark.world(1)
+@pytest.mark.skipif(not HAVE_TRANSFORMERS, reason=SKIP_REASON)
+@pytest.mark.parametrize("config", [LLAMA_CONFIG, GPT2_CONFIG], ids=["llama", "gpt2"])
+def test_greedy_tokens_equal_transformers_generate(tmp_path, config):
+    import transformers
+
+    path = write_random_hf_model(tmp_path / "m", config, std=STD)
+    model, _ = model_from_hf(path)
+    model.eval()
+    ours = generate([model], PROMPT, NEW, vocab_size=128)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        out = reference.generate(
+            torch.tensor([PROMPT]),
+            do_sample=False,
+            max_new_tokens=NEW,
+            min_new_tokens=NEW,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    theirs = out.sequences[0, len(PROMPT) :].tolist()
+    margins = [float(s[0].topk(2).values.diff().abs()) for s in out.scores]
+    assert min(margins) > 1e-4, f"a near tie makes the comparison meaningless: {margins}"
+    assert ours == theirs
+
+
+@pytest.mark.world(1)
+def test_sampling_is_reproducible_and_padded_rows_are_never_chosen():
+    logits = torch.randn(40, generator=torch.Generator().manual_seed(0))
+    logits[32:] = 100.0  # "padded" rows with huge logits, sliced off by the vocabulary size
+    sampling = Sampling(temperature=1.0, top_k=10, top_p=0.9, seed=3)
+
+    def draws(seed):
+        generator = torch.Generator().manual_seed(seed)
+        return [_choose(logits[:32], sampling, generator) for _ in range(20)]
+
+    assert draws(3) == draws(3)
+    assert draws(3) != draws(4)
+    assert all(t < 32 for t in draws(3))
+    top10 = set(torch.topk(logits[:32], 10).indices.tolist())
+    assert set(draws(5)) <= top10
+    assert _choose(logits[:32], Sampling(), torch.Generator()) == int(logits[:32].argmax())
+
+
+def _cli(path, *extra) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), fresh_layout():
+        code = main(["--hf-model", str(path), "--prompt-ids", " ".join(map(str, PROMPT)),
+                     "--max-new-tokens", str(NEW), *extra])  # fmt: skip
+    assert code == 0
+    return out.getvalue().strip()
+
+
+@pytest.mark.world(4)
+def test_greedy_tokens_are_the_same_at_every_layout():
+    """TP 2 x PP 2 (this launch's 4 ranks) prints the one-process model's greedy tokens."""
+    import tempfile
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    shared = [tempfile.mkdtemp(prefix="generate-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    path = Path(shared[0]) / "m"
+    if dist.get_rank() == 0:
+        write_random_hf_model(path, LLAMA_CONFIG, std=STD)
+    dist.barrier()
+    model, _ = model_from_hf(path)
+    model.eval()
+    expected = " ".join(map(str, generate([model], PROMPT, NEW, vocab_size=128)))
+    printed = _cli(path, "--tp", "2", "--pp", "2")
+    if dist.get_rank() == 0:
+        assert printed == expected
+    else:
+        assert printed == ""  # only rank 0 prints
