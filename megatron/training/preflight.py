@@ -51,12 +51,12 @@ def adopt_checkpoint_settings(
     names = {f.name for f in fields(config)}
     tokenizer_vocab = saved.get("data_path") and not saved.get("hf_model")
     changes = {
-        name: saved[name]
+        name: _as_field(saved[name], getattr(config, name))
         for name in ADOPTED
         if name in saved
         and name in names
         and name not in explicit
-        and saved[name] != getattr(config, name)
+        and _as_field(saved[name], getattr(config, name)) != getattr(config, name)
         # the vocabulary of a --data-path run without --hf-model is the tokenizer's
         and not (name == "vocab_size" and tokenizer_vocab)
     }
@@ -131,6 +131,13 @@ def _check_data_path(option: str, path: str) -> None:
             "(expected a JSONL file or the prefix of an indexed dataset written by python -m "
             "megatron.training.preprocess_data)"
         )
+
+
+def _as_field(saved: Any, current: Any) -> Any:
+    """A recorded value in the field's form (a checkpoint records tuples as lists)."""
+    if isinstance(current, tuple) and isinstance(saved, list):
+        return tuple(saved)
+    return saved
 
 
 def _settings(config: TrainingConfig) -> Dict[str, Any]:
