@@ -52,7 +52,9 @@ def build_model(
         stage = vp_stage * pp + pp_rank
         gpt = GPTModel(
             config=transformer_config,
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization=config.normalization),
+            transformer_layer_spec=get_gpt_layer_local_spec(
+                normalization=config.normalization, qk_layernorm=config.qk_layernorm
+            ),
             vocab_size=config.vocab_size,
             max_sequence_length=config.max_position_embeddings or config.seq_length,
             pre_process=stage == 0,
@@ -154,6 +156,7 @@ def transformer_config_from(config: TrainingConfig, layout: Layout) -> Transform
         activation_func=activation_of(config),
         add_bias_linear=not config.disable_bias_linear,
         add_qkv_bias=config.add_qkv_bias,
+        qk_layernorm=config.qk_layernorm,
         perform_initialization=not config.hf_model,
         window_size=None if config.window_size is None else tuple(config.window_size),
         attention_backend=config.attention_backend,

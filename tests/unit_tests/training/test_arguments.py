@@ -52,6 +52,7 @@ NON_DEFAULT = dict(
     use_rope_scaling=True,
     rope_scaling_factor=32.0,
     add_qkv_bias=True,
+    qk_layernorm=True,
     openai_gelu=True,
     window_size=[3, 0],
     attention_backend="unfused",
@@ -384,7 +385,8 @@ def test_the_kinds_give_the_resume_and_comparison_lists():
         "ffn_hidden_size", "normalization", "position_embedding_type", "swiglu",
         "disable_bias_linear", "untie_embeddings_and_output_weights", "vocab_size",
         "kv_channels", "norm_epsilon", "rotary_base", "use_rope_scaling",
-        "rope_scaling_factor", "add_qkv_bias", "openai_gelu", "window_size", "tokenizer",
+        "rope_scaling_factor", "add_qkv_bias", "qk_layernorm", "openai_gelu", "window_size",
+        "tokenizer",
         "seq_length", "max_position_embeddings", "lora_dim", "lora_alpha",
         "lora_target_modules", "lora_exclude_modules", "pretrained_checkpoint",
     }  # fmt: skip
