@@ -44,6 +44,9 @@ CP_GROUP_PATHS = [
     "megatron.core.pipeline_parallel.schedules.forward_step_calc_loss",
 ]
 
+# Single-process checks of signatures and recorded facts: one run is enough.
+pytestmark = pytest.mark.world(1)
+
 PGC_FIELDS = ["tp", "pp", "mp", "embd", "pos_embd", "cp", "tp_cp", "tp_dp_cp", "dp", "dp_cp"]
 
 

@@ -67,6 +67,9 @@ HF_CONFIG_KEY = "hf_config"
 HF_FILES_KEY = "hf_files"
 SIDECAR_LIMIT = 64 * 1024 * 1024
 DEFAULT_MAX_SHARD_SIZE = 2 * 1024**3
+# Stored tensors whose rows are the vocabulary: a padded model stores more rows than the
+# true vocabulary; export writes the true ones.
+PADDED_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -320,6 +323,8 @@ def _read_our_tensors(directory, sources, stored, full_shapes, arch, requesting:
         shape = tuple(full_shapes[name])
         saved = tuple(stored[key].global_shape)
         expected = shape if layer is None else (arch.num_layers,) + shape
+        if key in PADDED_KEYS and saved[1:] == expected[1:] and saved[0] >= expected[0]:
+            expected = saved  # a padded vocabulary: the true rows are read, the padding left
         if saved != expected:
             raise ValueError(
                 f"{directory}: {key!r} has shape {list(saved)}; the {arch.family} "

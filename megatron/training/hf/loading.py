@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import padded_vocab_size
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.utils import openai_gelu
@@ -31,6 +32,8 @@ from megatron.training.hf.weights import (
 )
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": openai_gelu}
+# Our parameters whose rows are the vocabulary (padded in the model to a multiple of TP).
+VOCAB_PARAMETERS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 def model_from_hf(
@@ -103,8 +106,11 @@ def architecture_fields(arch: HFArchitecture) -> Dict[str, Any]:
     )
 
 
-def gpt_model_kwargs(arch: HFArchitecture, max_sequence_length: Optional[int]) -> Dict[str, Any]:
-    """GPTModel's constructor arguments that ``arch`` fixes."""
+def gpt_model_kwargs(
+    arch: HFArchitecture, max_sequence_length: Optional[int], tp_size: int = 1
+) -> Dict[str, Any]:
+    """GPTModel's constructor arguments that ``arch`` fixes; the vocabulary padded to a
+    multiple of ``tp_size`` (the padded ids excluded from the softmax)."""
     learned = arch.position_embedding_type == "learned_absolute"
     if learned and max_sequence_length not in (None, arch.max_position_embeddings):
         raise ValueError(
@@ -112,7 +118,8 @@ def gpt_model_kwargs(arch: HFArchitecture, max_sequence_length: Optional[int]) -
             f"table (n_positions={arch.max_position_embeddings}); leave it out"
         )
     return dict(
-        vocab_size=arch.vocab_size,
+        vocab_size=padded_vocab_size(arch.vocab_size, 1, tp_size),
+        true_vocab_size=arch.vocab_size,
         max_sequence_length=max_sequence_length or arch.max_position_embeddings,
         position_embedding_type=arch.position_embedding_type,
         rotary_base=arch.rotary_base,
@@ -145,7 +152,7 @@ def build_gpt_chunk(
             post_process=stage == pp * vpp - 1,
             pg_collection=pg_collection,
             vp_stage=vp_stage,
-            **gpt_model_kwargs(arch, max_sequence_length),
+            **gpt_model_kwargs(arch, max_sequence_length, config.tensor_model_parallel_size),
         )
     finally:
         config.perform_initialization = initialize
@@ -178,8 +185,18 @@ def load_hf_weights(
     for name, param in model.named_parameters():
         full_name = one_chunk_name(model, name)
         source = _source_of(full_name, sources, arch)
-        rows, columns = shard_ranges(param, full_shapes[full_name], tp_size, tp_rank)
-        value = read_rows(reader, source, rows, columns, finite=not allow_non_finite)
+        full_shape = full_shapes[full_name]
+        if full_name in VOCAB_PARAMETERS:  # padded rows (ids >= the true vocabulary): zero
+            full_shape = (model.vocab_size,) + tuple(full_shape[1:])
+        rows, columns = shard_ranges(param, full_shape, tp_size, tp_rank)
+        true_rows = [(a, min(b, arch.vocab_size)) for a, b in rows if a < arch.vocab_size]
+        if full_name in VOCAB_PARAMETERS and true_rows != rows:
+            value = param.new_zeros(param.shape)
+            if true_rows:
+                part = read_rows(reader, source, true_rows, columns, finite=not allow_non_finite)
+                value[: part.shape[0]] = part
+        else:
+            value = read_rows(reader, source, rows, columns, finite=not allow_non_finite)
         if tuple(value.shape) != tuple(param.shape):
             raise RuntimeError(
                 f"load_hf_weights: {name} has shape {list(param.shape)} but its HuggingFace "

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.world(1)
 
 # A value other than the default for every field (the round trip must cover them all).
 NON_DEFAULT = dict(
+    make_vocab_size_divisible_by=128,
     nproc_per_node=8,
     tensor_model_parallel_size=2,
     sequence_parallel=True,
@@ -57,6 +58,26 @@ NON_DEFAULT = dict(
     window_size=[3, 0],
     attention_backend="unfused",
     hf_model="hf-model-dir",
+    num_experts=8,
+    moe_router_topk=4,
+    moe_ffn_hidden_size=48,
+    moe_shared_expert_intermediate_size=32,
+    moe_shared_expert_gate=True,
+    moe_router_load_balancing_type="seq_aux_loss",
+    moe_aux_loss_coeff=0.01,
+    moe_z_loss_coeff=0.001,
+    moe_router_pre_softmax=True,
+    moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True,
+    moe_router_bias_update_rate=0.01,
+    moe_router_topk_scaling_factor=2.5,
+    moe_router_num_groups=4,
+    moe_router_group_topk=2,
+    moe_layer_freq=[1, 0, 1, 0, 1, 0, 1, 0],
+    moe_grouped_gemm=True,
+    moe_token_dispatcher_type="alltoall",
+    expert_model_parallel_size=2,
+    expert_tensor_parallel_size=1,
     train_iters=7,
     lr=0.01,
     adam_beta1=0.8,
@@ -387,7 +408,11 @@ def test_the_kinds_give_the_resume_and_comparison_lists():
         "kv_channels", "norm_epsilon", "rotary_base", "use_rope_scaling",
         "rope_scaling_factor", "add_qkv_bias", "qk_layernorm", "openai_gelu", "window_size",
         "tokenizer",
-        "seq_length", "max_position_embeddings", "lora_dim", "lora_alpha",
+        "seq_length", "max_position_embeddings", "num_experts", "moe_router_topk",
+        "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+        "moe_router_pre_softmax", "moe_router_score_function", "moe_router_enable_expert_bias",
+        "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
+        "moe_layer_freq", "lora_dim", "lora_alpha",
         "lora_target_modules", "lora_exclude_modules", "pretrained_checkpoint",
     }  # fmt: skip
     assert (set(DATA_SETTINGS), set(OPTIMIZER_SETTINGS)) == (
@@ -405,7 +430,8 @@ def test_the_kinds_give_the_resume_and_comparison_lists():
         "compare_single_process", "compare_tolerance", "save_metrics", "save", "load",
         "save_interval", "ckpt_step", "finetune", "no_load_optim", "no_load_rng",
         "exit_on_missing_checkpoint", "export_hf", "log_interval", "tensorboard_dir",
-        "wandb_project", "wandb_exp_name", "wandb_save_dir", "save_trainable_params_only",
+        "wandb_project", "wandb_exp_name", "wandb_save_dir", "expert_model_parallel_size",
+        "expert_tensor_parallel_size", "save_trainable_params_only",
         "merge_lora",
     }  # fmt: skip
     assert single.nproc_per_node == 1

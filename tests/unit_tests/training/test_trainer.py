@@ -161,6 +161,10 @@ def test_gradient_accumulation_fusion_trains_the_same_model():
         assert fused == pytest.approx(plain, rel=1e-5), key
 
 
+# Slow: four interpreters of its own. The default run covers the self-launch
+# (test_launch_errors.py, a self-launch on 2 ranks) and the comparison, metrics and picture
+# in-process (test_cp2_pp2_training_follows_the_one_process_run, 4 ranks).
+@pytest.mark.slow
 @pytest.mark.world(1)
 @pytest.mark.timeout(180)
 def test_command_line_self_launches_and_prints_the_verdict(tmp_path):
@@ -272,11 +276,6 @@ def test_global_batches_and_microbatches_do_not_depend_on_the_layout():
             r"--num-query-groups 1 is not divisible by --tp 2",
         ),
         (dict(num_query_groups=3), 1, r"--num-query-groups 3 must .* dividing"),
-        (
-            dict(tensor_model_parallel_size=4, vocab_size=66),
-            4,
-            r"--vocab-size 66 is not divisible by --tp 4",
-        ),
         (
             dict(tensor_model_parallel_size=2, ffn_hidden_size=33),
             2,

@@ -51,8 +51,14 @@ class GPTModel(MegatronModule):
     rank's shard (``partition_dim``, ``partition_stride``); with
     ``config.perform_initialization=False`` they are left as allocated (for a caller that
     loads weights). A tied output weight on a later stage is the word embeddings' tensor.
-    Extras of this core (keyword-only): ``seed``, and ``pp_rank`` (the pipeline rank,
-    overriding ``pg_collection.pp``: several stages built in one process).
+    Extras of this core (keyword-only): ``seed``, ``pp_rank`` (the pipeline rank,
+    overriding ``pg_collection.pp``: several stages built in one process), and
+    ``true_vocab_size``: ``vocab_size`` is the table's (padded, as megatron passes
+    ``padded_vocab_size``: a multiple of TP) and ids >= ``true_vocab_size`` are padding:
+    their logits are -inf (``exclude_padded_vocab``: never in the softmax, never sampled),
+    their embedding and output rows start at zero and get zero gradient, and the true rows
+    are drawn exactly as the unpadded model's, so loss and gradients equal the unpadded
+    model's at any padding and TP. ``model.true_vocab_size`` (= ``vocab_size`` unpadded).
 
     Sequence parallelism: activations between the TP regions are sharded along s over TP;
     every parameter of the decoder that is not TP-split gets ``param.sequence_parallel =
@@ -90,6 +96,7 @@ class GPTModel(MegatronModule):
         *,
         seed: int = 1234,
         pp_rank: Optional[int] = None,
+        true_vocab_size: Optional[int] = None,
     ) -> None:
         super().__init__(config)
         if mtp_block_spec is not None:
@@ -113,9 +120,23 @@ class GPTModel(MegatronModule):
                 f"GPTModel: vocab_size ({vocab_size!r}) must be a positive multiple of "
                 f"tensor_model_parallel_size ({tp_size}); pad the vocabulary"
             )
+        if true_vocab_size is None:
+            true_vocab_size = vocab_size
+        if not isinstance(true_vocab_size, int) or not 1 <= true_vocab_size <= vocab_size:
+            raise ValueError(
+                f"GPTModel: true_vocab_size ({true_vocab_size!r}) must be an integer in "
+                f"[1, vocab_size ({vocab_size})]: the tokens the padded table holds"
+            )
+        if true_vocab_size < vocab_size and config.label_smoothing:
+            raise NotImplementedError(
+                f"GPTModel: label_smoothing={config.label_smoothing} with a padded vocabulary "
+                f"(true_vocab_size {true_vocab_size} < vocab_size {vocab_size}) is not "
+                "supported; expected label_smoothing=0 or an unpadded vocabulary"
+            )
         self.transformer_layer_spec = transformer_layer_spec
         self.model_type = ModelType.encoder_or_decoder
         self.vocab_size = vocab_size
+        self.true_vocab_size = true_vocab_size
         self.max_sequence_length = max_sequence_length
         self.pre_process = pre_process
         self.post_process = post_process
@@ -223,8 +244,11 @@ class GPTModel(MegatronModule):
         [b, s_local, vocab / TP] (all of the vocabulary with ``parallel_output=False`` or
         ``runtime_gather_output=True``) without; on other stages the hidden states
         [s_local, b, h] ([s_local / TP, b, h] under sequence parallelism).
-        ``packed_seq_params`` is handed to core attention. ``loss_mask`` and
-        ``padding_mask`` are ignored (the loss callback masks).
+        ``packed_seq_params`` is handed to core attention. ``loss_mask`` is ignored (the
+        loss callback masks). ``padding_mask`` [b, s_local] (True = padding; this CP rank's
+        shard, like ``input_ids``) is given on every pipeline stage; MoE layers leave padding
+        out of their router losses and counts. It is sharded like the hidden states
+        (``shard_per_token_tensor``: over the model's TP group under sequence parallelism).
         """
         inference_context = inference_context if inference_context is not None else inference_params
         if decoder_input is None and self.pre_process:
@@ -234,6 +258,12 @@ class GPTModel(MegatronModule):
                 "GPTModel.forward: this chunk has pre_process=False and no input tensor; call "
                 "set_input_tensor with the previous stage's hidden states first"
             )
+        if padding_mask is not None:
+            block_kwargs = dict(extra_block_kwargs or {})
+            block_kwargs["padding_mask"] = shard_per_token_tensor(
+                padding_mask, self.tp_group, self.config.sequence_parallel
+            )
+            extra_block_kwargs = block_kwargs
         rotary_pos_emb = None
         if self.position_embedding_type == "rope" and inference_context is not None:
             rotary_pos_emb = self._rotary_angles_from(inference_context, decoder_input)
@@ -258,9 +288,25 @@ class GPTModel(MegatronModule):
             ),
             runtime_gather_output=runtime_gather_output,
         )
+        logits = self.exclude_padded_vocab(logits)
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)
+
+    def exclude_padded_vocab(self, logits: Tensor) -> Tensor:
+        """``logits`` [..., V / TP] (this rank's block) or [..., V] (gathered) with the padded
+        columns (token ids >= ``true_vocab_size``) set to -inf: they take no probability in
+        the softmax, so the loss and every gradient equal the unpadded model's, and their
+        rows of the output weight get zero gradient. Unchanged without padding."""
+        if self.true_vocab_size == self.vocab_size:
+            return logits
+        width = logits.shape[-1]
+        start = 0 if width == self.vocab_size else get_pg_rank(self.tp_group) * width
+        first_padded = self.true_vocab_size - start
+        if first_padded >= width:
+            return logits
+        columns = torch.arange(width, device=logits.device)
+        return logits.masked_fill(columns >= max(first_padded, 0), float("-inf"))
 
     def compute_language_model_loss(self, labels: Tensor, logits: Tensor) -> Tensor:
         """Per-token loss [b, s] from labels [b, s] and logits [s, b, V / TP] (or [s, b, V]
@@ -304,6 +350,8 @@ class GPTModel(MegatronModule):
         - layers are stacked by their GLOBAL index on a prepended axis
           (``decoder.layers.<name>``, offset ``layer_number - 1``), norms under the spec's
           keys map (``self_attention.linear_qkv.layer_norm_weight``, ...);
+        - the word embeddings and output weight may be loaded from a checkpoint of another
+          padding (``allow_shape_mismatch``: the overlap is read);
         - a tied output weight on a later stage than the embedding is stored as
           ``embedding.word_embeddings.weight`` with replica id (1, ...): never written
           twice, loaded from the embedding.
@@ -327,6 +375,12 @@ class GPTModel(MegatronModule):
                     key=f"{prefix}embedding.word_embeddings.weight",
                     replica_id=(1,) + tuple(tied.replica_id)[1:],
                 )
+        for key in (f"{prefix}embedding.word_embeddings.weight", output_key):
+            piece = sharded.get(key)
+            if piece is not None and hasattr(piece, "allow_shape_mismatch"):
+                # the vocabulary's padding depends on TP: another padding loads the overlap
+                # (the true rows; padded rows are zero on both sides)
+                sharded[key] = dataclasses.replace(piece, allow_shape_mismatch=True)
         return sharded
 
     def shared_embedding_or_output_weight(self) -> Optional[Tensor]:
@@ -358,11 +412,16 @@ class GPTModel(MegatronModule):
         return self._rotary_cache[1]
 
     def _rotary_angles_from(self, inference_context, decoder_input) -> Tensor:
-        """RoPE angles of the positions [offset, offset + s) a cached forward runs."""
+        """RoPE angles of the positions [offset, offset + s) a cached forward runs (the
+        table for the context's whole length is built once per device and kept)."""
         hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
+        key = (inference_context.max_sequence_length, hidden.device)
+        cached = getattr(self, "_inference_rotary", None)
+        if cached is None or cached[0] != key:
+            table = self.rotary_pos_emb(key[0], packed_seq=False, cp_group=None)
+            self._inference_rotary = cached = (key, table.to(hidden.device))
         offset = inference_context.sequence_len_offset
-        angles = self.rotary_pos_emb(offset + hidden.shape[0], packed_seq=False, cp_group=None)
-        return angles[offset:].to(hidden.device)
+        return cached[1][offset : offset + hidden.shape[0]]
 
     def _global_seq_length(self, input_ids, decoder_input, cp_group) -> int:
         """The whole sequence's length s from this rank's inputs (for RoPE)."""
@@ -379,8 +438,17 @@ class GPTModel(MegatronModule):
         the (seed, name) stream."""
         norms = (torch.nn.LayerNorm, torch.nn.RMSNorm)
         tp_size, tp_rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
+        experts = {}
+        for module_name, module in self.named_modules():
+            if hasattr(module, "initialize_experts"):
+                experts[module_name] = module
+        for module_name, module in experts.items():
+            module.initialize_experts(self._expert_full_weight(module_name, seed))
+        skip = {id(p) for module in experts.values() for p in module.parameters()}
         for module_name, module in self.named_modules():
             for param_name, param in module.named_parameters(recurse=False):
+                if id(param) in skip:
+                    continue
                 name = self._reference_name(f"{module_name}.{param_name}")
                 if isinstance(module, norms) and param_name == "weight":
                     param.fill_(1.0)
@@ -388,8 +456,32 @@ class GPTModel(MegatronModule):
                     param.zero_()
                 else:
                     method = _init_method_for(name, self.config)
-                    full = seeded_init(_full_shape(param, tp_size), seed, name, method)
+                    shape = _full_shape(param, tp_size)
+                    padding = 0
+                    if name in _VOCAB_PARAMETERS:  # the true rows as unpadded, padding zero
+                        padding = shape[0] - self.true_vocab_size
+                        shape = (self.true_vocab_size,) + tuple(shape[1:])
+                    full = seeded_init(shape, seed, name, method)
+                    if padding:
+                        full = torch.cat([full, full.new_zeros((padding,) + shape[1:])])
                     param.copy_(tp_shard(full, param, tp_size, tp_rank))
+
+    def _expert_full_weight(self, module_name: str, seed: int):
+        """(projection, global expert, shape) -> the full float32 weight of that expert,
+        drawn from the (seed, ``expert_weight_name``) stream: the same for every EP / ETP
+        layout and for ``SequentialMLP`` and ``GroupedMLP``."""
+        experts_name = self._reference_name(f"{module_name}.x")[: -len(".x")]
+
+        def full_weight(projection: str, global_expert: int, shape) -> Tensor:
+            name = expert_weight_name(experts_name, projection, global_expert)
+            method = (
+                self.config.output_layer_init_method
+                if projection == "linear_fc2"
+                else self.config.init_method
+            )
+            return seeded_init(shape, seed, name, method)
+
+        return full_weight
 
     def _reference_name(self, name: str) -> str:
         """A parameter's name in the one-chunk model: layers numbered globally; a tied output
@@ -408,8 +500,24 @@ class GPTModel(MegatronModule):
         if not self.config.sequence_parallel or get_pg_size(self.tp_group) == 1:
             return
         for param in self.decoder.parameters():
-            if not getattr(param, "tensor_model_parallel", False):
+            expert = not getattr(param, "allreduce", True)  # reduced over expert DP instead
+            if not getattr(param, "tensor_model_parallel", False) and not expert:
                 param.sequence_parallel = True
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
+    """The table size for ``vocab_size`` tokens: the next multiple of ``divisible_by`` x
+    ``tp_size`` (megatron's ``--make-vocab-size-divisible-by`` rule), so each TP rank holds
+    an equal block; pass it as ``vocab_size`` with ``true_vocab_size=vocab_size``."""
+    for name, value in (("divisible_by", divisible_by), ("tp_size", tp_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"padded_vocab_size: {name} must be a positive integer, got {value!r}")
+    multiple = divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+# Parameters whose dim 0 is the (padded) vocabulary, by their one-chunk reference names.
+_VOCAB_PARAMETERS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 def seeded_normal(shape, seed: int, name: str, std: float) -> Tensor:
@@ -436,7 +544,11 @@ def _stream_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-_OUTPUT_LAYERS = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+_OUTPUT_LAYERS = (
+    "self_attention.linear_proj.weight",
+    "mlp.linear_fc2.weight",
+    "shared_experts.linear_fc2.weight",
+)
 _EMBEDDINGS = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
 
 
@@ -447,6 +559,31 @@ def _init_method_for(name: str, config: TransformerConfig):
     if name.endswith(_OUTPUT_LAYERS):
         return config.output_layer_init_method
     return config.init_method
+
+
+def expert_weight_name(experts_name: str, projection: str, global_expert: int) -> str:
+    """The name a routed expert's weight is seeded from: ``SequentialMLP``'s name with the
+    GLOBAL expert index (``decoder.layers.<l>.mlp.experts.local_experts.<g>.<projection>
+    .weight``), whatever the expert-parallel layout or expert module."""
+    return f"{experts_name}.local_experts.{global_expert}.{projection}.weight"
+
+
+def shard_per_token_tensor(
+    tensor: Tensor, tp_group: Optional[torch.distributed.ProcessGroup], sequence_parallel: bool
+) -> Tensor:
+    """A per-token tensor [b, s_local] (e.g. the padding mask) sharded like the hidden
+    states: under sequence parallelism, this rank's block of s over the model's TP group
+    (``tp_group``), else unchanged. (The CP split already happened with the inputs.)"""
+    if not sequence_parallel or get_pg_size(tp_group) == 1:
+        return tensor
+    size, rank = get_pg_size(tp_group), get_pg_rank(tp_group)
+    if tensor.shape[1] % size != 0:
+        raise ValueError(
+            f"padding_mask has {tensor.shape[1]} positions per row (shape "
+            f"{tuple(tensor.shape)}), not divisible by the tensor-parallel size {size} "
+            "(sequence parallelism splits the sequence over TP)"
+        )
+    return tensor.chunk(size, dim=1)[rank].contiguous()
 
 
 def tp_shard(full: Tensor, param: Tensor, tp_size: int, tp_rank: int) -> Tensor:

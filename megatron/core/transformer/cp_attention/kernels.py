@@ -77,18 +77,19 @@ def attention_forward(
             (b, n_q, s_q), -math.inf, device=query.device, dtype=acc_dtype(query.dtype)
         )
         return query.new_zeros(query.shape), lse
-    if window is not None:
-        _check_window(spec, causal, window)
-        k, v = expand_kv(k, v, n_q, spec)
+    route = _route(spec, causal, window, s_q, s_k, query.device)
+    k, v = expand_kv(k, v, n_q)
+    if route == "window":
         out, lse = spec.window_forward(q, k, v, scale, window)
-    elif causal and s_q < s_k and not bottom_right_causal(spec, query.device):
+    elif route == "split":
         out, lse = _split_forward(q, k, v, scale, spec)
     else:
-        k, v = expand_kv(k, v, n_q, spec)
         out, lse = spec.forward(q, k, v, causal, scale)
     return _from_heads_first(out, layout), lse
 
 
+# attention_backward takes attention_forward's arguments plus (grad_out, out, lse): the two
+# signatures (and varlen's) repeat by design.
 def attention_backward(
     grad_out: torch.Tensor,
     query: torch.Tensor,
@@ -117,22 +118,30 @@ def attention_backward(
     tensors = (grad_out, query, key, value, out)
     do, q, k, v, o = (_heads_first(x, layout) for x in tensors)
     n_q, n_kv = q.shape[1], k.shape[1]
-    if window is None and causal and q.shape[2] < k.shape[2]:
-        split = not bottom_right_causal(spec, query.device)
+    route = _route(spec, causal, window, q.shape[2], k.shape[2], query.device)
+    k_exp, v_exp = expand_kv(k, v, n_q)
+    if route == "window":
+        dq, dk, dv = spec.window_backward(do, q, k_exp, v_exp, o, lse, scale, window)
+    elif route == "split":
+        dq, dk, dv = _split_backward(do, q, k_exp, v_exp, o, lse, scale, spec)
     else:
-        split = False
-    if split:
-        dq, dk, dv = _split_backward(do, q, k, v, o, lse, scale, spec)
-    else:
-        k_exp, v_exp = expand_kv(k, v, n_q, spec)
-        if window is not None:
-            _check_window(spec, causal, window)
-            dq, dk, dv = spec.window_backward(do, q, k_exp, v_exp, o, lse, scale, window)
-        else:
-            dq, dk, dv = spec.backward(do, q, k_exp, v_exp, o, lse, causal, scale)
-        if k_exp.shape[1] != n_kv:
-            dk, dv = (sum_groups(x, n_kv) for x in (dk, dv))
+        dq, dk, dv = spec.backward(do, q, k_exp, v_exp, o, lse, causal, scale)
+    if k_exp.shape[1] != n_kv:
+        dk, dv = (sum_groups(x, n_kv) for x in (dk, dv))
     return tuple(_from_heads_first(x, layout) for x in (dq, dk, dv))
+
+
+def _route(spec, causal: bool, window: Optional[int], s_q: int, s_k: int, device) -> str:
+    """How a non-empty block runs, decided once for its forward and its backward:
+    ``"window"`` (the kernel's sliding-window op), ``"split"`` (causal with s_q < s_k on a
+    kernel whose own causal mask is top-left: a mask-free prefix plus a square causal block,
+    merged by LSE) or ``"plain"`` (the kernel's own op)."""
+    if window is not None:
+        _check_window(spec, causal, window)
+        return "window"
+    if causal and s_q < s_k and not bottom_right_causal(spec, device):
+        return "split"
+    return "plain"
 
 
 # layout -> (the permutation to the kernels' [b, n, s, d], and back)
@@ -219,7 +228,6 @@ class KernelSpec:
     forward: object
     backward: object
     bottom_right_causal: Optional[bool]  # None: measured at run time
-    native_gqa: bool
     # causal with a sliding window (q, k, v, scale, window) / (dout, ..., lse, scale, window);
     # None: the kernel has none here
     window_forward: object = None
@@ -273,12 +281,12 @@ def _flash_forward(q, k, v, causal, scale):
     res = torch.ops.aten._scaled_dot_product_flash_attention(
         q, k, v, 0.0, causal, False, scale=scale
     )
-    _RNG_STATE.setdefault(("flash", q.device), (res[6], res[7]))
+    keep_rng("flash", q.device, res[6], res[7])
     return res[0], res[1]
 
 
 def _flash_backward(dout, q, k, v, out, lse, causal, scale):
-    seed, offset = _rng_state("flash", q.device)
+    seed, offset = forward_rng("flash", q.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
         dout, q, k, v, out, lse.contiguous(), _UNDEFINED, _UNDEFINED, q.shape[2], k.shape[2],
         0.0, causal, seed, offset, scale=scale,
@@ -292,7 +300,7 @@ def _efficient_forward(q, k, v, causal, scale):
     res = torch.ops.aten._efficient_attention_forward(
         q, k, v, None, None, None, None, None, 0.0, 2 if causal else 0, True, scale=scale
     )
-    _RNG_STATE.setdefault(("efficient", q.device), (res[2], res[3]))
+    keep_rng("efficient", q.device, res[2], res[3])
     return res[0].transpose(1, 2), res[1][:, :, : q.shape[1]]
 
 
@@ -301,7 +309,7 @@ def _efficient_backward(dout, q, k, v, out, lse, causal, scale):
     s_q = q.shape[1]
     padded = 32 * math.ceil(s_q / 32)
     lse = torch.nn.functional.pad(lse, (0, padded - s_q)).contiguous()
-    seed, offset = _rng_state("efficient", q.device)
+    seed, offset = forward_rng("efficient", q.device)
     dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
         dout.contiguous(), q, k, v, None, out.contiguous(), None, None, s_q, k.shape[1], lse,
         0.0, seed, offset, 2 if causal else 0, False, scale=scale,
@@ -313,12 +321,12 @@ def _cudnn_forward(q, k, v, causal, scale):
     res = torch.ops.aten._scaled_dot_product_cudnn_attention(
         q, k, v, None, True, 0.0, causal, False, scale=scale
     )
-    _RNG_STATE.setdefault(("cudnn", q.device), (res[6], res[7]))
+    keep_rng("cudnn", q.device, res[6], res[7])
     return res[0], res[1].reshape(q.shape[:3])
 
 
 def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):
-    seed, offset = _rng_state("cudnn", q.device)
+    seed, offset = forward_rng("cudnn", q.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         dout, q, k, v, out, lse.unsqueeze(-1).contiguous(), seed, offset, _UNDEFINED,
         _UNDEFINED, _UNDEFINED, q.shape[2], k.shape[2], 0.0, causal, scale=scale,
@@ -364,21 +372,20 @@ def _flash_window_forward(q, k, v, scale, window):
     """flash-attn's own op (``_flash_attention_forward``, [b, s, n, d]) with its left window;
     SDPA's flash op has no window argument."""
     q_t, k_t, v_t = (x.transpose(1, 2) for x in (q, k, v))
-    out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
+    out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
         q_t, k_t, v_t, None, None, q.shape[2], k.shape[2], 0.0, True, False, scale=scale,
-        window_size_left=window, window_size_right=0,
+        **flash_window(window),
     )  # fmt: skip
+    keep_rng("flash", q.device, seed, offset)
     return out.transpose(1, 2), lse
 
 
 def _flash_window_backward(dout, q, k, v, out, lse, scale, window):
-    state = torch.zeros((2,), dtype=torch.uint64, device=q.device)
-    unused = torch.empty((0,), device=q.device)
+    seed, offset = forward_rng("flash", q.device)
     dout_t, q_t, k_t, v_t, out_t = (x.transpose(1, 2) for x in (dout, q, k, v, out))
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
         dout_t.contiguous(), q_t, k_t, v_t, out_t.contiguous(), lse.contiguous(), None, None,
-        q.shape[2], k.shape[2], 0.0, True, state, unused, scale=scale,
-        window_size_left=window, window_size_right=0,
+        q.shape[2], k.shape[2], 0.0, True, seed, offset, scale=scale, **flash_window(window),
     )  # fmt: skip
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
@@ -432,29 +439,42 @@ def _math_probs(qh, kh, lse, causal, scale, window=None):
 _UNDEFINED = None
 
 # The (philox seed, offset) a forward op returned, per (kernel, device): dropout is 0, so
-# the backward ops never read them, but they expect tensors of the forward's kind.
+# the backward ops never read them, but they expect tensors of the forward's kind. Every
+# CUDA forward keeps its pair here (``keep_rng``) and every backward passes it back
+# (``forward_rng``), the packed-sequence ops of ``varlen`` included.
 _RNG_STATE: dict = {}
 
 
-def _rng_state(name: str, device: torch.device):
+def keep_rng(name: str, device: torch.device, seed: torch.Tensor, offset: torch.Tensor) -> None:
+    """Keep the first (seed, offset) pair kernel ``name``'s forward returned on ``device``."""
+    _RNG_STATE.setdefault((name, device), (seed, offset))
+
+
+def forward_rng(name: str, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The (seed, offset) kept by ``keep_rng`` (int64 zeros before any forward ran)."""
     if (name, device) not in _RNG_STATE:
         zero = torch.zeros((), dtype=torch.int64, device=device)
         return zero, zero
     return _RNG_STATE[(name, device)]
 
 
+def flash_window(window: Optional[int]) -> dict:
+    """The flash ops' window arguments: left ``window``, right 0 (none: no arguments)."""
+    return {} if window is None else {"window_size_left": window, "window_size_right": 0}
+
+
 _SPECS = {
     "flash": KernelSpec(
-        "flash", _flash_forward, _flash_backward, True, False,
+        "flash", _flash_forward, _flash_backward, True,
         _flash_window_forward, _flash_window_backward,
     ),  # fmt: skip
-    "efficient": KernelSpec("efficient", _efficient_forward, _efficient_backward, True, False),
-    "cudnn": KernelSpec("cudnn", _cudnn_forward, _cudnn_backward, None, False),
+    "efficient": KernelSpec("efficient", _efficient_forward, _efficient_backward, True),
+    "cudnn": KernelSpec("cudnn", _cudnn_forward, _cudnn_backward, None),
     "cpu": KernelSpec(
-        "cpu", _cpu_forward, _cpu_backward, False, False, _cpu_window_forward, _cpu_window_backward
+        "cpu", _cpu_forward, _cpu_backward, False, _cpu_window_forward, _cpu_window_backward
     ),
     "math": KernelSpec(
-        "math", _math_forward, _math_backward, True, False,
+        "math", _math_forward, _math_backward, True,
         lambda q, k, v, scale, window: _math_forward(q, k, v, True, scale, window),
         lambda do, q, k, v, o, lse, scale, window: _math_backward(
             do, q, k, v, o, lse, True, scale, window
@@ -468,38 +488,33 @@ _SPECS = {
 
 def _split_forward(q, k, v, scale, spec: KernelSpec):
     """Bottom-right causal with s_q < s_k as a mask-free prefix plus a square causal block
-    ([b, n, s, d] tensors)."""
+    ([b, n, s, d] tensors, key/value heads already expanded)."""
     prefix = k.shape[2] - q.shape[2]
-    k_exp, v_exp = expand_kv(k, v, q.shape[1], spec)
-    out, lse = spec.forward(q, k_exp[:, :, :prefix], v_exp[:, :, :prefix], False, scale)
+    out, lse = spec.forward(q, k[:, :, :prefix], v[:, :, :prefix], False, scale)
     acc, acc_lse = out.to(acc_dtype(q.dtype)), lse.to(acc_dtype(q.dtype))
-    o2, l2 = spec.forward(q, k_exp[:, :, prefix:], v_exp[:, :, prefix:], True, scale)
+    o2, l2 = spec.forward(q, k[:, :, prefix:], v[:, :, prefix:], True, scale)
     merge_into(acc, acc_lse, o2, l2, layout="bnsd", rows_have_keys=True)
     return acc.to(q.dtype), acc_lse
 
 
 def _split_backward(dout, q, k, v, out, lse, scale, spec: KernelSpec):
-    prefix, n_kv = k.shape[2] - q.shape[2], k.shape[1]
-    k_exp, v_exp = expand_kv(k, v, q.shape[1], spec)
+    """The backward of ``_split_forward`` (key/value heads expanded; the caller sums them)."""
+    prefix = k.shape[2] - q.shape[2]
     dq1, dk1, dv1 = spec.backward(
-        dout, q, k_exp[:, :, :prefix], v_exp[:, :, :prefix], out, lse, False, scale
+        dout, q, k[:, :, :prefix], v[:, :, :prefix], out, lse, False, scale
     )
     dq2, dk2, dv2 = spec.backward(
-        dout, q, k_exp[:, :, prefix:], v_exp[:, :, prefix:], out, lse, True, scale
+        dout, q, k[:, :, prefix:], v[:, :, prefix:], out, lse, True, scale
     )
     dq = (dq1.to(acc_dtype(q.dtype)) + dq2).to(q.dtype)
-    dk = torch.cat([dk1, dk2], dim=2)
-    dv = torch.cat([dv1, dv2], dim=2)
-    if k_exp.shape[1] != n_kv:
-        dk, dv = sum_groups(dk, n_kv), sum_groups(dv, n_kv)
-    return dq, dk, dv
+    return dq, torch.cat([dk1, dk2], dim=2), torch.cat([dv1, dv2], dim=2)
 
 
-def expand_kv(k, v, n_q: int, spec: KernelSpec, head_dim: int = 1):
+def expand_kv(k, v, n_q: int, head_dim: int = 1):
     """Repeat each key/value head for its n_q / n_kv query heads (head dim 1 of [b, n, s, d]
-    or of [t, n, d]) unless the kernel handles grouped-query attention itself."""
+    or of [t, n, d]): none of the kernels here takes grouped-query attention natively."""
     n_kv = k.shape[head_dim]
-    if n_kv == n_q or spec.native_gqa:
+    if n_kv == n_q:
         return k, v
     rep = n_q // n_kv
     return (x.repeat_interleave(rep, dim=head_dim) for x in (k, v))

@@ -21,7 +21,9 @@ from megatron.core.transformer.cp_attention.kernels import (
     backward_lse,
     expand_kv,
     finite_lse,
-    kernel_spec,
+    flash_window,
+    forward_rng,
+    keep_rng,
     sum_groups,
 )
 
@@ -48,7 +50,7 @@ def varlen_forward(
     """
     name = resolve_kernel(kernel, query, window is not None)
     if _use_varlen(query, cu_seqlens_q):
-        k_exp, v_exp = expand_kv(key, value, query.shape[1], kernel_spec("flash"))
+        k_exp, v_exp = expand_kv(key, value, query.shape[1])
         result = _guarded_varlen(
             _flash_varlen_forward,
             query,
@@ -87,6 +89,8 @@ def varlen_forward(
     return out, lse
 
 
+# varlen_forward / varlen_backward take the dense pair's arguments (``kernels``) plus the
+# cumulative lengths, in the same order: their signatures repeat by design.
 def varlen_backward(
     grad_out: torch.Tensor,
     query: torch.Tensor,
@@ -107,7 +111,7 @@ def varlen_backward(
     name = resolve_kernel(kernel, query, window is not None)
     n_kv = key.shape[1]
     if _use_varlen(query, cu_seqlens_q):
-        k_exp, v_exp = expand_kv(key, value, query.shape[1], kernel_spec("flash"))
+        k_exp, v_exp = expand_kv(key, value, query.shape[1])
         grads = _guarded_varlen(
             _flash_varlen_backward,
             grad_out,
@@ -204,10 +208,11 @@ def _guarded_varlen(fn, *args):
 
 def _flash_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=None):
     cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
-    out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
+    out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
         q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
-        **_flash_window(window),
+        **flash_window(window),
     )  # fmt: skip
+    keep_rng("flash", q.device, seed, offset)
     # Rows past the last sequence are never written by the kernel. They are found on the
     # device: reading cu_q[-1] on the host would synchronize every call.
     past = torch.arange(q.shape[0], device=q.device) >= cu_q[-1]
@@ -219,8 +224,7 @@ def _flash_varlen_backward(
     dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window=None
 ):
     cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
-    state = torch.zeros((2,), dtype=torch.uint64, device=q.device)
-    unused = torch.empty((0,), device=q.device)
+    seed, offset = forward_rng("flash", q.device)
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
         dout.contiguous(),
         q,
@@ -234,14 +238,9 @@ def _flash_varlen_backward(
         max_k,
         0.0,
         causal,
-        state,
-        unused,
+        seed,
+        offset,
         scale=scale,
-        **_flash_window(window),
+        **flash_window(window),
     )
     return dq, dk, dv
-
-
-def _flash_window(window: Optional[int]) -> dict:
-    """The flash op's window arguments: left ``window``, right 0 (none: no arguments)."""
-    return {} if window is None else {"window_size_left": window, "window_size_right": 0}
