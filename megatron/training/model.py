@@ -87,10 +87,8 @@ def build_model(
                 load_peft_adapter(gpt, config.hf_adapter, arch, lora_config(config))
         if config.compile:
             compile_layers(gpt)
-        if config.bf16 or config.fp16:
+        if config.bf16 or config.fp16:  # adapters too: fp32 main params in the optimizer
             gpt = Float16Module(transformer_config, gpt)
-            for adapter in lora_modules(gpt).values():  # adapters stay float32
-                adapter.float()
         chunks.append(
             DistributedDataParallel(
                 config=transformer_config,

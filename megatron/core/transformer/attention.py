@@ -168,18 +168,26 @@ class Attention(MegatronModule):
             )
         keys, values = inference_context.store(self.layer_number, key, value)
         s, total = query.shape[0], keys.shape[0]
-        positions = torch.arange(total - s, total, device=query.device)[:, None]
-        seen = torch.arange(total, device=query.device)[None, :]
-        allowed = seen <= positions
         window = self.config.window_size
-        if window is not None and window[0] >= 0:
-            allowed &= positions - seen <= window[0]
+        windowed = window is not None and window[0] >= 0 and total > window[0] + 1
+        mask, causal = None, False
+        if windowed or (s > 1 and total > s):  # a chunk after cached tokens, or a window
+            positions = torch.arange(total - s, total, device=query.device)[:, None]
+            seen = torch.arange(total, device=query.device)[None, :]
+            mask = seen <= positions
+            if windowed:
+                mask &= positions - seen <= window[0]
+        elif s > 1:  # the prompt: plain causal attention
+            causal = True
         per_group = query.shape[2] // keys.shape[2]
         q = query.permute(1, 2, 0, 3)
-        k = keys.permute(1, 2, 0, 3).repeat_interleave(per_group, dim=1)
-        v = values.permute(1, 2, 0, 3).repeat_interleave(per_group, dim=1)
+        k = keys.permute(1, 2, 0, 3)
+        v = values.permute(1, 2, 0, 3)
+        if per_group > 1:  # grouped-query attention: each key/value head serves per_group
+            k = k.repeat_interleave(per_group, dim=1)
+            v = v.repeat_interleave(per_group, dim=1)
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, scale=self.core_attention.softmax_scale
+            q, k, v, attn_mask=mask, is_causal=causal, scale=self.core_attention.softmax_scale
         )
         return out.permute(2, 0, 1, 3).reshape(s, out.shape[0], -1)
 

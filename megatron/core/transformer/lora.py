@@ -23,8 +23,11 @@ every TP/SP setting and its gradients are those of the one-process model:
 
 Every adapter weight is drawn in full (float32) from a generator seeded by (seed, the layer's
 global name), so an adapter starts the same at every TP/PP/VPP layout, and drawing it does not
-move any other random stream. Adapters keep their own dtype (float32 by default under a bf16
-base): the input is cast to it and the output cast back.
+move any other random stream. Adapters are built in ``params_dtype`` (float32); under a
+``Float16Module`` they are cast with the base and compute in bf16/fp16, while the
+mixed-precision optimizer keeps their float32 main parameters (megatron's mixed precision; an
+adapter kept in float32 would write its [s, b, out] output in float32 at every layer: 1.28x
+the step time of full fine-tuning on the 1.1B benchmark model, measured).
 
 The adapter is a child module ``adapter`` of the base layer (``...linear_qkv.adapter.
 linear_in.weight``, ``...adapter.linear_out.weight``) and a forward hook adds its output, so

@@ -89,6 +89,7 @@ class LayerStats:
     seq_aux_raw: float = 0.0
     z_raw: float = 0.0
     aux_margin: float = math.inf  # smallest top-k margin of the aux map (valid tokens)
+    uses_aux_map: bool = False  # an aux or seq-aux loss is on (the aux map then matters)
     valid_counts: List[int] = field(default_factory=list)
     all_counts: List[int] = field(default_factory=list)
     routing: List[List[Routing]] = field(default_factory=list)
@@ -299,6 +300,7 @@ def router_losses(logits: torch.Tensor, valid: torch.Tensor, moe: MoEArch) -> La
         seq_aux_raw=float(seq_raw.detach()),
         z_raw=float(z_raw.detach()),
         aux_margin=aux_margin,
+        uses_aux_map=bool(moe.aux or moe.seq_aux),
     )
 
 
@@ -336,6 +338,6 @@ def check_margins(stats: Sequence[Dict[int, LayerStats]], threshold: float) -> L
                             f"micro-batch {m} layer {layer} token (b={i}, s={t}): "
                             f"experts {r.experts} margin {r.margin:.2e} < {threshold:.0e}"
                         )
-            if st.aux_margin < threshold:  # the aux map (checked even when unused)
+            if st.uses_aux_map and st.aux_margin < threshold:
                 near.append(f"micro-batch {m} layer {layer}: aux-map margin {st.aux_margin:.2e}")
     return near

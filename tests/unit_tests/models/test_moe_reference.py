@@ -235,3 +235,35 @@ def test_margin_guard_reports_a_near_tie():
     far, _ = route(L, moe, None)
     stats.routing = [[far]]
     assert not check_margins([{0: stats}], 1e-6)
+
+
+def test_gate_matrix_and_token_loop_models_agree_with_padding():
+    """The whole MoE GPT (shared expert, sigmoid + bias, dense + MoE layers, padding):
+    losses, router losses, counts and gradients equal between the two MoE layer forms."""
+    moe = MoEArch(
+        experts=4, topk=2, ffn=6, score="sigmoid", expert_bias=True, shared_ffn=5,
+        shared_gate=True, layer_freq=(1, 0), aux=0.1, seq_aux=0.2, z=0.01,
+    )  # fmt: skip
+    p = _params(moe, seed=7)
+    p["decoder.layers.0.mlp.router.expert_bias"] = torch.tensor(
+        [0.05, -0.05, 0.0, 0.02], dtype=torch.float64
+    )
+    gen = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, ARCH.vocab, (2, 6), generator=gen)
+    labels = torch.randint(0, ARCH.vocab, (2, 6), generator=gen)
+    padding = torch.arange(6) >= torch.tensor([[4], [6]])
+    results = []
+    for loop in (False, True):
+        q = {k: v.clone().requires_grad_(not k.endswith("expert_bias")) for k, v in p.items()}
+        losses, stats = moe_gpt_forward(q, ARCH, moe, tokens, labels, padding, token_loop=loop)
+        J = losses.sum() + stats[0].total
+        names = [k for k in q if q[k].requires_grad]
+        grads = torch.autograd.grad(J, [q[k] for k in names])
+        results.append((losses, stats[0], dict(zip(names, grads))))
+    (l0, s0, g0), (l1, s1, g1) = results
+    assert float((l0 - l1).detach().abs().max()) < 1e-12
+    assert s0.valid_counts == s1.valid_counts and s0.all_counts == s1.all_counts
+    assert sum(s0.valid_counts) == 2 * 10  # 10 valid tokens, k = 2
+    assert abs(float(s0.total) - float(s1.total)) < 1e-12
+    for name in g0:
+        assert float((g0[name] - g1[name]).abs().max()) < 1e-11, name

@@ -1,7 +1,8 @@
 """Sampling from a model (SPEC section 20): ``python -m megatron.training.generate``.
 
-- The key/value cache is exact: a prompt run in one cached forward and then one token per
-  forward gives, at every position, the logits of the full forward without a cache.
+- The key/value cache is exact: a prompt run in one cached forward, a chunk of tokens after
+  it, then one token per forward give, at every position, the logits of the full forward
+  without a cache.
 - Greedy tokens equal transformers' ``generate(do_sample=False)`` on the same HuggingFace
   model (Llama with grouped-query attention and RoPE; GPT-2 with learned positions), with a
   margin guard: each chosen token leads the runner-up by more than rounding could move.
@@ -43,10 +44,12 @@ def test_the_cached_forward_equals_the_full_forward(tmp_path, config):
     with torch.no_grad():
         full = model(ids, torch.arange(len(PROMPT))[None])
         context = StaticInferenceContext(1, len(PROMPT))
-        first = model(ids[:, :4], torch.arange(4)[None], inference_context=context)
-        context.increment_sequence_len_offset(4)
-        steps = [first]
-        for i in range(4, len(PROMPT)):
+        steps = []
+        for start, stop in ((0, 3), (3, 5)):  # the prompt (causal), then a chunk after it
+            steps.append(model(ids[:, start:stop], torch.arange(start, stop)[None],
+                               inference_context=context))  # fmt: skip
+            context.increment_sequence_len_offset(stop - start)
+        for i in range(5, len(PROMPT)):  # then one token at a time
             steps.append(model(ids[:, i : i + 1], torch.tensor([[i]]), inference_context=context))
             context.increment_sequence_len_offset(1)
     assert rel_error(torch.cat(steps, dim=1), full) <= 1e-6

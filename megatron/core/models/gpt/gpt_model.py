@@ -403,11 +403,16 @@ class GPTModel(MegatronModule):
         return self._rotary_cache[1]
 
     def _rotary_angles_from(self, inference_context, decoder_input) -> Tensor:
-        """RoPE angles of the positions [offset, offset + s) a cached forward runs."""
+        """RoPE angles of the positions [offset, offset + s) a cached forward runs (the
+        table for the context's whole length is built once per device and kept)."""
         hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
+        key = (inference_context.max_sequence_length, hidden.device)
+        cached = getattr(self, "_inference_rotary", None)
+        if cached is None or cached[0] != key:
+            table = self.rotary_pos_emb(key[0], packed_seq=False, cp_group=None)
+            self._inference_rotary = cached = (key, table.to(hidden.device))
         offset = inference_context.sequence_len_offset
-        angles = self.rotary_pos_emb(offset + hidden.shape[0], packed_seq=False, cp_group=None)
-        return angles[offset:].to(hidden.device)
+        return cached[1][offset : offset + hidden.shape[0]]
 
     def _global_seq_length(self, input_ids, decoder_input, cp_group) -> int:
         """The whole sequence's length s from this rank's inputs (for RoPE)."""
