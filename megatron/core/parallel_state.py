@@ -12,6 +12,11 @@ fallback.
 
 Misuse that megatron-core reports with ``assert`` raises ``ParallelStateError``, an
 ``AssertionError`` (and a ``RuntimeError``) carrying a message that says what to do.
+
+One concern in ~900 lines: megatron-core's ~80 getters and setters live at this module path
+(``get_*_world_size``, ``set_*_rank``, ``get_*_group``, ...). Each is a one-line delegation to
+``_size`` / ``_rank`` / ``_group`` with its own docstring, so their blocks look alike by
+design; the layout logic itself is ``RankGenerator`` and ``initialize_model_parallel``.
 """
 
 import itertools

@@ -72,12 +72,7 @@ def build_blending_indices(
     w = [float(x) for x in weights[:num_datasets]]
     counts = [0] * num_datasets
     for i in range(size):
-        scale = max(float(i), 1.0)
-        best, best_err = 0, w[0] * scale - counts[0]
-        for k in range(1, num_datasets):
-            err = w[k] * scale - counts[k]
-            if err > best_err:
-                best, best_err = k, err
+        best = _most_behind(w, counts, range(num_datasets), max(float(i), 1.0))
         dataset_index[i] = best
         dataset_sample_index[i] = counts[best]
         counts[best] += 1
@@ -102,15 +97,21 @@ def build_exhaustive_blending_indices(
     unspent = [k for k in range(num_datasets) if sizes_list[k] > 0]
     i = 0
     while unspent:
-        scale = max(float(i), 1.0)
-        best, best_err = -1, -math.inf
-        for k in unspent:
-            err = w[k] * scale - counts[k]
-            if err > best_err:
-                best, best_err = k, err
+        best = _most_behind(w, counts, unspent, max(float(i), 1.0))
         dataset_index[i] = best
         dataset_sample_index[i] = counts[best]
         counts[best] += 1
         if counts[best] == sizes_list[best]:
             unspent.remove(best)
         i += 1
+
+
+def _most_behind(weights, counts, candidates, scale: float) -> int:
+    """The candidate k with the largest lag ``weights[k] * scale - counts[k]`` (the first one
+    on ties)."""
+    best, best_err = -1, -math.inf
+    for k in candidates:
+        err = weights[k] * scale - counts[k]
+        if err > best_err:
+            best, best_err = k, err
+    return best

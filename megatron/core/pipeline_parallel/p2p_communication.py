@@ -113,6 +113,8 @@ class P2PCommunicator:
         )
 
     # ------------------------------------------------------------ interleaved operations
+    # The send/recv methods look alike by design: megatron-core's P2PCommunicator API, each a
+    # named call of the one ``_communicate`` (which directions, which result).
 
     def send_forward_recv_forward(
         self,

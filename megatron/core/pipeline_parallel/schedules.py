@@ -15,6 +15,11 @@ where S and N are over whole sequences. Gradients are averaged over the D*C rank
 dp_cp group (summed in per-token mode), so each shard's loss is scaled as
 ``normalize_microbatch_loss`` describes; the CP count all-reduce lives in
 ``reduce_loss_across_cp``.
+
+One concern in ~1,000 lines: megatron-core's module path holds the three schedules, their
+public helpers (``forward_step``, ``backward_step``, the schedule tables, ...) and the loss
+contract above, and tests and users patch its names in place (``reduce_loss_across_cp``), so
+they stay in this one module; the three schedules share one runner (``_Run``).
 """
 
 import contextlib
@@ -60,6 +65,8 @@ def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[i
     return forward_backward_no_pipelining
 
 
+# The three schedules take the same keyword-only parameters: megatron-core's public
+# signatures (tests/unit_tests/test_api_compat.py); what they share is ``_Run``.
 def forward_backward_no_pipelining(
     *,
     forward_step_func,

@@ -88,6 +88,8 @@ def attention_forward(
     return _from_heads_first(out, layout), lse
 
 
+# attention_backward takes attention_forward's arguments plus (grad_out, out, lse): the two
+# signatures (and varlen's) repeat by design.
 def attention_backward(
     grad_out: torch.Tensor,
     query: torch.Tensor,

@@ -89,6 +89,8 @@ def varlen_forward(
     return out, lse
 
 
+# varlen_forward / varlen_backward take the dense pair's arguments (``kernels``) plus the
+# cumulative lengths, in the same order: their signatures repeat by design.
 def varlen_backward(
     grad_out: torch.Tensor,
     query: torch.Tensor,
