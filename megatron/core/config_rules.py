@@ -21,7 +21,8 @@ RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
 """``recompute_modules`` entries implemented here (megatron-core 0.16.1's names)."""
 RECOMPUTE_MODULES_MCORE_ONLY = ("moe_act", "mla_up_proj", "moe", "shared_experts")
-"""megatron-core's other entries: MoE and multi-latent attention, which this core lacks."""
+"""megatron-core's other entries: MoE-part recomputation and multi-latent attention, which
+this core lacks."""
 
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
 """megatron-core's ``AttnBackend`` names (``TransformerConfig.attention_backend``)."""
@@ -115,8 +116,9 @@ def recompute_problems(
         for module in modules or ():
             if module in RECOMPUTE_MODULES_MCORE_ONLY:
                 out.append(
-                    f"{mods} entry {module!r} needs MoE / multi-latent attention, which "
-                    "this core does not implement"
+                    f"{mods} entry {module!r} needs MoE recomputation / multi-latent "
+                    "attention, which this core does not implement (recompute_granularity="
+                    "'full' recomputes MoE layers)"
                 )
             elif module not in RECOMPUTE_MODULES:
                 out.append(f"{mods} entry {module!r}; expected some of {RECOMPUTE_MODULES}")
@@ -155,6 +157,38 @@ def window_left(window_size: Optional[Sequence[int]]) -> Optional[int]:
 def _is_int(value: object) -> bool:
     """An int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+MOE_TOKEN_DISPATCHERS = ("allgather", "alltoall")
+"""``moe_token_dispatcher_type`` values implemented here (megatron-core also has "flex")."""
+
+MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
+"""``moe_router_load_balancing_type`` values implemented here."""
+
+MOE_LOAD_BALANCING_REFUSED = {
+    "global_aux_loss": "a running average over micro-batches and data-parallel ranks",
+    "sinkhorn": "Sinkhorn balancing iterates over the local shard's tokens only",
+}
+"""megatron-core's other load-balancing types, with why their result would depend on the
+layout."""
+
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+MOE_ROUTER_DTYPES = (None, "fp32", "fp64")
+
+
+def moe_layer_pattern(moe_layer_freq, num_layers: int) -> Optional[List[int]]:
+    """``moe_layer_freq`` as one 0/1 entry per layer (1 = MoE): an int N makes every N-th
+    layer (0, N, 2N, ...) a MoE layer; a list is taken as is. None when it does not fit
+    (a list of the wrong length, entries other than 0/1, N < 1)."""
+    if _is_int(moe_layer_freq):
+        if moe_layer_freq < 1:
+            return None
+        return [1 if i % moe_layer_freq == 0 else 0 for i in range(num_layers)]
+    if isinstance(moe_layer_freq, (list, tuple)):
+        if len(moe_layer_freq) != num_layers or any(v not in (0, 1) for v in moe_layer_freq):
+            return None
+        return [int(v) for v in moe_layer_freq]
+    return None
 
 
 # LoRA (megatron.core.transformer.lora; the trainer's --lora-* flags): the layers an adapter

@@ -63,6 +63,8 @@ class ModelParallelConfig:
             self._check_hierarchical_context_parallel_sizes()
         if self.overlap_p2p_comm and self.batch_p2p_comm:
             raise ValueError("Can not use both overlap_p2p_comm and batch_p2p_comm")
+        if self.expert_tensor_parallel_size is None:
+            self.expert_tensor_parallel_size = self.tensor_model_parallel_size
         if self.autocast_dtype is None:
             self.autocast_dtype = self.params_dtype
         if self.microbatch_group_size_per_vp_stage is None:

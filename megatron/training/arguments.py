@@ -409,6 +409,157 @@ class TrainingConfig:
         "(an explicit conflicting one is an error), its weights are loaded at any layout, "
         "and with --data-path its tokenizer is the default --tokenizer",
     )
+    # Mixture of experts (megatron's flags; docs/moe.md). Off unless --num-experts.
+    num_experts: Optional[int] = option(
+        None,
+        "--num-experts",
+        kind=MODEL,
+        type=int,
+        metavar="E",
+        check=positive,
+        help="routed experts per MoE layer (megatron-core's num_moe_experts); default: a "
+        "dense model. Needs --disable-bias-linear",
+    )
+    moe_router_topk: int = option(
+        2, "--moe-router-topk", kind=MODEL, check=positive, help="experts per token (k)"
+    )
+    moe_ffn_hidden_size: Optional[int] = option(
+        None,
+        "--moe-ffn-hidden-size",
+        kind=MODEL,
+        type=int,
+        check=positive,
+        help="each routed expert's FFN size; default: --ffn-hidden-size",
+    )
+    moe_shared_expert_intermediate_size: Optional[int] = option(
+        None,
+        "--moe-shared-expert-intermediate-size",
+        kind=MODEL,
+        type=int,
+        check=positive,
+        help="FFN size of the shared expert every token goes through; default: none",
+    )
+    moe_shared_expert_gate: bool = option(
+        False,
+        "--moe-shared-expert-gate",
+        kind=MODEL,
+        help="scale the shared expert by sigmoid(x . g) (Qwen2-MoE)",
+    )
+    moe_router_load_balancing_type: str = option(
+        "aux_loss",
+        "--moe-router-load-balancing-type",
+        kind=OPTIMIZER,
+        check=one_of(config_rules.MOE_LOAD_BALANCING_TYPES),
+        help="aux_loss (over each micro-batch), seq_aux_loss (per sequence) or none; "
+        "sinkhorn and global_aux_loss are refused (layout-dependent)",
+    )
+    moe_aux_loss_coeff: float = option(
+        0.0,
+        "--moe-aux-loss-coeff",
+        kind=OPTIMIZER,
+        check=non_negative_number,
+        help="load-balancing loss coefficient c (docs/moe.md has the definition)",
+    )
+    moe_z_loss_coeff: Optional[float] = option(
+        None,
+        "--moe-z-loss-coeff",
+        kind=OPTIMIZER,
+        type=float,
+        check=non_negative_number,
+        help="router z-loss coefficient; default: none",
+    )
+    moe_router_pre_softmax: bool = option(
+        False,
+        "--moe-router-pre-softmax",
+        kind=MODEL,
+        help="softmax over all experts before the top-k (default: over the selected k)",
+    )
+    moe_router_score_function: str = option(
+        "softmax",
+        "--moe-router-score-function",
+        kind=MODEL,
+        check=one_of(config_rules.MOE_SCORE_FUNCTIONS),
+        help="softmax or sigmoid routing scores",
+    )
+    moe_router_enable_expert_bias: bool = option(
+        False,
+        "--moe-router-enable-expert-bias",
+        kind=MODEL,
+        help="aux-loss-free balancing: a per-expert bias on the selection scores, updated "
+        "after every step from the token counts (needs --moe-router-score-function sigmoid)",
+    )
+    moe_router_bias_update_rate: float = option(
+        1e-3,
+        "--moe-router-bias-update-rate",
+        kind=OPTIMIZER,
+        check=positive_number,
+        help="step of the expert-bias update",
+    )
+    moe_router_topk_scaling_factor: Optional[float] = option(
+        None,
+        "--moe-router-topk-scaling-factor",
+        kind=MODEL,
+        type=float,
+        check=positive_number,
+        help="multiply the routing probabilities by this factor; default: none",
+    )
+    moe_router_num_groups: Optional[int] = option(
+        None,
+        "--moe-router-num-groups",
+        kind=MODEL,
+        type=int,
+        check=positive,
+        help="group-limited routing: expert groups (with --moe-router-group-topk)",
+    )
+    moe_router_group_topk: Optional[int] = option(
+        None,
+        "--moe-router-group-topk",
+        kind=MODEL,
+        type=int,
+        check=positive,
+        help="group-limited routing: groups each token may use",
+    )
+    moe_layer_freq: Union[int, List[int]] = option(
+        1,
+        "--moe-layer-freq",
+        kind=MODEL,
+        type=int,
+        nargs="+",
+        one_or_list=True,
+        metavar="N",
+        help="N: every N-th layer (0, N, 2N, ...) is a MoE layer; or one 0/1 per layer",
+    )
+    moe_grouped_gemm: bool = option(
+        False,
+        "--moe-grouped-gemm",
+        kind=RUN,
+        help="GroupedMLP experts (one grouped GEMM on a GPU; same values as the default "
+        "SequentialMLP)",
+    )
+    moe_token_dispatcher_type: str = option(
+        "allgather",
+        "--moe-token-dispatcher-type",
+        kind=RUN,
+        check=one_of(config_rules.MOE_TOKEN_DISPATCHERS),
+        help="allgather or alltoall (flex is refused)",
+    )
+    expert_model_parallel_size: int = option(
+        1,
+        "--expert-model-parallel-size",
+        "--ep",
+        kind=LAYOUT,
+        check=positive,
+        help="expert-parallel size (experts split over EP ranks)",
+    )
+    expert_tensor_parallel_size: Optional[int] = option(
+        None,
+        "--expert-tensor-parallel-size",
+        "--etp",
+        kind=LAYOUT,
+        type=int,
+        check=positive,
+        help="tensor-parallel size inside each expert; default: --tp",
+    )
     # Optimization.
     train_iters: int = option(
         20, "--train-iters", kind=OPTIMIZER, check=positive, help="training iterations"

@@ -78,6 +78,8 @@ def initialize_model_parallel_groups(layout: Layout) -> ProcessGroupCollection:
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
         context_parallel_size=layout.context_parallel_size,
         hierarchical_context_parallel_sizes=layout.hierarchical_sizes,
+        expert_model_parallel_size=layout.expert_model_parallel_size,
+        expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
         distributed_timeout_minutes=int(TIMEOUT.total_seconds() // 60),
     )
     return ProcessGroupCollection.use_mpu_process_groups()
@@ -96,6 +98,7 @@ def single_process_groups(rank: int = 0) -> Optional[ProcessGroupCollection]:
     if dist.get_rank() != rank:
         return None
     names = ("tp", "pp", "mp", "cp", "tp_cp", "tp_dp_cp", "dp", "dp_cp", "intra_dp_cp")
+    names += ("ep", "expt_tp", "tp_ep", "tp_ep_pp", "expt_dp", "intra_expt_dp")
     return ProcessGroupCollection(**{name: group for name in names})
 
 

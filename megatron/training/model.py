@@ -18,7 +18,10 @@ from megatron.core.distributed import (
     finalize_model_grads,
 )
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+)
 from megatron.core.models.gpt.gpt_model import padded_vocab_size
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
@@ -53,7 +56,7 @@ def build_model(
         stage = vp_stage * pp + pp_rank
         gpt = GPTModel(
             config=transformer_config,
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization=config.normalization),
+            transformer_layer_spec=layer_spec(config, transformer_config, vp_stage, pp_rank),
             vocab_size=padded_vocab_size(
                 config.vocab_size,
                 config.make_vocab_size_divisible_by,
@@ -105,6 +108,49 @@ def build_model(
         transformer_config.grad_sync_func = one_or_list([c.start_grad_sync for c in chunks])
     transformer_config.finalize_model_grads_func = finalize_model_grads
     return chunks
+
+
+def layer_spec(config: TrainingConfig, transformer_config, vp_stage: int, pp_rank: int):
+    """The layer spec (dense), or this chunk's block spec with MoE layers where
+    ``--moe-layer-freq`` puts them."""
+    if config.num_experts is None:
+        return get_gpt_layer_local_spec(normalization=config.normalization)
+    return get_gpt_decoder_block_spec(
+        transformer_config,
+        use_transformer_engine=False,
+        normalization=config.normalization,
+        vp_stage=vp_stage,
+        pp_rank=pp_rank,
+    )
+
+
+def moe_fields(config: TrainingConfig, layout: Layout) -> dict:
+    """TransformerConfig's mixture-of-experts fields from the flags (none without
+    ``--num-experts``)."""
+    if config.num_experts is None:
+        return {}
+    return dict(
+        num_moe_experts=config.num_experts,
+        moe_router_topk=config.moe_router_topk,
+        moe_ffn_hidden_size=config.moe_ffn_hidden_size or config.ffn_hidden_size,
+        moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=config.moe_shared_expert_gate,
+        moe_router_load_balancing_type=config.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=config.moe_aux_loss_coeff,
+        moe_z_loss_coeff=config.moe_z_loss_coeff,
+        moe_router_pre_softmax=config.moe_router_pre_softmax,
+        moe_router_score_function=config.moe_router_score_function,
+        moe_router_enable_expert_bias=config.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=config.moe_router_bias_update_rate,
+        moe_router_topk_scaling_factor=config.moe_router_topk_scaling_factor,
+        moe_router_num_groups=config.moe_router_num_groups,
+        moe_router_group_topk=config.moe_router_group_topk,
+        moe_layer_freq=config.moe_layer_freq,
+        moe_grouped_gemm=config.moe_grouped_gemm,
+        moe_token_dispatcher_type=config.moe_token_dispatcher_type,
+        expert_model_parallel_size=layout.expert_model_parallel_size,
+        expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
+    )
 
 
 def lora_config(config: TrainingConfig) -> LoRAConfig:
@@ -184,6 +230,7 @@ def transformer_config_from(config: TrainingConfig, layout: Layout) -> Transform
         recompute_num_layers=config.recompute_num_layers,
         recompute_modules=config.recompute_modules,
         **(fusions_of(config) if config.compile else {}),
+        **moe_fields(config, layout),
     )
 
 

@@ -37,6 +37,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.loss_reporting import reduce_reported_losses
 from megatron.core.process_groups_config import ProcessGroupCollection, get_pg_rank, get_pg_size
+from megatron.core.transformer.moe import moe_utils
 from megatron.training.arguments import (
     Layout,
     TrainingConfig,
@@ -353,6 +354,7 @@ def _train(
                 "skipped_iterations": skipped,
                 "loss_scale": optimizer.get_loss_scale().item() if scaled else None,
                 **_memory_record(),
+                **_moe_record(config, layout, pg_collection),
             }
         )
         postfix = dict(loss=f"{loss:.4f}", tokens_per_s=f"{data_tokens / seconds:.0f}")
@@ -536,6 +538,27 @@ def _perturb_weights(model: List[torch.nn.Module], relative: float) -> None:
                 noise = torch.rand(parameter.shape, generator=generator, dtype=torch.float64)
                 factor = 1 + relative * (2 * noise - 1)
                 parameter.mul_(factor.to(device=parameter.device, dtype=parameter.dtype))
+
+
+def _moe_record(
+    config: TrainingConfig, layout: Layout, pg_collection: Optional[ProcessGroupCollection]
+) -> Dict[str, Any]:
+    """The step's router losses (mean over the MoE layers of (1/(D M)) sum_m loss_m, the
+    coefficient included) and per-layer token loads (valid tokens per expert over the
+    global batch): the same for every layout (collective: every rank calls it)."""
+    if config.num_experts is None:
+        return {}
+    metrics = moe_utils.reduced_moe_metrics(
+        1.0 / layout.num_microbatches, config.num_layers, config.moe_layer_freq, pg_collection
+    )
+    moe_utils.clear_aux_losses_tracker()
+    record = {}
+    for name, values in metrics.items():
+        if name == "tokens_per_expert":
+            record["moe_tokens_per_expert"] = values.tolist()
+        elif values.numel():
+            record[f"moe_{name}"] = float(values.double().mean())
+    return record
 
 
 def _save_due(config: TrainingConfig, iteration: int) -> bool:

@@ -40,6 +40,8 @@ class Layout:
     tensor_model_parallel_size: int = 1
     sequence_parallel: bool = False
     hierarchical_context_parallel_sizes: Optional[Tuple[int, ...]] = None
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
 
     @property
     def hierarchical_sizes(self) -> Optional[List[int]]:
@@ -132,6 +134,7 @@ def validate_config(config: Config, world_size: int) -> Layout:
     if c.pack_sequences:
         _check_packing(c)
     _check_combinations(c)
+    _check_moe(c, world_size)
     _check_lora(c)
     hierarchical = c.hierarchical_context_parallel_sizes
     return Layout(
@@ -144,7 +147,103 @@ def validate_config(config: Config, world_size: int) -> Layout:
         tp,
         c.sequence_parallel,
         None if hierarchical is None else tuple(hierarchical),
+        c.expert_model_parallel_size,
+        c.expert_tensor_parallel_size,
     )
+
+
+_MOE_FLAGS = (
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate",
+    "moe_aux_loss_coeff",
+    "moe_z_loss_coeff",
+    "moe_router_pre_softmax",
+    "moe_router_score_function",
+    "moe_router_enable_expert_bias",
+    "moe_router_topk_scaling_factor",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_grouped_gemm",
+    "moe_token_dispatcher_type",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+)
+
+
+def _check_moe(c: Config, world_size: int) -> None:
+    """The mixture-of-experts flags (TransformerConfig's MoE checks, named by flag)."""
+    defaults = {f.name: f.default for f in fields(c)}
+    if c.num_experts is None:
+        for name in _MOE_FLAGS:
+            value = getattr(c, name)
+            _require(
+                value == defaults[name],
+                f"{_moe_flag(name)} {value} needs --num-experts (a mixture-of-experts model)",
+            )
+        return
+    experts, topk = c.num_experts, c.moe_router_topk
+    tp, pp = c.tensor_model_parallel_size, c.pipeline_model_parallel_size
+    ep = c.expert_model_parallel_size
+    etp = c.expert_tensor_parallel_size or tp
+    _require(
+        c.disable_bias_linear,
+        f"--num-experts {experts} needs --disable-bias-linear (expert biases are not supported)",
+    )
+    _require(
+        tp == 1 or c.sequence_parallel,
+        f"--num-experts {experts} with --tp {tp} needs --sequence-parallel (without it every "
+        "TP rank routes the same tokens and the router losses would depend on the layout)",
+    )
+    _require(
+        experts % ep == 0,
+        f"--num-experts {experts} is not divisible by --expert-model-parallel-size {ep}",
+    )
+    _require(
+        world_size % (etp * ep * pp) == 0,
+        f"world size {world_size} is not divisible by --expert-tensor-parallel-size {etp} x "
+        f"--expert-model-parallel-size {ep} x --pp {pp} = {etp * ep * pp}",
+    )
+    _require(topk <= experts, f"--moe-router-topk {topk} must be at most --num-experts {experts}")
+    _require(
+        not (topk == 1 and c.moe_router_score_function == "softmax") or c.moe_router_pre_softmax,
+        "--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax",
+    )
+    _require(
+        not c.moe_router_enable_expert_bias or c.moe_router_score_function == "sigmoid",
+        "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid",
+    )
+    _require(
+        not c.moe_shared_expert_gate or c.moe_shared_expert_intermediate_size is not None,
+        "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size",
+    )
+    groups, group_topk = c.moe_router_num_groups, c.moe_router_group_topk
+    _require(
+        (groups is None) == (group_topk is None),
+        "--moe-router-num-groups and --moe-router-group-topk go together (group-limited "
+        "routing)",
+    )
+    if groups is not None:
+        _require(
+            experts % groups == 0 and group_topk <= groups and topk % group_topk == 0,
+            f"--moe-router-num-groups {groups} / --moe-router-group-topk {group_topk}: the "
+            f"groups must divide --num-experts {experts}, group-topk be at most the groups "
+            f"and divide --moe-router-topk {topk}",
+        )
+    ffn = c.moe_ffn_hidden_size or c.ffn_hidden_size or 4 * c.hidden_size
+    _require(
+        ffn % etp == 0,
+        f"the expert FFN size {ffn} is not divisible by --expert-tensor-parallel-size {etp}",
+    )
+    _require(
+        config_rules.moe_layer_pattern(c.moe_layer_freq, c.num_layers) is not None,
+        f"--moe-layer-freq {c.moe_layer_freq}: expected N >= 1 or --num-layers "
+        f"({c.num_layers}) 0/1 entries",
+    )
+
+
+def _moe_flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def _check_combinations(c: Config) -> None:

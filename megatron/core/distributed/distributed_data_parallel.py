@@ -69,14 +69,33 @@ class DistributedDataParallel(torch.nn.Module):
         if disable_bucketing or not ddp_config.overlap_grad_reduce:
             bucket_size = None
         self.shard_size = dp_cp_size if ddp_config.use_distributed_optimizer else None
+        dense = [p for p in module.parameters() if p.requires_grad and _is_dense(p)]
+        experts = [p for p in module.parameters() if p.requires_grad and not _is_dense(p)]
         self.buffers = _make_buffers(
-            module,
+            dense,
             ddp_config.grad_reduce_in_fp32,
             bucket_size,
             self.shard_size,
             self.dp_cp_group,
             self.pre_scale,
         )
+        self.expt_dp_group = None
+        if experts:
+            # Expert parameters (allreduce=False): their own buffers, reduced (and, with the
+            # distributed optimizer, sharded) over expert DP with the dense factor: summed
+            # over expert DP and divided by D * C like every other gradient (AVG over expert
+            # DP divides by its own size, hence expt_dp / (D * C) with average_in_collective).
+            self.expt_dp_group = expert_data_parallel_group(pg_collection, config, dp_cp_size)
+            expt_size = get_pg_size(self.expt_dp_group)
+            expert_scale = expt_size / dp_cp_size if self.average else self.pre_scale
+            self.buffers += _make_buffers(
+                experts,
+                ddp_config.grad_reduce_in_fp32,
+                bucket_size,
+                expt_size if ddp_config.use_distributed_optimizer else None,
+                self.expt_dp_group,
+                expert_scale,
+            )
         self.param_to_bucket: Dict[torch.nn.Parameter, GradBucket] = {}
         for buffer in self.buffers:
             self.param_to_bucket.update(buffer.param_to_bucket)
@@ -171,11 +190,14 @@ class DistributedDataParallel(torch.nn.Module):
             param.grad = None
 
     def broadcast_params(self) -> None:
-        """Copy parameters from the first rank of the dp x cp group to the others."""
-        if get_pg_size(self.dp_cp_group) == 1:
-            return
-        for param in self.module.parameters():
-            broadcast_(param.data, self.dp_cp_group, src=0)
+        """Copy parameters from the first rank of the dp x cp group to the others (expert
+        parameters: of the expert data-parallel group)."""
+        for group, dense in ((self.dp_cp_group, True), (self.expt_dp_group, False)):
+            if get_pg_size(group) == 1:
+                continue
+            for param in self.module.parameters():
+                if _is_dense(param) == dense:
+                    broadcast_(param.data, group, src=0)
 
     def state_dict(self, *args, **kwargs):
         """The wrapped module's state dict (parameter gathers in flight finished first)."""
@@ -242,8 +264,29 @@ class DistributedDataParallel(torch.nn.Module):
         return [bucket for buffer in self.buffers for bucket in buffer.buckets]
 
 
+def expert_data_parallel_group(
+    pg_collection: Optional[ProcessGroupCollection], config, dp_cp_size: int
+) -> Optional[dist.ProcessGroup]:
+    """The group expert gradients are summed over: ``pg_collection.expt_dp``, else
+    ``parallel_state``'s expert data-parallel group (MPU fallback). It holds the ranks with
+    the same expert shard, whose tokens together are all of a pipeline stage's tokens."""
+    group = resolve_group("expt_dp", pg_collection=pg_collection)
+    if group is None and (dp_cp_size > 1 or config.tensor_model_parallel_size > 1):
+        raise ValueError(
+            "DistributedDataParallel: the model has expert parameters but pg_collection has "
+            "no expt_dp group (the expert data-parallel group); pass pg_collection.expt_dp"
+        )
+    return group
+
+
+def _is_dense(param: torch.nn.Parameter) -> bool:
+    """Reduced over dp x cp (``allreduce`` unset or True); expert parameters have
+    ``allreduce = False`` and are reduced over expert DP."""
+    return getattr(param, "allreduce", True)
+
+
 def _make_buffers(
-    module,
+    params: List[torch.nn.Parameter],
     grad_reduce_in_fp32: bool,
     bucket_size,
     shard_size: Optional[int],
@@ -254,16 +297,15 @@ def _make_buffers(
     distributed optimizer (``shard_size``) per parameter dtype as well (a parameter buffer
     holds one dtype); each reduces over ``group`` with ``pre_scale``.
 
-    Expert parameters (``param.allreduce = False``) would go to buffers of their own built
-    with the expert-data-parallel group, its size as ``shard_size`` and megatron-core's
-    expert scaling factor; the reduction and the distributed optimizer already follow each
+    Expert parameters (``param.allreduce = False``) get buffers of their own (the caller
+    passes them apart) with the expert-data-parallel group, its size as ``shard_size`` and
+    the dense scaling factor; the reduction and the distributed optimizer follow each
     buffer's ``data_parallel_group``."""
     by_dtype: Dict[tuple, List[torch.nn.Parameter]] = {}
-    for param in module.parameters():
-        if param.requires_grad:
-            dtype = torch.float32 if grad_reduce_in_fp32 else param.dtype
-            key = (dtype, param.dtype if shard_size is not None else None)
-            by_dtype.setdefault(key, []).append(param)
+    for param in params:
+        dtype = torch.float32 if grad_reduce_in_fp32 else param.dtype
+        key = (dtype, param.dtype if shard_size is not None else None)
+        by_dtype.setdefault(key, []).append(param)
     return [
         GradBuffer(params, dtype, bucket_size, shard_size, group, pre_scale)
         for (dtype, _), params in by_dtype.items()

@@ -14,6 +14,7 @@ from megatron.core.process_groups_config import (
     get_pg_size,
     resolve_pg_collection,
 )
+from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
 from megatron.core.utils import get_attr_wrapped_model
 
 
@@ -33,6 +34,10 @@ def finalize_model_grads(
     parameter inside a sequence-parallel region) gets only its shard's share of dL/dp on
     each TP rank; the full gradient is the SUM over the TP group (``pg_collection.tp``, else
     the MPU fallback), done in one flat buffer per dtype, whatever the module.
+
+    MoE routers with an expert bias (aux-loss-free balancing): the step's valid-token counts
+    per expert are summed (int64) over the model's tp x dp x cp group and each bias moves by
+    ``moe_router_bias_update_rate * sign(mean - count)``; the counts restart from zero.
 
     ``num_tokens`` (per-token mode): this rank's count; the last pipeline stage's value is
     broadcast over pp and summed over dp_cp. Groups: ``pg_collection``, else
@@ -56,11 +61,36 @@ def finalize_model_grads(
         _allreduce_sequence_parallel_grads(model, groups.tp)
         _allreduce_word_embedding_grads(model, groups)
         _allreduce_position_embedding_grads(model, groups)
+    _update_router_expert_bias(model, groups)
     if num_tokens is not None:
         total = _global_token_count(num_tokens, groups)
         scale = 1.0 / torch.clamp(total, min=1.0)
         for chunk in model:
             chunk.scale_gradients(scale)
+
+
+def _update_router_expert_bias(model: List[torch.nn.Module], groups) -> None:
+    """Update every router's ``expert_bias`` from its counts (see ``finalize_model_grads``);
+    one all-reduce of all of this rank's routers' counts."""
+    routers = [
+        module
+        for chunk in model
+        for module in chunk.modules()
+        if getattr(module, "expert_bias", None) is not None
+        and getattr(module, "local_tokens_per_expert", None) is not None
+    ]
+    if not routers:
+        return
+    group = None if groups is None else groups.tp_dp_cp
+    counts = torch.stack([r.local_tokens_per_expert for r in routers])
+    rate = routers[0].config.moe_router_bias_update_rate
+    with torch.no_grad():
+        updated = get_updated_expert_bias(
+            counts, torch.stack([r.expert_bias for r in routers]), rate, group=group
+        )
+        for router, bias in zip(routers, updated):
+            router.expert_bias.copy_(bias)
+            router.local_tokens_per_expert.zero_()
 
 
 def _global_token_count(num_tokens: torch.Tensor, groups) -> torch.Tensor:

@@ -31,6 +31,7 @@ from megatron.core.optimizer.optimizer import (
     init_optimizer_state,
 )
 from megatron.core.optimizer.optimizer_config import OptimizerConfig, unsupported_settings
+from megatron.core.utils import get_model_config
 
 __all__ = [
     "OptimizerConfig",
@@ -123,9 +124,23 @@ def get_megatron_optimizer(
     if pg_collection is not None:
         inner.grad_stats_parallel_group = pg_collection.mp
         inner.tp_group = pg_collection.tp
+    if any(_has_experts(chunk) for chunk in model_chunks):
+        # expert gradients: their own norm part, over expert tp x ep x pp (MPU fallback)
+        inner.has_expert_params = True
+        if pg_collection is not None:
+            inner.expert_grad_stats_parallel_group = pg_collection.tp_ep_pp
     chained = ChainedOptimizer([inner])
     chained.model_chunks = list(model_chunks)
     return chained
+
+
+def _has_experts(chunk: torch.nn.Module) -> bool:
+    """Whether a model chunk has routed experts (its config sets ``num_moe_experts``)."""
+    try:
+        config = get_model_config(chunk)
+    except RuntimeError:  # a bare module without a config
+        return False
+    return getattr(config, "num_moe_experts", None) is not None
 
 
 def _grad_scaler(config: OptimizerConfig, device: torch.device):

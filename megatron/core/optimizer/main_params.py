@@ -20,7 +20,13 @@ from typing import List, Optional, Sequence
 import torch
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-_COPIED_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared")
+_COPIED_ATTRIBUTES = (
+    "tensor_model_parallel",
+    "partition_dim",
+    "partition_stride",
+    "shared",
+    "allreduce",
+)
 
 
 def make_main_param(model_param: torch.nn.Parameter) -> torch.nn.Parameter:

@@ -7,6 +7,7 @@ parameters back into bf16/fp16 model parameters. It returns megatron's
 ``(update_successful, grad_norm, num_zeros_in_grad)``.
 """
 
+import math
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -25,6 +26,7 @@ from megatron.core.dist_checkpointing.optimizer import (
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros,
+    get_grad_norm_fp32,
     grad_norm,
     param_is_not_shared,
 )
@@ -78,8 +80,18 @@ class MegatronOptimizer(ABC):
             p.grad
             for p in self.get_parameters()
             if p.grad is not None
+            and getattr(p, "allreduce", True)
             and param_is_not_shared(p)
             and param_is_not_tensor_parallel_duplicate(p, tp_group)
+        ]
+
+    def get_expert_main_grads_for_grad_norm(self) -> List[torch.Tensor]:
+        """Expert grads (``allreduce = False``): every expert shard is distinct within the
+        expert model-parallel group (expert tp x ep x pp), so each counts once there."""
+        return [
+            p.grad
+            for p in self.get_parameters()
+            if p.grad is not None and not getattr(p, "allreduce", True)
         ]
 
     def get_grad_stats_parallel_group(self) -> Optional[dist.ProcessGroup]:
@@ -122,12 +134,21 @@ class MegatronOptimizer(ABC):
     @torch.no_grad()
     def get_grad_norm(self) -> float:
         """The global gradient norm (rule 4 of SPEC section 12)."""
-        return grad_norm(
+        dense = grad_norm(
             self.get_main_grads_for_grad_norm(),
             2.0,
             self._reduce_grad_stats,
             self._grad_stats_device(),
         )
+        if not getattr(self, "has_expert_params", False):
+            return dense
+        expert = get_grad_norm_fp32(
+            self.get_expert_main_grads_for_grad_norm(),
+            grad_stats_parallel_group=resolve_group(
+                "tp_ep_pp", getattr(self, "expert_grad_stats_parallel_group", None)
+            ),
+        )
+        return math.sqrt(dense**2 + expert**2)
 
     def clip_grad_norm(self, clip_grad: float) -> float:
         """Compute the global norm, scale all grads by min(1, clip/(norm+1e-6)); the norm."""

@@ -42,6 +42,7 @@ from megatron.core.process_groups_config import (
     resolve_group,
     resolve_pg_collection,
 )
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 Model = Union[torch.nn.Module, List[torch.nn.Module]]
@@ -461,6 +462,8 @@ def forward_step(
     """
     if config.timers is not None:
         config.timers("forward-compute", log_level=2).start()
+    if getattr(config, "num_moe_experts", None) is not None:
+        set_router_loss_scale(config, _loss_cp_group(cp_group, cp_group_size), num_microbatches)
     unwrap = not isinstance(input_tensor, list)
     get_attr_wrapped_model(model, "set_input_tensor")(
         input_tensor if not unwrap else [input_tensor]
@@ -563,6 +566,27 @@ def normalize_microbatch_loss(
     if calculate_per_token_loss:
         return loss + 0.0
     return reduce_loss_across_cp(loss, num_tokens, cp_group) / num_microbatches
+
+
+def set_router_loss_scale(
+    config, cp_group: Optional[dist.ProcessGroup], num_microbatches: int
+) -> None:
+    """The gradient MoE router losses receive (``MoEAuxLossAutoScaler``), the counterpart
+    of ``normalize_microbatch_loss`` for the losses a MoE layer adds to the objective:
+
+    averaged and legacy modes: g * C / M (each shard's part of aux_m + z_m; gradient
+    averaging over dp_cp divides by D C): the step trains (1/(D M)) sum_m (aux_m + z_m);
+    per-token mode: g (the router weights each part by T_m itself and
+    ``finalize_model_grads`` divides by the global token count N): sum_m T_m (aux_m + z_m) / N.
+
+    g = ``config.grad_scale_func(1)`` (the loss scale), or 1.
+    """
+    device = comm_device(cp_group)
+    one = torch.ones(1, device=device)
+    scale = config.grad_scale_func(one) if config.grad_scale_func is not None else one
+    if not config.calculate_per_token_loss:
+        scale = scale * get_pg_size(cp_group) / num_microbatches
+    MoEAuxLossAutoScaler.set_loss_scale(scale)
 
 
 def reduce_loss_across_cp(

@@ -127,6 +127,7 @@ class TransformerBlock(MegatronModule):
             inference_context=inference_context,
             packed_seq_params=packed_seq_params,
             sequence_len_offset=sequence_len_offset,
+            padding_mask=padding_mask,
         )
         full_recompute = (
             self.config.recompute_granularity == "full"

@@ -9,6 +9,7 @@ from megatron.core import config_rules
 from megatron.core.config_rules import CP_COMM_TYPES
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.moe.config_checks import check_moe_config
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 
@@ -82,6 +83,48 @@ class TransformerConfig(ModelParallelConfig):
     recompute_modules: Optional[List[str]] = None
     label_smoothing: float = 0.0
     attention_backend: AttnBackend = AttnBackend.auto
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_gate: bool = False
+    moe_shared_expert_overlap: bool = False
+    moe_layer_freq: Union[int, List[int]] = 1
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_router_load_balancing_type: Union[str, List[str]] = "aux_loss"
+    moe_router_topk: int = 2
+    moe_enable_routing_replay: bool = False
+    moe_router_topk_limited_devices: Optional[int] = None
+    moe_router_padding_for_quantization: Optional[bool] = False
+    moe_router_padding_for_fp8: Optional[bool] = False
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_score_function: str = "softmax"
+    moe_router_dtype: Optional[str] = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_force_load_balancing: bool = False
+    moe_grouped_gemm: bool = False
+    moe_use_legacy_grouped_gemm: bool = False
+    moe_aux_loss_coeff: Union[float, List[float]] = 0.0
+    moe_z_loss_coeff: Optional[float] = None
+    moe_input_jitter_eps: Optional[float] = None
+    moe_token_dropping: bool = False
+    moe_token_dispatcher_type: str = "allgather"
+    moe_enable_deepep: bool = False
+    moe_flex_dispatcher_backend: str = "deepep"
+    moe_per_layer_logging: bool = False
+    moe_expert_capacity_factor: Optional[float] = None
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_drop_policy: str = "probs"
+    moe_layer_recompute: bool = False
+    moe_permute_fusion: bool = False
+    moe_router_fusion: bool = False
+    moe_apply_probs_on_input: bool = False
+    moe_latent_size: Optional[int] = None
+    moe_deepep_num_sms: int = 20
+    moe_hybridep_num_sms: int = 16
+    moe_extended_tp: bool = False
+    overlap_moe_expert_parallel_comm: bool = False
 
     def __post_init__(self) -> None:
         """Derive ffn, kv and query-group sizes; check every TP split is even."""
@@ -91,8 +134,6 @@ class TransformerConfig(ModelParallelConfig):
                 f"TransformerConfig: fp16={self.fp16} and bf16={self.bf16}; expected at most one "
                 "of them True"
             )
-        if self.num_moe_experts is not None:
-            raise NotImplementedError("num_moe_experts is not supported by this core")
         if self.mtp_num_layers is not None:
             raise NotImplementedError("mtp_num_layers is not supported by this core")
         if self.multi_latent_attention:
@@ -107,6 +148,7 @@ class TransformerConfig(ModelParallelConfig):
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         _check_cp_comm_type(self.cp_comm_type, self.num_layers)
+        check_moe_config(self)
         self._check_recompute()
         self.attention_backend = _attention_backend(self.attention_backend)
         _check_window_size(self.window_size)

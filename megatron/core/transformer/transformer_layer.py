@@ -10,8 +10,9 @@ from megatron.core import tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_layer import BaseMoELayer
 from megatron.core.transformer.parallel_groups import pp_rank_of, tp_group_of
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module, get_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -80,9 +81,18 @@ class TransformerLayer(MegatronModule):
         self.cross_attention = build_module(submodules.cross_attention, config=config)
         self.cross_attn_bda = build_module(submodules.cross_attn_bda)
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, **norm)
-        self.mlp = build_module(
-            submodules.mlp, config=config, tp_group=tp_group_of(pg_collection, config)
-        )
+        self.is_moe_layer = _is_moe_spec(submodules.mlp)
+        if self.is_moe_layer:
+            self.mlp = build_module(
+                submodules.mlp,
+                config=config,
+                layer_number=self.layer_number,
+                pg_collection=pg_collection,
+            )
+        else:
+            self.mlp = build_module(
+                submodules.mlp, config=config, tp_group=tp_group_of(pg_collection, config)
+            )
         self.mlp_bda = build_module(submodules.mlp_bda)
 
     def forward(
@@ -126,7 +136,9 @@ class TransformerLayer(MegatronModule):
         )
         normed, norm_ckpt = self._norm(self.pre_mlp_layernorm, hidden_states, recompute)
         residual = normed if self.config.apply_residual_connection_post_layernorm else hidden_states
-        if "mlp" in recompute:
+        if self.is_moe_layer:
+            mlp_output = self.mlp(normed, padding_mask=padding_mask)
+        elif "mlp" in recompute:
             mlp_output = tensor_parallel.checkpoint(self.mlp, False, normed)
         else:
             mlp_output = self.mlp(normed)
@@ -206,3 +218,13 @@ def layers_per_virtual_stage(config: TransformerConfig) -> int:
             f"({config.virtual_pipeline_model_parallel_size or 1}) = {stages}"
         )
     return config.num_layers // stages
+
+
+def _is_moe_spec(spec) -> bool:
+    """Whether an MLP spec builds a mixture-of-experts layer (it then takes
+    ``pg_collection`` and ``layer_number``, and the padding mask in its forward)."""
+    try:
+        module = get_module(spec)
+    except (AttributeError, ImportError):
+        return False
+    return isinstance(module, type) and issubclass(module, BaseMoELayer)

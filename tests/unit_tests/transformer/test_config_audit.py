@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 
@@ -56,6 +56,8 @@ class With:
         self.value, self.context = value, context
 
 
+MOE = dict(num_moe_experts=4, add_bias_linear=False)
+
 # field -> a value different from the default (and from BASE) that a model could honour
 NON_DEFAULT = {
     "num_layers": 3,
@@ -74,7 +76,7 @@ NON_DEFAULT = {
     "add_qkv_bias": With(True, add_bias_linear=False),
     "gated_linear_unit": True,
     "activation_func": F.silu,
-    "num_moe_experts": 4,
+    "num_moe_experts": With(4, add_bias_linear=False),
     "mtp_num_layers": 1,
     "rotary_interleaved": True,
     "window_size": (2, 0),
@@ -91,6 +93,42 @@ NON_DEFAULT = {
     "perform_initialization": False,
     "distribute_saved_activations": True,
     "params_dtype": torch.float64,
+    # mixture of experts (each in a MoE model: experts need add_bias_linear=False)
+    "moe_shared_expert_intermediate_size": With(16, **MOE),
+    "moe_shared_expert_gate": With(True, moe_shared_expert_intermediate_size=16, **MOE),
+    "moe_layer_freq": With(2, **MOE),
+    "moe_ffn_hidden_size": With(8, **MOE),
+    "moe_router_load_balancing_type": With("seq_aux_loss", moe_aux_loss_coeff=0.5, **MOE),
+    "moe_router_topk": With(1, moe_router_pre_softmax=True, **MOE),
+    "moe_enable_routing_replay": With(True, **MOE),
+    "moe_router_topk_limited_devices": With(1, **MOE),
+    "moe_router_padding_for_quantization": With(True, **MOE),
+    "moe_router_padding_for_fp8": With(True, **MOE),
+    "moe_router_num_groups": With(2, **MOE),
+    "moe_router_group_topk": With(1, **MOE),
+    "moe_router_pre_softmax": With(True, **MOE),
+    "moe_router_topk_scaling_factor": With(2.0, **MOE),
+    "moe_router_score_function": With("sigmoid", **MOE),
+    "moe_router_dtype": With("fp64", **MOE),
+    "moe_router_force_load_balancing": With(True, **MOE),
+    "moe_aux_loss_coeff": With(0.5, **MOE),
+    "moe_z_loss_coeff": With(0.5, **MOE),
+    "moe_input_jitter_eps": With(0.1, **MOE),
+    "moe_token_dropping": With(True, **MOE),
+    "moe_enable_deepep": With(True, **MOE),
+    "moe_flex_dispatcher_backend": With("hybridep", **MOE),
+    "moe_expert_capacity_factor": With(1.0, **MOE),
+    "moe_pad_expert_input_to_capacity": With(True, **MOE),
+    "moe_token_drop_policy": With("position", **MOE),
+    "moe_layer_recompute": With(True, **MOE),
+    "moe_permute_fusion": With(True, **MOE),
+    "moe_router_fusion": With(True, **MOE),
+    "moe_apply_probs_on_input": With(True, moe_router_topk=1, moe_router_pre_softmax=True, **MOE),
+    "moe_latent_size": With(8, **MOE),
+    "moe_deepep_num_sms": With(10, **MOE),
+    "moe_hybridep_num_sms": With(8, **MOE),
+    "moe_extended_tp": With(True, **MOE),
+    "overlap_moe_expert_parallel_comm": With(True, **MOE),
 }
 
 SPEED_ONLY = {
@@ -112,6 +150,14 @@ SPEED_ONLY = {
     "recompute_method": "activation recomputation (which layers): same values",
     "recompute_num_layers": "activation recomputation (how many layers): same values",
     "recompute_modules": "selective recomputation (which modules): same values",
+    "moe_grouped_gemm": "GroupedMLP computes the same experts as SequentialMLP "
+    "(test_moe_layer.py: equal outputs and gradients)",
+    "moe_use_legacy_grouped_gemm": "chooses between Transformer Engine's grouped GEMMs; the "
+    "local spec has one",
+    "moe_token_dispatcher_type": "how tokens travel to the experts' ranks; the same values "
+    "(test_moe_layouts.py)",
+    "moe_shared_expert_overlap": "megatron-core overlaps the shared expert with the dispatch; "
+    "here they run one after the other: same values",
 }
 
 # SPEED_ONLY values other than ``not default``
@@ -121,6 +167,7 @@ SPEED_VALUES = {
     "recompute_method": "block",
     "recompute_num_layers": 1,
     "recompute_modules": ["mlp", "layernorm"],
+    "moe_token_dispatcher_type": "alltoall",
 }
 
 OWNED_ELSEWHERE = {
@@ -132,9 +179,13 @@ OWNED_ELSEWHERE = {
     "context_parallel_size": "layout (CP parity tests)",
     "hierarchical_context_parallel_sizes": "layout (a2a+p2p CP tests)",
     "cp_comm_type": "layout: the CP exchange (tests/unit_tests/transformer/test_cp_attention*)",
-    "expert_model_parallel_size": "parallel_state's expert groups (test_parallel_state.py); "
-    "no MoE layer exists (num_moe_experts is refused)",
-    "expert_tensor_parallel_size": "parallel_state's expert groups (test_parallel_state.py)",
+    "expert_model_parallel_size": "layout (test_moe_layouts.py, the MoE parity bucket)",
+    "expert_tensor_parallel_size": "layout (test_moe_layouts.py, the MoE parity bucket)",
+    "moe_router_enable_expert_bias": "the expert-bias update in finalize_model_grads (the "
+    "bias starts at zero; test_moe_layer.py checks the update and its effect on routing)",
+    "moe_router_bias_update_rate": "the expert-bias update in finalize_model_grads "
+    "(test_moe_layer.py)",
+    "moe_per_layer_logging": "track_moe_metrics' per-layer scalars (logging only)",
     # schedules and DDP: tests/unit_tests/pipeline_parallel, tests/unit_tests/distributed
     "calculate_per_token_loss": "the schedules' loss normalization (test_cp_loss_normalization)",
     "timers": "schedules (callbacks)",
@@ -173,7 +224,7 @@ def _run(config: TransformerConfig):
     torch.manual_seed(0)
     model = GPTModel(
         config,
-        get_gpt_layer_local_spec(normalization=config.normalization),
+        get_gpt_decoder_block_spec(config, False, normalization=config.normalization),
         VOCAB,
         SEQ,
         position_embedding_type="rope",

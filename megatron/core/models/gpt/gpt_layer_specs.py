@@ -1,19 +1,28 @@
 """Layer specs of the GPT: which module builds each part of a transformer layer."""
 
-from typing import Optional
+from typing import List, Optional
 
-from megatron.core import tensor_parallel
+from megatron.core import config_rules, tensor_parallel
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
+    get_transformer_layer_offset,
 )
 
 
@@ -36,11 +45,13 @@ def get_gpt_layer_local_spec(
     DotProductAttention, linear_proj: RowParallelLinear) -> bias-dropout-add ->
     pre_mlp_layernorm -> MLP(linear_fc1: ColumnParallelLinear, linear_fc2: RowParallelLinear)
     -> bias-dropout-add. The norms are ``WrappedTorchNorm`` (LayerNorm or RMSNorm per
-    ``config.normalization``; ``normalization`` here only checks the name). Mixture of
-    experts, multi-latent attention, fp8, qk L2 norm and kitchen are not implemented.
+    ``config.normalization``; ``normalization`` here only checks the name). With
+    ``num_experts`` the MLP is a ``MoELayer`` (experts ``GroupedMLP`` with
+    ``moe_grouped_gemm``, else ``SequentialMLP``; a ``SharedExpertMLP`` used when the config
+    sets ``moe_shared_expert_intermediate_size``). ``qk_layernorm``: per-head q/k norms.
+    Multi-latent attention, fp8, qk L2 norm and kitchen are not implemented.
     """
     unsupported = dict(
-        num_experts=num_experts,
         multi_latent_attention=multi_latent_attention,
         fp8=fp8,
         qk_l2_norm=qk_l2_norm,
@@ -75,17 +86,93 @@ def get_gpt_layer_local_spec(
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=WrappedTorchNorm,
-            mlp=ModuleSpec(
-                module=MLP,
-                submodules=MLPSubmodules(
-                    linear_fc1=tensor_parallel.ColumnParallelLinear,
-                    linear_fc2=tensor_parallel.RowParallelLinear,
-                ),
-            ),
+            mlp=_mlp_spec(num_experts, moe_grouped_gemm),
             mlp_bda=get_bias_dropout_add,
-            sharded_state_dict_keys_map={
-                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
-            },
+            sharded_state_dict_keys_map=_keys_map(num_experts),
         ),
+    )
+
+
+def _mlp_spec(num_experts: Optional[int], moe_grouped_gemm: bool) -> ModuleSpec:
+    """The dense MLP, or the MoE layer with its experts and shared expert."""
+    dense = MLPSubmodules(
+        linear_fc1=tensor_parallel.ColumnParallelLinear,
+        linear_fc2=tensor_parallel.RowParallelLinear,
+    )
+    if num_experts is None:
+        return ModuleSpec(module=MLP, submodules=dense)
+    experts = (
+        ModuleSpec(module=GroupedMLP)
+        if moe_grouped_gemm
+        else ModuleSpec(module=SequentialMLP, submodules=dense)
+    )
+    return ModuleSpec(
+        module=MoELayer,
+        submodules=MoESubmodules(
+            experts=experts, shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=dense)
+        ),
+    )
+
+
+def _keys_map(num_experts: Optional[int]) -> dict:
+    """Storage keys of the norms (megatron-core's local spec: the pre-MLP norm is stored
+    under the MLP's fc1 for dense layers only)."""
+    keys = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+    if num_experts is None:
+        keys["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+    return keys
+
+
+def get_gpt_decoder_layer_specs(
+    config: TransformerConfig,
+    use_transformer_engine: bool,
+    normalization: Optional[str] = None,
+    qk_l2_norm: Optional[bool] = False,
+    vp_stage: Optional[int] = None,
+    pp_rank: Optional[int] = None,
+) -> List[ModuleSpec]:
+    """One local layer spec per layer of the model: MoE where ``config.moe_layer_freq``
+    says so (an int N: layers 0, N, 2N, ...; a list: 1 = MoE), dense elsewhere."""
+    if use_transformer_engine:
+        raise NotImplementedError(
+            "get_gpt_decoder_layer_specs: use_transformer_engine=True is not supported "
+            "(Transformer Engine is not available); pass False"
+        )
+    common = dict(
+        qk_layernorm=config.qk_layernorm,
+        normalization=normalization,
+        qk_l2_norm=qk_l2_norm,
+        moe_use_legacy_grouped_gemm=config.moe_use_legacy_grouped_gemm,
+    )
+    dense = get_gpt_layer_local_spec(num_experts=None, **common)
+    if config.num_moe_experts is None:
+        return [dense] * config.num_layers
+    moe = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm, **common
+    )
+    pattern = config_rules.moe_layer_pattern(config.moe_layer_freq, config.num_layers)
+    if pattern is None:
+        raise ValueError(
+            f"moe_layer_freq={config.moe_layer_freq!r}: expected an int >= 1 or a list of "
+            f"num_layers ({config.num_layers}) 0/1 entries"
+        )
+    return [moe if flag else dense for flag in pattern]
+
+
+def get_gpt_decoder_block_spec(
+    config: TransformerConfig,
+    use_transformer_engine: bool,
+    normalization: Optional[str] = None,
+    qk_l2_norm: Optional[bool] = False,
+    vp_stage: Optional[int] = None,
+    pp_rank: Optional[int] = None,
+) -> TransformerBlockSubmodules:
+    """The block spec of one model chunk (chunk ``vp_stage`` of pipeline rank ``pp_rank``;
+    None: 0 / ``parallel_state``'s rank, the MPU fallback): its slice of
+    ``get_gpt_decoder_layer_specs`` and the final norm."""
+    specs = get_gpt_decoder_layer_specs(config, use_transformer_engine, normalization, qk_l2_norm)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(
+        layer_specs=specs[offset : offset + count], layer_norm=WrappedTorchNorm
     )

@@ -244,8 +244,11 @@ class GPTModel(MegatronModule):
         [b, s_local, vocab / TP] (all of the vocabulary with ``parallel_output=False`` or
         ``runtime_gather_output=True``) without; on other stages the hidden states
         [s_local, b, h] ([s_local / TP, b, h] under sequence parallelism).
-        ``packed_seq_params`` is handed to core attention. ``loss_mask`` and
-        ``padding_mask`` are ignored (the loss callback masks).
+        ``packed_seq_params`` is handed to core attention. ``loss_mask`` is ignored (the
+        loss callback masks). ``padding_mask`` [b, s_local] (True = padding; this CP rank's
+        shard, like ``input_ids``) is given on every pipeline stage; MoE layers leave padding
+        out of their router losses and counts. It is sharded like the hidden states
+        (``shard_per_token_tensor``: over the model's TP group under sequence parallelism).
         """
         inference_context = inference_context if inference_context is not None else inference_params
         if decoder_input is None and self.pre_process:
@@ -255,6 +258,12 @@ class GPTModel(MegatronModule):
                 "GPTModel.forward: this chunk has pre_process=False and no input tensor; call "
                 "set_input_tensor with the previous stage's hidden states first"
             )
+        if padding_mask is not None:
+            block_kwargs = dict(extra_block_kwargs or {})
+            block_kwargs["padding_mask"] = shard_per_token_tensor(
+                padding_mask, self.tp_group, self.config.sequence_parallel
+            )
+            extra_block_kwargs = block_kwargs
         rotary_pos_emb = None
         if self.position_embedding_type == "rope" and inference_context is not None:
             rotary_pos_emb = self._rotary_angles_from(inference_context, decoder_input)
@@ -429,8 +438,17 @@ class GPTModel(MegatronModule):
         the (seed, name) stream."""
         norms = (torch.nn.LayerNorm, torch.nn.RMSNorm)
         tp_size, tp_rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
+        experts = {}
+        for module_name, module in self.named_modules():
+            if hasattr(module, "initialize_experts"):
+                experts[module_name] = module
+        for module_name, module in experts.items():
+            module.initialize_experts(self._expert_full_weight(module_name, seed))
+        skip = {id(p) for module in experts.values() for p in module.parameters()}
         for module_name, module in self.named_modules():
             for param_name, param in module.named_parameters(recurse=False):
+                if id(param) in skip:
+                    continue
                 name = self._reference_name(f"{module_name}.{param_name}")
                 if isinstance(module, norms) and param_name == "weight":
                     param.fill_(1.0)
@@ -447,6 +465,23 @@ class GPTModel(MegatronModule):
                     if padding:
                         full = torch.cat([full, full.new_zeros((padding,) + shape[1:])])
                     param.copy_(tp_shard(full, param, tp_size, tp_rank))
+
+    def _expert_full_weight(self, module_name: str, seed: int):
+        """(projection, global expert, shape) -> the full float32 weight of that expert,
+        drawn from the (seed, ``expert_weight_name``) stream: the same for every EP / ETP
+        layout and for ``SequentialMLP`` and ``GroupedMLP``."""
+        experts_name = self._reference_name(f"{module_name}.x")[: -len(".x")]
+
+        def full_weight(projection: str, global_expert: int, shape) -> Tensor:
+            name = expert_weight_name(experts_name, projection, global_expert)
+            method = (
+                self.config.output_layer_init_method
+                if projection == "linear_fc2"
+                else self.config.init_method
+            )
+            return seeded_init(shape, seed, name, method)
+
+        return full_weight
 
     def _reference_name(self, name: str) -> str:
         """A parameter's name in the one-chunk model: layers numbered globally; a tied output
@@ -465,7 +500,8 @@ class GPTModel(MegatronModule):
         if not self.config.sequence_parallel or get_pg_size(self.tp_group) == 1:
             return
         for param in self.decoder.parameters():
-            if not getattr(param, "tensor_model_parallel", False):
+            expert = not getattr(param, "allreduce", True)  # reduced over expert DP instead
+            if not getattr(param, "tensor_model_parallel", False) and not expert:
                 param.sequence_parallel = True
 
 
@@ -508,7 +544,11 @@ def _stream_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-_OUTPUT_LAYERS = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+_OUTPUT_LAYERS = (
+    "self_attention.linear_proj.weight",
+    "mlp.linear_fc2.weight",
+    "shared_experts.linear_fc2.weight",
+)
 _EMBEDDINGS = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
 
 
@@ -519,6 +559,31 @@ def _init_method_for(name: str, config: TransformerConfig):
     if name.endswith(_OUTPUT_LAYERS):
         return config.output_layer_init_method
     return config.init_method
+
+
+def expert_weight_name(experts_name: str, projection: str, global_expert: int) -> str:
+    """The name a routed expert's weight is seeded from: ``SequentialMLP``'s name with the
+    GLOBAL expert index (``decoder.layers.<l>.mlp.experts.local_experts.<g>.<projection>
+    .weight``), whatever the expert-parallel layout or expert module."""
+    return f"{experts_name}.local_experts.{global_expert}.{projection}.weight"
+
+
+def shard_per_token_tensor(
+    tensor: Tensor, tp_group: Optional[torch.distributed.ProcessGroup], sequence_parallel: bool
+) -> Tensor:
+    """A per-token tensor [b, s_local] (e.g. the padding mask) sharded like the hidden
+    states: under sequence parallelism, this rank's block of s over the model's TP group
+    (``tp_group``), else unchanged. (The CP split already happened with the inputs.)"""
+    if not sequence_parallel or get_pg_size(tp_group) == 1:
+        return tensor
+    size, rank = get_pg_size(tp_group), get_pg_rank(tp_group)
+    if tensor.shape[1] % size != 0:
+        raise ValueError(
+            f"padding_mask has {tensor.shape[1]} positions per row (shape "
+            f"{tuple(tensor.shape)}), not divisible by the tensor-parallel size {size} "
+            "(sequence parallelism splits the sequence over TP)"
+        )
+    return tensor.chunk(size, dim=1)[rank].contiguous()
 
 
 def tp_shard(full: Tensor, param: Tensor, tp_size: int, tp_rank: int) -> Tensor:

@@ -1,0 +1,255 @@
+"""The routed experts of a MoE layer (megatron-core 0.16.1's ``SequentialMLP`` and
+``GroupedMLP``: the same parameters and values, two ways to compute).
+
+Expert i (global index g = ep_rank * E_local + i): y = (act(x W1_g^T) * p) W2_g^T, with
+W1_g [F (2F gated), h] and W2_g [h, F] split over expert tensor parallelism like a
+column- / row-parallel pair (the gated W1 with stride 2: a rank keeps its slices of both
+halves). Each rank returns its partial sums; the token dispatcher sums them over expert TP.
+Expert parameters have ``allreduce = False`` (their gradients are reduced over the
+expert-data-parallel group) and no communication inside.
+
+``SequentialMLP``: ``local_experts.<i>.linear_fc1.weight`` / ``linear_fc2.weight``, one
+matrix product per expert. ``GroupedMLP``: ``weight1`` [h, E_local F1] and ``weight2``
+[E_local F, h], expert i's matrices being ``weight1.view(E_local, h, F1)[i]`` (= W1_g^T)
+and ``weight2.view(E_local, F, h)[i]`` (= W2_g^T); on a CUDA device with bf16 weights one
+grouped GEMM (``torch._grouped_mm``) per projection, else one product per expert.
+"""
+
+from typing import Callable, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.process_groups_config import ProcessGroupCollection, get_pg_rank, get_pg_size
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.parallel import moe_groups_of
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+FullWeight = Callable[[str, int, tuple], torch.Tensor]
+"""(``"linear_fc1"`` | ``"linear_fc2"``, global expert index, full shape) -> the full
+float32 weight of that expert (the model's seeded initialization)."""
+
+
+class _ExpertLinear(torch.nn.Module):
+    """One expert projection's shard: ``weight`` [out, in] (local), y = x weight^T."""
+
+    def __init__(self, weight: torch.Tensor, partition_dim: int, stride: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight)
+        _mark_expert(self.weight, partition_dim, stride)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """x W^T."""
+        return F.linear(input, self.weight)
+
+
+class ExpertMLP(torch.nn.Module):
+    """One expert of ``SequentialMLP`` (``linear_fc1``, ``linear_fc2``)."""
+
+    def __init__(self, config: TransformerConfig, etp: int) -> None:
+        super().__init__()
+        ffn = config.moe_ffn_hidden_size // etp
+        fc1_out = 2 * ffn if config.gated_linear_unit else ffn
+        dtype, device = config.params_dtype, None
+        self.linear_fc1 = _ExpertLinear(
+            torch.empty(fc1_out, config.hidden_size, dtype=dtype, device=device),
+            partition_dim=0,
+            stride=2 if config.gated_linear_unit else 1,
+        )
+        self.linear_fc2 = _ExpertLinear(
+            torch.empty(config.hidden_size, ffn, dtype=dtype, device=device),
+            partition_dim=1,
+            stride=1,
+        )
+        self.config = config
+
+    def forward(self, tokens: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """(act(x W1^T) * p) W2^T."""
+        return self.linear_fc2(_activate(self.config, self.linear_fc1(tokens), probs))
+
+
+class SequentialMLP(MegatronModule):
+    """The local experts as a list of MLPs, run one after the other."""
+
+    def __init__(
+        self,
+        num_local_experts,
+        config: TransformerConfig,
+        submodules=None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ) -> None:
+        super().__init__(config)
+        self.groups = moe_groups_of(pg_collection, config)
+        self.num_local_experts = num_local_experts
+        self.tp_group, self.ep_group = self.groups.expt_tp, self.groups.ep
+        self.local_experts = torch.nn.ModuleList(
+            ExpertMLP(config, get_pg_size(self.tp_group)) for _ in range(num_local_experts)
+        )
+
+    def forward(
+        self,
+        permuted_local_hidden_states: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        permuted_probs: torch.Tensor,
+    ):
+        """Rows grouped by local expert (``tokens_per_expert`` rows each) -> (outputs, None)."""
+        sizes = [int(n) for n in tokens_per_expert.tolist()]
+        tokens = torch.split(permuted_local_hidden_states, sizes)
+        probs = torch.split(permuted_probs, sizes)
+        outputs = [expert(x, p) for expert, x, p in zip(self.local_experts, tokens, probs)]
+        if not outputs:
+            return permuted_local_hidden_states, None
+        return torch.cat(outputs, dim=0), None
+
+    def expert_weights(self) -> List[tuple]:
+        """(name, local expert, parameter) of every expert parameter."""
+        return [
+            (name, i, getattr(expert, name).weight)
+            for i, expert in enumerate(self.local_experts)
+            for name in ("linear_fc1", "linear_fc2")
+        ]
+
+    @torch.no_grad()
+    def initialize_experts(self, full_weight: FullWeight) -> None:
+        """Fill every local expert with its shard of its global expert's full weights."""
+        first = get_pg_rank(self.ep_group) * self.num_local_experts
+        for name, i, param in self.expert_weights():
+            full = full_weight(name, first + i, _full_shape(param, self.tp_group))
+            param.copy_(_etp_shard(full, param, self.tp_group))
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """megatron-core's layout: ``{prefix}experts.linear_fc1.weight`` etc. with the global
+        expert index on an axis after the layer axis (see ``expert_sharded_state_dict``)."""
+        from megatron.core.transformer.moe.checkpointing import expert_sharded_state_dict
+
+        return expert_sharded_state_dict(self, prefix, sharded_offsets, metadata)
+
+
+class GroupedMLP(MegatronModule):
+    """The local experts as two stacked weights (see the module docstring)."""
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        config: TransformerConfig,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ) -> None:
+        super().__init__(config)
+        self.groups = moe_groups_of(pg_collection, config)
+        self.num_local_experts = num_local_experts
+        self.tp_group, self.ep_group = self.groups.expt_tp, self.groups.ep
+        etp = get_pg_size(self.tp_group)
+        self.ffn = config.moe_ffn_hidden_size // etp
+        self.fc1_out = 2 * self.ffn if config.gated_linear_unit else self.ffn
+        hidden, dtype = config.hidden_size, config.params_dtype
+        self.weight1 = torch.nn.Parameter(
+            torch.empty(hidden, num_local_experts * self.fc1_out, dtype=dtype)
+        )
+        self.weight2 = torch.nn.Parameter(
+            torch.empty(num_local_experts * self.ffn, hidden, dtype=dtype)
+        )
+        _mark_expert(self.weight1, 1, 1)
+        _mark_expert(self.weight2, 0, 1)
+
+    def expert_w1(self) -> torch.Tensor:
+        """[E_local, h, F1]: expert i's W1^T shard."""
+        return self.weight1.view(self.num_local_experts, self.config.hidden_size, self.fc1_out)
+
+    def expert_w2(self) -> torch.Tensor:
+        """[E_local, F, h]: expert i's W2^T shard."""
+        return self.weight2.view(self.num_local_experts, self.ffn, self.config.hidden_size)
+
+    def forward(
+        self,
+        permuted_local_hidden_states: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        permuted_probs: torch.Tensor,
+    ):
+        """Rows grouped by local expert -> (outputs, None)."""
+        x = permuted_local_hidden_states
+        w1, w2 = self.expert_w1(), self.expert_w2()
+        if _use_grouped_mm(x, w1):
+            offsets = torch.cumsum(tokens_per_expert.to(x.device), 0).to(torch.int32)
+            hidden = torch._grouped_mm(x, w1, offs=offsets)
+            hidden = _activate(self.config, hidden, permuted_probs)
+            return torch._grouped_mm(hidden, w2, offs=offsets), None
+        sizes = [int(n) for n in tokens_per_expert.tolist()]
+        outputs = []
+        for i, (xi, pi) in enumerate(
+            zip(torch.split(x, sizes), torch.split(permuted_probs, sizes))
+        ):
+            outputs.append(_activate(self.config, xi @ w1[i], pi) @ w2[i])
+        if not outputs:
+            return x, None
+        return torch.cat(outputs, dim=0), None
+
+    @torch.no_grad()
+    def initialize_experts(self, full_weight: FullWeight) -> None:
+        """Expert i's block of ``weight1`` / ``weight2``: the transposed ETP shard of its
+        global expert's full fc1 / fc2 weight (the values ``SequentialMLP`` gets)."""
+        first = get_pg_rank(self.ep_group) * self.num_local_experts
+        etp = get_pg_size(self.tp_group)
+        hidden = self.config.hidden_size
+        w1, w2 = self.expert_w1(), self.expert_w2()
+        stride = 2 if self.config.gated_linear_unit else 1
+        for i in range(self.num_local_experts):
+            fc1 = full_weight("linear_fc1", first + i, (self.fc1_out * etp, hidden))
+            fc2 = full_weight("linear_fc2", first + i, (hidden, self.ffn * etp))
+            w1[i].copy_(_split(fc1, 0, stride, self.tp_group).t())
+            w2[i].copy_(_split(fc2, 1, 1, self.tp_group).t())
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """The same checkpoint entries as ``SequentialMLP`` (see
+        ``expert_sharded_state_dict``): checkpoints load across the two."""
+        from megatron.core.transformer.moe.checkpointing import expert_sharded_state_dict
+
+        return expert_sharded_state_dict(self, prefix, sharded_offsets, metadata)
+
+
+def _activate(config: TransformerConfig, hidden: torch.Tensor, probs: torch.Tensor):
+    """act(h) (gated: act(gate) * up) times each row's probability."""
+    if config.gated_linear_unit:
+        gate, up = hidden.chunk(2, dim=-1)
+        hidden = config.activation_func(gate) * up
+    else:
+        hidden = config.activation_func(hidden)
+    return hidden * probs.unsqueeze(-1).to(hidden.dtype)
+
+
+def _use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """One grouped GEMM on CUDA for bf16 (``torch._grouped_mm``), else a loop."""
+    return (
+        x.is_cuda
+        and x.dtype == torch.bfloat16
+        and w.dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
+    )
+
+
+def _mark_expert(param: torch.nn.Parameter, partition_dim: int, stride: int) -> None:
+    """Expert-parameter attributes: split over expert TP along ``partition_dim``, reduced
+    over expert DP (``allreduce = False``)."""
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    param.partition_stride = stride
+    param.allreduce = False
+
+
+def _full_shape(param: torch.Tensor, group) -> tuple:
+    shape = list(param.shape)
+    shape[param.partition_dim] *= get_pg_size(group)
+    return tuple(shape)
+
+
+def _etp_shard(full: torch.Tensor, param: torch.Tensor, group) -> torch.Tensor:
+    return _split(full, param.partition_dim, getattr(param, "partition_stride", 1), group)
+
+
+def _split(full: torch.Tensor, dim: int, stride: int, group) -> torch.Tensor:
+    """This expert-TP rank's shard: ``full`` cut along ``dim`` into size * stride blocks,
+    blocks rank, rank + size, ... kept (the strided split of the dense layers)."""
+    size, rank = get_pg_size(group), get_pg_rank(group)
+    if size == 1:
+        return full
+    block = full.shape[dim] // (size * stride)
+    return torch.cat(torch.split(full, block, dim=dim)[rank::size], dim=dim)
