@@ -75,6 +75,13 @@ __all__ = [
 ]
 
 
+def _is_signal_name(name: object) -> bool:
+    """A name of the signal module's ``Signals`` (SIGTERM, SIGUSR1, ...)."""
+    import signal
+
+    return isinstance(name, str) and name in signal.Signals.__members__
+
+
 # --help sections: the field that opens each one (the following fields belong to it).
 _SECTIONS = {
     "nproc_per_node": "layout",
@@ -244,6 +251,13 @@ class TrainingConfig:
         help="the end-of-document token of --tokenizer (appended to text records, used as "
         "padding); default: the tokenizer config's eos_token, else <|endoftext|>, </s>, ...",
     )
+    allow_truncation: bool = option(
+        False,
+        "--allow-truncation",
+        kind=RUN,
+        help="train even when more than 10%% of the --data-path records are longer than "
+        "--seq-length + 1 tokens and get cut (by default such a run stops and names the count)",
+    )
     pack_sequences: bool = option(
         False,
         "--pack-sequences",
@@ -369,6 +383,13 @@ class TrainingConfig:
         kind=MODEL,
         help="biases on the query/key/value projection even with --disable-bias-linear (Qwen2)",
     )
+    qk_layernorm: bool = option(
+        False,
+        "--qk-layernorm",
+        kind=MODEL,
+        help="normalize each query and key head (--normalization, over kv-channels) before "
+        "the rotary embedding (Qwen3)",
+    )
     openai_gelu: bool = option(
         False,
         "--openai-gelu",
@@ -405,7 +426,7 @@ class TrainingConfig:
         type=str,
         metavar="DIR",
         help="start from a HuggingFace model (config.json + safetensors: Llama, Mistral, "
-        "Qwen2, GPT-2; docs/huggingface.md): its config.json sets the model options above "
+        "Qwen2, Qwen3, GPT-2; docs/huggingface.md): its config.json sets the model options above "
         "(an explicit conflicting one is an error), its weights are loaded at any layout, "
         "and with --data-path its tokenizer is the default --tokenizer",
     )
@@ -976,8 +997,9 @@ class TrainingConfig:
         metavar="DIR",
         help="resume from the newest complete checkpoint in DIR, or from DIR itself when it "
         "is one checkpoint's iter_NNNNNNN directory (any layout). No checkpoint there is an "
-        "error, except when DIR is also --save (auto-resume: starts from scratch). Settings "
-        "that change the model or the data must equal the saved ones",
+        "error, except when DIR is also --save (auto-resume: starts from scratch). The model "
+        "and data settings the checkpoint recorded are used for the flags left out; a flag "
+        "that contradicts them is refused",
     )
     export_hf: Optional[str] = option(
         None,
@@ -1027,6 +1049,55 @@ class TrainingConfig:
         kind=OUTPUT,
         help="with --load DIR --save DIR: an error instead of starting from scratch when DIR "
         "holds no checkpoint yet (any other --load without a checkpoint is an error anyway)",
+    )
+    override_opt_param_scheduler: bool = option(
+        False,
+        "--override-opt_param-scheduler",
+        "--override-opt-param-scheduler",
+        kind=OUTPUT,
+        help="with --load: the learning-rate and weight-decay schedule of this command line "
+        "(--lr, --min-lr, --lr-warmup-iters, --lr-decay-style, --train-iters, --weight-decay) "
+        "replaces the checkpoint's (megatron's flag); without it or "
+        "--use-checkpoint-opt_param-scheduler another value is refused",
+    )
+    use_checkpoint_opt_param_scheduler: bool = option(
+        False,
+        "--use-checkpoint-opt_param-scheduler",
+        "--use-checkpoint-opt-param-scheduler",
+        kind=OUTPUT,
+        help="with --load: keep the checkpoint's learning-rate and weight-decay schedule, "
+        "whatever this command line gives (megatron's flag)",
+    )
+    exit_signal_handler: bool = option(
+        False,
+        "--exit-signal-handler",
+        kind=OUTPUT,
+        help="on --exit-signal (to the launcher or to any rank) every rank finishes the "
+        "step it is in, saves a checkpoint to --save and exits 0 (preemption)",
+    )
+    exit_signal: str = option(
+        "SIGTERM",
+        "--exit-signal",
+        kind=OUTPUT,
+        check=Check("a signal name such as SIGTERM or SIGUSR1", _is_signal_name),
+        help="the signal --exit-signal-handler catches",
+    )
+    exit_duration_in_mins: Optional[float] = option(
+        None,
+        "--exit-duration-in-mins",
+        type=float,
+        check=positive_number,
+        kind=OUTPUT,
+        help="save a checkpoint to --save and exit 0 at the first step boundary after this "
+        "many minutes of training",
+    )
+    exit_interval: Optional[int] = option(
+        None,
+        "--exit-interval",
+        type=int,
+        check=positive,
+        kind=OUTPUT,
+        help="save a checkpoint to --save and exit 0 after the iteration divisible by N",
     )
     compare_single_process: bool = option(
         False,

@@ -37,6 +37,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedObject
 from megatron.core.dist_checkpointing.core import CONFIG_FNAME
 from megatron.training.arguments import TrainingConfig, flag_of
+from megatron.training.errors import SettingsConflict
 from megatron.training.model_settings import resolved_model
 from megatron.training.options import DATA, MODEL, PRECISION, fields_of_kind
 
@@ -153,6 +154,8 @@ def load_checkpoint(
     load_rng: bool = True,
     train_iters: Optional[int] = None,
     exit_on_missing_checkpoint: bool = False,
+    override_scheduler: bool = False,
+    use_checkpoint_scheduler: bool = False,
     base_source: Optional[str] = None,
 ) -> Tuple[int, int, List[str]]:
     """Collective: restore model, optimizer (and scheduler) from the checkpoint that
@@ -166,7 +169,10 @@ def load_checkpoint(
     and keys the checkpoint holds that nothing asks for (other than the optimizer state
     without ``load_optim`` and RNG states not restored). ``finetune``: the model only,
     iteration 0 (megatron's ``--finetune``). RNG states are restored only when the saved
-    ``layout`` equals ``layout`` (and ``load_rng``).
+    ``layout`` equals ``layout`` (and ``load_rng``). With the optimizer state, each optimizer
+    setting that differs from the saved one is applied or refused
+    (``compare_optimizer_settings``; ``override_scheduler`` / ``use_checkpoint_scheduler``:
+    megatron's ``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler``).
 
     LoRA: a checkpoint of adapters only (``--save-trainable-params-only``) loads the model's
     adapters, and needs ``base_source`` (the ``--hf-model`` or ``--pretrained-checkpoint``
@@ -185,13 +191,22 @@ def load_checkpoint(
         compare_run_settings(
             common.get("run_settings"), run_settings, directory, finetune, load_optim
         )
+    load_optim = load_optim and not finetune
+    optimizer_notes = []
+    if run_settings is not None and load_optim:
+        optimizer_notes = compare_optimizer_settings(
+            common.get("run_settings"),
+            run_settings,
+            directory,
+            override_scheduler,
+            use_checkpoint_scheduler,
+        )
     if not finetune and train_iters is not None and saved_iteration > train_iters:
         raise ValueError(
             f"--load {load_dir}: checkpoint {directory} is at iteration {saved_iteration}, "
             f"beyond --train-iters {train_iters}; raise --train-iters, or pass --finetune to "
             "train its weights from iteration 0"
         )
-    load_optim = load_optim and not finetune
     if common.get("model_only") and load_optim:
         raise ValueError(
             f"--load {load_dir}: checkpoint {directory} holds model weights only (written by "
@@ -250,6 +265,7 @@ def load_checkpoint(
                 )
     if load_optim:
         optimizer.load_state_dict(loaded["optimizer"])
+        apply_optimizer_settings(optimizer, run_settings or {}, override_scheduler)
         if opt_param_scheduler is not None and "opt_param_scheduler" in loaded:
             opt_param_scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if restore_rng:
@@ -261,6 +277,7 @@ def load_checkpoint(
         f"loaded checkpoint of iteration {saved_iteration} from {directory} "
         f"({megabytes:.1f} MB, {time.perf_counter() - started:.2f} s)"
     )
+    notes += optimizer_notes
     if finetune:
         notes.append("--finetune: model weights only; training starts at iteration 0")
     elif not load_optim:
@@ -398,10 +415,11 @@ def compare_run_settings(
         if name in before and name in now and before[name] != now[name]
     ]
     if differences:
-        escape = "" if finetune else " (--finetune allows other data, not another model)"
-        raise ValueError(
-            f"--load: checkpoint {directory} was saved with other settings: "
-            f"{'; '.join(differences)}. Resume with the saved values{escape}"
+        escape = "" if finetune else "; --finetune allows other data, not another model"
+        raise SettingsConflict(
+            f"--load: checkpoint {directory} was saved with other settings (resume with the "
+            f"saved values: leave these flags out and --load adopts them{escape}):\n"
+            + "\n".join(f"  {line}" for line in differences)
         )
     precision = [
         f"{flag_of(name)} {_shown(before[name])} when saved, {_shown(now[name])} now"
@@ -415,6 +433,111 @@ def compare_run_settings(
             "the saved value, or pass --no-load-optim to load the weights and start the "
             "optimizer afresh"
         )
+
+
+# How a resume treats an optimizer setting (``kind=OPTIMIZER``) whose value differs from the
+# checkpoint's record (every such field has a rule; a test holds it so):
+SCHEDULE = "schedule"  # megatron's scheduler rule: refused, unless --override-opt_param-
+# scheduler (the new value takes effect) or --use-checkpoint-opt_param-scheduler (the saved
+# one is kept)
+APPLIED = "applied"  # the new value takes effect from the first resumed step (said once)
+FRESH_ONLY = "fresh only"  # meaningful only for a fresh optimizer state: refused
+OPTIMIZER_RESUME_RULES = {
+    "train_iters": SCHEDULE,  # the decay horizon (not with --lr-decay-style constant)
+    "lr": SCHEDULE,
+    "min_lr": SCHEDULE,
+    "lr_warmup_iters": SCHEDULE,
+    "lr_decay_style": SCHEDULE,
+    "weight_decay": SCHEDULE,
+    "adam_beta1": APPLIED,
+    "adam_beta2": APPLIED,
+    "adam_eps": APPLIED,
+    "clip_grad": APPLIED,
+    "loss_scale": APPLIED,  # a fixed scale to another fixed scale; to or from dynamic: refused
+    "min_loss_scale": APPLIED,
+    "loss_scale_window": APPLIED,
+    "hysteresis": APPLIED,
+    "initial_loss_scale": FRESH_ONLY,  # the dynamic scale continues from the checkpoint's
+}
+
+
+def compare_optimizer_settings(
+    saved: Optional[Dict[str, Any]],
+    current: Dict[str, Any],
+    directory: Path,
+    override_scheduler: bool = False,
+    use_checkpoint_scheduler: bool = False,
+) -> List[str]:
+    """The resume's decision on each optimizer setting that differs from the checkpoint's
+    (``OPTIMIZER_RESUME_RULES``; only when the optimizer state is loaded): the notes saying
+    which new values take effect and which saved ones are kept, or a ``SettingsConflict``
+    naming every refused setting with both values (megatron's
+    ``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler``)."""
+    if not saved:
+        return []
+    changed = [
+        name
+        for name in OPTIMIZER_RESUME_RULES
+        if name in saved and name in current and saved[name] != current[name]
+    ]
+    styles = {saved.get("lr_decay_style", "constant"), current.get("lr_decay_style", "constant")}
+    if styles == {"constant"} and "train_iters" in changed:
+        changed.remove("train_iters")  # a constant rate has no decay horizon
+
+    def line(name: str) -> str:
+        return f"{flag_of(name)} {_shown(saved[name])} when saved, {_shown(current[name])} now"
+
+    refused = [
+        name
+        for name in changed
+        if OPTIMIZER_RESUME_RULES[name] == FRESH_ONLY
+        or (name == "loss_scale" and None in (saved[name], current[name]))
+    ]
+    if refused:
+        raise SettingsConflict(
+            f"--load: checkpoint {directory} holds an optimizer state whose loss scaling "
+            "these settings would not continue (the scale goes on from the saved one); "
+            "resume with the saved values, or pass --no-load-optim to start the optimizer "
+            "afresh:\n" + "\n".join(f"  {line(name)}" for name in refused)
+        )
+    schedule = [n for n in changed if OPTIMIZER_RESUME_RULES[n] == SCHEDULE]
+    if schedule and not (override_scheduler or use_checkpoint_scheduler):
+        raise SettingsConflict(
+            f"--load: checkpoint {directory} holds another learning-rate schedule; pass "
+            "--override-opt_param-scheduler to train with the new values, or "
+            "--use-checkpoint-opt_param-scheduler to keep the saved ones:\n"
+            + "\n".join(f"  {line(name)}" for name in schedule)
+        )
+    notes = []
+    for name in changed:
+        if OPTIMIZER_RESUME_RULES[name] == APPLIED:
+            notes.append(f"{line(name)}: the new value takes effect")
+        elif override_scheduler:
+            notes.append(
+                f"{line(name)}: the new value takes effect (--override-opt_param-scheduler)"
+            )
+        else:
+            notes.append(
+                f"{line(name)}: the saved schedule is kept (--use-checkpoint-opt_param-scheduler)"
+            )
+    return notes
+
+
+def apply_optimizer_settings(
+    optimizer, settings: Dict[str, Any], override_scheduler: bool = False
+) -> None:
+    """Set Adam's betas and epsilon of every param group from ``settings`` (a loaded
+    optimizer state carries the saved ones), and with ``override_scheduler`` the groups'
+    peak and final learning rates (``max_lr`` / ``min_lr``, which the schedule reads) too.
+    The clipping and loss-scaling settings are read from the run's config at each step."""
+    for group in optimizer.param_groups:
+        if "betas" in group and "adam_beta1" in settings and "adam_beta2" in settings:
+            group["betas"] = (settings["adam_beta1"], settings["adam_beta2"])
+        if "eps" in group and "adam_eps" in settings:
+            group["eps"] = settings["adam_eps"]
+        for key, name in (("max_lr", "lr"), ("min_lr", "min_lr")):
+            if override_scheduler and key in group and name in settings:
+                group[key] = settings[name]
 
 
 def _effective_settings(settings: Dict[str, Any]) -> Dict[str, Any]:

@@ -1,5 +1,6 @@
-"""``python -m megatron.training`` / ``megatron-train``: parse, check the layout, then run
-here (one process, or one rank under torchrun) or launch ``--nproc-per-node`` processes.
+"""``python -m megatron.training`` / ``megatron-train``: parse, adopt a ``--load``
+checkpoint's recorded settings, check the layout and every input path (``preflight``), then
+run here (one process, or one rank under torchrun) or launch ``--nproc-per-node`` processes.
 
 Self-launch: without torchrun's WORLD_SIZE and with N > 1 processes, this process runs
 torch.distributed.run's launcher in-process, as ``torchrun --standalone --nproc-per-node N
@@ -18,6 +19,7 @@ error reported.
 
 import logging
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -27,6 +29,7 @@ from megatron.training.arguments import explicit_options, parse_args, validate_c
 from megatron.training.config_errors import name_the_flags
 from megatron.training.errors import (
     LAUNCHER_REPORTS_VARIABLE,
+    STOPPED_FILE_VARIABLE,
     UsageError,
     another_rank_reported,
     debug_requested,
@@ -38,11 +41,19 @@ from megatron.training.errors import (
     usage_error_of_failure,
 )
 from megatron.training.hf_settings import resolve_hf_model
+from megatron.training.preflight import (
+    adopt_checkpoint_settings,
+    adoption_note,
+    check_input_paths,
+)
 
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
 VERDICT_FILE_VARIABLE = "MEGATRON_TRAINING_VERDICT_FILE"
 COMMAND_LINE_ERROR_STATUS = 2
 PEER_FAILURE_WAIT_S = 30.0
+# With --exit-signal-handler: how long torchrun's agent lets the workers save and end after
+# passing a signal on (its default is 30 s; TORCH_ELASTIC_SHUTDOWN_TIMEOUT overrides both).
+EXIT_SHUTDOWN_TIMEOUT_S = 300
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -53,7 +64,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     debug = debug_requested(argv)
     under_torchrun = "WORLD_SIZE" in os.environ
     try:
-        config = resolve_hf_model(parse_args(argv), explicit_options(argv))
+        explicit = explicit_options(argv)
+        config, adopted = adopt_checkpoint_settings(parse_args(argv), explicit)
+        check_input_paths(config, adopted)
+        config = resolve_hf_model(config, explicit)
         world_size = _world_size(config.nproc_per_node, under_torchrun)
         validate_config(config, world_size)
     except Exception as exc:
@@ -61,6 +75,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise
         report_error(one_line(exc))
         raise SystemExit(COMMAND_LINE_ERROR_STATUS) from None
+    note = adoption_note(adopted, config.load)
+    if (
+        note
+        and os.environ.get("RANK", "0") == "0"
+        and not os.environ.get(LAUNCHER_REPORTS_VARIABLE)
+    ):
+        print(note, flush=True)  # once: by the launcher, or by rank 0 under torchrun
     if not under_torchrun and world_size > 1:
         return launch(argv, world_size, debug=debug)
     try:
@@ -93,9 +114,14 @@ def launch(argv: Sequence[str], nproc: int, debug: bool = False) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ[LAUNCHER_REPORTS_VARIABLE] = "1"
     quiet = None if debug else _quiet_torch_launcher()
+    forwarded = _forward_exit_signal(argv)
+    if parse_args(argv).exit_signal_handler:  # time for the workers to save after a signal
+        os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(EXIT_SHUTDOWN_TIMEOUT_S))
     try:
         with tempfile.TemporaryDirectory(prefix="megatron-train-") as scratch:
             verdict = Path(scratch) / "verdict"
+            stopped_file = Path(scratch) / "stopped"
+            os.environ[STOPPED_FILE_VARIABLE] = str(stopped_file)
             os.environ[VERDICT_FILE_VARIABLE] = str(verdict)
             try:
                 run(get_args_parser().parse_args(launch_command(argv, nproc)[3:]))
@@ -104,14 +130,52 @@ def launch(argv: Sequence[str], nproc: int, debug: bool = False) -> int:
             except KeyboardInterrupt:
                 return 130
             except SignalException as stopped:  # SIGTERM/SIGINT/... to the launcher
+                if stopped_file.exists():
+                    return 0  # --exit-signal-handler: the workers saved and said so
                 print(format_line(f"stopped by {stopped.sigval.name}"), file=sys.stderr)
                 return 128 + int(stopped.sigval)
             return 1 if verdict.exists() and verdict.read_text() == "failed" else 0
     finally:
+        if forwarded is not None:
+            signal.signal(*forwarded)
         os.environ.clear()
         os.environ.update(saved)
         if quiet is not None:
             _restore_levels(quiet)
+
+
+# Signals torchrun's agent passes on to the workers itself (then stops them).
+_AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
+
+def _forward_exit_signal(argv: Sequence[str]):
+    """With ``--exit-signal-handler --exit-signal S`` where S is not one torchrun's agent
+    passes on (SIGUSR1, ...): pass S on to this launcher's child processes (the workers)
+    instead of dying of it. Returns (signal, previous handler) to restore, or None."""
+    config = parse_args(argv)
+    if not config.exit_signal_handler or config.exit_signal in _AGENT_SIGNALS:
+        return None
+    number = signal.Signals[config.exit_signal]
+
+    def forward(signum, frame):
+        for pid in _child_pids():
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    return number, signal.signal(number, forward)
+
+
+def _child_pids() -> List[int]:
+    """The process ids of this process's children (Linux: /proc)."""
+    pids = []
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            pids += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return pids
 
 
 def launch_command(argv: Sequence[str], nproc: int) -> List[str]:
@@ -134,7 +198,8 @@ def _run(config) -> int:
     """Train here; the exit status (the verdict goes to the launcher when self-launched)."""
     from megatron.training.training import pretrain  # torch and the model: only when running
 
-    passed = pretrain(config).passed
+    result = pretrain(config)
+    passed = result.passed
     verdict_file = os.environ.get(VERDICT_FILE_VARIABLE)
     if verdict_file:  # self-launched: the launcher turns the verdict into its status
         if os.environ.get("RANK", "0") == "0":

@@ -48,6 +48,8 @@ from megatron.training.data import Batch, PackedSFTDataset, SFTDataset
 
 BYTE_LEVEL = "byte-level"
 
+# The trainer stops when more than this share of the records would be cut (--allow-truncation).
+MAX_TRUNCATED = 0.10
 Record = Tuple[numpy.ndarray, numpy.ndarray]  # (ids int64, mask uint8), same length
 
 
@@ -64,6 +66,7 @@ def build_sft_dataset(config: Any):
         config.seq_length,
         config.seed,
         eod_token=getattr(config, "eod_token", None),
+        max_truncated=None if getattr(config, "allow_truncation", True) else MAX_TRUNCATED,
     )
     if getattr(config, "split", None):  # the training part of --split
         dataset = dataset.part(split_ranges(config.split, len(dataset))[0], "--split")
@@ -141,7 +144,9 @@ class FileSFTDataset:
         seq_length: int,
         seed: int,
         eod_token: Optional[str] = None,
+        max_truncated: Optional[float] = None,
     ) -> None:
+        self.max_truncated = max_truncated
         self.tokenizer = build_training_tokenizer(tokenizer, eod_token)
         self.seq_length, self.seed = seq_length, seed
         self.eod, self.pad = self.tokenizer.eod, self.tokenizer.pad
@@ -249,7 +254,8 @@ class FileSFTDataset:
 
     def _check_lengths(self) -> List[str]:
         """Count records cut to ``seq_length + 1`` tokens and records with no trained label
-        left; raise when no record has one."""
+        left; raise when no record has one, or when more than ``max_truncated`` of them
+        would be cut (the trainer's default: ``MAX_TRUNCATED``)."""
         s, total = self.seq_length, len(self.records)
         cut = sum(1 for ids, _ in self.records if ids.size > s + 1)
         trained = [int(mask[1 : s + 1].sum()) for _, mask in self.records]
@@ -260,6 +266,15 @@ class FileSFTDataset:
                 f"none of the {total} records has a loss token within its first {s + 1} "
                 f"tokens ({cut} of {total} records are longer than that and would be cut); "
                 "raise --seq-length or shorten the prompts"
+            )
+        if self.max_truncated is not None and cut > self.max_truncated * total:
+            longest = max(ids.size for ids, _ in self.records)
+            raise ValueError(
+                f"--data-path {self.data_path!r}: {cut} of {total} records "
+                f"({100 * cut / total:.0f}%, more than {100 * self.max_truncated:.0f}%) are "
+                f"longer than --seq-length {s} + 1 tokens and would be cut (the longest has "
+                f"{longest}); raise --seq-length, or pass --allow-truncation to train on the "
+                "cut records"
             )
         notes = []
         if cut:

@@ -22,6 +22,9 @@ DEBUG_VARIABLE = "MEGATRON_DEBUG"
 # Set by the self-launch for its workers: the launcher prints the line, not the worker.
 LAUNCHER_REPORTS_VARIABLE = "MEGATRON_TRAINING_LAUNCHER_REPORTS"
 ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"
+# Set by the self-launch for its workers: rank 0 writes this file once the run has saved and
+# stopped on purpose (--exit-signal-handler, ...), so the launcher exits 0 on the signal.
+STOPPED_FILE_VARIABLE = "MEGATRON_TRAINING_STOPPED_FILE"
 _MARK = "megatron_usage_error"
 _SETTLE_SECONDS = 0.5  # bare torchrun: how long failing ranks wait to see each other's files
 # What gloo and NCCL say when a collective's peer process has ended.
@@ -37,6 +40,11 @@ _LOST_PEER_SIGNS = (
 class UsageError(ValueError):
     """A problem with what the user gave: a flag, a combination of flags, a file or its
     contents. Reported as one line naming the flag or file, without a traceback."""
+
+
+class SettingsConflict(UsageError):
+    """A usage error listing several conflicting settings: its first line says what, each
+    further line names one setting with both values (kept as lines when reported)."""
 
 
 class TrainingStopped(RuntimeError):
@@ -101,10 +109,12 @@ def debug_requested(argv: Sequence[str] = ()) -> bool:
 
 def one_line(exc: BaseException) -> str:
     """The error as one line: an OSError's reason and file, else its message with its
-    lines joined by "; "."""
+    lines joined by "; " (a ``SettingsConflict`` keeps one line per setting)."""
     if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
         return f"{exc.strerror}: {exc.filename}"
     text = str(exc) or type(exc).__name__
+    if isinstance(exc, SettingsConflict):
+        return "\n".join(line.rstrip() for line in text.splitlines() if line.strip())
     return "; ".join(line.strip() for line in text.splitlines() if line.strip())
 
 

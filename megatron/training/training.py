@@ -60,6 +60,7 @@ from megatron.training.evaluation import (
     evaluate,
     evaluation_due,
 )
+from megatron.training.exits import ExitConditions, exit_message
 from megatron.training.hf.checkpoint import export_hf
 from megatron.training.hf_settings import resolve_hf_model
 from megatron.training.initialize import (
@@ -88,6 +89,7 @@ class TrainingResult:
     comparison: Optional[Comparison] = None
     passed: bool = True
     metrics_files: List[Path] = field(default_factory=list)
+    stopped: Optional[str] = None  # why the run stopped early (exits.ExitConditions)
 
 
 def pretrain(config: TrainingConfig) -> TrainingResult:
@@ -113,10 +115,15 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
         label = f"{layout.name} ({_processes(layout.world_size)})"
         _print_header(config, layout)
         started = time.perf_counter()
-        records = _as_the_last_rank_measured(train(config, layout, groups, desc=label))
-        result = TrainingResult(layout, records)
+        with ExitConditions(config) as exits:
+            records = _as_the_last_rank_measured(
+                train(config, layout, groups, desc=label, exits=exits)
+            )
+        result = TrainingResult(layout, records, stopped=exits.stopped)
         _print(_summary(records, layout, time.perf_counter() - started))
-        if config.compare_single_process:
+        if config.compare_single_process and exits.stopped:
+            _print("--compare-single-process: not compared (the run stopped early)")
+        elif config.compare_single_process:
             result.reference = train_single_process(config)
             tolerances, rule = comparison_tolerances(config, result.reference)
             if is_rank_zero():
@@ -157,6 +164,7 @@ def train(
     pg_collection: Optional[ProcessGroupCollection],
     desc: str = "train",
     perturbation: float = 0.0,
+    exits: Optional[ExitConditions] = None,
 ) -> List[dict]:
     """``config.train_iters`` iterations on this rank's chunks; returns one record per
     iteration: ``iteration, loss, grad_norm, lr, tokens_per_s`` (tokens of the data, not
@@ -175,7 +183,7 @@ def train(
     """
     loggers = MetricsLoggers(config, writer=_is_last_rank())
     try:
-        return _train(config, layout, pg_collection, desc, perturbation, loggers)
+        return _train(config, layout, pg_collection, desc, perturbation, loggers, exits)
     finally:
         loggers.close()
 
@@ -187,8 +195,9 @@ def _train(
     desc: str,
     perturbation: float,
     loggers: MetricsLoggers,
+    exits: Optional[ExitConditions] = None,
 ) -> List[dict]:
-    """``train`` with its loggers."""
+    """``train`` with its loggers (and the run's exit conditions, ``exits.py``)."""
     dataset = build_sft_dataset(config)
     for note in getattr(dataset, "notes", []):  # truncation and empty-loss counts
         _print(note)
@@ -252,6 +261,8 @@ def _train(
             load_rng=not config.no_load_rng,
             train_iters=None if config.skip_train else config.train_iters,
             exit_on_missing_checkpoint=config.exit_on_missing_checkpoint,
+            override_scheduler=config.override_opt_param_scheduler,
+            use_checkpoint_scheduler=config.use_checkpoint_opt_param_scheduler,
             base_source=config.hf_model or config.pretrained_checkpoint,
         )
         for note in notes:
@@ -290,7 +301,7 @@ def _train(
             pg_collection=pg_collection,
             interleaved=bool(vpp),
             loss_key=LOSS_KEY,
-            stop_check=None,  # the preemption check plugs in here (a per-batch hook)
+            stop_check=exits.stop_check if exits is not None and exits.active else None,
         )
         if result is None:
             return None
@@ -303,6 +314,19 @@ def _train(
             "valid_ppl": result.ppl,
             "validation_tokens": result.tokens,
         }
+
+    def save_at(iteration: int) -> None:
+        save_checkpoint(
+            config.save,
+            iteration,
+            model,
+            optimizer,
+            scheduler,
+            layout=_layout_record(layout),
+            consumed_samples=iteration * config.global_batch_size,
+            run_settings=_settings_record(config),
+            trainable_only=config.save_trainable_params_only,
+        )
 
     if config.skip_train:
         bar.close()
@@ -372,23 +396,22 @@ def _train(
         if not config.progress and iteration % config.log_interval == 0:
             _print(_log_line(records[-1], config.train_iters))
         if config.save and _save_due(config, iteration):
-            save_checkpoint(
-                config.save,
-                iteration,
-                model,
-                optimizer,
-                scheduler,
-                layout=_layout_record(layout),
-                consumed_samples=iteration * config.global_batch_size,
-                run_settings=_settings_record(config),
-                trainable_only=config.save_trainable_params_only,
-            )
+            save_at(iteration)
             if config.export_hf and iteration < config.train_iters:
                 target = Path(config.export_hf) / f"iter_{iteration:07d}"
                 export_hf(checkpoint_dir(config.save, iteration), target)
                 _print(f"exported iteration {iteration} to {target} (HuggingFace format)")
+        # Every rank agrees here whether to stop (a signal, the duration, the interval).
+        reason = exits.agreed(iteration) if exits is not None else None
+        if reason is not None and iteration < config.train_iters:
+            if not _save_due(config, iteration):
+                save_at(iteration)
+            exits.stopped = reason
+            bar.close()
+            _print(exit_message(reason, iteration, config.save))
+            break
     bar.close()
-    if config.export_hf and records:
+    if config.export_hf and records and not (exits is not None and exits.stopped):
         _export_final_model(config, model, optimizer, scheduler, layout, records[-1]["iteration"])
     return records
 
@@ -525,6 +548,10 @@ def build_optimizer(
         end_wd=config.weight_decay,
         wd_incr_steps=config.train_iters,
         wd_incr_style="constant",
+        # A resume has refused another schedule unless one of megatron's two flags says
+        # which one wins (checkpointing.compare_optimizer_settings).
+        use_checkpoint_opt_param_scheduler=not config.override_opt_param_scheduler,
+        override_opt_param_scheduler=config.override_opt_param_scheduler,
     )
     return optimizer, scheduler
 

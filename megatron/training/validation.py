@@ -282,6 +282,8 @@ def _check_combinations(c: Config) -> None:
         "no_load_optim",
         "no_load_rng",
         "exit_on_missing_checkpoint",
+        "override_opt_param_scheduler",
+        "use_checkpoint_opt_param_scheduler",
     ):
         value = getattr(c, name)
         _require(
@@ -290,6 +292,25 @@ def _check_combinations(c: Config) -> None:
             f"{'' if isinstance(value, bool) else f' {value}'} needs --load DIR "
             "(nothing is loaded)",
         )
+    _require(
+        not (c.override_opt_param_scheduler and c.use_checkpoint_opt_param_scheduler),
+        "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each "
+        "other (the command line's schedule, or the checkpoint's)",
+    )
+    exits = [
+        f"{_flag(c, name)}{'' if value is True else f' {value}'}"
+        for name in ("exit_signal_handler", "exit_duration_in_mins", "exit_interval")
+        for value in [getattr(c, name)]
+        if value not in (None, False)
+    ]
+    _require(
+        not exits or c.save is not None,
+        f"{', '.join(exits)} save a checkpoint before exiting: add --save DIR",
+    )
+    _require(
+        c.exit_signal_handler or c.exit_signal == _default(c, "exit_signal"),
+        f"--exit-signal {c.exit_signal} needs --exit-signal-handler",
+    )
     _require(
         not (c.compare_single_process and c.load),
         "--compare-single-process compares a whole run from iteration 1; it cannot be "

@@ -248,6 +248,7 @@ def test_chat_training_at_cp2_follows_the_one_process_run(capsys, pack):
         train_iters=3,
         compare_single_process=True,
         compare_tolerance=1e-5,
+        allow_truncation=True,  # 12 of the 24 records are cut: the count is reported
         progress=False,
     )
     with fresh_layout():

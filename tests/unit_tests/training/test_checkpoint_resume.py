@@ -288,3 +288,71 @@ def test_a_save_killed_mid_write_is_never_loaded(tmp_path):
     assert [r["iteration"] for r in resumed] == [4, 5, 6]
     worst = max(abs(a["loss"] - b["loss"]) for a, b in zip(resumed, straight[3:]))
     assert worst <= 1e-6, f"resumed from iteration 3 differs by {worst:.3e}"
+
+
+def _records(**changes) -> List[dict]:
+    with fresh_layout():
+        return pretrain(TrainingConfig(**{**TINY, **changes})).records
+
+
+@pytest.mark.world(1)
+def test_a_changed_learning_rate_on_resume_is_refused_or_applied_or_kept_by_name(saved_run, capsys):
+    """megatron's scheduler semantics: another --lr is refused naming both values;
+    --override-opt_param-scheduler trains with it (the logged rate and the losses change),
+    --use-checkpoint-opt_param-scheduler keeps the saved one; each said once."""
+    directory, straight = saved_run
+    with pytest.raises(ValueError, match=r"(?s)another learning-rate schedule.*--lr 0.003 when"):
+        _tiny(train_iters=4, load=directory, lr=0.03)
+    new = _records(train_iters=4, load=directory, lr=0.03, override_opt_param_scheduler=True)
+    assert [r["lr"] for r in new] == [0.03, 0.03]
+    out = capsys.readouterr().out
+    assert out.count("--lr 0.003 when saved, 0.03 now: the new value takes effect") == 1, out
+    kept = _records(train_iters=4, load=directory, lr=0.03, use_checkpoint_opt_param_scheduler=True)
+    assert [r["lr"] for r in kept] == [0.003, 0.003]
+    assert [r["loss"] for r in kept] == straight[2:]  # the saved schedule, bit for bit
+    assert [r["loss"] for r in new][1] != straight[3], "the new rate did not reach the update"
+    assert "the saved schedule is kept" in capsys.readouterr().out
+
+
+@pytest.mark.world(1)
+def test_a_changed_adam_beta_on_resume_takes_effect(saved_run, capsys, monkeypatch):
+    """--adam-beta2 on resume is applied (the loaded optimizer state carries the saved
+    betas: without ``apply_optimizer_settings`` the run equals the unchanged resume, the
+    silent bug this guards)."""
+    directory, straight = saved_run
+    changed = _tiny(train_iters=4, load=directory, adam_beta2=0.9)
+    assert "--adam-beta2 0.999 when saved, 0.9 now: the new value takes effect" in (
+        capsys.readouterr().out
+    )
+    assert changed[1] != straight[3]
+    monkeypatch.setattr(checkpointing, "apply_optimizer_settings", lambda *args: None)
+    assert _tiny(train_iters=4, load=directory, adam_beta2=0.9) == straight[2:]
+
+
+def test_every_optimizer_setting_has_a_resume_rule_and_the_rules_hold():
+    """Each ``kind=OPTIMIZER`` field is applied, scheduled or refused on resume; a fresh
+    loss scale and a fixed/dynamic switch are refused, a constant rate ignores
+    --train-iters."""
+    from megatron.training.checkpointing import (
+        OPTIMIZER_RESUME_RULES,
+        compare_optimizer_settings,
+    )
+    from megatron.training.options import OPTIMIZER, fields_of_kind
+
+    assert set(fields_of_kind(TrainingConfig, OPTIMIZER)) == set(OPTIMIZER_RESUME_RULES)
+    saved = dict(TrainingConfig().__dict__)
+    where = Path("ck/iter_0000002")
+    assert compare_optimizer_settings(saved, {**saved, "train_iters": 99}, where) == []
+    with pytest.raises(ValueError, match="--train-iters 20 when saved, 99 now"):
+        compare_optimizer_settings(
+            {**saved, "lr_decay_style": "linear"},
+            {**saved, "lr_decay_style": "linear", "train_iters": 99},
+            where,
+        )
+    for change in (dict(initial_loss_scale=1024.0), dict(loss_scale=8.0)):
+        with pytest.raises(ValueError, match="--no-load-optim"):
+            compare_optimizer_settings(saved, {**saved, **change}, where, True)
+    notes = compare_optimizer_settings(
+        {**saved, "loss_scale": 4.0}, {**saved, "loss_scale": 8.0, "clip_grad": 0.5}, where
+    )
+    assert [n.split(":")[-1] for n in notes] == [" the new value takes effect"] * 2

@@ -168,3 +168,25 @@ def test_plain_records_start_with_the_tokenizers_own_prefix(tmp_path):
     masks = sorted(dataset[i]["loss_mask"].tolist() for i in range(2))
     # prompt/completion trains yo and </s>; text trains every label; <s> is never a label
     assert masks == [[0.0, 1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0, 0.0]]
+
+
+def test_the_trainer_stops_when_more_than_a_tenth_of_the_records_would_be_cut(tmp_path):
+    """More than 10% of the records longer than --seq-length + 1: an error naming the count,
+    the longest record and --seq-length / --allow-truncation; at 10% or with the flag the
+    count is a note."""
+    from megatron.training import TrainingConfig
+    from megatron.training.datasets import build_sft_dataset
+
+    records = [{"text": "x" * 30}] + [{"text": "ab"}] * 9  # 1 of 10 cut (31 tokens)
+    path = _jsonl(tmp_path / "d.jsonl", [json.dumps(r) for r in records])
+    config = TrainingConfig(data_path=path, seq_length=12)
+    assert build_sft_dataset(config).notes == ["1 of 10 records truncated to --seq-length 12"]
+    records[1] = {"text": "y" * 20}  # 2 of 10
+    path = _jsonl(tmp_path / "d.jsonl", [json.dumps(r) for r in records])
+    with pytest.raises(ValueError, match=r"2 of 10 records \(20%, more than 10%\) .* longest "
+                       r"has 31\); raise --seq-length, or pass --allow-truncation"):  # fmt: skip
+        build_sft_dataset(TrainingConfig(data_path=path, seq_length=12))
+    allowed = build_sft_dataset(
+        TrainingConfig(data_path=path, seq_length=12, allow_truncation=True)
+    )
+    assert allowed.notes == ["2 of 10 records truncated to --seq-length 12"]

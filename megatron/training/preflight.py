@@ -1,0 +1,154 @@
+"""What the command line settles before any worker starts: the settings a ``--load``
+checkpoint recorded, and every input path.
+
+``adopt_checkpoint_settings``: ``--load`` of one of our checkpoints takes the model and data
+settings it recorded (the fields of ``kind=MODEL`` and ``kind=DATA``, and ``--hf-model``)
+for every flag the command line leaves out (megatron's ``--use-checkpoint-args``, here the
+default), so resuming needs only ``--load``; a flag that contradicts the checkpoint is
+refused naming both values, one setting per line, as are optimizer settings the resume
+would not honour (``checkpointing.compare_run_settings`` / ``compare_optimizer_settings``).
+
+``check_input_paths``: ``--data-path``, ``--valid-data-path``, ``--tokenizer``,
+``--hf-model`` and ``--load`` exist and are what they must be (a file, a folder, an indexed
+prefix, a checkpoint), each error naming the flag, the path and what was expected.
+"""
+
+import os
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from megatron.training.arguments import TrainingConfig
+from megatron.training.options import DATA, MODEL, fields_of_kind
+
+# Settings --load adopts when the command line leaves them out.
+ADOPTED = fields_of_kind(TrainingConfig, MODEL, DATA) + ("hf_model",)
+
+
+def adopt_checkpoint_settings(
+    config: TrainingConfig, explicit: Sequence[str]
+) -> Tuple[TrainingConfig, List[str]]:
+    """(``config`` with the recorded model and data settings of the ``--load`` checkpoint
+    for the fields not in ``explicit``, the names adopted). No checkpoint (the auto-resume
+    idiom's empty ``--save`` directory) or one without recorded settings: unchanged. Raises
+    a ``SettingsConflict`` when an explicit flag contradicts the checkpoint."""
+    if not config.load:
+        return config, []
+    from megatron.core import dist_checkpointing  # torch: only for a --load
+    from megatron.training.checkpointing import (
+        compare_optimizer_settings,
+        compare_run_settings,
+        resolve_checkpoint,
+    )
+
+    directory, _ = resolve_checkpoint(
+        config.load, config.save, config.ckpt_step, config.exit_on_missing_checkpoint
+    )
+    if directory is None:
+        return config, []
+    common = dist_checkpointing.load_common_state_dict(str(directory))
+    saved: Dict[str, Any] = common.get("run_settings") or {}
+    names = {f.name for f in fields(config)}
+    tokenizer_vocab = saved.get("data_path") and not saved.get("hf_model")
+    changes = {
+        name: saved[name]
+        for name in ADOPTED
+        if name in saved
+        and name in names
+        and name not in explicit
+        and saved[name] != getattr(config, name)
+        # the vocabulary of a --data-path run without --hf-model is the tokenizer's
+        and not (name == "vocab_size" and tokenizer_vocab)
+    }
+    adopted = replace(config, **changes)
+    current = _settings(adopted)
+    if adopted.data_path and not adopted.hf_model:
+        current.pop("vocab_size")  # the tokenizer's, known once it is read (in the workers)
+    load_optim = not (adopted.no_load_optim or adopted.finetune)
+    compare_run_settings(saved, current, directory, adopted.finetune, load_optim)
+    if load_optim:
+        compare_optimizer_settings(
+            saved,
+            current,
+            directory,
+            adopted.override_opt_param_scheduler,
+            adopted.use_checkpoint_opt_param_scheduler,
+        )
+    return adopted, sorted(changes)
+
+
+def check_input_paths(config: TrainingConfig, adopted: Sequence[str] = ()) -> None:
+    """Each input path of ``config`` exists and has the expected form; a
+    ``FileNotFoundError`` / ``ValueError`` naming the flag (and "recorded in the
+    checkpoint" for a path ``--load`` adopted)."""
+
+    def flag(name: str, option: str) -> str:
+        return f"{option} (recorded in the --load checkpoint)" if name in adopted else option
+
+    for name, option in (("data_path", "--data-path"), ("valid_data_path", "--valid-data-path")):
+        path = getattr(config, name, None)
+        if path:
+            _check_data_path(flag(name, option), path)
+    tokenizer = config.tokenizer
+    if tokenizer not in (None, "byte-level") and not os.path.exists(tokenizer):
+        raise FileNotFoundError(
+            f"{flag('tokenizer', '--tokenizer')} {tokenizer!r}: no such file or folder "
+            "(expected 'byte-level', a tokenizers JSON file or a HuggingFace tokenizer folder)"
+        )
+    if config.hf_model:
+        path = Path(config.hf_model)
+        if path.is_file():
+            raise NotADirectoryError(
+                f"{flag('hf_model', '--hf-model')} {config.hf_model} is a file; expected the "
+                f"model's folder (config.json + safetensors), e.g. {path.parent}"
+            )
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"{flag('hf_model', '--hf-model')} {config.hf_model}: no such folder "
+                "(expected a HuggingFace model folder with config.json + safetensors)"
+            )
+    if config.load:
+        from megatron.training.checkpointing import resolve_checkpoint  # torch: only here
+
+        resolve_checkpoint(
+            config.load, config.save, config.ckpt_step, config.exit_on_missing_checkpoint
+        )
+
+
+def _check_data_path(option: str, path: str) -> None:
+    """A JSONL file, or an indexed dataset (PREFIX, PREFIX.bin or PREFIX.idx with both)."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(
+            f"{option} {path!r} is a folder; expected a JSONL file or the prefix of an "
+            "indexed dataset (PREFIX.bin + PREFIX.idx)"
+        )
+    if os.path.isfile(path) and not path.endswith((".bin", ".idx")):
+        return
+    prefix = path[:-4] if path.endswith((".bin", ".idx")) else path
+    if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
+        raise FileNotFoundError(
+            f"{option} {path!r}: no such file, and no {prefix}.bin + {prefix}.idx pair "
+            "(expected a JSONL file or the prefix of an indexed dataset written by python -m "
+            "megatron.training.preprocess_data)"
+        )
+
+
+def _settings(config: TrainingConfig) -> Dict[str, Any]:
+    """The plain values of ``config`` (as a checkpoint records them)."""
+    simple = (int, float, str, bool, type(None))
+    return {
+        f.name: getattr(config, f.name)
+        for f in fields(config)
+        if isinstance(getattr(config, f.name), simple)
+    }
+
+
+def adoption_note(adopted: Sequence[str], load: Optional[str]) -> Optional[str]:
+    """One line saying which settings ``--load`` took from the checkpoint, or None."""
+    if not adopted:
+        return None
+    from megatron.training.arguments import flag_of
+
+    shown = ", ".join(flag_of(name) for name in adopted[:8])
+    more = f" and {len(adopted) - 8} more" if len(adopted) > 8 else ""
+    return f"--load {load}: the checkpoint's recorded settings are used for {shown}{more}"
