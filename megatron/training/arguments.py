@@ -383,6 +383,13 @@ class TrainingConfig:
         kind=MODEL,
         help="biases on the query/key/value projection even with --disable-bias-linear (Qwen2)",
     )
+    qk_layernorm: bool = option(
+        False,
+        "--qk-layernorm",
+        kind=MODEL,
+        help="normalize each query and key head (--normalization, over kv-channels) before "
+        "the rotary embedding (Qwen3)",
+    )
     openai_gelu: bool = option(
         False,
         "--openai-gelu",
@@ -419,7 +426,7 @@ class TrainingConfig:
         type=str,
         metavar="DIR",
         help="start from a HuggingFace model (config.json + safetensors: Llama, Mistral, "
-        "Qwen2, GPT-2; docs/huggingface.md): its config.json sets the model options above "
+        "Qwen2, Qwen3, GPT-2; docs/huggingface.md): its config.json sets the model options above "
         "(an explicit conflicting one is an error), its weights are loaded at any layout, "
         "and with --data-path its tokenizer is the default --tokenizer",
     )

@@ -114,7 +114,9 @@ def layer_spec(config: TrainingConfig, transformer_config, vp_stage: int, pp_ran
     """The layer spec (dense), or this chunk's block spec with MoE layers where
     ``--moe-layer-freq`` puts them."""
     if config.num_experts is None:
-        return get_gpt_layer_local_spec(normalization=config.normalization)
+        return get_gpt_layer_local_spec(
+            normalization=config.normalization, qk_layernorm=config.qk_layernorm
+        )
     return get_gpt_decoder_block_spec(
         transformer_config,
         use_transformer_engine=False,
@@ -204,6 +206,7 @@ def transformer_config_from(config: TrainingConfig, layout: Layout) -> Transform
         activation_func=activation_of(config),
         add_bias_linear=not config.disable_bias_linear,
         add_qkv_bias=config.add_qkv_bias,
+        qk_layernorm=config.qk_layernorm,
         perform_initialization=not config.hf_model,
         window_size=None if config.window_size is None else tuple(config.window_size),
         attention_backend=config.attention_backend,

@@ -228,6 +228,7 @@ def mcore_child(args, shapes: List[str]) -> Dict[str, dict]:
     if not args.mcore_path:
         return {s: {"mcore-sequential": {"error": "no --mcore-path given"}} for s in shapes}
     env = dict(os.environ, PYTHONPATH=args.mcore_path)
+    env.pop("MASTER_PORT", None)  # the parent's group holds that port: the child picks its own
     cmd = [sys.executable, os.path.abspath(__file__), "--mcore-worker", "--shapes", *shapes]
     cmd += ["--tokens", str(args.tokens), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     cmd += ["--bf16"] if args.bf16 else []

@@ -114,6 +114,7 @@ def training_settings(arch: HFArchitecture) -> Dict[str, Any]:
         "add_qkv_bias": arch.add_qkv_bias,
         "untie_embeddings_and_output_weights": not arch.tied,
         "window_size": None if arch.window_size is None else list(arch.window_size),
+        "qk_layernorm": arch.qk_layernorm,
     }
 
 
@@ -164,4 +165,5 @@ def architecture_from_model_settings(settings: Dict[str, Any]) -> HFArchitecture
         add_bias_linear=bias,
         add_qkv_bias=qkv_bias and not bias,
         tied=not settings.get("untie_embeddings_and_output_weights", False),
+        qk_layernorm=bool(settings.get("qk_layernorm", False)),
     )

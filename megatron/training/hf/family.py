@@ -67,6 +67,7 @@ class HFArchitecture:
     tied: bool
     dtype: str = "float32"
     window_size: Optional[Tuple[int, int]] = None  # (left, 0): sliding-window attention
+    qk_layernorm: bool = False  # per-head q/k norm (``normalization``) before rotary
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain values (kept in checkpoints)."""

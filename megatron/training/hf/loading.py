@@ -102,6 +102,7 @@ def architecture_fields(arch: HFArchitecture) -> Dict[str, Any]:
         add_bias_linear=arch.add_bias_linear,
         add_qkv_bias=arch.add_qkv_bias,
         window_size=arch.window_size,
+        qk_layernorm=arch.qk_layernorm,
     )
 
 
@@ -146,7 +147,7 @@ def build_gpt_chunk(
     try:
         return GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
+            transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm),
             pre_process=stage == 0,
             post_process=stage == pp * vpp - 1,
             pg_collection=pg_collection,

@@ -107,6 +107,8 @@ def our_full_shapes(arch: HFArchitecture) -> Dict[str, tuple]:
                 p + "self_attention.linear_qkv.bias": (qkv_rows,),
                 p + "self_attention.linear_proj.weight": (h, arch.num_attention_heads * d),
                 p + "self_attention.linear_proj.bias": (h,),
+                p + "self_attention.q_layernorm.weight": (d,),
+                p + "self_attention.k_layernorm.weight": (d,),
                 p + "pre_mlp_layernorm.weight": (h,),
                 p + "pre_mlp_layernorm.bias": (h,),
                 p + "mlp.linear_fc1.weight": ((2 if arch.swiglu else 1) * ffn, h),

@@ -69,6 +69,21 @@ FAMILIES = {
         dict(**ROPE, num_key_value_heads=2, tie_word_embeddings=True),
         None,
     ),
+    # Qwen3: per-head q/k RMSNorm (random weights), GQA, head_dim (16) != hidden / heads (8),
+    # tied embeddings
+    "qwen3": (
+        "Qwen3ForCausalLM",
+        "Qwen3Config",
+        dict(**ROPE, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+        None,
+    ),
+    # Qwen3 untied, head_dim = hidden / heads, saved sharded
+    "qwen3_untied": (
+        "Qwen3ForCausalLM",
+        "Qwen3Config",
+        dict(**ROPE, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False),
+        "12KB",
+    ),
     # GPT-2: learned positions, LayerNorm, biases, tied, Conv1D weights, gelu_new
     "gpt2": (
         "GPT2LMHeadModel",
@@ -77,6 +92,14 @@ FAMILIES = {
         "20KB",
     ),
 }
+
+
+def _randomize_norms(model, std: float = 0.3) -> None:
+    """Every norm weight of ``model`` drawn around 1 (transformers initializes them to 1)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, std)
 
 
 def token_ids(seed: int = 0, batch: int = 2) -> torch.Tensor:
@@ -93,6 +116,8 @@ def build_models(directory: Path) -> Dict[str, Path]:
         torch.manual_seed(100 + index)
         config = getattr(transformers, config_cls)(**COMMON, **kwargs)
         model = getattr(transformers, model_cls)(config).eval()
+        if family.startswith("qwen3"):  # norms start at 1: make a wrong q/k norm visible
+            _randomize_norms(model)
         path = directory / family
         extra = {} if shard is None else {"max_shard_size": shard}
         model.save_pretrained(path, **extra)

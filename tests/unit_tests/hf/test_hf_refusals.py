@@ -21,6 +21,14 @@ BASE = {
     "llama": LLAMA,
     "mistral": {**LLAMA, "model_type": "mistral", "sliding_window": None},
     "qwen2": {**LLAMA, "model_type": "qwen2"},
+    "qwen3": {
+        **LLAMA,
+        "model_type": "qwen3",
+        "head_dim": 16,
+        "sliding_window": None,
+        "max_window_layers": 28,
+        "layer_types": ["full_attention"] * 2,
+    },
     "gpt2": dict(model_type="gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=128),
 }
 
@@ -39,6 +47,11 @@ REFUSED = [
     ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
     ("qwen2", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
     ("qwen2", {"qk_norm": True}, "qk_norm"),  # unknown to the converter
+    ("qwen3", {"attention_bias": True}, "attention_bias"),
+    ("qwen3", {"use_sliding_window": True}, "use_sliding_window"),
+    ("qwen3", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+    ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
+    ("qwen3", {"use_mrope": True}, "use_mrope"),  # unknown to the converter
     ("gpt2", {"activation_function": "relu"}, "activation_function"),
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
     ("gpt2", {"add_cross_attention": True}, "add_cross_attention"),

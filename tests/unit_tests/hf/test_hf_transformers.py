@@ -1,11 +1,12 @@
 """HuggingFace conversion against ``transformers`` itself, one process.
 
 For each family (Llama 3 with GQA and llama3 rope scaling, Mistral with head_dim != hidden /
-heads, Qwen2 with q/k/v biases and tied embeddings, GPT-2 with Conv1D weights and learned
+heads, Qwen2 with q/k/v biases and tied embeddings, Qwen3 with per-head q/k norms (tied with
+head_dim != hidden / heads, and untied), GPT-2 with Conv1D weights and learned
 positions; some saved sharded): our logits from ``model_from_hf`` equal transformers' within
 1e-5 relative (float32); ``import`` then ``export`` gives back exactly the original tensors;
-the exported directory loads in transformers with the same logits. A negative control shows
-the logit check catches a wrong q/k/v layout.
+the exported directory loads in transformers with the same logits. Negative controls show
+the logit check catches a wrong q/k/v layout and swapped q/k norms.
 """
 
 import json
@@ -68,6 +69,21 @@ def test_negative_control_a_wrong_qkv_layout_is_caught(hf_models):
     assert err > 1e-3, f"a swapped k/v went unnoticed (relative error {err:.2e})"
 
 
+def test_negative_control_swapped_q_and_k_norms_are_caught(hf_models):
+    """Qwen3: swap layer 0's q_norm and k_norm weights: the logit check fails."""
+    model, config = model_from_hf(hf_models.paths["qwen3"])
+    assert config.qk_layernorm
+    attention = model.decoder.layers[0].self_attention
+    q, k = attention.q_layernorm.weight, attention.k_layernorm.weight
+    assert not torch.equal(q, k)
+    with torch.no_grad():
+        saved = q.clone()
+        q.copy_(k)
+        k.copy_(saved)
+    err = rel_error(_our_logits(model, token_ids()), hf_models.logits["qwen3"])
+    assert err > 1e-3, f"swapped q/k norms went unnoticed (relative error {err:.2e})"
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_import_export_gives_back_the_original_tensors(hf_models, family, tmp_path, capsys):
     source = hf_models.paths[family]
@@ -103,6 +119,15 @@ FROM_SCRATCH = {
         position_embedding_type="rope",
         disable_bias_linear=True,
         add_qkv_bias=True,
+    ),
+    "qwen3": dict(
+        normalization="RMSNorm",
+        swiglu=True,
+        position_embedding_type="rope",
+        disable_bias_linear=True,
+        qk_layernorm=True,
+        num_query_groups=2,
+        kv_channels=16,
     ),
     "gpt2": dict(openai_gelu=True),
 }

@@ -191,3 +191,30 @@ def test_padded_vocab_equals_unpadded_tp4(vocab):
     finally:
         reset_layout()
     assert_no_failures(failures)
+
+
+@pytest.mark.world(2)
+def test_trainer_pads_a_vocabulary_tp_does_not_divide():
+    """--vocab-size 67 at TP = 2 (refused before padding existed) with
+    --make-vocab-size-divisible-by 8: the table has 80 rows here and 72 in the one-process
+    comparison run, and the two runs agree (the padding changes no result)."""
+    from megatron.training import TrainingConfig
+    from megatron.training.training import pretrain
+    from tests.unit_tests.dist_utils import fresh_layout
+
+    with fresh_layout():
+        result = pretrain(
+            TrainingConfig(
+                vocab_size=67,
+                make_vocab_size_divisible_by=8,
+                tensor_model_parallel_size=2,
+                seq_length=16,
+                global_batch_size=4,
+                micro_batch_size=1,
+                train_iters=2,
+                progress=False,
+                compare_single_process=True,
+                compare_tolerance=1e-5,
+            )
+        )
+    assert result.passed and len(result.records) == 2

@@ -8,7 +8,7 @@ model's settings writes it).
 
 from typing import Dict
 
-from megatron.training.hf.families import gpt2, llama, mistral, qwen2
+from megatron.training.hf.families import gpt2, llama, mistral, qwen2, qwen3
 from megatron.training.hf.family import Family
 
 REGISTRY: Dict[str, Family] = {
@@ -17,6 +17,7 @@ REGISTRY: Dict[str, Family] = {
         llama.FAMILY,
         mistral.FAMILY,
         qwen2.FAMILY,
+        qwen3.FAMILY,
         gpt2.FAMILY,
     )
 }

@@ -82,6 +82,7 @@ class GPT2(Family):
             and not settings.get("swiglu")
             and settings.get("position_embedding_type") != "rope"
             and not settings.get("disable_bias_linear", False)
+            and not settings.get("qk_layernorm", False)
             and kv * heads == hidden
         )
 

@@ -71,11 +71,13 @@ class LlamaShaped(Family):
             tied=bool(c.optional("tie_word_embeddings", False)),
             dtype=c.dtype(),
             window_size=extra.get("window_size"),
+            qk_layernorm=extra.get("qk_layernorm", False),
         )
 
     def read_extra(self, c: ConfigReader) -> Dict[str, Any]:
         """The family's own keys: HFArchitecture fields (``add_bias_linear``,
-        ``add_qkv_bias``, ``window_size``) that differ from the plain Llama shape."""
+        ``add_qkv_bias``, ``window_size``, ``qk_layernorm``) that differ from the plain Llama shape.
+        """
         return {}
 
     def write(self, arch: HFArchitecture) -> Dict[str, Any]:
@@ -175,7 +177,8 @@ class Llama(LlamaShaped):
     def claims(self, settings: Dict[str, Any]) -> bool:
         bias = not settings.get("disable_bias_linear", False)
         qkv_bias_only = bool(settings.get("add_qkv_bias", False)) and not bias
-        return rmsnorm_swiglu_rope(settings) and not qkv_bias_only
+        qk_norm = bool(settings.get("qk_layernorm", False))
+        return rmsnorm_swiglu_rope(settings) and not qkv_bias_only and not qk_norm
 
 
 FAMILY = Llama()

@@ -34,7 +34,8 @@ class Qwen2(LlamaShaped):
     def claims(self, settings: Dict[str, Any]) -> bool:
         bias = not settings.get("disable_bias_linear", False)
         qkv_bias = bool(settings.get("add_qkv_bias", False))
-        return rmsnorm_swiglu_rope(settings) and qkv_bias and not bias
+        qk_norm = bool(settings.get("qk_layernorm", False))
+        return rmsnorm_swiglu_rope(settings) and qkv_bias and not bias and not qk_norm
 
 
 FAMILY = Qwen2()

@@ -1,0 +1,67 @@
+"""Qwen3 dense (``Qwen3ForCausalLM``): Llama-shaped with per-head q/k RMSNorm.
+
+After the q/k/v projections each query and key head (``head_dim`` values) is RMS-normalized
+with its own ``[head_dim]`` weight shared by all heads: y = x / sqrt(mean(x^2) + eps) * w,
+eps = ``rms_norm_eps``, before the rotary embedding. That is our ``qk_layernorm``
+(``self_attention.q_layernorm`` / ``k_layernorm``, built by
+``get_gpt_layer_local_spec(qk_layernorm=True)``). Biases on q/k/v/o only (``attention_bias``)
+are not expressible with a norm-free MLP and are refused; sliding windows are refused.
+"""
+
+from typing import Any, Dict, Optional
+
+from megatron.training.hf.families.llama import LlamaShaped, rmsnorm_swiglu_rope
+from megatron.training.hf.family import ConfigReader, HFArchitecture, Segment, Source
+
+
+class Qwen3(LlamaShaped):
+    model_type = "qwen3"
+    architecture = "Qwen3ForCausalLM"
+    settings_hint = "RMSNorm + swiglu + rope + --qk-layernorm --disable-bias-linear (Qwen3)"
+
+    def read_extra(self, c: ConfigReader) -> Dict[str, Any]:
+        c.expect(
+            "attention_bias",
+            False,
+            "false (biases on q/k/v/o without MLP biases are not supported)",
+            default=False,
+        )
+        use_window = c.optional("use_sliding_window", False)
+        c.require(
+            use_window is False,
+            "use_sliding_window",
+            use_window,
+            "false (sliding-window attention is not supported)",
+        )
+        c.seen("sliding_window", "max_window_layers")  # unused without use_sliding_window
+        layer_types = c.optional("layer_types", None)
+        c.require(
+            layer_types is None or set(layer_types) <= {"full_attention"},
+            "layer_types",
+            layer_types,
+            "full_attention for every layer",
+        )
+        return {"qk_layernorm": True}
+
+    def write_extra(self, arch: HFArchitecture) -> Dict[str, Any]:
+        return {"attention_bias": False, "use_sliding_window": False}
+
+    def layer_sources(
+        self, arch: HFArchitecture, layer: int, prefix: Optional[str]
+    ) -> Dict[str, Source]:
+        table = super().layer_sources(arch, layer, prefix)
+        attn = f"{'model.' if prefix is None else prefix}layers.{layer}.self_attn."
+        ours = f"decoder.layers.{layer}.self_attention."
+        d = arch.kv_channels
+        table[ours + "q_layernorm.weight"] = (Segment(f"{attn}q_norm.weight", 0, d),)
+        table[ours + "k_layernorm.weight"] = (Segment(f"{attn}k_norm.weight", 0, d),)
+        return table
+
+    def claims(self, settings: Dict[str, Any]) -> bool:
+        bias = not settings.get("disable_bias_linear", False)
+        qkv_bias = bool(settings.get("add_qkv_bias", False))
+        qk_norm = bool(settings.get("qk_layernorm", False))
+        return rmsnorm_swiglu_rope(settings) and qk_norm and not bias and not qkv_bias
+
+
+FAMILY = Qwen3()
