@@ -458,6 +458,12 @@ OPTIMIZER_RESUME_RULES = {
     "loss_scale_window": APPLIED,
     "hysteresis": APPLIED,
     "initial_loss_scale": FRESH_ONLY,  # the dynamic scale continues from the checkpoint's
+    # the router losses and the aux-loss-free bias update: read from the run's config at
+    # every step, so a new value is the objective from the resumed iteration on
+    "moe_aux_loss_coeff": APPLIED,
+    "moe_z_loss_coeff": APPLIED,
+    "moe_router_load_balancing_type": APPLIED,
+    "moe_router_bias_update_rate": APPLIED,
 }
 
 

@@ -55,6 +55,15 @@ def test_a_lora_run_at_cp2_pp2_follows_the_one_process_run():
 
 
 @pytest.mark.world(2)
+def test_lora_with_the_distributed_optimizer_at_dp2_follows_the_one_process_run():
+    """The adapters' Adam state sharded over two data-parallel ranks (the base has none): the
+    losses follow the one-process run (``--compare-single-process``, asserted in ``_run``)."""
+    losses = _run(use_distributed_optimizer=True, train_iters=3, num_layers=2, hidden_size=16,
+                  compare_single_process=True, **LORA)  # fmt: skip
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.world(2)
 def test_adapter_only_checkpoints_resume_at_another_layout_from_a_base_checkpoint():
     """A base trained and saved (full model); LoRA on it with --pretrained-checkpoint, saving
     adapters only; the adapter checkpoint is a small fraction of the full one; resuming it at
