@@ -317,18 +317,21 @@ def _model_config(args) -> TrainingConfig:
 
 def _tokenizer_file(args, config: TrainingConfig) -> Optional[str]:
     """The model's ``tokenizer.json``: ``--tokenizer``, the one the run recorded, the
-    ``--hf-model`` folder's; None for a model trained without one."""
-    path = args.tokenizer or config.tokenizer or config.hf_model or _recorded_tokenizer(args)
-    if path is None:
-        if args.prompt or args.prompts_file:
-            raise UsageError(
-                "this model was trained without a tokenizer: give prompts as --prompt-ids, or "
-                "a tokenizer with --tokenizer"
-            )
-        return None
+    ``--hf-model`` folder's; None for a model without one when the prompts are token ids."""
     from megatron.core.tokenizers.hf_folder import resolve_tokenizer_file
 
-    return resolve_tokenizer_file(str(path))
+    if args.tokenizer:
+        return resolve_tokenizer_file(args.tokenizer)
+    path = config.tokenizer or config.hf_model or _recorded_tokenizer(args)
+    texts = bool(args.prompt or args.prompts_file)
+    if path is not None and (texts or Path(path, "tokenizer.json").is_file()):
+        return resolve_tokenizer_file(str(path))
+    if texts:
+        raise UsageError(
+            "this model has no tokenizer: give prompts as --prompt-ids, or a tokenizer with "
+            "--tokenizer"
+        )
+    return None
 
 
 def _recorded_tokenizer(args) -> Optional[str]:

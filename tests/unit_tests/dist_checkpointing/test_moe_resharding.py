@@ -75,11 +75,13 @@ SAVE = MoECase(ep=2, etp=1, cp=2, dp=2, mb=2, mask="uneven", losses="all", share
 LOADS = [
     pytest.param(SAVE.with_(ep=4), marks=pytest.mark.world(4), id="ep2-to-ep4"),
     pytest.param(
-        SAVE.with_(ep=2, etp=2, tp=2, cp=1), marks=pytest.mark.world(4), id="ep2-to-ep2-etp2-tp2"
+        SAVE.with_(ep=2, etp=2, tp=2, cp=1),
+        marks=[pytest.mark.world(4), pytest.mark.slow],
+        id="ep2-to-ep2-etp2-tp2",
     ),
     pytest.param(
         SAVE.with_(ep=1, grouped=True),
-        marks=pytest.mark.world(4),
+        marks=[pytest.mark.world(4), pytest.mark.slow],
         id="ep2-sequential-to-ep1-grouped",
     ),
 ]

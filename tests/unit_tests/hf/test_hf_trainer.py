@@ -180,6 +180,7 @@ def test_chat_data_with_the_hf_models_tokenizer(tmp_path):
 
 
 @pytest.mark.world(2)
+@pytest.mark.slow  # suite time; the HF weights at a layout: test_hf_layouts (default run)
 def test_hf_weights_at_pp2_vpp2_follow_the_one_process_run():
     """Four layers over 2 pipeline ranks x 2 virtual stages: each chunk loads its own global
     layers (layer_number - 1) and the run equals the one-process one."""

@@ -65,8 +65,8 @@ def _case(layout: Layout, mode: str, arch: str, slow: bool = False):
 
 CASES = [
     _case(Layout(tp=2, sp=True, cp=2), "averaged", "llama"),
-    _case(Layout(tp=2, pp=2, vpp=2), "per-token", "gpt2"),
-    _case(Layout(cp=2, dp=2), "averaged", "llama", slow=True),
+    _case(Layout(tp=2, pp=2, vpp=2), "per-token", "gpt2", slow=True),
+    _case(Layout(cp=2, dp=2), "averaged", "llama"),
     _case(Layout(tp=2, sp=True, pp=2), "per-token", "llama", slow=True),
     _case(Layout(tp=2, cp=2), "averaged", "gpt2-untied", slow=True),
     _case(Layout(tp=4, sp=True), "averaged", "llama", slow=True),

@@ -166,6 +166,7 @@ def test_indexed_data_with_warmup_and_cosine_follows_the_one_process_run():
         weight_decay=0.01,
         compare_single_process=True,
         compare_tolerance=1e-5,
+        allow_truncation=True,  # 1 of 5 records is longer than 16 tokens
         progress=False,
     )
     with fresh_layout():

@@ -99,6 +99,7 @@ LAYOUTS = [
     pytest.param(dict(context_parallel_size=2, pipeline_model_parallel_size=2), id="cp2-pp2"),
     pytest.param(
         dict(context_parallel_size=2, pipeline_model_parallel_size=2, micro_batch_size=1),
+        marks=pytest.mark.slow,
         id="cp2-pp2-mbs1-masked-shard",
     ),
     pytest.param(

@@ -17,7 +17,9 @@ from tests.unit_tests.dist_utils import assert_no_failures, fresh_layout
 
 PACKED_RUNS = [
     pytest.param(dict(pipeline_model_parallel_size=2), "all_gather", id="cp2-pp2-all_gather"),
-    pytest.param(dict(tensor_model_parallel_size=2), "a2a", id="tp2-cp2-a2a"),
+    pytest.param(
+        dict(tensor_model_parallel_size=2), "a2a", id="tp2-cp2-a2a", marks=pytest.mark.slow
+    ),
     pytest.param(
         dict(
             pipeline_model_parallel_size=2,
@@ -27,6 +29,7 @@ PACKED_RUNS = [
         ),
         "p2p",
         id="cp2-pp2-p2p-llama",
+        marks=pytest.mark.slow,
     ),
     pytest.param(
         dict(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2]),
