@@ -101,7 +101,7 @@ def build_model(
             )
         )
     if config.lora_dim is not None:
-        _check_some_layer_adapted(config, chunks)
+        _check_some_layer_adapted(config, chunks, pg_collection)
     one_or_list = (lambda fns: fns) if vpp else (lambda fns: fns[0])
     transformer_config.no_sync_func = one_or_list([c.no_sync for c in chunks])
     if config.overlap_grad_reduce:
@@ -172,13 +172,14 @@ def lora_config(config: TrainingConfig) -> LoRAConfig:
     )
 
 
-def _check_some_layer_adapted(config: TrainingConfig, chunks) -> None:
-    """Refuse targets that match no layer on any rank (the count is summed over the world:
-    each pipeline stage sees its own layers only)."""
+def _check_some_layer_adapted(config: TrainingConfig, chunks, pg_collection) -> None:
+    """Refuse targets that match no layer of the model: the count is summed over the
+    pipeline group (each stage sees its own layers; the other groups hold the same ones)."""
     count = torch.tensor([sum(len(lora_modules(c)) for c in chunks)], dtype=torch.int64)
-    if torch.distributed.is_initialized():
-        count = count.to(comm_device(None))
-        torch.distributed.all_reduce(count)
+    pp = None if pg_collection is None else pg_collection.pp
+    if pp is not None and pp.size() > 1:
+        count = count.to(comm_device(pp))
+        torch.distributed.all_reduce(count, group=pp)
     if int(count.item()) == 0:
         raise ValueError(
             f"--lora-target-modules {' '.join(config.lora_target_modules)} (less "

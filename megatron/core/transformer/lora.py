@@ -104,7 +104,11 @@ class LoRAConfig:
         return self.alpha / self.dim
 
     def matches(self, name: str) -> bool:
-        """Whether the module with global name ``name`` is a target and not excluded."""
+        """Whether the module with global name ``name`` is a target and not excluded: one
+        of the adaptable layers (``LORA_TARGETS``; a wildcard picks among them, so
+        ``*.layers.0.*`` means layer 0's four linear layers) that a pattern names."""
+        if name.rsplit(".", 1)[-1] not in LORA_TARGETS:
+            return False
         return _matches(name, self.target_modules) and not _matches(name, self.exclude_modules)
 
 
