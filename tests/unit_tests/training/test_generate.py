@@ -19,7 +19,7 @@ import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.training.generate import Sampling, _choose, generate, main
 from megatron.training.hf import model_from_hf
-from tests.unit_tests.dist_utils import fresh_layout, rel_error
+from tests.unit_tests.dist_utils import fresh_layout, rel_error, reset_layout
 from tests.unit_tests.hf.hf_models import (
     GPT2_CONFIG,
     HAVE_TRANSFORMERS,
@@ -123,6 +123,7 @@ def test_greedy_tokens_are_the_same_at_every_layout():
     if dist.get_rank() == 0:
         write_random_hf_model(path, LLAMA_CONFIG, std=STD)
     dist.barrier()
+    reset_layout()  # the one-process model: no parallel_state groups left by earlier tests
     model, _ = model_from_hf(path)
     model.eval()
     expected = " ".join(map(str, generate([model], PROMPT, NEW, vocab_size=128)))
