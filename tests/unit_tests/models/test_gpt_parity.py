@@ -236,23 +236,30 @@ def dense_reference(mode: str, arch_name: str) -> List[Tuple[Dict[str, torch.Ten
     batch = global_batch(arch.vocab)
     steps = []
     for _ in range(STEPS):
-        sums, counts = [], []
-        for g in range(GLOBAL_MICROBATCHES):
-            losses = dense_gpt_losses(params, arch, batch["tokens"][g], batch["labels"][g])
-            mask = batch["loss_mask"][g].double()
-            sums.append((losses * mask).sum())
-            counts.append(mask.sum())
-        sums, counts = torch.stack(sums), torch.stack(counts)
-        if mode == "per-token":
-            objective = sums.sum() / counts.sum().clamp(min=1)
-        else:
-            objective = (sums / counts.clamp(min=1)).mean()
+        objective, logged = dense_objective(params, arch, batch, mode)
         grads = dict(zip(params, torch.autograd.grad(objective, list(params.values()))))
-        steps.append((grads, (sums.sum() / counts.sum()).item()))
+        steps.append((grads, logged))
         with torch.no_grad():
             for name, param in params.items():
                 param -= LR * grads[name]
     return steps
+
+
+def dense_objective(params, arch: Arch, batch, mode: str) -> Tuple[torch.Tensor, float]:
+    """(J over the global batch for ``mode`` (module docstring), the logged loss
+    sum(S) / sum(N)) of the dense float64 model with ``params``."""
+    sums, counts = [], []
+    for g in range(GLOBAL_MICROBATCHES):
+        losses = dense_gpt_losses(params, arch, batch["tokens"][g], batch["labels"][g])
+        mask = batch["loss_mask"][g].double()
+        sums.append((losses * mask).sum())
+        counts.append(mask.sum())
+    sums, counts = torch.stack(sums), torch.stack(counts)
+    if mode == "per-token":
+        objective = sums.sum() / counts.sum().clamp(min=1)
+    else:
+        objective = (sums / counts.clamp(min=1)).mean()
+    return objective, (sums.sum() / counts.sum()).item()
 
 
 # ----------------------------------------------------------------------------- distributed

@@ -36,7 +36,6 @@ from tests.unit_tests.dist_utils import (
     reset_layout,
     use_layout,
 )
-from tests.unit_tests.models.dense_gpt import dense_gpt_losses
 from tests.unit_tests.models.naming import reference_names
 from tests.unit_tests.models.test_gpt_parity import (
     ARCHS,
@@ -44,6 +43,7 @@ from tests.unit_tests.models.test_gpt_parity import (
     MICRO_BATCH,
     SEQ,
     build_gpt,
+    dense_objective,
     forward_step,
     global_batch,
     make_config,
@@ -144,19 +144,9 @@ def dense_reference(mode: str, arch_name: str) -> List[Tuple[Dict[str, torch.Ten
                 a = adapters[f"{layer}.adapter.linear_in.weight"]
                 b = adapters[f"{layer}.adapter.linear_out.weight"]
                 merged[name] = base[name] + scale * b @ a
-        sums, counts = [], []
-        for g in range(GLOBAL_MICROBATCHES):
-            losses = dense_gpt_losses(merged, arch, batch["tokens"][g], batch["labels"][g])
-            mask = batch["loss_mask"][g].double()
-            sums.append((losses * mask).sum())
-            counts.append(mask.sum())
-        sums, counts = torch.stack(sums), torch.stack(counts)
-        if mode == "per-token":
-            objective = sums.sum() / counts.sum().clamp(min=1)
-        else:
-            objective = (sums / counts.clamp(min=1)).mean()
+        objective, logged = dense_objective(merged, arch, batch, mode)
         grads = dict(zip(adapters, torch.autograd.grad(objective, list(adapters.values()))))
-        steps.append((grads, (sums.sum() / counts.sum()).item()))
+        steps.append((grads, logged))
         with torch.no_grad():
             for name, param in adapters.items():
                 param -= LR * grads[name]
