@@ -407,7 +407,8 @@ def compare_run_settings(
         return
     before, now = _effective_settings(saved), _effective_settings(current)
     checked = MODEL_SETTINGS + (() if finetune else DATA_SETTINGS)
-    if finetune and not before.get("lora_dim"):  # a base model for new LoRA adapters
+    if not before.get("lora_dim"):  # a base model for new LoRA adapters (load_checkpoint
+        # asks for --finetune when it is loaded as a resume)
         checked = tuple(n for n in checked if n not in LORA_SETTINGS)
     differences = [
         f"{flag_of(name)} {_shown(before[name])} when saved, {_shown(now[name])} now"

@@ -84,13 +84,13 @@ def test_a_data_error_under_torchrun_is_printed_once_by_the_rank_that_found_it()
 @pytest.mark.slow
 @pytest.mark.timeout(LIMIT_S + 30)
 def test_a_missing_data_file_on_every_rank_is_said_once_and_debug_shows_tracebacks(tmp_path):
-    """Every rank finds the missing --data-path: one line (rank 0's, without a rank), exit 1;
-    with --debug the traceback is shown (of each rank that gets to print it before the
-    launcher stops it)."""
+    """A missing --data-path is found before any rank starts (the launcher's preflight): one
+    line without a rank, exit 2 like any refused command line; with --debug the traceback
+    is shown."""
     missing = str(tmp_path / "missing.jsonl")
     args = ["-m", "megatron.training", "--nproc-per-node", "2", "--cp", "2", *SMALL]
     code, output = _run([*args, "--data-path", missing])
-    assert code == 1, output
+    assert code == 2, output
     errors = [line for line in output.splitlines() if line.startswith("megatron.training: error")]
     assert len(errors) == 1 and missing in errors[0] and " on rank " not in errors[0], output
     assert "Traceback" not in output and "error_file" not in output, output
