@@ -129,6 +129,8 @@ def get_megatron_optimizer(
         inner.has_expert_params = True
         if pg_collection is not None:
             inner.expert_grad_stats_parallel_group = pg_collection.tp_ep_pp
+            # the distributed optimizer's expert shards: over expert DP
+            inner.expert_data_parallel_group = pg_collection.expt_dp
     chained = ChainedOptimizer([inner])
     chained.model_chunks = list(model_chunks)
     return chained

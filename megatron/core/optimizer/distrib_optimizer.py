@@ -20,10 +20,17 @@ shard of its buffer's group, so
     ||g||_p^p = sum_{mp} sum_{dp x cp} sum_{shards on this rank} ||g_shard||_p^p
 
 (TP duplicates and the tied embedding copy filtered as in ``clip_grads``). Expert parameters
-(megatron-core marks them ``param.allreduce = False``) would live in a buffer of their own whose
-group is the expert-data-parallel group; the optimizer shards every buffer over its own
-group, and the sum over dp x cp still counts each expert shard once when expert parallelism
-splits the data-parallel group (EP x expert-DP = DP, expert TP = TP: megatron-core's layout).
+(megatron-core marks them ``param.allreduce = False``) live in buffers of their own whose
+group is the expert-data-parallel group; the optimizer shards every buffer over its own group,
+so expert state is sharded over expert DP, and the experts' part of a statistic is reduced
+over expert DP, then expert tp x ep x pp (``_expert_grad_stats_groups``):
+
+    ||g_expert||_p^p = sum_{expert tp x ep x pp} sum_{expert dp} sum_{shards} ||g_shard||_p^p
+
+Leaving out expert DP (the plain optimizer's groups: its expert grads are whole, this
+optimizer's are shards) drops the other expert-DP ranks' shards: a wrong, rank-dependent norm
+whenever expert DP > 1 (EP 2 x DP 4: each EP group saw half of the expert elements); summing
+over the dense dp x cp group instead counts each expert element EP times.
 
 Checkpoints (``sharded_state_dict``): each rank writes and reads only its shards, as
 ``ShardedTensor`` s with ``flattened_range`` inside the boxes the non-distributed optimizer
@@ -54,7 +61,7 @@ from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.main_params import HALF_DTYPES, make_main_shard
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer, init_optimizer_state
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
-from megatron.core.process_groups_config import get_pg_rank, get_pg_size
+from megatron.core.process_groups_config import get_pg_rank, get_pg_size, resolve_group
 
 # In a sharded state dict built by ``sharded_state_dict``: the state tensors are this rank's
 # flat shards (returned by ``load`` as they are, never saved).
@@ -170,6 +177,32 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _grad_stats_groups(self) -> List[Optional[dist.ProcessGroup]]:
         """The data-parallel group (the shards), then the model-parallel group."""
         return [self.data_parallel_group, self.get_grad_stats_parallel_group()]
+
+    def _expert_grad_stats_groups(self) -> List[Optional[dist.ProcessGroup]]:
+        """The expert-data-parallel group (the expert buffers' shards), then expert
+        tp x ep x pp: each expert element lies in one rank's shard of one expert shard."""
+        return [self._expert_data_parallel_group(), *super()._expert_grad_stats_groups()]
+
+    def _expert_data_parallel_group(self) -> Optional[dist.ProcessGroup]:
+        """The group the expert buffers are sharded over (``expert_data_parallel_group`` set
+        by ``get_megatron_optimizer``, else the chunks' ``expt_dp_group``, else the MPU
+        fallback); every chunk holding experts must use that same group."""
+        group = getattr(self, "expert_data_parallel_group", None)
+        chunk_groups = {
+            id(chunk.expt_dp_group): chunk.expt_dp_group
+            for chunk in self.model_chunks
+            if getattr(chunk, "expt_dp_group", None) is not None
+        }
+        if group is None and chunk_groups:
+            group = next(iter(chunk_groups.values()))
+        group = resolve_group("expt_dp", group)
+        if any(other is not group for other in chunk_groups.values()):
+            raise ValueError(
+                "DistributedOptimizer: the model chunks shard their expert buffers over a group "
+                "other than the optimizer's expert-data-parallel group (pg_collection.expt_dp); "
+                "expected the same group in DistributedDataParallel and get_megatron_optimizer"
+            )
+        return group
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:

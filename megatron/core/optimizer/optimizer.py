@@ -26,7 +26,6 @@ from megatron.core.dist_checkpointing.optimizer import (
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros,
-    get_grad_norm_fp32,
     grad_norm,
     param_is_not_shared,
 )
@@ -52,7 +51,12 @@ class MegatronOptimizer(ABC):
     Gradient statistics (norm, zero count, the inf/nan flag) are local sums over
     ``get_main_grads_for_grad_norm`` reduced by one hook, ``_reduce_grad_stats``, over
     ``_grad_stats_groups()``: the model-parallel group here; the distributed optimizer puts
-    its data-parallel group first (each rank holds a shard of every gradient).
+    its data-parallel group first (each rank holds a shard of every gradient). Expert grads
+    (``allreduce = False``, ``has_expert_params``) are a part of their own, reduced by
+    ``_reduce_expert_grad_stats`` over ``_expert_grad_stats_groups()``: expert tp x ep x pp
+    (``expert_grad_stats_parallel_group``) here, expert DP first in the distributed optimizer
+    (its expert shards), as megatron-core's separate expert optimizer does; the norm is
+    sqrt(dense^2 + expert^2), the zero count the sum, the inf/nan flag the max of both.
     """
 
     def __init__(
@@ -131,22 +135,41 @@ class MegatronOptimizer(ABC):
     def _grad_stats_device(self) -> torch.device:
         return comm_device(self._grad_stats_groups()[0])
 
+    def _expert_grad_stats_groups(self) -> List[Optional[dist.ProcessGroup]]:
+        """The groups the experts' part of a statistic is reduced over, in order: expert
+        tp x ep x pp (``expert_grad_stats_parallel_group``; MPU fallback), where every expert
+        shard is distinct (its expert-data-parallel replicas hold the same reduced gradient
+        and are not summed). The distributed optimizer puts expert DP first."""
+        return [resolve_group("tp_ep_pp", getattr(self, "expert_grad_stats_parallel_group", None))]
+
+    def _reduce_expert_grad_stats(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """``tensor`` (the experts' local statistic) reduced in place by ``op`` over every
+        group of ``_expert_grad_stats_groups()``; returns it."""
+        for group in self._expert_grad_stats_groups():
+            all_reduce_(tensor, group, op)
+        return tensor
+
+    def _has_experts(self) -> bool:
+        return bool(getattr(self, "has_expert_params", False))
+
     @torch.no_grad()
     def get_grad_norm(self) -> float:
-        """The global gradient norm (rule 4 of SPEC section 12)."""
+        """The global gradient norm (rule 4 of SPEC section 12): the dense part reduced over
+        ``_grad_stats_groups()``, the experts' over ``_expert_grad_stats_groups()``, each
+        element counted once."""
         dense = grad_norm(
             self.get_main_grads_for_grad_norm(),
             2.0,
             self._reduce_grad_stats,
             self._grad_stats_device(),
         )
-        if not getattr(self, "has_expert_params", False):
+        if not self._has_experts():
             return dense
-        expert = get_grad_norm_fp32(
+        expert = grad_norm(
             self.get_expert_main_grads_for_grad_norm(),
-            grad_stats_parallel_group=resolve_group(
-                "tp_ep_pp", getattr(self, "expert_grad_stats_parallel_group", None)
-            ),
+            2.0,
+            self._reduce_expert_grad_stats,
+            comm_device(self._expert_grad_stats_groups()[0]),
         )
         return math.sqrt(dense**2 + expert**2)
 
@@ -159,10 +182,19 @@ class MegatronOptimizer(ABC):
         return grad_norm
 
     def count_zeros(self) -> float:
-        """Zero gradient elements over the model (each counted once)."""
-        return count_zeros(
+        """Zero gradient elements over the model, each counted once: the dense grads over
+        ``_grad_stats_groups()``, the experts' over ``_expert_grad_stats_groups()``."""
+        dense = count_zeros(
             self.get_main_grads_for_grad_norm(), self._reduce_grad_stats, self._grad_stats_device()
         )
+        if not self._has_experts():
+            return dense
+        expert = count_zeros(
+            self.get_expert_main_grads_for_grad_norm(),
+            self._reduce_expert_grad_stats,
+            comm_device(self._expert_grad_stats_groups()[0]),
+        )
+        return dense + expert
 
     @abstractmethod
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -240,6 +272,10 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         found = self._reduce_grad_stats(
             self.found_inf.to(self._grad_stats_device()), dist.ReduceOp.MAX
         )
+        if self._has_experts():  # an expert's inf reaches the ranks of the other experts
+            found = self._reduce_expert_grad_stats(
+                found.to(comm_device(self._expert_grad_stats_groups()[0])), dist.ReduceOp.MAX
+            )
         return bool(found.item() > 0)
 
     @abstractmethod

@@ -9,7 +9,7 @@ Launch: ``torchrun --nproc-per-node 4 -m pytest tests/unit_tests/models/test_moe
 (and 8); the full matrix is marked ``slow``.
 """
 
-from typing import List
+from typing import Dict, List
 
 import pytest
 import torch
@@ -36,15 +36,8 @@ from tests.unit_tests.models.moe_parity import (  # noqa: E402
 C = MoECase
 
 
-# A known bug (issue 30, open): with the distributed optimizer, EP = 2 and DP = 4 the
-# grad norm optimizer.step() reports is wrong and differs between ranks (3.8167 on ranks
-# 0-1, 3.8874 on 2-3, the reference 3.9113) although every main_grad and every updated
-# parameter match. Kept in the matrix as a strict xfail: it fails the run once fixed.
-KNOWN_BUGS = {
-    "ep2-etp1-tp1-cp1-pp1-dp4-mb1-full-averaged-aux-grouped-alltoall-distopt": (
-        "distributed optimizer with EP 2 x DP 4: grad norm wrong and rank-dependent (open)"
-    ),
-}
+# Cases kept as strict xfails while a bug is open: {case id: reason} (empty: none open).
+KNOWN_BUGS: Dict[str, str] = {}
 
 
 def _p(case: MoECase, slow: bool = False):
