@@ -408,6 +408,7 @@ class Run:
     routing: List[Tuple[int, int, torch.Tensor]]  # (micro-batch on this rank, layer, [T, k])
     count_problems: List[str]
     lm_loss: Optional[float]  # logged: sum S / sum N over the global batch (not legacy)
+    num_zeros: Optional[float] = None  # the step's zero count (log_num_zeros_in_grad)
 
 
 @dataclass
@@ -533,7 +534,7 @@ def run_step(
         for name, kind, param, grad in expert_aware_names(gpt, groups):
             grads[name] = grad.detach().clone()
             layouts[name] = (kind, param)
-    success, norm, _ = optimizer.step()
+    success, norm, num_zeros = optimizer.step()
     assert success
     for chunk in chunks:
         if hasattr(chunk, "finish_param_sync"):
@@ -555,7 +556,16 @@ def run_step(
     if case.mode != "legacy":
         lm_loss = reduce_reported_losses(store, groups.dp_cp).get("lm loss")
     return Run(
-        grads, params, layouts, float(norm), biases, metrics, routing, count_problems, lm_loss
+        grads,
+        params,
+        layouts,
+        float(norm),
+        biases,
+        metrics,
+        routing,
+        count_problems,
+        lm_loss,
+        None if num_zeros is None else float(num_zeros),
     )
 
 
