@@ -8,6 +8,13 @@ another seed loads it, and its next training step must log the same LM loss, the
 per-layer aux and z losses and the same per-expert load as a model that took the step at the
 load layout itself, and have the same gradient norm. Before loading, the fresh model's loss
 differs (the test can fail).
+
+With the distributed optimizer (``test_moe_distributed_optimizer_checkpoint_...``): Adam
+state too. Saved at EP = 2 (expert state sharded over expert DP 2) with the optimizer's
+``sharded_state_dict``, loaded at EP = 4 or ETP = TP = 2 (expert DP 1) into a fresh model and
+an empty distributed optimizer; the two steps after the load must log what a model that took
+all three steps at the load layout logs (the third step's losses depend on Adam's moments
+from the checkpoint); loading the model alone (empty Adam state) must not match.
 """
 
 import pytest
@@ -109,6 +116,71 @@ def test_moe_checkpoint_loads_at_another_expert_layout_with_the_same_losses(
         failures = _differences(got, want, f"{SAVE.id} -> {load_case.id}")
         if not _differences(unloaded, want, "fresh"):
             failures.append("the fresh model already matches before loading: the test is vacuous")
+        assert_no_failures(failures)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+# Adam's eps well above fp32 noise: a gradient element that is rounding noise at one layout
+# would otherwise get a full lr-sized update whose sign depends on the layout
+ADAM = {"optimizer": "adam", "lr": 0.01, "adam_eps": 1e-3}
+SAVE_DIST = SAVE.with_(distopt=True)
+DIST_LOADS = [
+    pytest.param(
+        SAVE_DIST.with_(ep=4), marks=[pytest.mark.world(4), pytest.mark.slow], id="ep2-to-ep4"
+    ),
+    pytest.param(
+        SAVE_DIST.with_(ep=2, etp=2, tp=2, cp=1),
+        marks=[pytest.mark.world(4), pytest.mark.slow],
+        id="ep2-to-ep2-etp2-tp2",
+    ),
+]
+
+
+def _save_with_optimizer(model, directory) -> None:
+    sharded = _sharded(model)
+    state = {"model": sharded, "optimizer": model.optimizer.sharded_state_dict(sharded)}
+    dist_checkpointing.save(state, str(directory))
+
+
+def _load_with_optimizer(model, directory) -> None:
+    sharded = _sharded(model)
+    request = {"model": sharded, "optimizer": model.optimizer.sharded_state_dict(sharded, True)}
+    loaded = dist_checkpointing.load(request, str(directory))
+    if len(model.gpts) == 1:
+        model.gpts[0].load_state_dict(loaded["model"])
+    else:
+        for i, gpt in enumerate(model.gpts):
+            gpt.load_state_dict(loaded["model"][f"model{i}"])
+    model.optimizer.load_state_dict(loaded["optimizer"])
+
+
+@pytest.mark.parametrize("load_case", DIST_LOADS)
+def test_moe_distributed_optimizer_checkpoint_loads_at_another_expert_layout(
+    load_case: MoECase, shared_dir
+):
+    try:
+        groups = use_moe_layout(SAVE_DIST)
+        model = build_model(SAVE_DIST, groups, optimizer_overrides=ADAM)
+        run_step(SAVE_DIST, groups, model=model)
+        _save_with_optimizer(model, shared_dir)
+
+        groups = use_moe_layout(load_case)
+        reference = build_model(load_case, groups, optimizer_overrides=ADAM)
+        want = [_summary(run_step(load_case, groups, model=reference)) for _ in range(3)][1:]
+
+        fresh = build_model(load_case, groups, seed=LOAD_SEED, optimizer_overrides=ADAM)
+        _load_with_optimizer(fresh, shared_dir)
+        got = [_summary(run_step(load_case, groups, model=fresh)) for _ in range(2)]
+        failures = []
+        for step, (g, w) in enumerate(zip(got, want), start=2):
+            failures += _differences(g, w, f"{SAVE_DIST.id} -> {load_case.id} step {step}")
+
+        model_only = build_model(load_case, groups, seed=LOAD_SEED, optimizer_overrides=ADAM)
+        _load(model_only, shared_dir)  # the weights, an empty Adam state
+        unloaded = [_summary(run_step(load_case, groups, model=model_only)) for _ in range(2)]
+        if not _differences(unloaded[1], want[1], "model only"):
+            failures.append("the model without the optimizer state already matches: vacuous")
         assert_no_failures(failures)
     finally:
         parallel_state.destroy_model_parallel()

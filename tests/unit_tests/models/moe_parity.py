@@ -421,8 +421,15 @@ class Model:
     optimizer: object
 
 
-def build_model(case: MoECase, groups: ProcessGroupCollection, seed: int = SEED, configure=None):
-    """This rank's chunks (DDP-wrapped) and an SGD optimizer (no momentum, no clipping)."""
+def build_model(
+    case: MoECase,
+    groups: ProcessGroupCollection,
+    seed: int = SEED,
+    configure=None,
+    optimizer_overrides: Optional[Dict[str, object]] = None,
+):
+    """This rank's chunks (DDP-wrapped) and an SGD optimizer (no momentum, no clipping;
+    ``optimizer_overrides``: other ``OptimizerConfig`` fields, e.g. Adam)."""
     config = make_config(case)
     if configure is not None:
         configure(config)
@@ -445,12 +452,15 @@ def build_model(case: MoECase, groups: ProcessGroupCollection, seed: int = SEED,
     config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
-            optimizer="sgd",
-            lr=LR,
-            sgd_momentum=0.0,
-            weight_decay=0.0,
-            clip_grad=1e9,  # never clips; the step then reports the gradient norm
-            use_distributed_optimizer=case.distopt,
+            **{
+                "optimizer": "sgd",
+                "lr": LR,
+                "sgd_momentum": 0.0,
+                "weight_decay": 0.0,
+                "clip_grad": 1e9,  # never clips; the step then reports the gradient norm
+                "use_distributed_optimizer": case.distopt,
+                **(optimizer_overrides or {}),
+            }
         ),
         chunks,
         pg_collection=groups,
