@@ -1,10 +1,11 @@
 """Mixture-of-experts benchmarks (issue 30).
 
 CPU (default): a training step of a small MoE GPT against a dense GPT with the same ACTIVE
-parameters (the dense FFN is k x the expert FFN), one process, our schedule, DDP and
-finalize (fp32):
+parameters (the dense FFN is k x the expert FFN), one process, our schedule, DDP, finalize
+and Adam (fp32); variants interleaved step by step, wall and process CPU time (see
+``cpu_step_benchmark``):
 
-    python tests/benchmarks/bench_moe.py [--steps 10] [--json out.json]
+    python tests/benchmarks/bench_moe.py [--steps 10] [--threads 1] [--json out.json]
 
 GPU (``--gpu``): one MoE layer's forward + backward in bf16 at Qwen3-30B-A3B's shape (E 128,
 k 8, hidden 2048, expert FFN 768) and OLMoE's (E 64, k 8, hidden 2048, FFN 1024), EP = 1,
@@ -263,7 +264,14 @@ def mcore_worker(args) -> None:
 
 
 def cpu_step_benchmark(args) -> Dict[str, dict]:
-    """Train-step time of a small MoE GPT vs the dense GPT of the same active parameters."""
+    """Train-step time of a small MoE GPT vs the dense GPT of the same active parameters.
+
+    The variants are built first and their steps interleaved (round-robin, ``--warmup`` then
+    ``--steps`` rounds), so a load change on a shared machine hits every variant alike. Each
+    step is the forward + backward of our schedule, DDP and finalize, then the optimizer
+    (Adam) step; it is timed twice: wall clock and this process's CPU time
+    (``time.process_time``: with one thread, what the step cost whatever else the machine
+    ran). Medians are reported, and the MoE / dense ratio of each."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -271,6 +279,7 @@ def cpu_step_benchmark(args) -> Dict[str, dict]:
     )
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer import TransformerConfig
 
@@ -284,7 +293,24 @@ def cpu_step_benchmark(args) -> Dict[str, dict]:
             num_moe_experts=E, moe_router_topk=k, moe_ffn_hidden_size=f, moe_grouped_gemm=True
         ),
     }
-    results = {}
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (mbs, seq), generator=gen)
+    batch = {
+        "tokens": tokens,
+        "labels": torch.roll(tokens, -1, 1),
+        "position_ids": torch.arange(seq).expand(mbs, seq),
+    }
+
+    def forward_step(data_iterator, model):
+        b = next(data_iterator)
+        out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+
+        def loss_func(output):
+            return output.sum(), torch.tensor(output.numel()), {}
+
+        return out, loss_func
+
+    built = {}
     for name, extra in variants.items():
         config = TransformerConfig(
             num_layers=layers,
@@ -307,28 +333,16 @@ def cpu_step_benchmark(args) -> Dict[str, dict]:
             config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), gpt
         )
         config.finalize_model_grads_func = finalize_model_grads
-        gen = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, vocab, (mbs, seq), generator=gen)
-        batch = {
-            "tokens": tokens,
-            "labels": torch.roll(tokens, -1, 1),
-            "position_ids": torch.arange(seq).expand(mbs, seq),
-        }
+        optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-4, clip_grad=1.0), [ddp])
+        built[name] = (gpt, ddp, optimizer, [], [])
 
-        def forward_step(data_iterator, model):
-            b = next(data_iterator)
-            out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
-
-            def loss_func(output):
-                return output.sum(), torch.tensor(output.numel()), {}
-
-            return out, loss_func
-
-        times = []
-        for i in range(args.warmup + args.steps):
+    fwd_bwd = get_forward_backward_func()
+    for i in range(args.warmup + args.steps):
+        for _, ddp, optimizer, walls, cpus in built.values():
             ddp.zero_grad_buffer()
-            start = time.perf_counter()
-            get_forward_backward_func()(
+            optimizer.zero_grad()
+            wall, cpu = time.perf_counter(), time.process_time()
+            fwd_bwd(
                 forward_step_func=forward_step,
                 data_iterator=iter([batch]),
                 model=ddp,
@@ -336,18 +350,25 @@ def cpu_step_benchmark(args) -> Dict[str, dict]:
                 seq_length=seq,
                 micro_batch_size=mbs,
             )
+            optimizer.step()
             if i >= args.warmup:
-                times.append(time.perf_counter() - start)
+                walls.append(time.perf_counter() - wall)
+                cpus.append(time.process_time() - cpu)
+    results = {}
+    for name, (gpt, _, _, walls, cpus) in built.items():
         total = sum(p.numel() for p in gpt.parameters())
         expert = sum(p.numel() for n, p in gpt.named_parameters() if ".experts." in n)
-        active = total - expert + expert * k // E
-        median = statistics.median(times)
+        median, cpu = statistics.median(walls), statistics.median(cpus)
         results[name] = {
             "step_ms": 1e3 * median,
+            "cpu_ms": 1e3 * cpu,
             "tokens_per_s": mbs * seq / median,
             "params": total,
-            "active_params": active,
+            "active_params": total - expert + expert * k // E,
         }
+    for r in results.values():
+        r["wall_vs_dense"] = r["step_ms"] / results["dense"]["step_ms"]
+        r["cpu_vs_dense"] = r["cpu_ms"] / results["dense"]["cpu_ms"]
     return results
 
 
@@ -417,6 +438,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--mcore-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cpu-hidden", type=int, default=128)
     parser.add_argument("--cpu-seq", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=None, help="CPU: torch threads")
     parser.add_argument("--trainer", action="store_true", help="the one-GPU trainer run")
     parser.add_argument("--trainer-layers", type=int, default=8)
     parser.add_argument("--trainer-seq", type=int, default=4096)
@@ -453,7 +475,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                         f"{r['peak_gib']:9.2f}"
                     )
     else:
-        torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+        torch.set_num_threads(args.threads or max(1, min(2, torch.get_num_threads())))
         shapes = args.shapes or []
         if shapes:  # the layer benchmark on the CPU (tiny shapes), fp32 unless --bf16
             init_single_process("gloo")
@@ -468,13 +490,24 @@ def main(argv: Optional[List[str]] = None) -> None:
             }
             print(json.dumps(record["layers"], indent=1))
         else:
+            record["threads"] = torch.get_num_threads()
+            record["load_average"] = os.getloadavg()
             record["cpu_step"] = cpu_step_benchmark(args)
-            print(f"{'variant':<16} {'step ms':>9} {'tokens/s':>10} {'params':>10} {'active':>10}")
+            record["load_average_after"] = os.getloadavg()
+            print(
+                f"{'variant':<16} {'wall ms':>9} {'x dense':>8} {'cpu ms':>9} {'x dense':>8} "
+                f"{'tokens/s':>9} {'params':>9} {'active':>9}"
+            )
             for name, r in record["cpu_step"].items():
                 print(
-                    f"{name:<16} {r['step_ms']:9.1f} {r['tokens_per_s']:10.0f} "
-                    f"{r['params']:10d} {r['active_params']:10d}"
+                    f"{name:<16} {r['step_ms']:9.1f} {r['wall_vs_dense']:8.2f} "
+                    f"{r['cpu_ms']:9.1f} {r['cpu_vs_dense']:8.2f} {r['tokens_per_s']:9.0f} "
+                    f"{r['params']:9d} {r['active_params']:9d}"
                 )
+            print(
+                f"threads {record['threads']}, load average before/after "
+                f"{record['load_average']} / {record['load_average_after']}"
+            )
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(record, handle, indent=1)
