@@ -936,6 +936,13 @@ class TrainingConfig:
         help="iterations between TensorBoard / W&B training scalars (validation results are "
         "always logged) and, with --no-progress, between console lines",
     )
+    log_num_zeros_in_grad: bool = option(
+        False,
+        "--log-num-zeros-in-grad",
+        kind=RUN,
+        help="record each iteration's number of zero gradient elements (num_zeros_in_grad: "
+        "every element of the model once, experts included, the same at every layout)",
+    )
     tensorboard_dir: Optional[str] = option(
         None,
         "--tensorboard-dir",

@@ -21,6 +21,7 @@ SCALAR_NAMES = {
     "loss": "lm loss",
     "lr": "learning-rate",
     "grad_norm": "grad-norm",
+    "num_zeros_in_grad": "num-zeros",
     "loss_scale": "loss-scale",
     "iteration_time_s": "iteration-time",
     "tokens_per_s": "tokens-per-second",

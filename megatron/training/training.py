@@ -354,7 +354,7 @@ def _train(
         if scheduler.num_steps != iteration - 1:  # e.g. resumed from a checkpoint
             scheduler.step(increment=iteration - 1 - scheduler.num_steps)
         lr = optimizer.param_groups[0]["lr"]
-        updated, grad_norm, _ = optimizer.step()
+        updated, grad_norm, num_zeros = optimizer.step()
         scheduler.step(increment=1)
         # The next batch is made while the device finishes this step (the logged loss waits).
         upcoming = batch_of(iteration + 1) if iteration < config.train_iters else None
@@ -369,6 +369,7 @@ def _train(
                 "iteration": iteration,
                 "loss": loss,
                 "grad_norm": grad_norm,
+                **({"num_zeros_in_grad": num_zeros} if config.log_num_zeros_in_grad else {}),
                 "lr": lr,
                 "tokens_per_s": data_tokens / seconds,
                 "valid_tokens": int(global_batch["loss_mask"].sum().item()),
@@ -532,6 +533,7 @@ def build_optimizer(
             hysteresis=config.hysteresis,
             use_distributed_optimizer=config.use_distributed_optimizer,
             overlap_param_gather=config.overlap_param_gather,
+            log_num_zeros_in_grad=config.log_num_zeros_in_grad,
         ),
         model,
         pg_collection=pg_collection,
@@ -810,6 +812,8 @@ def _log_line(record: dict, train_iters: int) -> str:
     parts.append(f"learning rate: {record['lr']:.6E}")
     if record.get("grad_norm") is not None:
         parts.append(f"grad norm: {record['grad_norm']:.4f}")
+    if record.get("num_zeros_in_grad") is not None:
+        parts.append(f"num zeros: {record['num_zeros_in_grad']:.1f}")
     parts.append(f"elapsed time per iteration (ms): {1000 * record['iteration_time_s']:.1f}")
     parts.append(f"tokens per second: {record['tokens_per_s']:.0f}")
     return " | ".join(parts)
