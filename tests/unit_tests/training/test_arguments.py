@@ -114,6 +114,7 @@ NON_DEFAULT = dict(
     split="90,10,0",
     skip_train=True,
     log_interval=7,
+    log_num_zeros_in_grad=True,
     tensorboard_dir="tb",
     wandb_project="proj",
     wandb_exp_name="run1",
