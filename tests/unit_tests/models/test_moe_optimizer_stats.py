@@ -16,6 +16,10 @@ the expert part of the plain optimizer reduced over its dense group (tp x pp), a
 that leaves the experts out (the code before the fix) and one that counts them as dense
 parameters (summed over tp x pp by the plain optimizer).
 
+The inf/nan check of the mixed-precision optimizer (bf16 with a loss scale, plain optimizer):
+an inf in one expert's gradient, held by one EP rank, makes every rank skip the step (the
+check's max runs over the expert groups too); negative control: over the dense groups only.
+
 Launch: ``torchrun --nproc-per-node 4 -m tests.tools.launch_pytest
 tests/unit_tests/models/test_moe_optimizer_stats.py -m slow``.
 """
@@ -24,6 +28,7 @@ import math
 from typing import Dict, List, Tuple
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from tests.unit_tests.dist_utils import assert_no_failures, gather_failures
@@ -214,3 +219,55 @@ def test_negative_control_zero_count_experts_as_dense():
         lambda p: p.setattr(MegatronOptimizer, "count_zeros", _zeros_experts_as_dense),
         "zero count",
     )
+
+
+# ----------------------------------------------------------------------------- inf / nan
+
+
+def _skipped_on_every_rank(case: MoECase) -> List[str]:
+    """bf16 with a loss scale (the mixed-precision optimizer checks for inf/nan): an inf
+    planted in one expert's ``main_grad`` (held by EP rank 1 only) must make EVERY rank skip
+    the step, else the ranks' models part ways."""
+    reference(case.model_key())
+    groups = use_moe_layout(case)
+
+    def bf16(config) -> None:
+        config.bf16, config.params_dtype = True, torch.bfloat16
+
+    model = build_model(
+        case, groups, configure=bf16, optimizer_overrides={"bf16": True, "loss_scale": 1.0}
+    )
+    optimizer = model.optimizer
+    prepare, step = optimizer.prepare_grads, optimizer.step
+    results = []
+
+    def plant_inf_then_prepare() -> bool:
+        for gpt in model.gpts:
+            for name, _, _, grad in expert_aware_names(gpt, groups):
+                if name == PLANTED[0] and grad is not None:
+                    grad.view(-1)[0] = float("inf")
+        return prepare()
+
+    def recording_step():
+        results.append(step())
+        return True, 0.0, None  # run_step asserts success; the real answer is kept
+
+    optimizer.prepare_grads, optimizer.step = plant_inf_then_prepare, recording_step
+    run_step(case, groups, model=model)
+    updated = bool(results[0][0])
+    everyone: List[bool] = [False] * dist.get_world_size()
+    dist.all_gather_object(everyone, updated)
+    return [f"rank {r} stepped despite the inf" for r, u in enumerate(everyone) if u]
+
+
+def test_an_inf_in_one_expert_skips_the_step_on_every_rank():
+    assert not _skipped_on_every_rank(PLAIN)
+
+
+def test_negative_control_inf_check_without_the_expert_groups():
+    """The inf check over the dense groups only (tp x pp: one rank here): the EP rank without
+    the inf steps."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(MegatronOptimizer, "_reduce_expert_grad_stats", lambda self, t, op=None: t)
+        failures = _skipped_on_every_rank(PLAIN)
+    assert failures, "an inf on one EP rank went unnoticed on the others"
