@@ -185,17 +185,21 @@ def topk_routing_with_score_function(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(routing probabilities [T, E], routing map [T, E] bool) of logits [T, E]; see
     ``topk_routing`` (which also returns the experts in top-k order)."""
+    if fused:
+        raise NotImplementedError("topk_routing_with_score_function: fused=True is not supported")
+    if router_replay is not None:
+        raise NotImplementedError(
+            "topk_routing_with_score_function: router_replay is not supported"
+        )
     probs, routing_map, _ = topk_routing(
         logits,
         topk,
-        use_pre_softmax,
-        num_groups,
-        group_topk,
-        scaling_factor,
-        score_function,
-        expert_bias,
-        fused=fused,
-        router_replay=router_replay,
+        use_pre_softmax=use_pre_softmax,
+        num_groups=num_groups,
+        group_topk=group_topk,
+        scaling_factor=scaling_factor,
+        score_function=score_function,
+        expert_bias=expert_bias,
     )
     return probs, routing_map
 
@@ -203,17 +207,18 @@ def topk_routing_with_score_function(
 def topk_routing(
     logits: torch.Tensor,
     topk: int,
-    use_pre_softmax: bool = False,
-    num_groups: Optional[int] = None,
-    group_topk: Optional[int] = None,
-    scaling_factor: Optional[float] = None,
-    score_function: str = "softmax",
-    expert_bias: Optional[torch.Tensor] = None,
-    fused: bool = False,
-    router_replay=None,
+    *,
+    use_pre_softmax: bool,
+    num_groups: Optional[int],
+    group_topk: Optional[int],
+    scaling_factor: Optional[float],
+    score_function: str,
+    expert_bias: Optional[torch.Tensor],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k routing in the logits' dtype. Returns (probs [T, E] (zero off the map),
-    routing map [T, E] bool, top-k expert indices [T, k], best first).
+    routing map [T, E] bool, top-k expert indices [T, k], best first). The options are
+    ``topk_routing_with_score_function``'s (megatron-core's defaults and refusals are there;
+    the router passes every one from its config).
 
     softmax, after selection (default): idx = topk(logits), probs = softmax(logits[idx]);
     softmax, ``use_pre_softmax``: s = softmax(logits), idx = topk(s), probs = s[idx];
@@ -221,12 +226,6 @@ def topk_routing(
     their sum (+1e-20) when k > 1. Group-limited (``num_groups``, ``group_topk``): the
     selection is restricted to the best groups. Then probs *= ``scaling_factor``.
     """
-    if fused:
-        raise NotImplementedError("topk_routing_with_score_function: fused=True is not supported")
-    if router_replay is not None:
-        raise NotImplementedError(
-            "topk_routing_with_score_function: router_replay is not supported"
-        )
     num_tokens, num_experts = logits.shape
 
     def select(scores: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 class MoETokenDispatcher:
-    """Common state: the config, the groups and the local experts."""
+    """Common state: the config, the groups and the top-k (local experts: the subclasses)."""
 
     def __init__(
         self, config: TransformerConfig, pg_collection: Optional[ProcessGroupCollection] = None
@@ -70,6 +70,24 @@ class MoETokenDispatcher:
         """[T, h] back to the input's [s, b, h]."""
         return hidden_states.view(self.hidden_shape)
 
+
+class _LocalExpertsDispatcher(MoETokenDispatcher):
+    """A dispatcher that knows this rank's experts (megatron-core's signature of both
+    dispatchers): ``num_local_experts`` of the ``num_moe_experts``, global indices
+    ``local_expert_indices``."""
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        local_expert_indices: List[int],
+        config: TransformerConfig,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ) -> None:
+        super().__init__(config, pg_collection)
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = list(local_expert_indices)
+        self.num_experts = config.num_moe_experts
+
     def _local_routes(self, experts: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """The routes (flat indices) to this rank's experts, grouped by local expert (a
         stable sort keeps token order), and the number per local expert (int64, CPU)."""
@@ -84,20 +102,9 @@ class MoETokenDispatcher:
         return routes, counts.cpu()
 
 
-class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
+class MoEAllGatherTokenDispatcher(_LocalExpertsDispatcher):
     """Every rank of the tp x ep group gets all the group's tokens (all-gather), runs the
     routes to its own experts, and the outputs are reduce-scattered back."""
-
-    def __init__(
-        self,
-        num_local_experts: int,
-        local_expert_indices: List[int],
-        config: TransformerConfig,
-        pg_collection: Optional[ProcessGroupCollection] = None,
-    ) -> None:
-        super().__init__(config, pg_collection)
-        self.num_local_experts = num_local_experts
-        self.local_expert_indices = list(local_expert_indices)
 
     def token_dispatch(self, hidden_states, probs):
         """All-gather tokens, their top-k experts and probabilities over tp x ep."""
@@ -132,22 +139,10 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         return sum_slots_in_order(slots)
 
 
-class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
+class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
     """Tokens are all-gathered over expert TP, then each route is sent to the expert-
     parallel rank of its expert with one all-to-all (split sizes exchanged first); the way
     back is the reverse all-to-all and a reduce-scatter over expert TP."""
-
-    def __init__(
-        self,
-        num_local_experts: int,
-        local_expert_indices: List[int],
-        config: TransformerConfig,
-        pg_collection: Optional[ProcessGroupCollection] = None,
-    ) -> None:
-        super().__init__(config, pg_collection)
-        self.num_local_experts = num_local_experts
-        self.local_expert_indices = list(local_expert_indices)
-        self.num_experts = config.num_moe_experts
 
     def token_dispatch(self, permutated_local_input_tokens, permuted_probs):
         """All-gather over expert TP; sort routes by expert; all-to-all over EP."""
