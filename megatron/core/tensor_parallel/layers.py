@@ -145,6 +145,8 @@ def linear_with_grad_accumulation_and_async_allreduce(
     )
 
 
+# megatron-core's public signature, the parameters of the function above (reordered): it
+# delegates to it.
 def linear_with_frozen_weight(
     input: torch.Tensor,
     weight: torch.Tensor,

@@ -159,6 +159,8 @@ def get_gpt_decoder_layer_specs(
     return [moe if flag else dense for flag in pattern]
 
 
+# megatron-core's public signature, the same parameters as get_gpt_decoder_layer_specs (whose
+# slice of specs it returns).
 def get_gpt_decoder_block_spec(
     config: TransformerConfig,
     use_transformer_engine: bool,
