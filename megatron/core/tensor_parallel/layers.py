@@ -287,12 +287,12 @@ class _ParallelLinear(torch.nn.Module):
     ) -> torch.Tensor:
         """X W^T [+ b] with this layer's group and weight-gradient fusion."""
         return linear_with_grad_accumulation_and_async_allreduce(
-            input=input_,
-            weight=weight,
-            bias=bias,
-            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-            allreduce_dgrad=allreduce_dgrad,
-            sequence_parallel=sequence_parallel,
+            input_,
+            weight,
+            bias,
+            self.gradient_accumulation_fusion,
+            allreduce_dgrad,
+            sequence_parallel,
             tp_group=self.tp_group,
         )
 

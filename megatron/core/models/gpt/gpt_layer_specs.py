@@ -69,6 +69,7 @@ def get_gpt_layer_local_spec(
             f"got {normalization!r}"
         )
     qk_norm = WrappedTorchNorm if qk_layernorm else IdentityOp
+    # megatron-core's local spec, one keyword per part (the same shape as other keyword calls).
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(

@@ -77,9 +77,6 @@ class QuerySide:
         return QuerySide(do, q, o, heads_of(self.lse, heads, 1), dq)
 
 
-# The all-gather and ring Functions share their forward's end and backward's start here;
-# what stays alike between them (unpacking ``ctx``, the group's size and rank) is the
-# forward/backward shape of an autograd Function.
 def save_merged(
     ctx, query, q, kv_local, acc: Accumulator, group, plan, kernel: Kernel, rescale: Rescale
 ) -> torch.Tensor:

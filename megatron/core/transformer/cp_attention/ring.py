@@ -64,6 +64,8 @@ class RingAttention(torch.autograd.Function):
                 kv = exchange.wait()
         return save_merged(ctx, query, q, kv_local, acc, group, plan, kernel, rescale)
 
+    # Same frame as AllGatherAttention's (the end of the forward, unpacking ``ctx``): the
+    # shared steps are blocks.save_merged / query_side; the exchanges differ.
     @staticmethod
     def backward(ctx, grad_out):
         q, kv, out, lse = ctx.saved_tensors
