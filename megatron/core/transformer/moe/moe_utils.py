@@ -369,9 +369,7 @@ def routes_into_slots(
 ) -> torch.Tensor:
     """[num_tokens, topk, H] zeros with row i at slot ``routes[i]`` = [t, j]
     (differentiable: the gradient of row i is the gradient of its slot)."""
-    hidden = rows.shape[-1]
-    slots = rows.new_zeros((num_tokens * topk, hidden)).index_copy(0, routes, rows)
-    return slots.view(num_tokens, topk, hidden)
+    return _IntoSlots.apply(rows, routes, num_tokens, topk)
 
 
 def sum_slots_in_order(slots: torch.Tensor) -> torch.Tensor:
@@ -405,6 +403,31 @@ class _GatherRoutes(torch.autograd.Function):
             return _add_slots(slots), None, None
 
 
+class _IntoSlots(torch.autograd.Function):
+    """See ``routes_into_slots``. When every slot is filled (dropless top-k: routes is a
+    permutation) the slots are one gather of the rows by the inverse permutation."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, routes: torch.Tensor, num_tokens: int, topk: int):
+        ctx.save_for_backward(routes)
+        ctx.topk = topk
+        hidden = rows.shape[-1]
+        if rows.shape[0] == num_tokens * topk:
+            inverse = torch.empty_like(routes)
+            inverse[routes] = torch.arange(routes.numel(), device=routes.device)
+            slots = rows.index_select(0, inverse)
+        else:
+            slots = rows.new_zeros((num_tokens * topk, hidden)).index_copy_(0, routes, rows)
+        return slots.view(num_tokens, topk, hidden)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (routes,) = ctx.saved_tensors
+        if grad.stride(1) == 0:  # every slot of a token has its gradient (sum_slots_in_order)
+            return grad.select(1, 0).index_select(0, routes // ctx.topk), None, None, None
+        return grad.reshape(-1, grad.shape[-1]).index_select(0, routes), None, None, None
+
+
 class _SumSlots(torch.autograd.Function):
     """See ``sum_slots_in_order``."""
 
@@ -419,8 +442,10 @@ class _SumSlots(torch.autograd.Function):
 
 
 def _add_slots(slots: torch.Tensor) -> torch.Tensor:
-    total = slots[:, 0].clone()
-    for j in range(1, slots.shape[1]):
+    if slots.shape[1] == 1:
+        return slots[:, 0].clone()
+    total = slots[:, 0] + slots[:, 1]
+    for j in range(2, slots.shape[1]):
         total += slots[:, j]
     return total
 

@@ -164,11 +164,14 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         flat = indices.reshape(-1)
         self.send_routes = torch.sort(flat, stable=True).indices
         per_expert = torch.bincount(flat, minlength=self.num_experts).to(torch.int64)
-        received = communication.all_to_all_single(per_expert, self.ep_group)
-        per_rank = per_expert.view(self.ep_size, self.num_local_experts)
-        self.input_splits = per_rank.sum(1).tolist()
-        self.recv_counts = received.view(self.ep_size, self.num_local_experts).cpu()
-        self.output_splits = self.recv_counts.sum(1).tolist()
+        if self.ep_size == 1:  # no split sizes to exchange: the counts stay on the device
+            self.recv_counts = per_expert.view(1, self.num_local_experts)
+        else:
+            received = communication.all_to_all_single(per_expert, self.ep_group)
+            per_rank = per_expert.view(self.ep_size, self.num_local_experts)
+            self.input_splits = per_rank.sum(1).tolist()
+            self.recv_counts = received.view(self.ep_size, self.num_local_experts).cpu()
+            self.output_splits = self.recv_counts.sum(1).tolist()
         tokens = gather_routes(hidden, self.send_routes, self.topk)
         route_probs = probs.reshape(-1).index_select(0, self.send_routes)
         if self.ep_size > 1:
