@@ -26,6 +26,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--shape", default="qwen3-30b-a3b")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["ours-grouped", "bare-grouped-mm"],
+        choices=["ours-grouped", "ours-sequential", "bare-grouped-mm"],
+    )
     args = parser.parse_args()
     init_single_process("nccl")
     device = torch.device("cuda")
@@ -33,13 +39,18 @@ def main() -> None:
     x = torch.randn(args.tokens, 1, shape["hidden"], dtype=torch.bfloat16, device=device)
     grad = torch.randn_like(x)
     x.requires_grad_(True)
-    ours = build_moe_layer(True, shape, device, True)
-    bare = BareMoE(shape, torch.bfloat16, device)
-    variants = {
-        "ours-grouped": lambda: ours(x)[0].backward(grad),
-        "bare-grouped-mm": lambda: bare(x).backward(grad),
+    builders = {
+        "ours-grouped": lambda: build_moe_layer(True, shape, device, True),
+        "ours-sequential": lambda: build_moe_layer(False, shape, device, True),
+        "bare-grouped-mm": lambda: BareMoE(shape, torch.bfloat16, device),
     }
-    for name, step in variants.items():
+    for name in args.variants:
+        layer = builders[name]()
+
+        def step(layer=layer):
+            out = layer(x)
+            (out[0] if isinstance(out, tuple) else out).backward(grad)
+
         for _ in range(3):
             step()
         torch.cuda.synchronize()
