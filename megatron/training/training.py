@@ -224,6 +224,11 @@ def _train(
     model = build_model(config, layout, pg_collection)
     if perturbation:
         _perturb_weights(model, perturbation)
+    # The router-loss tracker is process-wide: an entry left by another model of this process
+    # (the multi-rank run before --compare-single-process's reference, an earlier run in the
+    # same launch) would be reduced over that model's groups, a collective this run's other
+    # ranks never join.
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()
     optimizer, scheduler = build_optimizer(config, model, pg_collection)
     scaled = config.fp16 or config.loss_scale is not None
     if scaled:  # the schedule scales the loss

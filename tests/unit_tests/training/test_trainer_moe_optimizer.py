@@ -16,9 +16,12 @@ tests/unit_tests/training/test_trainer_moe_optimizer.py -m slow``.
 from typing import List
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from megatron.core.optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import MegatronOptimizer
+from megatron.core.transformer.moe import moe_utils
 from megatron.training.arguments import parse_args
 from megatron.training.training import pretrain
 from tests.unit_tests.dist_utils import assert_no_failures, fresh_layout, gather_failures
@@ -59,7 +62,13 @@ def _differences(records: List[dict], reference: List[dict]) -> List[str]:
 
 
 def _run() -> List[str]:
-    """This rank's findings (rank 0 compares with the one-process records)."""
+    """This rank's findings (rank 0 compares with the one-process records). A tracker entry
+    of another model (a z-loss this one does not track, summed over the world group) is
+    left first, as an earlier test of the launch leaves one: the trainer must drop it (else
+    rank 0's one-process run reduced it over the world while the others waited)."""
+    moe_utils.save_to_aux_losses_tracker(
+        "z_loss", torch.ones(()), 1, 2, reduce_group=dist.group.WORLD
+    )
     config = parse_args(ARGV)
     with fresh_layout():
         result = pretrain(config)
