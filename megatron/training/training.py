@@ -613,6 +613,8 @@ def _settings_record(config: TrainingConfig) -> Dict[str, object]:
     }
     for name in ("lora_target_modules", "lora_exclude_modules"):  # which layers have adapters
         record[name] = list(getattr(config, name))
+    if isinstance(config.moe_layer_freq, (list, tuple)):  # which layers are MoE layers
+        record["moe_layer_freq"] = list(config.moe_layer_freq)
     if config.hf_model:
         record["hf_config"] = (Path(config.hf_model) / "config.json").read_text()
     return record

@@ -313,13 +313,15 @@ def storage_key(name: str, moe_layer: bool = False) -> "tuple[str, Optional[int]
     return f"decoder.layers.{rest}", int(parts[2])
 
 
-def storage_location(name: str, arch: HFArchitecture) -> "tuple[str, tuple, tuple]":
+def storage_location(name: str, arch: HFArchitecture, stored=()) -> "tuple[str, tuple, tuple]":
     """(dist_checkpointing key, indices of the leading axes, sizes of those axes) of our
     one-chunk parameter ``name``: a global tensor has none, a layer's the layer axis
     [num_layers], a routed expert's weight the layer and GLOBAL expert axes (megatron-core's
     ``decoder.layers.mlp.experts.experts.linear_fc{1,2}.weight`` [layers, E, out, in]). A
-    model mixing dense and MoE layers stores each layer on its own (``decoder.layers.<L>.``
-    keys without the layer axis; ``transformer_block.non_homogeneous_layers``)."""
+    block of non-homogeneous layers (``transformer_block.non_homogeneous_layers``: dense and
+    MoE layers mixed, or any ``moe_layer_freq`` list) stores each layer on its own, under
+    ``decoder.layers.<L>.`` without the layer axis: that key is used when ``stored`` (the
+    checkpoint's keys) has it."""
     parts = name.split(".")
     if parts[:2] != ["decoder", "layers"]:
         return name, (), ()
@@ -331,9 +333,9 @@ def storage_location(name: str, arch: HFArchitecture) -> "tuple[str, tuple, tupl
     else:
         key, _ = storage_key(name, moe_layer)
         leading, sizes = (layer,), (arch.num_layers,)
-    if arch.num_moe_experts is not None and not all(arch.moe_layer_freq):
-        key = key.replace("decoder.layers.", f"decoder.layers.{layer}.", 1)
-        leading, sizes = leading[1:], sizes[1:]
+    separate = key.replace("decoder.layers.", f"decoder.layers.{layer}.", 1)
+    if separate in stored:
+        return separate, leading[1:], sizes[1:]
     return key, leading, sizes
 
 
@@ -342,7 +344,7 @@ def _read_our_tensors(directory, sources, stored, full_shapes, arch, requesting:
     ask for data)."""
     request: Dict[str, ShardedTensor] = {}
     for name in sources:
-        key, leading, outer = storage_location(name, arch)
+        key, leading, outer = storage_location(name, arch, stored)
         if key not in stored:
             raise ValueError(f"{directory}: no tensor {key!r} (needed for {name})")
         shape = tuple(full_shapes[name])

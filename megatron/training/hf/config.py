@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from megatron.training.hf.families import REFUSED, REGISTRY
+from megatron.training.hf.families.moe import moe_architecture_fields
 from megatron.training.hf.family import ConfigReader, HFArchitecture
 from megatron.training.model_settings import resolved_model
 
@@ -196,4 +197,5 @@ def architecture_from_model_settings(settings: Dict[str, Any]) -> HFArchitecture
         add_qkv_bias=qkv_bias and not bias,
         tied=not settings.get("untie_embeddings_and_output_weights", False),
         qk_layernorm=bool(settings.get("qk_layernorm", False)),
+        **moe_architecture_fields(model),
     )

@@ -260,3 +260,13 @@ LLAMA_CONFIG = dict(
 GPT2_CONFIG = dict(
     model_type="gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=VOCAB
 )
+# Qwen2-MoE: layer 0 dense, layer 1 MoE (4 experts, top-2) with a gated shared expert
+QWEN2_MOE_CONFIG = dict(
+    LLAMA_CONFIG,
+    model_type="qwen2_moe",
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+    shared_expert_intermediate_size=40,
+    mlp_only_layers=[0],
+)

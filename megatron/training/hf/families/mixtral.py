@@ -11,14 +11,24 @@ expert's FFN size. Weights: ``block_sparse_moe.gate`` is our router; expert g's 
 
 from typing import Any, Dict, Optional
 
+from megatron.core.config_rules import moe_layer_pattern
 from megatron.training.hf.families.mistral import Mistral
-from megatron.training.hf.families.moe import moe_mlp_sources, read_routing, replace_mlp
+from megatron.training.hf.families.moe import (
+    moe_mlp_sources,
+    moe_settings_written,
+    read_routing,
+    replace_mlp,
+)
 from megatron.training.hf.family import ConfigReader, HFArchitecture, Source
 
 
 class Mixtral(Mistral):
     model_type = "mixtral"
     architecture = "MixtralForCausalLM"
+    settings_hint = (
+        "RMSNorm + swiglu + rope + --disable-bias-linear + --num-experts with softmax "
+        "routing, every layer MoE, no shared expert (Mixtral)"
+    )
 
     def read_extra(self, c: ConfigReader) -> Dict[str, Any]:
         extra = super().read_extra(c)
@@ -41,9 +51,22 @@ class Mixtral(Mistral):
     def write_extra(self, arch: HFArchitecture) -> Dict[str, Any]:
         return dict(
             super().write_extra(arch),
+            intermediate_size=arch.moe_ffn_hidden_size,
             num_local_experts=arch.num_moe_experts,
             num_experts_per_tok=arch.moe_router_topk,
             router_jitter_noise=0.0,
+        )
+
+    def claims(self, settings: Dict[str, Any]) -> bool:
+        """Every layer a MoE layer with renormalized top-k weights, no shared expert, no
+        q/k norm or q/k/v bias."""
+        return (
+            moe_settings_written(settings)
+            and all(moe_layer_pattern(settings.get("moe_layer_freq", 1), settings["num_layers"]))
+            and not settings.get("moe_router_pre_softmax", False)
+            and settings.get("moe_shared_expert_intermediate_size") is None
+            and not settings.get("qk_layernorm", False)
+            and not settings.get("add_qkv_bias", False)
         )
 
     def layer_sources(

@@ -25,8 +25,9 @@ divide by k, while megatron's is per layer (docs/huggingface.md has the conversi
 import trains with no router loss unless one is asked for.
 """
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
+from megatron.core.config_rules import moe_layer_pattern
 from megatron.training.hf.family import ConfigReader, HFArchitecture, Segment, Source
 
 # The HFArchitecture fields a family's ``read_extra`` may set for a MoE model.
@@ -158,6 +159,36 @@ def moe_full_shapes(arch: HFArchitecture) -> Dict[str, tuple]:
     return shapes
 
 
-def pattern_list(arch: HFArchitecture) -> List[int]:
-    """``moe_layer_freq`` as a list (TransformerConfig's and the trainer's form)."""
-    return list(arch.moe_layer_freq)
+def moe_settings_written(settings: Dict[str, Any]) -> bool:
+    """Whether a model our trainer built (its resolved run settings) has the MoE that these
+    families write: a SwiGLU, RMSNorm, RoPE decoder without linear biases whose routing is
+    a softmax over the router logits, top-k, without scaling, group-limited selection or
+    expert bias."""
+    return (
+        settings.get("num_experts") is not None
+        and settings.get("normalization", "LayerNorm") == "RMSNorm"
+        and bool(settings.get("swiglu"))
+        and settings.get("position_embedding_type") == "rope"
+        and bool(settings.get("disable_bias_linear", False))
+        and settings.get("moe_router_score_function", "softmax") == "softmax"
+        and not settings.get("moe_router_enable_expert_bias", False)
+        and settings.get("moe_router_topk_scaling_factor") is None
+        and settings.get("moe_router_group_topk") is None
+        and not settings.get("window_size")
+    )
+
+
+def moe_architecture_fields(settings: Dict[str, Any]) -> Dict[str, Any]:
+    """The HFArchitecture MoE fields of a model our trainer built (none when dense)."""
+    if settings.get("num_experts") is None:
+        return {}
+    pattern = moe_layer_pattern(settings.get("moe_layer_freq", 1), settings["num_layers"])
+    return dict(
+        num_moe_experts=settings["num_experts"],
+        moe_router_topk=settings.get("moe_router_topk", 2),
+        moe_ffn_hidden_size=settings.get("moe_ffn_hidden_size") or settings["ffn_hidden_size"],
+        moe_router_pre_softmax=bool(settings.get("moe_router_pre_softmax", False)),
+        moe_shared_expert_intermediate_size=settings.get("moe_shared_expert_intermediate_size"),
+        moe_shared_expert_gate=bool(settings.get("moe_shared_expert_gate", False)),
+        moe_layer_freq=tuple(pattern),
+    )

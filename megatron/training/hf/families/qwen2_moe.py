@@ -16,6 +16,7 @@ from typing import Any, Dict, Optional
 from megatron.training.hf.families.llama import LlamaShaped
 from megatron.training.hf.families.moe import (
     moe_mlp_sources,
+    moe_settings_written,
     read_norm_topk_prob,
     read_routing,
     read_sparse_layers,
@@ -124,6 +125,10 @@ def qwen_moe_layer_sources(
 class Qwen2Moe(LlamaShaped):
     model_type = "qwen2_moe"
     architecture = "Qwen2MoeForCausalLM"
+    settings_hint = (
+        "RMSNorm + swiglu + rope + --disable-bias-linear + --num-experts with softmax "
+        "routing + --moe-shared-expert-intermediate-size N --moe-shared-expert-gate (Qwen2-MoE)"
+    )
 
     def read_extra(self, c: ConfigReader) -> Dict[str, Any]:
         refuse_sliding_windows(c)
@@ -143,6 +148,15 @@ class Qwen2Moe(LlamaShaped):
     ) -> Dict[str, Source]:
         table = super().layer_sources(arch, layer, prefix)
         return qwen_moe_layer_sources(arch, table, layer, prefix)
+
+    def claims(self, settings: Dict[str, Any]) -> bool:
+        """A shared expert with its sigmoid gate, no q/k norm."""
+        return (
+            moe_settings_written(settings)
+            and settings.get("moe_shared_expert_intermediate_size") is not None
+            and bool(settings.get("moe_shared_expert_gate", False))
+            and not settings.get("qk_layernorm", False)
+        )
 
 
 FAMILY = Qwen2Moe()

@@ -9,6 +9,7 @@ dense MLP of ``intermediate_size``.
 
 from typing import Any, Dict, Optional
 
+from megatron.training.hf.families.moe import moe_settings_written
 from megatron.training.hf.families.qwen2_moe import (
     qwen_moe_layer_sources,
     read_qwen_moe,
@@ -21,7 +22,10 @@ from megatron.training.hf.family import ConfigReader, HFArchitecture, Source
 class Qwen3Moe(Qwen3):
     model_type = "qwen3_moe"
     architecture = "Qwen3MoeForCausalLM"
-    settings_hint = None
+    settings_hint = (
+        "RMSNorm + swiglu + rope + --disable-bias-linear + --qk-layernorm + --num-experts "
+        "with softmax routing, no shared expert (Qwen3-MoE)"
+    )
 
     def read_extra(self, c: ConfigReader) -> Dict[str, Any]:
         return dict(super().read_extra(c), **read_qwen_moe(c, shared=False))
@@ -36,7 +40,13 @@ class Qwen3Moe(Qwen3):
         return qwen_moe_layer_sources(arch, table, layer, prefix)
 
     def claims(self, settings: Dict[str, Any]) -> bool:
-        return False
+        """Per-head q/k norms, no shared expert, no q/k/v bias."""
+        return (
+            moe_settings_written(settings)
+            and bool(settings.get("qk_layernorm", False))
+            and settings.get("moe_shared_expert_intermediate_size") is None
+            and not settings.get("add_qkv_bias", False)
+        )
 
 
 FAMILY = Qwen3Moe()
