@@ -185,6 +185,31 @@ def test_a_missing_or_misshapen_tensor_is_refused(tmp_path):
         model_from_hf(tmp_path / "shape")
 
 
+def test_a_missing_misshapen_or_extra_expert_is_refused(tmp_path):
+    """Qwen2-MoE: an expert tensor missing, of another shape, or one expert too many
+    (a fifth of four) is an error naming the tensor; the consistent folder loads."""
+    config = BASE["qwen2_moe"]
+    _write(tmp_path / "ok", config, _random_llama_tensors(config))
+    model_from_hf(tmp_path / "ok")
+    up = "model.layers.1.mlp.experts.3.up_proj.weight"
+    tensors = _random_llama_tensors(config)
+    del tensors[up]
+    _write(tmp_path / "missing", config, tensors)
+    with pytest.raises(ValueError, match=rf"missing tensors .*{up}"):
+        model_from_hf(tmp_path / "missing")
+    tensors = _random_llama_tensors(config)
+    tensors[up] = torch.randn(25, 32)
+    _write(tmp_path / "shape", config, tensors)
+    with pytest.raises(ValueError, match=rf"{up}' has shape \[25, 32\]"):
+        model_from_hf(tmp_path / "shape")
+    tensors = _random_llama_tensors(config)
+    extra = "model.layers.1.mlp.experts.4.up_proj.weight"
+    tensors[extra] = torch.randn(24, 32)
+    _write(tmp_path / "extra", config, tensors)
+    with pytest.raises(ValueError, match=rf"{extra}.*not part of the qwen2_moe architecture"):
+        model_from_hf(tmp_path / "extra")
+
+
 def test_file_problems_name_the_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         model_from_hf(tmp_path / "nowhere")
