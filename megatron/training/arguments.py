@@ -103,6 +103,9 @@ class TrainingConfig:
     """Settings of one run (CLI flag ``--foo-bar`` is field ``foo_bar``, with the aliases
     ``--tp``, ``--cp``, ``--pp``, ``--vpp``)."""
 
+    # Every field is one ``option(...)`` declaration of the same shape (``duplicates`` pairs
+    # ~100 of them): the table of flags, kept one entry per flag (module docstring).
+
     # Layout. DP = world / (TP * CP * PP).
     nproc_per_node: Optional[int] = option(
         None,

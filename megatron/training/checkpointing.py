@@ -20,6 +20,11 @@ The model and optimizer are stored by global keys and boxes, so a run may resume
 (TP, CP, PP, VPP, DP) layout. Each rank's RNG states are saved too and restored when the
 layout is the same (at another layout the ranks do not correspond; the trainer draws no
 random numbers after building the model, whose weights are seeded per parameter).
+
+Why one module of ~730 lines: it is one concern, what a resume may and may not change. The
+save, the load and the rules that decide what a checkpoint's settings mean for this run
+(``compare_run_settings``, ``OPTIMIZER_RESUME_RULES``) read the same records, and tests
+patch the rules where the load looks them up (``checkpointing.compare_run_settings``).
 """
 
 import os
@@ -468,6 +473,8 @@ OPTIMIZER_RESUME_RULES = {
 }
 
 
+# compare_run_settings's parameters (saved settings, current, directory, two resume flags):
+# the two rule sets are applied separately (the optimizer's only when its state is loaded).
 def compare_optimizer_settings(
     saved: Optional[Dict[str, Any]],
     current: Dict[str, Any],

@@ -39,7 +39,7 @@ records have no trained token left), and refuses data with no trained token at a
 import copy
 import json
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy
 import torch
@@ -297,7 +297,17 @@ _RECORD_FORMS = (
 
 
 def _read_jsonl(path: str, tokenizer: Any) -> List[Record]:
-    records = []
+    return [
+        tokenize_record(record, tokenizer, where)
+        for where, record in read_jsonl(path, expected=_RECORD_FORMS)
+    ]
+
+
+def read_jsonl(path: str, expected: Optional[str] = None) -> Iterator[Tuple[str, Any]]:
+    """(``FILE:LINE``, the parsed JSON value) for each non-blank line of ``path`` (lines end
+    at ``b"\\n"`` only, so LINE is the editor's). A line that is not UTF-8, or not JSON, is a
+    ValueError naming ``FILE:LINE`` (and ``expected``, what the caller reads, when given).
+    Also the reader of ``preprocess_data``."""
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, start=1):
             where = f"{path}:{line_no}"
@@ -312,12 +322,11 @@ def _read_jsonl(path: str, tokenizer: Any) -> List[Record]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
+                also = f"; expected {expected}" if expected else ""
                 raise ValueError(
-                    f"{where}: not valid JSON ({err.msg} at column {err.colno}); expected "
-                    f"{_RECORD_FORMS}"
+                    f"{where}: not valid JSON ({err.msg} at column {err.colno}){also}"
                 ) from None
-            records.append(tokenize_record(record, tokenizer, where))
-    return records
+            yield where, record
 
 
 TRAINER_TOKENIZER_HINT = (

@@ -22,17 +22,19 @@ same at every layout up to the rounding of the layout's reductions.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.training.arguments import TrainingConfig, validate_config
 from megatron.training.checkpointing import load_checkpoint, resolve_checkpoint
 from megatron.training.errors import UsageError
@@ -224,6 +226,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def run(args: argparse.Namespace) -> List[str]:
     """Build the model on this rank, generate for every prompt, return the completions."""
+    with loaded_model(args) as (model, groups, config):
+        tokenizer_file = _tokenizer_file(args, config)
+        tokenizer = None
+        if tokenizer_file is not None:
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(tokenizer_file)
+        prompts = _prompts(args, tokenizer, tokenizer_file)
+        sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+        vocab = config.vocab_size if tokenizer is None else tokenizer.get_vocab_size()
+        eos = None if tokenizer is None else _eos_id(tokenizer, tokenizer_file)
+        completions = []
+        for ids in prompts:
+            new = generate(model, ids, args.max_new_tokens, vocab, sampling, eos, groups)
+            if tokenizer is None:
+                completions.append(" ".join(str(i) for i in new))
+            else:
+                completions.append(tokenizer.decode(new, skip_special_tokens=True))
+        return completions
+
+
+@contextlib.contextmanager
+def loaded_model(
+    args: argparse.Namespace,
+) -> Iterator[Tuple[List[torch.nn.Module], Optional[ProcessGroupCollection], TrainingConfig]]:
+    """(this rank's model chunks in eval mode, the layout's groups, the model's settings)
+    for the command line ``args`` (``--load`` or ``--hf-model``, ``--tp``, ``--pp``):
+    torch.distributed and the groups are set up on entering (unless already there) and
+    torn down on leaving."""
     config = _model_config(args)
     world = launched_world_size() or 1
     layout = validate_config(config, world)
@@ -233,13 +264,6 @@ def run(args: argparse.Namespace) -> List[str]:
         created = initialize_distributed(config, layout)
     try:
         groups = initialize_model_parallel_groups(layout) if dist.is_initialized() else None
-        tokenizer_file = _tokenizer_file(args, config)
-        tokenizer = None
-        if tokenizer_file is not None:
-            from tokenizers import Tokenizer
-
-            tokenizer = Tokenizer.from_file(tokenizer_file)
-        prompts = _prompts(args, tokenizer, tokenizer_file)
         model = build_model(config, layout, groups)
         if config.pretrained_checkpoint:  # the base of a LoRA checkpoint
             load_checkpoint(config.pretrained_checkpoint, model, None, finetune=True)
@@ -254,17 +278,7 @@ def run(args: argparse.Namespace) -> List[str]:
             )
         for chunk in model:
             chunk.eval()
-        sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-        vocab = config.vocab_size if tokenizer is None else tokenizer.get_vocab_size()
-        eos = None if tokenizer is None else _eos_id(tokenizer, tokenizer_file)
-        completions = []
-        for ids in prompts:
-            new = generate(model, ids, args.max_new_tokens, vocab, sampling, eos, groups)
-            if tokenizer is None:
-                completions.append(" ".join(str(i) for i in new))
-            else:
-                completions.append(tokenizer.decode(new, skip_special_tokens=True))
-        return completions
+        yield model, groups, config
     finally:
         parallel_state.destroy_model_parallel()
         if created:

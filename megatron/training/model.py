@@ -194,6 +194,9 @@ def transformer_config_from(config: TrainingConfig, layout: Layout) -> Transform
     dropout, the layout's parallel sizes, the architecture flags (``--swiglu``: gated linear
     unit with silu); with ``--hf-model`` weights are not drawn (they are loaded)."""
     dtype = precision_dtype(config)
+    # A field table, one TransformerConfig keyword per line: ``duplicates`` pairs its runs of
+    # ``name=config.name`` with the other tables that build a config from flags (the
+    # optimizer's in training.py, generate's, the HF converter's); each maps its own fields.
     return TransformerConfig(
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,

@@ -20,7 +20,6 @@ error naming ``FILE:LINE``.
 """
 
 import argparse
-import json
 import os
 import sys
 from types import SimpleNamespace
@@ -30,7 +29,7 @@ import numpy
 import torch
 
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-from megatron.training.datasets import tokenize_record
+from megatron.training.datasets import read_jsonl, tokenize_record
 from megatron.training.errors import run_tool
 from megatron.training.tokenizer.tokenizer import build_tokenizer
 
@@ -81,55 +80,35 @@ def main(argv: Optional[Sequence[str]] = None) -> List[str]:
     builders = [IndexedDatasetBuilder(p + ".bin", dtype=dtype) for p in prefixes]
     count = 0
 
-    def where(line_no: int) -> str:
-        return f"{args.input}:{line_no}"
-
-    with open(args.input, "rb") as f:  # lines end at b"\n" only, so LINE is the editor's
-        for line_no, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise ValueError(
-                    f"{args.input}:{line_no}: not UTF-8 text ({err.reason} at byte {err.start})"
-                ) from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(
-                    f"{args.input}:{line_no}: not valid JSON ({err.msg} at column {err.colno})"
-                ) from None
-            if args.chat:
-                ids_and_mask = tokenize_record(
-                    record, tokenizer, where(line_no), CHAT_TOKENIZER_HINT
-                )
-                _add_segments(builders[0], ids_and_mask)
-                count += 1
-                continue
-            if not isinstance(record, dict):
-                raise ValueError(
-                    f"{args.input}:{line_no}: expected a JSON object with the keys "
-                    f"{[args.prompt_key, args.response_key] if args.sft else args.json_keys}; "
-                    f"got {type(record).__name__}"
-                )
-            if args.sft:
-                for key in (args.prompt_key, args.response_key):
-                    _check_text(record, key, f"{args.input}:{line_no}")
-                prompt = list(tokenizer.tokenize(record[args.prompt_key]))
-                response = list(tokenizer.tokenize(record[args.response_key])) + [tokenizer.eod]
-                builders[0].add_item(torch.tensor(prompt, dtype=torch.int64))
-                builders[0].add_item(torch.tensor(response, dtype=torch.int64))
-                builders[0].end_document()
-            else:
-                for key, builder in zip(args.json_keys, builders):
-                    _check_text(record, key, f"{args.input}:{line_no}")
-                    ids = list(tokenizer.tokenize(record[key]))
-                    if args.append_eod:
-                        ids.append(tokenizer.eod)
-                    builder.add_item(torch.tensor(ids, dtype=torch.int64))
-                    builder.end_document()
+    for where, record in read_jsonl(args.input):
+        if args.chat:
+            ids_and_mask = tokenize_record(record, tokenizer, where, CHAT_TOKENIZER_HINT)
+            _add_segments(builders[0], ids_and_mask)
             count += 1
+            continue
+        if not isinstance(record, dict):
+            raise ValueError(
+                f"{where}: expected a JSON object with the keys "
+                f"{[args.prompt_key, args.response_key] if args.sft else args.json_keys}; "
+                f"got {type(record).__name__}"
+            )
+        if args.sft:
+            for key in (args.prompt_key, args.response_key):
+                _check_text(record, key, where)
+            prompt = list(tokenizer.tokenize(record[args.prompt_key]))
+            response = list(tokenizer.tokenize(record[args.response_key])) + [tokenizer.eod]
+            builders[0].add_item(torch.tensor(prompt, dtype=torch.int64))
+            builders[0].add_item(torch.tensor(response, dtype=torch.int64))
+            builders[0].end_document()
+        else:
+            for key, builder in zip(args.json_keys, builders):
+                _check_text(record, key, where)
+                ids = list(tokenizer.tokenize(record[key]))
+                if args.append_eod:
+                    ids.append(tokenizer.eod)
+                builder.add_item(torch.tensor(ids, dtype=torch.int64))
+                builder.end_document()
+        count += 1
     for prefix, builder in zip(prefixes, builders):
         builder.finalize(prefix + ".idx")
     print(

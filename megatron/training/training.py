@@ -10,6 +10,13 @@ reduced over dp x cp on the last pipeline stage and broadcast over the pipeline 
 does not depend on the layout. The gradient trains the SPEC section 4 objective: the mean
 over the global batch's microbatches of S / max(N, 1), or sum S / sum N with
 ``--calculate-per-token-loss``.
+
+Why one module of ~900 lines: it is one concern, the run of the job. ``pretrain`` and the
+loop, and what only the loop uses: the optimizer it steps, the per-step checks, the records
+and log lines it writes, the final export and the one-process comparison that ends a run.
+Each is a short function the loop calls in order, and tests patch them where the loop looks
+them up (``training.logged_loss``); the model, data, checkpoints, validation and settings
+have their own modules.
 """
 
 import dataclasses

@@ -119,26 +119,37 @@ def raw_collectives(modules: Dict[str, Module]) -> List[RawCollective]:
     for name, (source, _) in modules.items():
         if not name.startswith("megatron.core") or name == COMMUNICATION_MODULE:
             continue
-        tree = ast.parse(source)
-        module_aliases, function_aliases = _distributed_aliases(tree)
-        called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
-        for node in ast.walk(tree):
-            if (
-                isinstance(node, ast.Attribute)
-                and node.attr in CALL_ONLY
-                and id(node) not in called
-            ):
-                continue  # a type annotation, not a message
-            if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES:
-                if _dotted(node.value) in module_aliases:
-                    found.append(RawCollective(name, node.lineno, node.attr))
-            elif isinstance(node, ast.Name) and node.id in function_aliases:
-                found.append(RawCollective(name, node.lineno, function_aliases[node.id]))
-            elif isinstance(node, ast.ImportFrom) and node.module in _DISTRIBUTED_MODULES:
-                for alias in node.names:
-                    if alias.name in COLLECTIVES:
-                        found.append(RawCollective(name, node.lineno, alias.name))
+        found += [RawCollective(name, line, what) for line, what in _raw_collectives(source)]
     return found
+
+
+@functools.lru_cache(maxsize=None)
+def _raw_collectives(source: str) -> Tuple[Tuple[int, str], ...]:
+    """(line, collective) of every raw collective in one module's source (see
+    ``raw_collectives``); cached, as the package's modules are read by several tests."""
+    found = []
+    tree = _tree(source)
+    module_aliases, function_aliases = _distributed_aliases(tree)
+    called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in CALL_ONLY and id(node) not in called:
+            continue  # a type annotation, not a message
+        if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES:
+            if _dotted(node.value) in module_aliases:
+                found.append((node.lineno, node.attr))
+        elif isinstance(node, ast.Name) and node.id in function_aliases:
+            found.append((node.lineno, function_aliases[node.id]))
+        elif isinstance(node, ast.ImportFrom) and node.module in _DISTRIBUTED_MODULES:
+            for alias in node.names:
+                if alias.name in COLLECTIVES:
+                    found.append((node.lineno, alias.name))
+    return tuple(found)
+
+
+@functools.lru_cache(maxsize=None)
+def _tree(source: str) -> ast.AST:
+    """One parse per module source (shared by the tests; the trees are only read)."""
+    return ast.parse(source)
 
 
 _DISTRIBUTED_MODULES = ("torch.distributed", "torch.distributed.distributed_c10d")
@@ -248,7 +259,7 @@ def _imports(
 def _import_statements(source: str) -> Tuple[Tuple[object, str, Tuple[str, ...], int], ...]:
     """(level or None for ``import``, module, names, line) of every import statement."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(_tree(source)):
         if isinstance(node, ast.Import):
             found.append((None, "", tuple(a.name for a in node.names), node.lineno))
         elif isinstance(node, ast.ImportFrom):

@@ -17,9 +17,12 @@ import torch.distributed as dist
 
 from megatron.core.communication import all_reduce
 from megatron.core.jit import jit_fuser
-from megatron.core.process_groups_config import get_pg_rank, get_pg_size, resolve_group
-from megatron.core.tensor_parallel.cross_entropy import check_cross_entropy_args
-from megatron.core.tensor_parallel.utils import VocabUtility
+from megatron.core.process_groups_config import get_pg_size, resolve_group
+from megatron.core.tensor_parallel.cross_entropy import (
+    check_cross_entropy_args,
+    reduce_max_over_vocab,
+    smooth_loss,
+)
 
 
 def fused_vocab_parallel_cross_entropy(
@@ -71,30 +74,20 @@ def _gradient(logits, target, logits_max, sum_exp, grad_output, start: int, end:
 class _FusedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, label_smoothing, group):
-        world_size, rank = get_pg_size(group), get_pg_rank(group)
-        logits_max = _local_max(logits)
-        if world_size > 1:
-            logits_max = all_reduce(logits_max, group, dist.ReduceOp.MAX)
-        partition = logits.shape[-1]
-        vocab = partition * world_size
-        start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(
-            partition, rank, world_size
+        logits_max, start, end, vocab = reduce_max_over_vocab(
+            _local_max(logits), logits.shape[-1], group
         )
         sums = _local_sums(logits, target, logits_max, start, end, label_smoothing > 0)
-        if world_size > 1:
+        if get_pg_size(group) > 1:
             sums = all_reduce(sums, group, dist.ReduceOp.SUM)
         sum_exp, predicted = sums[0], sums[1]
-        loss = sum_exp.log() - predicted
-        smoothing = 0.0
-        if label_smoothing > 0:
-            if vocab < 2:
-                raise ValueError(
-                    "fused_vocab_parallel_cross_entropy: label smoothing needs a vocabulary of "
-                    f"at least 2 entries, got {vocab}"
-                )
-            smoothing = label_smoothing * vocab / (vocab - 1)
-            mean_log_probs = sums[2] / vocab - sum_exp.log()
-            loss = (1.0 - smoothing) * loss - smoothing * mean_log_probs
+        loss, smoothing = smooth_loss(
+            sum_exp.log() - predicted,
+            sums,
+            vocab,
+            label_smoothing,
+            "fused_vocab_parallel_cross_entropy",
+        )
         ctx.smoothing, ctx.vocab, ctx.start, ctx.end = smoothing, vocab, start, end
         ctx.save_for_backward(logits, target, logits_max, sum_exp)
         return loss

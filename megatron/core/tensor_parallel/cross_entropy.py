@@ -62,6 +62,47 @@ def check_cross_entropy_args(
         )
 
 
+def reduce_max_over_vocab(
+    local_max: torch.Tensor, partition_vocab_size: int, group
+) -> Tuple[torch.Tensor, int, int, int]:
+    """For this rank's block of the vocabulary: (m = the MAX over ``group`` of the local
+    maxima, the block's [start, end), V = the whole vocabulary's size). One collective (none
+    for one rank); shared by the fused variant."""
+    world_size, rank = get_pg_size(group), get_pg_rank(group)
+    if world_size > 1:
+        local_max = all_reduce(local_max, group, dist.ReduceOp.MAX)
+    start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(
+        partition_vocab_size, rank, world_size
+    )
+    return local_max, start, end, _smoothing_vocab_size(partition_vocab_size, world_size)
+
+
+def smooth_loss(
+    loss: torch.Tensor,
+    sums: torch.Tensor,
+    vocab_size: int,
+    label_smoothing: float,
+    caller: str,
+) -> Tuple[torch.Tensor, float]:
+    """(loss, s) with label smoothing eps = ``label_smoothing`` > 0 over V = ``vocab_size``
+    (module docstring): s = eps V / (V - 1) and
+
+        loss = (1 - s) loss - s (sums[2] / V - log sums[0]),
+
+    ``sums`` being the group's [S, z_t - m, sum_j (z_j - m)]; (loss, 0.0) without smoothing.
+    A ValueError naming ``caller`` when V < 2. Shared by the fused variant."""
+    if label_smoothing <= 0:
+        return loss, 0.0
+    if vocab_size < 2:
+        raise ValueError(
+            f"{caller}: label smoothing needs a vocabulary of at least 2 entries, got "
+            f"{vocab_size}"
+        )
+    smoothing = label_smoothing * vocab_size / (vocab_size - 1)
+    mean_log_probs = sums[2] / vocab_size - sums[0].log()
+    return (1.0 - smoothing) * loss - smoothing * mean_log_probs, smoothing
+
+
 class VocabParallelCrossEntropy:
     """The steps of the vocab-parallel cross entropy (megatron-core's names), each local to
     one rank; the all-reduces between them are the caller's. No input is modified."""
@@ -136,14 +177,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, vocab_parallel_logits, target, label_smoothing=0.0, group=None):
         """Per-token loss; saves the local softmax for the backward."""
         steps = VocabParallelCrossEntropy
-        world_size, rank = get_pg_size(group), get_pg_rank(group)
         logits, logits_max = steps.calculate_logits_max(vocab_parallel_logits)
-        if world_size > 1:
-            logits_max = all_reduce(logits_max, group, dist.ReduceOp.MAX)
-        partition_vocab_size = logits.shape[-1]
-        vocab_size = partition_vocab_size * world_size
-        start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(
-            partition_vocab_size, rank, world_size
+        logits_max, start, end, vocab_size = reduce_max_over_vocab(
+            logits_max, logits.shape[-1], group
         )
         target_mask, masked_target_1d, predicted, sum_exp, exp_logits = (
             steps.calculate_predicted_logits(logits, target, logits_max, start, end)
@@ -154,22 +190,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if label_smoothing > 0:
             parts.append((logits - logits_max.unsqueeze(-1)).sum(-1))
         sums = torch.stack(parts)
-        if world_size > 1:
+        if get_pg_size(group) > 1:
             sums = all_reduce(sums, group)
         sum_exp, predicted = sums[0], sums[1]
         softmax, loss = steps.calculate_cross_entropy_loss(exp_logits, predicted, sum_exp)
-        smoothing = 0.0
-        if label_smoothing > 0:
-            smoothing_vocab = _smoothing_vocab_size(partition_vocab_size, world_size)
-            if smoothing_vocab < 2:
-                raise ValueError(
-                    "vocab_parallel_cross_entropy: label smoothing needs a vocabulary of at "
-                    f"least 2 entries, got {smoothing_vocab}"
-                )
-            smoothing = label_smoothing * smoothing_vocab / (smoothing_vocab - 1)
-            mean_log_probs = sums[2] / smoothing_vocab - sum_exp.log()
-            loss = (1.0 - smoothing) * loss - smoothing * mean_log_probs
-            vocab_size = smoothing_vocab
+        loss, smoothing = smooth_loss(
+            loss, sums, vocab_size, label_smoothing, "vocab_parallel_cross_entropy"
+        )
         ctx.smoothing, ctx.vocab_size = smoothing, vocab_size
         ctx.save_for_backward(softmax, target_mask, masked_target_1d)
         return loss

@@ -145,6 +145,8 @@ def linear_with_grad_accumulation_and_async_allreduce(
     )
 
 
+# megatron-core's public signature, the parameters of the function above (reordered): it
+# delegates to it.
 def linear_with_frozen_weight(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -227,7 +229,89 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
-class ColumnParallelLinear(torch.nn.Module):
+class _ParallelLinear(torch.nn.Module):
+    """What the column- and row-parallel layers share: sizes, config, TP group, the
+    expert flags (always False here), the product through
+    ``linear_with_grad_accumulation_and_async_allreduce``, no extra state and the repr."""
+
+    def __init__(
+        self,
+        layer: str,
+        input_size: int,
+        output_size: int,
+        config: ModelParallelConfig,
+        is_expert: bool,
+        tp_group: Optional[torch.distributed.ProcessGroup],
+    ) -> None:
+        super().__init__()
+        _reject_expert(layer, is_expert)
+        self.input_size, self.output_size = input_size, output_size
+        self.config = config
+        self.is_expert = False
+        self.expert_parallel = False
+        self.explicit_expert_comm = False
+        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
+        self.tp_group = resolve_group("tp", tp_group)
+        _register_extra_state_default(self)
+
+    def _new_weight(
+        self, partition_dim: int, init_method: Callable, stride: int, keep_master: bool
+    ) -> Parameter:
+        """The weight shard: [output_size, input_size] split along ``partition_dim`` over the
+        group (``allreduce`` True), this rank's slice of the full weight ``init_method``
+        builds (``_initialize_from_full_weight``) when the config initializes; the full
+        weight kept as ``master_weight`` with ``keep_master``."""
+        size, rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
+        full_shape = (self.output_size, self.input_size)
+        local_shape = list(full_shape)
+        local_shape[partition_dim] //= size
+        device = _param_device(self.config, self.tp_group)
+        weight = Parameter(torch.empty(local_shape, device=device, dtype=self.config.params_dtype))
+        set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
+        if self.config.perform_initialization:
+            master = _initialize_from_full_weight(
+                weight, full_shape, partition_dim, init_method, stride, rank, size
+            )
+            if keep_master:
+                self.master_weight = master
+        weight.allreduce = True
+        return weight
+
+    def _linear(
+        self,
+        input_: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        allreduce_dgrad: bool,
+        sequence_parallel: bool,
+    ) -> torch.Tensor:
+        """X W^T [+ b] with this layer's group and weight-gradient fusion."""
+        return linear_with_grad_accumulation_and_async_allreduce(
+            input_,
+            weight,
+            bias,
+            self.gradient_accumulation_fusion,
+            allreduce_dgrad,
+            sequence_parallel,
+            tp_group=self.tp_group,
+        )
+
+    def set_extra_state(self, state: Any) -> None:
+        """Nothing to restore (megatron-core keeps an empty ``_extra_state`` entry)."""
+
+    def get_extra_state(self) -> None:
+        """No extra state (megatron-core keeps an empty ``_extra_state`` entry)."""
+        return None
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(in_features={self.input_size}, "
+            f"out_features={self.output_size}, bias={self.bias is not None}, "
+            f"TP={get_pg_size(self.tp_group)})"
+        )
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """Y = X A^T + b with A [output_size, input_size] split along its output rows.
 
     ``forward(input_)`` takes [s, b, input_size] ([s/T, b, input_size] under sequence
@@ -258,25 +342,20 @@ class ColumnParallelLinear(torch.nn.Module):
         disable_grad_reduce: bool = False,
         tp_group: Optional[torch.distributed.ProcessGroup] = None,
     ):
-        super().__init__()
-        _reject_expert("ColumnParallelLinear", is_expert)
+        super().__init__(
+            "ColumnParallelLinear", input_size, output_size, config, is_expert, tp_group
+        )
         if getattr(config, "defer_embedding_wgrad_compute", False):
             raise NotImplementedError(
                 "ColumnParallelLinear: config.defer_embedding_wgrad_compute=True is not "
                 "supported; expected False"
             )
-        self.input_size, self.output_size = input_size, output_size
-        self.config = config
         self.gather_output = gather_output
         self.skip_bias_add = skip_bias_add
-        self.is_expert = False
-        self.expert_parallel = False
-        self.explicit_expert_comm = False
         self.disable_grad_reduce = disable_grad_reduce
         self.embedding_activation_buffer = embedding_activation_buffer
         self.grad_output_buffer = grad_output_buffer
-        self.tp_group = resolve_group("tp", tp_group)
-        world_size, rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
+        world_size = get_pg_size(self.tp_group)
         self.output_size_per_partition = _divide_arg(
             "ColumnParallelLinear", "output_size", output_size, world_size
         )
@@ -285,22 +364,7 @@ class ColumnParallelLinear(torch.nn.Module):
         if skip_weight_param_allocation:
             self.weight = None
         else:
-            self.weight = Parameter(
-                torch.empty(
-                    self.output_size_per_partition,
-                    input_size,
-                    device=device,
-                    dtype=config.params_dtype,
-                )
-            )
-            set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
-            if config.perform_initialization:
-                master = _initialize_from_full_weight(
-                    self.weight, (output_size, input_size), 0, init_method, stride, rank, world_size
-                )
-                if keep_master_weight_for_test:
-                    self.master_weight = master
-            self.weight.allreduce = True
+            self.weight = self._new_weight(0, init_method, stride, keep_master_weight_for_test)
 
         if bias:
             self.bias = Parameter(
@@ -327,8 +391,6 @@ class ColumnParallelLinear(torch.nn.Module):
         self.allreduce_dgrad = (
             world_size > 1 and not self.sequence_parallel and not self.disable_grad_reduce
         )
-        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
-        _register_extra_state_default(self)
 
     def forward(
         self,
@@ -356,14 +418,8 @@ class ColumnParallelLinear(torch.nn.Module):
             input_parallel = input_
         else:
             input_parallel = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
-        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
-            input=input_parallel,
-            weight=weight,
-            bias=bias,
-            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-            allreduce_dgrad=self.allreduce_dgrad,
-            sequence_parallel=self.sequence_parallel,
-            tp_group=self.tp_group,
+        output_parallel = self._linear(
+            input_parallel, weight, bias, self.allreduce_dgrad, self.sequence_parallel
         )
         gather_output = (
             self.gather_output if runtime_gather_output is None else runtime_gather_output
@@ -378,22 +434,8 @@ class ColumnParallelLinear(torch.nn.Module):
         """No deferred weight gradient to compute (weight gradients are computed in the
         backward)."""
 
-    def set_extra_state(self, state: Any) -> None:
-        """Nothing to restore (megatron-core keeps an empty ``_extra_state`` entry)."""
 
-    def get_extra_state(self) -> None:
-        """No extra state (megatron-core keeps an empty ``_extra_state`` entry)."""
-        return None
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(in_features={self.input_size}, "
-            f"out_features={self.output_size}, bias={self.bias is not None}, "
-            f"TP={get_pg_size(self.tp_group)})"
-        )
-
-
-class RowParallelLinear(torch.nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """Y = X A^T + b with A [output_size, input_size] split along its input columns.
 
     ``forward(input_)`` takes [s, b, input_size/T] (``input_is_parallel``; else the full
@@ -419,42 +461,22 @@ class RowParallelLinear(torch.nn.Module):
         tp_comm_buffer_name: str = None,
         tp_group: Optional[torch.distributed.ProcessGroup] = None,
     ):
-        super().__init__()
-        _reject_expert("RowParallelLinear", is_expert)
-        self.input_size, self.output_size = input_size, output_size
-        self.config = config
+        super().__init__("RowParallelLinear", input_size, output_size, config, is_expert, tp_group)
         self.input_is_parallel = input_is_parallel
         self.skip_bias_add = skip_bias_add
-        self.is_expert = False
-        self.expert_parallel = False
-        self.explicit_expert_comm = False
         self.sequence_parallel = config.sequence_parallel
         if self.sequence_parallel and not self.input_is_parallel:
             raise RuntimeError(
                 "RowParallelLinear: to enable sequence_parallel, input_is_parallel must be True "
                 "(got input_is_parallel=False)"
             )
-        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
-        self.tp_group = resolve_group("tp", tp_group)
-        world_size, rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
+        world_size = get_pg_size(self.tp_group)
         self.input_size_per_partition = _divide_arg(
             "RowParallelLinear", "input_size", input_size, world_size
         )
         device = _param_device(config, self.tp_group)
 
-        self.weight = Parameter(
-            torch.empty(
-                output_size, self.input_size_per_partition, device=device, dtype=config.params_dtype
-            )
-        )
-        set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
-        if config.perform_initialization:
-            master = _initialize_from_full_weight(
-                self.weight, (output_size, input_size), 1, init_method, stride, rank, world_size
-            )
-            if keep_master_weight_for_test:
-                self.master_weight = master
-        self.weight.allreduce = True
+        self.weight = self._new_weight(1, init_method, stride, keep_master_weight_for_test)
 
         if bias:
             self.bias = Parameter(
@@ -467,7 +489,6 @@ class RowParallelLinear(torch.nn.Module):
             self.bias.sequence_parallel = self.sequence_parallel
         else:
             self.register_parameter("bias", None)
-        _register_extra_state_default(self)
 
     def forward(self, input_: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(sum over ranks of X_r A_r^T [+ b], bias or None); see the class docstring."""
@@ -475,15 +496,7 @@ class RowParallelLinear(torch.nn.Module):
             input_parallel = input_
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
-        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
-            input=input_parallel,
-            weight=self.weight,
-            bias=None,
-            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-            allreduce_dgrad=False,
-            sequence_parallel=False,
-            tp_group=self.tp_group,
-        )
+        output_parallel = self._linear(input_parallel, self.weight, None, False, False)
         if self.sequence_parallel:
             output_ = reduce_scatter_to_sequence_parallel_region(
                 output_parallel, group=self.tp_group
@@ -494,20 +507,6 @@ class RowParallelLinear(torch.nn.Module):
             return output_, self.bias
         output = output_ + self.bias if self.bias is not None else output_
         return output, None
-
-    def set_extra_state(self, state: Any) -> None:
-        """Nothing to restore (megatron-core keeps an empty ``_extra_state`` entry)."""
-
-    def get_extra_state(self) -> None:
-        """No extra state (megatron-core keeps an empty ``_extra_state`` entry)."""
-        return None
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(in_features={self.input_size}, "
-            f"out_features={self.output_size}, bias={self.bias is not None}, "
-            f"TP={get_pg_size(self.tp_group)})"
-        )
 
 
 class VocabParallelEmbedding(torch.nn.Module):

@@ -119,27 +119,28 @@ def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None):
 
 def all_to_all_sp2hp(input_, group=None):
     """[s/T * b, h] sequence-sharded -> [s * b, h/T] hidden-sharded (all-to-all over TP)."""
-    group = resolve_group("tp", group)
-    size = get_pg_size(group)
+    group, size, rows = _tp_rows(input_, group)
     if size == 1:
         return input_
-    hidden = input_.shape[-1]
-    blocks = torch.split(input_.reshape(-1, hidden), _divide_dim(hidden, size, "hidden"), dim=1)
-    stacked = torch.cat(blocks, dim=0).contiguous()
-    return all_to_all(group, stacked)
+    blocks = torch.split(rows, _divide_dim(rows.shape[1], size, "hidden"), dim=1)
+    return all_to_all(group, torch.cat(blocks, dim=0).contiguous())
 
 
 def all_to_all_hp2sp(input_, group=None):
-    """[s * b, h/T] hidden-sharded -> [s/T * b, h] sequence-sharded (all-to-all over TP)."""
-    group = resolve_group("tp", group)
-    size = get_pg_size(group)
+    """[s * b, h/T] hidden-sharded -> [s/T * b, h] sequence-sharded (all-to-all over TP);
+    the inverse of ``all_to_all_sp2hp``."""
+    group, size, rows = _tp_rows(input_, group)
     if size == 1:
         return input_
-    hidden = input_.shape[-1]
-    flat = input_.reshape(-1, hidden)
-    _divide_dim(flat.shape[0], size, "sequence x batch")
-    exchanged = all_to_all(group, flat.contiguous())
+    _divide_dim(rows.shape[0], size, "sequence x batch")
+    exchanged = all_to_all(group, rows.contiguous())
     return torch.cat(torch.chunk(exchanged, size, dim=0), dim=1)
+
+
+def _tp_rows(input_: torch.Tensor, group) -> tuple:
+    """(the TP group (MPU fallback for None), its size T, ``input_`` as [rows, h])."""
+    group = resolve_group("tp", group)
+    return group, get_pg_size(group), input_.reshape(-1, input_.shape[-1])
 
 
 # ---------------------------------------------------------------------------------------------

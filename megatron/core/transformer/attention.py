@@ -16,7 +16,7 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.module import MegatronModule, leave_as_allocated
+from megatron.core.transformer.module import MegatronModule, leave_as_allocated, output_projection
 from megatron.core.transformer.parallel_groups import tp_group_of
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -78,18 +78,8 @@ class Attention(MegatronModule):
             cp_comm_type=cp_comm_type,
             pg_collection=pg_collection,
         )
-        self.linear_proj = build_module(
-            submodules.linear_proj,
-            self.query_projection_size,
-            config.hidden_size,
-            config=config,
-            init_method=leave_as_allocated,
-            bias=config.add_bias_linear,
-            input_is_parallel=True,
-            skip_bias_add=True,
-            is_expert=False,
-            tp_comm_buffer_name="proj",
-            tp_group=self.tp_group,
+        self.linear_proj = output_projection(
+            submodules.linear_proj, self.query_projection_size, config, "proj", self.tp_group
         )
 
     def forward(

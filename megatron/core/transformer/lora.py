@@ -183,16 +183,11 @@ class LoRAAdapter(torch.nn.Module):
         init_a = _init_method(lora.lora_A_init_method, generator)
         init_b = _init_method(lora.lora_B_init_method, generator)
         stride = getattr(base.weight, "partition_stride", 1)
+        # A [dim, in] is split like the base layer's input: row-parallel when the base is.
+        linear_in = dict(config=config, init_method=init_a, bias=False, tp_group=base.tp_group)
         if self.row_parallel:
             self.linear_in = RowParallelLinear(
-                base.input_size,
-                lora.dim,
-                config=config,
-                init_method=init_a,
-                bias=False,
-                input_is_parallel=True,
-                skip_bias_add=True,
-                tp_group=base.tp_group,
+                base.input_size, lora.dim, input_is_parallel=True, skip_bias_add=True, **linear_in
             )
             weight = torch.empty(base.output_size, lora.dim, dtype=torch.float32)
             init_b(weight)
@@ -208,13 +203,7 @@ class LoRAAdapter(torch.nn.Module):
                     "rank dimension over TP)"
                 )
             self.linear_in = ColumnParallelLinear(
-                base.input_size,
-                lora.dim,
-                config=config,
-                init_method=init_a,
-                bias=False,
-                gather_output=True,
-                tp_group=base.tp_group,
+                base.input_size, lora.dim, gather_output=True, **linear_in
             )
             self.linear_out = ColumnParallelLinear(
                 lora.dim,

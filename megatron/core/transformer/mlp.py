@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
 from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
-from megatron.core.transformer.module import MegatronModule, leave_as_allocated
+from megatron.core.transformer.module import MegatronModule, leave_as_allocated, output_projection
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -72,19 +72,7 @@ class MLP(MegatronModule):
             tp_group=tp_group,
             stride=2 if config.gated_linear_unit else 1,
         )
-        self.linear_fc2 = build_module(
-            submodules.linear_fc2,
-            ffn,
-            config.hidden_size,
-            config=config,
-            init_method=leave_as_allocated,
-            bias=config.add_bias_linear,
-            input_is_parallel=True,
-            skip_bias_add=True,
-            is_expert=False,
-            tp_comm_buffer_name="fc2",
-            tp_group=tp_group,
-        )
+        self.linear_fc2 = output_projection(submodules.linear_fc2, ffn, config, "fc2", tp_group)
 
     def forward(
         self, hidden_states: torch.Tensor, per_token_scale=None, **kwargs

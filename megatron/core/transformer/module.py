@@ -2,10 +2,12 @@
 ``Float16Module``, the wrapper that runs a model chunk in bf16/fp16 (megatron-core's names).
 """
 
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
+import torch.distributed as dist
 
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -45,6 +47,32 @@ def param_is_not_shared(param: torch.nn.Parameter) -> bool:
 def leave_as_allocated(weight: torch.Tensor) -> None:
     """The ``init_method`` the GPT's layers are built with: a no-op, because GPTModel fills
     every parameter afterwards from its own seeded generator (layout-independent)."""
+
+
+def output_projection(
+    spec: Union[ModuleSpec, type],
+    input_size: int,
+    config: TransformerConfig,
+    tp_comm_buffer_name: str,
+    tp_group: Optional[dist.ProcessGroup],
+) -> torch.nn.Module:
+    """The projection [.., input_size / T] -> [.., hidden_size] that ends attention
+    (``linear_proj``) and the MLP (``linear_fc2``): a row-parallel layer (``spec``) whose
+    input is already split over ``tp_group``, with bias ``config.add_bias_linear`` returned
+    unadded (it is added with the residual), its weight left as allocated."""
+    return build_module(
+        spec,
+        input_size,
+        config.hidden_size,
+        config=config,
+        init_method=leave_as_allocated,
+        bias=config.add_bias_linear,
+        input_is_parallel=True,
+        skip_bias_add=True,
+        is_expert=False,
+        tp_comm_buffer_name=tp_comm_buffer_name,
+        tp_group=tp_group,
+    )
 
 
 class Float16Module(MegatronModule):

@@ -26,6 +26,8 @@ def tp_group_of(
     return _checked_group(pg_collection, "tp", config.tensor_model_parallel_size)
 
 
+# tp_group_of and cp_group_of: the same getter for two groups, each with its own contract in
+# its docstring (callers import them by name); the rule itself is ``_checked_group``.
 def cp_group_of(
     pg_collection: Optional[ProcessGroupCollection], config
 ) -> Optional[dist.ProcessGroup]:

@@ -85,6 +85,8 @@ class TransformerBlock(MegatronModule):
         """The previous stage's hidden states, used as input when ``pre_process=False``."""
         self.input_tensor = input_tensor
 
+    # megatron-core's signature: TransformerLayer.forward's arguments, passed on to every
+    # layer (``layer_kwargs``), so the two parameter lists repeat by design.
     def forward(
         self,
         hidden_states: Optional[torch.Tensor],

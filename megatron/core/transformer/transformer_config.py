@@ -35,6 +35,7 @@ class TransformerConfig(ModelParallelConfig):
     the run without recomputation. ``distribute_saved_activations`` is not supported.
     """
 
+    # megatron-core's fields, one declaration each: runs of them share a shape by design.
     num_layers: int = 0
     mtp_num_layers: Optional[int] = None
     hidden_size: int = 0

@@ -3,12 +3,14 @@ checkpoints that resume at another layout, a base model from a checkpoint of our
 flags refused without ``--lora-dim``. (The adapters' gradients against an independent
 reference: ``tests/unit_tests/models/test_lora_parity.py``.)"""
 
+import dataclasses
 import shutil
 import tempfile
 from pathlib import Path
 from typing import List
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from megatron.core import dist_checkpointing
@@ -16,6 +18,7 @@ from megatron.training import TrainingConfig
 from megatron.training.arguments import validate_config
 from megatron.training.checkpointing import checkpoint_dir
 from megatron.training.errors import UsageError
+from megatron.training.model import build_model
 from megatron.training.training import pretrain
 from tests.unit_tests.dist_utils import fresh_layout
 
@@ -93,6 +96,86 @@ def test_adapter_only_checkpoints_resume_at_another_layout_from_a_base_checkpoin
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.world(4)
+@pytest.mark.slow
+def test_an_adapter_saved_at_tp2_pp2_gives_the_same_logits_in_one_process():
+    """Adapters trained and saved at tp2-pp2 (adapter-only, on a base checkpoint): the model
+    generate's loader builds at tp2-pp2 from that checkpoint gives the logits of a one-process
+    model whose weights are the checkpoints' whole tensors (``load_plain_tensors``, another
+    reading path), and that differ from the one-process model without the adapters."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+    from megatron.training.generate import _forward, build_parser, loaded_model
+    from megatron.training.initialize import single_process_groups
+
+    root = Path(_shared_dir())
+    try:
+        _run(train_iters=2, save=str(root / "base"))
+        _run(**LORA, train_iters=3, pretrained_checkpoint=str(root / "base"),
+             tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+             save=str(root / "lora"), save_trainable_params_only=True)  # fmt: skip
+        tokens = torch.arange(3, 3 + SMALL["seq_length"])[None] % 64
+        positions = torch.arange(SMALL["seq_length"])[None]
+        args = build_parser().parse_args(["--load", str(root / "lora"), "--tp", "2", "--pp", "2"])
+        with loaded_model(args) as (model, groups, config):
+            context = StaticInferenceContext(1, SMALL["seq_length"])
+            logits = _forward(model[0], tokens, positions, context, groups)
+        shared = [None if logits is None else logits.detach()]
+        dist.broadcast_object_list(shared, src=2)  # tp rank 0 of the last stage
+        tp2_pp2 = shared[0]
+
+        whole = {
+            **dist_checkpointing.load_plain_tensors(str(checkpoint_dir(str(root / "base"), 2))),
+            **dist_checkpointing.load_plain_tensors(str(checkpoint_dir(str(root / "lora"), 3))),
+        }
+        one_config = dataclasses.replace(config, tensor_model_parallel_size=1,
+                                         pipeline_model_parallel_size=1)  # fmt: skip
+        layout = validate_config(one_config, 1)
+        groups = single_process_groups(rank=0)
+        if dist.get_rank() == 0:
+            with fresh_layout():
+                gpt = build_model(one_config, layout, groups)[0].module
+            state = {k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
+            loaded = {k: _stored(whole, k) for k in state}
+            missing = [k for k, v in loaded.items() if v is None]
+            assert not missing and any(".adapter." in k for k in state), (missing, sorted(whole))
+            without = _logits(gpt, tokens, positions)  # the fresh adapters: B = N(0, s) init
+            gpt.load_state_dict(loaded, strict=False)
+            one = _logits(gpt, tokens, positions)
+            assert torch.allclose(one, tp2_pp2, rtol=0, atol=1e-5), (one - tp2_pp2).abs().max()
+            assert (without - tp2_pp2).abs().max() > 1e-3  # the adapters make a difference
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+LAYER_NORM_NAMES = {
+    "input_layernorm": "self_attention.linear_qkv.layer_norm",
+    "pre_mlp_layernorm": "mlp.linear_fc1.layer_norm",
+}
+
+
+def _stored(whole: dict, key: str):
+    """The model's ``key`` in the checkpoint's whole tensors, where a layer's weights are row
+    ``i`` of one tensor stacked over the layers (``decoder.layers.<i>.x`` -> ``decoder.layers.x``)
+    and the norms are named after the linear layer they precede (``LAYER_NORM_NAMES``)."""
+    if key in whole:
+        return whole[key]
+    for norm, fused in LAYER_NORM_NAMES.items():  # megatron-core's checkpoint names
+        key = key.replace(f".{norm}.", f".{fused}_")
+    parts = key.split(".")
+    if parts[:2] == ["decoder", "layers"] and parts[2].isdigit():
+        stacked = whole.get(".".join(parts[:2] + parts[3:]))
+        return None if stacked is None else stacked[int(parts[2])]
+    return None
+
+
+def _logits(gpt, tokens, positions) -> torch.Tensor:
+    gpt.eval()
+    with torch.no_grad():
+        return gpt(tokens, positions, attention_mask=None)
 
 
 @pytest.mark.world(2)

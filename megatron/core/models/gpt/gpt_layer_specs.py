@@ -69,6 +69,7 @@ def get_gpt_layer_local_spec(
             f"got {normalization!r}"
         )
     qk_norm = WrappedTorchNorm if qk_layernorm else IdentityOp
+    # megatron-core's local spec, one keyword per part (the same shape as other keyword calls).
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -159,6 +160,8 @@ def get_gpt_decoder_layer_specs(
     return [moe if flag else dense for flag in pattern]
 
 
+# megatron-core's public signature, the same parameters as get_gpt_decoder_layer_specs (whose
+# slice of specs it returns).
 def get_gpt_decoder_block_spec(
     config: TransformerConfig,
     use_transformer_engine: bool,

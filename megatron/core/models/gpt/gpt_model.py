@@ -147,6 +147,8 @@ class GPTModel(MegatronModule):
         self.vp_stage = vp_stage
         self.pg_collection = pg_collection
 
+        # The parts are built with megatron-core's keywords, one per line, like the layer
+        # specs and the output projection: alike in shape, each names its own arguments.
         if pre_process:
             self.embedding = LanguageModelEmbedding(
                 config=config,

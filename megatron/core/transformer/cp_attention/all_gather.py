@@ -15,24 +15,24 @@ from typing import List, Optional, Tuple
 import torch
 
 from megatron.core.process_groups_config import get_pg_rank, get_pg_size
-from megatron.core.transformer.cp_attention import kernels as fk
 from megatron.core.transformer.cp_attention.blocks import (
     Accumulator,
     Kernel,
     KeyValues,
-    QuerySide,
     add_scaled,
     backward_block,
     block_grads,
     forward_block,
     heads_of,
+    query_side,
+    save_merged,
 )
 from megatron.core.transformer.cp_attention.collectives import (
     start_gather,
     start_reduce_scatter,
 )
 from megatron.core.transformer.cp_attention.plans import BlockPlan, block_plan
-from megatron.core.transformer.cp_attention.rescale import Rescale, kernel_grad_inputs
+from megatron.core.transformer.cp_attention.rescale import Rescale
 from megatron.core.transformer.cp_attention.strategy import AttentionCall, Strategy
 
 
@@ -103,11 +103,8 @@ class AllGatherAttention(torch.autograd.Function):
                     part = plan.part(source, rank)
                     forward_block(part, q_h, KeyValues(*rows.chunk(2, dim=2)), kernel, acc_h)
             del kv
-        out = rescale.output(acc.out, query.dtype, plan.valid)
-        ctx.save_for_backward(q, kv_local, out, acc.lse)  # fp16 when rescaled
-        ctx.group, ctx.plan, ctx.kernel, ctx.rescale = group, plan, kernel, rescale
-        ctx.dtype, ctx.head_groups = query.dtype, head_groups
-        return out
+        ctx.head_groups = head_groups
+        return save_merged(ctx, query, q, kv_local, acc, group, plan, kernel, rescale)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -116,12 +113,8 @@ class AllGatherAttention(torch.autograd.Function):
         world, rank = get_pg_size(group), get_pg_rank(group)
         pending = start_gather(kv_local, ctx.head_groups[0], group)
         own = KeyValues(*kv_local.chunk(2, dim=2))
-        do, o, factors = kernel_grad_inputs(
-            grad_out, out, q, own.k, plan.valid, kernel.scale, ctx.rescale
-        )
+        side, factors = query_side(ctx, grad_out, q, own.k, out, lse)
         s_local, rep = q.shape[0], q.shape[2] // own.k.shape[2]
-        acc = fk.acc_dtype(dtype)
-        side = QuerySide(do, q, o, lse, torch.zeros(q.shape, device=q.device, dtype=acc))
         dk, dv = (torch.empty(x.shape, device=x.device, dtype=dtype) for x in (own.k, own.v))
         local_grads, reductions = [], []
         last = len(ctx.head_groups) - 1
@@ -136,7 +129,7 @@ class AllGatherAttention(torch.autograd.Function):
             kv = pending.wait()
             if i + 1 < len(ctx.head_groups):
                 pending = start_gather(kv_local, ctx.head_groups[i + 1], group)
-            dkv = torch.zeros(kv.shape, device=kv.device, dtype=acc)
+            dkv = torch.zeros(kv.shape, device=kv.device, dtype=side.dq.dtype)
             for source in range(world):
                 if source != rank:
                     rows = slice(source * s_local, (source + 1) * s_local)

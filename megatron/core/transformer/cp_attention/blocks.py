@@ -14,7 +14,12 @@ import torch
 from megatron.core.transformer.cp_attention import kernels as fk
 from megatron.core.transformer.cp_attention import varlen
 from megatron.core.transformer.cp_attention.plans import Part, Rows
-from megatron.core.transformer.cp_attention.rescale import Factor, GradFactors
+from megatron.core.transformer.cp_attention.rescale import (
+    Factor,
+    GradFactors,
+    Rescale,
+    kernel_grad_inputs,
+)
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,29 @@ class QuerySide:
     def heads(self, heads: slice) -> "QuerySide":
         do, q, o, dq = (heads_of(x, heads) for x in (self.do, self.q, self.o, self.dq))
         return QuerySide(do, q, o, heads_of(self.lse, heads, 1), dq)
+
+
+def save_merged(
+    ctx, query, q, kv_local, acc: Accumulator, group, plan, kernel: Kernel, rescale: Rescale
+) -> torch.Tensor:
+    """End of a CP attention forward (all-gather, ring): the merged output in ``query``'s
+    dtype, with what ``query_side`` reads in the backward saved on ``ctx``: q, this rank's
+    [K | V] (fp16 when rescaled), out, the LSE, the group, plan, kernel, rescaling, dtype."""
+    out = rescale.output(acc.out, query.dtype, plan.valid)
+    ctx.save_for_backward(q, kv_local, out, acc.lse)
+    ctx.group, ctx.plan, ctx.kernel, ctx.rescale = group, plan, kernel, rescale
+    ctx.dtype = query.dtype
+    return out
+
+
+def query_side(ctx, grad_out, q, k, out, lse) -> Tuple[QuerySide, GradFactors]:
+    """Start of the matching backward: the ``QuerySide`` (dO, O as the kernels take them, a
+    zero float32 dq) and the factors that undo the rescaling; ``k`` is this rank's keys."""
+    do, o, factors = kernel_grad_inputs(
+        grad_out, out, q, k, ctx.plan.valid, ctx.kernel.scale, ctx.rescale
+    )
+    dq = torch.zeros(q.shape, device=q.device, dtype=fk.acc_dtype(ctx.dtype))
+    return QuerySide(do, q, o, lse, dq), factors
 
 
 def attend(part: Part, q, k, v, kernel: Kernel) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,8 @@ from megatron.core.config_rules import CP_COMM_TYPES
 from megatron.core.transformer.cp_attention import all_gather, all_to_all, ring
 from megatron.core.transformer.cp_attention.strategy import Strategy
 
+# The HF families' registry (training/hf/families) has this same shape on purpose: one
+# module per entry, one line each.
 STRATEGIES: Dict[str, Strategy] = {
     strategy.name: strategy
     for strategy in (

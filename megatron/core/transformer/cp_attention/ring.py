@@ -9,20 +9,20 @@ ring with the K/V, one extra hop bringing them home.
 import torch
 
 from megatron.core.process_groups_config import get_pg_rank, get_pg_size
-from megatron.core.transformer.cp_attention import kernels as fk
 from megatron.core.transformer.cp_attention.blocks import (
     Accumulator,
     Kernel,
     KeyValues,
-    QuerySide,
     add_rows,
     block_grads,
     forward_block,
+    query_side,
+    save_merged,
 )
 from megatron.core.transformer.cp_attention.collectives import ring_exchange
 from megatron.core.transformer.cp_attention.local import local_attention
 from megatron.core.transformer.cp_attention.plans import BlockPlan, block_plan
-from megatron.core.transformer.cp_attention.rescale import Rescale, kernel_grad_inputs
+from megatron.core.transformer.cp_attention.rescale import Rescale
 from megatron.core.transformer.cp_attention.strategy import AttentionCall, Strategy
 
 
@@ -62,24 +62,18 @@ class RingAttention(torch.autograd.Function):
             forward_block(part, q, source, kernel, acc, first=step == 0)
             if exchange is not None:
                 kv = exchange.wait()
-        out = rescale.output(acc.out, query.dtype, plan.valid)
-        ctx.save_for_backward(q, kv_local, out, acc.lse)  # fp16 when rescaled
-        ctx.group, ctx.plan, ctx.kernel, ctx.rescale = group, plan, kernel, rescale
-        ctx.dtype = query.dtype
-        return out
+        return save_merged(ctx, query, q, kv_local, acc, group, plan, kernel, rescale)
 
+    # Same frame as AllGatherAttention's (the end of the forward, unpacking ``ctx``): the
+    # shared steps are blocks.save_merged / query_side; the exchanges differ.
     @staticmethod
     def backward(ctx, grad_out):
         q, kv, out, lse = ctx.saved_tensors
         group, plan, kernel, dtype = ctx.group, ctx.plan, ctx.kernel, ctx.dtype
         world, rank = get_pg_size(group), get_pg_rank(group)
         n_kv = kv.shape[2] // 2
-        do, o, factors = kernel_grad_inputs(
-            grad_out, out, q, kv[:, :, :n_kv], plan.valid, kernel.scale, ctx.rescale
-        )
-        acc = fk.acc_dtype(dtype)
-        side = QuerySide(do, q, o, lse, torch.zeros(q.shape, device=q.device, dtype=acc))
-        dkv = torch.zeros(kv.shape, device=kv.device, dtype=acc)
+        side, factors = query_side(ctx, grad_out, q, kv[:, :, :n_kv], out, lse)
+        dkv = torch.zeros(kv.shape, device=kv.device, dtype=side.dq.dtype)
         dkv_exchange = None
         for step in range(world):
             exchange = ring_exchange(kv, group, tag=1) if step + 1 < world else None

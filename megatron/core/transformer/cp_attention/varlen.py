@@ -49,20 +49,10 @@ def varlen_forward(
     and float32 ``lse`` [n_q, t_q]. Rows outside every sequence get out = 0, lse = -inf.
     """
     name = resolve_kernel(kernel, query, window is not None)
+    lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if _use_varlen(query, cu_seqlens_q):
-        k_exp, v_exp = expand_kv(key, value, query.shape[1])
         result = _guarded_varlen(
-            _flash_varlen_forward,
-            query,
-            k_exp,
-            v_exp,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
-            causal,
-            scale,
-            window,
+            _flash_varlen_forward, query, key, value, *lengths, causal, scale, window
         )
         if result is not None:
             return result
@@ -109,30 +99,14 @@ def varlen_backward(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of ``varlen_forward``; dk/dv float32 where summed over sequences or groups."""
     name = resolve_kernel(kernel, query, window is not None)
-    n_kv = key.shape[1]
+    lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if _use_varlen(query, cu_seqlens_q):
-        k_exp, v_exp = expand_kv(key, value, query.shape[1])
         grads = _guarded_varlen(
-            _flash_varlen_backward,
-            grad_out,
-            query,
-            k_exp,
-            v_exp,
-            out,
-            lse,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
-            causal,
-            scale,
-            window,
-        )
+            _flash_varlen_backward, grad_out, query, key, value, out, lse, *lengths, causal,
+            scale, window,
+        )  # fmt: skip
         if grads is not None:
-            dq, dk, dv = grads
-            if k_exp.shape[1] != n_kv:
-                dk, dv = (sum_groups(x, n_kv) for x in (dk, dv))
-            return dq, dk, dv
+            return grads
     dq = torch.zeros_like(query)
     dk = torch.zeros(key.shape, device=key.device, dtype=acc_dtype(key.dtype))
     dv = torch.zeros(value.shape, device=value.device, dtype=acc_dtype(value.dtype))
@@ -207,6 +181,8 @@ def _guarded_varlen(fn, *args):
 
 
 def _flash_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=None):
+    """The flash varlen op's (out, lse) (k, v with n_kv < n_q heads expanded first)."""
+    k, v = expand_kv(k, v, q.shape[1])
     cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
     out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
         q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
@@ -223,6 +199,10 @@ def _flash_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wind
 def _flash_varlen_backward(
     dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window=None
 ):
+    """(dq, dk, dv) of the flash varlen op; with n_kv < n_q heads, dk and dv are float32
+    sums over each group's query heads (``sum_groups``)."""
+    n_kv = k.shape[1]
+    k, v = expand_kv(k, v, q.shape[1])
     cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
     seed, offset = forward_rng("flash", q.device)
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
@@ -243,4 +223,6 @@ def _flash_varlen_backward(
         scale=scale,
         **flash_window(window),
     )
+    if k.shape[1] != n_kv:
+        dk, dv = (sum_groups(x, n_kv) for x in (dk, dv))
     return dq, dk, dv

@@ -21,7 +21,7 @@ def expert_sharded_state_dict(experts, prefix: str, sharded_offsets: tuple, meta
     """The sharded entries of a ``SequentialMLP`` or ``GroupedMLP`` (see the module
     docstring); keys of the returned dict are the module's state-dict keys."""
     config = experts.config
-    first = get_pg_rank(experts.ep_group) * experts.num_local_experts
+    first = experts.first_expert
     info = _Info(
         first=first,
         total=config.num_moe_experts,

@@ -68,7 +68,29 @@ class ExpertMLP(torch.nn.Module):
         return self.linear_fc2(_activate(self.config, self.linear_fc1(tokens), probs))
 
 
-class SequentialMLP(MegatronModule):
+class _LocalExperts(MegatronModule):
+    """What both expert modules hold: the MoE groups (``tp_group`` = expert TP, ``ep_group``)
+    and ``num_local_experts``, local expert i being global expert ``first_expert + i`` with
+    ``first_expert = ep_rank * num_local_experts``."""
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        config: TransformerConfig,
+        pg_collection: Optional[ProcessGroupCollection],
+    ) -> None:
+        super().__init__(config)
+        self.groups = moe_groups_of(pg_collection, config)
+        self.num_local_experts = num_local_experts
+        self.tp_group, self.ep_group = self.groups.expt_tp, self.groups.ep
+
+    @property
+    def first_expert(self) -> int:
+        """The global index of local expert 0."""
+        return get_pg_rank(self.ep_group) * self.num_local_experts
+
+
+class SequentialMLP(_LocalExperts):
     """The local experts as a list of MLPs, run one after the other."""
 
     def __init__(
@@ -78,10 +100,7 @@ class SequentialMLP(MegatronModule):
         submodules=None,
         pg_collection: Optional[ProcessGroupCollection] = None,
     ) -> None:
-        super().__init__(config)
-        self.groups = moe_groups_of(pg_collection, config)
-        self.num_local_experts = num_local_experts
-        self.tp_group, self.ep_group = self.groups.expt_tp, self.groups.ep
+        super().__init__(num_local_experts, config, pg_collection)
         self.local_experts = torch.nn.ModuleList(
             ExpertMLP(config, get_pg_size(self.tp_group)) for _ in range(num_local_experts)
         )
@@ -112,7 +131,7 @@ class SequentialMLP(MegatronModule):
     @torch.no_grad()
     def initialize_experts(self, full_weight: FullWeight) -> None:
         """Fill every local expert with its shard of its global expert's full weights."""
-        first = get_pg_rank(self.ep_group) * self.num_local_experts
+        first = self.first_expert
         for name, i, param in self.expert_weights():
             full = full_weight(name, first + i, _full_shape(param, self.tp_group))
             param.copy_(_etp_shard(full, param, self.tp_group))
@@ -125,7 +144,7 @@ class SequentialMLP(MegatronModule):
         return expert_sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
 
-class GroupedMLP(MegatronModule):
+class GroupedMLP(_LocalExperts):
     """The local experts as two stacked weights (see the module docstring)."""
 
     def __init__(
@@ -134,10 +153,7 @@ class GroupedMLP(MegatronModule):
         config: TransformerConfig,
         pg_collection: Optional[ProcessGroupCollection] = None,
     ) -> None:
-        super().__init__(config)
-        self.groups = moe_groups_of(pg_collection, config)
-        self.num_local_experts = num_local_experts
-        self.tp_group, self.ep_group = self.groups.expt_tp, self.groups.ep
+        super().__init__(num_local_experts, config, pg_collection)
         etp = get_pg_size(self.tp_group)
         self.ffn = config.moe_ffn_hidden_size // etp
         self.fc1_out = 2 * self.ffn if config.gated_linear_unit else self.ffn
@@ -187,7 +203,7 @@ class GroupedMLP(MegatronModule):
     def initialize_experts(self, full_weight: FullWeight) -> None:
         """Expert i's block of ``weight1`` / ``weight2``: the transposed ETP shard of its
         global expert's full fc1 / fc2 weight (the values ``SequentialMLP`` gets)."""
-        first = get_pg_rank(self.ep_group) * self.num_local_experts
+        first = self.first_expert
         etp = get_pg_size(self.tp_group)
         hidden = self.config.hidden_size
         w1, w2 = self.expert_w1(), self.expert_w2()

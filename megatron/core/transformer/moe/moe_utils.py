@@ -185,17 +185,21 @@ def topk_routing_with_score_function(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(routing probabilities [T, E], routing map [T, E] bool) of logits [T, E]; see
     ``topk_routing`` (which also returns the experts in top-k order)."""
+    if fused:
+        raise NotImplementedError("topk_routing_with_score_function: fused=True is not supported")
+    if router_replay is not None:
+        raise NotImplementedError(
+            "topk_routing_with_score_function: router_replay is not supported"
+        )
     probs, routing_map, _ = topk_routing(
         logits,
         topk,
-        use_pre_softmax,
-        num_groups,
-        group_topk,
-        scaling_factor,
-        score_function,
-        expert_bias,
-        fused=fused,
-        router_replay=router_replay,
+        use_pre_softmax=use_pre_softmax,
+        num_groups=num_groups,
+        group_topk=group_topk,
+        scaling_factor=scaling_factor,
+        score_function=score_function,
+        expert_bias=expert_bias,
     )
     return probs, routing_map
 
@@ -203,17 +207,18 @@ def topk_routing_with_score_function(
 def topk_routing(
     logits: torch.Tensor,
     topk: int,
-    use_pre_softmax: bool = False,
-    num_groups: Optional[int] = None,
-    group_topk: Optional[int] = None,
-    scaling_factor: Optional[float] = None,
-    score_function: str = "softmax",
-    expert_bias: Optional[torch.Tensor] = None,
-    fused: bool = False,
-    router_replay=None,
+    *,
+    use_pre_softmax: bool,
+    num_groups: Optional[int],
+    group_topk: Optional[int],
+    scaling_factor: Optional[float],
+    score_function: str,
+    expert_bias: Optional[torch.Tensor],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k routing in the logits' dtype. Returns (probs [T, E] (zero off the map),
-    routing map [T, E] bool, top-k expert indices [T, k], best first).
+    routing map [T, E] bool, top-k expert indices [T, k], best first). The options are
+    ``topk_routing_with_score_function``'s (megatron-core's defaults and refusals are there;
+    the router passes every one from its config).
 
     softmax, after selection (default): idx = topk(logits), probs = softmax(logits[idx]);
     softmax, ``use_pre_softmax``: s = softmax(logits), idx = topk(s), probs = s[idx];
@@ -221,12 +226,6 @@ def topk_routing(
     their sum (+1e-20) when k > 1. Group-limited (``num_groups``, ``group_topk``): the
     selection is restricted to the best groups. Then probs *= ``scaling_factor``.
     """
-    if fused:
-        raise NotImplementedError("topk_routing_with_score_function: fused=True is not supported")
-    if router_replay is not None:
-        raise NotImplementedError(
-            "topk_routing_with_score_function: router_replay is not supported"
-        )
     num_tokens, num_experts = logits.shape
 
     def select(scores: torch.Tensor) -> torch.Tensor:
@@ -323,7 +322,8 @@ def permute(
             f"permute: num_out_tokens={num_out_tokens} but the routing map routes "
             f"{sorted_indices.numel()} (token, expert) pairs"
         )
-    permuted = tokens.index_select(0, sorted_indices)
+    slot_of, width = _slots_of(routing_map)
+    permuted = gather_routes(tokens, sorted_indices * width + slot_of, width)
     permuted_probs = None
     if probs is not None:
         permuted_probs = probs.t()[expert_major]
@@ -349,19 +349,103 @@ def unpermute(
     rows = permuted_tokens
     if probs is not None:
         rows = rows * probs.t()[routing_map.t()].unsqueeze(-1).to(rows.dtype)
-    num_tokens, hidden = restore_shape
-    slot_of = (routing_map.cumsum(dim=1) - 1).t()[routing_map.t()]
-    width = max(int(routing_map.sum(dim=1).max()) if routing_map.numel() else 0, 1)
-    flat_slot = sorted_indices * width + slot_of
-    slots = rows.new_zeros((num_tokens * width, hidden)).index_copy(0, flat_slot, rows)
-    return sum_slots_in_order(slots.view(num_tokens, width, hidden))
+    num_tokens, _ = restore_shape
+    slot_of, width = _slots_of(routing_map)
+    routes = sorted_indices * width + slot_of
+    return sum_slots_in_order(routes_into_slots(rows, routes, num_tokens, width))
+
+
+def gather_routes(tokens: torch.Tensor, routes: torch.Tensor, topk: int) -> torch.Tensor:
+    """The token row of every route, ``tokens[routes // topk]`` [R, H], for routes
+    r = t k + j (token t's j-th slot; each route at most once). Its gradient adds each
+    token's route gradients in slot order (``sum_slots_in_order``): deterministic, where
+    ``index_select``'s backward is an atomic ``index_add_`` on CUDA (and ~3x slower)."""
+    return _GatherRoutes.apply(tokens, routes, topk)
+
+
+def routes_into_slots(
+    rows: torch.Tensor, routes: torch.Tensor, num_tokens: int, topk: int
+) -> torch.Tensor:
+    """[num_tokens, topk, H] zeros with row i at slot ``routes[i]`` = [t, j]
+    (differentiable: the gradient of row i is the gradient of its slot)."""
+    return _IntoSlots.apply(rows, routes, num_tokens, topk)
 
 
 def sum_slots_in_order(slots: torch.Tensor) -> torch.Tensor:
-    """[T, k, H] -> [T, H], adding slot 0, then 1, ... (a fixed order on every layout)."""
-    total = slots[:, 0]
-    for j in range(1, slots.shape[1]):
-        total = total + slots[:, j]
+    """[T, k, H] -> [T, H], adding slot 0, then 1, ... (a fixed order on every layout).
+    The gradient is the output's gradient broadcast to every slot (no per-slot buffers)."""
+    return _SumSlots.apply(slots)
+
+
+def _slots_of(routing_map: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    """(the slot of every (token, expert) route in expert-major order: its place among its
+    token's experts; the most experts of one token, at least 1)."""
+    slot_of = (routing_map.cumsum(dim=1) - 1).t()[routing_map.t()]
+    width = max(int(routing_map.sum(dim=1).max()) if routing_map.numel() else 0, 1)
+    return slot_of, width
+
+
+class _GatherRoutes(torch.autograd.Function):
+    """See ``gather_routes``."""
+
+    @staticmethod
+    def forward(ctx, tokens: torch.Tensor, routes: torch.Tensor, topk: int) -> torch.Tensor:
+        ctx.save_for_backward(routes)
+        ctx.num_tokens, ctx.topk = tokens.shape[0], topk
+        return tokens.index_select(0, routes // topk)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (routes,) = ctx.saved_tensors
+        with torch.no_grad():
+            slots = routes_into_slots(grad, routes, ctx.num_tokens, ctx.topk)
+            return _add_slots(slots), None, None
+
+
+class _IntoSlots(torch.autograd.Function):
+    """See ``routes_into_slots``. When every slot is filled (dropless top-k: routes is a
+    permutation) the slots are one gather of the rows by the inverse permutation."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, routes: torch.Tensor, num_tokens: int, topk: int):
+        ctx.save_for_backward(routes)
+        ctx.topk = topk
+        hidden = rows.shape[-1]
+        if rows.shape[0] == num_tokens * topk:
+            inverse = torch.empty_like(routes)
+            inverse[routes] = torch.arange(routes.numel(), device=routes.device)
+            slots = rows.index_select(0, inverse)
+        else:
+            slots = rows.new_zeros((num_tokens * topk, hidden)).index_copy_(0, routes, rows)
+        return slots.view(num_tokens, topk, hidden)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (routes,) = ctx.saved_tensors
+        if grad.stride(1) == 0:  # every slot of a token has its gradient (sum_slots_in_order)
+            return grad.select(1, 0).index_select(0, routes // ctx.topk), None, None, None
+        return grad.reshape(-1, grad.shape[-1]).index_select(0, routes), None, None, None
+
+
+class _SumSlots(torch.autograd.Function):
+    """See ``sum_slots_in_order``."""
+
+    @staticmethod
+    def forward(ctx, slots: torch.Tensor) -> torch.Tensor:
+        ctx.shape = slots.shape
+        return _add_slots(slots)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.unsqueeze(1).expand(ctx.shape)
+
+
+def _add_slots(slots: torch.Tensor) -> torch.Tensor:
+    if slots.shape[1] == 1:
+        return slots[:, 0].clone()
+    total = slots[:, 0] + slots[:, 1]
+    for j in range(2, slots.shape[1]):
+        total += slots[:, j]
     return total
 
 

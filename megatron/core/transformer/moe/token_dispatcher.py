@@ -21,13 +21,17 @@ import torch
 from megatron.core import communication
 from megatron.core.process_groups_config import ProcessGroupCollection, get_pg_size
 from megatron.core.tensor_parallel import mappings
-from megatron.core.transformer.moe.moe_utils import sum_slots_in_order
+from megatron.core.transformer.moe.moe_utils import (
+    gather_routes,
+    routes_into_slots,
+    sum_slots_in_order,
+)
 from megatron.core.transformer.moe.parallel import moe_groups_of
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 class MoETokenDispatcher:
-    """Common state: the config, the groups and the local experts."""
+    """Common state: the config, the groups and the top-k (local experts: the subclasses)."""
 
     def __init__(
         self, config: TransformerConfig, pg_collection: Optional[ProcessGroupCollection] = None
@@ -70,6 +74,24 @@ class MoETokenDispatcher:
         """[T, h] back to the input's [s, b, h]."""
         return hidden_states.view(self.hidden_shape)
 
+
+class _LocalExpertsDispatcher(MoETokenDispatcher):
+    """A dispatcher that knows this rank's experts (megatron-core's signature of both
+    dispatchers): ``num_local_experts`` of the ``num_moe_experts``, global indices
+    ``local_expert_indices``."""
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        local_expert_indices: List[int],
+        config: TransformerConfig,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ) -> None:
+        super().__init__(config, pg_collection)
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = list(local_expert_indices)
+        self.num_experts = config.num_moe_experts
+
     def _local_routes(self, experts: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """The routes (flat indices) to this rank's experts, grouped by local expert (a
         stable sort keeps token order), and the number per local expert (int64, CPU)."""
@@ -84,20 +106,9 @@ class MoETokenDispatcher:
         return routes, counts.cpu()
 
 
-class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
+class MoEAllGatherTokenDispatcher(_LocalExpertsDispatcher):
     """Every rank of the tp x ep group gets all the group's tokens (all-gather), runs the
     routes to its own experts, and the outputs are reduce-scattered back."""
-
-    def __init__(
-        self,
-        num_local_experts: int,
-        local_expert_indices: List[int],
-        config: TransformerConfig,
-        pg_collection: Optional[ProcessGroupCollection] = None,
-    ) -> None:
-        super().__init__(config, pg_collection)
-        self.num_local_experts = num_local_experts
-        self.local_expert_indices = list(local_expert_indices)
 
     def token_dispatch(self, hidden_states, probs):
         """All-gather tokens, their top-k experts and probabilities over tp x ep."""
@@ -118,13 +129,13 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         """(routes' tokens grouped by local expert, tokens per local expert, their probs)."""
         self.routes, tokens_per_expert = self._local_routes(self.gathered_indices)
         self.num_gathered = hidden_states.shape[0]
-        tokens = hidden_states.index_select(0, self.routes // self.topk)
+        tokens = gather_routes(hidden_states, self.routes, self.topk)
         return tokens, tokens_per_expert, probs.reshape(-1).index_select(0, self.routes)
 
     def token_combine(self, hidden_states):
         """Outputs into their [t, j] slots, reduce-scattered over tp x ep, slots added in
         top-k order."""
-        slots = _into_slots(hidden_states, self.routes, self.num_gathered, self.topk)
+        slots = routes_into_slots(hidden_states, self.routes, self.num_gathered, self.topk)
         if get_pg_size(self.tp_ep_group) > 1:
             slots = mappings.reduce_scatter_to_sequence_parallel_region(
                 slots, group=self.tp_ep_group
@@ -132,22 +143,10 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         return sum_slots_in_order(slots)
 
 
-class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
+class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
     """Tokens are all-gathered over expert TP, then each route is sent to the expert-
     parallel rank of its expert with one all-to-all (split sizes exchanged first); the way
     back is the reverse all-to-all and a reduce-scatter over expert TP."""
-
-    def __init__(
-        self,
-        num_local_experts: int,
-        local_expert_indices: List[int],
-        config: TransformerConfig,
-        pg_collection: Optional[ProcessGroupCollection] = None,
-    ) -> None:
-        super().__init__(config, pg_collection)
-        self.num_local_experts = num_local_experts
-        self.local_expert_indices = list(local_expert_indices)
-        self.num_experts = config.num_moe_experts
 
     def token_dispatch(self, permutated_local_input_tokens, permuted_probs):
         """All-gather over expert TP; sort routes by expert; all-to-all over EP."""
@@ -160,12 +159,15 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         flat = indices.reshape(-1)
         self.send_routes = torch.sort(flat, stable=True).indices
         per_expert = torch.bincount(flat, minlength=self.num_experts).to(torch.int64)
-        received = communication.all_to_all_single(per_expert, self.ep_group)
-        per_rank = per_expert.view(self.ep_size, self.num_local_experts)
-        self.input_splits = per_rank.sum(1).tolist()
-        self.recv_counts = received.view(self.ep_size, self.num_local_experts).cpu()
-        self.output_splits = self.recv_counts.sum(1).tolist()
-        tokens = hidden.index_select(0, self.send_routes // self.topk)
+        if self.ep_size == 1:  # no split sizes to exchange: the counts stay on the device
+            self.recv_counts = per_expert.view(1, self.num_local_experts)
+        else:
+            received = communication.all_to_all_single(per_expert, self.ep_group)
+            per_rank = per_expert.view(self.ep_size, self.num_local_experts)
+            self.input_splits = per_rank.sum(1).tolist()
+            self.recv_counts = received.view(self.ep_size, self.num_local_experts).cpu()
+            self.output_splits = self.recv_counts.sum(1).tolist()
+        tokens = gather_routes(hidden, self.send_routes, self.topk)
         route_probs = probs.reshape(-1).index_select(0, self.send_routes)
         if self.ep_size > 1:
             tokens = mappings.all_to_all(
@@ -178,9 +180,12 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
 
     def dispatch_postprocess(self, global_input_tokens, global_probs):
         """Received (source rank, local expert) chunks reordered to (local expert, source
-        rank)."""
-        self.order = _chunk_order(self.recv_counts).to(global_input_tokens.device)
+        rank) (already so from one source)."""
         tokens_per_expert = self.recv_counts.sum(0)
+        self.order = None
+        if self.ep_size == 1:
+            return global_input_tokens, tokens_per_expert, global_probs
+        self.order = _chunk_order(self.recv_counts).to(global_input_tokens.device)
         return (
             global_input_tokens.index_select(0, self.order),
             tokens_per_expert,
@@ -190,38 +195,27 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
     def token_combine(self, hidden_states, async_finish: bool = True, allocate_on_comm_stream=True):
         """Undo the reorder, all-to-all back, slots reduce-scattered over expert TP and
         added in top-k order."""
-        inverse = torch.empty_like(self.order)
-        inverse[self.order] = torch.arange(self.order.numel(), device=self.order.device)
-        outputs = hidden_states.index_select(0, inverse)
+        outputs = hidden_states
+        if self.order is not None:
+            inverse = torch.empty_like(self.order)
+            inverse[self.order] = torch.arange(self.order.numel(), device=self.order.device)
+            outputs = hidden_states.index_select(0, inverse)
         if self.ep_size > 1:
             outputs = mappings.all_to_all(
                 self.ep_group, outputs, self.input_splits, self.output_splits
             )
-        slots = _into_slots(outputs, self.send_routes, self.num_gathered, self.topk)
+        slots = routes_into_slots(outputs, self.send_routes, self.num_gathered, self.topk)
         if self.tp_size > 1:
             slots = mappings.reduce_scatter_to_sequence_parallel_region(slots, group=self.tp_group)
         return sum_slots_in_order(slots)
 
 
-def _into_slots(outputs: torch.Tensor, routes: torch.Tensor, tokens: int, topk: int):
-    """[tokens, k, h] zeros with route r's output at [r // k, r % k] (differentiable)."""
-    hidden = outputs.shape[-1]
-    slots = outputs.new_zeros((tokens * topk, hidden)).index_copy(0, routes, outputs)
-    return slots.view(tokens, topk, hidden)
-
-
 def _chunk_order(counts: torch.Tensor) -> torch.Tensor:
-    """Row permutation taking chunks laid out (source, expert) to (expert, source), for
-    ``counts`` [sources, experts]."""
+    """Row permutation taking chunks laid out (source, expert) to (expert, source), rows
+    within a chunk kept in order, for ``counts`` [sources, experts]."""
     sources, experts = counts.shape
-    starts = torch.cumsum(counts.reshape(-1), 0) - counts.reshape(-1)
-    starts = starts.view(sources, experts)
-    pieces = [
-        torch.arange(int(starts[s, e]), int(starts[s, e] + counts[s, e]))
-        for e in range(experts)
-        for s in range(sources)
-    ]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+    chunk = torch.repeat_interleave(torch.arange(sources * experts), counts.reshape(-1))
+    return torch.sort((chunk % experts) * sources + chunk // experts, stable=True).indices
 
 
 def _indices_in_expert_order(routing_map: torch.Tensor, topk: int) -> torch.Tensor:
