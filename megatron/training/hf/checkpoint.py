@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Collection, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -313,7 +313,9 @@ def storage_key(name: str, moe_layer: bool = False) -> "tuple[str, Optional[int]
     return f"decoder.layers.{rest}", int(parts[2])
 
 
-def storage_location(name: str, arch: HFArchitecture, stored=()) -> "tuple[str, tuple, tuple]":
+def storage_location(
+    name: str, arch: HFArchitecture, stored: Collection[str] = ()
+) -> "tuple[str, tuple, tuple]":
     """(dist_checkpointing key, indices of the leading axes, sizes of those axes) of our
     one-chunk parameter ``name``: a global tensor has none, a layer's the layer axis
     [num_layers], a routed expert's weight the layer and GLOBAL expert axes (megatron-core's

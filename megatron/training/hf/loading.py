@@ -7,7 +7,7 @@ safetensors files (``get_slice``: a TP rank reads its rows or columns, a pipelin
 layers).
 """
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -129,7 +129,7 @@ def moe_fields(arch: HFArchitecture) -> Dict[str, Any]:
     )
 
 
-def moe_layer_freq(arch: HFArchitecture):
+def moe_layer_freq(arch: HFArchitecture) -> Union[int, List[int]]:
     """``moe_layer_freq`` of a MoE ``arch``: 1 when every layer is a MoE layer, else the 0/1
     list (whose layers megatron-core's checkpoints store one by one, not stacked)."""
     pattern = list(arch.moe_layer_freq)
@@ -257,7 +257,7 @@ def _load_experts(model: GPTModel, reader, sources, full_shapes, finite: bool) -
             continue
         prefix = one_chunk_name(model, name)
         size, rank = get_pg_size(module.tp_group), get_pg_rank(module.tp_group)
-        first = get_pg_rank(module.ep_group) * module.num_local_experts
+        first = module.first_expert
         fc1_stride = 2 if module.config.gated_linear_unit else 1
         for i in range(module.num_local_experts):
             for proj, dim, stride in (("linear_fc1", 0, fc1_stride), ("linear_fc2", 1, 1)):
