@@ -2,6 +2,7 @@
 option we cannot express, unknown options, and checkpoints whose tensors do not fit the
 configuration. Each error names the option (or tensor) and its value."""
 
+import dataclasses
 import json
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from megatron.training.hf import architecture_from_config, model_from_hf
 from megatron.training.hf.config import training_settings
+from megatron.training.hf.families import REGISTRY
 from megatron.training.hf.weights import hf_shapes, our_full_shapes, parameter_sources
 
 pytestmark = pytest.mark.world(1)
@@ -142,6 +144,41 @@ def test_moe_routing_and_layers_map_to_our_settings(family, change, expected):
     assert settings["moe_layer_freq"] == (1 if all(pattern) else list(pattern))
     assert "moe_aux_loss_coeff" not in settings and "moe_z_loss_coeff" not in settings
     assert settings["disable_bias_linear"] is True
+
+
+MOE_SETTINGS = dict(
+    num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=128,
+    normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+    disable_bias_linear=True, num_experts=4, moe_ffn_hidden_size=24, seq_length=16,
+)  # fmt: skip
+WRITTEN_AS = [
+    ({}, "mixtral"),
+    ({"qk_layernorm": True, "moe_layer_freq": [0, 1]}, "qwen3_moe"),
+    ({"moe_shared_expert_intermediate_size": 40, "moe_shared_expert_gate": True}, "qwen2_moe"),
+    ({"moe_router_score_function": "sigmoid"}, None),  # DeepSeek-style: no family
+    ({"moe_router_pre_softmax": True}, None),  # Mixtral always renormalizes
+    ({"moe_shared_expert_intermediate_size": 40}, None),  # a shared expert without gate
+]
+
+
+@pytest.mark.parametrize("change, family", WRITTEN_AS)
+def test_a_moe_trained_from_scratch_is_written_as_the_family_it_matches(change, family):
+    """Export of a --num-experts model without an imported config.json: the family whose
+    routing and layers it has, or a ValueError listing what we write."""
+    from megatron.training.hf.config import architecture_from_model_settings
+
+    settings = {**MOE_SETTINGS, **change}
+    if family is None:
+        with pytest.raises(ValueError, match="matches no HuggingFace family.*Qwen3-MoE"):
+            architecture_from_model_settings(settings)
+        return
+    arch = architecture_from_model_settings(settings)
+    assert arch.family == family and arch.num_moe_experts == 4
+    assert arch.moe_layer_freq == tuple(change.get("moe_layer_freq", [1, 1]))
+    back = architecture_from_config(REGISTRY[family].write(arch))
+    if all(arch.moe_layer_freq):  # no dense layer: the dense FFN size means nothing
+        back = dataclasses.replace(back, ffn_hidden_size=arch.ffn_hidden_size)
+    assert back == arch
 
 
 def test_a_qwen_moe_without_sparse_layers_is_the_dense_model():
