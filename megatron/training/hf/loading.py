@@ -54,7 +54,8 @@ def model_from_hf(
     ``overrides`` are TransformerConfig fields (``params_dtype``, ``sequence_parallel``,
     ``calculate_per_token_loss``, ``virtual_pipeline_model_parallel_size``, dropout, ...); one
     that contradicts ``config.json`` (``num_layers``, ``hidden_size``, ...) or the groups'
-    sizes is refused by name. Groups: ``pg_collection``, else ``parallel_state``'s when
+    sizes is refused by name (a MoE model takes its expert-parallel and expert-tensor-parallel
+    sizes from the groups too). Groups: ``pg_collection``, else ``parallel_state``'s when
     initialized (MPU fallback), else one process. Dropout is 0 unless overridden (config.json's
     dropout probabilities are training choices, not weights). ``max_sequence_length``: the
     position table for learned positions (must be config.json's ``n_positions``), else the
