@@ -5,9 +5,15 @@
 # closing "Total: N passed, N failed" line. Exit status is non-zero if anything failed or a
 # bucket ran over its time budget.
 #
-#   bash tests/run_tests.sh          the default run (not slow, not experimental)
-#   bash tests/run_tests.sh --slow   the larger matrices marked slow and the 8-rank launch
-#                                    (a separate CI step)
+#   bash tests/run_tests.sh              the default run (not slow, not experimental)
+#   bash tests/run_tests.sh --slow       the larger matrices marked slow and the 8-rank launch
+#                                        (a separate CI step)
+#   bash tests/run_tests.sh --coverage   either run under coverage (CI's slow step): the
+#                                        one-process tests by pytest-cov, rank 0 of each launch
+#                                        by tests/tools/launch_pytest.py, one combined report.
+#                                        Tracing roughly doubles a launch's wall time (its other
+#                                        ranks wait for the traced one), so the default run,
+#                                        whose 6-minute budget is the README's, is not traced.
 #
 # Lint runs beside the one-process tests, which run in MEGATRON_TESTS_WORKERS (2) processes,
 # a file per process at a time (pytest-xdist --dist loadfile; coverage by pytest-cov).
@@ -35,7 +41,19 @@ REPORTS=test-reports
 MARK=()
 RUN=default
 WORLDS=(2 4)
-if [ "${1:-}" = "--slow" ]; then
+COVERAGE=0
+SLOW=0
+for arg in "$@"; do
+  case "$arg" in
+    --slow) SLOW=1 ;;
+    --coverage) COVERAGE=1 ;;
+    *) echo "tests/run_tests.sh: unknown option $arg (expected --slow and/or --coverage)" >&2; exit 2 ;;
+  esac
+done
+export MEGATRON_TESTS_COVERAGE=$COVERAGE
+COV_ARGS=()
+[ "$COVERAGE" = 1 ] && COV_ARGS=(--cov --cov-report=)
+if [ "$SLOW" = 1 ]; then
   MARK=(-m slow)
   RUN=slow
   REPORTS=test-reports-slow
@@ -74,7 +92,7 @@ step() {  # step NAME TITLE: closes the previous bucket (its budget), opens the 
 step world1 "lint (black, isort, ruff) beside the one-process tests, pytest -n $WORKERS tests/unit_tests (writes the per-world plan)"
 (black --check -q . && isort --check-only -q . && ruff check -q .) > "$REPORTS/lint.log" 2>&1 &
 lint=$!
-python -m pytest tests/unit_tests -q -n "$WORKERS" --dist loadfile --cov --cov-report= \
+python -m pytest tests/unit_tests -q -n "$WORKERS" --dist loadfile "${COV_ARGS[@]}" \
     "${MARK[@]}" "${DURATIONS[@]}" --plan-worlds "$PLAN" --junitxml="$REPORTS/world1.xml" \
     || failed=1
 wait "$lint" || { cat "$REPORTS/lint.log"; echo "lint FAILED"; failed=1; }
@@ -102,8 +120,10 @@ for n in "${WORLDS[@]}"; do
   [ "${PIPESTATUS[0]}" = 0 ] || failed=1
 done
 
-step "" "coverage (megatron package: the one-process run and rank 0 of each launch, combined)"
-python -m coverage combine -q --append && python -m coverage report | tail -n 40
+if [ "$COVERAGE" = 1 ]; then
+  step "" "coverage (megatron package: the one-process run and rank 0 of each launch, combined)"
+  python -m coverage combine -q --append && python -m coverage report | tail -n 40
+fi
 
 step "" "summary"
 python tests/tools/summarize_reports.py "$REPORTS" || failed=1

@@ -492,7 +492,9 @@ def run_step(
         get_batch_on_this_cp_rank({k: v[first + m] for k, v in batch.items()}, groups.cp)
         for m in range(M)
     ]
-    moe_utils.clear_aux_losses_tracker()
+    # a fresh process's tracker: no entry left by another model of this launch (a z-loss
+    # entry of a 2-layer model would be reported for this one, which tracks none)
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()
     count_problems: List[str] = []
     counts_fn = moe_utils.micro_batch_token_counts
 
