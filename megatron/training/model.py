@@ -173,18 +173,30 @@ def lora_config(config: TrainingConfig) -> LoRAConfig:
 
 
 def _check_some_layer_adapted(config: TrainingConfig, chunks, pg_collection) -> None:
-    """Refuse targets that match no layer of the model: the count is summed over the
-    pipeline group (each stage sees its own layers; the other groups hold the same ones)."""
-    count = torch.tensor([sum(len(lora_modules(c)) for c in chunks)], dtype=torch.int64)
+    """Refuse targets that match no layer of the model, or no layer of some pipeline stage
+    (a stage without a trainable parameter would need megatron-core's stub optimizer, which
+    is not implemented). Each stage's count is gathered over the pipeline group (each stage
+    sees its own layers; the other groups hold the same ones), so every rank decides alike."""
     pp = None if pg_collection is None else pg_collection.pp
-    if pp is not None and pp.size() > 1:
-        count = count.to(comm_device(pp))
-        torch.distributed.all_reduce(count, group=pp)
-    if int(count.item()) == 0:
+    stages = 1 if pp is None else pp.size()
+    counts = torch.zeros(stages, dtype=torch.int64)
+    counts[0 if pp is None else pp.rank()] = sum(len(lora_modules(c)) for c in chunks)
+    if stages > 1:
+        counts = counts.to(comm_device(pp))
+        torch.distributed.all_reduce(counts, group=pp)
+    targets = (
+        f"--lora-target-modules {' '.join(config.lora_target_modules)} (less "
+        f"--lora-exclude-modules {' '.join(config.lora_exclude_modules) or '(none)'})"
+    )
+    if int(counts.sum()) == 0:
+        raise ValueError(f"{targets} matches no layer of the model")
+    bare = [str(stage) for stage, n in enumerate(counts.tolist()) if n == 0]
+    if bare:
         raise ValueError(
-            f"--lora-target-modules {' '.join(config.lora_target_modules)} (less "
-            f"--lora-exclude-modules {' '.join(config.lora_exclude_modules) or '(none)'}) "
-            "matches no layer of the model"
+            f"{targets} matches no layer of pipeline stage(s) {', '.join(bare)} of "
+            f"--pipeline-model-parallel-size {stages}: every stage needs a trainable "
+            "parameter (a frozen stage is not supported); target a layer of every stage, or "
+            "use fewer pipeline stages"
         )
 
 

@@ -225,3 +225,15 @@ def test_lora_flags_are_refused_by_name(changes, message):
 def test_targets_that_match_no_layer_are_refused():
     with pytest.raises(ValueError, match="matches no layer"):
         _run(lora_dim=4, lora_target_modules=["*.layers.9.*"], train_iters=1)
+
+
+@pytest.mark.world(2)
+def test_targets_that_leave_a_pipeline_stage_without_adapters_are_refused_on_every_rank():
+    """Layers 0-1 on stage 0, 2-3 on stage 1: adapters on layer 0 only leave stage 1 with
+    nothing to train; every rank raises (no rank waits in the optimizer for the other)."""
+    with pytest.raises(ValueError, match=r"no layer of pipeline stage\(s\) 1 of"):
+        _run(lora_dim=4, lora_target_modules=["*.layers.0.*"], train_iters=1,
+             pipeline_model_parallel_size=2)  # fmt: skip
+    # positive control: a target on both stages trains
+    _run(lora_dim=4, lora_target_modules=["*.layers.0.*", "*.layers.3.*"], train_iters=1,
+         pipeline_model_parallel_size=2)  # fmt: skip
