@@ -22,26 +22,8 @@ from megatron.training.hf.families.moe import (
     read_sparse_layers,
     replace_mlp,
 )
+from megatron.training.hf.families.qwen2 import refuse_sliding_windows
 from megatron.training.hf.family import ConfigReader, HFArchitecture, Source
-
-
-def refuse_sliding_windows(c: ConfigReader) -> None:
-    """``use_sliding_window`` must be false (and ``layer_types`` full attention)."""
-    use_window = c.optional("use_sliding_window", False)
-    c.require(
-        use_window is False,
-        "use_sliding_window",
-        use_window,
-        "false (sliding-window attention is not supported)",
-    )
-    c.seen("sliding_window", "max_window_layers")  # unused without use_sliding_window
-    layer_types = c.optional("layer_types", None)
-    c.require(
-        layer_types is None or set(layer_types) <= {"full_attention"},
-        "layer_types",
-        layer_types,
-        "full_attention for every layer",
-    )
 
 
 def read_experts(c: ConfigReader) -> int:
@@ -122,7 +104,18 @@ def qwen_moe_layer_sources(
     return table
 
 
-class Qwen2Moe(LlamaShaped):
+class QwenMoeLayers:
+    """The layer weights of the Qwen MoE families: their attention family's, with the MLP's
+    replaced by the experts' (``qwen_moe_layer_sources``). A mixin before that family."""
+
+    def layer_sources(
+        self, arch: HFArchitecture, layer: int, prefix: Optional[str]
+    ) -> Dict[str, Source]:
+        table = super().layer_sources(arch, layer, prefix)  # type: ignore[misc]
+        return qwen_moe_layer_sources(arch, table, layer, prefix)
+
+
+class Qwen2Moe(QwenMoeLayers, LlamaShaped):
     model_type = "qwen2_moe"
     architecture = "Qwen2MoeForCausalLM"
     settings_hint = (
@@ -142,12 +135,6 @@ class Qwen2Moe(LlamaShaped):
             qkv_bias=arch.add_qkv_bias,
             shared_expert_intermediate_size=arch.moe_shared_expert_intermediate_size,
         )
-
-    def layer_sources(
-        self, arch: HFArchitecture, layer: int, prefix: Optional[str]
-    ) -> Dict[str, Source]:
-        table = super().layer_sources(arch, layer, prefix)
-        return qwen_moe_layer_sources(arch, table, layer, prefix)
 
     def claims(self, settings: Dict[str, Any]) -> bool:
         """A shared expert with its sigmoid gate, no q/k norm."""

@@ -7,19 +7,19 @@ Routing as Qwen2-MoE (``norm_topk_prob``: true renormalizes the top-k probabilit
 dense MLP of ``intermediate_size``.
 """
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 from megatron.training.hf.families.moe import moe_settings_written
 from megatron.training.hf.families.qwen2_moe import (
-    qwen_moe_layer_sources,
+    QwenMoeLayers,
     read_qwen_moe,
     write_qwen_moe,
 )
 from megatron.training.hf.families.qwen3 import Qwen3
-from megatron.training.hf.family import ConfigReader, HFArchitecture, Source
+from megatron.training.hf.family import ConfigReader, HFArchitecture
 
 
-class Qwen3Moe(Qwen3):
+class Qwen3Moe(QwenMoeLayers, Qwen3):
     model_type = "qwen3_moe"
     architecture = "Qwen3MoeForCausalLM"
     settings_hint = (
@@ -32,12 +32,6 @@ class Qwen3Moe(Qwen3):
 
     def write_extra(self, arch: HFArchitecture) -> Dict[str, Any]:
         return dict(super().write_extra(arch), **write_qwen_moe(arch))
-
-    def layer_sources(
-        self, arch: HFArchitecture, layer: int, prefix: Optional[str]
-    ) -> Dict[str, Source]:
-        table = super().layer_sources(arch, layer, prefix)
-        return qwen_moe_layer_sources(arch, table, layer, prefix)
 
     def claims(self, settings: Dict[str, Any]) -> bool:
         """Per-head q/k norms, no shared expert, no q/k/v bias."""
