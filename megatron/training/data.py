@@ -6,6 +6,13 @@ mask keeps only the response and EOS labels, so the prompt (of random length L) 
 padding are masked out and the valid tokens fall unevenly on context-parallel shards. Every
 sample is drawn from its own generator seeded by (seed, i): the data never depends on the
 parallel layout, only on ``--seed``.
+
+Padding is not the loss mask. ``padding_mask`` (bool, True = padding) marks the positions
+that hold no data: position t holds data when its label ``x[t + 1]`` is a token of the sample
+(here t < 2L + 2, the positions ``data_tokens`` counts and packing keeps), so the fill after
+the end of a sample, the padding of a packed document to a multiple of 16 and the unused tail
+of a packed row are padding, while prompt tokens, masked out of the loss, are data. MoE
+layers route data tokens only (docs/moe.md).
 """
 
 import hashlib
@@ -29,7 +36,8 @@ class SFTDataset:
     """An endless, deterministic stream of prompt-masked SFT samples.
 
     ``dataset[i]`` is a dict of [seq_length] tensors ``tokens``, ``labels``, ``loss_mask``
-    (float, 1 on response labels) and ``position_ids``.
+    (float, 1 on response labels), ``position_ids`` and ``padding_mask`` (bool, True from
+    position 2L + 2 on: the positions whose label is padding).
     """
 
     def __init__(self, seq_length: int, vocab_size: int, seed: int, stream: str = "sft") -> None:
@@ -72,6 +80,7 @@ class SFTDataset:
             "labels": sequence[1:].clone(),
             "loss_mask": loss_mask,
             "position_ids": positions,
+            "padding_mask": positions >= 2 * length + 2,
         }
 
     def data_tokens(self, iteration: int, global_batch_size: int) -> int:
@@ -126,7 +135,9 @@ class PackedSFTDataset:
     ``PACK_PAD_MULTIPLE``; a document that does not fit starts the next row, and the rest of a
     row is padding; an empty document (one token, no label) is skipped.
     ``dataset[i]`` has [seq_length] ``tokens``, ``labels``, ``loss_mask`` (0 on prompts and
-    padding) and ``position_ids`` (restarting at 0 in every document), plus
+    padding), ``position_ids`` (restarting at 0 in every document) and ``padding_mask``
+    (bool, True outside the documents' real positions: each document's padding to a
+    multiple of 16 and the rest of the row), plus
     ``cu_seqlens`` / ``cu_seqlens_padded`` (cumulative real / padded lengths, int32,
     [seq_length / 16 + 1], the last value repeated past the row's last document) and
     ``max_seqlen`` [1] (the longest padded document).
@@ -188,6 +199,7 @@ class PackedSFTDataset:
             "labels": torch.full((s,), PAD, dtype=torch.long),
             "loss_mask": torch.zeros(s),
             "position_ids": torch.zeros(s, dtype=torch.long),
+            "padding_mask": torch.ones(s, dtype=torch.bool),
         }
         real, padded = [0], [0]
         while True:
@@ -209,6 +221,7 @@ class PackedSFTDataset:
                 break
             for key in ("tokens", "labels", "loss_mask"):
                 row[key][start : start + length] = document[key]
+            row["padding_mask"][start : start + length] = False
             row["position_ids"][start : start + padded_length] = torch.arange(padded_length)
             real.append(real[-1] + length)
             padded.append(start + padded_length)
@@ -224,13 +237,15 @@ class PackedSFTDataset:
 
 
 def empty_sample(seq_length: int, packed: bool, pad: int = PAD) -> Batch:
-    """A sample with no trained token (fills a last, partial validation batch): padding,
-    loss mask 0; packed, it is one document of ``seq_length`` padding positions."""
+    """A sample with no trained token (fills a last, partial validation batch): padding
+    (``padding_mask`` all True), loss mask 0; packed, it is one document of ``seq_length``
+    padding positions."""
     sample = {
         "tokens": torch.full((seq_length,), pad, dtype=torch.long),
         "labels": torch.full((seq_length,), pad, dtype=torch.long),
         "loss_mask": torch.zeros(seq_length),
         "position_ids": torch.arange(seq_length),
+        "padding_mask": torch.ones(seq_length, dtype=torch.bool),
     }
     if packed:
         bounds = [0] + [seq_length] * (seq_length // PACK_PAD_MULTIPLE)

@@ -28,7 +28,9 @@ megatron's indexed format.
 Every record becomes ids ``x`` with a 0/1 mask ``m`` over them (1 = a token the model learns to
 write). Sample ``i`` is record ``perm_e[i mod R]`` of epoch ``e = i div R`` (``perm_e``: a
 permutation drawn from ``(seed, e)``), cut or padded to ``seq_length + 1`` tokens;
-``tokens = x[:-1]``, ``labels = x[1:]``, ``loss_mask[t] = m[t + 1]`` (0 on padding). With
+``tokens = x[:-1]``, ``labels = x[1:]``, ``loss_mask[t] = m[t + 1]`` (0 on padding),
+``padding_mask[t]`` True when ``x[t + 1]`` is padding (t >= len(x) - 1: a record's prompt is
+data, only the fill after it is padding; ``megatron.training.data``). With
 ``--pack-sequences`` the records, in the same order, are packed into rows instead
 (``megatron.training.data.PackedSFTDataset``). Nothing depends on the parallel layout.
 
@@ -213,6 +215,7 @@ class FileSFTDataset:
             "labels": x[1:].clone(),
             "loss_mask": loss_mask,
             "position_ids": torch.arange(s),
+            "padding_mask": torch.arange(s) >= n - 1,
         }
 
     def document(self, index: int) -> Batch:

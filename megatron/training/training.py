@@ -285,7 +285,9 @@ def _train(
 
     def microbatches_of(global_batch):
         """This rank's microbatches of ``global_batch`` (this CP rank's shard, on the
-        compute device)."""
+        compute device); the padding mask only for a model with MoE layers."""
+        if config.num_experts is None:
+            global_batch = without_padding_mask(global_batch)
         return [
             _on_this_cp_rank(microbatch, pg_collection)
             for microbatch in microbatches_for_rank(
@@ -627,6 +629,8 @@ def _settings_record(config: TrainingConfig) -> Dict[str, object]:
     }
     for name in ("lora_target_modules", "lora_exclude_modules"):  # which layers have adapters
         record[name] = list(getattr(config, name))
+    if isinstance(config.moe_layer_freq, (list, tuple)):  # which layers are MoE layers
+        record["moe_layer_freq"] = list(config.moe_layer_freq)
     if config.hf_model:
         record["hf_config"] = (Path(config.hf_model) / "config.json").read_text()
     return record
@@ -715,11 +719,18 @@ def train_single_process(config: TrainingConfig, perturbation: float = 0.0) -> O
 def forward_step(data_iterator, model, per_shard_cp_size: Optional[int] = None):
     """Run one microbatch through one chunk; the loss function gets the loss mask.
 
+    A microbatch with a ``padding_mask`` (this CP rank's shard, True = padding; the trainer
+    keeps it for MoE models only) hands it to the model on every pipeline stage: MoE
+    layers leave padding out of their router losses and token counts.
     ``per_shard_cp_size``: see ``loss_func`` (None: the exact objective).
     """
     batch = next(data_iterator)
+    extra = {}
     packed = batch.get("packed_seq_params")  # built once, by _on_this_cp_rank
-    extra = {} if packed is None else {"packed_seq_params": packed}
+    if packed is not None:
+        extra["packed_seq_params"] = packed
+    if batch.get("padding_mask") is not None:
+        extra["padding_mask"] = batch["padding_mask"]
     output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], **extra)
     return output, functools.partial(loss_func, batch["loss_mask"], per_shard_cp_size)
 
@@ -755,11 +766,18 @@ def logged_loss(reported: List[dict], pg_collection: Optional[ProcessGroupCollec
     return value.item()
 
 
+def without_padding_mask(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """``batch`` less its ``padding_mask``: a dense model reads no padding mask, so it is
+    neither sharded nor copied to the device (a new dict; the input is not modified)."""
+    return {key: value for key, value in batch.items() if key != "padding_mask"}
+
+
 def _on_this_cp_rank(
     microbatch: Dict[str, torch.Tensor], pg_collection: Optional[ProcessGroupCollection]
 ) -> Dict[str, Any]:
     """This CP rank's shard (2C chunks, rank r keeps r and 2C-1-r; of every document for
-    packed rows) on the compute device; a packed row also gets its ``PackedSeqParams`` under
+    packed rows) of every per-token tensor (``padding_mask`` too, like the tokens) on the
+    compute device; a packed row also gets its ``PackedSeqParams`` under
     ``"packed_seq_params"`` (built here, once per microbatch)."""
     device = comm_device()
     microbatch = {key: value.to(device) for key, value in microbatch.items()}

@@ -244,9 +244,16 @@ def mcore_child(args, shapes: List[str]) -> Dict[str, dict]:
 
 
 def mcore_worker(args) -> None:
-    """The child: megatron-core 0.16.1's local-spec MoE layer (SequentialMLP)."""
-    import megatron.core
+    """The child: megatron-core 0.16.1's local-spec MoE layer (SequentialMLP).
 
+    Without Transformer Engine, 0.16.1's router gate (``router_gating_linear``) reads the
+    module global ``te_general_gemm``, which its failed TE import never defined (NameError);
+    set to None it takes the function's own ``torch.mm`` branch, as that code intends."""
+    import megatron.core
+    from megatron.core.transformer.moe import moe_utils as mcore_moe_utils
+
+    if not hasattr(mcore_moe_utils, "te_general_gemm"):
+        mcore_moe_utils.te_general_gemm = None
     device = torch.device("cuda")
     init_single_process("nccl")
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed

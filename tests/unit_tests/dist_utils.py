@@ -24,6 +24,8 @@ class Layout:
     dp: int = 1
     tp: int = 1
     sp: bool = False
+    ep: int = 1  # expert parallelism (experts split over ep ranks of tp x dp x cp)
+    etp: Optional[int] = None  # expert tensor parallelism (None: tp)
 
     @property
     def world(self) -> int:
@@ -33,7 +35,9 @@ class Layout:
     def id(self) -> str:
         vpp = f"-vpp{self.vpp}" if self.vpp else ""
         tp = f"tp{self.tp}{'-sp' if self.sp else ''}-" if self.tp > 1 else ""
-        return f"{tp}cp{self.cp}-pp{self.pp}{vpp}-dp{self.dp}"
+        ep = f"-ep{self.ep}" if self.ep > 1 else ""
+        etp = f"-etp{self.etp}" if self.etp is not None else ""
+        return f"{tp}cp{self.cp}-pp{self.pp}{vpp}-dp{self.dp}{ep}{etp}"
 
 
 def use_layout(layout: Layout) -> None:
@@ -49,6 +53,8 @@ def use_layout(layout: Layout) -> None:
             pipeline_model_parallel_size=layout.pp,
             virtual_pipeline_model_parallel_size=layout.vpp,
             context_parallel_size=layout.cp,
+            expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=layout.etp,
         )
 
 
@@ -57,12 +63,16 @@ def current_layout() -> Optional[Layout]:
     of parallel_state and reads False)."""
     if not (dist.is_initialized() and parallel_state.model_parallel_is_initialized()):
         return None
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
     return Layout(
-        tp=parallel_state.get_tensor_model_parallel_world_size(),
+        tp=tp,
         cp=parallel_state.get_context_parallel_world_size(),
         pp=parallel_state.get_pipeline_model_parallel_world_size(),
         vpp=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         dp=parallel_state.get_data_parallel_world_size(),
+        ep=parallel_state.get_expert_model_parallel_world_size(),
+        etp=None if etp == tp else etp,
     )
 
 

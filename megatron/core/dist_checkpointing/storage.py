@@ -89,11 +89,27 @@ def write_pieces(
     options = {"single_file_per_rank": True, "sync_files": True}
     if "overwrite" in inspect.signature(FileSystemWriter.__init__).parameters:
         options["overwrite"] = True  # save() has already retired the old checkpoint's marker
-    writer = FileSystemWriter(str(checkpoint_dir), **options)
+    writer = _RecordingWriter(str(checkpoint_dir), **options)
     with _quiet_single_process(), _plain_errors("save"):
         metadata = dcp.save({}, storage_writer=writer, planner=planner, no_dist=not _distributed())
-    written = [metadata.storage_data[item.index] for item in planner.plan.items]
+    if writer.results is not None:
+        written = [result.storage_data for result in writer.results]
+    else:
+        written = [metadata.storage_data[item.index] for item in planner.plan.items]
     return item_checksums(checkpoint_dir, written)
+
+
+class _RecordingWriter(FileSystemWriter):
+    """``FileSystemWriter`` keeping this rank's write results (where each item it wrote
+    lies): the metadata ``dcp.save`` returns carries them only in some torch versions
+    (2.11 returned it without ``storage_data`` on one CUDA process)."""
+
+    results: Optional[List[Any]] = None
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        future.add_done_callback(lambda done: setattr(self, "results", done.value()))
+        return future
 
 
 def item_checksums(checkpoint_dir: Path, infos: Sequence[Any]) -> ItemChecksums:

@@ -182,19 +182,30 @@ class TransformerBlock(MegatronModule):
     ) -> Dict[str, Any]:
         """Layers stacked along a prepended axis of the GLOBAL layer index (storage keys
         ``{prefix}layers.<name>``, offset ``layer_number - 1`` of ``num_layers``), so a layer's
-        key and position do not depend on PP or VPP; then the final norm."""
+        key and position do not depend on PP or VPP; then the final norm.
+
+        Non-homogeneous layers (megatron-core's rule: ``moe_layer_freq`` a list, or an int
+        > 1, or ``metadata["non_homogeneous_layers"]``) are not stacked: each layer's
+        tensors are stored under ``{prefix}layers.<global index>.<name>``, since dense and
+        MoE layers hold different tensors."""
         from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
         from megatron.core.transformer.utils import sharded_state_dict_default
 
         sharded: Dict[str, Any] = {}
         layers_prefix = f"{prefix}layers."
+        separate = non_homogeneous_layers(self.config, metadata)
         for local_index, layer in enumerate(self.layers):
             layer_prefix = f"{layers_prefix}{local_index}."
-            offsets = tuple(sharded_offsets) + (
-                (len(sharded_offsets), layer.layer_number - 1, self.config.num_layers),
-            )
+            if separate:
+                offsets = tuple(sharded_offsets)
+                storage_prefix = f"{layers_prefix}{layer.layer_number - 1}."
+            else:
+                offsets = tuple(sharded_offsets) + (
+                    (len(sharded_offsets), layer.layer_number - 1, self.config.num_layers),
+                )
+                storage_prefix = layers_prefix
             layer_sharded = layer.sharded_state_dict(layer_prefix, offsets, metadata)
-            replace_prefix_for_sharding(layer_sharded, layer_prefix, layers_prefix)
+            replace_prefix_for_sharding(layer_sharded, layer_prefix, storage_prefix)
             sharded.update(layer_sharded)
         for name, child in self.named_children():
             if name != "layers":
@@ -202,6 +213,16 @@ class TransformerBlock(MegatronModule):
                     sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata)
                 )
         return sharded
+
+
+def non_homogeneous_layers(config: TransformerConfig, metadata: Optional[dict] = None) -> bool:
+    """Whether the block's layers are stored one by one rather than stacked (megatron-core's
+    rule): ``metadata["non_homogeneous_layers"]``, or ``moe_layer_freq`` a list or an
+    int > 1."""
+    if metadata is not None and metadata.get("non_homogeneous_layers", False):
+        return True
+    freq = config.moe_layer_freq
+    return isinstance(freq, (list, tuple)) or freq > 1
 
 
 def get_num_layers_to_build(

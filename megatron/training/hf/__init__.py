@@ -3,7 +3,8 @@
 ``model_from_hf(path)`` builds our GPT (this rank's shard at a parallel layout) from a
 HuggingFace model directory (``config.json`` + safetensors); ``python -m
 megatron.training.hf import|export`` converts to and from ``dist_checkpointing``
-checkpoints. Llama, Mistral, Qwen2 and GPT-2 decoders; anything we cannot express is refused
+checkpoints. Llama, Mistral, Qwen2, Qwen3 and GPT-2 decoders and the mixtures of experts
+Mixtral, Qwen2-MoE and Qwen3-MoE; anything we cannot express is refused
 by name. Needs ``safetensors`` (the ``hf`` extra), never ``transformers``. The model-building
 names are imported on first use, so reading a config (``megatron.training.hf.config``, as the
 launcher does) needs no torch.

@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Collection, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -297,19 +297,48 @@ def checkpoint_architecture(
     return architecture_from_model_settings(settings), None
 
 
-def storage_key(name: str) -> "tuple[str, Optional[int]]":
+def storage_key(name: str, moe_layer: bool = False) -> "tuple[str, Optional[int]]":
     """(dist_checkpointing key, layer index or None) of our one-chunk parameter ``name``:
     layers are stacked under ``decoder.layers.<name>``, norms renamed by the layer spec's
-    ``sharded_state_dict_keys_map`` (megatron-core's storage names)."""
+    ``sharded_state_dict_keys_map`` (megatron-core's storage names; ``moe_layer``: the MoE
+    layer spec's, which keeps the pre-MLP norm under its own name)."""
     parts = name.split(".")
     if parts[:2] != ["decoder", "layers"]:
         return name, None
     rest = ".".join(parts[3:])
-    keys_map = get_gpt_layer_local_spec().submodules.sharded_state_dict_keys_map
-    for old, new in keys_map.items():
+    spec = get_gpt_layer_local_spec(num_experts=1 if moe_layer else None)
+    for old, new in spec.submodules.sharded_state_dict_keys_map.items():
         if rest.startswith(old):
             rest = new + rest[len(old) :]
     return f"decoder.layers.{rest}", int(parts[2])
+
+
+def storage_location(
+    name: str, arch: HFArchitecture, stored: Collection[str] = ()
+) -> "tuple[str, tuple, tuple]":
+    """(dist_checkpointing key, indices of the leading axes, sizes of those axes) of our
+    one-chunk parameter ``name``: a global tensor has none, a layer's the layer axis
+    [num_layers], a routed expert's weight the layer and GLOBAL expert axes (megatron-core's
+    ``decoder.layers.mlp.experts.experts.linear_fc{1,2}.weight`` [layers, E, out, in]). A
+    block of non-homogeneous layers (``transformer_block.non_homogeneous_layers``: dense and
+    MoE layers mixed, or any ``moe_layer_freq`` list) stores each layer on its own, under
+    ``decoder.layers.<L>.`` without the layer axis: that key is used when ``stored`` (the
+    checkpoint's keys) has it."""
+    parts = name.split(".")
+    if parts[:2] != ["decoder", "layers"]:
+        return name, (), ()
+    layer = int(parts[2])
+    moe_layer = arch.is_moe_layer(layer)
+    if moe_layer and parts[3:6] == ["mlp", "experts", "local_experts"]:
+        key = "decoder.layers.mlp.experts.experts." + ".".join(parts[7:])
+        leading, sizes = (layer, int(parts[6])), (arch.num_layers, arch.num_moe_experts)
+    else:
+        key, _ = storage_key(name, moe_layer)
+        leading, sizes = (layer,), (arch.num_layers,)
+    separate = key.replace("decoder.layers.", f"decoder.layers.{layer}.", 1)
+    if separate in stored:
+        return separate, leading[1:], sizes[1:]
+    return key, leading, sizes
 
 
 def _read_our_tensors(directory, sources, stored, full_shapes, arch, requesting: bool):
@@ -317,12 +346,12 @@ def _read_our_tensors(directory, sources, stored, full_shapes, arch, requesting:
     ask for data)."""
     request: Dict[str, ShardedTensor] = {}
     for name in sources:
-        key, layer = storage_key(name)
+        key, leading, outer = storage_location(name, arch, stored)
         if key not in stored:
             raise ValueError(f"{directory}: no tensor {key!r} (needed for {name})")
         shape = tuple(full_shapes[name])
         saved = tuple(stored[key].global_shape)
-        expected = shape if layer is None else (arch.num_layers,) + shape
+        expected = outer + shape
         if key in PADDED_KEYS and saved[1:] == expected[1:] and saved[0] >= expected[0]:
             expected = saved  # a padded vocabulary: the true rows are read, the padding left
         if saved != expected:
@@ -332,14 +361,14 @@ def _read_our_tensors(directory, sources, stored, full_shapes, arch, requesting:
             )
         if not requesting:
             continue
-        prepend = 0 if layer is None else 1
+        prepend = len(leading)
         request[name] = ShardedTensor(
             key=key,
             data=None,
             dtype=stored[key].dtype,
             local_shape=(1,) * prepend + shape,
             global_shape=saved,
-            global_offset=((layer,) if prepend else ()) + (0,) * len(shape),
+            global_offset=tuple(leading) + (0,) * len(shape),
             axis_fragmentations=None,
             prepend_axis_num=prepend,
         )

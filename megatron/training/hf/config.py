@@ -16,7 +16,8 @@ import json
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from megatron.training.hf.families import REGISTRY
+from megatron.training.hf.families import REFUSED, REGISTRY
+from megatron.training.hf.families.moe import moe_architecture_fields
 from megatron.training.hf.family import ConfigReader, HFArchitecture
 from megatron.training.model_settings import resolved_model
 
@@ -57,6 +58,11 @@ def read_hf_config(directory) -> "tuple[HFArchitecture, Dict[str, Any]]":
 def architecture_from_config(raw: Dict[str, Any], where: str = "config.json") -> HFArchitecture:
     """The architecture of a ``config.json`` dict; ValueError naming what we cannot express."""
     model_type = raw.get("model_type")
+    if model_type in REFUSED:
+        raise ValueError(
+            f"{where}: model_type={model_type!r} is not supported: {REFUSED[model_type]}; "
+            f"expected one of {', '.join(FAMILIES)}"
+        )
     if model_type not in REGISTRY:
         raise ValueError(
             f"{where}: model_type={model_type!r} is not supported; expected one of "
@@ -115,6 +121,31 @@ def training_settings(arch: HFArchitecture) -> Dict[str, Any]:
         "untie_embeddings_and_output_weights": not arch.tied,
         "window_size": None if arch.window_size is None else list(arch.window_size),
         "qk_layernorm": arch.qk_layernorm,
+        "num_experts": arch.num_moe_experts,
+        **moe_training_settings(arch),
+    }
+
+
+def moe_training_settings(arch: HFArchitecture) -> Dict[str, Any]:
+    """The trainer's MoE model settings of ``arch`` (none for a dense model): softmax
+    routing without scaling, groups or expert bias, as the families compute it. No router
+    loss: HuggingFace's ``router_aux_loss_coef`` is a different loss (docs/huggingface.md);
+    ``--moe-aux-loss-coeff`` and ``--moe-z-loss-coeff`` stay the user's choice."""
+    if arch.num_moe_experts is None:
+        return {}
+    pattern = list(arch.moe_layer_freq)
+    return {
+        "moe_router_topk": arch.moe_router_topk,
+        "moe_ffn_hidden_size": arch.moe_ffn_hidden_size,
+        "moe_router_pre_softmax": arch.moe_router_pre_softmax,
+        "moe_shared_expert_intermediate_size": arch.moe_shared_expert_intermediate_size,
+        "moe_shared_expert_gate": arch.moe_shared_expert_gate,
+        "moe_layer_freq": 1 if all(pattern) else pattern,  # as loading.moe_layer_freq
+        "moe_router_score_function": "softmax",
+        "moe_router_enable_expert_bias": False,
+        "moe_router_topk_scaling_factor": None,
+        "moe_router_num_groups": None,
+        "moe_router_group_topk": None,
     }
 
 
@@ -166,4 +197,5 @@ def architecture_from_model_settings(settings: Dict[str, Any]) -> HFArchitecture
         add_qkv_bias=qkv_bias and not bias,
         tied=not settings.get("untie_embeddings_and_output_weights", False),
         qk_layernorm=bool(settings.get("qk_layernorm", False)),
+        **moe_architecture_fields(model),
     )

@@ -68,6 +68,21 @@ class HFArchitecture:
     dtype: str = "float32"
     window_size: Optional[Tuple[int, int]] = None  # (left, 0): sliding-window attention
     qk_layernorm: bool = False  # per-head q/k norm (``normalization``) before rotary
+    # Mixture of experts (None: a dense model). ``moe_layer_freq``: one 0/1 per layer (1: a
+    # MoE layer; dense layers have the ``ffn_hidden_size`` MLP). Routing: softmax over the
+    # router logits, top ``moe_router_topk``; ``moe_router_pre_softmax`` False renormalizes
+    # the k probabilities (a softmax over the selected logits), True keeps them unnormalized.
+    num_moe_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_router_pre_softmax: bool = False
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_gate: bool = False
+    moe_layer_freq: Optional[Tuple[int, ...]] = None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer ``layer`` (0-based) is a MoE layer."""
+        return self.num_moe_experts is not None and bool(self.moe_layer_freq[layer])
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain values (kept in checkpoints)."""

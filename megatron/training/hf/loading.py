@@ -7,17 +7,21 @@ safetensors files (``get_slice``: a TP rank reads its rows or columns, a pipelin
 layers).
 """
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+)
 from megatron.core.models.gpt.gpt_model import padded_vocab_size
-from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.process_groups_config import ProcessGroupCollection, resolve_group
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
 from megatron.core.transformer.utils import openai_gelu
 from megatron.core.utils import get_pg_rank, get_pg_size
 from megatron.training.hf.config import HFArchitecture, read_hf_config
@@ -50,7 +54,8 @@ def model_from_hf(
     ``overrides`` are TransformerConfig fields (``params_dtype``, ``sequence_parallel``,
     ``calculate_per_token_loss``, ``virtual_pipeline_model_parallel_size``, dropout, ...); one
     that contradicts ``config.json`` (``num_layers``, ``hidden_size``, ...) or the groups'
-    sizes is refused by name. Groups: ``pg_collection``, else ``parallel_state``'s when
+    sizes is refused by name (a MoE model takes its expert-parallel and expert-tensor-parallel
+    sizes from the groups too). Groups: ``pg_collection``, else ``parallel_state``'s when
     initialized (MPU fallback), else one process. Dropout is 0 unless overridden (config.json's
     dropout probabilities are training choices, not weights). ``max_sequence_length``: the
     position table for learned positions (must be config.json's ``n_positions``), else the
@@ -72,7 +77,7 @@ def transformer_config_from_hf(
     """The TransformerConfig of ``arch`` at the layout of the groups (see ``model_from_hf``),
     with ``perform_initialization`` as given (default True)."""
     fields = architecture_fields(arch)
-    sizes = _group_sizes(pg_collection)
+    sizes = _group_sizes(pg_collection, moe=arch.num_moe_experts is not None)
     for name, value in overrides.items():
         expected = fields.get(name, sizes.get(name))
         if (name in fields or name in sizes) and value != expected:
@@ -103,7 +108,33 @@ def architecture_fields(arch: HFArchitecture) -> Dict[str, Any]:
         add_qkv_bias=arch.add_qkv_bias,
         window_size=arch.window_size,
         qk_layernorm=arch.qk_layernorm,
+        **moe_fields(arch),
     )
+
+
+def moe_fields(arch: HFArchitecture) -> Dict[str, Any]:
+    """The TransformerConfig MoE fields ``arch`` fixes (none for a dense model): the
+    routing (softmax, before or after the top-k), the expert and shared-expert sizes and
+    which layers are MoE layers. Router losses are left at their defaults (none)."""
+    if arch.num_moe_experts is None:
+        return {}
+    return dict(
+        num_moe_experts=arch.num_moe_experts,
+        moe_router_topk=arch.moe_router_topk,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_router_pre_softmax=arch.moe_router_pre_softmax,
+        moe_router_score_function="softmax",
+        moe_shared_expert_intermediate_size=arch.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=arch.moe_shared_expert_gate,
+        moe_layer_freq=moe_layer_freq(arch),
+    )
+
+
+def moe_layer_freq(arch: HFArchitecture) -> Union[int, List[int]]:
+    """``moe_layer_freq`` of a MoE ``arch``: 1 when every layer is a MoE layer, else the 0/1
+    list (whose layers megatron-core's checkpoints store one by one, not stacked)."""
+    pattern = list(arch.moe_layer_freq)
+    return 1 if all(pattern) else pattern
 
 
 def gpt_model_kwargs(
@@ -144,10 +175,16 @@ def build_gpt_chunk(
     stage = (vp_stage or 0) * pp + pp_rank
     initialize = config.perform_initialization
     config.perform_initialization = False
+    if arch.num_moe_experts is None:
+        spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm)
+    else:  # this chunk's layers, MoE where moe_layer_freq says
+        spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=False, vp_stage=vp_stage, pp_rank=pp_rank
+        )
     try:
         return GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm),
+            transformer_layer_spec=spec,
             pre_process=stage == 0,
             post_process=stage == pp * vpp - 1,
             pg_collection=pg_collection,
@@ -181,8 +218,12 @@ def load_hf_weights(
     sources = parameter_sources(arch, hf_prefix(reader, arch))
     check_checkpoint_tensors(reader, arch, sources)
     full_shapes = our_full_shapes(arch)
+    finite = not allow_non_finite
+    experts = _load_experts(model, reader, sources, full_shapes, finite)
     tp_size, tp_rank = get_pg_size(model.tp_group), get_pg_rank(model.tp_group)
     for name, param in model.named_parameters():
+        if id(param) in experts:
+            continue
         full_name = one_chunk_name(model, name)
         source = _source_of(full_name, sources, arch)
         full_shape = full_shapes[full_name]
@@ -193,16 +234,60 @@ def load_hf_weights(
         if full_name in VOCAB_PARAMETERS and true_rows != rows:
             value = param.new_zeros(param.shape)
             if true_rows:
-                part = read_rows(reader, source, true_rows, columns, finite=not allow_non_finite)
+                part = read_rows(reader, source, true_rows, columns, finite=finite)
                 value[: part.shape[0]] = part
         else:
-            value = read_rows(reader, source, rows, columns, finite=not allow_non_finite)
+            value = read_rows(reader, source, rows, columns, finite=finite)
         if tuple(value.shape) != tuple(param.shape):
             raise RuntimeError(
                 f"load_hf_weights: {name} has shape {list(param.shape)} but its HuggingFace "
                 f"rows give {list(value.shape)}"
             )
         param.copy_(value)
+
+
+def _load_experts(model: GPTModel, reader, sources, full_shapes, finite: bool) -> set:
+    """Fill the routed experts of every MoE layer of ``model`` (``SequentialMLP`` or
+    ``GroupedMLP``): local expert i of expert-parallel rank r is global expert
+    g = r * E_local + i, and this expert-tensor-parallel rank reads its rows of fc1 (both
+    halves of [gate; up]) and its columns of fc2. ``GroupedMLP`` holds the transposes, stacked.
+    Returns the ids of the parameters filled."""
+    filled = set()
+    for name, module in model.named_modules():
+        if not isinstance(module, (SequentialMLP, GroupedMLP)):
+            continue
+        prefix = one_chunk_name(model, name)
+        size, rank = get_pg_size(module.tp_group), get_pg_rank(module.tp_group)
+        first = module.first_expert
+        fc1_stride = 2 if module.config.gated_linear_unit else 1
+        for i in range(module.num_local_experts):
+            for proj, dim, stride in (("linear_fc1", 0, fc1_stride), ("linear_fc2", 1, 1)):
+                full_name = f"{prefix}.local_experts.{first + i}.{proj}.weight"
+                if full_name not in sources:
+                    raise RuntimeError(
+                        f"load_hf_weights: our expert weight {full_name!r} has no HuggingFace "
+                        "counterpart in the family's mapping"
+                    )
+                rows, columns = strided_ranges(full_shapes[full_name], dim, stride, size, rank)
+                value = read_rows(reader, sources[full_name], rows, columns, finite=finite)
+                target = _expert_matrix(module, i, proj)
+                if tuple(value.shape) != tuple(target.shape):
+                    raise RuntimeError(
+                        f"load_hf_weights: {name} expert {i} {proj} has shape "
+                        f"{list(target.shape)} but its HuggingFace rows give {list(value.shape)}"
+                    )
+                target.copy_(value)
+        filled.update(id(p) for p in module.parameters())
+    return filled
+
+
+def _expert_matrix(module, i: int, proj: str) -> torch.Tensor:
+    """Local expert ``i``'s ``proj`` weight [out, in] (this ETP shard) in ``module``: a
+    ``SequentialMLP`` parameter, or a transposed view into a ``GroupedMLP`` weight."""
+    if isinstance(module, SequentialMLP):
+        return getattr(module.local_experts[i], proj).weight
+    stacked = module.expert_w1() if proj == "linear_fc1" else module.expert_w2()
+    return stacked[i].t()
 
 
 def hf_prefix(reader: SafetensorsReader, arch: HFArchitecture) -> Optional[str]:
@@ -225,10 +310,20 @@ def shard_ranges(
     """(row ranges, column range or None) of the full tensor this TP rank holds: blocks
     rank, rank + T, ... of T x stride equal blocks along ``partition_dim`` (megatron's
     strided split)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return [(0, full_shape[0])], None
+    stride = getattr(param, "partition_stride", 1)
+    return strided_ranges(full_shape, param.partition_dim, stride, tp_size, tp_rank)
+
+
+def strided_ranges(
+    full_shape, dim: int, stride: int, tp_size: int, tp_rank: int
+) -> Tuple[List[Tuple[int, int]], Optional[Tuple[int, int]]]:
+    """(row ranges, column range or None) of rank ``tp_rank``'s blocks of a tensor split
+    over ``tp_size`` ranks along ``dim`` with ``stride`` (see ``shard_ranges``)."""
     rows = [(0, full_shape[0])]
-    if not getattr(param, "tensor_model_parallel", False) or tp_size == 1:
+    if tp_size == 1:
         return rows, None
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
     block = full_shape[dim] // (tp_size * stride)
     ranges = [(k * block, (k + 1) * block) for k in range(tp_rank, tp_size * stride, tp_size)]
     if dim == 0:
@@ -249,8 +344,11 @@ def _source_of(full_name: str, sources: Dict[str, Source], arch: HFArchitecture)
     return sources[full_name]
 
 
-def _group_sizes(pg_collection: Optional[ProcessGroupCollection]) -> Dict[str, int]:
-    """The TP / CP / PP sizes of the groups (explicit, else parallel_state's, else 1)."""
+def _group_sizes(
+    pg_collection: Optional[ProcessGroupCollection], moe: bool = False
+) -> Dict[str, int]:
+    """The TP / CP / PP sizes of the groups (explicit, else parallel_state's, else 1), and
+    for a MoE model the expert-parallel and expert-tensor-parallel sizes."""
     if pg_collection is not None:
         groups = {k: getattr(pg_collection, k, None) for k in ("tp", "cp", "pp")}
         size = {k: get_pg_size(g) for k, g in groups.items()}
@@ -262,11 +360,18 @@ def _group_sizes(pg_collection: Optional[ProcessGroupCollection]) -> Dict[str, i
         }
     else:
         size = {"tp": 1, "cp": 1, "pp": 1}
-    return {
+    sizes = {
         "tensor_model_parallel_size": size["tp"],
         "context_parallel_size": size["cp"],
         "pipeline_model_parallel_size": size["pp"],
     }
+    if moe:
+        for name, group in (
+            ("expert_model_parallel_size", "ep"),
+            ("expert_tensor_parallel_size", "expt_tp"),
+        ):
+            sizes[name] = get_pg_size(resolve_group(group, pg_collection=pg_collection))
+    return sizes
 
 
 def _pp_rank(pg_collection: Optional[ProcessGroupCollection]) -> int:

@@ -21,6 +21,7 @@ import torch
 
 from megatron.training.errors import missing_package
 from megatron.training.hf.families import REGISTRY
+from megatron.training.hf.families.moe import moe_full_shapes
 from megatron.training.hf.family import HFArchitecture, Source
 from megatron.training.hf.target import INDEX_FILENAME, SINGLE_FILENAME
 
@@ -117,6 +118,7 @@ def our_full_shapes(arch: HFArchitecture) -> Dict[str, tuple]:
                 p + "mlp.linear_fc2.bias": (h,),
             }
         )
+    shapes.update(moe_full_shapes(arch))
     return shapes
 
 

@@ -25,6 +25,8 @@ SKIP_REASON = (
 VOCAB, SEQ = 128, 16
 COMMON = dict(vocab_size=VOCAB, initializer_range=0.1)
 ROPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+MOE = dict(num_experts_per_tok=2)
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 # family -> (transformers class name, config class name, config kwargs, max_shard_size or None)
 FAMILIES = {
@@ -84,6 +86,46 @@ FAMILIES = {
         dict(**ROPE, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False),
         "12KB",
     ),
+    # Mixtral: a MoE block in every layer (4 experts, top-2, renormalized), GQA
+    "mixtral": (
+        "MixtralForCausalLM",
+        "MixtralConfig",
+        dict(**ROPE, **MOE, num_key_value_heads=2, num_local_experts=4, sliding_window=None),
+        "12KB",
+    ),
+    # Qwen2-MoE: q/k/v biases, layer 0 dense (mlp_only_layers), layer 1 MoE with a gated
+    # shared expert, top-2 probabilities not renormalized
+    "qwen2_moe": (
+        "Qwen2MoeForCausalLM",
+        "Qwen2MoeConfig",
+        dict(
+            **ROPE,
+            **MOE,
+            num_key_value_heads=2,
+            num_experts=4,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            norm_topk_prob=False,
+            mlp_only_layers=[0],
+        ),
+        None,
+    ),
+    # Qwen3-MoE: per-head q/k norms, head_dim 16, top-2 renormalized, tied embeddings
+    "qwen3_moe": (
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        dict(
+            **ROPE,
+            **MOE,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=4,
+            moe_intermediate_size=24,
+            norm_topk_prob=True,
+            tie_word_embeddings=True,
+        ),
+        None,
+    ),
     # GPT-2: learned positions, LayerNorm, biases, tied, Conv1D weights, gelu_new
     "gpt2": (
         "GPT2LMHeadModel",
@@ -102,6 +144,15 @@ def _randomize_norms(model, std: float = 0.3) -> None:
                 param.normal_(1.0, std)
 
 
+def _randomize_routers(model, std: float = 0.5) -> None:
+    """Every router (``gate``) weight drawn with a larger spread than the other weights, so
+    the top-k choice of a token has clear margins (rounding never flips an expert)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".gate.weight"):
+                param.normal_(0.0, std)
+
+
 def token_ids(seed: int = 0, batch: int = 2) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (batch, SEQ), generator=generator)
@@ -118,6 +169,8 @@ def build_models(directory: Path) -> Dict[str, Path]:
         model = getattr(transformers, model_cls)(config).eval()
         if family.startswith("qwen3"):  # norms start at 1: make a wrong q/k norm visible
             _randomize_norms(model)
+        if family in MOE_FAMILIES:  # routers with clear margins between the experts
+            _randomize_routers(model)
         path = directory / family
         extra = {} if shard is None else {"max_shard_size": shard}
         model.save_pretrained(path, **extra)
@@ -206,4 +259,14 @@ LLAMA_CONFIG = dict(
 )
 GPT2_CONFIG = dict(
     model_type="gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=VOCAB
+)
+# Qwen2-MoE: layer 0 dense, layer 1 MoE (4 experts, top-2) with a gated shared expert
+QWEN2_MOE_CONFIG = dict(
+    LLAMA_CONFIG,
+    model_type="qwen2_moe",
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+    shared_expert_intermediate_size=40,
+    mlp_only_layers=[0],
 )

@@ -2,6 +2,7 @@
 option we cannot express, unknown options, and checkpoints whose tensors do not fit the
 configuration. Each error names the option (or tensor) and its value."""
 
+import dataclasses
 import json
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from megatron.training.hf import architecture_from_config, model_from_hf
 from megatron.training.hf.config import training_settings
+from megatron.training.hf.families import REGISTRY
 from megatron.training.hf.weights import hf_shapes, our_full_shapes, parameter_sources
 
 pytestmark = pytest.mark.world(1)
@@ -30,7 +32,18 @@ BASE = {
         "layer_types": ["full_attention"] * 2,
     },
     "gpt2": dict(model_type="gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=128),
-}
+    "mixtral": {**LLAMA, "model_type": "mixtral", "num_local_experts": 4,
+                "num_experts_per_tok": 2, "router_jitter_noise": 0.0,
+                "router_aux_loss_coef": 0.02, "output_router_logits": False},
+    "qwen2_moe": {**LLAMA, "model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 24, "shared_expert_intermediate_size": 40,
+                  "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": False,
+                  "qkv_bias": True, "use_sliding_window": False, "sliding_window": 0,
+                  "max_window_layers": 28},
+    "qwen3_moe": {**LLAMA, "model_type": "qwen3_moe", "head_dim": 16, "num_experts": 4,
+                  "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                  "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
+}  # fmt: skip
 
 REFUSED = [
     ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
@@ -56,6 +69,20 @@ REFUSED = [
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
     ("gpt2", {"add_cross_attention": True}, "add_cross_attention"),
     ("gpt2", {"num_experts": 8}, "num_experts"),  # unknown: MoE
+    ("mixtral", {"router_jitter_noise": 0.01}, "router_jitter_noise"),
+    ("mixtral", {"num_experts_per_tok": 5}, "num_experts_per_tok"),
+    ("mixtral", {"num_local_experts": 0}, "num_local_experts"),
+    ("mixtral", {"sliding_window": 0}, "sliding_window"),
+    ("qwen2_moe", {"use_sliding_window": True}, "use_sliding_window"),
+    ("qwen2_moe", {"mlp_only_layers": [2]}, "mlp_only_layers"),
+    ("qwen2_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step"),
+    ("qwen2_moe", {"norm_topk_prob": "yes"}, "norm_topk_prob"),
+    ("qwen2_moe", {"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size"),
+    ("qwen2_moe", {"router_aux_loss_coef": -1}, "router_aux_loss_coef"),
+    ("qwen3_moe", {"num_local_experts": 8}, "num_local_experts"),
+    ("qwen3_moe", {"attention_bias": True}, "attention_bias"),
+    ("qwen3_moe", {"moe_intermediate_size": None}, "moe_intermediate_size"),
+    ("qwen3_moe", {"n_shared_experts": 1}, "n_shared_experts"),  # unknown to the converter
 ]
 
 
@@ -77,8 +104,86 @@ def test_an_option_we_cannot_express_is_refused_by_name(family, change, named):
 
 
 def test_an_unsupported_model_type_is_refused():
-    with pytest.raises(ValueError, match="model_type='mixtral'"):
-        architecture_from_config({**LLAMA, "model_type": "mixtral"})
+    with pytest.raises(ValueError, match="model_type='deepseek_v3' is not supported"):
+        architecture_from_config({**LLAMA, "model_type": "deepseek_v3"})
+
+
+def test_olmoe_is_refused_saying_why():
+    """OLMoE's q/k norms span all heads; ours are per head: refused by name, with the reason."""
+    olmoe = {**BASE["qwen3_moe"], "model_type": "olmoe", "architectures": ["OlmoeForCausalLM"]}
+    with pytest.raises(ValueError, match="model_type='olmoe' is not supported") as info:
+        architecture_from_config(olmoe)
+    assert "whole q and k projections" in str(info.value)
+    assert "per head" in str(info.value) or "each head" in str(info.value)
+
+
+MOE_ROUTING = [  # family, change, (pre_softmax, shared expert size, layer pattern)
+    ("mixtral", {}, (False, None, (1, 1))),
+    ("qwen2_moe", {}, (True, 40, (1, 1))),
+    ("qwen2_moe", {"norm_topk_prob": True, "mlp_only_layers": [1]}, (False, 40, (1, 0))),
+    ("qwen3_moe", {}, (False, None, (1, 1))),
+    ("qwen3_moe", {"norm_topk_prob": False, "decoder_sparse_step": 2}, (True, None, (0, 1))),
+]
+
+
+@pytest.mark.parametrize("family, change, expected", MOE_ROUTING)
+def test_moe_routing_and_layers_map_to_our_settings(family, change, expected):
+    """norm_topk_prob true (Mixtral always) renormalizes the top-k: our softmax after the
+    selection (moe_router_pre_softmax false); false: the softmax over all experts (true).
+    mlp_only_layers / decoder_sparse_step: the moe_layer_freq list. No router loss is set
+    (router_aux_loss_coef is another loss)."""
+    arch = architecture_from_config({**BASE[family], **change})
+    pre_softmax, shared, pattern = expected
+    assert arch.num_moe_experts == 4 and arch.moe_router_topk == 2
+    assert arch.moe_router_pre_softmax == pre_softmax
+    assert arch.moe_shared_expert_intermediate_size == shared
+    assert arch.moe_shared_expert_gate == (shared is not None)
+    assert arch.moe_layer_freq == pattern
+    settings = training_settings(arch)
+    assert settings["num_experts"] == 4
+    assert settings["moe_layer_freq"] == (1 if all(pattern) else list(pattern))
+    assert "moe_aux_loss_coeff" not in settings and "moe_z_loss_coeff" not in settings
+    assert settings["disable_bias_linear"] is True
+
+
+MOE_SETTINGS = dict(
+    num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=128,
+    normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+    disable_bias_linear=True, num_experts=4, moe_ffn_hidden_size=24, seq_length=16,
+)  # fmt: skip
+WRITTEN_AS = [
+    ({}, "mixtral"),
+    ({"qk_layernorm": True, "moe_layer_freq": [0, 1]}, "qwen3_moe"),
+    ({"moe_shared_expert_intermediate_size": 40, "moe_shared_expert_gate": True}, "qwen2_moe"),
+    ({"moe_router_score_function": "sigmoid"}, None),  # DeepSeek-style: no family
+    ({"moe_router_pre_softmax": True}, None),  # Mixtral always renormalizes
+    ({"moe_shared_expert_intermediate_size": 40}, None),  # a shared expert without gate
+]
+
+
+@pytest.mark.parametrize("change, family", WRITTEN_AS)
+def test_a_moe_trained_from_scratch_is_written_as_the_family_it_matches(change, family):
+    """Export of a --num-experts model without an imported config.json: the family whose
+    routing and layers it has, or a ValueError listing what we write."""
+    from megatron.training.hf.config import architecture_from_model_settings
+
+    settings = {**MOE_SETTINGS, **change}
+    if family is None:
+        with pytest.raises(ValueError, match="matches no HuggingFace family.*Qwen3-MoE"):
+            architecture_from_model_settings(settings)
+        return
+    arch = architecture_from_model_settings(settings)
+    assert arch.family == family and arch.num_moe_experts == 4
+    assert arch.moe_layer_freq == tuple(change.get("moe_layer_freq", [1, 1]))
+    back = architecture_from_config(REGISTRY[family].write(arch))
+    if all(arch.moe_layer_freq):  # no dense layer: the dense FFN size means nothing
+        back = dataclasses.replace(back, ffn_hidden_size=arch.ffn_hidden_size)
+    assert back == arch
+
+
+def test_a_qwen_moe_without_sparse_layers_is_the_dense_model():
+    arch = architecture_from_config({**BASE["qwen2_moe"], "mlp_only_layers": [0, 1]})
+    assert arch.num_moe_experts is None and training_settings(arch)["num_experts"] is None
 
 
 def _write(directory, config, tensors):
@@ -115,6 +220,31 @@ def test_a_missing_or_misshapen_tensor_is_refused(tmp_path):
     _write(tmp_path / "shape", LLAMA, tensors)
     with pytest.raises(ValueError, match=r"model.norm.weight.*\[31\]"):
         model_from_hf(tmp_path / "shape")
+
+
+def test_a_missing_misshapen_or_extra_expert_is_refused(tmp_path):
+    """Qwen2-MoE: an expert tensor missing, of another shape, or one expert too many
+    (a fifth of four) is an error naming the tensor; the consistent folder loads."""
+    config = BASE["qwen2_moe"]
+    _write(tmp_path / "ok", config, _random_llama_tensors(config))
+    model_from_hf(tmp_path / "ok")
+    up = "model.layers.1.mlp.experts.3.up_proj.weight"
+    tensors = _random_llama_tensors(config)
+    del tensors[up]
+    _write(tmp_path / "missing", config, tensors)
+    with pytest.raises(ValueError, match=rf"missing tensors .*{up}"):
+        model_from_hf(tmp_path / "missing")
+    tensors = _random_llama_tensors(config)
+    tensors[up] = torch.randn(25, 32)
+    _write(tmp_path / "shape", config, tensors)
+    with pytest.raises(ValueError, match=rf"{up}' has shape \[25, 32\]"):
+        model_from_hf(tmp_path / "shape")
+    tensors = _random_llama_tensors(config)
+    extra = "model.layers.1.mlp.experts.4.up_proj.weight"
+    tensors[extra] = torch.randn(24, 32)
+    _write(tmp_path / "extra", config, tensors)
+    with pytest.raises(ValueError, match=rf"{extra}.*not part of the qwen2_moe architecture"):
+        model_from_hf(tmp_path / "extra")
 
 
 def test_file_problems_name_the_file(tmp_path):

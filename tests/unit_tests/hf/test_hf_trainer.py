@@ -32,6 +32,7 @@ from tests.unit_tests.hf.hf_models import (
     GPT2_CONFIG,
     HAVE_TRANSFORMERS,
     LLAMA_CONFIG,
+    QWEN2_MOE_CONFIG,
     SKIP_REASON,
     shared_hf_models,
     token_ids,
@@ -55,7 +56,14 @@ def _shared_dir() -> Path:
 
 
 @pytest.mark.world(1)
-@pytest.mark.parametrize("config", [LLAMA_CONFIG, GPT2_CONFIG], ids=["llama", "gpt2"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param(LLAMA_CONFIG, id="llama"),
+        pytest.param(GPT2_CONFIG, id="gpt2"),
+        pytest.param(QWEN2_MOE_CONFIG, id="qwen2_moe", marks=pytest.mark.slow),  # ~10 s
+    ],
+)
 def test_an_imported_checkpoint_loads_as_the_hf_model_does(tmp_path, config):
     """--load of `hf import`'s checkpoint with --finetune (model flags given explicitly)
     trains exactly as --hf-model; without the weights (random init) it does not."""
@@ -177,6 +185,43 @@ def test_chat_data_with_the_hf_models_tokenizer(tmp_path):
         shutil.copy(hf / name, small / name)
     with pytest.raises(ValueError, match="more than --hf-model .* vocab_size 128"):
         _losses(hf_model=str(small), data_path=str(data), train_iters=1, seq_length=32)
+
+
+@pytest.mark.world(2)
+@pytest.mark.slow  # suite time; MoE weights at EP = 2: test_hf_layouts (default run)
+def test_a_moe_model_from_hf_at_ep2_follows_one_process_and_exports():
+    """--hf-model with a Qwen2-MoE (a dense and a MoE layer, shared expert): at EP = 2
+    (alltoall) the run equals the one-process run, and --export-hf writes the trained model
+    with every tensor of the original, trained."""
+    from megatron.training.hf.weights import SafetensorsReader
+
+    directory = _shared_dir()
+    hf = directory / "hf"
+    if dist.get_rank() == 0:
+        write_random_hf_model(hf, QWEN2_MOE_CONFIG)
+    dist.barrier()
+    losses, result = _losses(
+        hf_model=str(hf),
+        expert_model_parallel_size=2,
+        moe_token_dispatcher_type="alltoall",
+        train_iters=2,
+        compare_single_process=True,
+        compare_tolerance=1e-5,
+        export_hf=str(directory / "exported"),
+    )
+    failures = [] if result.passed else ["ep2 differs from the one-process run"]
+    if dist.get_rank() == 0:
+        original, exported = SafetensorsReader(hf), SafetensorsReader(directory / "exported")
+        if sorted(original.keys()) != sorted(exported.keys()):
+            failures.append("the export's tensors differ in name from the original's")
+        key = "model.layers.1.mlp.experts.3.up_proj.weight"
+        everything = (slice(None), slice(None))
+        if torch.equal(original.read(key, everything), exported.read(key, everything)):
+            failures.append(f"{key} was not trained")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert_no_failures(failures)
 
 
 @pytest.mark.world(2)

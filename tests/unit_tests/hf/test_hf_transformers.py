@@ -3,10 +3,13 @@
 For each family (Llama 3 with GQA and llama3 rope scaling, Mistral with head_dim != hidden /
 heads, Qwen2 with q/k/v biases and tied embeddings, Qwen3 with per-head q/k norms (tied with
 head_dim != hidden / heads, and untied), GPT-2 with Conv1D weights and learned
-positions; some saved sharded): our logits from ``model_from_hf`` equal transformers' within
-1e-5 relative (float32); ``import`` then ``export`` gives back exactly the original tensors;
-the exported directory loads in transformers with the same logits. Negative controls show
-the logit check catches a wrong q/k/v layout and swapped q/k norms.
+positions, and the mixtures of experts Mixtral, Qwen2-MoE (a dense and a MoE layer, gated
+shared expert) and Qwen3-MoE; some saved sharded): our logits from ``model_from_hf`` equal
+transformers' within 1e-5 relative (float32), with ``SequentialMLP`` and ``GroupedMLP``
+experts; ``import`` then ``export`` gives back exactly the original tensors; the exported
+directory loads in transformers with the same logits. Negative controls show the logit check
+catches a wrong q/k/v layout, swapped q/k norms, swapped expert gate/up halves and the other
+top-k normalization.
 """
 
 import json
@@ -21,6 +24,7 @@ from tests.unit_tests.dist_utils import rel_error
 from tests.unit_tests.hf.hf_models import (
     FAMILIES,
     HAVE_TRANSFORMERS,
+    MOE_FAMILIES,
     SKIP_REASON,
     shared_hf_models,
     token_ids,
@@ -84,7 +88,45 @@ def test_negative_control_swapped_q_and_k_norms_are_caught(hf_models):
     assert err > 1e-3, f"swapped q/k norms went unnoticed (relative error {err:.2e})"
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+def _some_slow(families, slow):
+    """``families`` as parameters, those in ``slow`` marked slow (default-suite time)."""
+    return [pytest.param(f, marks=pytest.mark.slow) if f in slow else f for f in families]
+
+
+@pytest.mark.parametrize("family", _some_slow(MOE_FAMILIES, {"mixtral", "qwen3_moe"}))
+def test_moe_logits_with_grouped_experts_equal_transformers(hf_models, family):
+    """The same weights in ``GroupedMLP``'s stacked, transposed layout."""
+    model, config = model_from_hf(hf_models.paths[family], moe_grouped_gemm=True)
+    assert config.num_moe_experts == 4
+    assert any("experts.weight1" in name for name, _ in model.named_parameters())
+    err = rel_error(_our_logits(model, token_ids()), hf_models.logits[family])
+    assert err <= 1e-5, f"{family}: relative error {err:.2e}"
+
+
+def test_negative_control_swapped_expert_gate_and_up_are_caught(hf_models):
+    """Mixtral: swap the w1 (gate) and w3 (up) halves of every expert's fc1 in layer 0."""
+    model, _ = model_from_hf(hf_models.paths["mixtral"])
+    experts = model.decoder.layers[0].mlp.experts.local_experts
+    with torch.no_grad():
+        for expert in experts:
+            gate, up = expert.linear_fc1.weight.chunk(2)
+            expert.linear_fc1.weight.copy_(torch.cat([up, gate]))
+    err = rel_error(_our_logits(model, token_ids()), hf_models.logits["mixtral"])
+    assert err > 1e-3, f"swapped gate/up went unnoticed (relative error {err:.2e})"
+
+
+@pytest.mark.parametrize("family", _some_slow(["mixtral", "qwen2_moe"], {"qwen2_moe"}))
+def test_negative_control_the_other_topk_normalization_is_caught(hf_models, family):
+    """Mixtral renormalizes the top-k probabilities, Qwen2-MoE (norm_topk_prob false) does
+    not: the other choice (``moe_router_pre_softmax`` flipped) fails the logit check."""
+    model, config = model_from_hf(hf_models.paths[family])
+    assert config.moe_router_pre_softmax == (family == "qwen2_moe")
+    config.moe_router_pre_softmax = not config.moe_router_pre_softmax  # read at each forward
+    err = rel_error(_our_logits(model, token_ids()), hf_models.logits[family])
+    assert err > 1e-3, f"{family}: the other top-k weights went unnoticed ({err:.2e})"
+
+
+@pytest.mark.parametrize("family", _some_slow(FAMILIES, {"qwen3_moe"}))
 def test_import_export_gives_back_the_original_tensors(hf_models, family, tmp_path, capsys):
     source = hf_models.paths[family]
     assert hf_cli(["import", "--hf", str(source), "--out", str(tmp_path / "ckpt")]) == 0
@@ -131,9 +173,30 @@ FROM_SCRATCH = {
     ),
     "gpt2": dict(openai_gelu=True),
 }
+MOE = dict(
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+    disable_bias_linear=True,
+    num_experts=4,
+    moe_ffn_hidden_size=24,
+)
+FROM_SCRATCH.update(
+    mixtral=dict(MOE, untie_embeddings_and_output_weights=True, num_query_groups=2),
+    # mixed dense / MoE layers, unnormalized top-k, gated shared expert, q/k/v biases
+    qwen2_moe=dict(
+        MOE,
+        add_qkv_bias=True,
+        moe_router_pre_softmax=True,
+        moe_shared_expert_intermediate_size=40,
+        moe_shared_expert_gate=True,
+        moe_layer_freq=[0, 1],
+    ),
+    qwen3_moe=dict(MOE, qk_layernorm=True, kv_channels=16, moe_layer_freq=[1, 1]),
+)
 
 
-@pytest.mark.parametrize("family", list(FROM_SCRATCH))
+@pytest.mark.parametrize("family", _some_slow(FROM_SCRATCH, {"mixtral", "qwen3_moe"}))
 def test_a_model_trained_from_scratch_exports_to_transformers(family, tmp_path):
     """--export-hf of a run that did not start from HuggingFace: the config.json written
     from its options makes transformers compute what our model computes."""

@@ -120,6 +120,23 @@ def test_float64_model_routes_in_float64():
     assert probs.dtype == torch.float64 and layer.router.gating(x).dtype == torch.float64
 
 
+def test_the_tracker_takes_no_entry_of_another_model():
+    """A float32 model's entry (same layer count) must not round a float64 model's losses:
+    the tracker starts a new entry in the loss's dtype (found when a float32 trainer test ran
+    before the float64 layout test in one launch)."""
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    tracker.clear()
+    try:
+        moe_utils.save_to_aux_losses_tracker("z_loss", torch.tensor(0.1), 1, 2)
+        exact = torch.tensor(0.1 + 1e-12, dtype=torch.float64)
+        moe_utils.clear_aux_losses_tracker()
+        moe_utils.save_to_aux_losses_tracker("z_loss", exact, 1, 2)
+        values = tracker["z_loss"]["values"]
+        assert values.dtype == torch.float64 and values[0].item() == exact.item()
+    finally:
+        tracker.clear()
+
+
 def test_token_counts_are_pure():
     routing_map = torch.tensor([[True, False], [True, True], [False, True]])
     valid = torch.tensor([True, True, False])

@@ -477,7 +477,12 @@ def save_to_aux_losses_tracker(
         return
     entry = _TRACKER.setdefault(name, {})
     values = entry.get("values")
-    if values is None or values.shape[0] != num_layers:
+    if (
+        values is None
+        or values.shape[0] != num_layers
+        or values.dtype != loss.dtype
+        or values.device != loss.device
+    ):  # another model's entry (a float32 one would round a float64 model's losses)
         values = torch.zeros(num_layers, dtype=loss.dtype, device=loss.device)
     entry["values"] = values
     values[layer_number - 1] += loss.detach().to(values.dtype)
@@ -501,7 +506,7 @@ def save_tokens_per_expert(
     entry = _TRACKER.setdefault("tokens_per_expert", {})
     values = entry.get("values")
     shape = (num_layers, tokens_per_expert.numel())
-    if values is None or tuple(values.shape) != shape:
+    if values is None or tuple(values.shape) != shape or values.device != tokens_per_expert.device:
         values = torch.zeros(shape, dtype=torch.int64, device=tokens_per_expert.device)
     entry["values"] = values
     values[layer_number - 1] += tokens_per_expert.detach().to(torch.int64)

@@ -8,7 +8,16 @@ model's settings writes it).
 
 from typing import Dict
 
-from megatron.training.hf.families import gpt2, llama, mistral, qwen2, qwen3
+from megatron.training.hf.families import (
+    gpt2,
+    llama,
+    mistral,
+    mixtral,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+)
 from megatron.training.hf.family import Family
 
 REGISTRY: Dict[str, Family] = {
@@ -19,7 +28,19 @@ REGISTRY: Dict[str, Family] = {
         qwen2.FAMILY,
         qwen3.FAMILY,
         gpt2.FAMILY,
+        mixtral.FAMILY,
+        qwen2_moe.FAMILY,
+        qwen3_moe.FAMILY,
     )
+}
+# Families we know and cannot express exactly: model_type -> why (the import error says it).
+REFUSED: Dict[str, str] = {
+    "olmoe": (
+        "OLMoE's q_norm / k_norm are RMSNorms over the whole q and k projections (all heads "
+        "together, weights [num_attention_heads * head_dim] and [num_key_value_heads * "
+        "head_dim]); our qk_layernorm normalizes each head on its own with one [head_dim] "
+        "weight, so the model cannot be expressed exactly"
+    ),
 }
 
 

@@ -9,6 +9,7 @@ separate q/k/v and gate/up projections (Mistral and Qwen2 add or refuse a few ke
 
 from typing import Any, Dict, List, Optional, Tuple
 
+from megatron.training.hf.families.moe import MOE_FIELDS
 from megatron.training.hf.family import ConfigReader, Family, HFArchitecture, Segment, Source
 
 # Llama 3.x frequency scaling as megatron-core's RotaryEmbedding(rope_scaling=True) has it:
@@ -72,11 +73,13 @@ class LlamaShaped(Family):
             dtype=c.dtype(),
             window_size=extra.get("window_size"),
             qk_layernorm=extra.get("qk_layernorm", False),
+            **{name: extra[name] for name in MOE_FIELDS if name in extra},
         )
 
     def read_extra(self, c: ConfigReader) -> Dict[str, Any]:
         """The family's own keys: HFArchitecture fields (``add_bias_linear``,
-        ``add_qkv_bias``, ``window_size``, ``qk_layernorm``) that differ from the plain Llama shape.
+        ``add_qkv_bias``, ``window_size``, ``qk_layernorm``, the MoE fields of
+        ``families.moe.MOE_FIELDS``) that differ from the plain Llama shape.
         """
         return {}
 
@@ -185,11 +188,12 @@ FAMILY = Llama()
 
 
 def rmsnorm_swiglu_rope(settings: Dict[str, Any]) -> bool:
-    """Whether trainer settings describe a Llama-shaped model."""
+    """Whether trainer settings describe a dense Llama-shaped model."""
     return (
         settings.get("normalization", "LayerNorm") == "RMSNorm"
         and bool(settings.get("swiglu"))
         and settings.get("position_embedding_type") == "rope"
+        and settings.get("num_experts") is None
     )
 
 

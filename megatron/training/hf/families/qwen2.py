@@ -13,21 +13,7 @@ class Qwen2(LlamaShaped):
     settings_hint = "RMSNorm + swiglu + rope + --add-qkv-bias --disable-bias-linear (Qwen2)"
 
     def read_extra(self, c: ConfigReader) -> Dict[str, Any]:
-        use_window = c.optional("use_sliding_window", False)
-        c.require(
-            use_window is False,
-            "use_sliding_window",
-            use_window,
-            "false (sliding-window attention is not supported)",
-        )
-        c.seen("sliding_window", "max_window_layers")  # unused without use_sliding_window
-        layer_types = c.optional("layer_types", None)
-        c.require(
-            layer_types is None or set(layer_types) <= {"full_attention"},
-            "layer_types",
-            layer_types,
-            "full_attention for every layer",
-        )
+        refuse_sliding_windows(c)
         c.expect("use_mrope", False, "false", default=False)
         return {"add_qkv_bias": True}
 
@@ -39,3 +25,22 @@ class Qwen2(LlamaShaped):
 
 
 FAMILY = Qwen2()
+
+
+def refuse_sliding_windows(c: ConfigReader) -> None:
+    """``use_sliding_window`` must be false (and ``layer_types`` full attention)."""
+    use_window = c.optional("use_sliding_window", False)
+    c.require(
+        use_window is False,
+        "use_sliding_window",
+        use_window,
+        "false (sliding-window attention is not supported)",
+    )
+    c.seen("sliding_window", "max_window_layers")  # unused without use_sliding_window
+    layer_types = c.optional("layer_types", None)
+    c.require(
+        layer_types is None or set(layer_types) <= {"full_attention"},
+        "layer_types",
+        layer_types,
+        "full_attention for every layer",
+    )

@@ -11,6 +11,7 @@ are not expressible with a norm-free MLP and are refused; sliding windows are re
 from typing import Any, Dict, Optional
 
 from megatron.training.hf.families.llama import LlamaShaped, rmsnorm_swiglu_rope
+from megatron.training.hf.families.qwen2 import refuse_sliding_windows
 from megatron.training.hf.family import ConfigReader, HFArchitecture, Segment, Source
 
 
@@ -26,21 +27,7 @@ class Qwen3(LlamaShaped):
             "false (biases on q/k/v/o without MLP biases are not supported)",
             default=False,
         )
-        use_window = c.optional("use_sliding_window", False)
-        c.require(
-            use_window is False,
-            "use_sliding_window",
-            use_window,
-            "false (sliding-window attention is not supported)",
-        )
-        c.seen("sliding_window", "max_window_layers")  # unused without use_sliding_window
-        layer_types = c.optional("layer_types", None)
-        c.require(
-            layer_types is None or set(layer_types) <= {"full_attention"},
-            "layer_types",
-            layer_types,
-            "full_attention for every layer",
-        )
+        refuse_sliding_windows(c)
         return {"qk_layernorm": True}
 
     def write_extra(self, arch: HFArchitecture) -> Dict[str, Any]:
