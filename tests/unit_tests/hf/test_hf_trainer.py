@@ -91,6 +91,7 @@ def test_conflicting_model_flags_are_refused_by_name(tmp_path, capsys):
 
 
 @pytest.mark.world(2)
+@pytest.mark.slow  # 9 s; the default run keeps the cp2-pp2 HF SFT run and the layout logits
 def test_an_imported_checkpoint_reshards_to_tensor_parallel():
     directory = _shared_dir()
     hf = directory / "hf"
