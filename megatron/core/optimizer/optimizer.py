@@ -323,6 +323,7 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
     are stepped directly.
     """
 
+    # megatron-core's constructor signature, the same as MixedPrecisionOptimizer's
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,

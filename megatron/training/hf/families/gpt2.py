@@ -32,6 +32,7 @@ class GPT2(Family):
         c.require(
             isinstance(inner, int) and inner >= 1, "n_inner", inner, "a positive integer or null"
         )
+        # every field of HFArchitecture, as llama.py fills it from its own key names
         return HFArchitecture(
             family=self.model_type,
             num_layers=c.positive_int("n_layer"),
