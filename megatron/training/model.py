@@ -168,7 +168,7 @@ def lora_config(config: TrainingConfig) -> LoRAConfig:
         lora_B_init_method=config.lora_b_init_method,
         seed=config.seed,
         flags={f: flag_of(f"lora_{f}") for f in ("dim", "alpha", "dropout")}
-        | {"target_modules": "--lora-target-modules"},
+        | {"target_modules": "--lora-target-modules", "exclude_modules": "--lora-exclude-modules"},
     )
 
 

@@ -124,13 +124,19 @@ def apply_lora(model: torch.nn.Module, lora: LoRAConfig) -> List[str]:
         global_name = global_module_name(model, name)
         if global_name is None or not lora.matches(global_name):
             continue
+        if ".experts." in global_name or getattr(module, "is_expert", False):
+            targets = lora.flags.get("target_modules", "target_modules")
+            excludes = lora.flags.get("exclude_modules", "exclude_modules")
+            raise ValueError(
+                f"LoRA target {global_name} is a routed expert's linear layer: adapters on "
+                f"experts are not supported; leave them out ({excludes} '*.experts.*') or "
+                f"name the layers to adapt ({targets} linear_qkv linear_proj)"
+            )
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             raise ValueError(
                 f"LoRA target {global_name} is a {type(module).__name__}; adapters go on "
                 "ColumnParallelLinear / RowParallelLinear layers only"
             )
-        if getattr(module, "is_expert", False):
-            raise ValueError(f"LoRA target {global_name}: adapters on experts are not supported")
         if hasattr(module, "adapter"):
             raise ValueError(f"LoRA target {global_name} already has an adapter")
         module.adapter = LoRAAdapter(module, lora, global_name)

@@ -237,3 +237,17 @@ def test_targets_that_leave_a_pipeline_stage_without_adapters_are_refused_on_eve
     # positive control: a target on both stages trains
     _run(lora_dim=4, lora_target_modules=["*.layers.0.*", "*.layers.3.*"], train_iters=1,
          pipeline_model_parallel_size=2)  # fmt: skip
+
+
+@pytest.mark.world(1)
+def test_lora_on_a_moe_model_refuses_the_experts_by_name_and_trains_without_them():
+    """The default targets name linear_fc1/linear_fc2, which routed experts also have:
+    refused with the two ways out; excluding the experts trains the attention adapters (and
+    a shared expert's, which is a dense MLP)."""
+    moe = dict(num_experts=4, moe_router_topk=2, disable_bias_linear=True, train_iters=2,
+               num_layers=2, lora_dim=4)  # fmt: skip
+    with pytest.raises(ValueError, match=r"routed expert's linear layer.*'\*\.experts\.\*'"):
+        _run(**moe)
+    losses = _run(**moe, lora_exclude_modules=["*.experts.*"],
+                  moe_shared_expert_intermediate_size=16)  # fmt: skip
+    assert len(losses) == 2
