@@ -163,31 +163,24 @@ def _tp_groups(tp: int) -> Optional[ProcessGroupCollection]:
     return ProcessGroupCollection.use_mpu_process_groups()
 
 
-@pytest.mark.world(2)
-@pytest.mark.parametrize("vocab", [14, 16, 64], ids=["pad1", "pad3", "pad51"])
-def test_padded_vocab_equals_unpadded_tp2(vocab):
+@pytest.mark.parametrize(
+    "tp, vocab",
+    [
+        pytest.param(2, 14, id="tp2-pad1", marks=pytest.mark.world(2)),
+        pytest.param(2, 16, id="tp2-pad3", marks=pytest.mark.world(2)),
+        pytest.param(2, 64, id="tp2-pad51", marks=pytest.mark.world(2)),
+        pytest.param(4, 16, id="tp4-pad3", marks=pytest.mark.world(4)),
+        pytest.param(4, 32, id="tp4-pad19-one-rank-all-padding", marks=pytest.mark.world(4)),
+    ],
+)
+def test_padded_vocab_equals_unpadded(tp, vocab):
     reset_layout()
     references = {tied: _reference(tied) for tied in (True, False)}
-    groups = _tp_groups(2)
+    groups = _tp_groups(tp)
     try:
         failures = []
         for tied, reference in references.items():
-            failures += _compare(vocab, 2, tied, groups=groups, reference=reference)
-    finally:
-        reset_layout()
-    assert_no_failures(failures)
-
-
-@pytest.mark.world(4)
-@pytest.mark.parametrize("vocab", [16, 32], ids=["pad3", "pad19-one-rank-all-padding"])
-def test_padded_vocab_equals_unpadded_tp4(vocab):
-    reset_layout()
-    references = {tied: _reference(tied) for tied in (True, False)}
-    groups = _tp_groups(4)
-    try:
-        failures = []
-        for tied, reference in references.items():
-            failures += _compare(vocab, 4, tied, groups=groups, reference=reference)
+            failures += _compare(vocab, tp, tied, groups=groups, reference=reference)
     finally:
         reset_layout()
     assert_no_failures(failures)
