@@ -91,20 +91,18 @@ def write_pieces(
         options["overwrite"] = True  # save() has already retired the old checkpoint's marker
     writer = _RecordingWriter(str(checkpoint_dir), **options)
     with _quiet_single_process(), _plain_errors("save"):
-        metadata = dcp.save({}, storage_writer=writer, planner=planner, no_dist=not _distributed())
-    if writer.results is not None:
-        written = [result.storage_data for result in writer.results]
-    else:
-        written = [metadata.storage_data[item.index] for item in planner.plan.items]
+        dcp.save({}, storage_writer=writer, planner=planner, no_dist=not _distributed())
+    written = [result.storage_data for result in writer.results]
     return item_checksums(checkpoint_dir, written)
 
 
 class _RecordingWriter(FileSystemWriter):
     """``FileSystemWriter`` keeping this rank's write results (where each item it wrote
-    lies): the metadata ``dcp.save`` returns carries them only in some torch versions
-    (2.11 returned it without ``storage_data`` on one CUDA process)."""
+    lies; every rank writes its own plan): the metadata ``dcp.save`` returns carries them
+    only in some torch versions (2.11 returned it without ``storage_data`` on one CUDA
+    process)."""
 
-    results: Optional[List[Any]] = None
+    results: Sequence[Any] = ()
 
     def write_data(self, plan, planner):
         future = super().write_data(plan, planner)
