@@ -9,7 +9,8 @@ and Adam (fp32); variants interleaved step by step, wall and process CPU time (s
 
 GPU (``--gpu``): one MoE layer's forward + backward in bf16 at Qwen3-30B-A3B's shape (E 128,
 k 8, hidden 2048, expert FFN 768) and OLMoE's (E 64, k 8, hidden 2048, FFN 1024), EP = 1,
-alltoall dispatcher, aux loss on, on ``--tokens`` tokens ([s, b] = [tokens, 1]):
+alltoall dispatcher, the aux loss (``--aux-loss-coeff``, 1e-3; 0 = none), on ``--tokens``
+tokens ([s, b] = [tokens, 1]):
 
     python tests/benchmarks/bench_moe.py --gpu [--mcore-path DIR] [--json out.json]
 
@@ -17,8 +18,9 @@ Variants, each timed over ``--steps`` steps after ``--warmup`` (each step bracke
 ``torch.cuda.synchronize``; peak = ``torch.cuda.max_memory_allocated`` during the variant):
 - ``ours-sequential``: our ``MoELayer`` with ``SequentialMLP`` (one GEMM per expert);
 - ``ours-grouped``: our ``MoELayer`` with ``GroupedMLP`` (``torch._grouped_mm`` on CUDA);
-- ``bare-grouped-mm``: the floor: ~25 lines of PyTorch (router, top-k, softmax, argsort,
-  gather, two ``torch._grouped_mm`` with SwiGLU between, weighted ``index_add_``);
+- ``bare-grouped-mm``: the floor: ~30 lines of PyTorch (router, top-k, softmax, argsort,
+  gather, two ``torch._grouped_mm`` with SwiGLU between, weighted ``index_add_``, and the
+  same aux loss);
 - ``mcore-sequential``: megatron-core 0.16.1's local-spec MoE layer (``SequentialMLP``;
   its ``GroupedMLP`` needs the ``grouped_gemm`` package, its ``TEGroupedMLP`` Transformer
   Engine), run in a child process of the same launch whose ``PYTHONPATH`` is
@@ -64,7 +66,7 @@ SHAPES = {
 # ----------------------------------------------------------------------------- MoE layer
 
 
-def layer_config(config_cls, shape: dict, grouped: bool, bf16: bool):
+def layer_config(config_cls, shape: dict, grouped: bool, bf16: bool, aux_coeff: float):
     """The same TransformerConfig for ours and megatron-core (same field names)."""
     return config_cls(
         num_layers=1,
@@ -74,8 +76,8 @@ def layer_config(config_cls, shape: dict, grouped: bool, bf16: bool):
         moe_ffn_hidden_size=shape["ffn"],
         num_moe_experts=shape["experts"],
         moe_router_topk=shape["topk"],
-        moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=1e-3,
+        moe_router_load_balancing_type="aux_loss" if aux_coeff else "none",
+        moe_aux_loss_coeff=aux_coeff,
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=grouped,
         gated_linear_unit=True,
@@ -88,14 +90,16 @@ def layer_config(config_cls, shape: dict, grouped: bool, bf16: bool):
     )
 
 
-def build_moe_layer(grouped: bool, shape: dict, device: torch.device, bf16: bool):
+def build_moe_layer(
+    grouped: bool, shape: dict, device: torch.device, bf16: bool, aux_coeff: float = 1e-3
+):
     """``MoELayer`` from ``get_gpt_layer_local_spec(num_experts=...)`` of whichever
     ``megatron.core`` is imported (ours, or megatron-core in the child process)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    config = layer_config(TransformerConfig, shape, grouped, bf16)
+    config = layer_config(TransformerConfig, shape, grouped, bf16, aux_coeff)
     spec = get_gpt_layer_local_spec(num_experts=shape["experts"], moe_grouped_gemm=grouped)
     layer = MoELayer(config, spec.submodules.mlp.submodules, layer_number=1).to(device)
     _init(layer.parameters())
@@ -119,21 +123,23 @@ def moe_step(layer) -> Callable[[torch.Tensor, torch.Tensor], None]:
 
 class BareMoE(torch.nn.Module):
     """The floor: softmax-after-top-k routing, experts as two stacked weights,
-    ``torch._grouped_mm`` over the tokens sorted by expert."""
+    ``torch._grouped_mm`` over the tokens sorted by expert, and the same load-balancing
+    loss as the layer's (aux_loss: E c / (k T^2) sum_e n_e sum_x p_e(x)) when
+    ``aux_coeff`` is set. ``forward`` returns (output, aux loss or None)."""
 
-    def __init__(self, shape: dict, dtype: torch.dtype, device: torch.device):
+    def __init__(self, shape: dict, dtype: torch.dtype, device: torch.device, aux_coeff: float):
         super().__init__()
         E, h, f = shape["experts"], shape["hidden"], shape["ffn"]
-        self.topk = shape["topk"]
+        self.topk, self.aux_coeff = shape["topk"], aux_coeff
         self.router = torch.nn.Parameter(torch.empty(E, h, dtype=dtype, device=device))
         self.w1 = torch.nn.Parameter(torch.empty(E, h, 2 * f, dtype=dtype, device=device))
         self.w2 = torch.nn.Parameter(torch.empty(E, f, h, dtype=dtype, device=device))
         _init(self.parameters())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        logits = (x @ self.router.t()).float()
+        logits = x @ self.router.t()
         top, idx = logits.topk(self.topk, dim=-1)
         probs = top.softmax(dim=-1)
         flat = idx.reshape(-1)
@@ -145,7 +151,22 @@ class BareMoE(torch.nn.Module):
         gate, up = hidden.chunk(2, dim=-1)
         act = F.silu(gate) * up * probs.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
         out = torch._grouped_mm(act, self.w2, offs=offs)
-        return torch.zeros_like(x).index_add_(0, token, out).view(shape)
+        out = torch.zeros_like(x).index_add_(0, token, out).view(shape)
+        aux = None
+        if self.aux_coeff:
+            experts, tokens = self.router.shape[0], x.shape[0]
+            scale = experts * self.aux_coeff / (self.topk * tokens * tokens)
+            aux = scale * (counts.to(logits.dtype) * logits.softmax(dim=-1).sum(dim=0)).sum()
+        return out, aux
+
+
+def bare_step(bare: BareMoE, x: torch.Tensor, grad: torch.Tensor) -> None:
+    """The bare loop's forward + backward (its aux loss's gradient 1, as the layer's)."""
+    out, aux = bare(x)
+    if aux is None:
+        out.backward(grad)
+    else:
+        torch.autograd.backward((out, aux), (grad, torch.ones_like(aux)))
 
 
 def time_variant(
@@ -192,13 +213,15 @@ def layer_variants(names: List[str], shape: dict, args, device) -> Dict[str, dic
     for name in names:
         try:
             if name == "bare-grouped-mm":
-                bare = BareMoE(shape, dtype, device)
+                bare = BareMoE(shape, dtype, device, args.aux_loss_coeff)
 
                 def step(x, grad, bare=bare):
-                    bare(x).backward(grad)
+                    bare_step(bare, x, grad)
 
             else:
-                layer = build_moe_layer(name.endswith("grouped"), shape, device, args.bf16)
+                layer = build_moe_layer(
+                    name.endswith("grouped"), shape, device, args.bf16, args.aux_loss_coeff
+                )
                 step = moe_step(layer)
             out[name] = time_variant(
                 step, args.tokens, shape["hidden"], dtype, device, args.warmup, args.steps
@@ -232,6 +255,7 @@ def mcore_child(args, shapes: List[str]) -> Dict[str, dict]:
     env.pop("MASTER_PORT", None)  # the parent's group holds that port: the child picks its own
     cmd = [sys.executable, os.path.abspath(__file__), "--mcore-worker", "--shapes", *shapes]
     cmd += ["--tokens", str(args.tokens), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    cmd += ["--aux-loss-coeff", str(args.aux_loss_coeff)]
     cmd += ["--bf16"] if args.bf16 else []
     done = subprocess.run(
         cmd, env=env, capture_output=True, text=True, cwd="/", timeout=args.mcore_timeout
@@ -437,6 +461,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--gpu", action="store_true", help="the one-GPU MoE layer benchmark")
     parser.add_argument("--shapes", nargs="+", default=None, choices=sorted(SHAPES))
     parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument(
+        "--aux-loss-coeff",
+        type=float,
+        default=1e-3,
+        help="the load-balancing loss of every layer variant and the bare loop (0: none)",
+    )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--bf16", action="store_true", help="bf16 (default with --gpu)")

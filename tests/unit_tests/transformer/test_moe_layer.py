@@ -148,6 +148,19 @@ def test_token_counts_are_pure():
     assert counts.per_expert.data_ptr() != counts.local_per_expert.data_ptr()
 
 
+def test_count_per_expert_equals_bincount():
+    """The device-side count (no host sync on CUDA) is bincount's, unused experts (the last
+    one included) counted zero; the input is not modified."""
+    experts = torch.tensor([3, 0, 3, 5, 0, 3], dtype=torch.int64)
+    before = experts.clone()
+    counts = moe_utils.count_per_expert(experts, 8)
+    assert counts.dtype == torch.int64
+    assert torch.equal(counts, torch.bincount(experts, minlength=8))
+    assert counts.tolist() == [2, 0, 0, 3, 0, 1, 0, 0]
+    assert torch.equal(experts, before)
+    assert moe_utils.count_per_expert(experts[:0], 4).tolist() == [0, 0, 0, 0]
+
+
 def test_expert_bias_update_after_the_step_changes_routing():
     config = _config(
         moe_router_score_function="sigmoid",

@@ -81,18 +81,26 @@ def micro_batch_token_counts(
     None = all): this shard's and, summed over ``group`` (the model's tp x cp group: the
     shards of one micro-batch), the micro-batch's. A pure function: the all-reduce runs on a
     new tensor; ``routing_map`` and ``valid`` are never modified."""
+    device = routing_map.device
     chosen = routing_map if valid is None else routing_map & valid.unsqueeze(-1)
     local_per_expert = chosen.sum(dim=0, dtype=torch.int64)
-    if valid is None:
-        local_tokens = torch.tensor(routing_map.shape[0], dtype=torch.int64)
+    if valid is None:  # made on the device: a host tensor copied over would sync on CUDA
+        local_tokens = torch.full((), routing_map.shape[0], dtype=torch.int64, device=device)
     else:
         local_tokens = valid.sum(dtype=torch.int64)
-    local_tokens = local_tokens.to(local_per_expert.device)
     local = torch.cat([local_per_expert, local_tokens.reshape(1)])
     total = communication.all_reduce(local, group)
     if total is local:
         total = local.clone()
     return TokenCounts(local_per_expert, local_tokens, total[:-1], total[-1])
+
+
+def count_per_expert(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many of ``experts`` (flat expert indices) name each of ``num_experts`` (int64,
+    on their device). ``torch.bincount`` would read the largest index back to the host (a
+    sync on CUDA); an integer ``index_add_`` is exact in any order."""
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=experts.device)
+    return counts.index_add_(0, experts, torch.ones_like(experts, dtype=torch.int64))
 
 
 def router_loss_token_weight(config, counts: TokenCounts) -> Union[int, torch.Tensor]:

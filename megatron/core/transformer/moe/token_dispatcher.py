@@ -22,6 +22,7 @@ from megatron.core import communication
 from megatron.core.process_groups_config import ProcessGroupCollection, get_pg_size
 from megatron.core.tensor_parallel import mappings
 from megatron.core.transformer.moe.moe_utils import (
+    count_per_expert,
     gather_routes,
     routes_into_slots,
     sum_slots_in_order,
@@ -100,8 +101,8 @@ class _LocalExpertsDispatcher(MoETokenDispatcher):
         routes = local.nonzero(as_tuple=True)[0]
         order = torch.sort(flat[routes], stable=True).indices
         routes = routes[order]
-        counts = torch.bincount(
-            flat[routes] - self.local_expert_indices[0], minlength=self.num_local_experts
+        counts = count_per_expert(
+            flat[routes] - self.local_expert_indices[0], self.num_local_experts
         )
         return routes, counts.cpu()
 
@@ -158,7 +159,7 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
         self.num_gathered = hidden.shape[0]
         flat = indices.reshape(-1)
         self.send_routes = torch.sort(flat, stable=True).indices
-        per_expert = torch.bincount(flat, minlength=self.num_experts).to(torch.int64)
+        per_expert = count_per_expert(flat, self.num_experts)
         if self.ep_size == 1:  # no split sizes to exchange: the counts stay on the device
             self.recv_counts = per_expert.view(1, self.num_local_experts)
         else:
