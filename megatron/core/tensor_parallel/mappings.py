@@ -14,6 +14,8 @@ gradients through a TP layout equal the gradients of the dense computation
 * ``all_gather_last_dim_from_tensor_parallel_region``: all-gather / reduce-scatter, last dim
 * ``reduce_scatter_last_dim_to_tensor_parallel_region``: reduce-scatter / all-gather, last dim
 * ``all_to_all`` (and ``all_to_all_sp2hp`` / ``all_to_all_hp2sp``): all-to-all / its reverse
+* ``all_reduce_with_summed_grad``: all-reduce (sum) / all-reduce (sum), for a sum every rank
+  uses differently (its own heads), unlike ``reduce_from_...`` whose consumer is replicated
 
 [*] with ``tensor_parallel_output_grad=False``: keep own dim-0 block (the consumer of the
 gathered tensor is replicated, so every rank already holds the full gradient).
@@ -105,6 +107,13 @@ def reduce_scatter_last_dim_to_tensor_parallel_region(input_, group=None):
     """Sum over the group and keep this rank's block of the last dimension; backward
     all-gathers along it."""
     return _apply(_ReduceScatterToTensorParallelRegion, input_, group)
+
+
+def all_reduce_with_summed_grad(input_, group=None):
+    """Sum over the TP group; backward sums the gradients over it too. For a sum each rank
+    feeds into its own (different) computation, e.g. the sum of squares over all heads of a
+    whole-projection q/k norm: dL/dx on rank q is the sum over ranks r of dL/dy_r."""
+    return _apply(_AllReduceWithSummedGrad, input_, group)
 
 
 def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None):
@@ -234,6 +243,12 @@ _ReduceFromModelParallelRegion = adjoint_pair(
     "y = sum over ranks of x; dL/dx = dL/dy.",
     _reduce,
     lambda grad_output, group: grad_output,
+)
+_AllReduceWithSummedGrad = adjoint_pair(
+    "_AllReduceWithSummedGrad",
+    "y = sum over ranks of x (each rank using y its own way); dL/dx = sum over ranks of dL/dy.",
+    _reduce,
+    _reduce,
 )
 _ScatterToModelParallelRegion = adjoint_pair(
     "_ScatterToModelParallelRegion",

@@ -19,6 +19,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule, leave_as_allocated, output_projection
 from megatron.core.transformer.parallel_groups import tp_group_of
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.torch_norm import WholeProjectionRMSNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_size
 
@@ -225,7 +226,17 @@ class SelfAttention(Attention):
                 "config.qk_layernorm=True but the layer spec has no q_layernorm/k_layernorm; "
                 "build the spec with get_gpt_layer_local_spec(qk_layernorm=True)"
             )
-        if get_pg_size(self.tp_group) > 1:
+        if config.qk_layernorm_whole_projection:
+            # The spec's q/k norms, over each projection's heads together (OLMoE): the
+            # config chooses the scope, as ``config.normalization`` chooses the kind.
+            whole = dict(config=config, eps=config.layernorm_epsilon, tp_group=self.tp_group)
+            heads, groups = (
+                self.num_attention_heads_per_partition,
+                self.num_query_groups_per_partition,
+            )
+            self.q_layernorm = WholeProjectionRMSNorm(hidden_size=heads * head_dim, **whole)
+            self.k_layernorm = WholeProjectionRMSNorm(hidden_size=groups * head_dim, **whole)
+        elif get_pg_size(self.tp_group) > 1:
             # Replicated over TP but fed this rank's heads only: the gradient is the sum over
             # the TP group, with or without sequence parallelism.
             for norm_module in (self.q_layernorm, self.k_layernorm):

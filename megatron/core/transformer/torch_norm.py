@@ -1,8 +1,14 @@
-"""The local-spec normalization: torch's LayerNorm or RMSNorm, chosen by the config."""
+"""The local-spec normalization: torch's LayerNorm or RMSNorm, chosen by the config; the
+whole-projection q/k RMSNorm (OLMoE)."""
+
+from typing import Optional
 
 import torch
 
 from megatron.core.fusions.fused_layer_norm import FusedLayerNorm, FusedRMSNorm
+from megatron.core.process_groups_config import get_pg_size
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.mappings import all_reduce_with_summed_grad
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -42,3 +48,47 @@ class WrappedTorchNorm:
         return norms[config.normalization](
             normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype
         )
+
+
+class WholeProjectionRMSNorm(torch.nn.RMSNorm):
+    """RMSNorm over all heads of a query or key projection together (OLMoE's and OLMo 2's
+    q/k norm; ``config.qk_layernorm_whole_projection``), where ``qk_layernorm`` alone
+    normalizes each head on its own:
+
+        y = x / sqrt(sum(x^2) / (n d) + eps) * w,   sum over the n heads' n d values
+
+    with ``w`` [n d], ``n`` the heads of the whole projection. Under tensor parallelism each
+    rank holds n/TP heads, so its ``weight`` is that block of ``w`` (``tensor_model_parallel``
+    along dim 0, not summed over TP) and the per-token sum of squares is all-reduced over
+    ``tp_group`` with a summed gradient (``all_reduce_with_summed_grad``): every rank
+    normalizes by the whole projection, as one process does. The sum accumulates in at
+    least float32 (float64 stays float64); the output has the input's dtype times the
+    weight. Input [..., n/TP, d] (the heads of ``get_query_key_value_tensors``)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        hidden_size: int,
+        eps: float = 1e-5,
+        *,
+        tp_group: Optional[torch.distributed.ProcessGroup] = None,
+    ) -> None:
+        if config.normalization != "RMSNorm":
+            raise ValueError(
+                "qk_layernorm_whole_projection=True needs normalization='RMSNorm' (OLMoE's "
+                f"q/k norm); got normalization={config.normalization!r}"
+            )
+        self.tp_size = get_pg_size(tp_group) if tp_group is not None else 1
+        super().__init__(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
+        self.tp_group = tp_group
+        self.full_size = hidden_size * self.tp_size
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(*x.shape[:-2], -1)
+        acc = flat.to(torch.promote_types(flat.dtype, torch.float32))
+        squares = acc.pow(2).sum(dim=-1, keepdim=True)
+        if self.tp_size > 1:
+            squares = all_reduce_with_summed_grad(squares, self.tp_group)
+        normed = acc * torch.rsqrt(squares / self.full_size + self.eps)
+        return (normed.to(x.dtype) * self.weight).view(x.shape)

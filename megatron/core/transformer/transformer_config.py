@@ -59,6 +59,9 @@ class TransformerConfig(ModelParallelConfig):
     window_size: Optional[tuple] = None
     normalization: str = "LayerNorm"
     qk_layernorm: bool = False
+    # An extra of this core: the q/k norms over all heads of each projection together
+    # (OLMoE), not per head; needs qk_layernorm and RMSNorm (``WholeProjectionRMSNorm``).
+    qk_layernorm_whole_projection: bool = False
     test_mode: bool = False
     calculate_per_token_loss: bool = False
     multi_latent_attention: bool = False
@@ -144,6 +147,14 @@ class TransformerConfig(ModelParallelConfig):
         if self.normalization not in config_rules.NORMALIZATIONS:
             expected = " or ".join(repr(n) for n in config_rules.NORMALIZATIONS)
             raise ValueError(f"normalization must be {expected}, got {self.normalization!r}")
+        if self.qk_layernorm_whole_projection and not (
+            self.qk_layernorm and self.normalization == "RMSNorm"
+        ):
+            raise ValueError(
+                "qk_layernorm_whole_projection=True needs qk_layernorm=True and "
+                f"normalization='RMSNorm'; got qk_layernorm={self.qk_layernorm!r}, "
+                f"normalization={self.normalization!r}"
+            )
         if not config_rules.label_smoothing_allowed(self.label_smoothing):
             raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing!r}")
         if self.ffn_hidden_size is None:

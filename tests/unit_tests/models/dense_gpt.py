@@ -13,7 +13,8 @@ per-token losses [b, s]:
 
 Attention: the fused QKV output is, per query group g, [q_(g,1..h/g), k_g, v_g] (each d
 wide); query head j uses key/value group j // (h/g); causal softmax(q k^T / sqrt(d)) v.
-``qk_norm``: queries and keys are normalized per head (weights [d]) before RoPE.
+``qk_norm``: queries and keys are normalized per head (weights [d]) before RoPE; with
+``qk_norm_whole`` over all heads of the projection at once (weights [h d] and [g d], OLMoE).
 RoPE (``rope``): the first and second halves of q and k are rotated by angle
 p * base^(-2i/d). SwiGLU (``swiglu``): fc1's output is [gate | up], act = silu(gate) * up.
 """
@@ -45,6 +46,7 @@ class Arch:
     eps: float = 1e-5
     label_smoothing: float = 0.0
     qk_norm: bool = False
+    qk_norm_whole: bool = False
 
 
 MLP = Callable[[int, torch.Tensor, Dict[str, torch.Tensor]], torch.Tensor]
@@ -75,7 +77,10 @@ def dense_gpt_losses(
         qkv = qkv.view(b, s, arch.groups, per_group + 2, d)
         q = qkv[:, :, :, :per_group].reshape(b, s, arch.heads, d)
         k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
-        if arch.qk_norm:  # over each head's d channels
+        if arch.qk_norm_whole:  # over all h d (q) and g d (k) channels of a token
+            q = _norm(q.reshape(b, s, -1), p, "self_attention.q_layernorm", arch).view(q.shape)
+            k = _norm(k.reshape(b, s, -1), p, "self_attention.k_layernorm", arch).view(k.shape)
+        elif arch.qk_norm:  # over each head's d channels
             q = _norm(q, p, "self_attention.q_layernorm", arch)
             k = _norm(k, p, "self_attention.k_layernorm", arch)
         if arch.rope:

@@ -42,7 +42,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.loss_reporting import reduce_reported_losses
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer import TransformerConfig
+from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+from megatron.core.transformer import TransformerConfig, torch_norm
 from megatron.core.transformer.module import Float16Module
 from tests.unit_tests.dist_utils import (
     Layout,
@@ -75,6 +76,7 @@ ARCHS = {
         LLAMA,
         dataclasses.replace(GPT2, name="gpt2-untied", tied=False),
         dataclasses.replace(LLAMA, name="llama-qknorm", qk_norm=True),
+        dataclasses.replace(LLAMA, name="llama-qknorm-whole", qk_norm=True, qk_norm_whole=True),
     )
 }
 
@@ -113,6 +115,11 @@ CASES = [
     # q/k norms see only this rank's heads: summed over TP even without SP
     _case(Layout(tp=2, cp=2), "averaged", "llama-qknorm"),
     _case(Layout(tp=2, sp=True, cp=2, pp=2), "per-token", "llama-qknorm", slow=True),
+    # whole-projection q/k norms (OLMoE): the sum of squares all-reduced over TP, the weights
+    # TP-split
+    _case(Layout(tp=2, sp=True, cp=2), "averaged", "llama-qknorm-whole"),
+    _case(Layout(tp=4, pp=1), "per-token", "llama-qknorm-whole", slow=True),
+    _case(Layout(tp=2, cp=2, pp=2), "per-token", "llama-qknorm-whole", slow=True),
     _case(Layout(tp=2, sp=True, dp=2, pp=2), "averaged", "gpt2-untied"),
 ]
 # the full tensor-parallel matrix (slow): TP in {2, 4} x SP on/off x both architectures
@@ -165,6 +172,33 @@ def test_negative_control_without_the_tp_sum_of_sequence_parallel_grads(arch: st
     dist.all_gather_object(everyone, failures)
     flat = [f for rank_failures in everyone for f in rank_failures]
     assert any("layernorm.weight" in f for f in flat), "the bucket did not catch the bug"
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize(
+    "broken",
+    [
+        pytest.param(lambda x, group: x, id="local-sum-of-squares"),
+        pytest.param(reduce_from_tensor_model_parallel_region, id="unsummed-gradient"),
+    ],
+)
+def test_negative_control_whole_projection_qk_norm(broken, monkeypatch):
+    """The whole-projection q/k norm's controls: each rank normalizing by its own heads'
+    sum of squares, or the sum all-reduced with the identity backward of
+    ``reduce_from_tensor_model_parallel_region`` (right in the forward, each rank then
+    missing the other heads' share of d(sum)), fail the bucket."""
+    layout = Layout(tp=2)
+    reference = dense_reference("averaged", "llama-qknorm-whole")
+    monkeypatch.setattr(torch_norm, "all_reduce_with_summed_grad", broken)
+    use_layout(layout)
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    arch = ARCHS["llama-qknorm-whole"]
+    steps = distributed_training(layout, "averaged", arch, groups)
+    failures = compare(layout, "averaged", steps, reference, groups)
+    everyone: List[Optional[List[str]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, failures)
+    flat = [f for rank_failures in everyone for f in rank_failures]
+    assert any("linear_qkv.weight" in f for f in flat), "the bucket did not catch the bug"
 
 
 def compare(layout, mode, steps, reference, groups) -> List[str]:
@@ -365,6 +399,7 @@ def make_config(layout: Layout, mode: str, arch: Arch) -> TransformerConfig:
         add_bias_linear=arch.bias,
         layernorm_epsilon=arch.eps,
         qk_layernorm=arch.qk_norm,
+        qk_layernorm_whole_projection=arch.qk_norm_whole,
         label_smoothing=arch.label_smoothing,
         hidden_dropout=0.0,
         attention_dropout=0.0,
