@@ -393,6 +393,13 @@ class TrainingConfig:
         help="normalize each query and key head (--normalization, over kv-channels) before "
         "the rotary embedding (Qwen3)",
     )
+    qk_layernorm_whole_projection: bool = option(
+        False,
+        "--qk-layernorm-whole-projection",
+        kind=MODEL,
+        help="with --qk-layernorm and RMSNorm: one norm over all heads of the query and of "
+        "the key projection (weights [heads x kv-channels]), not one per head (OLMoE)",
+    )
     openai_gelu: bool = option(
         False,
         "--openai-gelu",

@@ -223,6 +223,7 @@ def transformer_config_from(config: TrainingConfig, layout: Layout) -> Transform
         add_bias_linear=not config.disable_bias_linear,
         add_qkv_bias=config.add_qkv_bias,
         qk_layernorm=config.qk_layernorm,
+        qk_layernorm_whole_projection=config.qk_layernorm_whole_projection,
         perform_initialization=not config.hf_model,
         window_size=None if config.window_size is None else tuple(config.window_size),
         attention_backend=config.attention_backend,

@@ -370,6 +370,11 @@ def _check_combinations(c: Config) -> None:
     )
     _require(not (c.openai_gelu and c.swiglu), "--openai-gelu and --swiglu exclude each other")
     _require(
+        not c.qk_layernorm_whole_projection or (c.qk_layernorm and c.normalization == "RMSNorm"),
+        "--qk-layernorm-whole-projection needs --qk-layernorm and --normalization RMSNorm "
+        f"(got --qk-layernorm {c.qk_layernorm}, --normalization {c.normalization})",
+    )
+    _require(
         c.min_loss_scale <= c.initial_loss_scale,
         f"--min-loss-scale {c.min_loss_scale} must be <= --initial-loss-scale "
         f"{c.initial_loss_scale}",

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from megatron.training.hf.families import REFUSED, REGISTRY
+from megatron.training.hf.families import REGISTRY
 from megatron.training.hf.families.moe import moe_architecture_fields
 from megatron.training.hf.family import ConfigReader, HFArchitecture
 from megatron.training.model_settings import resolved_model
@@ -58,11 +58,6 @@ def read_hf_config(directory) -> "tuple[HFArchitecture, Dict[str, Any]]":
 def architecture_from_config(raw: Dict[str, Any], where: str = "config.json") -> HFArchitecture:
     """The architecture of a ``config.json`` dict; ValueError naming what we cannot express."""
     model_type = raw.get("model_type")
-    if model_type in REFUSED:
-        raise ValueError(
-            f"{where}: model_type={model_type!r} is not supported: {REFUSED[model_type]}; "
-            f"expected one of {', '.join(FAMILIES)}"
-        )
     if model_type not in REGISTRY:
         raise ValueError(
             f"{where}: model_type={model_type!r} is not supported; expected one of "
@@ -121,6 +116,7 @@ def training_settings(arch: HFArchitecture) -> Dict[str, Any]:
         "untie_embeddings_and_output_weights": not arch.tied,
         "window_size": None if arch.window_size is None else list(arch.window_size),
         "qk_layernorm": arch.qk_layernorm,
+        "qk_layernorm_whole_projection": arch.qk_layernorm_whole_projection,
         "num_experts": arch.num_moe_experts,
         **moe_training_settings(arch),
     }
@@ -197,5 +193,6 @@ def architecture_from_model_settings(settings: Dict[str, Any]) -> HFArchitecture
         add_qkv_bias=qkv_bias and not bias,
         tied=not settings.get("untie_embeddings_and_output_weights", False),
         qk_layernorm=bool(settings.get("qk_layernorm", False)),
+        qk_layernorm_whole_projection=bool(settings.get("qk_layernorm_whole_projection", False)),
         **moe_architecture_fields(model),
     )

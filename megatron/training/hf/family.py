@@ -68,6 +68,8 @@ class HFArchitecture:
     dtype: str = "float32"
     window_size: Optional[Tuple[int, int]] = None  # (left, 0): sliding-window attention
     qk_layernorm: bool = False  # per-head q/k norm (``normalization``) before rotary
+    # with qk_layernorm: one RMSNorm over all heads of q and of k (OLMoE), not per head
+    qk_layernorm_whole_projection: bool = False
     # Mixture of experts (None: a dense model). ``moe_layer_freq``: one 0/1 per layer (1: a
     # MoE layer; dense layers have the ``ffn_hidden_size`` MLP). Routing: softmax over the
     # router logits, top ``moe_router_topk``; ``moe_router_pre_softmax`` False renormalizes

@@ -108,6 +108,7 @@ def architecture_fields(arch: HFArchitecture) -> Dict[str, Any]:
         add_qkv_bias=arch.add_qkv_bias,
         window_size=arch.window_size,
         qk_layernorm=arch.qk_layernorm,
+        qk_layernorm_whole_projection=arch.qk_layernorm_whole_projection,
         **moe_fields(arch),
     )
 

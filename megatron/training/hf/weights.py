@@ -91,6 +91,8 @@ def our_full_shapes(arch: HFArchitecture) -> Dict[str, tuple]:
     """{our one-chunk parameter name: full (unsharded) shape}."""
     h, d, ffn, v = arch.hidden_size, arch.kv_channels, arch.ffn_hidden_size, arch.vocab_size
     qkv_rows = (arch.num_attention_heads + 2 * arch.num_query_groups) * d
+    whole = arch.qk_layernorm_whole_projection  # q/k norms over all heads (OLMoE)
+    q_norm, k_norm = (arch.num_attention_heads * d, arch.num_query_groups * d) if whole else (d, d)
     shapes = {
         "embedding.word_embeddings.weight": (v, h),
         "decoder.final_layernorm.weight": (h,),
@@ -108,8 +110,8 @@ def our_full_shapes(arch: HFArchitecture) -> Dict[str, tuple]:
                 p + "self_attention.linear_qkv.bias": (qkv_rows,),
                 p + "self_attention.linear_proj.weight": (h, arch.num_attention_heads * d),
                 p + "self_attention.linear_proj.bias": (h,),
-                p + "self_attention.q_layernorm.weight": (d,),
-                p + "self_attention.k_layernorm.weight": (d,),
+                p + "self_attention.q_layernorm.weight": (q_norm,),
+                p + "self_attention.k_layernorm.weight": (k_norm,),
                 p + "pre_mlp_layernorm.weight": (h,),
                 p + "pre_mlp_layernorm.bias": (h,),
                 p + "mlp.linear_fc1.weight": ((2 if arch.swiglu else 1) * ffn, h),

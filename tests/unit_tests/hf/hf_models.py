@@ -26,7 +26,7 @@ VOCAB, SEQ = 128, 16
 COMMON = dict(vocab_size=VOCAB, initializer_range=0.1)
 ROPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 MOE = dict(num_experts_per_tok=2)
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 # family -> (transformers class name, config class name, config kwargs, max_shard_size or None)
 FAMILIES = {
@@ -126,6 +126,14 @@ FAMILIES = {
         ),
         None,
     ),
+    # OLMoE: q/k RMSNorms over the whole projections (random weights), GQA, every layer MoE,
+    # top-2 probabilities not renormalized, saved sharded
+    "olmoe": (
+        "OlmoeForCausalLM",
+        "OlmoeConfig",
+        dict(**ROPE, **MOE, num_key_value_heads=2, num_experts=4, norm_topk_prob=False),
+        "12KB",
+    ),
     # GPT-2: learned positions, LayerNorm, biases, tied, Conv1D weights, gelu_new
     "gpt2": (
         "GPT2LMHeadModel",
@@ -167,7 +175,8 @@ def build_models(directory: Path) -> Dict[str, Path]:
         torch.manual_seed(100 + index)
         config = getattr(transformers, config_cls)(**COMMON, **kwargs)
         model = getattr(transformers, model_cls)(config).eval()
-        if family.startswith("qwen3"):  # norms start at 1: make a wrong q/k norm visible
+        if family.startswith("qwen3") or family == "olmoe":  # norms start at 1: make a wrong
+            # q/k norm visible
             _randomize_norms(model)
         if family in MOE_FAMILIES:  # routers with clear margins between the experts
             _randomize_routers(model)

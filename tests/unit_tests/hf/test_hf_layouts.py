@@ -51,8 +51,14 @@ LAYOUTS = {
     "tp2-sp-ep2": Layout(tp=2, ep=2, etp=1),  # MoE only
 }
 # The MoE cases of the default run (the others are slow): mixed dense/MoE layers with a
-# shared expert under both expert layouts, Mixtral at EP = 2.
-MOE_DEFAULT = {("qwen2_moe", "ep2"), ("qwen2_moe", "tp2-sp-ep2"), ("mixtral", "ep2")}
+# shared expert under both expert layouts, Mixtral at EP = 2, OLMoE's whole-projection q/k
+# norms split over TP.
+MOE_DEFAULT = {
+    ("qwen2_moe", "ep2"),
+    ("qwen2_moe", "tp2-sp-ep2"),
+    ("mixtral", "ep2"),
+    ("olmoe", "tp2-sp-ep2"),
+}
 SLOW = pytest.mark.slow
 
 

@@ -43,6 +43,9 @@ BASE = {
     "qwen3_moe": {**LLAMA, "model_type": "qwen3_moe", "head_dim": 16, "num_experts": 4,
                   "num_experts_per_tok": 2, "moe_intermediate_size": 24,
                   "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    "olmoe": {**LLAMA, "model_type": "olmoe", "num_experts": 4, "num_experts_per_tok": 2,
+              "norm_topk_prob": False, "clip_qkv": None, "attention_bias": False,
+              "router_aux_loss_coef": 0.01, "output_router_logits": False},
 }  # fmt: skip
 
 REFUSED = [
@@ -74,6 +77,11 @@ REFUSED = [
     ("mixtral", {"num_local_experts": 0}, "num_local_experts"),
     ("mixtral", {"sliding_window": 0}, "sliding_window"),
     ("qwen2_moe", {"use_sliding_window": True}, "use_sliding_window"),
+    ("olmoe", {"clip_qkv": 8.0}, "clip_qkv"),
+    ("olmoe", {"attention_bias": True}, "attention_bias"),
+    ("olmoe", {"head_dim": 16}, "head_dim"),
+    ("olmoe", {"num_experts": 0}, "num_experts"),
+    ("olmoe", {"norm_topk_prob": "yes"}, "norm_topk_prob"),
     ("qwen2_moe", {"mlp_only_layers": [2]}, "mlp_only_layers"),
     ("qwen2_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step"),
     ("qwen2_moe", {"norm_topk_prob": "yes"}, "norm_topk_prob"),
@@ -108,13 +116,12 @@ def test_an_unsupported_model_type_is_refused():
         architecture_from_config({**LLAMA, "model_type": "deepseek_v3"})
 
 
-def test_olmoe_is_refused_saying_why():
-    """OLMoE's q/k norms span all heads; ours are per head: refused by name, with the reason."""
-    olmoe = {**BASE["qwen3_moe"], "model_type": "olmoe", "architectures": ["OlmoeForCausalLM"]}
-    with pytest.raises(ValueError, match="model_type='olmoe' is not supported") as info:
-        architecture_from_config(olmoe)
-    assert "whole q and k projections" in str(info.value)
-    assert "per head" in str(info.value) or "each head" in str(info.value)
+def test_olmoe_reads_as_whole_projection_qk_norms():
+    """OLMoE's q/k norms span all heads of each projection: qk_layernorm with
+    qk_layernorm_whole_projection, every layer a MoE layer of intermediate_size."""
+    arch = architecture_from_config(BASE["olmoe"])
+    assert (arch.qk_layernorm, arch.qk_layernorm_whole_projection) == (True, True)
+    assert (arch.num_moe_experts, arch.moe_ffn_hidden_size, arch.moe_layer_freq) == (4, 64, (1, 1))
 
 
 MOE_ROUTING = [  # family, change, (pre_softmax, shared expert size, layer pattern)
@@ -122,6 +129,8 @@ MOE_ROUTING = [  # family, change, (pre_softmax, shared expert size, layer patte
     ("qwen2_moe", {}, (True, 40, (1, 1))),
     ("qwen2_moe", {"norm_topk_prob": True, "mlp_only_layers": [1]}, (False, 40, (1, 0))),
     ("qwen3_moe", {}, (False, None, (1, 1))),
+    ("olmoe", {}, (True, None, (1, 1))),
+    ("olmoe", {"norm_topk_prob": True}, (False, None, (1, 1))),
     ("qwen3_moe", {"norm_topk_prob": False, "decoder_sparse_step": 2}, (True, None, (0, 1))),
 ]
 

@@ -17,6 +17,7 @@ import json
 import pytest
 import torch
 
+from megatron.core.transformer.torch_norm import WholeProjectionRMSNorm
 from megatron.training.hf import model_from_hf
 from megatron.training.hf.__main__ import main as hf_cli
 from megatron.training.hf.weights import SafetensorsReader
@@ -88,12 +89,27 @@ def test_negative_control_swapped_q_and_k_norms_are_caught(hf_models):
     assert err > 1e-3, f"swapped q/k norms went unnoticed (relative error {err:.2e})"
 
 
+def test_negative_control_per_head_qk_norms_are_caught(hf_models, monkeypatch):
+    """OLMoE: the same q/k norm weights applied to each head on its own (``qk_layernorm``
+    without ``qk_layernorm_whole_projection``) fail the logit check."""
+
+    def per_head(self, x):
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed * self.weight.view(x.shape[-2], x.shape[-1])
+
+    monkeypatch.setattr(WholeProjectionRMSNorm, "forward", per_head)
+    model, config = model_from_hf(hf_models.paths["olmoe"])
+    assert config.qk_layernorm_whole_projection
+    err = rel_error(_our_logits(model, token_ids()), hf_models.logits["olmoe"])
+    assert err > 1e-3, f"per-head q/k norms went unnoticed (relative error {err:.2e})"
+
+
 def _some_slow(families, slow):
     """``families`` as parameters, those in ``slow`` marked slow (default-suite time)."""
     return [pytest.param(f, marks=pytest.mark.slow) if f in slow else f for f in families]
 
 
-@pytest.mark.parametrize("family", _some_slow(MOE_FAMILIES, {"mixtral", "qwen3_moe"}))
+@pytest.mark.parametrize("family", _some_slow(MOE_FAMILIES, {"mixtral", "qwen3_moe", "olmoe"}))
 def test_moe_logits_with_grouped_experts_equal_transformers(hf_models, family):
     """The same weights in ``GroupedMLP``'s stacked, transposed layout."""
     model, config = model_from_hf(hf_models.paths[family], moe_grouped_gemm=True)
@@ -193,10 +209,18 @@ FROM_SCRATCH.update(
         moe_layer_freq=[0, 1],
     ),
     qwen3_moe=dict(MOE, qk_layernorm=True, kv_channels=16, moe_layer_freq=[1, 1]),
+    # whole-projection q/k norms, unnormalized top-k, GQA
+    olmoe=dict(
+        MOE,
+        qk_layernorm=True,
+        qk_layernorm_whole_projection=True,
+        moe_router_pre_softmax=True,
+        num_query_groups=2,
+    ),
 )
 
 
-@pytest.mark.parametrize("family", _some_slow(FROM_SCRATCH, {"mixtral", "qwen3_moe"}))
+@pytest.mark.parametrize("family", _some_slow(FROM_SCRATCH, {"mixtral", "qwen3_moe", "olmoe"}))
 def test_a_model_trained_from_scratch_exports_to_transformers(family, tmp_path):
     """--export-hf of a run that did not start from HuggingFace: the config.json written
     from its options makes transformers compute what our model computes."""

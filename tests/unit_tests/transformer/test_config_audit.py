@@ -82,6 +82,7 @@ NON_DEFAULT = {
     "window_size": (2, 0),
     "normalization": "RMSNorm",
     "qk_layernorm": True,
+    "qk_layernorm_whole_projection": With(True, qk_layernorm=True, normalization="RMSNorm"),
     "test_mode": True,
     "multi_latent_attention": True,
     "init_method": torch.nn.init.xavier_uniform_,

@@ -13,6 +13,7 @@ from megatron.training.hf.families import (
     llama,
     mistral,
     mixtral,
+    olmoe,
     qwen2,
     qwen2_moe,
     qwen3,
@@ -31,16 +32,8 @@ REGISTRY: Dict[str, Family] = {
         mixtral.FAMILY,
         qwen2_moe.FAMILY,
         qwen3_moe.FAMILY,
+        olmoe.FAMILY,
     )
-}
-# Families we know and cannot express exactly: model_type -> why (the import error says it).
-REFUSED: Dict[str, str] = {
-    "olmoe": (
-        "OLMoE's q_norm / k_norm are RMSNorms over the whole q and k projections (all heads "
-        "together, weights [num_attention_heads * head_dim] and [num_key_value_heads * "
-        "head_dim]); our qk_layernorm normalizes each head on its own with one [head_dim] "
-        "weight, so the model cannot be expressed exactly"
-    ),
 }
 
 

@@ -73,13 +73,14 @@ class LlamaShaped(Family):
             dtype=c.dtype(),
             window_size=extra.get("window_size"),
             qk_layernorm=extra.get("qk_layernorm", False),
+            qk_layernorm_whole_projection=extra.get("qk_layernorm_whole_projection", False),
             **{name: extra[name] for name in MOE_FIELDS if name in extra},
         )
 
     def read_extra(self, c: ConfigReader) -> Dict[str, Any]:
         """The family's own keys: HFArchitecture fields (``add_bias_linear``,
-        ``add_qkv_bias``, ``window_size``, ``qk_layernorm``, the MoE fields of
-        ``families.moe.MOE_FIELDS``) that differ from the plain Llama shape.
+        ``add_qkv_bias``, ``window_size``, ``qk_layernorm``, ``qk_layernorm_whole_projection``,
+        the MoE fields of ``families.moe.MOE_FIELDS``) that differ from the plain Llama shape.
         """
         return {}
 

@@ -48,7 +48,8 @@ class Qwen3(LlamaShaped):
         bias = not settings.get("disable_bias_linear", False)
         qkv_bias = bool(settings.get("add_qkv_bias", False))
         qk_norm = bool(settings.get("qk_layernorm", False))
-        return rmsnorm_swiglu_rope(settings) and qk_norm and not bias and not qkv_bias
+        whole = bool(settings.get("qk_layernorm_whole_projection", False))  # not per head
+        return rmsnorm_swiglu_rope(settings) and qk_norm and not whole and not bias and not qkv_bias
 
 
 FAMILY = Qwen3()
