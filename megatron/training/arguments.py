@@ -512,6 +512,14 @@ class TrainingConfig:
         check=one_of(config_rules.MOE_SCORE_FUNCTIONS),
         help="softmax or sigmoid routing scores",
     )
+    moe_router_dtype: Optional[str] = option(
+        None,
+        "--moe-router-dtype",
+        kind=MODEL,
+        check=one_of(("fp32", "fp64")),
+        help="the router's logits, routing and router losses in this dtype (default: the "
+        "model's; fp32 as transformers' MoE routers in a bf16 run)",
+    )
     moe_router_enable_expert_bias: bool = option(
         False,
         "--moe-router-enable-expert-bias",

@@ -142,6 +142,7 @@ def moe_fields(config: TrainingConfig, layout: Layout) -> dict:
         moe_z_loss_coeff=config.moe_z_loss_coeff,
         moe_router_pre_softmax=config.moe_router_pre_softmax,
         moe_router_score_function=config.moe_router_score_function,
+        moe_router_dtype=config.moe_router_dtype,
         moe_router_enable_expert_bias=config.moe_router_enable_expert_bias,
         moe_router_bias_update_rate=config.moe_router_bias_update_rate,
         moe_router_topk_scaling_factor=config.moe_router_topk_scaling_factor,

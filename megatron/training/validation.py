@@ -160,6 +160,7 @@ _MOE_FLAGS = (
     "moe_z_loss_coeff",
     "moe_router_pre_softmax",
     "moe_router_score_function",
+    "moe_router_dtype",
     "moe_router_enable_expert_bias",
     "moe_router_topk_scaling_factor",
     "moe_router_num_groups",

@@ -69,6 +69,7 @@ NON_DEFAULT = dict(
     moe_z_loss_coeff=0.001,
     moe_router_pre_softmax=True,
     moe_router_score_function="sigmoid",
+    moe_router_dtype="fp32",
     moe_router_enable_expert_bias=True,
     moe_router_bias_update_rate=0.01,
     moe_router_topk_scaling_factor=2.5,
@@ -432,6 +433,7 @@ def test_the_kinds_give_the_resume_and_comparison_lists():
         "seq_length", "max_position_embeddings", "num_experts", "moe_router_topk",
         "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
         "moe_router_pre_softmax", "moe_router_score_function", "moe_router_enable_expert_bias",
+        "moe_router_dtype",
         "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
         "moe_layer_freq", "lora_dim", "lora_alpha",
         "lora_target_modules", "lora_exclude_modules", "pretrained_checkpoint",
@@ -473,3 +475,18 @@ def test_resolved_model_derives_the_defaults_once():
     assert resolved_model(given) == given
     old = resolved_model({"hidden_size": 48, "num_query_groups": None})
     assert old == {"hidden_size": 48, "num_query_groups": None, "ffn_hidden_size": 192}
+
+
+def test_moe_router_dtype_reaches_the_transformer_config():
+    """--moe-router-dtype fp32 is megatron's router precision flag: it reaches the
+    TransformerConfig; another value, or the flag without --num-experts, is refused."""
+    from megatron.training.model import moe_fields
+
+    config = TrainingConfig(num_experts=4, disable_bias_linear=True, moe_router_dtype="fp32")
+    assert moe_fields(config, validate_config(config, 1))["moe_router_dtype"] == "fp32"
+    with pytest.raises(ValueError, match="--moe-router-dtype must be fp32 or fp64, got .bf16."):
+        validate_config(
+            TrainingConfig(num_experts=4, disable_bias_linear=True, moe_router_dtype="bf16"), 1
+        )
+    with pytest.raises(ValueError, match="--moe-router-dtype fp32 needs --num-experts"):
+        validate_config(TrainingConfig(moe_router_dtype="fp32"), 1)

@@ -112,6 +112,45 @@ def test_grouped_and_sequential_experts_agree():
         assert (a - b).abs().max() <= 1e-12 * max(b.abs().max(), 1)
 
 
+def test_router_losses_attached_after_the_experts_give_the_same_gradients():
+    """A MoELayer attaches its router losses to its output (``defer_router_losses``, so a
+    GPU's host-side loss ops overlap the expert GEMMs): every gradient and tracked loss
+    equals the router attaching them to its probabilities, as the router alone does."""
+    config = _config(
+        moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"],
+        moe_aux_loss_coeff=[0.1, 0.05],
+        moe_z_loss_coeff=0.01,
+    )
+    results = []
+    for defer in (True, False):
+        model = _gpt(config)
+        for layer in model.decoder.layers:
+            assert layer.mlp.router.defer_router_losses  # the layer's setting
+            layer.mlp.router.defer_router_losses = defer
+        tokens, positions, padding = _batch()
+        model(tokens, positions, labels=tokens, padding_mask=padding).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        tracked = {
+            name: entry["values"].clone()
+            for name, entry in moe_utils.get_moe_layer_wise_logging_tracker().items()
+        }
+        results.append((grads, tracked))
+        moe_utils.clear_aux_losses_tracker()
+    (deferred, tracked_deferred), (direct, tracked_direct) = results
+    assert deferred.keys() == direct.keys()
+    for name in direct:
+        assert torch.allclose(deferred[name], direct[name], rtol=1e-12, atol=1e-15), name
+    assert tracked_deferred.keys() == tracked_direct.keys() and len(tracked_direct) >= 3
+    for name in tracked_direct:
+        assert torch.equal(tracked_deferred[name], tracked_direct[name]), name
+    router_grad = direct["decoder.layers.0.mlp.router.weight"]
+    model = _gpt(_config())  # no router losses: a different router gradient (the control)
+    tokens, positions, padding = _batch()
+    model(tokens, positions, labels=tokens, padding_mask=padding).sum().backward()
+    assert not torch.allclose(model.decoder.layers[0].mlp.router.weight.grad, router_grad)
+    moe_utils.clear_aux_losses_tracker()
+
+
 def test_float64_model_routes_in_float64():
     model = _gpt(_config())
     layer = model.decoder.layers[0].mlp

@@ -86,6 +86,7 @@ class MoELayer(BaseMoELayer):
             raise ValueError("MoELayer: submodules.experts must name SequentialMLP or GroupedMLP")
         self.submodules = submodules
         self.router = build_module(submodules.router, config=config, pg_collection=pg_collection)
+        self.router.defer_router_losses = True  # attached to the output (TopKRouter)
         if layer_number is not None:
             self.router.set_layer_number(layer_number)
         dispatcher = {
@@ -179,7 +180,7 @@ class MoELayer(BaseMoELayer):
         output, mlp_bias = self.routed_experts_compute(dispatched_input, probs)
         output = self.combine(output)
         output = self.postprocess(output, self.shared_experts_compute(hidden_states))
-        return output, mlp_bias
+        return self.router.attach_deferred_losses(output), mlp_bias
 
     def backward_dw(self, routed_experts: bool = True, shared_experts: bool = False) -> None:
         """No deferred weight gradients (they are computed in the backward)."""

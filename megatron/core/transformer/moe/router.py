@@ -57,13 +57,21 @@ class Router(MegatronModule):
         """Route the input (the subclass's rule)."""
         raise NotImplementedError
 
+    def attach_deferred_losses(self, output: torch.Tensor) -> torch.Tensor:
+        """The MoE layer's output with any losses the router held back (none here)."""
+        return output
+
 
 class TopKRouter(Router):
     """Top-k routing with softmax (after or before selection) or sigmoid scores, expert
     bias (aux-loss-free balancing), group-limited selection and a scaling factor
     (``moe_utils.topk_routing``); the load-balancing losses ("aux_loss", "seq_aux_loss")
     and the z-loss of ``moe_utils``, each defined over the whole micro-batch and attached
-    to the probabilities through ``MoEAuxLossAutoScaler``.
+    to the probabilities through ``MoEAuxLossAutoScaler``. A ``MoELayer`` sets
+    ``defer_router_losses``: the losses (and counts) are then made by
+    ``attach_deferred_losses`` on the layer's output, after the experts' work is queued,
+    so on a GPU their many small host-side ops overlap the expert GEMMs instead of delaying
+    them; the losses and every gradient are the same.
 
     Router losses and counts are computed when training with autograd on (a recomputed
     forward counts once). ``last_topk_indices`` [T, k]: the experts of the last forward in
@@ -78,6 +86,8 @@ class TopKRouter(Router):
         self.score_function = config.moe_router_score_function
         self.enable_expert_bias = config.moe_router_enable_expert_bias
         self.last_topk_indices: Optional[torch.Tensor] = None
+        self.defer_router_losses = False
+        self._deferred: Optional[tuple] = None
         self._batch = 1
         if self.enable_expert_bias:
             bias_dtype = torch.promote_types(torch.float32, config.params_dtype)
@@ -133,10 +143,24 @@ class TopKRouter(Router):
             expert_bias=self.expert_bias,
         )
         self.last_topk_indices = indices
+        self._deferred = None
         if self.training and torch.is_grad_enabled():
-            self._count_dispatched(routing_map, valid)
-            probs = self._attach_router_losses(probs, logits, routing_map, pad)
+            if self.defer_router_losses:
+                self._deferred = (logits, routing_map, pad, valid)
+            else:
+                self._count_dispatched(routing_map, valid)
+                probs = self._attach_router_losses(probs, logits, routing_map, pad)
         return probs, routing_map
+
+    def attach_deferred_losses(self, output: torch.Tensor) -> torch.Tensor:
+        """``output`` with the router losses of the last ``routing`` attached (and its counts
+        made) when ``defer_router_losses`` held them back; else ``output`` unchanged."""
+        if self._deferred is None:
+            return output
+        logits, routing_map, pad, valid = self._deferred
+        self._deferred = None
+        self._count_dispatched(routing_map, valid)
+        return self._attach_router_losses(output, logits, routing_map, pad)
 
     def apply_z_loss(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         """Attach this shard's part of z_m = c sum lse^2 / T_m to the logits (T_m counted
