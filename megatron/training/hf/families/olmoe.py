@@ -25,7 +25,8 @@ from megatron.training.hf.families.moe import (
     read_routing,
 )
 from megatron.training.hf.families.qwen2_moe import qwen_moe_layer_sources, read_experts
-from megatron.training.hf.family import ConfigReader, HFArchitecture, Segment, Source
+from megatron.training.hf.families.qwen3 import qk_norm_sources, refuse_attention_bias
+from megatron.training.hf.family import ConfigReader, HFArchitecture, Source
 
 
 class Olmoe(LlamaShaped):
@@ -38,12 +39,7 @@ class Olmoe(LlamaShaped):
     )
 
     def read_extra(self, c: ConfigReader) -> Dict[str, Any]:
-        c.expect(
-            "attention_bias",
-            False,
-            "false (biases on q/k/v/o without MLP biases are not supported)",
-            default=False,
-        )
+        refuse_attention_bias(c)
         c.expect(
             "clip_qkv",
             None,
@@ -83,12 +79,7 @@ class Olmoe(LlamaShaped):
         self, arch: HFArchitecture, layer: int, prefix: Optional[str]
     ) -> Dict[str, Source]:
         table = super().layer_sources(arch, layer, prefix)
-        attn = f"{'model.' if prefix is None else prefix}layers.{layer}.self_attn."
-        ours = f"decoder.layers.{layer}.self_attention."
-        d = arch.kv_channels
-        q_size, k_size = arch.num_attention_heads * d, arch.num_query_groups * d
-        table[ours + "q_layernorm.weight"] = (Segment(f"{attn}q_norm.weight", 0, q_size),)
-        table[ours + "k_layernorm.weight"] = (Segment(f"{attn}k_norm.weight", 0, k_size),)
+        table.update(qk_norm_sources(arch, layer, prefix))
         return qwen_moe_layer_sources(arch, table, layer, prefix)
 
     def claims(self, settings: Dict[str, Any]) -> bool:

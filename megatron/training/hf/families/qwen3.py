@@ -21,12 +21,7 @@ class Qwen3(LlamaShaped):
     settings_hint = "RMSNorm + swiglu + rope + --qk-layernorm --disable-bias-linear (Qwen3)"
 
     def read_extra(self, c: ConfigReader) -> Dict[str, Any]:
-        c.expect(
-            "attention_bias",
-            False,
-            "false (biases on q/k/v/o without MLP biases are not supported)",
-            default=False,
-        )
+        refuse_attention_bias(c)
         refuse_sliding_windows(c)
         return {"qk_layernorm": True}
 
@@ -36,13 +31,10 @@ class Qwen3(LlamaShaped):
     def layer_sources(
         self, arch: HFArchitecture, layer: int, prefix: Optional[str]
     ) -> Dict[str, Source]:
-        table = super().layer_sources(arch, layer, prefix)
-        attn = f"{'model.' if prefix is None else prefix}layers.{layer}.self_attn."
-        ours = f"decoder.layers.{layer}.self_attention."
-        d = arch.kv_channels
-        table[ours + "q_layernorm.weight"] = (Segment(f"{attn}q_norm.weight", 0, d),)
-        table[ours + "k_layernorm.weight"] = (Segment(f"{attn}k_norm.weight", 0, d),)
-        return table
+        return {
+            **super().layer_sources(arch, layer, prefix),
+            **qk_norm_sources(arch, layer, prefix),
+        }
 
     def claims(self, settings: Dict[str, Any]) -> bool:
         bias = not settings.get("disable_bias_linear", False)
@@ -53,3 +45,29 @@ class Qwen3(LlamaShaped):
 
 
 FAMILY = Qwen3()
+
+
+def qk_norm_sources(arch: HFArchitecture, layer: int, prefix: Optional[str]) -> Dict[str, Source]:
+    """``self_attn.q_norm`` / ``k_norm`` as our ``q_layernorm`` / ``k_layernorm`` weights:
+    [head_dim] each (per head, Qwen3), or [heads * head_dim] and [groups * head_dim] with
+    ``qk_layernorm_whole_projection`` (OLMoE)."""
+    attn = f"{'model.' if prefix is None else prefix}layers.{layer}.self_attn."
+    ours = f"decoder.layers.{layer}.self_attention."
+    d = arch.kv_channels
+    q, k = (arch.num_attention_heads, arch.num_query_groups)
+    q, k = (q * d, k * d) if arch.qk_layernorm_whole_projection else (d, d)
+    return {
+        ours + "q_layernorm.weight": (Segment(f"{attn}q_norm.weight", 0, q),),
+        ours + "k_layernorm.weight": (Segment(f"{attn}k_norm.weight", 0, k),),
+    }
+
+
+def refuse_attention_bias(c: ConfigReader) -> None:
+    """``attention_bias`` must be false: biases on q/k/v/o without MLP biases (Qwen3, OLMoE)
+    are not expressible (our biases are on every linear layer, on none, or on q/k/v only)."""
+    c.expect(
+        "attention_bias",
+        False,
+        "false (biases on q/k/v/o without MLP biases are not supported)",
+        default=False,
+    )
