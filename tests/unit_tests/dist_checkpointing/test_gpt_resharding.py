@@ -11,7 +11,8 @@ optimizer, loads with ``dist_checkpointing.load`` and ``load_state_dict`` (the m
 ``model.load_state_dict`` as megatron's example script does), and must match bit for bit.
 
 Configurations: "gpt2" (LayerNorm, learned positions, tied embeddings, biases) and "llama"
-(RMSNorm, SwiGLU, GQA, RoPE, untied, no biases). A negative control numbers layers by their
+(RMSNorm, SwiGLU, GQA, RoPE, untied, no biases), and "llama-qknorm-whole" (OLMoE's q/k norms
+over the whole projections, their weights split over TP). A negative control numbers layers by their
 local index (a key that depends on PP) and must fail when PP changes.
 """
 
@@ -67,8 +68,12 @@ MODELS = {
         add_bias_linear=False,
     ),
 }
-TIED = {"gpt2": True, "llama": False}
-ROPE = {"gpt2": False, "llama": True}
+# OLMoE's attention: q/k norms over the whole projections, their weights split over TP
+MODELS["llama-qknorm-whole"] = dict(
+    MODELS["llama"], qk_layernorm=True, qk_layernorm_whole_projection=True
+)
+TIED = {"gpt2": True, "llama": False, "llama-qknorm-whole": False}
+ROPE = {"gpt2": False, "llama": True, "llama-qknorm-whole": True}
 
 
 def build(layout: Layout, model: str, seed: int, bf16: bool):
@@ -103,7 +108,9 @@ def build(layout: Layout, model: str, seed: int, bf16: bool):
         stage = vp_stage * layout.pp + pp_rank
         chunk = GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
+            transformer_layer_spec=get_gpt_layer_local_spec(
+                qk_layernorm=MODELS[model].get("qk_layernorm", False)
+            ),
             vocab_size=VOCAB,
             max_sequence_length=SEQ,
             pre_process=stage == 0,
@@ -240,6 +247,7 @@ PAIRS = [
     _pair(Layout(tp=2, dp=2), Layout(tp=4), "llama", slow=True),
     _pair(Layout(tp=4, dp=2), Layout(pp=4, dp=2), "llama", slow=True),
     _pair(Layout(cp=2, pp=4), Layout(tp=2, cp=4), "gpt2", bf16=True, slow=True),
+    _pair(Layout(tp=4), Layout(tp=2, pp=2), "llama-qknorm-whole", slow=True),
 ]
 
 
