@@ -149,6 +149,9 @@ class MegatronOptimizer(ABC):
             all_reduce_(tensor, group, op)
         return tensor
 
+    def _expert_grad_stats_device(self) -> torch.device:
+        return comm_device(self._expert_grad_stats_groups()[0])
+
     def _has_experts(self) -> bool:
         return bool(getattr(self, "has_expert_params", False))
 
@@ -169,7 +172,7 @@ class MegatronOptimizer(ABC):
             self.get_expert_main_grads_for_grad_norm(),
             2.0,
             self._reduce_expert_grad_stats,
-            comm_device(self._expert_grad_stats_groups()[0]),
+            self._expert_grad_stats_device(),
         )
         return math.sqrt(dense**2 + expert**2)
 
@@ -192,7 +195,7 @@ class MegatronOptimizer(ABC):
         expert = count_zeros(
             self.get_expert_main_grads_for_grad_norm(),
             self._reduce_expert_grad_stats,
-            comm_device(self._expert_grad_stats_groups()[0]),
+            self._expert_grad_stats_device(),
         )
         return dense + expert
 
@@ -274,7 +277,7 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         )
         if self._has_experts():  # an expert's inf reaches the ranks of the other experts
             found = self._reduce_expert_grad_stats(
-                found.to(comm_device(self._expert_grad_stats_groups()[0])), dist.ReduceOp.MAX
+                found.to(self._expert_grad_stats_device()), dist.ReduceOp.MAX
             )
         return bool(found.item() > 0)
 

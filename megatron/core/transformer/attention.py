@@ -217,31 +217,37 @@ class SelfAttention(Attention):
             tp_comm_buffer_name="qkv",
             tp_group=self.tp_group,
         )
+        self.q_layernorm, self.k_layernorm = self._qk_norms(submodules, config)
+
+    def _qk_norms(self, submodules: SelfAttentionSubmodules, config: TransformerConfig):
+        """(q norm, k norm): the spec's, per head (identity when it has none), or with
+        ``config.qk_layernorm_whole_projection`` one RMSNorm over each projection's heads
+        together (OLMoE): the config chooses the scope, as ``config.normalization`` the kind."""
         head_dim = self.hidden_size_per_attention_head
-        norm = dict(config=config, hidden_size=head_dim, eps=config.layernorm_epsilon)
-        self.q_layernorm = build_module(submodules.q_layernorm or IdentityOp, **norm)
-        self.k_layernorm = build_module(submodules.k_layernorm or IdentityOp, **norm)
-        if config.qk_layernorm and isinstance(self.q_layernorm, IdentityOp):
-            raise ValueError(
-                "config.qk_layernorm=True but the layer spec has no q_layernorm/k_layernorm; "
-                "build the spec with get_gpt_layer_local_spec(qk_layernorm=True)"
-            )
         if config.qk_layernorm_whole_projection:
-            # The spec's q/k norms, over each projection's heads together (OLMoE): the
-            # config chooses the scope, as ``config.normalization`` chooses the kind.
             whole = dict(config=config, eps=config.layernorm_epsilon, tp_group=self.tp_group)
             heads, groups = (
                 self.num_attention_heads_per_partition,
                 self.num_query_groups_per_partition,
             )
-            self.q_layernorm = WholeProjectionRMSNorm(hidden_size=heads * head_dim, **whole)
-            self.k_layernorm = WholeProjectionRMSNorm(hidden_size=groups * head_dim, **whole)
-        elif get_pg_size(self.tp_group) > 1:
+            return (
+                WholeProjectionRMSNorm(hidden_size=heads * head_dim, **whole),
+                WholeProjectionRMSNorm(hidden_size=groups * head_dim, **whole),
+            )
+        norm = dict(config=config, hidden_size=head_dim, eps=config.layernorm_epsilon)
+        q_norm = build_module(submodules.q_layernorm or IdentityOp, **norm)
+        k_norm = build_module(submodules.k_layernorm or IdentityOp, **norm)
+        if config.qk_layernorm and isinstance(q_norm, IdentityOp):
+            raise ValueError(
+                "config.qk_layernorm=True but the layer spec has no q_layernorm/k_layernorm; "
+                "build the spec with get_gpt_layer_local_spec(qk_layernorm=True)"
+            )
+        if get_pg_size(self.tp_group) > 1:
             # Replicated over TP but fed this rank's heads only: the gradient is the sum over
             # the TP group, with or without sequence parallelism.
-            for norm_module in (self.q_layernorm, self.k_layernorm):
-                for param in norm_module.parameters():
-                    param.sequence_parallel = True
+            for param in (*q_norm.parameters(), *k_norm.parameters()):
+                param.sequence_parallel = True
+        return q_norm, k_norm
 
     def get_query_key_value_tensors(
         self, hidden_states: torch.Tensor, key_value_states: Optional[torch.Tensor] = None

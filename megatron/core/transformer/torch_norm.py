@@ -63,7 +63,8 @@ class WholeProjectionRMSNorm(torch.nn.RMSNorm):
     ``tp_group`` with a summed gradient (``all_reduce_with_summed_grad``): every rank
     normalizes by the whole projection, as one process does. The sum accumulates in at
     least float32 (float64 stays float64); the output has the input's dtype times the
-    weight. Input [..., n/TP, d] (the heads of ``get_query_key_value_tensors``)."""
+    weight. Input [..., n/TP, d] (the heads of ``get_query_key_value_tensors``). The config
+    check (``qk_layernorm_whole_projection`` needs RMSNorm) is ``TransformerConfig``'s."""
 
     def __init__(
         self,
@@ -73,14 +74,8 @@ class WholeProjectionRMSNorm(torch.nn.RMSNorm):
         *,
         tp_group: Optional[torch.distributed.ProcessGroup] = None,
     ) -> None:
-        if config.normalization != "RMSNorm":
-            raise ValueError(
-                "qk_layernorm_whole_projection=True needs normalization='RMSNorm' (OLMoE's "
-                f"q/k norm); got normalization={config.normalization!r}"
-            )
-        self.tp_size = get_pg_size(tp_group) if tp_group is not None else 1
         super().__init__(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
-        self.tp_group = tp_group
+        self.tp_group, self.tp_size = tp_group, get_pg_size(tp_group)
         self.full_size = hidden_size * self.tp_size
         set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
 

@@ -385,6 +385,13 @@ def sum_slots_in_order(slots: torch.Tensor) -> torch.Tensor:
     return _SumSlots.apply(slots)
 
 
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """``inverse`` with ``inverse[order[i]] = i`` (``order`` a permutation of 0..n-1)."""
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return inverse
+
+
 def _slots_of(routing_map: torch.Tensor) -> Tuple[torch.Tensor, int]:
     """(the slot of every (token, expert) route in expert-major order: its place among its
     token's experts; the most experts of one token, at least 1)."""
@@ -420,9 +427,7 @@ class _IntoSlots(torch.autograd.Function):
         ctx.topk = topk
         hidden = rows.shape[-1]
         if rows.shape[0] == num_tokens * topk:
-            inverse = torch.empty_like(routes)
-            inverse[routes] = torch.arange(routes.numel(), device=routes.device)
-            slots = rows.index_select(0, inverse)
+            slots = rows.index_select(0, inverse_permutation(routes))
         else:
             slots = rows.new_zeros((num_tokens * topk, hidden)).index_copy_(0, routes, rows)
         return slots.view(num_tokens, topk, hidden)

@@ -19,7 +19,11 @@ _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 class Router(MegatronModule):
     """The gating weight [E, h] (replicated over TP; under sequence parallelism it is
-    marked ``sequence_parallel`` by the model, so its gradient is summed over TP)."""
+    marked ``sequence_parallel`` by the model, so its gradient is summed over TP).
+    ``defer_router_losses`` (set by ``MoELayer``): hold the router losses back for
+    ``attach_deferred_losses``."""
+
+    defer_router_losses = False
 
     def __init__(
         self, config: TransformerConfig, pg_collection: Optional[ProcessGroupCollection] = None
@@ -86,7 +90,6 @@ class TopKRouter(Router):
         self.score_function = config.moe_router_score_function
         self.enable_expert_bias = config.moe_router_enable_expert_bias
         self.last_topk_indices: Optional[torch.Tensor] = None
-        self.defer_router_losses = False
         self._deferred: Optional[tuple] = None
         self._batch = 1
         if self.enable_expert_bias:

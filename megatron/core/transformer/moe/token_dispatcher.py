@@ -24,6 +24,7 @@ from megatron.core.tensor_parallel import mappings
 from megatron.core.transformer.moe.moe_utils import (
     count_per_expert,
     gather_routes,
+    inverse_permutation,
     routes_into_slots,
     sum_slots_in_order,
 )
@@ -198,9 +199,7 @@ class MoEAlltoAllTokenDispatcher(_LocalExpertsDispatcher):
         added in top-k order."""
         outputs = hidden_states
         if self.order is not None:
-            inverse = torch.empty_like(self.order)
-            inverse[self.order] = torch.arange(self.order.numel(), device=self.order.device)
-            outputs = hidden_states.index_select(0, inverse)
+            outputs = hidden_states.index_select(0, inverse_permutation(self.order))
         if self.ep_size > 1:
             outputs = mappings.all_to_all(
                 self.ep_group, outputs, self.input_splits, self.output_splits
