@@ -31,11 +31,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 declare -A BUDGET=([world1]=120 [world2]=110 [world4]=230)
-# The README's promise is 6 minutes (360 s) on 2 cores, and the whole run's budget is that.
-# Measured at the end of session 8 on a clean clone, no other work on the machine: 354 s
-# (world 1 75 s, world 2 83 s, world 4 196 s) before one 9 s world-2 case moved to the slow
-# run; session 7's 474 s included coverage, which only --coverage turns on now. The buckets
-# have ~15% headroom each; the total has none beyond the promise.
+# The README's promise is 6 minutes (360 s) on 2 cores, and the whole run's budget is that:
+# the total has no headroom beyond the promise, so a run over it is a broken promise, not a
+# false alarm. Measured on a clean clone with no other work on the machine: 321-354 s at the
+# end of session 8, 335 s in session 9 (world 1 90 s, world 2 83 s, world 4 194 s). Each
+# bucket's own budget is over its share (world 1 +33%, world 2 +33%, world 4 +19% in
+# session 9), so the total is the check that binds.
 TOTAL_BUDGET=360
 REPORTS=test-reports
 MARK=()
@@ -61,7 +62,10 @@ if [ "$SLOW" = 1 ]; then
   BUDGET=([world1]=900 [world2]=600 [world4]=1500 [world8]=1800)
   TOTAL_BUDGET=4800  # CI: 90 minutes for the installs, the default run and this
 fi
-SCALE=${MEGATRON_TESTS_TIME_SCALE:-1}
+DEFAULT_SCALE=1
+# tracing doubles a launch's wall time (header): --coverage alone gets twice the budgets
+[ "$COVERAGE" = 1 ] && [ "$SLOW" = 0 ] && DEFAULT_SCALE=2
+SCALE=${MEGATRON_TESTS_TIME_SCALE:-$DEFAULT_SCALE}
 WORKERS=${MEGATRON_TESTS_WORKERS:-2}  # one-process tests in parallel (pytest-xdist, by file)
 DURATIONS=(--durations=15 --durations-min=1)
 PLAN="$REPORTS/plan"

@@ -27,6 +27,10 @@ class Layout:
     ep: int = 1  # expert parallelism (experts split over ep ranks of tp x dp x cp)
     etp: Optional[int] = None  # expert tensor parallelism (None: tp)
 
+    def __post_init__(self) -> None:
+        if self.etp == self.tp:  # one spelling of "expert TP = TP", as current_layout reads it
+            object.__setattr__(self, "etp", None)
+
     @property
     def world(self) -> int:
         return self.tp * self.cp * self.pp * self.dp

@@ -45,7 +45,11 @@ def _sharded(model) -> dict:
 
 
 def _load(model, directory) -> None:
-    loaded = dist_checkpointing.load({"model": _sharded(model)}, str(directory))["model"]
+    _apply(model, dist_checkpointing.load({"model": _sharded(model)}, str(directory))["model"])
+
+
+def _apply(model, loaded: dict) -> None:
+    """Load ``loaded`` (``_sharded``'s layout) into the model's chunks."""
     if len(model.gpts) == 1:
         model.gpts[0].load_state_dict(loaded)
     else:
@@ -147,11 +151,7 @@ def _load_with_optimizer(model, directory) -> None:
     sharded = _sharded(model)
     request = {"model": sharded, "optimizer": model.optimizer.sharded_state_dict(sharded, True)}
     loaded = dist_checkpointing.load(request, str(directory))
-    if len(model.gpts) == 1:
-        model.gpts[0].load_state_dict(loaded["model"])
-    else:
-        for i, gpt in enumerate(model.gpts):
-            gpt.load_state_dict(loaded["model"][f"model{i}"])
+    _apply(model, loaded["model"])
     model.optimizer.load_state_dict(loaded["optimizer"])
 
 

@@ -12,6 +12,7 @@ from megatron.training.hf import architecture_from_config, model_from_hf
 from megatron.training.hf.config import training_settings
 from megatron.training.hf.families import REGISTRY
 from megatron.training.hf.weights import hf_shapes, our_full_shapes, parameter_sources
+from tests.unit_tests.hf.hf_models import MOE_TRAINER_SETTINGS
 
 pytestmark = pytest.mark.world(1)
 
@@ -157,12 +158,12 @@ def test_moe_routing_and_layers_map_to_our_settings(family, change, expected):
 
 MOE_SETTINGS = dict(
     num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=128,
-    normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
-    disable_bias_linear=True, num_experts=4, moe_ffn_hidden_size=24, seq_length=16,
+    seq_length=16, **MOE_TRAINER_SETTINGS,
 )  # fmt: skip
 WRITTEN_AS = [
     ({}, "mixtral"),
     ({"qk_layernorm": True, "moe_layer_freq": [0, 1]}, "qwen3_moe"),
+    ({"qk_layernorm": True, "qk_layernorm_whole_projection": True}, "olmoe"),
     ({"moe_shared_expert_intermediate_size": 40, "moe_shared_expert_gate": True}, "qwen2_moe"),
     ({"moe_router_score_function": "sigmoid"}, None),  # DeepSeek-style: no family
     ({"moe_router_pre_softmax": True}, None),  # Mixtral always renormalizes

@@ -26,6 +26,7 @@ from tests.unit_tests.hf.hf_models import (
     FAMILIES,
     HAVE_TRANSFORMERS,
     MOE_FAMILIES,
+    MOE_TRAINER_SETTINGS,
     SKIP_REASON,
     shared_hf_models,
     token_ids,
@@ -189,14 +190,7 @@ FROM_SCRATCH = {
     ),
     "gpt2": dict(openai_gelu=True),
 }
-MOE = dict(
-    normalization="RMSNorm",
-    swiglu=True,
-    position_embedding_type="rope",
-    disable_bias_linear=True,
-    num_experts=4,
-    moe_ffn_hidden_size=24,
-)
+MOE = MOE_TRAINER_SETTINGS
 FROM_SCRATCH.update(
     mixtral=dict(MOE, untie_embeddings_and_output_weights=True, num_query_groups=2),
     # mixed dense / MoE layers, unnormalized top-k, gated shared expert, q/k/v biases

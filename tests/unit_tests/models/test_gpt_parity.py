@@ -48,6 +48,7 @@ from megatron.core.transformer.module import Float16Module
 from tests.unit_tests.dist_utils import (
     Layout,
     assert_no_failures,
+    gather_failures,
     rel_error,
     reset_layout,
     use_layout,
@@ -169,9 +170,7 @@ def test_negative_control_without_the_tp_sum_of_sequence_parallel_grads(arch: st
     groups = ProcessGroupCollection.use_mpu_process_groups()
     steps = distributed_training(layout, "averaged", ARCHS[arch], groups, unmark_sp=True)
     failures = compare(layout, "averaged", steps, reference, groups)
-    everyone: List[Optional[List[str]]] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, failures)
-    flat = [f for rank_failures in everyone for f in rank_failures]
+    flat = gather_failures(failures)
     assert any("layernorm.weight" in f for f in flat), "the bucket did not catch the bug"
 
 
@@ -196,9 +195,7 @@ def test_negative_control_whole_projection_qk_norm(broken, monkeypatch):
     arch = ARCHS["llama-qknorm-whole"]
     steps = distributed_training(layout, "averaged", arch, groups)
     failures = compare(layout, "averaged", steps, reference, groups)
-    everyone: List[Optional[List[str]]] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, failures)
-    flat = [f for rank_failures in everyone for f in rank_failures]
+    flat = gather_failures(failures)
     assert any("linear_qkv.weight" in f for f in flat), "the bucket did not catch the bug"
 
 

@@ -31,16 +31,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron.core.optimizer import DistributedOptimizer
+from megatron.core.optimizer.clip_grads import count_zeros
+from megatron.core.optimizer.optimizer import MegatronOptimizer
 from tests.unit_tests.dist_utils import assert_no_failures, gather_failures
-
-pytest.importorskip(
-    "megatron.core.transformer.moe.moe_layer", reason="megatron.core.transformer.moe is missing"
-)
-
-from megatron.core.optimizer import DistributedOptimizer  # noqa: E402
-from megatron.core.optimizer.clip_grads import count_zeros  # noqa: E402
-from megatron.core.optimizer.optimizer import MegatronOptimizer  # noqa: E402
-from tests.unit_tests.models.moe_parity import (  # noqa: E402
+from tests.unit_tests.models.moe_parity import (
     MoECase,
     Run,
     build_model,
@@ -84,17 +79,26 @@ def step_with_planted_zeros(case: MoECase) -> Tuple[Run, object]:
     model = build_model(case, groups)
     optimizer = model.optimizer
     optimizer.config.log_num_zeros_in_grad = True
-    prepare = optimizer.prepare_grads
+    _before_prepare(model, groups, PLANTED, torch.Tensor.zero_)
+    return run_step(case, groups, model=model), (model, groups)
 
-    def zero_planted_then_prepare() -> bool:
+
+def _before_prepare(model, groups, names, change) -> List[str]:
+    """Make the optimizer's ``prepare_grads`` first apply ``change`` to the gradient of each
+    parameter in ``names`` this rank holds; returns the list of those changed (filled at
+    the step)."""
+    prepare, changed = model.optimizer.prepare_grads, []
+
+    def changed_then_prepare() -> bool:
         for gpt in model.gpts:
             for name, _, _, grad in expert_aware_names(gpt, groups):
-                if name in PLANTED and grad is not None:
-                    grad.zero_()
+                if name in names and grad is not None:
+                    change(grad)
+                    changed.append(name)
         return prepare()
 
-    optimizer.prepare_grads = zero_planted_then_prepare
-    return run_step(case, groups, model=model), (model, groups)
+    model.optimizer.prepare_grads = changed_then_prepare
+    return changed
 
 
 def stats_failures(case: MoECase, run: Run) -> List[str]:
@@ -132,12 +136,13 @@ def expert_shard_failures(model, groups) -> List[str]:
         for name in sorted(names_here):
             ranges = sorted((r[name][0], r[name][1]) for r in everyone if name in r)
             numel = next((r[name][2] for r in everyone if name in r), None)
-            covered = 0
-            for start, end in ranges:
-                if start != covered:
-                    break
-                covered = end
-            if numel is None or covered != numel:
+            tiles = (  # from 0, each range starting where the last ended, up to numel
+                bool(ranges)
+                and ranges[0][0] == 0
+                and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+                and ranges[-1][1] == numel
+            )
+            if numel is None or not tiles:
                 failures.append(f"{name}: shards over {label} {ranges} do not tile {numel}")
     return failures
 
@@ -238,26 +243,23 @@ def _skipped_on_every_rank(case: MoECase) -> List[str]:
         case, groups, configure=bf16, optimizer_overrides={"bf16": True, "loss_scale": 1.0}
     )
     optimizer = model.optimizer
-    prepare, step = optimizer.prepare_grads, optimizer.step
-    results = []
-
-    def plant_inf_then_prepare() -> bool:
-        for gpt in model.gpts:
-            for name, _, _, grad in expert_aware_names(gpt, groups):
-                if name == PLANTED[0] and grad is not None:
-                    grad.view(-1)[0] = float("inf")
-        return prepare()
+    step, results = optimizer.step, []
+    planted = _before_prepare(
+        model, groups, PLANTED[:1], lambda grad: grad.view(-1).__setitem__(0, float("inf"))
+    )
 
     def recording_step():
         results.append(step())
         return True, 0.0, None  # run_step asserts success; the real answer is kept
 
-    optimizer.prepare_grads, optimizer.step = plant_inf_then_prepare, recording_step
+    optimizer.step = recording_step
     run_step(case, groups, model=model)
     updated = bool(results[0][0])
-    everyone: List[bool] = [False] * dist.get_world_size()
-    dist.all_gather_object(everyone, updated)
-    return [f"rank {r} stepped despite the inf" for r, u in enumerate(everyone) if u]
+    everyone: List[Tuple[bool, bool]] = [(False, False)] * dist.get_world_size()
+    dist.all_gather_object(everyone, (updated, bool(planted)))
+    assert any(p for _, p in everyone), f"no rank holds {PLANTED[0]}: nothing was planted"
+    assert all(not u for u, p in everyone if p), "a rank holding the inf stepped"
+    return [f"rank {r} stepped despite the inf" for r, (u, _) in enumerate(everyone) if u]
 
 
 def test_an_inf_in_one_expert_skips_the_step_on_every_rank():

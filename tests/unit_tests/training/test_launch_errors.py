@@ -83,7 +83,7 @@ def test_a_data_error_under_torchrun_is_printed_once_by_the_rank_that_found_it()
 
 @pytest.mark.slow
 @pytest.mark.timeout(LIMIT_S + 30)
-def test_a_missing_data_file_on_every_rank_is_said_once_and_debug_shows_tracebacks(tmp_path):
+def test_a_missing_data_file_is_refused_before_any_rank_starts_and_debug_shows_tracebacks(tmp_path):
     """A missing --data-path is found before any rank starts (the launcher's preflight): one
     line without a rank, exit 2 like any refused command line; with --debug the traceback
     is shown."""

@@ -276,6 +276,8 @@ def test_router_metrics_follow_the_one_process_run(layout):
         if _routed_per_layer(record) != [config.moe_router_topk * record["data_tokens"]] * 2:
             failures.append(f"load {record['moe_tokens_per_expert']} vs {record['data_tokens']}")
     if dist.get_rank() == 0:
+        if not result.records or len(result.records) != len(result.reference):
+            failures.append(f"{len(result.records)} records vs {len(result.reference)} reference")
         for ours, reference in zip(result.records, result.reference):
             if ours["moe_tokens_per_expert"] != reference["moe_tokens_per_expert"]:
                 failures.append(

@@ -140,10 +140,15 @@ def test_an_adapter_saved_at_tp2_pp2_gives_the_same_logits_in_one_process():
             loaded = {k: _stored(whole, k) for k in state}
             missing = [k for k, v in loaded.items() if v is None]
             assert not missing and any(".adapter." in k for k in state), (missing, sorted(whole))
-            without = _logits(gpt, tokens, positions)  # the fresh adapters: B = N(0, s) init
             gpt.load_state_dict(loaded, strict=False)
             one = _logits(gpt, tokens, positions)
             assert torch.allclose(one, tp2_pp2, rtol=0, atol=1e-5), (one - tp2_pp2).abs().max()
+            with torch.no_grad():  # the same trained base with its adapters' outputs at zero
+                outs = [p for n, p in gpt.named_parameters() if ".adapter.linear_out." in n]
+                assert outs
+                for weight in outs:
+                    weight.zero_()
+            without = _logits(gpt, tokens, positions)
             assert (without - tp2_pp2).abs().max() > 1e-3  # the adapters make a difference
     finally:
         dist.barrier()
