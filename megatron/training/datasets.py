@@ -155,7 +155,7 @@ class FileSFTDataset:
         self.vocab_size = self.tokenizer.vocab_size
         self.data_path = data_path
         if os.path.isfile(data_path) and not data_path.endswith((".bin", ".idx")):
-            self.records = _read_jsonl(data_path, self.tokenizer)
+            self.records = _tokenized_records(data_path, self.tokenizer)
         else:
             self.records = _read_indexed(data_path, self.eod)
         if not self.records:
@@ -299,14 +299,14 @@ _RECORD_FORMS = (
 )
 
 
-def _read_jsonl(path: str, tokenizer: Any) -> List[Record]:
+def _tokenized_records(path: str, tokenizer: Any) -> List[Record]:
     return [
         tokenize_record(record, tokenizer, where)
-        for where, record in read_jsonl(path, expected=_RECORD_FORMS)
+        for where, record in jsonl_records(path, expected=_RECORD_FORMS)
     ]
 
 
-def read_jsonl(path: str, expected: Optional[str] = None) -> Iterator[Tuple[str, Any]]:
+def jsonl_records(path: str, expected: Optional[str] = None) -> Iterator[Tuple[str, Any]]:
     """(``FILE:LINE``, the parsed JSON value) for each non-blank line of ``path`` (lines end
     at ``b"\\n"`` only, so LINE is the editor's). A line that is not UTF-8, or not JSON, is a
     ValueError naming ``FILE:LINE`` (and ``expected``, what the caller reads, when given).

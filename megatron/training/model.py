@@ -20,7 +20,6 @@ from megatron.core.distributed import (
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
-    get_gpt_layer_local_spec,
 )
 from megatron.core.models.gpt.gpt_model import padded_vocab_size
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -111,12 +110,8 @@ def build_model(
 
 
 def layer_spec(config: TrainingConfig, transformer_config, vp_stage: int, pp_rank: int):
-    """The layer spec (dense), or this chunk's block spec with MoE layers where
-    ``--moe-layer-freq`` puts them."""
-    if config.num_experts is None:
-        return get_gpt_layer_local_spec(
-            normalization=config.normalization, qk_layernorm=config.qk_layernorm
-        )
+    """This chunk's block spec: local layers, MoE where ``--moe-layer-freq`` puts them (none
+    without ``--num-experts``)."""
     return get_gpt_decoder_block_spec(
         transformer_config,
         use_transformer_engine=False,

@@ -29,7 +29,7 @@ import numpy
 import torch
 
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-from megatron.training.datasets import read_jsonl, tokenize_record
+from megatron.training.datasets import jsonl_records, tokenize_record
 from megatron.training.errors import run_tool
 from megatron.training.tokenizer.tokenizer import build_tokenizer
 
@@ -80,7 +80,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[str]:
     builders = [IndexedDatasetBuilder(p + ".bin", dtype=dtype) for p in prefixes]
     count = 0
 
-    for where, record in read_jsonl(args.input):
+    for where, record in jsonl_records(args.input):
         if args.chat:
             ids_and_mask = tokenize_record(record, tokenizer, where, CHAT_TOKENIZER_HINT)
             _add_segments(builders[0], ids_and_mask)

@@ -224,11 +224,9 @@ def _train(
     model = build_model(config, layout, pg_collection)
     if perturbation:
         _perturb_weights(model, perturbation)
-    # The router-loss tracker is process-wide: an entry left by another model of this process
-    # (the multi-rank run before --compare-single-process's reference, an earlier run in the
-    # same launch) would be reduced over that model's groups, a collective this run's other
-    # ranks never join.
-    moe_utils.get_moe_layer_wise_logging_tracker().clear()
+    # an entry left by another model of this process (the multi-rank run before
+    # --compare-single-process's reference, an earlier run of the launch) is dropped
+    moe_utils.reset_aux_losses_tracker()
     optimizer, scheduler = build_optimizer(config, model, pg_collection)
     scaled = config.fp16 or config.loss_scale is not None
     if scaled:  # the schedule scales the loss
@@ -622,15 +620,16 @@ def _layout_record(layout: Layout) -> Dict[str, int]:
 
 
 def _settings_record(config: TrainingConfig) -> Dict[str, object]:
-    """The run's settings as plain values (for the record in the checkpoint); with
-    ``--hf-model``, also its config.json text (``--export-hf`` writes it back)."""
-    record = {
-        k: v for k, v in vars(config).items() if isinstance(v, (int, float, str, bool, type(None)))
-    }
-    for name in ("lora_target_modules", "lora_exclude_modules"):  # which layers have adapters
-        record[name] = list(getattr(config, name))
-    if isinstance(config.moe_layer_freq, (list, tuple)):  # which layers are MoE layers
-        record["moe_layer_freq"] = list(config.moe_layer_freq)
+    """The run's settings as plain values, lists of them as lists (for the record in the
+    checkpoint); with ``--hf-model``, also its config.json text (``--export-hf`` writes it
+    back)."""
+    plain = (int, float, str, bool, type(None))
+    record: Dict[str, object] = {}
+    for name, value in vars(config).items():
+        if isinstance(value, plain):
+            record[name] = value
+        elif isinstance(value, (list, tuple)) and all(isinstance(v, plain) for v in value):
+            record[name] = list(value)  # e.g. the LoRA targets, a --moe-layer-freq list
     if config.hf_model:
         record["hf_config"] = (Path(config.hf_model) / "config.json").read_text()
     return record

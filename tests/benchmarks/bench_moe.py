@@ -206,23 +206,25 @@ def time_variant(
     }
 
 
+def variant_step(
+    name: str, shape: dict, device: torch.device, bf16: bool, aux_coeff: float
+) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """``step(x, grad)``: one forward + backward of variant ``name`` ("ours-sequential",
+    "ours-grouped", "mcore-sequential" in the child, "bare-grouped-mm")."""
+    if name == "bare-grouped-mm":
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        bare = BareMoE(shape, dtype, device, aux_coeff)
+        return lambda x, grad: bare_step(bare, x, grad)
+    return moe_step(build_moe_layer(name.endswith("grouped"), shape, device, bf16, aux_coeff))
+
+
 def layer_variants(names: List[str], shape: dict, args, device) -> Dict[str, dict]:
     """Time our layers and the bare loop (in this process)."""
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     out = {}
     for name in names:
         try:
-            if name == "bare-grouped-mm":
-                bare = BareMoE(shape, dtype, device, args.aux_loss_coeff)
-
-                def step(x, grad, bare=bare):
-                    bare_step(bare, x, grad)
-
-            else:
-                layer = build_moe_layer(
-                    name.endswith("grouped"), shape, device, args.bf16, args.aux_loss_coeff
-                )
-                step = moe_step(layer)
+            step = variant_step(name, shape, device, args.bf16, args.aux_loss_coeff)
             out[name] = time_variant(
                 step, args.tokens, shape["hidden"], dtype, device, args.warmup, args.steps
             )

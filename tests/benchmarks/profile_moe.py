@@ -13,13 +13,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.benchmarks.bench_moe import (  # noqa: E402
-    SHAPES,
-    BareMoE,
-    bare_step,
-    build_moe_layer,
-    init_single_process,
-)
+from tests.benchmarks.bench_moe import SHAPES, init_single_process, variant_step  # noqa: E402
 
 
 def main() -> None:
@@ -40,28 +34,16 @@ def main() -> None:
     x = torch.randn(args.tokens, 1, shape["hidden"], dtype=torch.bfloat16, device=device)
     grad = torch.randn_like(x)
     x.requires_grad_(True)
-    builders = {
-        "ours-grouped": lambda: build_moe_layer(True, shape, device, True),
-        "ours-sequential": lambda: build_moe_layer(False, shape, device, True),
-        "bare-grouped-mm": lambda: BareMoE(shape, torch.bfloat16, device, 1e-3),
-    }
     for name in args.variants:
-        layer = builders[name]()
-
-        def step(layer=layer):
-            if isinstance(layer, BareMoE):
-                bare_step(layer, x, grad)
-            else:
-                layer(x)[0].backward(grad)
-
+        step = variant_step(name, shape, device, True, 1e-3)
         for _ in range(3):
-            step()
+            step(x, grad)
         torch.cuda.synchronize()
         with torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         ) as prof:
             for _ in range(3):
-                step()
+                step(x, grad)
             torch.cuda.synchronize()
         print(f"==== {name} (3 steps)")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows))

@@ -17,7 +17,11 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from megatron.training.hf.families import REGISTRY
-from megatron.training.hf.families.moe import moe_architecture_fields
+from megatron.training.hf.families.moe import (
+    WRITTEN_ROUTING,
+    moe_architecture_fields,
+    written_moe_layer_freq,
+)
 from megatron.training.hf.family import ConfigReader, HFArchitecture
 from megatron.training.model_settings import resolved_model
 
@@ -129,19 +133,14 @@ def moe_training_settings(arch: HFArchitecture) -> Dict[str, Any]:
     ``--moe-aux-loss-coeff`` and ``--moe-z-loss-coeff`` stay the user's choice."""
     if arch.num_moe_experts is None:
         return {}
-    pattern = list(arch.moe_layer_freq)
     return {
         "moe_router_topk": arch.moe_router_topk,
         "moe_ffn_hidden_size": arch.moe_ffn_hidden_size,
         "moe_router_pre_softmax": arch.moe_router_pre_softmax,
         "moe_shared_expert_intermediate_size": arch.moe_shared_expert_intermediate_size,
         "moe_shared_expert_gate": arch.moe_shared_expert_gate,
-        "moe_layer_freq": 1 if all(pattern) else pattern,  # as loading.moe_layer_freq
-        "moe_router_score_function": "softmax",
-        "moe_router_enable_expert_bias": False,
-        "moe_router_topk_scaling_factor": None,
-        "moe_router_num_groups": None,
-        "moe_router_group_topk": None,
+        "moe_layer_freq": written_moe_layer_freq(arch),
+        **WRITTEN_ROUTING,
     }
 
 
@@ -192,6 +191,7 @@ def architecture_from_model_settings(settings: Dict[str, Any]) -> HFArchitecture
         add_bias_linear=bias,
         add_qkv_bias=qkv_bias and not bias,
         tied=not settings.get("untie_embeddings_and_output_weights", False),
+        window_size=tuple(settings["window_size"]) if settings.get("window_size") else None,
         qk_layernorm=bool(settings.get("qk_layernorm", False)),
         qk_layernorm_whole_projection=bool(settings.get("qk_layernorm_whole_projection", False)),
         **moe_architecture_fields(model),

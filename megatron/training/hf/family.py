@@ -82,6 +82,14 @@ class HFArchitecture:
     moe_shared_expert_gate: bool = False
     moe_layer_freq: Optional[Tuple[int, ...]] = None
 
+    def qk_norm_sizes(self) -> Tuple[int, int]:
+        """The q and k norm weights' sizes: ``kv_channels`` each (per head), or all heads of
+        each projection with ``qk_layernorm_whole_projection``."""
+        d = self.kv_channels
+        if self.qk_layernorm_whole_projection:
+            return self.num_attention_heads * d, self.num_query_groups * d
+        return d, d
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global layer ``layer`` (0-based) is a MoE layer."""
         return self.num_moe_experts is not None and bool(self.moe_layer_freq[layer])

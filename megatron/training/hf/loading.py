@@ -7,16 +7,14 @@ safetensors files (``get_slice``: a TP rank reads its rows or columns, a pipelin
 layers).
 """
 
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
-    get_gpt_layer_local_spec,
 )
 from megatron.core.models.gpt.gpt_model import padded_vocab_size
 from megatron.core.process_groups_config import ProcessGroupCollection, resolve_group
@@ -26,6 +24,7 @@ from megatron.core.transformer.utils import openai_gelu
 from megatron.core.utils import get_pg_rank, get_pg_size
 from megatron.training.hf.config import HFArchitecture, read_hf_config
 from megatron.training.hf.families import REGISTRY
+from megatron.training.hf.families.moe import WRITTEN_ROUTING, written_moe_layer_freq
 from megatron.training.hf.weights import (
     SafetensorsReader,
     Source,
@@ -115,8 +114,9 @@ def architecture_fields(arch: HFArchitecture) -> Dict[str, Any]:
 
 def moe_fields(arch: HFArchitecture) -> Dict[str, Any]:
     """The TransformerConfig MoE fields ``arch`` fixes (none for a dense model): the
-    routing (softmax, before or after the top-k), the expert and shared-expert sizes and
-    which layers are MoE layers. Router losses are left at their defaults (none)."""
+    routing (softmax, before or after the top-k: ``WRITTEN_ROUTING``), the expert and
+    shared-expert sizes and which layers are MoE layers. Router losses are left at their
+    defaults (none)."""
     if arch.num_moe_experts is None:
         return {}
     return dict(
@@ -124,18 +124,11 @@ def moe_fields(arch: HFArchitecture) -> Dict[str, Any]:
         moe_router_topk=arch.moe_router_topk,
         moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
         moe_router_pre_softmax=arch.moe_router_pre_softmax,
-        moe_router_score_function="softmax",
         moe_shared_expert_intermediate_size=arch.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=arch.moe_shared_expert_gate,
-        moe_layer_freq=moe_layer_freq(arch),
+        moe_layer_freq=written_moe_layer_freq(arch),
+        **WRITTEN_ROUTING,
     )
-
-
-def moe_layer_freq(arch: HFArchitecture) -> Union[int, List[int]]:
-    """``moe_layer_freq`` of a MoE ``arch``: 1 when every layer is a MoE layer, else the 0/1
-    list (whose layers megatron-core's checkpoints store one by one, not stacked)."""
-    pattern = list(arch.moe_layer_freq)
-    return 1 if all(pattern) else pattern
 
 
 def gpt_model_kwargs(
@@ -176,12 +169,10 @@ def build_gpt_chunk(
     stage = (vp_stage or 0) * pp + pp_rank
     initialize = config.perform_initialization
     config.perform_initialization = False
-    if arch.num_moe_experts is None:
-        spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm)
-    else:  # this chunk's layers, MoE where moe_layer_freq says
-        spec = get_gpt_decoder_block_spec(
-            config, use_transformer_engine=False, vp_stage=vp_stage, pp_rank=pp_rank
-        )
+    # this chunk's layers, MoE where moe_layer_freq says (none for a dense model)
+    spec = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=False, vp_stage=vp_stage, pp_rank=pp_rank
+    )
     try:
         return GPTModel(
             config=config,
@@ -249,9 +240,9 @@ def load_hf_weights(
 
 def _load_experts(model: GPTModel, reader, sources, full_shapes, finite: bool) -> set:
     """Fill the routed experts of every MoE layer of ``model`` (``SequentialMLP`` or
-    ``GroupedMLP``): local expert i of expert-parallel rank r is global expert
-    g = r * E_local + i, and this expert-tensor-parallel rank reads its rows of fc1 (both
-    halves of [gate; up]) and its columns of fc2. ``GroupedMLP`` holds the transposes, stacked.
+    ``GroupedMLP``): local expert i is global expert ``first_expert + i``, and this
+    expert-tensor-parallel rank reads only its rows / columns (the module's
+    ``expert_split``) into ``local_expert_weight`` (a transposed view in ``GroupedMLP``).
     Returns the ids of the parameters filled."""
     filled = set()
     for name, module in model.named_modules():
@@ -259,19 +250,18 @@ def _load_experts(model: GPTModel, reader, sources, full_shapes, finite: bool) -
             continue
         prefix = one_chunk_name(model, name)
         size, rank = get_pg_size(module.tp_group), get_pg_rank(module.tp_group)
-        first = module.first_expert
-        fc1_stride = 2 if module.config.gated_linear_unit else 1
         for i in range(module.num_local_experts):
-            for proj, dim, stride in (("linear_fc1", 0, fc1_stride), ("linear_fc2", 1, 1)):
-                full_name = f"{prefix}.local_experts.{first + i}.{proj}.weight"
+            for proj in ("linear_fc1", "linear_fc2"):
+                full_name = f"{prefix}.local_experts.{module.first_expert + i}.{proj}.weight"
                 if full_name not in sources:
                     raise RuntimeError(
                         f"load_hf_weights: our expert weight {full_name!r} has no HuggingFace "
                         "counterpart in the family's mapping"
                     )
+                dim, stride = module.expert_split(proj)
                 rows, columns = strided_ranges(full_shapes[full_name], dim, stride, size, rank)
                 value = read_rows(reader, sources[full_name], rows, columns, finite=finite)
-                target = _expert_matrix(module, i, proj)
+                target = module.local_expert_weight(i, proj)
                 if tuple(value.shape) != tuple(target.shape):
                     raise RuntimeError(
                         f"load_hf_weights: {name} expert {i} {proj} has shape "
@@ -280,15 +270,6 @@ def _load_experts(model: GPTModel, reader, sources, full_shapes, finite: bool) -
                 target.copy_(value)
         filled.update(id(p) for p in module.parameters())
     return filled
-
-
-def _expert_matrix(module, i: int, proj: str) -> torch.Tensor:
-    """Local expert ``i``'s ``proj`` weight [out, in] (this ETP shard) in ``module``: a
-    ``SequentialMLP`` parameter, or a transposed view into a ``GroupedMLP`` weight."""
-    if isinstance(module, SequentialMLP):
-        return getattr(module.local_experts[i], proj).weight
-    stacked = module.expert_w1() if proj == "linear_fc1" else module.expert_w2()
-    return stacked[i].t()
 
 
 def hf_prefix(reader: SafetensorsReader, arch: HFArchitecture) -> Optional[str]:
@@ -348,36 +329,21 @@ def _source_of(full_name: str, sources: Dict[str, Source], arch: HFArchitecture)
 def _group_sizes(
     pg_collection: Optional[ProcessGroupCollection], moe: bool = False
 ) -> Dict[str, int]:
-    """The TP / CP / PP sizes of the groups (explicit, else parallel_state's, else 1), and
-    for a MoE model the expert-parallel and expert-tensor-parallel sizes."""
-    if pg_collection is not None:
-        groups = {k: getattr(pg_collection, k, None) for k in ("tp", "cp", "pp")}
-        size = {k: get_pg_size(g) for k, g in groups.items()}
-    elif parallel_state.model_parallel_is_initialized():
-        size = {
-            "tp": parallel_state.get_tensor_model_parallel_world_size(),
-            "cp": parallel_state.get_context_parallel_world_size(),
-            "pp": parallel_state.get_pipeline_model_parallel_world_size(),
-        }
-    else:
-        size = {"tp": 1, "cp": 1, "pp": 1}
-    sizes = {
-        "tensor_model_parallel_size": size["tp"],
-        "context_parallel_size": size["cp"],
-        "pipeline_model_parallel_size": size["pp"],
+    """The TP / CP / PP sizes of the groups (``resolve_group``: explicit, else
+    parallel_state's, else 1), and for a MoE model the expert-parallel and
+    expert-tensor-parallel sizes."""
+    fields = {
+        "tensor_model_parallel_size": "tp",
+        "context_parallel_size": "cp",
+        "pipeline_model_parallel_size": "pp",
     }
     if moe:
-        for name, group in (
-            ("expert_model_parallel_size", "ep"),
-            ("expert_tensor_parallel_size", "expt_tp"),
-        ):
-            sizes[name] = get_pg_size(resolve_group(group, pg_collection=pg_collection))
-    return sizes
+        fields.update(expert_model_parallel_size="ep", expert_tensor_parallel_size="expt_tp")
+    return {
+        field: get_pg_size(resolve_group(group, pg_collection=pg_collection))
+        for field, group in fields.items()
+    }
 
 
 def _pp_rank(pg_collection: Optional[ProcessGroupCollection]) -> int:
-    if pg_collection is not None:
-        return get_pg_rank(getattr(pg_collection, "pp", None))
-    if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_pipeline_model_parallel_rank()
-    return 0
+    return get_pg_rank(resolve_group("pp", pg_collection=pg_collection))

@@ -91,8 +91,7 @@ def our_full_shapes(arch: HFArchitecture) -> Dict[str, tuple]:
     """{our one-chunk parameter name: full (unsharded) shape}."""
     h, d, ffn, v = arch.hidden_size, arch.kv_channels, arch.ffn_hidden_size, arch.vocab_size
     qkv_rows = (arch.num_attention_heads + 2 * arch.num_query_groups) * d
-    whole = arch.qk_layernorm_whole_projection  # q/k norms over all heads (OLMoE)
-    q_norm, k_norm = (arch.num_attention_heads * d, arch.num_query_groups * d) if whole else (d, d)
+    q_norm, k_norm = arch.qk_norm_sizes()
     shapes = {
         "embedding.word_embeddings.weight": (v, h),
         "decoder.final_layernorm.weight": (h,),

@@ -112,6 +112,26 @@ def test_an_option_we_cannot_express_is_refused_by_name(family, change, named):
     ), str(info.value)
 
 
+@pytest.mark.parametrize(
+    "change",
+    [dict(add_qkv_bias=True), dict(qk_layernorm=True), dict(window_size=[4, 2])],
+    ids=["qwen2-shaped", "qwen3-shaped", "non-causal-window"],
+)
+def test_a_windowed_model_no_family_expresses_is_refused_on_export(change):
+    """A sliding window only Mistral writes (causal, no biases, no q/k norm): another
+    trained model with --window-size matches no family, rather than exporting without it."""
+    from megatron.training.hf.config import architecture_from_model_settings
+
+    settings = dict(
+        num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+        vocab_size=128, normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+        disable_bias_linear=True, window_size=[4, 0], seq_length=16,
+    )  # fmt: skip
+    assert architecture_from_model_settings(settings).window_size == (4, 0)  # Mistral's
+    with pytest.raises(ValueError, match="matches no HuggingFace family"):
+        architecture_from_model_settings({**settings, **change})
+
+
 def test_an_unsupported_model_type_is_refused():
     with pytest.raises(ValueError, match="model_type='deepseek_v3' is not supported"):
         architecture_from_config({**LLAMA, "model_type": "deepseek_v3"})

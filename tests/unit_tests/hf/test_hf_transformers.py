@@ -172,6 +172,15 @@ FROM_SCRATCH = {
         num_query_groups=2,
         rotary_base=500000.0,
     ),
+    # a causal sliding window of 5 positions (--window-size 4 0): Mistral's sliding_window 5
+    "mistral": dict(
+        normalization="RMSNorm",
+        swiglu=True,
+        position_embedding_type="rope",
+        disable_bias_linear=True,
+        untie_embeddings_and_output_weights=True,
+        window_size=[4, 0],
+    ),
     "qwen2": dict(
         normalization="RMSNorm",
         swiglu=True,

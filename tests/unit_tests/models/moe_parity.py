@@ -505,7 +505,7 @@ def run_step(
     ]
     # a fresh process's tracker: no entry left by another model of this launch (a z-loss
     # entry of a 2-layer model would be reported for this one, which tracks none)
-    moe_utils.get_moe_layer_wise_logging_tracker().clear()
+    moe_utils.reset_aux_losses_tracker()
     count_problems: List[str] = []
     counts_fn = moe_utils.micro_batch_token_counts
 

@@ -15,7 +15,7 @@ and ``weight2.view(E_local, F, h)[i]`` (= W2_g^T); on a CUDA device with bf16 we
 grouped GEMM (``torch._grouped_mm``) per projection, else one product per expert.
 """
 
-from typing import Callable, List, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +89,32 @@ class _LocalExperts(MegatronModule):
         """The global index of local expert 0."""
         return get_pg_rank(self.ep_group) * self.num_local_experts
 
+    def expert_split(self, proj: str) -> Tuple[int, int]:
+        """(dim, stride) of ``proj``'s expert-TP split of a full [out, in] weight: fc1 by
+        rows, both halves of [gate; up] when gated (stride 2); fc2 by columns."""
+        if proj == "linear_fc1":
+            return 0, 2 if self.config.gated_linear_unit else 1
+        return 1, 1
+
+    def local_expert_weight(self, i: int, proj: str) -> torch.Tensor:
+        """Local expert ``i``'s ``proj`` ("linear_fc1" | "linear_fc2") weight shard [out, in]:
+        the tensor or a view of it (writing it writes the parameter)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def initialize_experts(self, full_weight: FullWeight) -> None:
+        """Fill every local expert with its expert-TP shard of its global expert's full
+        weights (``full_weight``); the same values in ``SequentialMLP`` and ``GroupedMLP``."""
+        etp = get_pg_size(self.tp_group)
+        for i in range(self.num_local_experts):
+            for proj in ("linear_fc1", "linear_fc2"):
+                target = self.local_expert_weight(i, proj)
+                dim, stride = self.expert_split(proj)
+                shape = list(target.shape)
+                shape[dim] *= etp
+                full = full_weight(proj, self.first_expert + i, tuple(shape))
+                target.copy_(_split(full, dim, stride, self.tp_group))
+
 
 class SequentialMLP(_LocalExperts):
     """The local experts as a list of MLPs, run one after the other."""
@@ -120,21 +146,9 @@ class SequentialMLP(_LocalExperts):
             return permuted_local_hidden_states, None
         return torch.cat(outputs, dim=0), None
 
-    def expert_weights(self) -> List[tuple]:
-        """(name, local expert, parameter) of every expert parameter."""
-        return [
-            (name, i, getattr(expert, name).weight)
-            for i, expert in enumerate(self.local_experts)
-            for name in ("linear_fc1", "linear_fc2")
-        ]
-
-    @torch.no_grad()
-    def initialize_experts(self, full_weight: FullWeight) -> None:
-        """Fill every local expert with its shard of its global expert's full weights."""
-        first = self.first_expert
-        for name, i, param in self.expert_weights():
-            full = full_weight(name, first + i, _full_shape(param, self.tp_group))
-            param.copy_(_etp_shard(full, param, self.tp_group))
+    def local_expert_weight(self, i: int, proj: str) -> torch.Tensor:
+        """Local expert ``i``'s ``proj`` parameter [out, in]."""
+        return getattr(self.local_experts[i], proj).weight
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """megatron-core's layout: ``{prefix}experts.linear_fc1.weight`` etc. with the global
@@ -199,20 +213,11 @@ class GroupedMLP(_LocalExperts):
             return x, None
         return torch.cat(outputs, dim=0), None
 
-    @torch.no_grad()
-    def initialize_experts(self, full_weight: FullWeight) -> None:
-        """Expert i's block of ``weight1`` / ``weight2``: the transposed ETP shard of its
-        global expert's full fc1 / fc2 weight (the values ``SequentialMLP`` gets)."""
-        first = self.first_expert
-        etp = get_pg_size(self.tp_group)
-        hidden = self.config.hidden_size
-        w1, w2 = self.expert_w1(), self.expert_w2()
-        stride = 2 if self.config.gated_linear_unit else 1
-        for i in range(self.num_local_experts):
-            fc1 = full_weight("linear_fc1", first + i, (self.fc1_out * etp, hidden))
-            fc2 = full_weight("linear_fc2", first + i, (hidden, self.ffn * etp))
-            w1[i].copy_(_split(fc1, 0, stride, self.tp_group).t())
-            w2[i].copy_(_split(fc2, 1, 1, self.tp_group).t())
+    def local_expert_weight(self, i: int, proj: str) -> torch.Tensor:
+        """Local expert ``i``'s ``proj`` weight [out, in]: a transposed view of its block of
+        ``weight1`` / ``weight2``."""
+        stacked = self.expert_w1() if proj == "linear_fc1" else self.expert_w2()
+        return stacked[i].t()
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """The same checkpoint entries as ``SequentialMLP`` (see
@@ -249,16 +254,6 @@ def _mark_expert(param: torch.nn.Parameter, partition_dim: int, stride: int) -> 
     param.partition_dim = partition_dim
     param.partition_stride = stride
     param.allreduce = False
-
-
-def _full_shape(param: torch.Tensor, group) -> tuple:
-    shape = list(param.shape)
-    shape[param.partition_dim] *= get_pg_size(group)
-    return tuple(shape)
-
-
-def _etp_shard(full: torch.Tensor, param: torch.Tensor, group) -> torch.Tensor:
-    return _split(full, param.partition_dim, getattr(param, "partition_stride", 1), group)
 
 
 def _split(full: torch.Tensor, dim: int, stride: int, group) -> torch.Tensor:

@@ -526,6 +526,13 @@ def save_tokens_per_expert(
     entry.update(reduce_group=reduce_group, sum_group=dp_group, avg_group=None)
 
 
+def reset_aux_losses_tracker() -> None:
+    """Drop every tracker entry (a new model): the tracker is process-wide, and an entry of
+    another model would be reduced over that model's groups (a collective the new model's
+    ranks never join). ``clear_aux_losses_tracker`` only zeroes the values (a new step)."""
+    _TRACKER.clear()
+
+
 def clear_aux_losses_tracker() -> None:
     """Zero every tracked value (start of an iteration)."""
     for entry in _TRACKER.values():

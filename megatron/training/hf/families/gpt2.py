@@ -84,6 +84,7 @@ class GPT2(Family):
             and settings.get("position_embedding_type") != "rope"
             and not settings.get("disable_bias_linear", False)
             and not settings.get("qk_layernorm", False)
+            and not settings.get("window_size")
             and settings.get("num_experts") is None
             and kv * heads == hidden
         )

@@ -188,13 +188,15 @@ class Llama(LlamaShaped):
 FAMILY = Llama()
 
 
-def rmsnorm_swiglu_rope(settings: Dict[str, Any]) -> bool:
-    """Whether trainer settings describe a dense Llama-shaped model."""
+def rmsnorm_swiglu_rope(settings: Dict[str, Any], window: bool = False) -> bool:
+    """Whether trainer settings describe a dense Llama-shaped model, with a sliding window
+    (``--window-size``) exactly when ``window`` (Mistral's; the others have none)."""
     return (
         settings.get("normalization", "LayerNorm") == "RMSNorm"
         and bool(settings.get("swiglu"))
         and settings.get("position_embedding_type") == "rope"
         and settings.get("num_experts") is None
+        and bool(settings.get("window_size")) == window
     )
 
 

@@ -11,9 +11,9 @@ expert's FFN size. Weights: ``block_sparse_moe.gate`` is our router; expert g's 
 
 from typing import Any, Dict, Optional
 
-from megatron.core.config_rules import moe_layer_pattern
 from megatron.training.hf.families.mistral import Mistral
 from megatron.training.hf.families.moe import (
+    every_layer_moe,
     moe_mlp_sources,
     moe_settings_written,
     read_routing,
@@ -62,7 +62,7 @@ class Mixtral(Mistral):
         q/k norm or q/k/v bias."""
         return (
             moe_settings_written(settings)
-            and all(moe_layer_pattern(settings.get("moe_layer_freq", 1), settings["num_layers"]))
+            and every_layer_moe(settings)
             and not settings.get("moe_router_pre_softmax", False)
             and settings.get("moe_shared_expert_intermediate_size") is None
             and not settings.get("qk_layernorm", False)

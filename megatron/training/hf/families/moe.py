@@ -25,7 +25,7 @@ divide by k, while megatron's is per layer (docs/huggingface.md has the conversi
 import trains with no router loss unless one is asked for.
 """
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from megatron.core.config_rules import moe_layer_pattern
 from megatron.training.hf.family import ConfigReader, HFArchitecture, Segment, Source
@@ -40,6 +40,27 @@ MOE_FIELDS = (
     "moe_shared_expert_gate",
     "moe_layer_freq",
 )
+# The routing these families compute, in megatron's names (TransformerConfig and trainer
+# settings alike): set on import, required of a trained model's settings on export.
+WRITTEN_ROUTING: Dict[str, Any] = {
+    "moe_router_score_function": "softmax",
+    "moe_router_enable_expert_bias": False,
+    "moe_router_topk_scaling_factor": None,
+    "moe_router_num_groups": None,
+    "moe_router_group_topk": None,
+}
+
+
+def written_moe_layer_freq(arch: HFArchitecture) -> Union[int, List[int]]:
+    """``moe_layer_freq`` of a MoE ``arch``: 1 when every layer is a MoE layer, else the 0/1
+    list (whose layers megatron-core's checkpoints store one by one, not stacked)."""
+    pattern = list(arch.moe_layer_freq)
+    return 1 if all(pattern) else pattern
+
+
+def every_layer_moe(settings: Dict[str, Any]) -> bool:
+    """Whether a trained model's settings make every layer a MoE layer."""
+    return all(moe_layer_pattern(settings.get("moe_layer_freq", 1), settings["num_layers"]))
 
 
 def read_routing(c: ConfigReader, experts: int, norm_topk_prob: bool) -> Dict[str, Any]:
@@ -170,10 +191,7 @@ def moe_settings_written(settings: Dict[str, Any]) -> bool:
         and bool(settings.get("swiglu"))
         and settings.get("position_embedding_type") == "rope"
         and bool(settings.get("disable_bias_linear", False))
-        and settings.get("moe_router_score_function", "softmax") == "softmax"
-        and not settings.get("moe_router_enable_expert_bias", False)
-        and settings.get("moe_router_topk_scaling_factor") is None
-        and settings.get("moe_router_group_topk") is None
+        and all(settings.get(name, value) == value for name, value in WRITTEN_ROUTING.items())
         and not settings.get("window_size")
     )
 

@@ -17,9 +17,9 @@ false); ``intermediate_size`` is each expert's FFN size. Weights: the Qwen-MoE k
 
 from typing import Any, Dict, Optional
 
-from megatron.core.config_rules import moe_layer_pattern
 from megatron.training.hf.families.llama import LlamaShaped
 from megatron.training.hf.families.moe import (
+    every_layer_moe,
     moe_settings_written,
     read_norm_topk_prob,
     read_routing,
@@ -88,7 +88,7 @@ class Olmoe(LlamaShaped):
         return (
             moe_settings_written(settings)
             and bool(settings.get("qk_layernorm_whole_projection", False))
-            and all(moe_layer_pattern(settings.get("moe_layer_freq", 1), settings["num_layers"]))
+            and every_layer_moe(settings)
             and settings.get("moe_shared_expert_intermediate_size") is None
             and not settings.get("add_qkv_bias", False)
             and settings["kv_channels"] * settings["num_attention_heads"] == settings["hidden_size"]

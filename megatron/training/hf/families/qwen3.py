@@ -53,9 +53,7 @@ def qk_norm_sources(arch: HFArchitecture, layer: int, prefix: Optional[str]) -> 
     ``qk_layernorm_whole_projection`` (OLMoE)."""
     attn = f"{'model.' if prefix is None else prefix}layers.{layer}.self_attn."
     ours = f"decoder.layers.{layer}.self_attention."
-    d = arch.kv_channels
-    q, k = (arch.num_attention_heads, arch.num_query_groups)
-    q, k = (q * d, k * d) if arch.qk_layernorm_whole_projection else (d, d)
+    q, k = arch.qk_norm_sizes()
     return {
         ours + "q_layernorm.weight": (Segment(f"{attn}q_norm.weight", 0, q),),
         ours + "k_layernorm.weight": (Segment(f"{attn}k_norm.weight", 0, k),),
