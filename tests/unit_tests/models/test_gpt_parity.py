@@ -108,7 +108,6 @@ CASES = [
     # tensor parallelism, with and without sequence parallelism: default-run subset
     _case(Layout(tp=2, sp=True, cp=2), "averaged", "gpt2"),
     _case(Layout(tp=2, cp=2), "per-token", "llama"),
-    _case(Layout(tp=4, sp=True), "averaged", "llama"),
     _case(Layout(tp=2, sp=True, pp=2), "per-token", "llama", fused=True),
     _case(Layout(tp=2, sp=True, cp=2, pp=2), "averaged", "gpt2"),
     _case(Layout(tp=2, sp=True, cp=2, pp=2, vpp=2), "averaged", "llama"),
