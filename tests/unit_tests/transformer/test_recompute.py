@@ -230,7 +230,7 @@ LAYOUT_CASES = [
     _layout_case(Layout(cp=2), "selective-all"),
     _layout_case(Layout(pp=2, vpp=2), "full-block-1"),
     _layout_case(Layout(tp=2, sp=True, cp=2), "selective-all", slow=True),
-    _layout_case(Layout(tp=2, sp=True, pp=2), "full-uniform-1"),
+    _layout_case(Layout(tp=2, sp=True, pp=2), "full-uniform-1", slow=True),
     _layout_case(Layout(cp=2, pp=2, vpp=2), "full-block-1"),
     _layout_case(Layout(cp=2, dp=2), "selective-layernorm", slow=True),
     _layout_case(Layout(tp=2, pp=2), "full-block-3", slow=True),
