@@ -27,15 +27,12 @@ COMMON = dict(vocab_size=VOCAB, initializer_range=0.1)
 ROPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 MOE = dict(num_experts_per_tok=2)
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
-# Trainer settings of a MoE model the HF families write (a from-scratch run's base)
-MOE_TRAINER_SETTINGS = dict(
-    normalization="RMSNorm",
-    swiglu=True,
-    position_embedding_type="rope",
-    disable_bias_linear=True,
-    num_experts=4,
-    moe_ffn_hidden_size=24,
+# Trainer settings of a Llama-shaped model without biases, and of a MoE model the HF
+# families write (the bases of the from-scratch runs)
+LLAMA_SHAPED_SETTINGS = dict(
+    normalization="RMSNorm", swiglu=True, position_embedding_type="rope", disable_bias_linear=True
 )
+MOE_TRAINER_SETTINGS = dict(LLAMA_SHAPED_SETTINGS, num_experts=4, moe_ffn_hidden_size=24)
 
 # family -> (transformers class name, config class name, config kwargs, max_shard_size or None)
 FAMILIES = {

@@ -25,6 +25,7 @@ from tests.unit_tests.dist_utils import rel_error
 from tests.unit_tests.hf.hf_models import (
     FAMILIES,
     HAVE_TRANSFORMERS,
+    LLAMA_SHAPED_SETTINGS,
     MOE_FAMILIES,
     MOE_TRAINER_SETTINGS,
     SKIP_REASON,
@@ -164,39 +165,17 @@ def test_import_export_gives_back_the_original_tensors(hf_models, family, tmp_pa
 
 FROM_SCRATCH = {
     "llama": dict(
-        normalization="RMSNorm",
-        swiglu=True,
-        position_embedding_type="rope",
-        disable_bias_linear=True,
+        LLAMA_SHAPED_SETTINGS,
         untie_embeddings_and_output_weights=True,
         num_query_groups=2,
         rotary_base=500000.0,
     ),
     # a causal sliding window of 5 positions (--window-size 4 0): Mistral's sliding_window 5
     "mistral": dict(
-        normalization="RMSNorm",
-        swiglu=True,
-        position_embedding_type="rope",
-        disable_bias_linear=True,
-        untie_embeddings_and_output_weights=True,
-        window_size=[4, 0],
+        LLAMA_SHAPED_SETTINGS, untie_embeddings_and_output_weights=True, window_size=[4, 0]
     ),
-    "qwen2": dict(
-        normalization="RMSNorm",
-        swiglu=True,
-        position_embedding_type="rope",
-        disable_bias_linear=True,
-        add_qkv_bias=True,
-    ),
-    "qwen3": dict(
-        normalization="RMSNorm",
-        swiglu=True,
-        position_embedding_type="rope",
-        disable_bias_linear=True,
-        qk_layernorm=True,
-        num_query_groups=2,
-        kv_channels=16,
-    ),
+    "qwen2": dict(LLAMA_SHAPED_SETTINGS, add_qkv_bias=True),
+    "qwen3": dict(LLAMA_SHAPED_SETTINGS, qk_layernorm=True, num_query_groups=2, kv_channels=16),
     "gpt2": dict(openai_gelu=True),
 }
 MOE = MOE_TRAINER_SETTINGS
