@@ -347,10 +347,14 @@ def initialize_model_parallel(
 
 
 def destroy_model_parallel() -> None:
-    """Forget the model-parallel state and every set_* value; the cached process groups stay
-    alive for reuse."""
+    """Forget the model-parallel state and every set_* value. The cached process groups stay
+    alive for reuse while their default group lives; once it is destroyed they are dropped
+    (a gloo group's threads stop when its last reference goes)."""
     global _STATE, _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK
-    global _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
+    global _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE, _GROUP_CACHE_WORLD
+    if not _dist_ready() or _GROUP_CACHE_WORLD is not dist.group.WORLD:
+        _GROUP_CACHE.clear()
+        _GROUP_CACHE_WORLD = None
     _STATE = None
     _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = None
     _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = None

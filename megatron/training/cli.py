@@ -23,7 +23,7 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from megatron.training.arguments import explicit_options, parse_args, validate_config
 from megatron.training.config_errors import name_the_flags
@@ -223,7 +223,7 @@ def _report_failed_launch(failed, debug: bool) -> int:
         everyone = len(known) == len(failed.failures) and 0 in known
         print(format_line(known[rank], None if everyone else rank), file=sys.stderr, flush=True)
     else:
-        rank, failure = min(failed.failures.items())
+        rank, failure = _first_failure(failed.failures)
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"{failure.exitcode}"
         print(
             format_line(f"rank {rank} exited with status {how} (its output is above)"),
@@ -231,6 +231,16 @@ def _report_failed_launch(failed, debug: bool) -> int:
             flush=True,
         )
     return 1
+
+
+def _first_failure(failures: Dict[int, Any]) -> Tuple[int, Any]:
+    """The rank whose failure stopped the launch: torchrun's agent, once one worker fails,
+    stops the others with SIGTERM (SIGKILL after its timeout) and records them too, after
+    the ones that failed on their own. The lowest rank among those not stopped that way,
+    else the lowest rank (a SIGTERM from outside, as SLURM sends it, reaches every rank)."""
+    stopping = {-signal.SIGTERM, -signal.SIGKILL}
+    own = {rank: f for rank, f in failures.items() if f.exitcode not in stopping}
+    return min((own or failures).items(), key=lambda item: item[0])
 
 
 def _quiet_torch_launcher() -> Dict[str, int]:

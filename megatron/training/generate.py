@@ -32,7 +32,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.core import dist_checkpointing, parallel_state
+from megatron.core import dist_checkpointing
 from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.training.arguments import TrainingConfig, validate_config
@@ -44,6 +44,7 @@ from megatron.training.initialize import (
     initialize_single_gpu,
     is_rank_zero,
     launched_world_size,
+    tear_down_distributed,
 )
 from megatron.training.model import build_model
 from megatron.training.options import MODEL, fields_of_kind
@@ -280,9 +281,7 @@ def loaded_model(
             chunk.eval()
         yield model, groups, config
     finally:
-        parallel_state.destroy_model_parallel()
-        if created:
-            dist.destroy_process_group()
+        tear_down_distributed(created)
 
 
 def _model_config(args) -> TrainingConfig:

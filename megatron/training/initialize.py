@@ -6,6 +6,7 @@ Groups are handed to the model, DDP, the schedule and the optimizer explicitly, 
 no torchrun) has no groups at all (``None``).
 """
 
+import gc
 import os
 from datetime import timedelta
 from typing import Optional
@@ -67,6 +68,19 @@ def initialize_single_gpu(config: TrainingConfig) -> bool:
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, timeout=TIMEOUT)
     return True
+
+
+def tear_down_distributed(created_group: bool) -> None:
+    """The end of a run: forget the model-parallel state and, when the run created the
+    default group, destroy it (the groups cached for it go too:
+    ``parallel_state.destroy_model_parallel``); then free, while the interpreter is whole,
+    the run's objects that still hold groups. A gloo group's threads stop only when its
+    last reference goes; left to interpreter exit, they can meet a half-finalized
+    interpreter and abort the process after a successful run."""
+    if created_group:
+        dist.destroy_process_group()
+    parallel_state.destroy_model_parallel()
+    gc.collect()
 
 
 def initialize_model_parallel_groups(layout: Layout) -> ProcessGroupCollection:

@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from megatron.core import parallel_state
 from megatron.core.context_parallel import (
     get_batch_on_this_cp_rank,
     get_thd_batch_on_this_cp_rank,
@@ -77,6 +76,7 @@ from megatron.training.initialize import (
     is_rank_zero,
     launched_world_size,
     single_process_groups,
+    tear_down_distributed,
 )
 from megatron.training.loggers import MetricsLoggers
 from megatron.training.metrics import save_metrics
@@ -148,9 +148,7 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
             check_recent_steps(records)
         return result
     finally:
-        parallel_state.destroy_model_parallel()
-        if created_group:
-            dist.destroy_process_group()
+        tear_down_distributed(created_group)
 
 
 def _check_processes_per_node(nproc_per_node: Optional[int], world_size: Optional[int]) -> None:

@@ -3,6 +3,7 @@ the data-parallel x context-parallel group in buckets (all-reduced, or reduce-sc
 each rank's shard for the distributed optimizer, which then all-gathers the parameters)."""
 
 import contextlib
+import weakref
 from typing import Dict, Iterator, List, Optional
 
 import torch
@@ -101,9 +102,8 @@ class DistributedDataParallel(torch.nn.Module):
             self.param_to_bucket.update(buffer.param_to_bucket)
         self.param_names = {p: n for n, p in module.named_parameters()}
         self.is_last_microbatch = True
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(self._on_grad) for p in self.param_to_bucket
-        ]
+        on_grad = _weak_method(self._on_grad)
+        self._hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in self.param_to_bucket]
         self._param_gather_hooks: list = []
         if ddp_config.use_distributed_optimizer and ddp_config.overlap_param_gather:
             self.enable_forward_pre_hook()
@@ -346,3 +346,19 @@ def _reject_unsupported(ddp_config: DistributedDataParallelConfig) -> None:
             f"{ddp_config.num_distributed_optimizer_instances} is not supported by this core; "
             "expected 1"
         )
+
+
+def _weak_method(method):
+    """``method`` called through a weak reference to its object. torch keeps a tensor's
+    post-accumulate-grad hooks where the garbage collector cannot see them (torch 2.13), so
+    a hook holding the DDP wrapper would keep the wrapper, its module and its process groups
+    alive until the interpreter exits (where gloo's threads then meet a half-finalized
+    interpreter); through a weak reference the wrapper is freed like any module."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(param: torch.nn.Parameter) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(param)
+
+    return hook

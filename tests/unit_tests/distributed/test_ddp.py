@@ -167,3 +167,28 @@ def test_grad_reduce_in_fp32_keeps_bf16_params_with_fp32_main_grad():
 test_grad_reduce_in_fp32_keeps_bf16_params_with_fp32_main_grad = pytest.mark.world(1)(
     test_grad_reduce_in_fp32_keeps_bf16_params_with_fp32_main_grad
 )
+
+
+@pytest.mark.world(1)
+@pytest.mark.parametrize("hook", ["weak", "strong-control"])
+def test_an_unreachable_ddp_wrapper_is_freed_with_its_module(monkeypatch, hook):
+    """Once nothing refers to it, the wrapper, its module and its buffers are freed (after a
+    backward too): its gradient hooks do not keep it alive (they would keep its process
+    groups alive until the interpreter exits). Control: hooks holding the wrapper itself,
+    the way torch 2.13 leaks it, must be caught."""
+    import gc
+    import weakref
+
+    from megatron.core.distributed import distributed_data_parallel as ddp_module
+
+    if hook == "strong-control":
+        monkeypatch.setattr(ddp_module, "_weak_method", lambda method: method)
+    reset_layout()
+    model = _linear_ddp(overlap=True, bucket_size=1)
+    model(torch.randn(3, 4)).sum().backward()
+    model.finish_grad_sync()
+    refs = [weakref.ref(model), weakref.ref(model.module), weakref.ref(model.buffers[0])]
+    del model
+    gc.collect()
+    alive = [ref() is not None for ref in refs]
+    assert alive == ([True] * 3 if hook == "strong-control" else [False] * 3)

@@ -4,11 +4,14 @@ launch exits non-zero without a wall of tracebacks; a bug keeps its traceback; `
 shows tracebacks of known errors too."""
 
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+from megatron.training.cli import _report_failed_launch
 from megatron.training.errors import (
     LAUNCHER_REPORTS_VARIABLE,
     UsageError,
@@ -133,3 +136,25 @@ def test_a_lost_peer_is_recognised(monkeypatch, tmp_path):
     assert another_rank_reported(0.0)
     other.write_text('{"message": "a bug"}')  # not a usage error
     assert not another_rank_reported(0.0)
+
+
+@pytest.mark.parametrize(
+    "exits, named",
+    [
+        ({0: -signal.SIGTERM, 1: -signal.SIGABRT, 2: -signal.SIGTERM}, "rank 1 exited with status signal SIGABRT"),  # noqa: E501
+        ({0: -signal.SIGTERM, 1: 3, 3: -signal.SIGKILL}, "rank 1 exited with status 3"),
+        ({2: -signal.SIGTERM, 0: -signal.SIGTERM}, "rank 0 exited with status signal SIGTERM"),
+    ],
+    ids=["aborted-rank", "exit-code", "terminated-from-outside"],
+)  # fmt: skip
+def test_a_failed_launch_names_the_rank_that_failed_not_one_the_agent_stopped(capsys, exits, named):
+    """torchrun's agent stops the other workers with SIGTERM once one fails and records them
+    too: the line names the rank that failed on its own (a SIGTERM from outside reaches every
+    rank: then the lowest)."""
+    failures = {
+        rank: ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file="")
+        for rank, code in exits.items()
+    }
+    assert _report_failed_launch(ChildFailedError("megatron.training", failures), False) == 1
+    err = capsys.readouterr().err
+    assert named in err and err.count("exited with status") == 1, err
