@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.device import choose_backend
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.moe import moe_utils
 from megatron.training.arguments import Layout, TrainingConfig
 
 TIMEOUT = timedelta(minutes=10)
@@ -74,12 +75,14 @@ def tear_down_distributed(created_group: bool) -> None:
     """The end of a run: forget the model-parallel state and, when the run created the
     default group, destroy it (the groups cached for it go too:
     ``parallel_state.destroy_model_parallel``); then free, while the interpreter is whole,
-    the run's objects that still hold groups. A gloo group's threads stop only when its
-    last reference goes; left to interpreter exit, they can meet a half-finalized
-    interpreter and abort the process after a successful run."""
+    the run's objects that still hold groups (the MoE aux-loss tracker keeps its entries'
+    groups). A gloo group's threads stop only when its last reference goes; left to
+    interpreter exit, they can meet a half-finalized interpreter and abort the process
+    after a successful run."""
     if created_group:
         dist.destroy_process_group()
     parallel_state.destroy_model_parallel()
+    moe_utils.reset_aux_losses_tracker()
     gc.collect()
 
 

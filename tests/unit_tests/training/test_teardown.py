@@ -22,6 +22,7 @@ from tests.unit_tests.dist_utils import fresh_layout
 from tests.unit_tests.launch import LAUNCHER_VARS, free_port
 
 GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")
+MOE = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01, disable_bias_linear=True)
 
 
 def _gloo_threads() -> int:
@@ -37,11 +38,12 @@ def _gloo_threads() -> int:
 
 @pytest.mark.world(1)
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
-@pytest.mark.parametrize("teardown", ["pretrain", "groups-kept-control"])
+@pytest.mark.parametrize("teardown", ["dense", "moe", "groups-kept-control"])
 def test_a_run_that_started_torch_distributed_leaves_no_gloo_thread(monkeypatch, teardown):
     """One process launched as torchrun would (WORLD_SIZE=1): ``pretrain`` starts a gloo
-    group and its layout's subgroups, trains cp1 with DDP, and returns with every gloo
-    thread gone. Control: when the cached subgroups outlive the default group, it fails."""
+    group and its layout's subgroups, trains a dense or MoE GPT with DDP, and returns with
+    every gloo thread gone. Control: when the cached subgroups outlive the default group,
+    it fails."""
     if dist.is_initialized():
         pytest.skip("this process already has a default group (pretrain would reuse it)")
     for name in LAUNCHER_VARS:
@@ -60,6 +62,7 @@ def test_a_run_that_started_torch_distributed_leaves_no_gloo_thread(monkeypatch,
                 TrainingConfig(
                     num_layers=2, hidden_size=16, seq_length=16, global_batch_size=2,
                     train_iters=2, progress=False, distributed_backend="gloo",
+                    **(MOE if teardown == "moe" else {}),
                 )
             )  # fmt: skip
         after = _gloo_threads()
@@ -69,7 +72,7 @@ def test_a_run_that_started_torch_distributed_leaves_no_gloo_thread(monkeypatch,
         parallel_state.destroy_model_parallel()  # the control's groups go here
         gc.collect()
     assert len(result.records) == 2 and not dist.is_initialized()
-    if teardown == "pretrain":
+    if teardown != "groups-kept-control":
         assert after == before, f"{after - before} gloo threads outlive the run"
     else:
         assert after > before, "the control left no group: the check cannot fail"
