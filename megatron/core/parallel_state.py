@@ -351,10 +351,8 @@ def destroy_model_parallel() -> None:
     alive for reuse while their default group lives; once it is destroyed they are dropped
     (a gloo group's threads stop when its last reference goes)."""
     global _STATE, _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK
-    global _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE, _GROUP_CACHE_WORLD
-    if not _dist_ready() or _GROUP_CACHE_WORLD is not dist.group.WORLD:
-        _GROUP_CACHE.clear()
-        _GROUP_CACHE_WORLD = None
+    global _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
+    _drop_stale_group_cache()
     _STATE = None
     _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = None
     _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = None
@@ -882,13 +880,22 @@ def _get_or_create_group(ranks: List[int], timeout: timedelta, tag: str = "") ->
     ``tag`` keeps a second communicator over the same ranks apart (the all-gather group).
     """
     global _GROUP_CACHE_WORLD
-    if _GROUP_CACHE_WORLD is not dist.group.WORLD:  # torch.distributed was (re)started
-        _GROUP_CACHE.clear()
-        _GROUP_CACHE_WORLD = dist.group.WORLD
+    _drop_stale_group_cache()
+    _GROUP_CACHE_WORLD = dist.group.WORLD
     key = (tuple(ranks), tag)
     if key not in _GROUP_CACHE:
         _GROUP_CACHE[key] = dist.new_group(ranks, timeout=timeout)
     return _GROUP_CACHE[key]
+
+
+def _drop_stale_group_cache() -> None:
+    """Drop the cached groups when the default group they were made in is gone (destroyed,
+    or torch.distributed restarted): a gloo group's threads stop when its last reference
+    goes."""
+    global _GROUP_CACHE_WORLD
+    if not _dist_ready() or _GROUP_CACHE_WORLD is not dist.group.WORLD:
+        _GROUP_CACHE.clear()
+        _GROUP_CACHE_WORLD = None
 
 
 def _raise_no_hcp_groups() -> None:

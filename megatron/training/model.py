@@ -18,9 +18,7 @@ from megatron.core.distributed import (
     finalize_model_grads,
 )
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_decoder_block_spec,
-)
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.models.gpt.gpt_model import padded_vocab_size
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
@@ -55,7 +53,10 @@ def build_model(
         stage = vp_stage * pp + pp_rank
         gpt = GPTModel(
             config=transformer_config,
-            transformer_layer_spec=layer_spec(config, transformer_config, vp_stage, pp_rank),
+            # this chunk's layers, MoE where --moe-layer-freq puts them
+            transformer_layer_spec=get_gpt_decoder_block_spec(
+                transformer_config, use_transformer_engine=False, vp_stage=vp_stage, pp_rank=pp_rank
+            ),
             vocab_size=padded_vocab_size(
                 config.vocab_size,
                 config.make_vocab_size_divisible_by,
@@ -107,18 +108,6 @@ def build_model(
         transformer_config.grad_sync_func = one_or_list([c.start_grad_sync for c in chunks])
     transformer_config.finalize_model_grads_func = finalize_model_grads
     return chunks
-
-
-def layer_spec(config: TrainingConfig, transformer_config, vp_stage: int, pp_rank: int):
-    """This chunk's block spec: local layers, MoE where ``--moe-layer-freq`` puts them (none
-    without ``--num-experts``)."""
-    return get_gpt_decoder_block_spec(
-        transformer_config,
-        use_transformer_engine=False,
-        normalization=config.normalization,
-        vp_stage=vp_stage,
-        pp_rank=pp_rank,
-    )
 
 
 def moe_fields(config: TrainingConfig, layout: Layout) -> dict:
