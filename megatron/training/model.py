@@ -260,25 +260,31 @@ def fusions_of(config: TrainingConfig) -> dict:
 
 def compile_layers(gpt: GPTModel) -> None:
     """``torch.compile`` every transformer layer of ``gpt`` in place: norms, RoPE, the
-    activation and the residual adds between the GEMMs become fused kernels. The linear
-    layers (hand-written autograd with ``gradient_accumulation_fusion``'s fp32 GEMMs) and
-    core attention (the flash-class kernels with their own backward) stay eager: the graph
-    breaks around them. One graph is reused by all layers (dynamo's cache limit is raised to
-    the layer count so that none falls back to eager)."""
+    activation and the residual adds between the GEMMs become fused kernels; the linear
+    layers and core attention stay eager (``keep_eager``). One graph is reused by all layers
+    (dynamo's cache limit is raised to the layer count so that none falls back to eager)."""
     import torch._dynamo
-
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     layers = list(gpt.decoder.layers)
     limit = torch._dynamo.config.cache_size_limit
     torch._dynamo.config.cache_size_limit = max(limit, 2 * len(layers) + 8)
-    eager = (ColumnParallelLinear, RowParallelLinear, DotProductAttention)
     for layer in layers:
-        for module in layer.modules():
-            if isinstance(module, eager):
-                module.forward = torch.compiler.disable(module.forward)
+        keep_eager(layer)
         layer.compile()
+
+
+def keep_eager(layer: torch.nn.Module) -> None:
+    """Mark the modules of ``layer`` that ``torch.compile`` must not trace: the linear
+    layers (hand-written autograd with ``gradient_accumulation_fusion``'s fp32 GEMMs; a LoRA
+    adapter is part of its base layer's call, so it adds no graph break) and core attention
+    (the flash-class kernels with their own backward). The graph breaks around them."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    eager = (ColumnParallelLinear, RowParallelLinear, DotProductAttention)
+    for module in layer.modules():
+        if isinstance(module, eager):
+            module.forward = torch.compiler.disable(module.forward)
 
 
 def activation_of(config: TrainingConfig):
