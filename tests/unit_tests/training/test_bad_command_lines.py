@@ -4,8 +4,13 @@ reported as a traceback. In-process: the trainer's ``main`` with training replac
 failure (``_run``), or the checks it calls."""
 
 import json
+import os
 import re
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +20,7 @@ from megatron.training.checkpointing import TRACKER_FILENAME
 from megatron.training.errors import ERROR_FILE_VARIABLE, LAUNCHER_REPORTS_VARIABLE, UsageError
 from megatron.training.hf import __main__ as hf_cli
 from megatron.training.hf.families import REGISTRY
+from tests.unit_tests.launch import LAUNCHER_VARS, ROOT
 
 pytestmark = pytest.mark.world(1)
 MOE = dict(num_experts=4, disable_bias_linear=True)
@@ -277,3 +283,41 @@ def test_the_hf_tool_prefixes_its_errors_with_its_name_and_shows_its_defaults(tm
 
     export = hf_cli.build_parser().parse_args(["export", "--load", "ck", "--out", "x"])
     assert export.max_shard_size == DEFAULT_MAX_SHARD_SIZE
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_ctrl_c_to_one_rank_of_a_launch_ends_it_with_one_line(tmp_path):
+    """SIGINT to one worker of a 2-rank self-launch: the launch ends with that rank's one
+    line and no traceback (before: rank 1's KeyboardInterrupt traceback, ~100 lines)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env.update(OMP_NUM_THREADS="1")
+    log = tmp_path / "log"
+    command = [sys.executable, "-m", "megatron.training", "--nproc-per-node", "2", "--cp", "2"]
+    command += ["--train-iters", "100000", "--no-progress", "--log-interval", "1"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and "iteration 2/" not in log.read_text():
+            assert proc.poll() is None, log.read_text()[-4000:]
+            time.sleep(0.5)
+        children = [
+            int(p)
+            for task in Path(f"/proc/{proc.pid}/task").glob("*")
+            for p in (task / "children").read_text().split()
+        ]
+        assert len(children) == 2, (children, log.read_text()[-4000:])
+        os.kill(max(children), signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    output = log.read_text()
+    assert proc.returncode == 1 and "Traceback" not in output, output[-4000:]
+    assert output.count("megatron.training: error") == 1, output[-4000:]
+    assert "error on rank 1: interrupted (SIGINT, Ctrl-C)" in output, output[-4000:]
