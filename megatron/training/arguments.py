@@ -1221,5 +1221,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> TrainingConfig:
 
 
 def explicit_options(argv: Sequence[str]) -> List[str]:
-    """The ``TrainingConfig`` fields that ``argv`` gives explicitly (whatever their value)."""
+    """The ``TrainingConfig`` fields that ``argv`` gives explicitly (whatever their value).
+    Call ``parse_args`` first: a ``--help`` here would list no defaults."""
     return options.explicit_fields(build_parser(), argv)

@@ -284,7 +284,7 @@ def _moe_flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _check_combinations(c: Config, given: "_Given") -> None:
+def _check_combinations(c: Config, given: _Given) -> None:
     """Options that need, or exclude, another one (so none is silently ignored)."""
     _require(
         not c.overlap_param_gather or c.use_distributed_optimizer,
@@ -494,8 +494,9 @@ def _check_evaluation(c: Config, given: _Given) -> None:
     off = [name for name in ("eval_interval", "valid_data_path") if given(name)]
     _require(
         c.eval_iters != 0 or not off,
-        f"{', '.join(f'{_flag(c, n)} {getattr(c, n)}' for n in off)} asks for validation, but "
-        "--eval-iters 0 turns it off; leave one of them out",
+        f"{' and '.join(f'{_flag(c, n)} {getattr(c, n)}' for n in off)} "
+        f"ask{'s' if len(off) == 1 else ''} for validation, but --eval-iters 0 turns it off; "
+        "leave one of them out",
     )
 
 
