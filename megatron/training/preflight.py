@@ -1,5 +1,5 @@
 """What the command line settles before any worker starts: the settings a ``--load``
-checkpoint recorded, and every input path.
+checkpoint recorded, every input path and every output path.
 
 ``adopt_checkpoint_settings``: ``--load`` of one of our checkpoints takes the model and data
 settings it recorded (the fields of ``kind=MODEL`` and ``kind=DATA``, and ``--hf-model``)
@@ -11,6 +11,10 @@ would not honour (``checkpointing.compare_run_settings`` / ``compare_optimizer_s
 ``check_input_paths``: ``--data-path``, ``--valid-data-path``, ``--tokenizer``,
 ``--hf-model`` and ``--load`` exist and are what they must be (a file, a folder, an indexed
 prefix, a checkpoint), each error naming the flag, the path and what was expected.
+
+``check_output_paths``: the output folders can be folders, ``--save`` overwrites no
+checkpoints the run does not resume, and an ``--export-hf`` model has a HuggingFace family,
+so nothing is found only after training.
 """
 
 import os
