@@ -75,11 +75,27 @@ __all__ = [
 ]
 
 
-def _is_signal_name(name: object) -> bool:
-    """A name of the signal module's ``Signals`` (SIGTERM, SIGUSR1, ...)."""
+# Signals no handler can catch (the kernel acts on them directly).
+_UNCATCHABLE_SIGNALS = ("SIGKILL", "SIGSTOP")
+
+
+def catchable_signals() -> List[str]:
+    """The names of the signal module's ``Signals`` a handler can catch (SIGTERM, ...)."""
     import signal
 
-    return isinstance(name, str) and name in signal.Signals.__members__
+    return [name for name in signal.Signals.__members__ if name not in _UNCATCHABLE_SIGNALS]
+
+
+def _is_signal_name(name: object) -> bool:
+    """A name of a catchable signal (``catchable_signals``)."""
+    return isinstance(name, str) and name in catchable_signals()
+
+
+def _hf_families() -> str:
+    """The HuggingFace families ``--hf-model`` reads (the converter's registry)."""
+    from megatron.training.hf.families import REGISTRY  # no torch
+
+    return ", ".join(REGISTRY)
 
 
 # --help sections: the field that opens each one (the following fields belong to it).
@@ -435,10 +451,10 @@ class TrainingConfig:
         kind=RUN,
         type=str,
         metavar="DIR",
-        help="start from a HuggingFace model (config.json + safetensors: Llama, Mistral, "
-        "Qwen2, Qwen3, GPT-2; docs/huggingface.md): its config.json sets the model options above "
-        "(an explicit conflicting one is an error), its weights are loaded at any layout, "
-        "and with --data-path its tokenizer is the default --tokenizer",
+        help="start from a HuggingFace model (config.json + safetensors; its model_type one "
+        f"of {_hf_families()}; docs/huggingface.md): its config.json sets the model options "
+        "above (an explicit conflicting one is an error), its weights are loaded at any "
+        "layout, and with --data-path its tokenizer is the default --tokenizer",
     )
     # Mixture of experts (megatron's flags; docs/moe.md). Off unless --num-experts.
     num_experts: Optional[int] = option(
@@ -1104,7 +1120,11 @@ class TrainingConfig:
         "SIGTERM",
         "--exit-signal",
         kind=OUTPUT,
-        check=Check("a signal name such as SIGTERM or SIGUSR1", _is_signal_name),
+        check=Check(
+            "the name of a signal a handler can catch (SIGKILL and SIGSTOP cannot be "
+            f"caught): one of {', '.join(catchable_signals())}",
+            _is_signal_name,
+        ),
         help="the signal --exit-signal-handler catches",
     )
     exit_duration_in_mins: Optional[float] = option(
@@ -1201,5 +1221,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> TrainingConfig:
 
 
 def explicit_options(argv: Sequence[str]) -> List[str]:
-    """The ``TrainingConfig`` fields that ``argv`` gives explicitly (whatever their value)."""
+    """The ``TrainingConfig`` fields that ``argv`` gives explicitly (whatever their value).
+    Call ``parse_args`` first: a ``--help`` here would list no defaults."""
     return options.explicit_fields(build_parser(), argv)

@@ -45,11 +45,13 @@ from megatron.training.preflight import (
     adopt_checkpoint_settings,
     adoption_note,
     check_input_paths,
+    check_output_paths,
 )
 
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
 VERDICT_FILE_VARIABLE = "MEGATRON_TRAINING_VERDICT_FILE"
 COMMAND_LINE_ERROR_STATUS = 2
+INTERRUPTED_STATUS = 130  # 128 + SIGINT, the shell's status of a Ctrl-C
 PEER_FAILURE_WAIT_S = 30.0
 # With --exit-signal-handler: how long torchrun's agent lets the workers save and end after
 # passing a signal on (its default is 30 s; TORCH_ELASTIC_SHUTDOWN_TIMEOUT overrides both).
@@ -64,12 +66,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     debug = debug_requested(argv)
     under_torchrun = "WORLD_SIZE" in os.environ
     try:
+        parsed = parse_args(argv)  # first: --help shows the defaults
         explicit = explicit_options(argv)
-        config, adopted = adopt_checkpoint_settings(parse_args(argv), explicit)
+        config, adopted = adopt_checkpoint_settings(parsed, explicit)
         check_input_paths(config, adopted)
         config = resolve_hf_model(config, explicit)
         world_size = _world_size(config.nproc_per_node, under_torchrun)
-        validate_config(config, world_size)
+        validate_config(config, world_size, explicit)
+        check_output_paths(config)
     except Exception as exc:
         if debug or not is_usage_error(exc):
             raise
@@ -86,6 +90,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return launch(argv, world_size, debug=debug)
     try:
         return _run(config)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        report_error(
+            "interrupted (SIGINT, Ctrl-C): the run stopped where it was "
+            "(--exit-signal-handler --exit-signal SIGINT saves a checkpoint first)"
+        )
+        return INTERRUPTED_STATUS
     except Exception as exc:
         if not debug and is_usage_error(exc):
             report_error(name_the_flags(one_line(exc), config))

@@ -40,6 +40,7 @@ records have no trained token left), and refuses data with no trained token at a
 
 import copy
 import json
+import math
 import os
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -79,17 +80,18 @@ def build_sft_dataset(config: Any):
 
 def parse_split(split: str) -> List[float]:
     """megatron's ``--split`` string (``"969,30,1"``, ``"90/10/0"``: train, validation, test
-    weights, missing ones 0) as three non-negative weights with a positive sum; a
-    ValueError naming the flag otherwise."""
+    weights, missing ones 0) as three finite non-negative weights with a positive, finite
+    sum; a ValueError naming the flag otherwise."""
     parts = [p.strip() for p in split.replace("/", ",").split(",")]
     try:
         weights = [float(p) for p in parts]
     except ValueError:
         weights = []
-    if not 1 <= len(weights) <= 3 or any(not w >= 0 for w in weights) or sum(weights) <= 0:
+    finite = all(math.isfinite(w) and w >= 0 for w in weights) and math.isfinite(sum(weights))
+    if not 1 <= len(weights) <= 3 or not finite or sum(weights) <= 0:
         raise ValueError(
-            f"--split {split!r}: expected up to three non-negative weights with a positive "
-            "sum, train,validation,test (e.g. 969,30,1)"
+            f"--split {split!r}: expected up to three finite non-negative weights with a "
+            "positive sum, train,validation,test (e.g. 969,30,1)"
         )
     return weights + [0.0] * (3 - len(weights))
 

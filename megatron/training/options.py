@@ -138,7 +138,7 @@ def build_parser(
     """The parser of ``config_class``: one option per field (dest = the field name, default
     = the field's default), in ``--help`` sections opened by the fields named in
     ``sections`` (field name -> section title). A mistake raises ``UsageError``."""
-    parser = _Parser(prog=prog, description=description, formatter_class=_HelpFormatter)
+    parser = _Parser(prog=prog, description=description, formatter_class=HelpFormatter)
     groups: Dict[str, argparse._ArgumentGroup] = {}
     section = None
     for config_field in fields(config_class):
@@ -228,7 +228,7 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (--help lists the options)")
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Show the default of options that take a value (not of switches, not of None)."""
 
     def _get_help_string(self, action):

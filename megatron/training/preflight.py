@@ -1,5 +1,5 @@
 """What the command line settles before any worker starts: the settings a ``--load``
-checkpoint recorded, and every input path.
+checkpoint recorded, every input path and every output path.
 
 ``adopt_checkpoint_settings``: ``--load`` of one of our checkpoints takes the model and data
 settings it recorded (the fields of ``kind=MODEL`` and ``kind=DATA``, and ``--hf-model``)
@@ -11,6 +11,10 @@ would not honour (``checkpointing.compare_run_settings`` / ``compare_optimizer_s
 ``check_input_paths``: ``--data-path``, ``--valid-data-path``, ``--tokenizer``,
 ``--hf-model`` and ``--load`` exist and are what they must be (a file, a folder, an indexed
 prefix, a checkpoint), each error naming the flag, the path and what was expected.
+
+``check_output_paths``: the output folders can be folders, ``--save`` overwrites no
+checkpoints the run does not resume, and an ``--export-hf`` model has a HuggingFace family,
+so nothing is found only after training.
 """
 
 import os
@@ -19,6 +23,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from megatron.training.arguments import TrainingConfig
+from megatron.training.errors import UsageError
 from megatron.training.options import DATA, MODEL, fields_of_kind
 
 # Settings --load adopts when the command line leaves them out.
@@ -159,3 +164,132 @@ def adoption_note(adopted: Sequence[str], load: Optional[str]) -> Optional[str]:
     shown = ", ".join(flag_of(name) for name in adopted[:8])
     more = f" and {len(adopted) - 8} more" if len(adopted) > 8 else ""
     return f"--load {load}: the checkpoint's recorded settings are used for {shown}{more}"
+
+
+# ----------------------------------------------------------------------------- outputs
+
+# checkpointing.TRACKER_FILENAME and dist_checkpointing's CONFIG_FNAME (no torch here).
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+CHECKPOINT_METADATA = "metadata.json"
+_OUTPUT_FOLDERS = (
+    ("save", "the checkpoints"),
+    ("save_metrics", "metrics.jsonl and loss.png"),
+    ("tensorboard_dir", "the TensorBoard event files"),
+    ("wandb_save_dir", "the W&B run files"),
+)
+
+
+def check_output_paths(config: TrainingConfig) -> None:
+    """Before anything trains: each output folder (``--save``, ``--save-metrics``,
+    ``--tensorboard-dir``, ``--wandb-save-dir``) can be a folder; ``--save`` does not
+    overwrite checkpoints this run does not resume (``check_save_target``); an
+    ``--export-hf`` model has a HuggingFace family (``check_export_family``). Errors name
+    the flag, the path and what would have been written there."""
+    from megatron.training.arguments import flag_of
+
+    for name, what in _OUTPUT_FOLDERS:
+        path = getattr(config, name)
+        if path:
+            _check_output_folder(flag_of(name), path, what)
+    check_save_target(config)
+    check_export_family(config)
+
+
+def _check_output_folder(flag: str, path: str, what: str) -> None:
+    """``path`` is a folder, or can be made one (its nearest existing parent is a folder)."""
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise NotADirectoryError(
+            f"{flag} {path} is a file; expected a folder (new or existing) for {what}"
+        )
+    parent = next((p for p in target.parents if p.exists()), Path("."))
+    if not target.exists() and not parent.is_dir():
+        raise NotADirectoryError(
+            f"{flag} {path}: {parent} is a file, so the folder for {what} cannot be made there"
+        )
+
+
+def saved_checkpoints(folder: str) -> List[str]:
+    """What in ``folder`` says it holds checkpoints: the tracker file and the complete
+    ``iter_NNNNNNN`` directories (empty when none, or no such folder)."""
+    root = Path(folder)
+    if not root.is_dir():
+        return []
+    held = [TRACKER_FILENAME] if (root / TRACKER_FILENAME).is_file() else []
+    held += sorted(
+        p.name
+        for p in root.glob("iter_*")
+        if p.name[len("iter_") :].isdigit() and (p / CHECKPOINT_METADATA).is_file()
+    )
+    return held
+
+
+def check_save_target(config: TrainingConfig) -> None:
+    """``--save DIR`` that already holds checkpoints is written only by the run that resumes
+    them: ``--load DIR`` (megatron's auto-resume idiom) or ``--load DIR/iter_N``, without
+    ``--finetune`` (which starts again at iteration 0). Anything else would overwrite them
+    and move the tracker: a UsageError naming the flags."""
+    save = config.save
+    held = saved_checkpoints(save) if save and not config.skip_train else []
+    if not held:
+        return
+    load = Path(config.load).resolve() if config.load else None
+    inside = load is not None and Path(save).resolve() in (load, load.parent)
+    if inside and not config.finetune:
+        return
+    shown = _held(save, held)
+    if inside:
+        raise UsageError(
+            f"--finetune --load {config.load} --save {save}: a fine-tuning run starts again at "
+            f"iteration 0, so its checkpoints would overwrite the ones it starts from ({shown}); "
+            "--save to another folder"
+        )
+    started = f"--load {config.load} does not resume them" if load else "this run starts anew"
+    raise UsageError(
+        f"--save {save} already holds checkpoints ({shown}) and {started}: they would be "
+        f"overwritten; resume them with --load {save}, or --save to a new folder"
+    )
+
+
+def _held(folder: str, held: Sequence[str]) -> str:
+    """The checkpoints in ``folder``, as a short phrase."""
+    tracker = Path(folder) / TRACKER_FILENAME
+    if TRACKER_FILENAME in held:
+        text = tracker.read_text().strip()
+        return f"{TRACKER_FILENAME} names iteration {text}"
+    return ", ".join(held[:3]) + (" ..." if len(held) > 3 else "")
+
+
+def check_export_family(config: TrainingConfig) -> None:
+    """``--export-hf DIR`` of a model that did not come from ``--hf-model`` (whose
+    config.json the export writes back): a HuggingFace family must write its settings, else
+    a ValueError saying where the weights would have gone."""
+    if not config.export_hf or config.hf_model or _loads_hf_config(config):
+        return
+    from megatron.training.hf.config import architecture_from_model_settings  # no torch
+
+    settings = {f.name: getattr(config, f.name) for f in fields(config)}
+    try:
+        architecture_from_model_settings(settings)
+    except ValueError as err:
+        raise UsageError(
+            f"--export-hf {config.export_hf}: the trained model would be written there after "
+            f"training, but {str(err).removeprefix('export: ')}"
+        ) from None
+
+
+def _loads_hf_config(config: TrainingConfig) -> bool:
+    """Whether the ``--load`` checkpoint records a HuggingFace config.json (an import, or a
+    ``--hf-model`` run): the export writes that one back."""
+    if not config.load:
+        return False
+    from megatron.core import dist_checkpointing  # torch: only for a --load
+    from megatron.training.checkpointing import resolve_checkpoint
+
+    directory, _ = resolve_checkpoint(
+        config.load, config.save, config.ckpt_step, config.exit_on_missing_checkpoint
+    )
+    if directory is None:
+        return False
+    common = dist_checkpointing.load_common_state_dict(str(directory))
+    return bool(common.get("hf_config") or (common.get("run_settings") or {}).get("hf_config"))

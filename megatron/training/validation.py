@@ -11,7 +11,7 @@ defaults (query groups, FFN size, head size) come from ``resolved_model``. No to
 """
 
 from dataclasses import dataclass, fields
-from typing import Any, List, Optional, Tuple
+from typing import Any, Collection, List, Optional, Tuple
 
 from megatron.core import config_rules
 from megatron.core.config_rules import CP_COMM_TYPES
@@ -61,7 +61,9 @@ class Layout:
         )
 
 
-def validate_config(config: Config, world_size: int) -> Layout:
+def validate_config(
+    config: Config, world_size: int, explicit: Optional[Collection[str]] = None
+) -> Layout:
     """The layout of ``config`` on ``world_size`` processes, or ValueError saying why not.
 
     First each option's own check (``option(..., check=...)``), then the rules between
@@ -71,8 +73,12 @@ def validate_config(config: Config, world_size: int) -> Layout:
     TP; sequence parallelism only with TP > 1; layers divisible by PP * VPP; GBS divisible by
     micro batch * DP; VPP only with PP >= 2 and a microbatch count the interleaved schedule
     can run; the cp_comm_type rules; combinations of options that one of them would ignore.
+    ``explicit``: the fields the command line gave (``arguments.explicit_options``); such a
+    flag is refused where it would be ignored even when it repeats the default (without
+    ``explicit``, a flag counts as given when its value differs from the default).
     """
     c = config
+    given = _Given(c, explicit)
     _require(
         is_int(world_size) and world_size >= 1,
         f"--nproc-per-node must be an integer >= 1, got {world_size}",
@@ -133,8 +139,8 @@ def validate_config(config: Config, world_size: int) -> Layout:
     _check_cp_comm_type(c)
     if c.pack_sequences:
         _check_packing(c)
-    _check_combinations(c)
-    _check_moe(c, world_size)
+    _check_combinations(c, given)
+    _check_moe(c, world_size, given)
     _check_lora(c)
     hierarchical = c.hierarchical_context_parallel_sizes
     return Layout(
@@ -153,6 +159,10 @@ def validate_config(config: Config, world_size: int) -> Layout:
 
 
 _MOE_FLAGS = (
+    "moe_router_topk",
+    "moe_layer_freq",
+    "moe_router_load_balancing_type",
+    "moe_router_bias_update_rate",
     "moe_ffn_hidden_size",
     "moe_shared_expert_intermediate_size",
     "moe_shared_expert_gate",
@@ -172,17 +182,28 @@ _MOE_FLAGS = (
 )
 
 
-def _check_moe(c: Config, world_size: int) -> None:
+class _Given:
+    """``given(name)``: whether the run sets field ``name`` (``validate_config``'s
+    ``explicit``)."""
+
+    def __init__(self, c: Config, explicit: Optional[Collection[str]]) -> None:
+        self.c, self.explicit = c, frozenset(explicit or ())
+
+    def __call__(self, name: str) -> bool:
+        return name in self.explicit or getattr(self.c, name) != _default(self.c, name)
+
+
+def _check_moe(c: Config, world_size: int, given: _Given) -> None:
     """The mixture-of-experts flags (TransformerConfig's MoE checks, named by flag)."""
-    defaults = {f.name: f.default for f in fields(c)}
     if c.num_experts is None:
         for name in _MOE_FLAGS:
-            value = getattr(c, name)
             _require(
-                value == defaults[name],
-                f"{_moe_flag(name)} {value} needs --num-experts (a mixture-of-experts model)",
+                not given(name),
+                f"{_moe_flag(name)} {_shown(getattr(c, name))} needs --num-experts (a "
+                "mixture-of-experts model)",
             )
         return
+    _check_router_losses(c, given)
     experts, topk = c.num_experts, c.moe_router_topk
     tp, pp = c.tensor_model_parallel_size, c.pipeline_model_parallel_size
     ep = c.expert_model_parallel_size
@@ -243,11 +264,27 @@ def _check_moe(c: Config, world_size: int) -> None:
     )
 
 
+def _check_router_losses(c: Config, given: _Given) -> None:
+    """The load-balancing coefficient and the expert-bias rate, each used by its mode."""
+    _require(
+        not (c.moe_router_load_balancing_type == "none" and given("moe_aux_loss_coeff")),
+        f"--moe-aux-loss-coeff {c.moe_aux_loss_coeff} weighs the load-balancing loss, but "
+        "--moe-router-load-balancing-type none computes none; use aux_loss or seq_aux_loss, "
+        "or leave --moe-aux-loss-coeff out",
+    )
+    _require(
+        c.moe_router_enable_expert_bias or not given("moe_router_bias_update_rate"),
+        f"--moe-router-bias-update-rate {c.moe_router_bias_update_rate} is the step of the "
+        "expert bias, which is off: add --moe-router-enable-expert-bias (with "
+        "--moe-router-score-function sigmoid), or leave the rate out",
+    )
+
+
 def _moe_flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _check_combinations(c: Config) -> None:
+def _check_combinations(c: Config, given: _Given) -> None:
     """Options that need, or exclude, another one (so none is silently ignored)."""
     _require(
         not c.overlap_param_gather or c.use_distributed_optimizer,
@@ -347,7 +384,7 @@ def _check_combinations(c: Config) -> None:
         f"--compare-tolerance {c.compare_tolerance} needs --compare-single-process",
     )
     _require(not (c.bf16 and c.fp16), "--bf16 and --fp16 were both given; expected at most one")
-    _check_evaluation(c)
+    _check_evaluation(c, given)
     _check_logging(c)
     _require(
         c.position_embedding_type == "learned_absolute" or c.max_position_embeddings is None,
@@ -391,7 +428,7 @@ def _check_combinations(c: Config) -> None:
     )
 
 
-def _check_evaluation(c: Config) -> None:
+def _check_evaluation(c: Config, given: _Given) -> None:
     """--eval-interval, --eval-iters, --valid-data-path, --split, --skip-train: each used,
     none contradicting another."""
     _require(
@@ -447,6 +484,19 @@ def _check_evaluation(c: Config) -> None:
     _require(
         not (c.skip_train and c.compare_single_process),
         "--skip-train trains nothing; --compare-single-process compares training runs",
+    )
+    _require(
+        not c.skip_train or c.export_hf is None,
+        f"--skip-train trains nothing, so --export-hf {c.export_hf} would write nothing; to "
+        "convert a checkpoint use python -m megatron.training.hf export --load DIR --out "
+        f"{c.export_hf}",
+    )
+    off = [name for name in ("eval_interval", "valid_data_path") if given(name)]
+    _require(
+        c.eval_iters != 0 or not off,
+        f"{' and '.join(f'{_flag(c, n)} {getattr(c, n)}' for n in off)} "
+        f"ask{'s' if len(off) == 1 else ''} for validation, but --eval-iters 0 turns it off; "
+        "leave one of them out",
     )
 
 

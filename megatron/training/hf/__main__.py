@@ -1,6 +1,7 @@
 """``python -m megatron.training.hf import|export``: HuggingFace <-> dist checkpoints.
 
 python -m megatron.training.hf import --hf DIR --out CKPT [--dtype bfloat16] [--allow-non-finite]
+    [--overwrite]
 python -m megatron.training.hf export --load CKPT --out DIR [--dtype ...] [--max-shard-size 2GB]
     [--overwrite] [--merge-lora]
     (a checkpoint with LoRA adapters: a PEFT adapter folder, or the merged model with
@@ -14,9 +15,11 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from megatron.training.errors import is_usage_error, one_line
-from megatron.training.hf.checkpoint import DEFAULT_MAX_SHARD_SIZE, DTYPES, export_hf, import_hf
+from megatron.training.errors import UsageError, is_usage_error, one_line
+from megatron.training.hf.checkpoint import DTYPES, export_hf, import_hf
+from megatron.training.options import HelpFormatter
 
+PROG = "python -m megatron.training.hf"
 _UNITS = {
     "": 1,
     "B": 1,
@@ -36,6 +39,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     started = time.perf_counter()
     try:
         if args.command == "import":
+            check_import_target(args.out, args.overwrite)
             where = import_hf(
                 args.hf, args.out, dtype=args.dtype, allow_non_finite=args.allow_non_finite
             )
@@ -53,7 +57,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except Exception as err:  # a known error is one line; anything else is a bug
         if not (is_usage_error(err) or isinstance(err, RuntimeError)):
             raise
-        print(f"error: {one_line(err)}", file=sys.stderr)
+        print(f"megatron.training.hf: error: {one_line(err)}", file=sys.stderr)
         return 2
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"{what} in {time.perf_counter() - started:.1f} s (peak resident memory {peak:.2f} GiB)")
@@ -62,12 +66,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m megatron.training.hf",
+        prog=PROG,
+        formatter_class=HelpFormatter,
         description="Convert HuggingFace models (config.json + safetensors) to dist_checkpointing "
         "checkpoints that the trainer's --load reads at any layout, and back",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    imp = sub.add_parser("import", help="HuggingFace directory -> CKPT/iter_0000000")
+    imp = sub.add_parser(
+        "import", help="HuggingFace directory -> CKPT/iter_0000000", formatter_class=HelpFormatter
+    )
     imp.add_argument("--hf", required=True, metavar="DIR", help="HuggingFace model directory")
     imp.add_argument("--out", required=True, metavar="CKPT", help="checkpoint directory to write")
     imp.add_argument(
@@ -78,7 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="import weights holding NaN or infinite values (refused by default)",
     )
-    exp = sub.add_parser("export", help="checkpoint -> HuggingFace directory")
+    imp.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="import into a folder that already holds checkpoints (its tracker then names "
+        "the imported iteration 0)",
+    )
+    exp = sub.add_parser(
+        "export", help="checkpoint -> HuggingFace directory", formatter_class=HelpFormatter
+    )
     exp.add_argument("--load", required=True, metavar="CKPT", help="a --save directory or iter_*")
     exp.add_argument("--out", required=True, metavar="DIR", help="HuggingFace directory to write")
     exp.add_argument("--dtype", choices=sorted(DTYPES), help="written dtype (default: stored)")
@@ -91,9 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument(
         "--max-shard-size",
         type=parse_size,
-        default=DEFAULT_MAX_SHARD_SIZE,
+        default="2GiB",  # argparse parses a string default: DEFAULT_MAX_SHARD_SIZE
         metavar="SIZE",
-        help="largest safetensors file, e.g. 2GB, 500MB (default: 2GiB)",
+        help="largest safetensors file, e.g. 2GB, 500MB",
     )
     exp.add_argument(
         "--overwrite",
@@ -102,6 +117,20 @@ def build_parser() -> argparse.ArgumentParser:
         "are replaced)",
     )
     return parser
+
+
+def check_import_target(out: str, overwrite: bool) -> None:
+    """``import --out CKPT`` does not write over checkpoints (a trainer's ``--save`` folder,
+    an earlier import) unless ``--overwrite``: the import's tracker would name iteration 0."""
+    from megatron.training.preflight import saved_checkpoints  # no torch
+
+    held = saved_checkpoints(out)
+    if held and not overwrite:
+        shown = ", ".join(held[:3]) + (" ..." if len(held) > 3 else "")
+        raise UsageError(
+            f"--out {out} already holds checkpoints ({shown}); the import would move its "
+            "tracker back to iteration 0: choose a new folder, or pass --overwrite"
+        )
 
 
 def parse_size(text: str) -> int:

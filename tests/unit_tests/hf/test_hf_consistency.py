@@ -37,7 +37,11 @@ def _rewrite(directory: Path, change) -> None:
 
 def _one_line_error(capsys) -> str:
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and err.startswith("error: ") and "Traceback" not in err, err
+    assert (
+        err.count("\n") == 0
+        and err.startswith("megatron.training.hf: error: ")
+        and "Traceback" not in err
+    ), err
     return err
 
 
