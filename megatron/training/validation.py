@@ -182,6 +182,13 @@ _MOE_FLAGS = (
 )
 
 
+_LAYOUT_FLAGS = (
+    "moe_token_dispatcher_type",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+)
+
+
 class _Given:
     """``given(name)``: whether the run sets field ``name`` (``validate_config``'s
     ``explicit``)."""
@@ -197,8 +204,12 @@ def _check_moe(c: Config, world_size: int, given: _Given) -> None:
     """The mixture-of-experts flags (TransformerConfig's MoE checks, named by flag)."""
     if c.num_experts is None:
         for name in _MOE_FLAGS:
+            # a layout flag typed at its no-op value (megatron scripts pass
+            # --expert-model-parallel-size 1 for dense models) changes nothing
+            value = getattr(c, name)
+            harmless = name in _LAYOUT_FLAGS and value in (None, 1, _default(c, name))
             _require(
-                not given(name),
+                harmless or not given(name),
                 f"{_moe_flag(name)} {_shown(getattr(c, name))} needs --num-experts (a "
                 "mixture-of-experts model)",
             )

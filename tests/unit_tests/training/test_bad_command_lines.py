@@ -221,6 +221,16 @@ def test_defaults_and_used_flags_are_not_refused(changes):
     validate_config(TrainingConfig(**changes), 1, [])
 
 
+def test_a_dense_models_expert_layout_typed_at_its_no_op_value_is_not_refused():
+    """Megatron scripts pass ``--expert-model-parallel-size 1`` for dense models too; a
+    value that would matter is refused (the control)."""
+    typed = ["expert_model_parallel_size", "expert_tensor_parallel_size"]
+    typed.append("moe_token_dispatcher_type")
+    validate_config(TrainingConfig(expert_tensor_parallel_size=1), 1, typed)
+    with pytest.raises(UsageError, match="--expert-model-parallel-size 2 needs --num-experts"):
+        validate_config(TrainingConfig(expert_model_parallel_size=2), 2, typed)
+
+
 # ----------------------------------------------------------------------------- unclear
 
 
