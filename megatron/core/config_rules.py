@@ -196,3 +196,6 @@ def moe_layer_pattern(moe_layer_freq, num_layers: int) -> Optional[List[int]]:
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 LORA_INIT_METHODS = ("xavier", "normal", "kaiming", "zero")
 LORA_DROPOUT_POSITIONS = ("pre", "post")
+
+# Preference training (megatron.core.preference; the trainer's --dpo-loss-type).
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")

@@ -59,6 +59,7 @@ from megatron.training.compare import (
 )
 from megatron.training.data import microbatches_for_rank
 from megatron.training.datasets import build_sft_dataset, build_training_tokenizer
+from megatron.training.dpo import ROWS_PER_PAIR, PreferenceTraining
 from megatron.training.errors import TrainingStopped
 from megatron.training.evaluation import (
     Validation,
@@ -81,6 +82,7 @@ from megatron.training.initialize import (
 from megatron.training.loggers import MetricsLoggers
 from megatron.training.metrics import save_metrics
 from megatron.training.model import build_model, precision_dtype
+from megatron.training.preference_data import build_preference_dataset
 
 LOSS_KEY = "lm loss"
 
@@ -203,7 +205,8 @@ def _train(
     exits: Optional[ExitConditions] = None,
 ) -> List[dict]:
     """``train`` with its loggers (and the run's exit conditions, ``exits.py``)."""
-    dataset = build_sft_dataset(config)
+    dataset = build_preference_dataset(config) if config.dpo else build_sft_dataset(config)
+    rows = ROWS_PER_PAIR if config.dpo else 1  # rows of the data per sample (a pair: 2)
     for note in getattr(dataset, "notes", []):  # truncation and empty-loss counts
         _print(note)
     if config.data_path and config.hf_model:  # the model's vocabulary may be padded
@@ -232,7 +235,7 @@ def _train(
     vpp = layout.virtual_pipeline_model_parallel_size
     forward_backward_func = get_forward_backward_func(layout.pipeline_model_parallel_size, vpp)
     dp_rank = 0 if pg_collection is None else pg_collection.dp.rank()
-    tokens_per_iteration = config.global_batch_size * config.seq_length
+    tokens_per_iteration = config.global_batch_size * rows * config.seq_length
     per_shard = layout.context_parallel_size if config.per_shard_loss_normalization else None
     forward_step_func = functools.partial(forward_step, per_shard_cp_size=per_shard)
     bar = tqdm(
@@ -278,6 +281,9 @@ def _train(
         bar.update(start_iteration)
     records = []
     skipped = 0  # iterations of this run whose update the optimizer skipped
+    dpo = None  # --dpo: the reference pass, the objective and its metrics (training/dpo.py)
+    if config.dpo:
+        dpo = PreferenceTraining(config, layout, pg_collection, model, forward_backward_func)
 
     def microbatches_of(global_batch):
         """This rank's microbatches of ``global_batch`` (this CP rank's shard, on the
@@ -287,7 +293,7 @@ def _train(
         return [
             _on_this_cp_rank(microbatch, pg_collection)
             for microbatch in microbatches_for_rank(
-                global_batch, config.micro_batch_size, layout.num_microbatches, dp_rank
+                global_batch, config.micro_batch_size * rows, layout.num_microbatches, dp_rank
             )
         ]
 
@@ -352,12 +358,16 @@ def _train(
         for chunk in model:
             chunk.zero_grad_buffer()
         reported = forward_backward_func(
-            forward_step_func=forward_step_func,
+            forward_step_func=(
+                forward_step_func
+                if dpo is None
+                else dpo.forward_step_func(global_batch, microbatches)
+            ),
             data_iterator=[iter(microbatches) for _ in model] if vpp else iter(microbatches),
             model=model if vpp else model[0],
             num_microbatches=layout.num_microbatches,
             seq_length=config.seq_length,
-            micro_batch_size=config.micro_batch_size,
+            micro_batch_size=config.micro_batch_size * rows,
             pg_collection=pg_collection,
             forward_only=False,
         )
@@ -368,7 +378,10 @@ def _train(
         scheduler.step(increment=1)
         # The next batch is made while the device finishes this step (the logged loss waits).
         upcoming = batch_of(iteration + 1) if iteration < config.train_iters else None
-        loss = logged_loss(reported, pg_collection)
+        if dpo is None:
+            loss, preference = logged_loss(reported, pg_collection), {}
+        else:
+            loss, preference = dpo.logged(reported)
         skipped += 0 if updated else 1
         if config.check_for_nan_in_loss_and_grad:
             check_step(iteration, loss, grad_norm)
@@ -378,6 +391,7 @@ def _train(
             {
                 "iteration": iteration,
                 "loss": loss,
+                **preference,
                 "grad_norm": grad_norm,
                 **({"num_zeros_in_grad": num_zeros} if config.log_num_zeros_in_grad else {}),
                 "lr": lr,

@@ -15,6 +15,7 @@ from typing import Any, Collection, List, Optional, Tuple
 
 from megatron.core import config_rules
 from megatron.core.config_rules import CP_COMM_TYPES
+from megatron.training.dpo_checks import check_dpo
 from megatron.training.errors import UsageError
 from megatron.training.model_settings import resolved_model
 from megatron.training.options import check_fields, is_int, option_of
@@ -142,6 +143,7 @@ def validate_config(
     _check_combinations(c, given)
     _check_moe(c, world_size, given)
     _check_lora(c)
+    check_dpo(c)
     hierarchical = c.hierarchical_context_parallel_sizes
     return Layout(
         world_size,

@@ -154,6 +154,13 @@ NON_DEFAULT = dict(
     pretrained_checkpoint="base-ckpt",
     merge_lora=True,
     hf_adapter="adapter-dir",
+    dpo=True,
+    dpo_beta=0.5,
+    dpo_loss_type="ipo",
+    dpo_label_smoothing=0.1,
+    dpo_sft_weight=1.0,
+    dpo_reference_free=True,
+    dpo_reference_hf_model="ref-dir",
 )
 
 
@@ -439,7 +446,7 @@ def test_the_kinds_give_the_resume_and_comparison_lists():
         "lora_target_modules", "lora_exclude_modules", "pretrained_checkpoint",
     }  # fmt: skip
     assert (set(DATA_SETTINGS), set(OPTIMIZER_SETTINGS)) == (
-        {"data_path", "eod_token", "split"},
+        {"data_path", "eod_token", "split", "dpo"},
         {"bf16", "fp16"},
     )
     single = single_process_config(TrainingConfig(**NON_DEFAULT))
