@@ -36,7 +36,7 @@ from megatron.core.preference import (
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe import moe_utils
-from megatron.training.arguments import Layout, TrainingConfig
+from megatron.training.arguments import Layout, TrainingConfig, flag_of, resolved_model
 from megatron.training.evaluation import _eval_mode, _preserved_rng_states
 from megatron.training.model import build_model
 
@@ -121,6 +121,8 @@ def build_reference(config, layout, pg_collection, model):
     if config.lora_dim is not None and not config.dpo_reference_hf_model:
         return "adapters off"
     source = config.dpo_reference_hf_model
+    if source:
+        check_reference_architecture(config)
     reference_config = dataclasses.replace(
         config,
         lora_dim=None,
@@ -134,6 +136,32 @@ def build_reference(config, layout, pg_collection, model):
         for parameter in chunk.parameters():
             parameter.requires_grad_(False)
     return chunks
+
+
+def check_reference_architecture(config: TrainingConfig) -> None:
+    """``--dpo-reference-hf-model DIR`` must build the policy's model: each model setting its
+    config.json gives equals the run's (else a ValueError naming both values)."""
+    from megatron.training.hf.config import read_hf_config, training_settings
+
+    source = config.dpo_reference_hf_model
+    try:
+        arch, _ = read_hf_config(source)
+    except (FileNotFoundError, NotADirectoryError, ValueError) as err:
+        raise type(err)(f"--dpo-reference-hf-model: {err}") from None
+    settings = training_settings(arch)
+    mine = resolved_model(config)
+    theirs = resolved_model({**mine, **settings})
+    differ = [
+        f"{flag_of(name)} {mine[name]} (its config.json gives {theirs[name]})"
+        for name in settings
+        if mine[name] != theirs[name]
+    ]
+    if differ:
+        raise ValueError(
+            f"--dpo-reference-hf-model {source} is not the policy's architecture: the run has "
+            f"{'; '.join(differ)}; the reference must have the policy's architecture and "
+            "tokenizer"
+        )
 
 
 def _model_call(batch: dict, model) -> torch.Tensor:

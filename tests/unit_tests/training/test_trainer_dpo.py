@@ -233,3 +233,42 @@ def test_dpo_at_a_layout_follows_the_one_process_run(changes):
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     assert all(other == mine for other in everyone)
+
+
+@pytest.mark.world(1)
+@pytest.mark.slow  # writes three HuggingFace models, imports transformers
+def test_a_reference_hf_model_gives_the_reference_log_probs(tmp_path):
+    """--dpo-reference-hf-model: the rewards at iteration 1 are beta (the policy's log-probs -
+    transformers' log-probs of the reference on the same pairs); the policy's own folder as
+    the reference gives log 2; another architecture is refused by name."""
+    transformers = pytest.importorskip("transformers")
+    from tests.unit_tests.hf.hf_models import GPT2_CONFIG, LLAMA_CONFIG, write_random_hf_model
+
+    policy = write_random_hf_model(tmp_path / "policy", LLAMA_CONFIG, seed=0)
+    reference = write_random_hf_model(tmp_path / "reference", LLAMA_CONFIG, seed=1)
+    other = write_random_hf_model(tmp_path / "gpt2", GPT2_CONFIG, seed=0)
+    run = dict(train_iters=1)
+    changes = dict(SMALL, hf_model=str(policy), seq_length=16)
+    for name in ("num_layers", "hidden_size", "num_attention_heads"):
+        changes.pop(name)
+    same = _run_with(changes, dpo_reference_hf_model=str(policy), **run)
+    assert abs(same[0]["loss"] - math.log(2)) < 1e-6
+    (record,) = _run_with(changes, dpo_reference_hf_model=str(reference), **run)
+    config = TrainingConfig(**changes)
+    batch = build_preference_dataset(config).global_batch(0, config.global_batch_size)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(reference)).double()
+    with torch.no_grad():
+        logits = model(batch["tokens"], position_ids=batch["position_ids"]).logits
+    logp = logits.log_softmax(-1).gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)
+    ref_chosen = (logp * batch["loss_mask"]).sum(-1)[0::2].mean().item()
+    expected = 0.5 * (record["logps_chosen"] - ref_chosen)
+    assert abs(expected) > 1e-3
+    assert abs(record["rewards_chosen"] - expected) < 1e-5 * max(1.0, abs(expected))
+    with pytest.raises(ValueError, match="is not the policy's architecture"):
+        _run_with(changes, dpo_reference_hf_model=str(other), **run)
+
+
+def _run_with(base: dict, **changes):
+    with fresh_layout():
+        result = pretrain(TrainingConfig(**{**base, **changes}))
+    return result.records
