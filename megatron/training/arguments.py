@@ -56,6 +56,7 @@ from megatron.training.validation import Layout, validate_config
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
+OPTIMIZERS = ("adam", "sgd")
 
 __all__ = [
     "CP_COMM_TYPES",
@@ -670,6 +671,21 @@ class TrainingConfig:
         kind=OPTIMIZER,
         check=Check("a finite number >= 0 (0 disables)", lambda v: is_number(v) and v >= 0),
         help="gradient-norm clipping threshold, 0: off",
+    )
+    optimizer: str = option(
+        "adam",
+        "--optimizer",
+        kind=PRECISION,  # the optimizer state's form: refused on a resume that loads it
+        choices=OPTIMIZERS,
+        check=one_of(OPTIMIZERS),
+        help="adam (AdamW: --adam-beta1/2, --adam-eps) or sgd (--sgd-momentum); megatron's flag",
+    )
+    sgd_momentum: float = option(
+        0.9,
+        "--sgd-momentum",
+        kind=OPTIMIZER,
+        check=Check("in [0, 1)", lambda v: is_number(v) and 0 <= v < 1),
+        help="with --optimizer sgd: the momentum (megatron's default 0.9; 0: plain SGD)",
     )
     calculate_per_token_loss: bool = option(
         False,

@@ -459,6 +459,7 @@ OPTIMIZER_RESUME_RULES = {
     "adam_beta2": APPLIED,
     "adam_eps": APPLIED,
     "clip_grad": APPLIED,
+    "sgd_momentum": APPLIED,  # the momentum buffer continues with the new factor
     "loss_scale": APPLIED,  # a fixed scale to another fixed scale; to or from dynamic: refused
     "min_loss_scale": APPLIED,
     "loss_scale_window": APPLIED,

@@ -532,14 +532,16 @@ def build_optimizer(
     model: List[torch.nn.Module],
     pg_collection: Optional[ProcessGroupCollection],
 ):
-    """megatron-core's optimizer (AdamW, clipping by the global gradient norm; fp32 main
-    parameters and, with ``--fp16``, loss scaling for half-precision weights) and its
-    learning-rate schedule: linear warm-up from 0 over ``--lr-warmup-iters``, then
-    ``--lr-decay-style`` down to ``--min-lr`` at ``--train-iters``; constant weight decay
-    (none on biases and 1-D parameters, as megatron)."""
+    """megatron-core's optimizer (AdamW, or SGD with ``--optimizer sgd``; clipping by the
+    global gradient norm; fp32 main parameters and, with ``--fp16``, loss scaling for
+    half-precision weights) and its learning-rate schedule: linear warm-up from 0 over
+    ``--lr-warmup-iters``, then ``--lr-decay-style`` down to ``--min-lr`` at
+    ``--train-iters``; constant weight decay (none on biases and 1-D parameters, as
+    megatron)."""
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
-            optimizer="adam",
+            optimizer=config.optimizer,
+            sgd_momentum=config.sgd_momentum,
             lr=config.lr,
             min_lr=config.min_lr,
             weight_decay=config.weight_decay,

@@ -144,6 +144,7 @@ def validate_config(
     _check_moe(c, world_size, given)
     _check_lora(c)
     check_dpo(c)
+    _check_optimizer(c, given)
     hierarchical = c.hierarchical_context_parallel_sizes
     return Layout(
         world_size,
@@ -651,6 +652,21 @@ LORA_FIELDS = (
     "merge_lora",
     "hf_adapter",
 )
+
+
+def _check_optimizer(c: Config, given: _Given) -> None:
+    """Adam's flags need --optimizer adam, --sgd-momentum needs --optimizer sgd."""
+    unused = ("sgd_momentum",) if c.optimizer == "adam" else ADAM_FIELDS
+    for name in unused:
+        _require(
+            not given(name),
+            f"{_flag(c, name)} {getattr(c, name)} with --optimizer {c.optimizer}: it sets "
+            f"{'SGD' if name == 'sgd_momentum' else 'Adam'}'s state, which "
+            f"--optimizer {c.optimizer} does not have",
+        )
+
+
+ADAM_FIELDS = ("adam_beta1", "adam_beta2", "adam_eps")
 
 
 def _check_lora(c: Config) -> None:

@@ -154,6 +154,8 @@ NON_DEFAULT = dict(
     pretrained_checkpoint="base-ckpt",
     merge_lora=True,
     hf_adapter="adapter-dir",
+    optimizer="sgd",
+    sgd_momentum=0.5,
     dpo=True,
     dpo_beta=0.5,
     dpo_loss_type="ipo",
@@ -447,7 +449,7 @@ def test_the_kinds_give_the_resume_and_comparison_lists():
     }  # fmt: skip
     assert (set(DATA_SETTINGS), set(OPTIMIZER_SETTINGS)) == (
         {"data_path", "eod_token", "split", "dpo"},
-        {"bf16", "fp16"},
+        {"bf16", "fp16", "optimizer"},
     )
     single = single_process_config(TrainingConfig(**NON_DEFAULT))
     reset = {
