@@ -18,7 +18,9 @@ Each iteration, on the global batch of P pairs (2P interleaved rows, ``preferenc
 import contextlib
 import dataclasses
 import functools
-from typing import Dict, Iterator, List, Optional, Tuple
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -37,8 +39,14 @@ from megatron.core.preference import (
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe import moe_utils
 from megatron.training.arguments import Layout, TrainingConfig, flag_of, resolved_model
-from megatron.training.evaluation import _eval_mode, _preserved_rng_states
+from megatron.training.evaluation import (
+    WHOLE_SET,
+    _eval_mode,
+    _preserved_rng_states,
+    validation_enabled,
+)
 from megatron.training.model import build_model
+from megatron.training.preference_data import build_preference_dataset
 
 ROWS_PER_PAIR = 2
 
@@ -110,6 +118,91 @@ class PreferenceTraining:
             dist.broadcast(value, src=dist.get_global_rank(pp, pp.size() - 1), group=pp)
         loss, *metrics = value.tolist()
         return loss, dict(zip(METRIC_KEYS, metrics))
+
+    def validate(
+        self,
+        validation: "PreferenceValidation",
+        microbatches_of: Callable[[dict], List[dict]],
+        stop_check: Optional[Callable[[], bool]] = None,
+    ) -> Optional[Dict[str, float]]:
+        """One pass over the validation pairs, forward only (eval mode, RNG states kept):
+        ``valid_loss`` (the objective over every pair of the pass: the pair mean, plus the
+        SFT term pooled over every chosen token of the pass) and ``valid_<metric>`` for
+        TRL's metrics; None when ``stop_check()`` stops it (called before each batch)."""
+        reported: List[dict] = []
+        vpp = self.layout.virtual_pipeline_model_parallel_size
+        with _preserved_rng_states(), _eval_mode(self.model), torch.no_grad():
+            for global_batch in validation.batches:
+                if stop_check is not None and stop_check():
+                    return None
+                microbatches = microbatches_of(global_batch)
+                reported += self.schedule(
+                    forward_step_func=self.forward_step_func(global_batch, microbatches),
+                    data_iterator=(
+                        [iter(microbatches) for _ in self.model] if vpp else iter(microbatches)
+                    ),
+                    model=self.model if vpp else self.model[0],
+                    num_microbatches=self.layout.num_microbatches,
+                    seq_length=self.config.seq_length,
+                    micro_batch_size=self.config.micro_batch_size * ROWS_PER_PAIR,
+                    pg_collection=self.pg,
+                    forward_only=True,
+                )
+        loss, metrics = self.logged(reported)
+        return {"valid_loss": loss, **{f"valid_{k}": v for k, v in metrics.items()}}
+
+
+@dataclass
+class PreferenceValidation:
+    """The fixed validation pass of ``--dpo``: whole global batches of pairs, in order."""
+
+    batches: List[Dict[str, torch.Tensor]]
+    num_pairs: int
+    left_out: int
+    source: str
+    notes: List[str]
+
+    def describe(self) -> str:
+        """``validation: 8 pairs in 2 global batches of held-out generated pairs``."""
+        text = (
+            f"validation: {self.num_pairs} pairs in {len(self.batches)} global batch(es) of "
+            f"{self.source}"
+        )
+        if self.left_out:
+            text += f" ({self.left_out} pairs of a partial last batch left out)"
+        return text
+
+
+def build_preference_validation(config: TrainingConfig) -> Optional[PreferenceValidation]:
+    """The validation pairs (None when validation is off): the records of
+    ``--valid-data-path`` or of ``--split``'s validation part in file order, else held-out
+    generated pairs; at most ``--eval-iters`` global batches, whole batches only (pairs
+    that would only fill part of a last batch are left out, said in ``describe``)."""
+    if not validation_enabled(config):
+        return None
+    gbs = config.global_batch_size
+    dataset = build_preference_dataset(config, valid=True)
+    available = len(dataset) if hasattr(dataset, "__len__") else math.inf
+    wanted = math.inf if config.eval_iters == WHOLE_SET else config.eval_iters * gbs
+    count = min(available, wanted)
+    if count == math.inf:
+        raise ValueError(
+            "--eval-iters -1 needs a validation file (--valid-data-path or --split): the "
+            "generated pairs are endless"
+        )
+    whole = int(count) // gbs * gbs
+    if whole == 0:
+        raise ValueError(
+            f"validation: {int(count)} pairs, fewer than one global batch (--global-batch-size "
+            f"{gbs}); give more validation pairs"
+        )
+    rows = [side for i in range(whole) for side in dataset.pair_in_file_order(i)]
+    batches = [
+        {key: torch.stack([r[key] for r in rows[i : i + 2 * gbs]]) for key in rows[0]}
+        for i in range(0, len(rows), 2 * gbs)
+    ]
+    source = getattr(dataset, "name", "held-out generated pairs")
+    return PreferenceValidation(batches, whole, int(count) - whole, source, list(dataset.notes))
 
 
 def build_reference(config, layout, pg_collection, model):
@@ -211,3 +304,10 @@ def _adapters_off(chunks: List[torch.nn.Module]):
     finally:
         for module, adapted in swapped:
             module.forward = adapted
+
+
+def dpo_line(fields: Dict[str, float]) -> str:
+    """``loss 0.6931, rewards_accuracies 0.5000, rewards_margins 0.0123`` of a validation
+    record's fields."""
+    shown = ("valid_loss", "valid_rewards_accuracies", "valid_rewards_margins")
+    return ", ".join(f"{key[len('valid_'):]} {fields[key]:.4f}" for key in shown)

@@ -31,9 +31,7 @@ _NOT_WITH_DPO = (
         "--label-smoothing",
         "DPO needs the completions' plain log-probabilities (--dpo-label-smoothing is DPO's)",
     ),
-    ("eval_interval", "--eval-interval", "validation on a preference set is not supported yet"),
-    ("valid_data_path", "--valid-data-path", "validation on a preference set is not supported yet"),
-    ("skip_train", "--skip-train", "validation on a preference set is not supported yet"),
+    ("skip_train", "--skip-train", "an evaluation-only DPO run is not supported yet"),
 )
 
 
@@ -49,11 +47,6 @@ def check_dpo(c: Any) -> None:
         value = getattr(c, name)
         shown = flag if value is True else f"{flag} {value}"
         _require(value in (None, False, 0, 0.0), f"{shown} with --dpo: {why}")
-    _require(
-        not c.split or _validation_weight(c.split) == 0,
-        f"--split {c.split} with --dpo: validation on a preference set is not supported yet "
-        "(give the validation part weight 0)",
-    )
     _require(
         c.dpo_label_smoothing == 0 or c.dpo_loss_type == "sigmoid",
         f"--dpo-label-smoothing {c.dpo_label_smoothing} with --dpo-loss-type "
@@ -73,14 +66,6 @@ def check_dpo(c: Any) -> None:
         "checkpoint does not hold: pass --finetune to start DPO from the checkpoint, or "
         "--dpo-reference-hf-model DIR (or train LoRA, whose reference is the base)",
     )
-
-
-def _validation_weight(split: str) -> float:
-    parts = split.replace("/", ",").split(",")
-    try:
-        return float(parts[1]) if len(parts) > 1 else 0.0
-    except ValueError:
-        return 0.0  # the --split check names a malformed value
 
 
 def _flag(name: str) -> str:

@@ -46,24 +46,30 @@ PAIR_FORMS = (
 Pair = Tuple[Record, Record]
 
 
-def build_preference_dataset(config: Any):
+def build_preference_dataset(config: Any, valid: bool = False):
     """The generated pairs without ``--data-path``, else the pairs of the JSONL file (the
-    training part of ``--split``)."""
-    if not config.data_path:
-        return GeneratedPreferenceDataset(config.seq_length, config.vocab_size, config.seed)
+    training part of ``--split``). ``valid``: the validation pairs instead (the records of
+    ``--valid-data-path``, or the validation part of ``--split``, or a generated stream of
+    their own)."""
+    if not (config.data_path or (valid and config.valid_data_path)):
+        stream = "dpo-valid" if valid else "dpo"
+        return GeneratedPreferenceDataset(config.seq_length, config.vocab_size, config.seed, stream)
     tokenizer = build_training_tokenizer(config.tokenizer, config.eod_token)
+    path = config.valid_data_path if valid and config.valid_data_path else config.data_path
+    flag = "--valid-data-path" if valid and config.valid_data_path else "--data-path"
     pairs = [
         tokenize_pair(record, tokenizer, where)
-        for where, record in jsonl_records(config.data_path, expected=PAIR_FORMS)
+        for where, record in jsonl_records(path, expected=PAIR_FORMS)
     ]
     if not pairs:
-        raise ValueError(f"--data-path {config.data_path!r}: no records (the file is empty)")
-    name = config.data_path
-    if config.split:
-        start, end = split_ranges(config.split, len(pairs))[0]
+        raise ValueError(f"{flag} {path!r}: no records (the file is empty)")
+    name = path
+    if config.split and flag == "--data-path":
+        start, end = split_ranges(config.split, len(pairs))[1 if valid else 0]
         pairs, name = pairs[start:end], f"{name} (--split records {start}..{end - 1})"
         if not pairs:
-            raise ValueError(f"--split {config.split}: no training records in --data-path {name}")
+            part = "validation" if valid else "training"
+            raise ValueError(f"--split {config.split}: no {part} records in --data-path {path}")
     return PreferenceDataset(
         pairs,
         config.seq_length,
@@ -154,6 +160,14 @@ class PreferenceDataset:
         self.notes = self._check_lengths(max_truncated)
         self._perms: Dict[int, List[int]] = {}
 
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def pair_in_file_order(self, position: int) -> Tuple[Batch, Batch]:
+        """(chosen, rejected) samples of record ``position`` of the file (validation)."""
+        chosen, rejected = self.pairs[position]
+        return self._sample(chosen), self._sample(rejected)
+
     def pair(self, index: int) -> Tuple[Batch, Batch]:
         """(chosen, rejected) samples of pair ``index`` of the stream."""
         epoch, k = divmod(index, len(self.pairs))
@@ -218,11 +232,15 @@ class PreferenceDataset:
 class GeneratedPreferenceDataset:
     """The generated pairs (module docstring): an endless, deterministic stream."""
 
-    def __init__(self, seq_length: int, vocab_size: int, seed: int) -> None:
-        self.samples = SFTDataset(seq_length, vocab_size, seed, stream="dpo")
-        self.others = SFTDataset(seq_length, vocab_size, seed, stream="dpo-rejected")
+    def __init__(self, seq_length: int, vocab_size: int, seed: int, stream: str = "dpo") -> None:
+        self.samples = SFTDataset(seq_length, vocab_size, seed, stream=stream)
+        self.others = SFTDataset(seq_length, vocab_size, seed, stream=f"{stream}-rejected")
         self.seq_length, self.vocab_size, self.seed = seq_length, vocab_size, seed
         self.notes: List[str] = []
+
+    def pair_in_file_order(self, index: int) -> Tuple[Batch, Batch]:
+        """Pair ``index`` (the generated stream has no file; validation reads it in order)."""
+        return self.pair(index)
 
     def pair(self, index: int) -> Tuple[Batch, Batch]:
         """(chosen, rejected) samples of pair ``index``: the rejected response is the first

@@ -59,7 +59,12 @@ from megatron.training.compare import (
 )
 from megatron.training.data import microbatches_for_rank
 from megatron.training.datasets import build_sft_dataset, build_training_tokenizer
-from megatron.training.dpo import ROWS_PER_PAIR, PreferenceTraining
+from megatron.training.dpo import (
+    ROWS_PER_PAIR,
+    PreferenceTraining,
+    build_preference_validation,
+    dpo_line,
+)
 from megatron.training.errors import TrainingStopped
 from megatron.training.evaluation import (
     Validation,
@@ -217,7 +222,8 @@ def _train(
             )
     elif config.data_path:  # the model's vocabulary is the tokenizer's
         config = dataclasses.replace(config, vocab_size=dataset.vocab_size)
-    validation_set = build_validation_set(config)
+    build_validation = build_preference_validation if config.dpo else build_validation_set
+    validation_set = build_validation(config)
     if validation_set is not None:
         _print(validation_set.describe())
         for note in validation_set.notes:  # truncation counts of the validation records
@@ -305,6 +311,14 @@ def _train(
     def validate(iteration: int) -> Optional[dict]:
         """The validation pass after ``iteration`` (``evaluation.evaluate``): its record
         fields, printed on rank 0."""
+        stop_check = exits.stop_check if exits is not None and exits.active else None
+        if dpo is not None:  # the preference objective and TRL's metrics (dpo.py)
+            fields = dpo.validate(validation_set, microbatches_of, stop_check)
+            if fields is not None and config.progress and is_rank_zero():
+                bar.write(f"validation at iteration {iteration}: {dpo_line(fields)}")
+            elif fields is not None:
+                _print(f"validation at iteration {iteration}: {dpo_line(fields)}")
+            return fields
         result = evaluate(
             model,
             validation_set,
@@ -317,7 +331,7 @@ def _train(
             pg_collection=pg_collection,
             interleaved=bool(vpp),
             loss_key=LOSS_KEY,
-            stop_check=exits.stop_check if exits is not None and exits.active else None,
+            stop_check=stop_check,
         )
         if result is None:
             return None

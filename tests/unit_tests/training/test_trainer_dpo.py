@@ -20,6 +20,7 @@ import torch
 
 from megatron.training import TrainingConfig
 from megatron.training.arguments import validate_config
+from megatron.training.dpo import build_preference_validation
 from megatron.training.errors import UsageError
 from megatron.training.model import build_model
 from megatron.training.preference_data import build_preference_dataset, tokenize_pair
@@ -41,10 +42,14 @@ SMALL = dict(
 
 
 def _run(**changes):
+    return _result(**changes).records
+
+
+def _result(**changes):
     with fresh_layout():
         result = pretrain(TrainingConfig(**{**SMALL, **changes}))
     assert result.passed
-    return result.records
+    return result
 
 
 def _mean_chosen_logp(config: TrainingConfig, iteration: int) -> float:
@@ -56,12 +61,20 @@ def _mean_chosen_logp(config: TrainingConfig, iteration: int) -> float:
     with fresh_layout():
         (chunk,) = build_model(base, validate_config(base, 1), None)
     batch = build_preference_dataset(config).global_batch(iteration - 1, config.global_batch_size)
-    with torch.no_grad():
+    return _log_probs(base, batch, chunk.module)[0::2].mean().item()
+
+
+def _log_probs(config: TrainingConfig, batch: dict, gpt=None) -> torch.Tensor:
+    """Each row's summed completion log-prob under ``gpt`` (default: the starting model of
+    ``config``), from the logits with plain torch."""
+    if gpt is None:
+        with fresh_layout():
+            (chunk,) = build_model(config, validate_config(config, 1), None)
         gpt = chunk.module
+    with torch.no_grad():
         logits = gpt(batch["tokens"], batch["position_ids"]).double()  # [b, s, V]
     logp = logits.log_softmax(-1).gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)
-    sums = (logp * batch["loss_mask"]).sum(-1)
-    return sums[0::2].mean().item()
+    return (logp * batch["loss_mask"]).sum(-1)
 
 
 @pytest.mark.world(1)
@@ -79,6 +92,30 @@ def test_the_reference_is_the_starting_weights():
     assert abs(second["rewards_chosen"] - expected) < 1e-5 * max(1.0, abs(expected))
     margin = second["rewards_chosen"] - second["rewards_rejected"]
     assert abs(second["rewards_margins"] - margin) < 1e-6
+
+
+@pytest.mark.world(1)
+def test_validation_gives_the_objective_and_metrics_of_the_held_out_pairs():
+    """Reference-free sigmoid after one step of a vanishing learning rate (the policy is the
+    starting model): valid_loss = mean -logsigmoid(beta (logp_w - logp_l)) and the log-prob
+    metrics over the held-out generated pairs, recomputed here; training is not perturbed."""
+    run = dict(train_iters=1, lr=1e-30, dpo_reference_free=True)
+    (record,) = _run(eval_interval=1, eval_iters=2, **run)
+    (plain,) = _run(**run)
+    assert record["loss"] == plain["loss"] and record["grad_norm"] == plain["grad_norm"]
+    config = TrainingConfig(**{**SMALL, **run, "eval_interval": 1, "eval_iters": 2})
+    validation = build_preference_validation(config)
+    assert len(validation.batches) == 2 and validation.num_pairs == 8
+    sums = torch.cat([_log_probs(config, batch) for batch in validation.batches])
+    chosen, rejected = sums[0::2], sums[1::2]
+    expected = {
+        "valid_loss": -torch.nn.functional.logsigmoid(0.5 * (chosen - rejected)).mean(),
+        "valid_logps_chosen": chosen.mean(),
+        "valid_logps_rejected": rejected.mean(),
+        "valid_rewards_accuracies": (chosen > rejected).double().mean(),
+    }
+    for key, value in expected.items():
+        assert abs(record[key] - value.item()) < 1e-5 * max(1.0, abs(value.item())), key
 
 
 @pytest.mark.world(1)
@@ -154,14 +191,19 @@ def test_conversational_pairs_train_every_token_after_the_templated_prompt(tmp_p
 
 @pytest.mark.world(1)
 @pytest.mark.slow
-def test_a_jsonl_file_of_pairs_trains(tmp_path):
+def test_a_jsonl_file_of_pairs_trains_and_validates_on_its_split(tmp_path):
+    """12 standard pairs, --split 2,1,0: 8 train, the last 4 (file order) validate."""
     path = tmp_path / "pairs.jsonl"
     lines = [
-        {"prompt": f"q{i}:", "chosen": " yes" * (1 + i % 3), "rejected": " no"} for i in range(6)
+        {"prompt": f"q{i}:", "chosen": " yes" * (1 + i % 3), "rejected": " no"} for i in range(12)
     ]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    records = _run(train_iters=2, data_path=str(path))
+    records = _run(train_iters=2, data_path=str(path), split="2,1,0", eval_interval=2)
     assert abs(records[0]["loss"] - math.log(2)) < 1e-6 and math.isfinite(records[1]["loss"])
+    config = TrainingConfig(**{**SMALL, "data_path": str(path), "split": "2,1,0"})
+    validation = build_preference_validation(config)
+    assert validation.num_pairs == 4 and "records 8..11" in validation.source
+    assert math.isfinite(records[1]["valid_loss"]) and "valid_loss" not in records[0]
 
 
 @pytest.mark.world(1)
@@ -172,13 +214,12 @@ def test_a_jsonl_file_of_pairs_trains(tmp_path):
         (dict(pack_sequences=True, micro_batch_size=1), "--pack-sequences with --dpo"),
         (dict(calculate_per_token_loss=True), "--calculate-per-token-loss with --dpo"),
         (dict(label_smoothing=0.1), "--label-smoothing 0.1 with --dpo"),
-        (dict(eval_interval=2), "--eval-interval 2 with --dpo"),
+        (dict(skip_train=True, load="c", finetune=True), "--skip-train with --dpo"),
         (dict(dpo_loss_type="hinge", dpo_label_smoothing=0.1), "--dpo-label-smoothing 0.1 with"),
         (dict(dpo_label_smoothing=0.5), "--dpo-label-smoothing"),
         (dict(dpo_loss_type="kto"), "--dpo-loss-type"),
         (dict(dpo_reference_free=True, dpo_reference_hf_model="x"), "--dpo-reference-free and"),
         (dict(load="ckpt"), "--load ckpt with --dpo resumes a run"),
-        (dict(split="9,1,0", data_path="x.jsonl"), "--split 9,1,0 with --dpo"),
     ],
 )
 def test_dpo_flags_are_refused_by_name(changes, message):
@@ -228,7 +269,12 @@ def test_dpo_at_a_layout_follows_the_one_process_run(changes):
     metrics."""
     import torch.distributed as dist
 
-    records = _run(train_iters=3, compare_single_process=True, **changes)
+    result = _result(train_iters=3, compare_single_process=True, eval_interval=3, **changes)
+    records = result.records
+    if result.reference is not None:  # rank 0: the one-process run's validation
+        for key in ("valid_loss", "valid_rewards_margins", "valid_logps_chosen"):
+            mine, single = records[-1][key], result.reference[-1][key]
+            assert abs(mine - single) < 1e-5 * max(1.0, abs(single)), key
     mine = [[r[k] for k in ("loss", "rewards_chosen", "logps_rejected")] for r in records]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
