@@ -73,6 +73,27 @@ class PreferenceTraining:
         self.cp = None if pg_collection is None else pg_collection.cp
         self.reference = build_reference(config, layout, pg_collection, model)
 
+    def describe(self) -> str:
+        """``DPO: sigmoid loss, beta 0.1, ...; reference: ...; micro-batches of 2 pairs``."""
+        o = self.objective
+        reference = (
+            "none (--dpo-reference-free)"
+            if self.reference is None
+            else (
+                "the base with its LoRA adapters off"
+                if self.reference == "adapters off"
+                else self.config.dpo_reference_hf_model or "a frozen copy of the starting weights"
+            )
+        )
+        extras = f", label smoothing {o.label_smoothing}" if o.label_smoothing else ""
+        extras += f", SFT weight {o.sft_weight}" if o.sft_weight else ""
+        return (
+            f"DPO: {o.loss_type} loss, beta {o.beta}{extras}; reference: {reference}; "
+            f"micro-batches of {self.config.micro_batch_size} pairs "
+            f"({self.config.micro_batch_size * ROWS_PER_PAIR} rows), global batch "
+            f"{self.config.global_batch_size} pairs"
+        )
+
     def forward_step_func(self, global_batch: Dict[str, torch.Tensor], microbatches: List[dict]):
         """The policy's forward step for this global batch, after the reference pass has
         given every micro-batch of this rank its ``reference_logps`` (last stage)."""

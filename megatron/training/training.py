@@ -290,6 +290,7 @@ def _train(
     dpo = None  # --dpo: the reference pass, the objective and its metrics (training/dpo.py)
     if config.dpo:
         dpo = PreferenceTraining(config, layout, pg_collection, model, forward_backward_func)
+        _print(dpo.describe())
 
     def microbatches_of(global_batch):
         """This rank's microbatches of ``global_batch`` (this CP rank's shard, on the
@@ -921,8 +922,9 @@ def _print_header(config: TrainingConfig, layout: Layout) -> None:
     backend = dist.get_backend() if dist.is_initialized() else "no torch.distributed"
     backend += f", {describe_device(comm_device())}"
     _print(
-        f"SFT of a GPT ({config.num_layers} layers, hidden {config.hidden_size}, "
-        f"{config.num_attention_heads} heads, vocab {_data_description(config)}; "
+        f"{'DPO' if config.dpo else 'SFT'} of a GPT ({config.num_layers} layers, hidden "
+        f"{config.hidden_size}, {config.num_attention_heads} heads, vocab "
+        f"{_data_description(config)}; "
         f"layout {layout.name} on {_processes(layout.world_size)} "
         f"({backend}); {layout.num_microbatches} microbatch(es) of {config.micro_batch_size} "
         f"x {config.seq_length} tokens per replica, global batch {config.global_batch_size}"
