@@ -57,6 +57,13 @@ def check_dpo(c: Any) -> None:
         f"--dpo-reference-free and --dpo-reference-hf-model {c.dpo_reference_hf_model}: "
         "pass one (reference-free means no reference model)",
     )
+    adapters_off = c.lora_dim is not None and not (c.dpo_reference_free or c.dpo_reference_hf_model)
+    _require(
+        not (adapters_off and c.moe_router_enable_expert_bias),
+        "--moe-router-enable-expert-bias with --dpo and --lora-dim: the reference pass (the "
+        "policy with its adapters off) would add its routing counts to the expert-bias update; "
+        "pass --dpo-reference-hf-model DIR or --dpo-reference-free",
+    )
     keeps_reference = (
         c.finetune or c.lora_dim is not None or c.dpo_reference_free or c.dpo_reference_hf_model
     )

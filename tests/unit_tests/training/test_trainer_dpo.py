@@ -220,6 +220,16 @@ def test_a_jsonl_file_of_pairs_trains_and_validates_on_its_split(tmp_path):
         (dict(dpo_loss_type="kto"), "--dpo-loss-type"),
         (dict(dpo_reference_free=True, dpo_reference_hf_model="x"), "--dpo-reference-free and"),
         (dict(load="ckpt"), "--load ckpt with --dpo resumes a run"),
+        (
+            dict(
+                lora_dim=4,
+                num_experts=4,
+                moe_router_enable_expert_bias=True,
+                moe_router_score_function="sigmoid",
+                disable_bias_linear=True,
+            ),
+            "--moe-router-enable-expert-bias with --dpo and --lora-dim",
+        ),
     ],
 )
 def test_dpo_flags_are_refused_by_name(changes, message):
