@@ -16,6 +16,16 @@ from typing import Any, Dict, List, Optional
 
 from megatron.training.errors import UsageError
 
+# --dpo's metrics.jsonl keys (megatron.core.preference.METRIC_KEYS): TRL's names, whose
+# scalar names have TRL's slash (rewards/chosen)
+DPO_METRICS = (
+    "rewards_chosen",
+    "rewards_rejected",
+    "rewards_accuracies",
+    "rewards_margins",
+    "logps_chosen",
+    "logps_rejected",
+)
 # metrics.jsonl key -> megatron's scalar name
 SCALAR_NAMES = {
     "loss": "lm loss",
@@ -28,10 +38,12 @@ SCALAR_NAMES = {
     "mem_allocated_bytes": "mem-allocated-bytes",
     "mem_max_allocated_bytes": "mem-max-allocated-bytes",
     "mem_reserved_bytes": "mem-reserved-bytes",
+    **{name: name.replace("_", "/", 1) for name in DPO_METRICS},  # --dpo: TRL's names
 }
 VALIDATION_SCALAR_NAMES = {
     "valid_loss": "lm loss validation",
     "valid_ppl": "lm loss validation ppl",
+    **{f"valid_{name}": f"{name.replace('_', '/', 1)} validation" for name in DPO_METRICS},
 }
 EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb"}
 

@@ -328,3 +328,30 @@ def _run_with(base: dict, **changes):
     with fresh_layout():
         result = pretrain(TrainingConfig(**{**base, **changes}))
     return result.records
+
+
+@pytest.mark.world(1)
+def test_the_loggers_know_every_dpo_metric():
+    from megatron.core.preference import METRIC_KEYS
+    from megatron.training.loggers import DPO_METRICS, scalars_of
+
+    assert DPO_METRICS == METRIC_KEYS
+    record = {key: 1.0 for key in METRIC_KEYS} | {f"valid_{key}": 2.0 for key in METRIC_KEYS}
+    scalars = scalars_of(record)
+    assert scalars["rewards/accuracies"] == 1.0 and scalars["logps/rejected validation"] == 2.0
+    assert len(scalars) == 2 * len(METRIC_KEYS)
+
+
+@pytest.mark.world(1)
+@pytest.mark.slow
+def test_tensorboard_holds_the_dpo_metrics(tmp_path):
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    records = _run(train_iters=2, tensorboard_dir=str(tmp_path), log_interval=1, eval_interval=2)
+    (path,) = tmp_path.rglob("events.out.tfevents.*")
+    reader = accumulator.EventAccumulator(str(path), size_guidance={"scalars": 0})
+    reader.Reload()
+    for key, tag in (("rewards_margins", "rewards/margins"), ("logps_chosen", "logps/chosen")):
+        logged = {e.step: e.value for e in reader.Scalars(tag)}
+        assert logged == pytest.approx({r["iteration"]: r[key] for r in records}, rel=1e-6)
+    (event,) = reader.Scalars("rewards/accuracies validation")
+    assert event.step == 2 and event.value == pytest.approx(records[-1]["valid_rewards_accuracies"])
