@@ -1,7 +1,7 @@
 """The package's import graph (SPEC section 9): no circles, no private names across packages,
 ``megatron.core`` never imports ``megatron.training``, and ``torch.distributed`` collectives
-in ``megatron.core`` are called from ``megatron.core.communication`` only (plus a short
-allow-list, each entry with its reason).
+anywhere in ``megatron`` (the core and the trainer) are called from
+``megatron.core.communication`` only (plus a short allow-list, each entry with its reason).
 
 Every ``import`` / ``from ... import`` statement of every module under ``megatron/`` counts,
 wherever it is written (module level, inside a function, under ``if``): Python runs a
@@ -110,14 +110,14 @@ class RawCollective(NamedTuple):
 
 
 def raw_collectives(modules: Dict[str, Module]) -> List[RawCollective]:
-    """Uses of a ``torch.distributed`` collective (``COLLECTIVES``) in ``megatron.core``
-    outside ``communication``: ``dist.all_reduce`` through any alias of the module
+    """Uses of a ``torch.distributed`` collective (``COLLECTIVES``) in ``megatron`` (the core
+    and the trainer) outside ``communication``: ``dist.all_reduce`` through any alias of the module
     (``import torch.distributed as dist``, ``torch.distributed.x``, ``from torch import
     distributed``), or the function imported by name (``from torch.distributed import x``),
     called or only referenced."""
     found = []
     for name, (source, _) in modules.items():
-        if not name.startswith("megatron.core") or name == COMMUNICATION_MODULE:
+        if name == COMMUNICATION_MODULE:
             continue
         found += [RawCollective(name, line, what) for line, what in _raw_collectives(source)]
     return found
@@ -326,8 +326,8 @@ def test_core_never_imports_training():
 
 
 def test_collectives_only_in_communication():
-    """Every torch.distributed collective of megatron.core goes through communication.py
-    (its gloo/NCCL, device and async-handle choices are made there once)."""
+    """Every torch.distributed collective of megatron (the core and the trainer) goes through
+    communication.py (its gloo/NCCL, device and async-handle choices are made there once)."""
     found = [
         c
         for c in raw_collectives(package_modules())
@@ -418,8 +418,9 @@ def test_core_importing_training_is_found():
 
 
 def test_a_planted_raw_collective_is_found():
-    """Each way of reaching a collective is caught; communication.py and megatron.training
-    are not checked; a non-collective torch.distributed function is not flagged."""
+    """Each way of reaching a collective is caught, in the core and in the trainer;
+    communication.py is not checked; a non-collective torch.distributed function is not
+    flagged."""
     modules = _invented(
         {
             "megatron.__init__": "",
@@ -447,4 +448,5 @@ def test_a_planted_raw_collective_is_found():
         ("megatron.core.d", "batch_isend_irecv"),
         ("megatron.core.e", "P2POp"),
         ("megatron.core.e", "isend"),
+        ("megatron.training.t", "barrier"),
     ]
