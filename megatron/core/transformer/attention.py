@@ -12,7 +12,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from megatron.core import tensor_parallel
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.rope import apply_rotary_pos_emb
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
