@@ -39,6 +39,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megatron.core import dist_checkpointing
+from megatron.core.communication import all_gather_object, barrier, broadcast_object, world_group
 from megatron.core.dist_checkpointing import ShardedObject
 from megatron.core.dist_checkpointing.core import CONFIG_FNAME
 from megatron.training.arguments import TrainingConfig, flag_of
@@ -79,7 +80,7 @@ def save_checkpoint(
     directory = checkpoint_dir(save_dir, iteration)
     if _rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
-    _barrier()
+    barrier(world_group())
     model_state = _model_sharded_state_dict(model)
     if trainable_only:
         model_state = _select(model_state, adapters=True)
@@ -105,7 +106,7 @@ def save_checkpoint(
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, tracker)
-    _barrier()
+    barrier(world_group())
     if _rank() == 0:
         tqdm.write(
             f"saved checkpoint at iteration {iteration} to {directory} "
@@ -586,7 +587,7 @@ RNG_KEY_PREFIX = "rng_state/"
 def _check_keys(directory: Path, missing, unexpected, skipped: Tuple[str, ...]) -> None:
     """Every rank: refuse keys the model asked for that the checkpoint lacks (any rank's)
     and checkpoint keys nothing asked for, except the parts deliberately not loaded."""
-    unexpected = set().union(*_all_gather(sorted(unexpected)))
+    unexpected = set().union(*all_gather_object(sorted(unexpected), world_group()))
     dropped = sorted(k for k in missing if not k.startswith(skipped))
     problems = []
     if unexpected:
@@ -688,15 +689,6 @@ def _set_rng_state(saved: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state(saved["cuda"])
 
 
-def _agree(value):
-    """Rank 0's ``value`` on every rank (all ranks act on the same checkpoint)."""
-    if not dist.is_initialized():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _agree_or_raise(compute):
     """``compute()`` on rank 0, its result on every rank; when it raised, the same error
     (its type and message) on every rank instead of rank 0 alone."""
@@ -708,7 +700,7 @@ def _agree_or_raise(compute):
             outcome = ("value", compute())
         except Exception as err:  # noqa: BLE001 - every rank must hear of any failure
             outcome, error = ("error", type(err), str(err)), err
-    outcome = _agree(outcome)
+    outcome = broadcast_object(outcome, world_group())  # all ranks act on one checkpoint
     if outcome[0] == "value":
         return outcome[1]
     if error is not None:
@@ -720,19 +712,5 @@ def _agree_or_raise(compute):
     raise copy
 
 
-def _all_gather(value) -> list:
-    """Every rank's ``value`` (``[value]`` without torch.distributed)."""
-    if not dist.is_initialized():
-        return [value]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()

@@ -33,7 +33,10 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import dist_checkpointing
+from megatron.core.communication import broadcast_from_last_
 from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.training.arguments import TrainingConfig, validate_config
 from megatron.training.checkpointing import load_checkpoint, resolve_checkpoint
@@ -113,11 +116,12 @@ def _forward(chunk, tokens, positions, context, pg_collection) -> Optional[torch
     stages = 1 if pp is None else pp.size()
     stage = 0 if pp is None else pp.rank()
     gpt = _unwrap(chunk)
+    messages = None
+    if stages > 1:
+        messages = P2PCommunicator(pp, ModelParallelConfig(pipeline_dtype=_dtype(chunk)))
     if stage > 0:
         shape = (tokens.shape[1], tokens.shape[0], gpt.config.hidden_size)
-        hidden = torch.empty(shape, dtype=_dtype(chunk), device=tokens.device)
-        dist.recv(hidden, src=dist.get_global_rank(pp, stage - 1), group=pp)
-        gpt.set_input_tensor(hidden)
+        gpt.set_input_tensor(messages.recv_forward(shape, is_first_stage=False))
     output = chunk(
         tokens if stage == 0 else None,
         positions,
@@ -125,7 +129,7 @@ def _forward(chunk, tokens, positions, context, pg_collection) -> Optional[torch
         runtime_gather_output=True,
     )
     if stage < stages - 1:
-        dist.send(output.contiguous(), dst=dist.get_global_rank(pp, stage + 1), group=pp)
+        messages.send_forward(output, is_last_stage=False)
         return None
     return output
 
@@ -149,10 +153,7 @@ def _choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator
 
 def _from_last_stage(token: torch.Tensor, pg_collection) -> torch.Tensor:
     """The last pipeline stage's token on every stage."""
-    pp = None if pg_collection is None else pg_collection.pp
-    if pp is not None and pp.size() > 1:
-        dist.broadcast(token, src=dist.get_global_rank(pp, pp.size() - 1), group=pp)
-    return token
+    return broadcast_from_last_(token, None if pg_collection is None else pg_collection.pp)
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:

@@ -33,6 +33,13 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from megatron.core.communication import (
+    barrier,
+    broadcast_,
+    broadcast_from_last_,
+    broadcast_object,
+    world_group,
+)
 from megatron.core.context_parallel import (
     get_batch_on_this_cp_rank,
     get_thd_batch_on_this_cp_rank,
@@ -489,10 +496,8 @@ def _export_final_model(config, model, optimizer, scheduler, layout, iteration: 
     ):
         source = checkpoint_dir(config.save, iteration)
     else:
-        shared = [str(target.parent / f".{target.name}.checkpoint") if is_rank_zero() else None]
-        if dist.is_initialized():
-            dist.broadcast_object_list(shared, src=0)
-        temporary = shared[0]
+        shared = str(target.parent / f".{target.name}.checkpoint") if is_rank_zero() else None
+        temporary = broadcast_object(shared, world_group())
         source = save_checkpoint(
             temporary,
             iteration,
@@ -708,8 +713,7 @@ def train_single_process(config: TrainingConfig, perturbation: float = 0.0) -> O
     if is_rank_zero():
         label = "1 process, perturbed" if perturbation else "1 process"
         records = train(reference_config, layout, groups, desc=label, perturbation=perturbation)
-    if dist.is_initialized():
-        dist.barrier()
+    barrier(world_group())
     return records
 
 
@@ -757,9 +761,7 @@ def logged_loss(reported: List[dict], pg_collection: Optional[ProcessGroupCollec
     dp_cp = None if pg_collection is None else pg_collection.dp_cp
     losses = reduce_reported_losses(reported, dp_cp)
     value = torch.tensor(losses.get(LOSS_KEY, 0.0), dtype=torch.float64, device=comm_device())
-    pp = None if pg_collection is None else pg_collection.pp
-    if pp is not None and pp.size() > 1:
-        dist.broadcast(value, src=dist.get_global_rank(pp, pp.size() - 1), group=pp)
+    broadcast_from_last_(value, None if pg_collection is None else pg_collection.pp)
     return value.item()
 
 
@@ -808,11 +810,12 @@ def _as_the_last_rank_measured(records: List[dict]) -> List[dict]:
     """The records with the last rank's timings and memory (what it logged to TensorBoard /
     W&B), so that metrics.jsonl, written on rank 0, holds the same values: one broadcast
     after training."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    world = world_group()
+    if get_pg_size(world) == 1:
         return records
-    measured = [[{k: r[k] for k in MEASURED_FIELDS if k in r} for r in records]]
-    dist.broadcast_object_list(measured, src=dist.get_world_size() - 1)
-    return [{**r, **m} for r, m in zip(records, measured[0])]
+    measured = [{k: r[k] for k in MEASURED_FIELDS if k in r} for r in records]
+    measured = broadcast_object(measured, world, src=get_pg_size(world) - 1)
+    return [{**r, **m} for r, m in zip(records, measured)]
 
 
 def _is_last_rank() -> bool:
@@ -856,11 +859,8 @@ def _validation_line(iteration: int, result: Validation) -> str:
 
 def _agree_on_rank_zero(passed: bool) -> bool:
     """Rank 0's verdict, on every rank."""
-    if not dist.is_initialized():
-        return passed
     flag = torch.tensor([1 if passed else 0], device=comm_device())
-    dist.broadcast(flag, src=0)
-    return bool(flag.item())
+    return bool(broadcast_(flag, world_group()).item())
 
 
 def _summary(records: List[dict], layout: Layout, seconds: float) -> str:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import dist_checkpointing
+from megatron.core.communication import barrier, world_group
 from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.training import checkpointing
@@ -171,8 +172,7 @@ def export_hf(
     finally:
         if staging is not None:
             remove_tree(staging)
-    if dist.is_initialized():
-        dist.barrier()
+    barrier(world_group())
     return out_dir
 
 
