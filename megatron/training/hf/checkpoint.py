@@ -267,10 +267,10 @@ def _export_adapter_into(staging, directory, common, arch, stored, dtype=None) -
     written = DTYPES[dtype] if dtype else None
     tensors = {k: v.to(written or v.dtype).contiguous() for k, v in tensors.items()}
     save_file(tensors, str(staging / ADAPTER_WEIGHTS), metadata=EXPORT_METADATA)
-    config = peft_config(arch, lora, modules, _base_model_path(common))
+    source = _base_model_path(common)
+    config = peft_config(arch, lora, modules, source)
     (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     sidecars = common.get(HF_FILES_KEY)
-    source = settings.get("hf_model")
     if sidecars is None and source and Path(source).is_dir():
         sidecars = _sidecar_files(Path(source))
     for name, text in (sidecars or {}).items():

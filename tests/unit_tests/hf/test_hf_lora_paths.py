@@ -90,14 +90,19 @@ def test_the_readme_recipe_exports_an_adapter_only_run_with_an_absolute_base(tmp
     --save-interval (before: the run died at its first save) and ``hf export`` of the
     adapter-only checkpoint; the base is typed relative, the adapter names it absolute (so
     peft finds it from another directory: ``test_the_readmes_lora_commands_run_as_written``)."""
-    write_random_hf_model(tmp_path / "base", LLAMA_CONFIG)
+    base = write_random_hf_model(tmp_path / "base", LLAMA_CONFIG)
+    (base / "special_tokens_map.json").write_text("{}")  # a tokenizer file the export carries
     monkeypatch.chdir(tmp_path)
     _train(hf_model="base", save="ckpt", save_trainable_params_only=True, save_interval=1,
            export_hf="adapter")  # fmt: skip
     config = json.loads(Path("adapter/adapter_config.json").read_text())
-    assert config["base_model_name_or_path"] == str((tmp_path / "base").resolve())
+    assert config["base_model_name_or_path"] == str(base.resolve())
     assert (tmp_path / "adapter/iter_0000001/adapter_model.safetensors").is_file()
-    assert hf_cli(["export", "--load", "ckpt", "--out", "again"]) == 0
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # the base's recorded path, not the typed one
+    assert hf_cli(["export", "--load", str(tmp_path / "ckpt"), "--out", "../again"]) == 0
+    monkeypatch.chdir(tmp_path)
+    assert Path("again/special_tokens_map.json").is_file()
     written, again = (load_file(f"{d}/adapter_model.safetensors") for d in ("adapter", "again"))
     assert written.keys() == again.keys() and all(torch.equal(written[k], again[k]) for k in again)
     assert any(".lora_B." in k and again[k].abs().max() > 0 for k in again)  # trained
