@@ -26,9 +26,9 @@ from megatron.training import TrainingConfig
 from megatron.training.arguments import validate_config
 from megatron.training.checkpointing import checkpoint_dir
 from megatron.training.errors import UsageError
-from megatron.training.hf import model_from_hf
+from megatron.training.hf import model_from_hf, read_hf_config
 from megatron.training.hf.__main__ import main as hf_cli
-from megatron.training.hf.peft import read_peft_config
+from megatron.training.hf.peft import load_peft_adapter, read_peft_config
 from megatron.training.hf_settings import resolve_hf_model
 from megatron.training.training import pretrain
 from tests.unit_tests.dist_utils import fresh_layout, rel_error
@@ -138,6 +138,15 @@ def test_lora_on_a_moe_model_refuses_the_experts_up_front_and_exports_a_peft_ada
     assert rel_error(_peft_logits(base, adapter), ours) <= 1e-5
     without = _adapted_logits(base, ckpt, 1, exclude_modules=("*.experts.*", "*.shared_*"))
     assert rel_error(without, ours) > 1e-4  # positive control: the shared expert's adapter
+    # read back (--hf-adapter): the same model
+    model, _ = model_from_hf(base)
+    lora = LoRAConfig(dim=4, alpha=8.0, exclude_modules=("*.experts.*",))
+    apply_lora(model, lora)
+    load_peft_adapter(model, adapter, read_hf_config(base)[0], lora)
+    ids = token_ids()
+    with torch.no_grad():
+        back = model.eval()(ids, torch.arange(ids.shape[1]).expand_as(ids))
+    assert rel_error(back, ours) <= 1e-6
 
 
 def test_adapters_on_some_layers_save_resume_and_export(tmp_path):
