@@ -24,7 +24,6 @@ same at every layout up to the rounding of the layout's reductions.
 import argparse
 import contextlib
 import dataclasses
-import json
 import sys
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence, Tuple
@@ -304,7 +303,9 @@ def _model_config(args) -> TrainingConfig:
 
         config = TrainingConfig(hf_model=args.hf_model, hf_adapter=args.hf_adapter, **layout)
         if args.hf_adapter:
-            raw = json.loads((Path(args.hf_adapter) / "adapter_config.json").read_text())
+            from megatron.training.hf.peft import read_peft_config
+
+            raw = read_peft_config(Path(args.hf_adapter))
             config = dataclasses.replace(
                 config, lora_dim=int(raw["r"]), lora_alpha=float(raw["lora_alpha"])
             )

@@ -86,6 +86,7 @@ from megatron.training.initialize import (
     tear_down_distributed,
 )
 from megatron.training.loggers import MetricsLoggers
+from megatron.training.lora_base import lora_base_record
 from megatron.training.metrics import save_metrics
 from megatron.training.model import build_model, precision_dtype
 
@@ -279,6 +280,7 @@ def _train(
             override_scheduler=config.override_opt_param_scheduler,
             use_checkpoint_scheduler=config.use_checkpoint_opt_param_scheduler,
             base_source=config.hf_model or config.pretrained_checkpoint,
+            base_flag="--pretrained-checkpoint" if config.pretrained_checkpoint else "--hf-model",
         )
         for note in notes:
             _print(note)
@@ -332,6 +334,8 @@ def _train(
             "validation_tokens": result.tokens,
         }
 
+    lora_base = _lora_base(config)
+
     def save_at(iteration: int) -> None:
         save_checkpoint(
             config.save,
@@ -343,6 +347,7 @@ def _train(
             consumed_samples=iteration * config.global_batch_size,
             run_settings=_settings_record(config),
             trainable_only=config.save_trainable_params_only,
+            lora_base=lora_base,
         )
 
     if config.skip_train:
@@ -506,6 +511,7 @@ def _export_final_model(config, model, optimizer, scheduler, layout, iteration: 
             scheduler,
             layout=_layout_record(layout),
             run_settings=_settings_record(config),
+            lora_base=_lora_base(config),
         )
     export_hf(source, target, merge_lora=merge)
     if temporary is not None and is_rank_zero():
@@ -516,6 +522,15 @@ def _export_final_model(config, model, optimizer, scheduler, layout, iteration: 
         else "the merged model" if merge else "the model"
     )
     _print(f"exported {what} of iteration {iteration} to {target} (HuggingFace format)")
+
+
+def _lora_base(config: TrainingConfig) -> Optional[Dict[str, str]]:
+    """A LoRA run's frozen base as its checkpoints record it (``lora_base_record``)."""
+    if config.lora_dim is None:
+        return None
+    if config.pretrained_checkpoint:
+        return lora_base_record("--pretrained-checkpoint", config.pretrained_checkpoint)
+    return lora_base_record("--hf-model", config.hf_model) if config.hf_model else None
 
 
 def build_optimizer(

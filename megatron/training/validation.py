@@ -677,6 +677,7 @@ def _check_lora(c: Config) -> None:
             f"--lora-target-modules / --lora-exclude-modules {target!r}: expected one of "
             f"{', '.join(config_rules.LORA_TARGETS)} or a wildcard pattern",
         )
+    _check_lora_targets(c)
     _require(
         not (c.pretrained_checkpoint and c.hf_model),
         f"--pretrained-checkpoint {c.pretrained_checkpoint} and --hf-model {c.hf_model} both "
@@ -696,6 +697,38 @@ def _check_lora(c: Config) -> None:
         "--merge-lora with --save-trainable-params-only and --save-interval: the interval "
         "exports merge from the saved checkpoints, which hold no base; drop one of them",
     )
+
+
+def _check_lora_targets(c: Config) -> None:
+    """Before any worker starts: every --lora-target-modules pattern names some linear layer
+    of the model, and none of the chosen layers is a routed expert's (not supported)."""
+    moe = c.num_experts is not None
+    names = config_rules.lora_module_names(
+        c.num_layers,
+        config_rules.moe_layer_pattern(c.moe_layer_freq, c.num_layers) if moe else None,
+        c.num_experts or 0,
+        moe and c.moe_shared_expert_intermediate_size is not None,
+    )
+
+    def named(name: str, patterns) -> bool:
+        return any(config_rules.lora_pattern_matches(name, p) for p in patterns)
+
+    for target in c.lora_target_modules:
+        _require(
+            any(config_rules.lora_pattern_matches(n, target) for n in names),
+            f"--lora-target-modules {target!r} matches no layer of the model (its linear "
+            f"layers are named like {names[0]}, {names[-1]})",
+        )
+    for name in names:
+        _require(
+            ".experts." not in name
+            or not named(name, c.lora_target_modules)
+            or named(name, c.lora_exclude_modules),
+            f"--lora-target-modules {' '.join(c.lora_target_modules)}: LoRA target {name} is "
+            "a routed expert's linear layer: adapters on experts are not supported; leave them "
+            "out (--lora-exclude-modules '*.experts.*') or name the layers to adapt "
+            "(--lora-target-modules linear_qkv linear_proj)",
+        )
 
 
 def _shown(value: Any) -> str:

@@ -354,6 +354,8 @@ class GPTModel(MegatronModule):
           keys map (``self_attention.linear_qkv.layer_norm_weight``, ...);
         - the word embeddings and output weight may be loaded from a checkpoint of another
           padding (``allow_shape_mismatch``: the overlap is read);
+        - LoRA adapters on some layers only are stored one layer at a time
+          (``separate_partial_adapters``);
         - a tied output weight on a later stage than the embedding is stored as
           ``embedding.word_embeddings.weight`` with replica id (1, ...): never written
           twice, loaded from the embedding.
@@ -383,6 +385,9 @@ class GPTModel(MegatronModule):
                 # the vocabulary's padding depends on TP: another padding loads the overlap
                 # (the true rows; padded rows are zero on both sides)
                 sharded[key] = dataclasses.replace(piece, allow_shape_mismatch=True)
+        from megatron.core.transformer.lora import separate_partial_adapters
+
+        separate_partial_adapters(self, sharded, prefix)  # LoRA adapters on some layers only
         return sharded
 
     def shared_embedding_or_output_weight(self) -> Optional[Tensor]:
