@@ -262,7 +262,9 @@ def load_checkpoint(
                 "frozen base must come from --hf-model or --pretrained-checkpoint"
             )
         where = f"--load {load_dir}: checkpoint {directory}"
-        check_lora_base(common.get(LORA_BASE_KEY), base_flag, base_source, where)
+        check_lora_base(
+            common.get(LORA_BASE_KEY), base_flag, base_source, where, base_weights(base_source)
+        )
         part = "adapters"
     elif has_adapters and not (common.get("run_settings") or {}).get("lora_dim"):
         if not finetune:
@@ -715,6 +717,14 @@ def _set_rng_state(saved: Dict[str, Any]) -> None:
         get_cuda_rng_tracker().set_states(saved["tracker"])
     if "cuda" in saved and torch.cuda.is_available():
         torch.cuda.set_rng_state(saved["cuda"])
+
+
+def base_weights(path: str) -> str:
+    """The folder whose files hold a LoRA base's weights: a HuggingFace folder itself, else
+    the iteration of the checkpoint at ``path`` that loads (``lora_base``)."""
+    if any(Path(path).glob("*.safetensors")):
+        return path
+    return str(resolve_checkpoint(path)[0])
 
 
 def _agree_or_raise(compute):

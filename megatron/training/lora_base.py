@@ -24,22 +24,21 @@ _BLOCK = 4 << 10
 _BLOCKS = 64
 
 
-def lora_base_record(flag: str, path: str) -> Dict[str, str]:
+def lora_base_record(flag: str, path: str, weights: Optional[str] = None) -> Dict[str, str]:
     """{flag, absolute path, fingerprint} of the base given by ``flag`` (``--hf-model`` or
-    ``--pretrained-checkpoint``) at ``path``."""
-    return {"flag": flag, "path": str(Path(path).resolve()), "fingerprint": base_fingerprint(path)}
+    ``--pretrained-checkpoint``) at ``path``; ``weights``: the folder its weights load from
+    when not ``path`` itself (a checkpoint's iteration that ``--pretrained-checkpoint``
+    loads, resolved by the caller)."""
+    fingerprint = base_fingerprint(weights or path)
+    return {"flag": flag, "path": str(Path(path).resolve()), "fingerprint": fingerprint}
 
 
 def base_fingerprint(path: str) -> str:
-    """A hash of the base's weight files: a HuggingFace folder's ``*.safetensors``, else the
-    files of the checkpoint that ``--pretrained-checkpoint path`` loads (its newest complete
-    iteration)."""
+    """A hash of the base's weight files: a HuggingFace folder's ``*.safetensors``, else
+    every file under ``path`` (a checkpoint iteration's folder)."""
     root = Path(path)
     files = sorted(root.glob("*.safetensors"))
     if not files:
-        from megatron.training.checkpointing import resolve_checkpoint
-
-        root, _ = resolve_checkpoint(str(path))
         files = sorted(p for p in root.rglob("*") if p.is_file())
     digest = hashlib.sha256()
     for file in files:
@@ -50,14 +49,19 @@ def base_fingerprint(path: str) -> str:
 
 
 def check_lora_base(
-    saved: Optional[Dict[str, Any]], flag: str, path: Optional[str], where: str
+    saved: Optional[Dict[str, Any]],
+    flag: str,
+    path: Optional[str],
+    where: str,
+    weights: Optional[str] = None,
 ) -> None:
-    """Refuse (ValueError naming the flags and paths) a base at ``path`` whose fingerprint is
-    not the recorded one (``saved``: the checkpoint's ``LORA_BASE_KEY``; None: an older
-    checkpoint, not checked)."""
+    """Refuse (ValueError naming the flags and paths) a base at ``path`` (its weights in
+    ``weights`` when given, as for ``lora_base_record``) whose fingerprint is not the recorded
+    one (``saved``: the checkpoint's ``LORA_BASE_KEY``; None: an older checkpoint, not
+    checked)."""
     if not saved or path is None:
         return
-    now = base_fingerprint(path)
+    now = base_fingerprint(weights or path)
     if now == saved.get("fingerprint"):
         return
     raise ValueError(

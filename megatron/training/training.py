@@ -57,7 +57,12 @@ from megatron.training.arguments import (
     single_process_config,
     validate_config,
 )
-from megatron.training.checkpointing import checkpoint_dir, load_checkpoint, save_checkpoint
+from megatron.training.checkpointing import (
+    base_weights,
+    checkpoint_dir,
+    load_checkpoint,
+    save_checkpoint,
+)
 from megatron.training.compare import (
     Comparison,
     compare_losses,
@@ -529,7 +534,8 @@ def _lora_base(config: TrainingConfig) -> Optional[Dict[str, str]]:
     if config.lora_dim is None:
         return None
     if config.pretrained_checkpoint:
-        return lora_base_record("--pretrained-checkpoint", config.pretrained_checkpoint)
+        path = config.pretrained_checkpoint
+        return lora_base_record("--pretrained-checkpoint", path, base_weights(path))
     return lora_base_record("--hf-model", config.hf_model) if config.hf_model else None
 
 
