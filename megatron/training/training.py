@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from megatron.core import communication
 from megatron.core.context_parallel import (
     get_batch_on_this_cp_rank,
     get_thd_batch_on_this_cp_rank,
@@ -220,6 +221,7 @@ def _train(
         for note in validation_set.notes:  # truncation counts of the validation records
             _print(f"validation data: {note}")
     model = build_model(config, layout, pg_collection)
+    _print(_parameters_line(*parameter_counts(model, pg_collection)))
     if perturbation:
         _perturb_weights(model, perturbation)
     # an entry left by another model of this process (the multi-rank run before
@@ -896,9 +898,63 @@ def _print_header(config: TrainingConfig, layout: Layout) -> None:
         f"layout {layout.name} on {_processes(layout.world_size)} "
         f"({backend}); {layout.num_microbatches} microbatch(es) of {config.micro_batch_size} "
         f"x {config.seq_length} tokens per replica, global batch {config.global_batch_size}"
+        f"{_model_description(config)}"
     )
     if comm_device().type == "cpu" and (config.bf16 or config.fp16):
         _print(half_precision_on_cpu_warning(config))
+
+
+def _model_description(config: TrainingConfig) -> str:
+    """The header's experts and LoRA parts (empty for a dense model without adapters)."""
+    parts = []
+    if config.num_experts is not None:
+        freq = config.moe_layer_freq
+        where = "every layer" if freq == 1 else f"--moe-layer-freq {freq}"
+        parts.append(f"MoE: {config.num_experts} experts, top-{config.moe_router_topk}, {where}")
+    if config.lora_dim is not None:
+        parts.append(
+            f"LoRA: rank {config.lora_dim}, alpha {config.lora_alpha:g} on "
+            f"{', '.join(config.lora_target_modules)} (base weights frozen)"
+        )
+    return "".join(f"; {part}" for part in parts)
+
+
+def parameter_counts(
+    model: List[torch.nn.Module], pg_collection: Optional[ProcessGroupCollection]
+) -> Tuple[int, int]:
+    """(parameters, trainable parameters) of the whole model, each element once whatever the
+    layout (the gradient norm's rule: TP-replicated ones on TP rank 0, not the tied output
+    copy of the embeddings; dense ones on dp = cp = 0, expert ones on expert-dp 0); summed
+    over the run's ranks (collective)."""
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    groups = pg_collection
+    dense_home = groups is None or (get_pg_rank(groups.dp) == 0 and get_pg_rank(groups.cp) == 0)
+    expert_home = groups is None or get_pg_rank(groups.expt_dp) == 0
+    counts = torch.zeros(2, dtype=torch.float64)
+    for chunk in model:
+        for parameter in chunk.parameters():
+            expert = not getattr(parameter, "allreduce", True)
+            tp = None if groups is None else (groups.expt_tp if expert else groups.tp)
+            if (
+                (expert_home if expert else dense_home)
+                and param_is_not_shared(parameter)
+                and param_is_not_tensor_parallel_duplicate(parameter, tp)
+            ):
+                counts += torch.tensor(
+                    [parameter.numel(), parameter.numel() * parameter.requires_grad]
+                )
+    if groups is not None:  # every rank of the run: tp x dp x cp, then the stages
+        counts = communication.all_reduce(counts, groups.tp_dp_cp)
+        counts = communication.all_reduce(counts, groups.pp)
+    return int(counts[0].item()), int(counts[1].item())
+
+
+def _parameters_line(total: int, trainable: int) -> str:
+    """``parameters: 52,480 (52,480 trainable)``."""
+    share = "" if trainable == total else f", {100 * trainable / max(total, 1):.2f}%"
+    return f"parameters: {total:,} ({trainable:,} trainable{share})"
 
 
 def half_precision_on_cpu_warning(config: TrainingConfig) -> str:

@@ -51,13 +51,16 @@ class Layout:
 
     @property
     def name(self) -> str:
-        """Short name, e.g. ``cp2-pp2-vpp2-dp1`` or ``tp2-sp-cp2-pp1-dp1``."""
+        """Short name, e.g. ``cp2-pp2-vpp2-dp1``, ``tp2-sp-cp2-pp1-dp1`` or, with expert
+        parallelism, ``cp2-pp1-dp2-ep2`` (``-etpN`` when the experts' TP differs)."""
         vpp = self.virtual_pipeline_model_parallel_size
         tp = self.tensor_model_parallel_size
+        ep, etp = self.expert_model_parallel_size, self.expert_tensor_parallel_size
         return (
             f"{f'tp{tp}-' if tp > 1 else ''}{'sp-' if self.sequence_parallel else ''}"
             f"cp{self.context_parallel_size}-pp{self.pipeline_model_parallel_size}"
             f"{f'-vpp{vpp}' if vpp else ''}-dp{self.data_parallel_size}"
+            f"{f'-ep{ep}' if ep > 1 else ''}{f'-etp{etp}' if etp not in (None, tp) else ''}"
         )
 
 
