@@ -584,22 +584,41 @@ def _perturb_weights(model: List[torch.nn.Module], relative: float) -> None:
 def _moe_record(
     config: TrainingConfig, layout: Layout, pg_collection: Optional[ProcessGroupCollection]
 ) -> Dict[str, Any]:
-    """The step's router losses (mean over the MoE layers of (1/(D M)) sum_m loss_m, the
-    coefficient included) and per-layer token loads (valid tokens per expert over the
-    global batch): the same for every layout (collective: every rank calls it)."""
+    """The step's router losses (mean over the MoE layers of (1/(D M)) sum_m loss_m / c:
+    megatron-core logs them without their coefficient c) and per-layer token loads (valid
+    tokens per expert over the global batch): the same for every layout (collective: every
+    rank calls it). The losses of ``logged_router_losses`` are always there (0 when not
+    computed: a zero coefficient), as megatron's ``track_moe_metrics(force_initialize=True)``."""
     if config.num_experts is None:
         return {}
     metrics = moe_utils.reduced_moe_metrics(
         1.0 / layout.num_microbatches, config.num_layers, config.moe_layer_freq, pg_collection
     )
     moe_utils.clear_aux_losses_tracker()
-    record = {}
+    record = {f"moe_{name}": 0.0 for name in logged_router_losses(config)}
     for name, values in metrics.items():
         if name == "tokens_per_expert":
             record["moe_tokens_per_expert"] = values.tolist()
         elif values.numel():
             record[f"moe_{name}"] = float(values.double().mean())
     return record
+
+
+def logged_router_losses(config: TrainingConfig) -> List[str]:
+    """The router losses megatron's ``training_log`` tracks: load_balancing_loss when
+    ``--moe-router-load-balancing-type`` contains "aux_loss" (seq_aux_loss does: megatron's
+    test is on the name), seq_load_balancing_loss with seq_aux_loss, z_loss when
+    ``--moe-z-loss-coeff`` is given."""
+    balancing = config.moe_router_load_balancing_type
+    names = [
+        name
+        for kind, name in (
+            ("aux_loss", "load_balancing_loss"),
+            ("seq_aux_loss", "seq_load_balancing_loss"),
+        )
+        if kind in balancing
+    ]
+    return names + (["z_loss"] if config.moe_z_loss_coeff is not None else [])
 
 
 def _save_due(config: TrainingConfig, iteration: int) -> bool:
