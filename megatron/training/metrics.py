@@ -75,9 +75,15 @@ def write_jsonl(path: Path, records: List[dict]) -> Path:
 
 
 def read_jsonl(path) -> List[dict]:
-    """The records of a ``metrics.jsonl`` file."""
+    """The records of a ``metrics.jsonl`` file; an unfinished last line (a run killed while
+    writing it) is left out."""
     with open(path) as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+        lines = [line for line in handle if line.strip()]
+    records = [json.loads(line) for line in lines[:-1]]
+    try:
+        return records + [json.loads(line) for line in lines[-1:]]
+    except json.JSONDecodeError:
+        return records
 
 
 def plot_loss_curves(path: Path, curves: Dict[str, List[dict]]) -> Path:

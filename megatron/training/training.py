@@ -79,7 +79,7 @@ from megatron.training.initialize import (
     single_process_groups,
     tear_down_distributed,
 )
-from megatron.training.loggers import MetricsLoggers
+from megatron.training.loggers import MetricSinks, Ranks
 from megatron.training.metrics import save_metrics
 from megatron.training.model import build_model, precision_dtype
 
@@ -181,17 +181,18 @@ def train(
     ``pg_collection=None``: one process without torch.distributed.
 
     Rank 0 shows a progress bar with the loss, tokens/s and, with loss scaling, the skipped
-    iterations (``config.progress``); the last rank mirrors the records to TensorBoard /
-    W&B (``loggers.MetricsLoggers``). With ``--check-for-nan-in-loss-and-grad`` (the
-    default) a NaN/inf loss or gradient norm stops the run (``check_step``).
+    iterations (``config.progress``); each record goes to the run's metric sinks as its
+    iteration ends (``loggers.SINKS``: metrics.jsonl, the console, TensorBoard, W&B). With
+    ``--check-for-nan-in-loss-and-grad`` (the default) a NaN/inf loss or gradient norm
+    stops the run (``check_step``).
     ``perturbation`` > 0 scales every initial weight by ``1 + perturbation * u``, u uniform
     in [-1, 1] from a fixed generator (the comparison's sensitivity run).
     """
-    loggers = MetricsLoggers(config, writer=_is_last_rank())
+    sinks = MetricSinks(config, Ranks(first=is_rank_zero(), last=_is_last_rank()))
     try:
-        return _train(config, layout, pg_collection, desc, perturbation, loggers, exits)
+        return _train(config, layout, pg_collection, desc, perturbation, sinks, exits)
     finally:
-        loggers.close()
+        sinks.close()
 
 
 def _train(
@@ -200,10 +201,10 @@ def _train(
     pg_collection: Optional[ProcessGroupCollection],
     desc: str,
     perturbation: float,
-    loggers: MetricsLoggers,
+    sinks: MetricSinks,
     exits: Optional[ExitConditions] = None,
 ) -> List[dict]:
-    """``train`` with its loggers (and the run's exit conditions, ``exits.py``)."""
+    """``train`` with its metric sinks (and the run's exit conditions, ``exits.py``)."""
     dataset = build_sft_dataset(config)
     for note in getattr(dataset, "notes", []):  # truncation and empty-loss counts
         _print(note)
@@ -343,7 +344,7 @@ def _train(
     if config.skip_train:
         bar.close()
         record = {"iteration": start_iteration, **(validate(start_iteration) or {})}
-        loggers.log(record)
+        sinks.log(record)
         return [record]
 
     upcoming = batch_of(start_iteration + 1) if start_iteration < config.train_iters else None
@@ -405,9 +406,7 @@ def _train(
             postfix["valid_loss"] = f"{last_validation:.4f}"
         bar.set_postfix(**postfix)
         bar.update()
-        loggers.log(records[-1])
-        if not config.progress and iteration % config.log_interval == 0:
-            _print(_log_line(records[-1], config.train_iters))
+        sinks.log(records[-1])  # metrics.jsonl, console, TensorBoard, W&B (loggers.SINKS)
         if config.save and _save_due(config, iteration):
             save_at(iteration)
             if config.export_hf and iteration < config.train_iters:
@@ -851,20 +850,6 @@ def _memory_record() -> Dict[str, int]:
         "mem_max_allocated_bytes": torch.cuda.max_memory_allocated(device),
         "mem_reserved_bytes": torch.cuda.memory_reserved(device),
     }
-
-
-def _log_line(record: dict, train_iters: int) -> str:
-    """megatron's console line: `` iteration 10/20 | lm loss: 3.2 | ...``."""
-    parts = [f" iteration {record['iteration']}/{train_iters}"]
-    parts.append(f"lm loss: {record['loss']:.6E}")
-    parts.append(f"learning rate: {record['lr']:.6E}")
-    if record.get("grad_norm") is not None:
-        parts.append(f"grad norm: {record['grad_norm']:.4f}")
-    if record.get("num_zeros_in_grad") is not None:
-        parts.append(f"num zeros: {record['num_zeros_in_grad']:.1f}")
-    parts.append(f"elapsed time per iteration (ms): {1000 * record['iteration_time_s']:.1f}")
-    parts.append(f"tokens per second: {record['tokens_per_s']:.0f}")
-    return " | ".join(parts)
 
 
 def _validation_line(iteration: int, result: Validation) -> str:

@@ -454,8 +454,17 @@ def _check_evaluation(c: Config) -> None:
 
 
 def _check_logging(c: Config) -> None:
-    """The W&B details need --wandb-project; each logger's package is installed."""
+    """The W&B details need --wandb-project, --tensorboard-log-interval a scalar logger;
+    each logger's package is installed."""
     from megatron.training.loggers import check_logging_packages
+
+    _require(
+        c.tensorboard_log_interval == _default(c, "tensorboard_log_interval")
+        or c.tensorboard_dir is not None
+        or c.wandb_project is not None,
+        f"--tensorboard-log-interval {c.tensorboard_log_interval} sets when TensorBoard / W&B "
+        "get the training scalars: add --tensorboard-dir DIR or --wandb-project NAME",
+    )
 
     for name in ("wandb_exp_name", "wandb_save_dir"):
         value = getattr(c, name)
