@@ -205,17 +205,7 @@ def _train(
     exits: Optional[ExitConditions] = None,
 ) -> List[dict]:
     """``train`` with its metric sinks (and the run's exit conditions, ``exits.py``)."""
-    dataset = build_sft_dataset(config)
-    for note in getattr(dataset, "notes", []):  # truncation and empty-loss counts
-        _print(note)
-    if config.data_path and config.hf_model:  # the model's vocabulary may be padded
-        if dataset.vocab_size > config.vocab_size:
-            raise ValueError(
-                f"--tokenizer {config.tokenizer}: {dataset.vocab_size} tokens, more than "
-                f"--hf-model {config.hf_model}'s vocab_size {config.vocab_size}"
-            )
-    elif config.data_path:  # the model's vocabulary is the tokenizer's
-        config = dataclasses.replace(config, vocab_size=dataset.vocab_size)
+    dataset, config = _training_data(config)
     validation_set = build_validation_set(config)
     if validation_set is not None:
         _print(validation_set.describe())
@@ -242,7 +232,7 @@ def _train(
         total=config.train_iters,
         desc=desc,
         unit="it",
-        disable=not (config.progress and is_rank_zero()),
+        disable=not (config.progress and is_rank_zero()) or config.skip_train,
         dynamic_ncols=True,
     )
     start_iteration = 0
@@ -426,6 +416,30 @@ def _train(
     if config.export_hf and records and not (exits is not None and exits.stopped):
         _export_final_model(config, model, optimizer, scheduler, layout, records[-1]["iteration"])
     return records
+
+
+def _training_data(config: TrainingConfig) -> Tuple[Any, TrainingConfig]:
+    """The training data set (None with ``--skip-train``: nothing is trained, so no
+    ``--data-path`` is read) and ``config`` with the model's vocabulary: the tokenizer's
+    for data files, checked against ``--hf-model``'s (which may be padded)."""
+    dataset = None if config.skip_train else build_sft_dataset(config)
+    for note in getattr(dataset, "notes", []):  # truncation and empty-loss counts
+        _print(note)
+    if not (config.data_path or config.valid_data_path):  # generated data: its own ids
+        return dataset, config
+    vocab = (
+        dataset.vocab_size
+        if dataset is not None
+        else build_training_tokenizer(config.tokenizer, config.eod_token).vocab_size
+    )
+    if not config.hf_model:
+        return dataset, dataclasses.replace(config, vocab_size=vocab)
+    if vocab > config.vocab_size:
+        raise ValueError(
+            f"--tokenizer {config.tokenizer}: {vocab} tokens, more than --hf-model "
+            f"{config.hf_model}'s vocab_size {config.vocab_size}"
+        )
+    return dataset, config
 
 
 # A run whose last RECENT_STEPS iterations (or all of them, when fewer) were all skipped, or
@@ -975,10 +989,13 @@ def half_precision_on_cpu_warning(config: TrainingConfig) -> str:
 
 def _data_description(config: TrainingConfig) -> str:
     """``64) on generated prompt/response pairs`` or the data path and tokenizer."""
-    if not config.data_path:
+    path = config.data_path
+    if config.skip_train and config.valid_data_path:  # the only data an evaluation reads
+        path = config.valid_data_path
+    if not path:
         return f"{config.vocab_size}) on generated prompt/response pairs"
     vocab = build_training_tokenizer(config.tokenizer, config.eod_token).vocab_size
-    return f"{vocab}) on {config.data_path} ({config.tokenizer or 'byte-level'} tokenizer)"
+    return f"{vocab}) on {path} ({config.tokenizer or 'byte-level'} tokenizer)"
 
 
 def _print(message: str) -> None:

@@ -327,7 +327,7 @@ def _check_combinations(c: Config) -> None:
     )
     _require(c.min_lr <= c.lr, f"--min-lr must be in [0, --lr {c.lr}], got {c.min_lr}")
     _require(
-        c.tokenizer is None or c.data_path is not None,
+        c.tokenizer is None or c.data_path is not None or c.valid_data_path is not None,
         f"--tokenizer {c.tokenizer!r} needs --data-path (the generated data has its own ids)",
     )
     _require(
@@ -398,9 +398,9 @@ def _check_evaluation(c: Config) -> None:
     """--eval-interval, --eval-iters, --valid-data-path, --split, --skip-train: each used,
     none contradicting another."""
     _require(
-        c.valid_data_path is None or c.data_path is not None,
+        c.valid_data_path is None or c.data_path is not None or c.skip_train,
         f"--valid-data-path {c.valid_data_path!r} needs --data-path (the generated data "
-        "validates on held-out generated pairs)",
+        "validates on held-out generated pairs), unless --skip-train only evaluates",
     )
     _require(
         c.split is None or c.data_path is not None,
@@ -428,8 +428,15 @@ def _check_evaluation(c: Config) -> None:
             f"{'--skip-train' if c.skip_train else f'--eval-interval {c.eval_interval}'} "
             "needs validation data",
         )
+    validates = (c.eval_interval or c.skip_train) and c.eval_iters != 0
     _require(
-        c.eval_iters != -1 or c.data_path is not None,
+        not (validates and c.data_path and not (c.split or c.valid_data_path)),
+        f"{'--skip-train' if c.skip_train else f'--eval-interval {c.eval_interval}'} "
+        f"validates, but --data-path {c.data_path!r} has no validation part: add --split "
+        "(e.g. 969,30,1) or --valid-data-path PATH",
+    )
+    _require(
+        c.eval_iters != -1 or c.data_path is not None or c.valid_data_path is not None,
         "--eval-iters -1 (the whole validation set) needs --valid-data-path or --split: the "
         "generated validation data is endless; give a number of global batches",
     )
