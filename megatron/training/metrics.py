@@ -1,7 +1,9 @@
 """What a run leaves behind: ``metrics.jsonl`` (one JSON object per iteration) and
 ``loss.png`` (the loss and the validation loss, the gradient norm and the learning rate
 against iteration; the one-process run's too when compared). A resumed run continues both
-(``continued_history``)."""
+(``continued_history``). ``metrics.jsonl`` is written as the run goes
+(``loggers.JsonlSink``); ``save_metrics`` rewrites it at the end (the last rank's timings)
+beside the picture."""
 
 import json
 import warnings
