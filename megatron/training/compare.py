@@ -67,6 +67,12 @@ class Comparison:
         return self.within_tolerance and bool(self.loose_rows)
 
     @property
+    def failed(self) -> bool:
+        """Some difference above its tolerance (or no rows): the run does not follow. An
+        INCONCLUSIVE comparison has not failed (SPEC 19: a correct run is never failed)."""
+        return not self.within_tolerance
+
+    @property
     def passed(self) -> bool:
         """Within tolerance at every iteration, and every tolerance meaningful."""
         return self.within_tolerance and not self.loose_rows

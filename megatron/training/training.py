@@ -89,7 +89,8 @@ LOSS_KEY = "lm loss"
 @dataclass
 class TrainingResult:
     """What a job produced. ``records`` (one dict per iteration) exist on every rank;
-    ``reference`` and ``comparison`` on rank 0 when compared; ``passed`` everywhere."""
+    ``reference`` and ``comparison`` on rank 0 when compared; ``passed`` everywhere (not
+    FAILed: an INCONCLUSIVE comparison, ``comparison.verdict``, has passed)."""
 
     layout: Layout
     records: List[dict]
@@ -137,8 +138,8 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
             if is_rank_zero():
                 result.comparison = compare_losses(records, result.reference, tolerances, rule)
                 _print(format_comparison(result.comparison, label, "1 process"))
-            result.passed = _agree_on_rank_zero(
-                result.comparison is None or result.comparison.passed
+            result.passed = _agree_on_rank_zero(  # INCONCLUSIVE is not a failure
+                result.comparison is None or not result.comparison.failed
             )
         if config.save_metrics and is_rank_zero() and records:
             result.metrics_files = save_metrics(

@@ -81,6 +81,7 @@ def test_a_tolerance_too_wide_to_mean_anything_is_inconclusive_not_pass():
     loose = compare_losses(records, reference, [1e-4, 1e-4, 0.5, 0.97])
     text = format_comparison(loose, "ep2-cp2-dp1", "1 process")
     assert not loose.passed and loose.verdict == "INCONCLUSIVE"
+    assert not loose.failed  # a correct run is never failed (SPEC 19): exit status 0
     assert "PASS" not in text and "INCONCLUSIVE" in text, text
     assert "warning: from iteration 3 the tolerance exceeds 1% of the 1 process loss" in text
     assert "9.70e-01 on a loss of 2.0000 at iteration 4" in text, text
@@ -88,3 +89,4 @@ def test_a_tolerance_too_wide_to_mean_anything_is_inconclusive_not_pass():
     assert tight.passed and tight.verdict == "PASS"
     failing = compare_losses(records, reference, [1e-4, 1e-4, 0.5, 0.2])
     assert failing.verdict == "FAIL" and "FAIL" in format_comparison(failing, "a", "b")
+    assert failing.failed and not tight.failed
