@@ -156,9 +156,10 @@ def _loose_warning(comparison: Comparison, reference_label: str) -> str:
         f"warning: from iteration {first[0]} the tolerance exceeds "
         f"{MEANINGFUL_FRACTION:.0%} of the {reference_label} loss ({len(loose)} of "
         f"{len(comparison.rows)} iterations; up to {widest[4]:.2e} on a loss of "
-        f"{widest[2]:.4f} at iteration {widest[0]}): the runs' own sensitivity has grown so "
-        "large (e.g. routing flips) that a layout error would pass unseen; compare fewer "
-        "iterations (--train-iters)"
+        f"{widest[2]:.4f} at iteration {widest[0]}): a layout error that large would pass "
+        "unseen (a derived tolerance grows with the run's own sensitivity, e.g. routing "
+        "flips); compare fewer iterations (--train-iters) or give a tighter "
+        "--compare-tolerance"
     )
 
 
