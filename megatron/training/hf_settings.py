@@ -18,7 +18,8 @@ def resolve_hf_model(config, explicit=None):
     Each model option not given explicitly takes config.json's value; one given explicitly
     with another value is a ValueError naming the flag and both values. ``explicit``: the
     fields given on the command line (None: those that differ from their defaults). With
-    ``--data-path`` and no ``--tokenizer``, the tokenizer is DIR's (``tokenizer.json``).
+    ``--data-path`` (or ``--valid-data-path``) and no ``--tokenizer``, the tokenizer is DIR's
+    (``tokenizer.json``).
     The HuggingFace paths are checked first (``check_hf_paths``). Idempotent.
     """
     check_hf_paths(config)
@@ -45,7 +46,8 @@ def resolve_hf_model(config, explicit=None):
             f"{'; '.join(conflicts)}; leave these flags out"
         )
     tokenizer = Path(config.hf_model) / "tokenizer.json"
-    if config.data_path is not None and config.tokenizer is None and tokenizer.is_file():
+    text = config.data_path or config.valid_data_path  # the tokenizer of either file
+    if text is not None and config.tokenizer is None and tokenizer.is_file():
         changes["tokenizer"] = str(config.hf_model)
     return replace(config, **changes)
 
