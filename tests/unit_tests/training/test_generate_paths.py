@@ -286,3 +286,151 @@ def test_the_tokenizer_tool_refuses_empty_text_foreign_bytes_and_an_existing_tok
     assert (out / "tokenizer.json").read_text() == before
     tokenizer_main(train + ["270", "--overwrite", "--chat-template", "none"])
     assert "chat_template" not in json.loads((out / "tokenizer_config.json").read_text())
+
+
+# ----------------------------------------------------------------------------- slow: the matrix
+
+SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32,
+             micro_batch_size=1, global_batch_size=4, progress=False, lr=1e-2)  # fmt: skip
+KINDS = ("full_data_path", "adapter_only", "hf", "hf_adapter", "moe", "hf_moe_adapter")
+DENSE_LAYOUTS = (("--tp", "2", "--pp", "2"),)
+MOE_LAYOUTS = DENSE_LAYOUTS + (("--tp", "2", "--ep", "2", "--etp", "1"), ("--ep", "4"))
+
+
+def _pretrain(**settings) -> None:
+    from megatron.training import TrainingConfig
+    from megatron.training.training import pretrain
+
+    with fresh_layout():
+        assert pretrain(TrainingConfig(**{**SMALL, **settings})).passed
+
+
+def _hf_adapter(base: Path, folder: Path) -> Path:
+    """A PEFT folder of random (non-zero) attention adapters for HF model ``base``."""
+    from safetensors.torch import save_file
+
+    from megatron.training.hf import read_hf_config
+    from megatron.training.hf.peft import adapter_shapes, lora_of_settings, to_peft
+
+    arch, _ = read_hf_config(base)
+    _peft_folder(folder, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    targets = ["linear_qkv", "linear_proj"]
+    lora = lora_of_settings(dict(lora_dim=4, lora_alpha=8, lora_target_modules=targets))
+    generator = torch.Generator().manual_seed(1)
+    ours = {k: torch.randn(s, generator=generator) for k, s in adapter_shapes(arch, lora).items()}
+    tensors, _ = to_peft(ours, arch, lora)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / ADAPTER_FILE))
+    return folder
+
+
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+def _model_args(root: Path, kind: str, writer: bool) -> list:
+    """The generate arguments of a model of ``kind`` under ``root``; the trainer runs on
+    every rank of the launch, files are written by ``writer`` alone."""
+    from tests.unit_tests.hf.hf_models import MOE_TRAINER_SETTINGS
+
+    if kind == "full_data_path":  # byte-level tokenizer, recorded vocabulary 258
+        if writer:
+            (root / "d.jsonl").write_text('{"text": "hello there"}\n' * 4)
+        _barrier()
+        _pretrain(data_path=str(root / "d.jsonl"), train_iters=2, save=str(root / kind))
+        return ["--load", root / kind, "--prompt", "he"]
+    if kind == "adapter_only":
+        _pretrain(train_iters=2, save=str(root / "base"))
+        _pretrain(train_iters=2, lora_dim=4, lora_b_init_method="normal",
+                  pretrained_checkpoint=str(root / "base"), save_trainable_params_only=True,
+                  save=str(root / kind))  # fmt: skip
+        return ["--load", root / kind, "--prompt-ids", PROMPT]
+    if kind == "moe":
+        _pretrain(train_iters=2, save=str(root / kind), **MOE_TRAINER_SETTINGS)
+        return ["--load", root / kind, "--prompt-ids", PROMPT]
+    config = QWEN2_MOE_CONFIG if "moe" in kind else LLAMA_CONFIG
+    if writer:
+        write_random_hf_model(root / kind, config, std=0.5)
+        if "adapter" in kind:
+            _hf_adapter(root / kind, root / f"{kind}-adapter")
+    _barrier()
+    adapter = ["--hf-adapter", root / f"{kind}-adapter"] if "adapter" in kind else []
+    return ["--hf-model", root / kind, *adapter, "--prompt-ids", PROMPT]
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@pytest.mark.slow
+@pytest.mark.world(1)
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kind_of_checkpoint_generates_in_one_process(tmp_path, kind):
+    argv = _model_args(tmp_path, kind, writer=True)
+    code, out, err = _main(*argv, "--max-new-tokens", "5")
+    assert code == 0, err
+    assert out and (kind == "full_data_path" or len(out.split()) == 5)
+
+
+@pytest.mark.slow
+@pytest.mark.world(4)
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kind_of_checkpoint_prints_the_same_tokens_at_tp_pp_and_ep(kind):
+    """At TP 2 x PP 2 (and, for MoE, TP 2 x EP 2 and EP 4) the launch prints, on rank 0
+    only, the completion of TP 1 x PP 1 (every rank a whole model)."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+
+    shared = [tempfile.mkdtemp(prefix="generate-matrix-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    root = Path(shared[0])
+    try:
+        argv = [*_model_args(root, kind, writer=dist.get_rank() == 0), "--max-new-tokens", "6"]
+        code, expected, err = _main(*argv)
+        assert code == 0, err
+        for layout in MOE_LAYOUTS if "moe" in kind else DENSE_LAYOUTS:
+            code, printed, err = _main(*argv, *layout)
+            assert code == 0, err
+            assert printed == (expected if dist.get_rank() == 0 else ""), layout
+    finally:
+        _barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.world(1)
+def test_a_damaged_checkpoint_is_one_line(tmp_path):
+    """A changed byte in what generate reads (the common state, or every weight of the
+    shards) is one line naming the file, as the trainer reports it (it was a traceback)."""
+    argv = _model_args(tmp_path, "full_data_path", writer=True)
+    iteration = tmp_path / "full_data_path" / "iter_0000002"
+    for damaged in (iteration / "common.pt", sorted(iteration.glob("*.distcp"))[0]):
+        original = damaged.read_bytes()
+        damaged.write_bytes(bytes(b ^ 0xFF for b in original[:64]) + original[64:])
+        if damaged.suffix == ".distcp":  # past the header: the stored tensors themselves
+            damaged.write_bytes(original[:64] + bytes(b ^ 0x01 for b in original[64:]))
+        code, out, err = _main(*argv, "--max-new-tokens", "2")
+        assert (code, out) == (2, "") and len(err.splitlines()) == 1, err
+        assert damaged.name in err and "checksum mismatch" in err, err
+        damaged.write_bytes(original)
+
+
+@pytest.mark.slow
+@pytest.mark.world(1)
+def test_a_chat_model_made_with_our_tokenizer_tool_stops_at_its_turn_end(tmp_path):
+    """A tokenizer from ``tokenizer train`` (ChatML; eos_token <|endoftext|>), a model trained
+    to answer "fine thanks" and end its turn with <|im_end|>: generate --chat prints the answer
+    and stops there (it used to run on to --max-new-tokens)."""
+    tok = _chat_tokenizer(tmp_path)
+    turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "fine thanks"}]
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": turn}) + "\n")
+    _pretrain(data_path=str(tmp_path / "chat.jsonl"), tokenizer=str(tok), num_layers=1,
+              seq_length=64, global_batch_size=2, micro_batch_size=2, train_iters=30,
+              save=str(tmp_path / "ck"))  # fmt: skip
+    code, out, err = _main("--load", tmp_path / "ck", "--chat", "--prompt", "hi",
+                           "--max-new-tokens", "20")  # fmt: skip
+    assert (code, out) == (0, "fine thanks"), err
