@@ -207,6 +207,16 @@ def test_an_adapters_target_modules_become_the_lora_targets(models, tmp_path):
     mlp0 = _peft_folder(tmp_path / "b", r"model\.layers\.0\.mlp\.(gate|up|down)_proj")
     assert lora_settings_of_peft(mlp0, arch)["lora_target_modules"] == (
         "decoder.layers.0.mlp.linear_fc1", "decoder.layers.0.mlp.linear_fc2")  # fmt: skip
+    # exclusions and layers_to_transform, as PEFT applies them
+    excluded = _peft_folder(tmp_path / "d", ["q_proj", "k_proj", "v_proj", "o_proj"])
+    raw = json.loads((excluded / "adapter_config.json").read_text())
+    raw["exclude_modules"] = r"model\.layers\.1\..*"
+    (excluded / "adapter_config.json").write_text(json.dumps(raw))
+    layer0 = settings["lora_target_modules"][:2]
+    assert lora_settings_of_peft(excluded, arch)["lora_target_modules"] == layer0
+    raw.update(exclude_modules=None, layers_to_transform=[0])
+    (excluded / "adapter_config.json").write_text(json.dumps(raw))
+    assert lora_settings_of_peft(excluded, arch)["lora_target_modules"] == layer0
     with pytest.raises(ValueError, match="adapts .*q_proj but not .*k_proj.*v_proj"):
         lora_settings_of_peft(_peft_folder(tmp_path / "c", ["q_proj"]), arch)
     # the trainer: --hf-adapter without --lora-target-modules takes the adapter's targets
