@@ -101,7 +101,7 @@ class FileCodec:
         messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}]
         try:
             rendered = self._render(messages, False)
-        except ValueError:  # a template that refuses this conversation: no turn end known
+        except (ValueError, ImportError):  # refused, or no jinja2: no turn end known
             return None
         if _PROBE not in rendered:
             return None
