@@ -5,20 +5,28 @@
     torchrun --nproc-per-node 4 -m megatron.training.generate --load CKPT --tp 2 --pp 2 ...
 
 The model comes from ``--load`` (one of our checkpoints, at any layout it was saved at: its
-recorded settings build the model, a LoRA checkpoint's adapters included, the base from the
-``--hf-model`` or ``--pretrained-checkpoint`` it recorded) or from ``--hf-model`` (with a
-PEFT adapter from ``--hf-adapter``). Each prompt is tokenized as the tokenizer's own
-``__call__`` would (its special tokens added), or rendered with the chat template
-(``--chat``, a user turn and the generation prompt), then decoded token by token with a
-key/value cache (``StaticInferenceContext``): the prompt in one forward, then one token per
-forward. Greedy by default; ``--temperature``, ``--top-k`` or ``--top-p`` sample, with
-``--seed``. The padded rows of a padded vocabulary are never chosen. The completion is
-printed to stdout, one per prompt.
+recorded model settings build the model, a LoRA checkpoint's adapters included, the base from
+the ``--hf-model`` or ``--pretrained-checkpoint`` it recorded; the tokenizer is the one the
+run trained with, byte-level for a ``--data-path`` run that named none) or from
+``--hf-model`` (with a PEFT adapter from ``--hf-adapter``, whose adapter_config.json gives
+the adapted modules). Each prompt is tokenized as the tokenizer's own ``__call__`` would
+(its special tokens added), or rendered with the chat template (``--chat``, a user turn and
+the generation prompt), then decoded token by token with a key/value cache
+(``StaticInferenceContext``): the prompt in one forward, then one token per forward. Greedy
+by default; ``--temperature`` (0: greedy), ``--top-k`` (0: off) or ``--top-p`` (1: off)
+sample, with ``--seed``. The padded rows of a padded vocabulary are never chosen. A
+completion ends at any stop id (``megatron.training.tokenizer.generation``: eos, the chat
+template's turn end) and is printed by rank 0, one per prompt.
 
-Layouts: ``--tp`` and ``--pp`` (the world is TP x PP; context and sequence parallelism do
-not apply to a decode step of one token). Every rank computes the same logits and draws the
-same token (the last stage picks it and hands it to the others), so greedy tokens are the
-same at every layout up to the rounding of the layout's reductions.
+Layouts: ``--tp``, ``--pp`` and DP = world / (TP x PP) replicas; ``--ep`` / ``--etp`` for
+MoE models, which at TP > 1 run with sequence parallelism (their token dispatcher needs it;
+each step's tokens are padded to a multiple of TP). Every rank computes the same logits and
+draws the same token (the last stage picks it and hands it to the others), so greedy tokens
+are the same at every layout up to the rounding of the layout's reductions.
+
+Everything that needs no model (flags, files, prompts) is checked first; a known error is
+one line printed once, exit status 2 (``MEGATRON_DEBUG=1``: the traceback). torch and the
+model are imported only once a model is built.
 """
 
 from __future__ import annotations
