@@ -444,3 +444,26 @@ def test_a_chat_model_made_with_our_tokenizer_tool_stops_at_its_turn_end(tmp_pat
     code, out, err = _main("--load", tmp_path / "ck", "--chat", "--prompt", "hi",
                            "--max-new-tokens", "20")  # fmt: skip
     assert (code, out) == (0, "fine thanks"), err
+
+
+@pytest.mark.world(1)
+def test_a_data_path_runs_recorded_settings_build_a_model_config_and_a_byte_tokenizer(
+    monkeypatch,
+):
+    """What a --data-path run records (its vocabulary, 258 for byte-level, and the data
+    path) gives a valid model config and the byte-level tokenizer; it was refused as
+    "--vocab-size 258 is not used with --data-path". (End to end: the slow matrix.)"""
+    import dataclasses
+
+    from megatron.training import generate as g
+    from megatron.training.arguments import TrainingConfig
+
+    recorded = dataclasses.asdict(TrainingConfig(data_path="d.jsonl")) | {"vocab_size": 258}
+    monkeypatch.setattr(g, "_checkpoint_settings", lambda load: (recorded, {}))
+    args = g.build_parser().parse_args(["--load", "CK", "--prompt", "hé"])
+    config = g._model_config(args)
+    g._layout(config)  # valid
+    assert (config.vocab_size, config.data_path, config.tokenizer) == (258, None, None)
+    assert g._tokenizer_spec(args) == ("byte-level", None, [])
+    codec = g._codec(args)
+    assert codec.encode("hé") == [104, 0xC3, 0xA9] and codec.stop_ids == {256}
