@@ -323,6 +323,11 @@ def run(args: argparse.Namespace) -> List[str]:
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens}: expected an integer >= 1")
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    if args.prompts_file and not os.path.isfile(args.prompts_file):
+        raise FileNotFoundError(
+            f"--prompts-file {args.prompts_file}: no such file (expected a text file, one "
+            "prompt per line)"
+        )
     config = _model_config(args)
     codec = _codec(args)
     prompts = _prompts(args, codec)

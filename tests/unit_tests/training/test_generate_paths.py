@@ -97,9 +97,10 @@ def test_decoding_flags_are_checked_by_name_and_zero_means_greedy_or_off():
         (["--prompt-ids", "1 x"], "--prompt-ids '1 x': expected token ids (integers)"),
         (["--hf-adapter", "{tmp}/none"], "--hf-adapter {tmp}/none: no such folder"),
         (["--prompt", "hi"], "this model has no tokenizer"),
+        (["--prompts-file", "{tmp}/p.txt"], "--prompts-file {tmp}/p.txt: no such file"),
     ],
     ids=["max-new-tokens", "temperature", "top-p", "id-beyond-vocab", "ids-not-ints",
-         "missing-adapter", "text-without-tokenizer"],
+         "missing-adapter", "text-without-tokenizer", "missing-prompts-file"],
 )  # fmt: skip
 def test_bad_input_is_one_line_before_any_model(models, tmp_path, argv, message):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
