@@ -48,6 +48,9 @@ if TYPE_CHECKING:  # torch and the model are imported when a model is built (fas
 
 PROG = "megatron.training.generate"
 COMMAND_LINE_ERROR_STATUS = 2
+# A rank whose collective fails because a peer stopped on its error waits this long for that
+# rank's report (the trainer's rule, megatron.training.cli) and ends without a traceback.
+PEER_FAILURE_WAIT_S = 30.0
 
 
 @dataclasses.dataclass
@@ -300,21 +303,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line; 0 on success, 2 with a one-line error printed once (rank 0;
     under torchrun the lowest local rank that failed). ``MEGATRON_DEBUG=1`` raises instead,
     with the traceback, as the trainer does."""
-    from megatron.training.errors import report_error
+    from megatron.training.errors import another_rank_reported, lost_peer, report_error
 
     args = build_parser().parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))  # fixed before the groups come and go
+    rank = _rank()  # fixed before the groups come and go
     try:
         completions = run(args)
     except Exception as exc:
-        if debug_requested() or not is_usage_error(exc):
-            raise
-        report_error(one_line(exc), prog=PROG)
-        return COMMAND_LINE_ERROR_STATUS
+        if not debug_requested() and is_usage_error(exc):
+            report_error(one_line(exc), prog=PROG)
+            return COMMAND_LINE_ERROR_STATUS
+        if lost_peer(exc) and another_rank_reported(PEER_FAILURE_WAIT_S):
+            return 1  # the consequence of another rank's error, which is the one reported
+        raise
     if rank == 0:
         for text in completions:
             print(text, flush=True)
     return 0
+
+
+def _rank() -> int:
+    """This process's global rank: torch.distributed's when it is up (an in-process
+    caller's group), else torchrun's RANK, else 0."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
 
 
 def run(args: argparse.Namespace) -> List[str]:
