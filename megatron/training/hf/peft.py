@@ -17,6 +17,7 @@ wrappers only; the table is the converter's.
 """
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -275,3 +276,58 @@ def _tp_slice(full: torch.Tensor, param: torch.Tensor, layer: torch.nn.Module) -
     size, rank = (1, 0) if group is None else (group.size(), group.rank())
     blocks = full.chunk(size * getattr(param, "partition_stride", 1), dim=param.partition_dim)
     return torch.cat(blocks[rank::size], dim=param.partition_dim)
+
+
+def lora_settings_of_peft(directory, arch: HFArchitecture) -> Dict[str, Any]:
+    """The trainer's LoRA settings of PEFT folder ``directory`` on a model of ``arch``:
+    ``lora_dim`` and ``lora_alpha`` (``r``, ``lora_alpha``) and, as exact layer names,
+    ``lora_target_modules`` (our layers whose HuggingFace modules ``target_modules`` selects,
+    less ``exclude_modules`` and layers outside ``layers_to_transform``, as PEFT matches
+    them) with no exclusions. A fused layer only some of whose modules are targeted is
+    refused naming it."""
+    raw = read_peft_config(Path(directory))
+    where = Path(directory) / ADAPTER_CONFIG
+    targets = []
+    for layer in range(arch.num_layers):
+        sources = layer_sources(arch, layer)
+        for path in ADAPTABLE:
+            name = f"decoder.layers.{layer}.{path}"
+            if f"{name}.weight" not in sources:
+                continue  # a MoE layer's mlp: routed experts take no adapters
+            modules = sorted({seg.key[: -len(".weight")] for seg in sources[f"{name}.weight"]})
+            chosen = [m for m in modules if _peft_selects(raw, m, layer)]
+            if chosen and len(chosen) < len(modules):
+                raise ValueError(
+                    f"{where}: target_modules adapts {', '.join(chosen)} but not "
+                    f"{', '.join(sorted(set(modules) - set(chosen)))}; our {name} fuses them "
+                    "into one layer, so adapt all of them or none"
+                )
+            if chosen:
+                targets.append(name)
+    if not targets:
+        raise ValueError(
+            f"{where}: target_modules {raw.get('target_modules')!r} selects none of this "
+            "model's attention or dense MLP layers (the layers LoRA adapts here)"
+        )
+    return dict(
+        lora_dim=int(raw["r"]),
+        lora_alpha=float(raw.get("lora_alpha", raw["r"])),
+        lora_target_modules=tuple(targets),
+        lora_exclude_modules=(),
+    )
+
+
+def _peft_selects(raw: Dict[str, Any], module: str, layer: int) -> bool:
+    """PEFT's rule: a string is a regular expression on the whole module name, a list holds
+    names or name suffixes; ``exclude_modules`` likewise; ``layers_to_transform`` keeps
+    the listed layer indices."""
+
+    def matches(spec: Any) -> bool:
+        if isinstance(spec, str):
+            return re.fullmatch(spec, module) is not None
+        return any(module == t or module.endswith("." + t) for t in spec or ())
+
+    layers = raw.get("layers_to_transform")
+    if layers is not None and layer not in ([layers] if isinstance(layers, int) else layers):
+        return False
+    return matches(raw.get("target_modules")) and not matches(raw.get("exclude_modules"))

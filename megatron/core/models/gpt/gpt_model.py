@@ -420,7 +420,8 @@ class GPTModel(MegatronModule):
 
     def _rotary_angles_from(self, inference_context, decoder_input) -> Tensor:
         """RoPE angles of the positions [offset, offset + s) a cached forward runs (the
-        table for the context's whole length is built once per device and kept)."""
+        table for the context's whole length is built once per device and kept); s is the
+        whole sequence, TP times this rank's part under sequence parallelism."""
         hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
         key = (inference_context.max_sequence_length, hidden.device)
         cached = getattr(self, "_inference_rotary", None)
@@ -428,7 +429,8 @@ class GPTModel(MegatronModule):
             table = self.rotary_pos_emb(key[0], packed_seq=False, cp_group=None)
             self._inference_rotary = cached = (key, table.to(hidden.device))
         offset = inference_context.sequence_len_offset
-        return cached[1][offset : offset + hidden.shape[0]]
+        sp = get_pg_size(self.tp_group) if self.config.sequence_parallel else 1
+        return cached[1][offset : offset + hidden.shape[0] * sp]
 
     def _global_seq_length(self, input_ids, decoder_input, cp_group) -> int:
         """The whole sequence's length s from this rank's inputs (for RoPE)."""
