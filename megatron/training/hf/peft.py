@@ -288,22 +288,21 @@ def lora_settings_of_peft(directory, arch: HFArchitecture) -> Dict[str, Any]:
     raw = read_peft_config(Path(directory))
     where = Path(directory) / ADAPTER_CONFIG
     targets = []
-    for layer in range(arch.num_layers):
+    for name in adapted_layers(arch, LoRAConfig(target_modules=("*",))):  # every candidate
+        layer = int(name.split(".")[2])
         sources = layer_sources(arch, layer)
-        for path in ADAPTABLE:
-            name = f"decoder.layers.{layer}.{path}"
-            if f"{name}.weight" not in sources:
-                continue  # a MoE layer's mlp: routed experts take no adapters
-            modules = sorted({seg.key[: -len(".weight")] for seg in sources[f"{name}.weight"]})
-            chosen = [m for m in modules if _peft_selects(raw, m, layer)]
-            if chosen and len(chosen) < len(modules):
-                raise ValueError(
-                    f"{where}: target_modules adapts {', '.join(chosen)} but not "
-                    f"{', '.join(sorted(set(modules) - set(chosen)))}; our {name} fuses them "
-                    "into one layer, so adapt all of them or none"
-                )
-            if chosen:
-                targets.append(name)
+        if f"{name}.weight" not in sources:
+            continue
+        modules = sorted({seg.key[: -len(".weight")] for seg in sources[f"{name}.weight"]})
+        chosen = [m for m in modules if _peft_selects(raw, m, layer)]
+        if chosen and len(chosen) < len(modules):
+            raise ValueError(
+                f"{where}: target_modules adapts {', '.join(chosen)} but not "
+                f"{', '.join(sorted(set(modules) - set(chosen)))}; our {name} fuses them "
+                "into one layer, so adapt all of them or none"
+            )
+        if chosen:
+            targets.append(name)
     if not targets:
         raise ValueError(
             f"{where}: target_modules {raw.get('target_modules')!r} selects none of this "
