@@ -29,6 +29,7 @@ patch the rules where the load looks them up (``checkpointing.compare_run_settin
 
 import os
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -39,10 +40,12 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megatron.core import dist_checkpointing
+from megatron.core.communication import all_gather_object, barrier, broadcast_object, world_group
 from megatron.core.dist_checkpointing import ShardedObject
 from megatron.core.dist_checkpointing.core import CONFIG_FNAME
 from megatron.training.arguments import TrainingConfig, flag_of
 from megatron.training.errors import SettingsConflict
+from megatron.training.lora_base import LORA_BASE_KEY, check_lora_base
 from megatron.training.model_settings import resolved_model
 from megatron.training.options import DATA, MODEL, PRECISION, fields_of_kind
 
@@ -64,11 +67,14 @@ def save_checkpoint(
     consumed_samples: int = 0,
     run_settings: Optional[Dict[str, Any]] = None,
     trainable_only: bool = False,
+    lora_base: Optional[Dict[str, str]] = None,
 ) -> Path:
     """Collective: write ``save_dir/iter_<iteration>`` and then point the tracker at it.
 
     ``trainable_only`` (``--save-trainable-params-only``): only the LoRA adapters of the
     model (and the optimizer state, which is theirs alone); the frozen base is not written.
+    ``lora_base``: a LoRA run's base (``lora_base.lora_base_record``), recorded for the
+    resume check and the PEFT export. A save that fails removes the directory it created.
 
     ``model``: this rank's chunks (DDP-wrapped or not). ``optimizer``: anything with
     ``sharded_state_dict(model_sharded_state_dict)``. ``layout`` and ``run_settings`` are
@@ -77,26 +83,21 @@ def save_checkpoint(
     """
     started = time.perf_counter()
     directory = checkpoint_dir(save_dir, iteration)
+    created = _rank() == 0 and not directory.exists()
     if _rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
-    _barrier()
-    model_state = _model_sharded_state_dict(model)
-    if trainable_only:
-        model_state = _select(model_state, adapters=True)
-    state = {
-        **model_state,
-        "trainable_params_only": trainable_only,
-        "optimizer": optimizer.sharded_state_dict(model_state),
-        "iteration": iteration,
-        "consumed_samples": consumed_samples,
-        "layout": dict(layout or {}),
-        "run_settings": dict(run_settings or {}),
-        "rng_state": _rng_object(),
-        "checkpoint_version": 3.0,
-    }
-    if opt_param_scheduler is not None:
-        state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
-    dist_checkpointing.save(state, str(directory))
+    barrier(world_group())
+    try:
+        _write_checkpoint(
+            directory, model, optimizer, opt_param_scheduler, trainable_only,
+            dict(iteration=iteration, consumed_samples=consumed_samples,
+                 layout=dict(layout or {}), run_settings=dict(run_settings or {})),
+            lora_base,
+        )  # fmt: skip
+    except BaseException:
+        if created:  # never leave an empty or partial iter_* behind
+            shutil.rmtree(directory, ignore_errors=True)
+        raise
     if _rank() == 0:
         tracker = Path(save_dir) / TRACKER_FILENAME
         tmp = tracker.with_name(tracker.name + ".tmp")
@@ -105,13 +106,36 @@ def save_checkpoint(
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, tracker)
-    _barrier()
+    barrier(world_group())
     if _rank() == 0:
         tqdm.write(
             f"saved checkpoint at iteration {iteration} to {directory} "
             f"({_directory_bytes(directory) / 1e6:.1f} MB, {time.perf_counter() - started:.2f} s)"
         )
     return directory
+
+
+def _write_checkpoint(
+    directory, model, optimizer, opt_param_scheduler, trainable_only, records, lora_base
+) -> None:
+    """``dist_checkpointing.save`` of the model (or its adapters), the optimizer, the
+    scheduler and the common ``records`` into ``directory`` (collective)."""
+    model_state = _model_sharded_state_dict(model)
+    if trainable_only:
+        model_state = _select(model_state, adapters=True)
+    state = {
+        **model_state,
+        "trainable_params_only": trainable_only,
+        "optimizer": optimizer.sharded_state_dict(model_state),
+        **records,
+        "rng_state": _rng_object(),
+        "checkpoint_version": 3.0,
+    }
+    if lora_base is not None:
+        state[LORA_BASE_KEY] = dict(lora_base)
+    if opt_param_scheduler is not None:
+        state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+    dist_checkpointing.save(state, str(directory))
 
 
 def find_latest_checkpoint(load_dir: str) -> Tuple[Optional[int], List[str]]:
@@ -162,6 +186,7 @@ def load_checkpoint(
     override_scheduler: bool = False,
     use_checkpoint_scheduler: bool = False,
     base_source: Optional[str] = None,
+    base_flag: str = "--hf-model / --pretrained-checkpoint",
 ) -> Tuple[int, int, List[str]]:
     """Collective: restore model, optimizer (and scheduler) from the checkpoint that
     ``--load load_dir`` names (``resolve_checkpoint``). Returns (iteration,
@@ -181,8 +206,10 @@ def load_checkpoint(
 
     LoRA: a checkpoint of adapters only (``--save-trainable-params-only``) loads the model's
     adapters, and needs ``base_source`` (the ``--hf-model`` or ``--pretrained-checkpoint``
-    the frozen base was loaded from); with ``finetune``, a checkpoint without adapters (a
-    base model) loads into a model with adapters, which keep their fresh initialization.
+    the frozen base was loaded from, given by ``base_flag``), whose files must be those the
+    checkpoint recorded (``lora_base.check_lora_base``); with ``finetune``, a checkpoint
+    without adapters (a base model) loads into a model with adapters, which keep their fresh
+    initialization.
     """
     directory, notes = _agree_or_raise(
         lambda: resolve_checkpoint(load_dir, save_dir, ckpt_step, exit_on_missing_checkpoint)
@@ -234,6 +261,10 @@ def load_checkpoint(
                 f"--load {load_dir}: checkpoint {directory} holds LoRA adapters only; the "
                 "frozen base must come from --hf-model or --pretrained-checkpoint"
             )
+        where = f"--load {load_dir}: checkpoint {directory}"
+        check_lora_base(
+            common.get(LORA_BASE_KEY), base_flag, base_source, where, base_weights(base_source)
+        )
         part = "adapters"
     elif has_adapters and not (common.get("run_settings") or {}).get("lora_dim"):
         if not finetune:
@@ -587,7 +618,7 @@ RNG_KEY_PREFIX = "rng_state/"
 def _check_keys(directory: Path, missing, unexpected, skipped: Tuple[str, ...]) -> None:
     """Every rank: refuse keys the model asked for that the checkpoint lacks (any rank's)
     and checkpoint keys nothing asked for, except the parts deliberately not loaded."""
-    unexpected = set().union(*_all_gather(sorted(unexpected)))
+    unexpected = set().union(*all_gather_object(sorted(unexpected), world_group()))
     dropped = sorted(k for k in missing if not k.startswith(skipped))
     problems = []
     if unexpected:
@@ -689,13 +720,12 @@ def _set_rng_state(saved: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state(saved["cuda"])
 
 
-def _agree(value):
-    """Rank 0's ``value`` on every rank (all ranks act on the same checkpoint)."""
-    if not dist.is_initialized():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+def base_weights(path: str) -> str:
+    """The folder whose files hold a LoRA base's weights: a HuggingFace folder itself, else
+    the iteration of the checkpoint at ``path`` that loads (``lora_base``)."""
+    if any(Path(path).glob("*.safetensors")):
+        return path
+    return str(resolve_checkpoint(path)[0])
 
 
 def _agree_or_raise(compute):
@@ -709,7 +739,7 @@ def _agree_or_raise(compute):
             outcome = ("value", compute())
         except Exception as err:  # noqa: BLE001 - every rank must hear of any failure
             outcome, error = ("error", type(err), str(err)), err
-    outcome = _agree(outcome)
+    outcome = broadcast_object(outcome, world_group())  # all ranks act on one checkpoint
     if outcome[0] == "value":
         return outcome[1]
     if error is not None:
@@ -721,19 +751,5 @@ def _agree_or_raise(compute):
     raise copy
 
 
-def _all_gather(value) -> list:
-    """Every rank's ``value`` (``[value]`` without torch.distributed)."""
-    if not dist.is_initialized():
-        return [value]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()

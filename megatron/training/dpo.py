@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
+from megatron.core.communication import broadcast_from_last_
 from megatron.core.device import comm_device
 from megatron.core.pipeline_parallel.loss_reporting import reduce_reported_totals
 from megatron.core.preference import (
@@ -134,9 +134,7 @@ class PreferenceTraining:
             total, count = totals.get(key, (0.0, 0.0))
             values.append(total / count if count else 0.0)
         value = torch.tensor(values, dtype=torch.float64, device=comm_device())
-        pp = None if self.pg is None else self.pg.pp
-        if pp is not None and pp.size() > 1:
-            dist.broadcast(value, src=dist.get_global_rank(pp, pp.size() - 1), group=pp)
+        broadcast_from_last_(value, None if self.pg is None else self.pg.pp)
         loss, *metrics = value.tolist()
         return loss, dict(zip(METRIC_KEYS, metrics))
 

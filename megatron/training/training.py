@@ -33,6 +33,14 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from megatron.core import communication
+from megatron.core.communication import (
+    barrier,
+    broadcast_,
+    broadcast_from_last_,
+    broadcast_object,
+    world_group,
+)
 from megatron.core.context_parallel import (
     get_batch_on_this_cp_rank,
     get_thd_batch_on_this_cp_rank,
@@ -50,7 +58,12 @@ from megatron.training.arguments import (
     single_process_config,
     validate_config,
 )
-from megatron.training.checkpointing import checkpoint_dir, load_checkpoint, save_checkpoint
+from megatron.training.checkpointing import (
+    base_weights,
+    checkpoint_dir,
+    load_checkpoint,
+    save_checkpoint,
+)
 from megatron.training.compare import (
     Comparison,
     compare_losses,
@@ -84,7 +97,8 @@ from megatron.training.initialize import (
     single_process_groups,
     tear_down_distributed,
 )
-from megatron.training.loggers import MetricsLoggers
+from megatron.training.loggers import MetricSinks, Ranks
+from megatron.training.lora_base import lora_base_record
 from megatron.training.metrics import save_metrics
 from megatron.training.model import build_model, precision_dtype
 from megatron.training.preference_data import build_preference_dataset
@@ -95,7 +109,8 @@ LOSS_KEY = "lm loss"
 @dataclass
 class TrainingResult:
     """What a job produced. ``records`` (one dict per iteration) exist on every rank;
-    ``reference`` and ``comparison`` on rank 0 when compared; ``passed`` everywhere."""
+    ``reference`` and ``comparison`` on rank 0 when compared; ``passed`` everywhere (not
+    FAILed: an INCONCLUSIVE comparison, ``comparison.verdict``, has passed)."""
 
     layout: Layout
     records: List[dict]
@@ -143,8 +158,8 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
             if is_rank_zero():
                 result.comparison = compare_losses(records, result.reference, tolerances, rule)
                 _print(format_comparison(result.comparison, label, "1 process"))
-            result.passed = _agree_on_rank_zero(
-                result.comparison is None or result.comparison.passed
+            result.passed = _agree_on_rank_zero(  # INCONCLUSIVE is not a failure
+                result.comparison is None or not result.comparison.failed
             )
         if config.save_metrics and is_rank_zero() and records:
             result.metrics_files = save_metrics(
@@ -187,17 +202,18 @@ def train(
     ``pg_collection=None``: one process without torch.distributed.
 
     Rank 0 shows a progress bar with the loss, tokens/s and, with loss scaling, the skipped
-    iterations (``config.progress``); the last rank mirrors the records to TensorBoard /
-    W&B (``loggers.MetricsLoggers``). With ``--check-for-nan-in-loss-and-grad`` (the
-    default) a NaN/inf loss or gradient norm stops the run (``check_step``).
+    iterations (``config.progress``); each record goes to the run's metric sinks as its
+    iteration ends (``loggers.SINKS``: metrics.jsonl, the console, TensorBoard, W&B). With
+    ``--check-for-nan-in-loss-and-grad`` (the default) a NaN/inf loss or gradient norm
+    stops the run (``check_step``).
     ``perturbation`` > 0 scales every initial weight by ``1 + perturbation * u``, u uniform
     in [-1, 1] from a fixed generator (the comparison's sensitivity run).
     """
-    loggers = MetricsLoggers(config, writer=_is_last_rank())
+    sinks = MetricSinks(config, Ranks(first=is_rank_zero(), last=_is_last_rank()))
     try:
-        return _train(config, layout, pg_collection, desc, perturbation, loggers, exits)
+        return _train(config, layout, pg_collection, desc, perturbation, sinks, exits)
     finally:
-        loggers.close()
+        sinks.close()
 
 
 def _train(
@@ -206,22 +222,12 @@ def _train(
     pg_collection: Optional[ProcessGroupCollection],
     desc: str,
     perturbation: float,
-    loggers: MetricsLoggers,
+    sinks: MetricSinks,
     exits: Optional[ExitConditions] = None,
 ) -> List[dict]:
-    """``train`` with its loggers (and the run's exit conditions, ``exits.py``)."""
-    dataset = build_preference_dataset(config) if config.dpo else build_sft_dataset(config)
+    """``train`` with its metric sinks (and the run's exit conditions, ``exits.py``)."""
+    dataset, config = _training_data(config)
     rows = ROWS_PER_PAIR if config.dpo else 1  # rows of the data per sample (a pair: 2)
-    for note in getattr(dataset, "notes", []):  # truncation and empty-loss counts
-        _print(note)
-    if config.data_path and config.hf_model:  # the model's vocabulary may be padded
-        if dataset.vocab_size > config.vocab_size:
-            raise ValueError(
-                f"--tokenizer {config.tokenizer}: {dataset.vocab_size} tokens, more than "
-                f"--hf-model {config.hf_model}'s vocab_size {config.vocab_size}"
-            )
-    elif config.data_path:  # the model's vocabulary is the tokenizer's
-        config = dataclasses.replace(config, vocab_size=dataset.vocab_size)
     build_validation = build_preference_validation if config.dpo else build_validation_set
     validation_set = build_validation(config)
     if validation_set is not None:
@@ -229,6 +235,7 @@ def _train(
         for note in validation_set.notes:  # truncation counts of the validation records
             _print(f"validation data: {note}")
     model = build_model(config, layout, pg_collection)
+    _print(_parameters_line(*parameter_counts(model, pg_collection)))
     if perturbation:
         _perturb_weights(model, perturbation)
     # an entry left by another model of this process (the multi-rank run before
@@ -248,7 +255,7 @@ def _train(
         total=config.train_iters,
         desc=desc,
         unit="it",
-        disable=not (config.progress and is_rank_zero()),
+        disable=not (config.progress and is_rank_zero()) or config.skip_train,
         dynamic_ncols=True,
     )
     start_iteration = 0
@@ -281,6 +288,7 @@ def _train(
             override_scheduler=config.override_opt_param_scheduler,
             use_checkpoint_scheduler=config.use_checkpoint_opt_param_scheduler,
             base_source=config.hf_model or config.pretrained_checkpoint,
+            base_flag="--pretrained-checkpoint" if config.pretrained_checkpoint else "--hf-model",
         )
         for note in notes:
             _print(note)
@@ -346,6 +354,8 @@ def _train(
             "validation_tokens": result.tokens,
         }
 
+    lora_base = _lora_base(config)
+
     def save_at(iteration: int) -> None:
         save_checkpoint(
             config.save,
@@ -357,12 +367,13 @@ def _train(
             consumed_samples=iteration * config.global_batch_size,
             run_settings=_settings_record(config),
             trainable_only=config.save_trainable_params_only,
+            lora_base=lora_base,
         )
 
     if config.skip_train:
         bar.close()
         record = {"iteration": start_iteration, **(validate(start_iteration) or {})}
-        loggers.log(record)
+        sinks.log(record)
         return [record]
 
     upcoming = batch_of(start_iteration + 1) if start_iteration < config.train_iters else None
@@ -432,9 +443,7 @@ def _train(
             postfix["valid_loss"] = f"{last_validation:.4f}"
         bar.set_postfix(**postfix)
         bar.update()
-        loggers.log(records[-1])
-        if not config.progress and iteration % config.log_interval == 0:
-            _print(_log_line(records[-1], config.train_iters))
+        sinks.log(records[-1])  # metrics.jsonl, console, TensorBoard, W&B (loggers.SINKS)
         if config.save and _save_due(config, iteration):
             save_at(iteration)
             if config.export_hf and iteration < config.train_iters:
@@ -454,6 +463,31 @@ def _train(
     if config.export_hf and records and not (exits is not None and exits.stopped):
         _export_final_model(config, model, optimizer, scheduler, layout, records[-1]["iteration"])
     return records
+
+
+def _training_data(config: TrainingConfig) -> Tuple[Any, TrainingConfig]:
+    """The training data set (None with ``--skip-train``: nothing is trained, so no
+    ``--data-path`` is read) and ``config`` with the model's vocabulary: the tokenizer's
+    for data files, checked against ``--hf-model``'s (which may be padded)."""
+    build = build_preference_dataset if config.dpo else build_sft_dataset
+    dataset = None if config.skip_train else build(config)
+    for note in getattr(dataset, "notes", []):  # truncation and empty-loss counts
+        _print(note)
+    if not (config.data_path or config.valid_data_path):  # generated data: its own ids
+        return dataset, config
+    vocab = (
+        dataset.vocab_size
+        if dataset is not None
+        else build_training_tokenizer(config.tokenizer, config.eod_token).vocab_size
+    )
+    if not config.hf_model:
+        return dataset, dataclasses.replace(config, vocab_size=vocab)
+    if vocab > config.vocab_size:
+        raise ValueError(
+            f"--tokenizer {config.tokenizer}: {vocab} tokens, more than --hf-model "
+            f"{config.hf_model}'s vocab_size {config.vocab_size}"
+        )
+    return dataset, config
 
 
 # A run whose last RECENT_STEPS iterations (or all of them, when fewer) were all skipped, or
@@ -518,10 +552,8 @@ def _export_final_model(config, model, optimizer, scheduler, layout, iteration: 
     ):
         source = checkpoint_dir(config.save, iteration)
     else:
-        shared = [str(target.parent / f".{target.name}.checkpoint") if is_rank_zero() else None]
-        if dist.is_initialized():
-            dist.broadcast_object_list(shared, src=0)
-        temporary = shared[0]
+        shared = str(target.parent / f".{target.name}.checkpoint") if is_rank_zero() else None
+        temporary = broadcast_object(shared, world_group())
         source = save_checkpoint(
             temporary,
             iteration,
@@ -530,6 +562,7 @@ def _export_final_model(config, model, optimizer, scheduler, layout, iteration: 
             scheduler,
             layout=_layout_record(layout),
             run_settings=_settings_record(config),
+            lora_base=_lora_base(config),
         )
     export_hf(source, target, merge_lora=merge)
     if temporary is not None and is_rank_zero():
@@ -540,6 +573,16 @@ def _export_final_model(config, model, optimizer, scheduler, layout, iteration: 
         else "the merged model" if merge else "the model"
     )
     _print(f"exported {what} of iteration {iteration} to {target} (HuggingFace format)")
+
+
+def _lora_base(config: TrainingConfig) -> Optional[Dict[str, str]]:
+    """A LoRA run's frozen base as its checkpoints record it (``lora_base_record``)."""
+    if config.lora_dim is None:
+        return None
+    if config.pretrained_checkpoint:
+        path = config.pretrained_checkpoint
+        return lora_base_record("--pretrained-checkpoint", path, base_weights(path))
+    return lora_base_record("--hf-model", config.hf_model) if config.hf_model else None
 
 
 def build_optimizer(
@@ -613,22 +656,41 @@ def _perturb_weights(model: List[torch.nn.Module], relative: float) -> None:
 def _moe_record(
     config: TrainingConfig, layout: Layout, pg_collection: Optional[ProcessGroupCollection]
 ) -> Dict[str, Any]:
-    """The step's router losses (mean over the MoE layers of (1/(D M)) sum_m loss_m, the
-    coefficient included) and per-layer token loads (valid tokens per expert over the
-    global batch): the same for every layout (collective: every rank calls it)."""
+    """The step's router losses (mean over the MoE layers of (1/(D M)) sum_m loss_m / c:
+    megatron-core logs them without their coefficient c) and per-layer token loads (valid
+    tokens per expert over the global batch): the same for every layout (collective: every
+    rank calls it). The losses of ``logged_router_losses`` are always there (0 when not
+    computed: a zero coefficient), as megatron's ``track_moe_metrics(force_initialize=True)``."""
     if config.num_experts is None:
         return {}
     metrics = moe_utils.reduced_moe_metrics(
         1.0 / layout.num_microbatches, config.num_layers, config.moe_layer_freq, pg_collection
     )
     moe_utils.clear_aux_losses_tracker()
-    record = {}
+    record = {f"moe_{name}": 0.0 for name in logged_router_losses(config)}
     for name, values in metrics.items():
         if name == "tokens_per_expert":
             record["moe_tokens_per_expert"] = values.tolist()
         elif values.numel():
             record[f"moe_{name}"] = float(values.double().mean())
     return record
+
+
+def logged_router_losses(config: TrainingConfig) -> List[str]:
+    """The router losses megatron's ``training_log`` tracks: load_balancing_loss when
+    ``--moe-router-load-balancing-type`` contains "aux_loss" (seq_aux_loss does: megatron's
+    test is on the name), seq_load_balancing_loss with seq_aux_loss, z_loss when
+    ``--moe-z-loss-coeff`` is given."""
+    balancing = config.moe_router_load_balancing_type
+    names = [
+        name
+        for kind, name in (
+            ("aux_loss", "load_balancing_loss"),
+            ("seq_aux_loss", "seq_load_balancing_loss"),
+        )
+        if kind in balancing
+    ]
+    return names + (["z_loss"] if config.moe_z_loss_coeff is not None else [])
 
 
 def _save_due(config: TrainingConfig, iteration: int) -> bool:
@@ -739,8 +801,7 @@ def train_single_process(config: TrainingConfig, perturbation: float = 0.0) -> O
     if is_rank_zero():
         label = "1 process, perturbed" if perturbation else "1 process"
         records = train(reference_config, layout, groups, desc=label, perturbation=perturbation)
-    if dist.is_initialized():
-        dist.barrier()
+    barrier(world_group())
     return records
 
 
@@ -788,9 +849,7 @@ def logged_loss(reported: List[dict], pg_collection: Optional[ProcessGroupCollec
     dp_cp = None if pg_collection is None else pg_collection.dp_cp
     losses = reduce_reported_losses(reported, dp_cp)
     value = torch.tensor(losses.get(LOSS_KEY, 0.0), dtype=torch.float64, device=comm_device())
-    pp = None if pg_collection is None else pg_collection.pp
-    if pp is not None and pp.size() > 1:
-        dist.broadcast(value, src=dist.get_global_rank(pp, pp.size() - 1), group=pp)
+    broadcast_from_last_(value, None if pg_collection is None else pg_collection.pp)
     return value.item()
 
 
@@ -839,11 +898,12 @@ def _as_the_last_rank_measured(records: List[dict]) -> List[dict]:
     """The records with the last rank's timings and memory (what it logged to TensorBoard /
     W&B), so that metrics.jsonl, written on rank 0, holds the same values: one broadcast
     after training."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    world = world_group()
+    if get_pg_size(world) == 1:
         return records
-    measured = [[{k: r[k] for k in MEASURED_FIELDS if k in r} for r in records]]
-    dist.broadcast_object_list(measured, src=dist.get_world_size() - 1)
-    return [{**r, **m} for r, m in zip(records, measured[0])]
+    measured = [{k: r[k] for k in MEASURED_FIELDS if k in r} for r in records]
+    measured = broadcast_object(measured, world, src=get_pg_size(world) - 1)
+    return [{**r, **m} for r, m in zip(records, measured)]
 
 
 def _is_last_rank() -> bool:
@@ -863,20 +923,6 @@ def _memory_record() -> Dict[str, int]:
     }
 
 
-def _log_line(record: dict, train_iters: int) -> str:
-    """megatron's console line: `` iteration 10/20 | lm loss: 3.2 | ...``."""
-    parts = [f" iteration {record['iteration']}/{train_iters}"]
-    parts.append(f"lm loss: {record['loss']:.6E}")
-    parts.append(f"learning rate: {record['lr']:.6E}")
-    if record.get("grad_norm") is not None:
-        parts.append(f"grad norm: {record['grad_norm']:.4f}")
-    if record.get("num_zeros_in_grad") is not None:
-        parts.append(f"num zeros: {record['num_zeros_in_grad']:.1f}")
-    parts.append(f"elapsed time per iteration (ms): {1000 * record['iteration_time_s']:.1f}")
-    parts.append(f"tokens per second: {record['tokens_per_s']:.0f}")
-    return " | ".join(parts)
-
-
 def _validation_line(iteration: int, result: Validation) -> str:
     """``validation at iteration 20: loss 1.2345, perplexity 3.437 (1234 tokens)``."""
     return (
@@ -887,11 +933,8 @@ def _validation_line(iteration: int, result: Validation) -> str:
 
 def _agree_on_rank_zero(passed: bool) -> bool:
     """Rank 0's verdict, on every rank."""
-    if not dist.is_initialized():
-        return passed
     flag = torch.tensor([1 if passed else 0], device=comm_device())
-    dist.broadcast(flag, src=0)
-    return bool(flag.item())
+    return bool(broadcast_(flag, world_group()).item())
 
 
 def _summary(records: List[dict], layout: Layout, seconds: float) -> str:
@@ -928,9 +971,63 @@ def _print_header(config: TrainingConfig, layout: Layout) -> None:
         f"layout {layout.name} on {_processes(layout.world_size)} "
         f"({backend}); {layout.num_microbatches} microbatch(es) of {config.micro_batch_size} "
         f"x {config.seq_length} tokens per replica, global batch {config.global_batch_size}"
+        f"{_model_description(config)}"
     )
     if comm_device().type == "cpu" and (config.bf16 or config.fp16):
         _print(half_precision_on_cpu_warning(config))
+
+
+def _model_description(config: TrainingConfig) -> str:
+    """The header's experts and LoRA parts (empty for a dense model without adapters)."""
+    parts = []
+    if config.num_experts is not None:
+        freq = config.moe_layer_freq
+        where = "every layer" if freq == 1 else f"--moe-layer-freq {freq}"
+        parts.append(f"MoE: {config.num_experts} experts, top-{config.moe_router_topk}, {where}")
+    if config.lora_dim is not None:
+        parts.append(
+            f"LoRA: rank {config.lora_dim}, alpha {config.lora_alpha:g} on "
+            f"{', '.join(config.lora_target_modules)} (base weights frozen)"
+        )
+    return "".join(f"; {part}" for part in parts)
+
+
+def parameter_counts(
+    model: List[torch.nn.Module], pg_collection: Optional[ProcessGroupCollection]
+) -> Tuple[int, int]:
+    """(parameters, trainable parameters) of the whole model, each element once whatever the
+    layout (the gradient norm's rule: TP-replicated ones on TP rank 0, not the tied output
+    copy of the embeddings; dense ones on dp = cp = 0, expert ones on expert-dp 0); summed
+    over the run's ranks (collective)."""
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    groups = pg_collection
+    dense_home = groups is None or (get_pg_rank(groups.dp) == 0 and get_pg_rank(groups.cp) == 0)
+    expert_home = groups is None or get_pg_rank(groups.expt_dp) == 0
+    counts = torch.zeros(2, dtype=torch.float64)
+    for chunk in model:
+        for parameter in chunk.parameters():
+            expert = not getattr(parameter, "allreduce", True)
+            tp = None if groups is None else (groups.expt_tp if expert else groups.tp)
+            if (
+                (expert_home if expert else dense_home)
+                and param_is_not_shared(parameter)
+                and param_is_not_tensor_parallel_duplicate(parameter, tp)
+            ):
+                counts += torch.tensor(
+                    [parameter.numel(), parameter.numel() * parameter.requires_grad]
+                )
+    if groups is not None:  # every rank of the run: tp x dp x cp, then the stages
+        counts = communication.all_reduce(counts, groups.tp_dp_cp)
+        counts = communication.all_reduce(counts, groups.pp)
+    return int(counts[0].item()), int(counts[1].item())
+
+
+def _parameters_line(total: int, trainable: int) -> str:
+    """``parameters: 52,480 (52,480 trainable)``."""
+    share = "" if trainable == total else f", {100 * trainable / max(total, 1):.2f}%"
+    return f"parameters: {total:,} ({trainable:,} trainable{share})"
 
 
 def half_precision_on_cpu_warning(config: TrainingConfig) -> str:
@@ -947,10 +1044,13 @@ def half_precision_on_cpu_warning(config: TrainingConfig) -> str:
 
 def _data_description(config: TrainingConfig) -> str:
     """``64) on generated prompt/response pairs`` or the data path and tokenizer."""
-    if not config.data_path:
+    path = config.data_path
+    if config.skip_train and config.valid_data_path:  # the only data an evaluation reads
+        path = config.valid_data_path
+    if not path:
         return f"{config.vocab_size}) on generated prompt/response pairs"
     vocab = build_training_tokenizer(config.tokenizer, config.eod_token).vocab_size
-    return f"{vocab}) on {config.data_path} ({config.tokenizer or 'byte-level'} tokenizer)"
+    return f"{vocab}) on {path} ({config.tokenizer or 'byte-level'} tokenizer)"
 
 
 def _print(message: str) -> None:

@@ -52,13 +52,16 @@ class Layout:
 
     @property
     def name(self) -> str:
-        """Short name, e.g. ``cp2-pp2-vpp2-dp1`` or ``tp2-sp-cp2-pp1-dp1``."""
+        """Short name, e.g. ``cp2-pp2-vpp2-dp1``, ``tp2-sp-cp2-pp1-dp1`` or, with expert
+        parallelism, ``cp2-pp1-dp2-ep2`` (``-etpN`` when the experts' TP differs)."""
         vpp = self.virtual_pipeline_model_parallel_size
         tp = self.tensor_model_parallel_size
+        ep, etp = self.expert_model_parallel_size, self.expert_tensor_parallel_size
         return (
             f"{f'tp{tp}-' if tp > 1 else ''}{'sp-' if self.sequence_parallel else ''}"
             f"cp{self.context_parallel_size}-pp{self.pipeline_model_parallel_size}"
             f"{f'-vpp{vpp}' if vpp else ''}-dp{self.data_parallel_size}"
+            f"{f'-ep{ep}' if ep > 1 else ''}{f'-etp{etp}' if etp not in (None, tp) else ''}"
         )
 
 
@@ -375,7 +378,7 @@ def _check_combinations(c: Config, given: _Given) -> None:
     )
     _require(c.min_lr <= c.lr, f"--min-lr must be in [0, --lr {c.lr}], got {c.min_lr}")
     _require(
-        c.tokenizer is None or c.data_path is not None,
+        c.tokenizer is None or c.data_path is not None or c.valid_data_path is not None,
         f"--tokenizer {c.tokenizer!r} needs --data-path (the generated data has its own ids)",
     )
     _require(
@@ -446,9 +449,9 @@ def _check_evaluation(c: Config, given: _Given) -> None:
     """--eval-interval, --eval-iters, --valid-data-path, --split, --skip-train: each used,
     none contradicting another."""
     _require(
-        c.valid_data_path is None or c.data_path is not None,
+        c.valid_data_path is None or c.data_path is not None or c.skip_train,
         f"--valid-data-path {c.valid_data_path!r} needs --data-path (the generated data "
-        "validates on held-out generated pairs)",
+        "validates on held-out generated pairs), unless --skip-train only evaluates",
     )
     _require(
         c.split is None or c.data_path is not None,
@@ -476,8 +479,15 @@ def _check_evaluation(c: Config, given: _Given) -> None:
             f"{'--skip-train' if c.skip_train else f'--eval-interval {c.eval_interval}'} "
             "needs validation data",
         )
+    validates = (c.eval_interval or c.skip_train) and c.eval_iters != 0
     _require(
-        c.eval_iters != -1 or c.data_path is not None,
+        not (validates and c.data_path and not (c.split or c.valid_data_path)),
+        f"{'--skip-train' if c.skip_train else f'--eval-interval {c.eval_interval}'} "
+        f"validates, but --data-path {c.data_path!r} has no validation part: add --split "
+        "(e.g. 969,30,1) or --valid-data-path PATH",
+    )
+    _require(
+        c.eval_iters != -1 or c.data_path is not None or c.valid_data_path is not None,
         "--eval-iters -1 (the whole validation set) needs --valid-data-path or --split: the "
         "generated validation data is endless; give a number of global batches",
     )
@@ -515,8 +525,17 @@ def _check_evaluation(c: Config, given: _Given) -> None:
 
 
 def _check_logging(c: Config) -> None:
-    """The W&B details need --wandb-project; each logger's package is installed."""
+    """The W&B details need --wandb-project, --tensorboard-log-interval a scalar logger;
+    each logger's package is installed."""
     from megatron.training.loggers import check_logging_packages
+
+    _require(
+        c.tensorboard_log_interval == _default(c, "tensorboard_log_interval")
+        or c.tensorboard_dir is not None
+        or c.wandb_project is not None,
+        f"--tensorboard-log-interval {c.tensorboard_log_interval} sets when TensorBoard / W&B "
+        "get the training scalars: add --tensorboard-dir DIR or --wandb-project NAME",
+    )
 
     for name in ("wandb_exp_name", "wandb_save_dir"):
         value = getattr(c, name)
@@ -695,6 +714,7 @@ def _check_lora(c: Config) -> None:
             f"--lora-target-modules / --lora-exclude-modules {target!r}: expected one of "
             f"{', '.join(config_rules.LORA_TARGETS)} or a wildcard pattern",
         )
+    _check_lora_targets(c)
     _require(
         not (c.pretrained_checkpoint and c.hf_model),
         f"--pretrained-checkpoint {c.pretrained_checkpoint} and --hf-model {c.hf_model} both "
@@ -714,6 +734,38 @@ def _check_lora(c: Config) -> None:
         "--merge-lora with --save-trainable-params-only and --save-interval: the interval "
         "exports merge from the saved checkpoints, which hold no base; drop one of them",
     )
+
+
+def _check_lora_targets(c: Config) -> None:
+    """Before any worker starts: every --lora-target-modules pattern names some linear layer
+    of the model, and none of the chosen layers is a routed expert's (not supported)."""
+    moe = c.num_experts is not None
+    names = config_rules.lora_module_names(
+        c.num_layers,
+        config_rules.moe_layer_pattern(c.moe_layer_freq, c.num_layers) if moe else None,
+        c.num_experts or 0,
+        moe and c.moe_shared_expert_intermediate_size is not None,
+    )
+
+    def named(name: str, patterns) -> bool:
+        return any(config_rules.lora_pattern_matches(name, p) for p in patterns)
+
+    for target in c.lora_target_modules:
+        _require(
+            any(config_rules.lora_pattern_matches(n, target) for n in names),
+            f"--lora-target-modules {target!r} matches no layer of the model (its linear "
+            f"layers are named like {names[0]}, {names[-1]})",
+        )
+    for name in names:
+        _require(
+            ".experts." not in name
+            or not named(name, c.lora_target_modules)
+            or named(name, c.lora_exclude_modules),
+            f"--lora-target-modules {' '.join(c.lora_target_modules)}: LoRA target {name} is "
+            "a routed expert's linear layer: adapters on experts are not supported; leave them "
+            "out (--lora-exclude-modules '*.experts.*') or name the layers to adapt "
+            "(--lora-target-modules linear_qkv linear_proj)",
+        )
 
 
 def _shown(value: Any) -> str:

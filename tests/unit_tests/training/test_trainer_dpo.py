@@ -223,6 +223,7 @@ def test_a_jsonl_file_of_pairs_trains_and_validates_on_its_split(tmp_path):
         (
             dict(
                 lora_dim=4,
+                lora_target_modules=("linear_qkv",),
                 num_experts=4,
                 moe_router_enable_expert_bias=True,
                 moe_router_score_function="sigmoid",

@@ -354,6 +354,8 @@ class GPTModel(MegatronModule):
           keys map (``self_attention.linear_qkv.layer_norm_weight``, ...);
         - the word embeddings and output weight may be loaded from a checkpoint of another
           padding (``allow_shape_mismatch``: the overlap is read);
+        - LoRA adapters on some layers only are stored one layer at a time
+          (``separate_partial_adapters``);
         - a tied output weight on a later stage than the embedding is stored as
           ``embedding.word_embeddings.weight`` with replica id (1, ...): never written
           twice, loaded from the embedding.
@@ -383,6 +385,9 @@ class GPTModel(MegatronModule):
                 # the vocabulary's padding depends on TP: another padding loads the overlap
                 # (the true rows; padded rows are zero on both sides)
                 sharded[key] = dataclasses.replace(piece, allow_shape_mismatch=True)
+        from megatron.core.transformer.lora import separate_partial_adapters
+
+        separate_partial_adapters(self, sharded, prefix)  # LoRA adapters on some layers only
         return sharded
 
     def shared_embedding_or_output_weight(self) -> Optional[Tensor]:
@@ -415,7 +420,8 @@ class GPTModel(MegatronModule):
 
     def _rotary_angles_from(self, inference_context, decoder_input) -> Tensor:
         """RoPE angles of the positions [offset, offset + s) a cached forward runs (the
-        table for the context's whole length is built once per device and kept)."""
+        table for the context's whole length is built once per device and kept); s is the
+        whole sequence, TP times this rank's part under sequence parallelism."""
         hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
         key = (inference_context.max_sequence_length, hidden.device)
         cached = getattr(self, "_inference_rotary", None)
@@ -423,7 +429,8 @@ class GPTModel(MegatronModule):
             table = self.rotary_pos_emb(key[0], packed_seq=False, cp_group=None)
             self._inference_rotary = cached = (key, table.to(hidden.device))
         offset = inference_context.sequence_len_offset
-        return cached[1][offset : offset + hidden.shape[0]]
+        sp = get_pg_size(self.tp_group) if self.config.sequence_parallel else 1
+        return cached[1][offset : offset + hidden.shape[0] * sp]
 
     def _global_seq_length(self, input_ids, decoder_input, cp_group) -> int:
         """The whole sequence's length s from this rank's inputs (for RoPE)."""
