@@ -29,7 +29,6 @@ patch the rules where the load looks them up (``checkpointing.compare_run_settin
 
 import os
 import random
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -74,7 +73,8 @@ def save_checkpoint(
     ``trainable_only`` (``--save-trainable-params-only``): only the LoRA adapters of the
     model (and the optimizer state, which is theirs alone); the frozen base is not written.
     ``lora_base``: a LoRA run's base (``lora_base.lora_base_record``), recorded for the
-    resume check and the PEFT export. A save that fails removes the directory it created.
+    resume check and the PEFT export. A save refused before anything was written removes the
+    directory it created.
 
     ``model``: this rank's chunks (DDP-wrapped or not). ``optimizer``: anything with
     ``sharded_state_dict(model_sharded_state_dict)``. ``layout`` and ``run_settings`` are
@@ -95,8 +95,10 @@ def save_checkpoint(
             lora_base,
         )  # fmt: skip
     except BaseException:
-        if created:  # never leave an empty or partial iter_* behind
-            shutil.rmtree(directory, ignore_errors=True)
+        # a save refused before anything was written leaves no empty iter_*; what a save
+        # that died while writing left stays, as after a kill (load refuses it by name)
+        if created and directory.is_dir() and not any(directory.iterdir()):
+            directory.rmdir()
         raise
     if _rank() == 0:
         tracker = Path(save_dir) / TRACKER_FILENAME
