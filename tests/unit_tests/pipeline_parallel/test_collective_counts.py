@@ -28,7 +28,6 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.cp_attention import collectives
 from megatron.core.utils import get_batch_on_this_cp_rank
 from tests.unit_tests.dist_utils import Layout, use_layout
 
@@ -149,17 +148,3 @@ def test_the_count_sees_one_more_collective(monkeypatch):
     counts = _count(step)
     extra = Counter(all_reduce=MICROBATCHES if last_stage else 0)
     assert counts == _expected(last_stage) + extra
-
-
-def test_on_gloo_the_attention_gather_and_reduction_finish_when_started():
-    """The all-gather attention overlaps its collectives with kernels on GPUs only: on gloo
-    the worker thread would compete with those kernels for the same cores."""
-    use_layout(Layout(cp=2, pp=2))
-    group = parallel_state.get_context_parallel_group()
-    kv = torch.full((2, 1, 4, 2), float(dist.get_rank()))
-    gather = collectives.start_gather(kv, (0, 2), group)
-    reduction = collectives.start_reduce_scatter(torch.ones(4, 1, 4, 2), group)
-    assert not gather._works and not reduction._works
-    ranks = dist.get_process_group_ranks(group)
-    assert gather.wait()[:, 0, 0, 0].tolist() == [ranks[0]] * 2 + [ranks[1]] * 2
-    assert reduction.wait().eq(2).all()

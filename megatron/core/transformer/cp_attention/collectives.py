@@ -1,7 +1,6 @@
 """The collectives of CP attention, on ``megatron.core.communication``.
 
-The strategies start these and overlap them with kernel calls (the all-gather strategy's on
-GPUs only: on gloo they finish before the kernels run): an all-gather and a
+The strategies start these and overlap them with kernel calls: an all-gather and a
 reduce-scatter of K/V heads (all_gather), a ring exchange with the next and previous rank
 (p2p), heads all-to-all exchanges as autograd functions (a2a), and a max over the group (the
 bf16 rescaling). What is specific to attention lives here (which heads, which layout); the
@@ -18,7 +17,6 @@ from megatron.core.communication import (
     Pending,
     all_reduce,
     all_to_all_single,
-    is_nccl,
     ring_exchange,
     start_all_gather_along_first_dim,
     start_reduce_scatter_along_first_dim,
@@ -47,25 +45,13 @@ def start_gather(kv: torch.Tensor, heads: Tuple[int, int], group) -> Pending:
         local = kv
     else:
         local = torch.cat([kv[:, :, h0:h1], kv[:, :, n_kv + h0 : n_kv + h1]], dim=2)
-    return _overlapped_on_gpus_only(start_all_gather_along_first_dim(local, group), group)
+    return start_all_gather_along_first_dim(local, group)
 
 
 def start_reduce_scatter(full: torch.Tensor, group) -> Pending:
     """Start summing the float32 K/V gradients (rank order) over ranks, keeping this rank's
     block; ``full`` is scratch (gloo reduces it in place)."""
-    pending = start_reduce_scatter_along_first_dim(full, group, overwrite_input=True)
-    return _overlapped_on_gpus_only(pending, group)
-
-
-def _overlapped_on_gpus_only(pending: Pending, group) -> Pending:
-    """``pending`` where the collective runs beside the kernels (nccl: on its own stream);
-    on gloo it is finished here: its worker thread would compete with the overlapped kernels
-    for the same CPU cores (docs/performance.md, issue 43: 8-20% of a CP2 x PP2 step's wall
-    time on 2 cores)."""
-    if is_nccl(group):
-        return pending
-    result = pending.wait()
-    return Pending((), lambda: result)
+    return start_reduce_scatter_along_first_dim(full, group, overwrite_input=True)
 
 
 def max_over_group(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
