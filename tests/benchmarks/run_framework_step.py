@@ -25,6 +25,11 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 
 def launch(python: str, ours: bool, args, json_path: str) -> dict:
     """One 4-rank launch; returns its JSON record."""
+    return finish(start(python, ours, args, json_path), json_path)
+
+
+def start(python: str, ours: bool, args, json_path: str) -> subprocess.Popen:
+    """Start one 4-rank launch."""
     command = args.prefix.split() + [
         python,
         "-m",
@@ -45,11 +50,18 @@ def launch(python: str, ours: bool, args, json_path: str) -> dict:
         env["PYTHONPATH"] = args.mcore_path
     if os.path.exists(json_path):
         os.remove(json_path)
-    result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=HERE)
-    if result.returncode != 0:
-        sys.stderr.write(result.stdout[-4000:] + result.stderr[-4000:])
-        raise SystemExit(f"failed: {' '.join(command)}")
-    print("\n".join(line for line in result.stdout.splitlines() if line.startswith("|")))
+    return subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE
+    )
+
+
+def finish(process: subprocess.Popen, json_path: str) -> dict:
+    """Wait for a launch; print its table rows and return its JSON record."""
+    stdout, stderr = process.communicate()
+    if process.returncode != 0:
+        sys.stderr.write(stdout[-4000:] + stderr[-4000:])
+        raise SystemExit(f"failed: {' '.join(process.args)}")
+    print("\n".join(line for line in stdout.splitlines() if line.startswith("|")), flush=True)
     with open(json_path) as handle:
         return json.loads(handle.readline())
 
@@ -67,6 +79,12 @@ def main() -> None:
     )
     parser.add_argument("--ours-path", default=ROOT, help="PYTHONPATH for ours")
     parser.add_argument("--prefix", default="", help="command prefix, e.g. 'taskset -c 0,1'")
+    parser.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="run the two launches of a repeat at the same time (8 ranks): on a machine "
+        "shared with other jobs both then see the same background load",
+    )
     parser.add_argument("--json", default=None, help="write all records here")
     args = parser.parse_args()
     print(f"# load average at start: {os.getloadavg()}", flush=True)
@@ -76,14 +94,17 @@ def main() -> None:
     models = args.models.split(",")
     ratios = {f"{m}_{k}": [] for m in models for k in ("wall", "cpu", "main")}
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "run.json")
         for repeat in range(args.repeats):
             order = [True, False] if repeat % 2 == 0 else [False, True]
+            paths = {o: os.path.join(tmp, f"run_{o}.json") for o in order}
+            pythons = {True: args.python, False: args.mcore_python}
             pair = {}
-            for ours in order:
-                python = args.python if ours else args.mcore_python
-                pair[ours] = launch(python, ours, args, path)
-                records.append(pair[ours])
+            if args.concurrent:
+                started = {o: start(pythons[o], o, args, paths[o]) for o in order}
+                pair = {o: finish(started[o], paths[o]) for o in order}
+            else:
+                pair = {o: launch(pythons[o], o, args, paths[o]) for o in order}
+            records.extend(pair[o] for o in order)
             for key in ratios:
                 model, kind = key.split("_")
                 ours_ms, mcore_ms = (pair[o]["times"][model][f"{kind}_ms"] for o in (True, False))
