@@ -23,8 +23,7 @@ from typing import List
 import pytest
 import torch.distributed as dist
 
-from megatron.training import TrainingConfig
-from megatron.training import loop
+from megatron.training import TrainingConfig, loop
 from megatron.training.checkpointing import TRACKER_FILENAME
 from megatron.training.training import pretrain
 from tests.unit_tests.dist_utils import assert_no_failures, fresh_layout

@@ -8,8 +8,7 @@ import json
 
 import pytest
 
-from megatron.training import TrainingConfig
-from megatron.training import loop
+from megatron.training import TrainingConfig, loop
 from megatron.training.errors import UsageError
 from megatron.training.loggers import SINKS, JsonlSink, MetricSink, Ranks
 from megatron.training.metrics import read_jsonl
