@@ -8,8 +8,7 @@ import json
 
 import pytest
 
-from megatron.training import TrainingConfig
-from megatron.training import training as training_module
+from megatron.training import TrainingConfig, loop
 from megatron.training.errors import UsageError
 from megatron.training.loggers import SINKS, JsonlSink, MetricSink, Ranks
 from megatron.training.metrics import read_jsonl
@@ -45,14 +44,14 @@ def test_metrics_jsonl_is_written_as_the_run_goes_and_survives_a_crash(tmp_path,
     (it was written only at the end of a run, so a crash or a kill lost it)."""
     _Watcher.seen, _Watcher.path = [], tmp_path / "m" / "metrics.jsonl"
     monkeypatch.setitem(SINKS, _Watcher.name, _Watcher.create)
-    original = training_module.logged_loss
+    original = loop.logged_loss
 
     def crash_at_3(reported, groups):
         if len(_Watcher.seen) == 2:
             raise RuntimeError("killed in iteration 3")
         return original(reported, groups)
 
-    monkeypatch.setattr(training_module, "logged_loss", crash_at_3)
+    monkeypatch.setattr(loop, "logged_loss", crash_at_3)
     with fresh_layout(), pytest.raises(RuntimeError, match="killed in iteration 3"):
         pretrain(TrainingConfig(train_iters=4, save_metrics=str(tmp_path / "m"), **SMALL))
     assert _Watcher.seen == [(1, [1]), (2, [1, 2])], _Watcher.seen

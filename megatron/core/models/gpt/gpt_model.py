@@ -26,7 +26,7 @@ from megatron.core.models.common.embeddings.language_model_embedding import (
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule, leave_as_allocated
-from megatron.core.transformer.parallel_groups import cp_group_of, tp_group_of
+from megatron.core.transformer.parallel_groups import ResolvedGroup, cp_group_of, tp_group_of
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -37,8 +37,9 @@ class GPTModel(MegatronModule):
     """Decoder-only language model chunk (megatron-core 0.16.1's constructor).
 
     Groups (explicit first): TP from ``pg_collection.tp``, CP from ``pg_collection.cp``
-    (resolved at every forward), the pipeline rank from ``pg_collection.pp``; without a
-    collection, ``parallel_state``'s groups (MPU fallback) when initialized, else one rank.
+    (resolved at build time, again after ``parallel_state`` is re-initialized), the pipeline
+    rank from ``pg_collection.pp``; without a collection, ``parallel_state``'s groups (MPU
+    fallback) when initialized, else one rank.
     Chunk ``vp_stage`` on pipeline rank p is virtual stage vp_stage * PP + p and holds the
     global layers [stage * L / (PP * V), (stage + 1) * L / (PP * V)).
 
@@ -113,7 +114,8 @@ class GPTModel(MegatronModule):
                 "supported; expected 'learned_absolute', 'rope' or 'none'"
             )
         self.tp_group = tp_group_of(pg_collection, config)
-        cp_group_of(pg_collection, config)  # a mismatched CP group fails here, not mid-step
+        # resolved once; a mismatched CP group fails here, not mid-step
+        self._cp_group = ResolvedGroup(cp_group_of, pg_collection, config)
         tp_size = get_pg_size(self.tp_group)
         if not isinstance(vocab_size, int) or vocab_size < 1 or vocab_size % tp_size:
             raise ValueError(
@@ -403,7 +405,7 @@ class GPTModel(MegatronModule):
         device. Unpacked rows reuse the angles of the last call with the same length, CP
         rank and device (built on the host, copied to the device once instead of once per
         layer and microbatch); packed rows take each document's own positions."""
-        cp_group = cp_group_of(self.pg_collection, self.config)
+        cp_group = self._cp_group.get()
         total = self._global_seq_length(input_ids, decoder_input, cp_group)
         hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
         device = hidden.device
