@@ -483,3 +483,21 @@ def test_a_data_path_runs_recorded_settings_build_a_model_config_and_a_byte_toke
     assert g._tokenizer_spec(args) == ("byte-level", None, [])
     codec = g._codec(args)
     assert codec.encode("hé") == [104, 0xC3, 0xA9] and codec.stop_ids == {256}
+
+
+@pytest.mark.slow
+@pytest.mark.world(1)
+def test_an_adapter_only_checkpoint_generates_from_another_directory(tmp_path, monkeypatch):
+    """The base of an adapter-only checkpoint given as a relative path is found from any
+    directory (the checkpoint's recorded absolute path of its base)."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    _pretrain(train_iters=2, save="base")
+    lora = dict(lora_dim=4, lora_b_init_method="normal", save_trainable_params_only=True)
+    _pretrain(train_iters=2, pretrained_checkpoint="base", save="lora", **lora)
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    code, out, err = _main("--load", tmp_path / "run" / "lora", "--prompt-ids", PROMPT,
+                           "--max-new-tokens", "3")  # fmt: skip
+    assert code == 0, err
+    assert len(out.split()) == 3, out
