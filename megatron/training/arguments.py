@@ -967,8 +967,10 @@ class TrainingConfig:
         "--hf-adapter",
         kind=RUN,
         metavar="DIR",
-        help="with --lora-dim and --hf-model: start the adapters from this PEFT adapter folder "
-        "(adapter_config.json + adapter_model.safetensors, e.g. an earlier --export-hf)",
+        help="with --hf-model: start the adapters from this PEFT adapter folder "
+        "(adapter_config.json + adapter_model.safetensors, e.g. an earlier --export-hf); its "
+        "r, lora_alpha and target_modules set --lora-dim, --lora-alpha and the targets unless "
+        "given",
     )
     merge_lora: bool = option(
         False,
