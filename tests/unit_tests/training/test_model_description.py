@@ -1,0 +1,106 @@
+"""One model description: each option that configures the library declares the field it sets
+(``option(..., library=...)``); the TransformerConfig, GPTModel, LoRAConfig and DDP keywords
+are built from that table and the reverse names of the error messages (``LIBRARY_NAMES``)
+are generated from it, so a new field is one declaration.
+"""
+
+import dataclasses
+import inspect
+
+import pytest
+
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.lora import LoRAConfig
+from megatron.training import TrainingConfig
+from megatron.training.arguments import validate_config
+from megatron.training.config_errors import LIBRARY_NAMES, name_the_flags
+from megatron.training.options import (
+    DDP_CONFIG,
+    GPT_MODEL,
+    LORA_CONFIG,
+    MODEL,
+    TRANSFORMER_CONFIG,
+    library_names,
+    library_table,
+    option_of,
+)
+
+pytestmark = pytest.mark.world(1)
+
+# MODEL options that set no library field, and where each goes instead.
+MODEL_OPTIONS_ELSEWHERE = {
+    "vocab_size": "GPTModel's padded vocabulary (model.build_model)",
+    "seq_length": "the data; the default position table (max_position_embeddings)",
+    "tokenizer": "the data",
+    "openai_gelu": "activation_func (model.computed_fields, with --swiglu)",
+    "pretrained_checkpoint": "the weights loaded",
+}
+TARGET_FIELDS = {
+    TRANSFORMER_CONFIG: {f.name for f in dataclasses.fields(TransformerConfig)},
+    GPT_MODEL: set(inspect.signature(GPTModel.__init__).parameters),
+    LORA_CONFIG: {f.name for f in dataclasses.fields(LoRAConfig)},
+    DDP_CONFIG: {f.name for f in dataclasses.fields(DistributedDataParallelConfig)},
+}
+
+
+def test_every_model_option_declares_the_library_field_it_sets():
+    """A model option (kind MODEL) sets a library field, or is listed above with where it
+    goes; every declared field exists in its library config (a typo fails here)."""
+    for config_field in dataclasses.fields(TrainingConfig):
+        spec = option_of(config_field)
+        if spec.kind == MODEL and config_field.name not in MODEL_OPTIONS_ELSEWHERE:
+            assert spec.library, f"{spec.flag} declares no library field (library=...)"
+    for target, names in TARGET_FIELDS.items():
+        for option_name, sets in library_table(TrainingConfig, target):
+            assert sets.field in names, f"{option_name}: {target} has no field {sets.field}"
+
+
+def test_the_transformer_config_is_the_table_and_the_computed_fields():
+    """Every TransformerConfig field a MoE run (with --compile, --bf16, a window) sets away
+    from its default is declared by an option or computed in one place (model.py)."""
+    from megatron.training.model import computed_fields, transformer_config_from
+
+    config = TrainingConfig(
+        num_experts=4, disable_bias_linear=True, compile=True, bf16=True, window_size=[4, 0],
+        moe_router_dtype="fp32", swiglu=True, normalization="RMSNorm", norm_epsilon=1e-6,
+        position_embedding_type="rope",
+    )  # fmt: skip
+    built = transformer_config_from(config, validate_config(config, 1))
+    default = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
+    declared = {sets.field for _, sets in library_table(TrainingConfig, TRANSFORMER_CONFIG)}
+    sources = declared | set(computed_fields(config))
+    # set by TransformerConfig itself from the fields above
+    derived_by_the_library = {
+        "ffn_hidden_size", "kv_channels", "num_query_groups", "autocast_dtype",
+        "output_layer_init_method",
+    }  # fmt: skip
+    for f in dataclasses.fields(TransformerConfig):
+        if f.name in ("num_layers", "hidden_size", "num_attention_heads"):
+            continue
+        if getattr(built, f.name) != getattr(default, f.name):
+            assert f.name in sources | derived_by_the_library, f.name
+    assert (built.num_moe_experts, built.layernorm_epsilon, built.apply_rope_fusion) == (
+        4,
+        1e-6,
+        True,
+    )
+
+
+def test_library_names_are_generated_and_name_the_moe_flags():
+    """LIBRARY_NAMES is the table's reverse; it has num_moe_experts (it lacked it when
+    written by hand), so a MoE error of the library names --num-experts."""
+    assert LIBRARY_NAMES == library_names(
+        TrainingConfig, (TRANSFORMER_CONFIG, GPT_MODEL, DDP_CONFIG, "OptimizerParamScheduler")
+    )
+    assert LIBRARY_NAMES["num_moe_experts"] == "num_experts"
+    assert LIBRARY_NAMES["layernorm_epsilon"] == "norm_epsilon"
+    with pytest.raises(ValueError) as error:
+        TransformerConfig(
+            num_layers=2, hidden_size=32, num_attention_heads=4, num_moe_experts=4,
+            moe_router_topk=5, add_bias_linear=False,
+        )  # fmt: skip
+    message = str(error.value)
+    config = TrainingConfig(num_experts=4, moe_router_topk=5, disable_bias_linear=True)
+    assert name_the_flags(message, config) == (f"--moe-router-topk 5, --num-experts 4: {message}")
