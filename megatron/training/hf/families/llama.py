@@ -178,26 +178,8 @@ class Llama(LlamaShaped):
     def write_extra(self, arch: HFArchitecture) -> Dict[str, Any]:
         return {"attention_bias": arch.add_bias_linear, "mlp_bias": arch.add_bias_linear}
 
-    def claims(self, settings: Dict[str, Any]) -> bool:
-        bias = not settings.get("disable_bias_linear", False)
-        qkv_bias_only = bool(settings.get("add_qkv_bias", False)) and not bias
-        qk_norm = bool(settings.get("qk_layernorm", False))
-        return rmsnorm_swiglu_rope(settings) and not qkv_bias_only and not qk_norm
-
 
 FAMILY = Llama()
-
-
-def rmsnorm_swiglu_rope(settings: Dict[str, Any], window: bool = False) -> bool:
-    """Whether trainer settings describe a dense Llama-shaped model, with a sliding window
-    (``--window-size``) exactly when ``window`` (Mistral's; the others have none)."""
-    return (
-        settings.get("normalization", "LayerNorm") == "RMSNorm"
-        and bool(settings.get("swiglu"))
-        and settings.get("position_embedding_type") == "rope"
-        and settings.get("num_experts") is None
-        and bool(settings.get("window_size")) == window
-    )
 
 
 def grouped_qkv(arch: HFArchitecture, attn: str, kind: str) -> Source:
