@@ -16,7 +16,8 @@ trainer's settings) and ``hf_config_of_settings`` (settings -> HF config).
 """
 
 import json
-from dataclasses import fields, replace
+from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -224,26 +225,41 @@ def model_meaning(settings: Dict[str, Any]) -> Dict[str, Any]:
     )
     out["window_size"] = list(out["window_size"]) if out["window_size"] else None
     out["norm_epsilon"] = float(out["norm_epsilon"])
+    out = {k: None if v is False else v for k, v in out.items()}  # off: False or absent
     if out["num_experts"] is None:
         return {k: v for k, v in out.items() if not k.startswith("moe_")}
     pattern = list(moe_layer_pattern(out["moe_layer_freq"], out["num_layers"]))
     out["moe_layer_freq"] = pattern
     out["moe_ffn_hidden_size"] = out["moe_ffn_hidden_size"] or out["ffn_hidden_size"]
     shared = out["moe_shared_expert_intermediate_size"] is not None
-    out["moe_shared_expert_gate"] = bool(out["moe_shared_expert_gate"]) and shared
+    out["moe_shared_expert_gate"] = bool(out["moe_shared_expert_gate"]) and shared or None
     if all(pattern):
         out.pop("ffn_hidden_size")
     return out
 
 
-def _with_defaults(settings: Dict[str, Any]) -> Dict[str, Any]:
-    """Recorded settings with the options they lack at their defaults, derived ones
-    resolved (``resolved_model``)."""
-    from megatron.training.arguments import TrainingConfig  # no torch
+# The defaults (TrainingConfig's; a test holds them equal) of the settings a recorded run or
+# a caller may leave out whose default is not None / False. Not imported: ``arguments``
+# imports this package (its --hf-model help lists the families).
+RECORDED_DEFAULTS: Dict[str, Any] = {
+    "normalization": "LayerNorm",
+    "position_embedding_type": "learned_absolute",
+    "norm_epsilon": 1e-5,
+    "rotary_base": 10000.0,
+    "rope_scaling_factor": 8.0,
+    "seq_length": 32,
+    "moe_router_topk": 2,
+    "moe_router_score_function": "softmax",
+    "moe_layer_freq": 1,
+}
 
-    defaults = {f.name: f.default for f in fields(TrainingConfig)}
-    given = {k: v for k, v in settings.items() if v is not None or k not in defaults}
-    return resolved_model({**defaults, **given})
+
+def _with_defaults(settings: Dict[str, Any]) -> Dict[str, Any]:
+    """Recorded settings with the ones they lack at their defaults (None / False unless in
+    ``RECORDED_DEFAULTS``), derived ones resolved (``resolved_model``)."""
+    given = {k: v for k, v in settings.items() if v is not None or k not in RECORDED_DEFAULTS}
+    full = resolved_model({**RECORDED_DEFAULTS, **given})
+    return defaultdict(lambda: None, full)
 
 
 def _architecture_of_settings(settings: Dict[str, Any]) -> HFArchitecture:
