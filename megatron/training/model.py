@@ -1,9 +1,8 @@
-"""This rank's model: one GPT chunk per virtual pipeline stage, each wrapped in DDP, with
-the schedule hooks set as megatron's training loop sets them.
+"""This rank's model: one GPT chunk per virtual pipeline stage (``chunk.build_gpt_chunk``),
+each wrapped in DDP, with the schedule hooks set as megatron's training loop sets them.
 
-Chunk v of pipeline rank p is virtual stage s = v * PP + p; it embeds tokens when s = 0 and
-computes the loss when s = PP * V - 1. Weights are seeded per parameter (GPTModel), so every
-layout starts from the same model.
+The configs come from the options' ``library=`` declarations (``options.library_values``).
+Weights are seeded per parameter (GPTModel), so every layout starts from the same model.
 """
 
 from typing import List, Optional
@@ -18,13 +17,13 @@ from megatron.core.distributed import (
     finalize_model_grads,
 )
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.models.gpt.gpt_model import padded_vocab_size
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.lora import LoRAConfig, apply_lora, lora_modules
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.utils import openai_gelu
+from megatron.training import chunk
 from megatron.training.arguments import Layout, TrainingConfig, flag_of
 from megatron.training.options import (
     DDP_CONFIG,
@@ -50,29 +49,21 @@ def build_model(
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, **library_values(config, layout, DDP_CONFIG)
     )
-    pp, vpp = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size
+    vpp = layout.virtual_pipeline_model_parallel_size
     pp_rank = 0 if pg_collection is None else pg_collection.pp.rank()
-    last_stage = pp * (vpp or 1) - 1
     chunks = []
     for vp_stage in range(vpp or 1):
-        stage = vp_stage * pp + pp_rank
-        gpt = GPTModel(
-            config=transformer_config,
-            # this chunk's layers, MoE where --moe-layer-freq puts them
-            transformer_layer_spec=get_gpt_decoder_block_spec(
-                transformer_config, use_transformer_engine=False, vp_stage=vp_stage, pp_rank=pp_rank
-            ),
+        gpt = chunk.build_gpt_chunk(
+            transformer_config,
+            pg_collection,
+            vp_stage if vpp else None,
+            pp_rank,
             vocab_size=padded_vocab_size(
                 config.vocab_size,
                 config.make_vocab_size_divisible_by,
                 layout.tensor_model_parallel_size,
             ),
             true_vocab_size=config.vocab_size,
-            pre_process=stage == 0,
-            post_process=stage == last_stage,
-            vp_stage=vp_stage if vpp else None,
-            pg_collection=pg_collection,
-            pp_rank=pp_rank,
             **library_values(config, layout, GPT_MODEL),
         )
         if config.hf_model:  # before any wrapper copies the parameters

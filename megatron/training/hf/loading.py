@@ -13,15 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_decoder_block_spec,
-)
 from megatron.core.models.gpt.gpt_model import padded_vocab_size
 from megatron.core.process_groups_config import ProcessGroupCollection, resolve_group
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
 from megatron.core.transformer.utils import openai_gelu
 from megatron.core.utils import get_pg_rank, get_pg_size
+from megatron.training import chunk
 from megatron.training.hf.config import HFArchitecture, read_hf_config
 from megatron.training.hf.families import REGISTRY
 from megatron.training.hf.families.moe import WRITTEN_ROUTING, written_moe_layer_freq
@@ -163,24 +161,14 @@ def build_gpt_chunk(
 ) -> GPTModel:
     """This rank's chunk (virtual stage ``vp_stage`` x PP + pipeline rank), weights left
     as allocated (``perform_initialization`` off while building)."""
-    pp = config.pipeline_model_parallel_size
-    vpp = config.virtual_pipeline_model_parallel_size or 1
-    pp_rank = _pp_rank(pg_collection)
-    stage = (vp_stage or 0) * pp + pp_rank
     initialize = config.perform_initialization
     config.perform_initialization = False
-    # this chunk's layers, MoE where moe_layer_freq says (none for a dense model)
-    spec = get_gpt_decoder_block_spec(
-        config, use_transformer_engine=False, vp_stage=vp_stage, pp_rank=pp_rank
-    )
     try:
-        return GPTModel(
-            config=config,
-            transformer_layer_spec=spec,
-            pre_process=stage == 0,
-            post_process=stage == pp * vpp - 1,
-            pg_collection=pg_collection,
-            vp_stage=vp_stage,
+        return chunk.build_gpt_chunk(
+            config,
+            pg_collection,
+            vp_stage,
+            _pp_rank(pg_collection),
             **gpt_model_kwargs(arch, max_sequence_length, config.tensor_model_parallel_size),
         )
     finally:

@@ -104,3 +104,30 @@ def test_library_names_are_generated_and_name_the_moe_flags():
     message = str(error.value)
     config = TrainingConfig(num_experts=4, moe_router_topk=5, disable_bias_linear=True)
     assert name_the_flags(message, config) == (f"--moe-router-topk 5, --num-experts 4: {message}")
+
+
+def test_the_trainer_and_the_hf_loader_build_through_one_chunk_builder(tmp_path, monkeypatch):
+    """model.build_model and hf.loading.model_from_hf both build with chunk.build_gpt_chunk,
+    and give the same parameters for the same HuggingFace model."""
+    from megatron.training import chunk
+    from megatron.training.hf.loading import model_from_hf
+    from megatron.training.hf_settings import resolve_hf_model
+    from megatron.training.model import build_model
+    from tests.unit_tests.hf.hf_models import LLAMA_CONFIG, write_random_hf_model
+
+    calls = []
+    builder = chunk.build_gpt_chunk
+
+    def counted(*args, **kwargs):
+        calls.append(args[3])  # the pipeline rank
+        return builder(*args, **kwargs)
+
+    monkeypatch.setattr(chunk, "build_gpt_chunk", counted)
+    path = write_random_hf_model(tmp_path / "llama", LLAMA_CONFIG)
+    loaded, _ = model_from_hf(path)
+    config = resolve_hf_model(TrainingConfig(hf_model=str(path), seq_length=16))
+    (trained,) = build_model(config, validate_config(config, 1), None)
+    assert calls == [0, 0]
+    ours = dict(trained.module.named_parameters())
+    for name, param in loaded.named_parameters():
+        assert ours[name].equal(param), name
