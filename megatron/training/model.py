@@ -20,15 +20,15 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_model import padded_vocab_size
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.lora import LoRAConfig, apply_lora, lora_modules
+from megatron.core.transformer.lora import apply_lora, lora_modules
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.utils import openai_gelu
 from megatron.training import chunk
-from megatron.training.arguments import Layout, TrainingConfig, flag_of
+from megatron.training.arguments import Layout, TrainingConfig
+from megatron.training.lora_settings import lora_config
 from megatron.training.options import (
     DDP_CONFIG,
     GPT_MODEL,
-    LORA_CONFIG,
     TRANSFORMER_CONFIG,
     library_table,
     library_values,
@@ -106,13 +106,6 @@ def moe_fields(config: TrainingConfig, layout: Layout) -> dict:
     values = library_values(config, layout, TRANSFORMER_CONFIG)
     moe = [s.field for _, s in library_table(TrainingConfig, TRANSFORMER_CONFIG) if s.when]
     return {name: values[name] for name in moe if name in values}
-
-
-def lora_config(config: TrainingConfig) -> LoRAConfig:
-    """The ``LoRAConfig`` of a run's ``--lora-*`` flags (errors name the flags)."""
-    table = library_table(TrainingConfig, LORA_CONFIG)
-    flags = {sets.field: flag_of(name) for name, sets in table if sets.field != "seed"}
-    return LoRAConfig(**library_values(config, None, LORA_CONFIG), flags=flags)
 
 
 def _check_some_layer_adapted(config: TrainingConfig, chunks, pg_collection) -> None:

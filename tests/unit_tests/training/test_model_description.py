@@ -131,3 +131,23 @@ def test_the_trainer_and_the_hf_loader_build_through_one_chunk_builder(tmp_path,
     ours = dict(trained.module.named_parameters())
     for name, param in loaded.named_parameters():
         assert ours[name].equal(param), name
+
+
+def test_recorded_lora_settings_read_through_the_trainers_table():
+    """A checkpoint's recorded --lora-* settings give the LoRAConfig the run trained with
+    (every declared field: dropout position, init methods, the flags in its errors), the
+    ones an older run did not record at their defaults."""
+    from megatron.training.hf.peft import lora_of_settings
+    from megatron.training.lora_settings import lora_config
+
+    recorded = dict(
+        lora_dim=4, lora_alpha=8.0, lora_dropout=0.1, lora_dropout_position="post",
+        lora_b_init_method="xavier", lora_target_modules=["linear_qkv"], seed=7, num_layers=2,
+    )  # fmt: skip
+    lora = lora_of_settings(recorded)
+    assert lora == lora_config(
+        TrainingConfig(**{**recorded, "lora_target_modules": ("linear_qkv",)})
+    )
+    assert (lora.dropout_position, lora.lora_B_init_method, lora.seed) == ("post", "xavier", 7)
+    assert lora.flags["dropout_position"] == "--lora-dropout-position"
+    assert lora_of_settings({"lora_dim": 2}).alpha == 32.0 and lora_of_settings({}) is None
