@@ -96,13 +96,6 @@ def _is_signal_name(name: object) -> bool:
     return isinstance(name, str) and name in catchable_signals()
 
 
-def _hf_families() -> str:
-    """The HuggingFace families ``--hf-model`` reads (the converter's registry)."""
-    from megatron.training.hf.families import REGISTRY  # no torch
-
-    return ", ".join(REGISTRY)
-
-
 def _moe(field: str, value=None, from_layout: bool = False) -> Sets:
     """A ``TransformerConfig`` MoE field, set only with ``--num-experts``."""
     return Sets(
@@ -131,6 +124,11 @@ FUSIONS = (
     "cross_entropy_loss_fusion",
 )
 _FUSION_SWITCHES = tuple(_fusion(field) for field in FUSIONS)
+
+
+# Where --hf-model's help names the families: the converter's registry fills it in
+# (``build_parser(hf_families=...)``; the converter imports this module, not the reverse).
+HF_FAMILIES = "the HuggingFace families listed"
 
 
 # --help sections: the field that opens each one (the following fields belong to it).
@@ -548,7 +546,7 @@ class TrainingConfig:
         type=str,
         metavar="DIR",
         help="start from a HuggingFace model (config.json + safetensors; its model_type one "
-        f"of {_hf_families()}; docs/huggingface.md): its config.json sets the model options "
+        f"of {HF_FAMILIES}; docs/huggingface.md): its config.json sets the model options "
         "above (an explicit conflicting one is an error), its weights are loaded at any "
         "layout, and with --data-path its tokenizer is the default --tokenizer",
     )
@@ -1364,24 +1362,32 @@ def single_process_config(config: TrainingConfig) -> TrainingConfig:
 # ----------------------------------------------------------------------------- command line
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(hf_families: Sequence[str] = ()) -> argparse.ArgumentParser:
     """The ``python -m megatron.training`` / ``megatron-train`` command line, one option per
-    ``TrainingConfig`` field (``options.build_parser``)."""
+    ``TrainingConfig`` field (``options.build_parser``); ``hf_families``: the model types
+    ``--hf-model``'s help lists (the converter's registry, passed by the command line)."""
     description = (
         "Supervised fine-tuning of a small GPT on generated prompt/response pairs "
         "(prompt tokens masked out of the loss), under any tensor/context/pipeline/"
         "virtual-pipeline/data-parallel layout. CPU (gloo) by default, NCCL when every "
         "process has a GPU. The logged loss is the same for every layout."
     )
-    return options.build_parser(
+    parser = options.build_parser(
         TrainingConfig, "python -m megatron.training", description, _SECTIONS
     )
+    if hf_families:
+        for action in parser._actions:
+            if action.dest == "hf_model":
+                action.help = action.help.replace(HF_FAMILIES, ", ".join(hf_families))
+    return parser
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> TrainingConfig:
+def parse_args(
+    argv: Optional[Sequence[str]] = None, hf_families: Sequence[str] = ()
+) -> TrainingConfig:
     """Parse the command line into a ``TrainingConfig`` (no checks: ``validate_config``); a
-    mistake raises ``UsageError``."""
-    return options.parse(build_parser(), TrainingConfig, argv)
+    mistake raises ``UsageError``. ``hf_families``: see ``build_parser``."""
+    return options.parse(build_parser(hf_families), TrainingConfig, argv)
 
 
 def explicit_options(argv: Sequence[str]) -> List[str]:

@@ -22,7 +22,19 @@ import argparse
 import copy
 import math
 from dataclasses import MISSING, Field, dataclass, field, fields
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
+from typing import (
+    Any,
+    Callable,
+    Collection,
+    Dict,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    Type,
+    Union,
+)
 
 from megatron.training.errors import UsageError
 
@@ -185,10 +197,15 @@ def library_table(config_class: Type, target: str) -> List[Tuple[str, Sets]]:
     ]
 
 
-def library_values(config: Any, layout: Any, target: str) -> Dict[str, Any]:
-    """The keywords of ``target`` that ``config``'s options set (``Sets``), at ``layout``."""
+def library_values(
+    config: Any, layout: Any, target: str, only: Optional[Collection[str]] = None
+) -> Dict[str, Any]:
+    """The keywords of ``target`` that ``config``'s options (those named in ``only``, None:
+    all) set (``Sets``), at ``layout``."""
     values: Dict[str, Any] = {}
     for name, sets in library_table(type(config), target):
+        if only is not None and name not in only:
+            continue
         if sets.when is not None and not sets.when(config):
             continue
         if sets.value is not None:

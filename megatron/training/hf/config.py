@@ -17,7 +17,7 @@ trainer's settings) and ``hf_config_of_settings`` (settings -> HF config).
 
 import json
 from collections import defaultdict
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -238,28 +238,14 @@ def model_meaning(settings: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-# The defaults (TrainingConfig's; a test holds them equal) of the settings a recorded run or
-# a caller may leave out whose default is not None / False. Not imported: ``arguments``
-# imports this package (its --hf-model help lists the families).
-RECORDED_DEFAULTS: Dict[str, Any] = {
-    "normalization": "LayerNorm",
-    "position_embedding_type": "learned_absolute",
-    "norm_epsilon": 1e-5,
-    "rotary_base": 10000.0,
-    "rope_scaling_factor": 8.0,
-    "seq_length": 32,
-    "moe_router_topk": 2,
-    "moe_router_score_function": "softmax",
-    "moe_layer_freq": 1,
-}
-
-
 def _with_defaults(settings: Dict[str, Any]) -> Dict[str, Any]:
-    """Recorded settings with the ones they lack at their defaults (None / False unless in
-    ``RECORDED_DEFAULTS``), derived ones resolved (``resolved_model``)."""
-    given = {k: v for k, v in settings.items() if v is not None or k not in RECORDED_DEFAULTS}
-    full = resolved_model({**RECORDED_DEFAULTS, **given})
-    return defaultdict(lambda: None, full)
+    """Recorded settings with the options they lack (or hold as None) at their defaults,
+    derived ones resolved (``resolved_model``)."""
+    from megatron.training.arguments import TrainingConfig  # no torch
+
+    defaults = {f.name: f.default for f in fields(TrainingConfig)}
+    given = {k: v for k, v in settings.items() if v is not None}
+    return defaultdict(lambda: None, resolved_model({**defaults, **given}))
 
 
 def _architecture_of_settings(settings: Dict[str, Any]) -> HFArchitecture:

@@ -67,15 +67,3 @@ def test_every_family_writes_what_it_reads(family):
     assert model_meaning(again) == model_meaning(settings)
     chosen = settings_of_hf_config(hf_config_of_settings(dict(settings, seq_length=16)))
     assert model_meaning(chosen) == model_meaning(settings)
-
-
-def test_the_recorded_defaults_are_the_trainers():
-    """The converter cannot import the trainer's options (they import it): its defaults of
-    settings a recorded run may lack are held equal to TrainingConfig's here."""
-    import dataclasses
-
-    from megatron.training import TrainingConfig
-    from megatron.training.hf.config import RECORDED_DEFAULTS
-
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainingConfig)}
-    assert {k: defaults[k] for k in RECORDED_DEFAULTS} == RECORDED_DEFAULTS

@@ -151,3 +151,32 @@ def test_recorded_lora_settings_read_through_the_trainers_table():
     assert (lora.dropout_position, lora.lora_B_init_method, lora.seed) == ("post", "xavier", 7)
     assert lora.flags["dropout_position"] == "--lora-dropout-position"
     assert lora_of_settings({"lora_dim": 2}).alpha == 32.0 and lora_of_settings({}) is None
+
+
+def test_the_hf_loader_takes_its_transformer_config_fields_from_the_options():
+    """The options module does not import the HuggingFace converter, so the converter builds
+    from the options' table: a HuggingFace model's TransformerConfig fields are those the
+    trainer sets from the same settings (``--hf-model``), the layout and run fields aside."""
+    import ast
+    from pathlib import Path
+
+    import megatron.training.arguments as arguments
+    from megatron.training.hf.config import architecture_from_config, training_settings
+    from megatron.training.hf.loading import architecture_fields
+    from megatron.training.model import transformer_config_from
+    from tests.unit_tests.hf.test_hf_refusals import BASE
+
+    tree = ast.parse(Path(arguments.__file__).read_text())
+    imported = [
+        node.module if isinstance(node, ast.ImportFrom) else alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    ]
+    assert not [m for m in imported if m and m.startswith("megatron.training.hf")]
+    arch = architecture_from_config(BASE["olmoe"])
+    config = TrainingConfig(**training_settings(arch), seq_length=16)
+    trainer = transformer_config_from(config, validate_config(config, 1))
+    for name, value in architecture_fields(arch).items():
+        if name != "activation_func":
+            assert getattr(trainer, name) == value, name
