@@ -30,16 +30,6 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 from megatron.core.config_rules import moe_layer_pattern
 from megatron.training.hf.family import ConfigReader, HFArchitecture, Segment, Source
 
-# The HFArchitecture fields a family's ``read_extra`` may set for a MoE model.
-MOE_FIELDS = (
-    "num_moe_experts",
-    "moe_router_topk",
-    "moe_ffn_hidden_size",
-    "moe_router_pre_softmax",
-    "moe_shared_expert_intermediate_size",
-    "moe_shared_expert_gate",
-    "moe_layer_freq",
-)
 # The routing these families compute, in megatron's names (TransformerConfig and trainer
 # settings alike): set on import, required of a trained model's settings on export.
 WRITTEN_ROUTING: Dict[str, Any] = {
