@@ -19,7 +19,7 @@ import json
 from collections import defaultdict
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 from megatron.core.config_rules import moe_layer_pattern
 from megatron.training.hf.families import REGISTRY
@@ -102,54 +102,55 @@ def hf_config_for_export(
     return config
 
 
-def training_settings(arch: HFArchitecture) -> Dict[str, Any]:
-    """The trainer's model settings (``TrainingConfig`` fields) that build ``arch``."""
-    return {
-        "num_layers": arch.num_layers,
-        "hidden_size": arch.hidden_size,
-        "num_attention_heads": arch.num_attention_heads,
-        "num_query_groups": arch.num_query_groups,
-        "kv_channels": arch.kv_channels,
-        "ffn_hidden_size": arch.ffn_hidden_size,
-        "vocab_size": arch.vocab_size,
-        "normalization": arch.normalization,
-        "norm_epsilon": arch.norm_epsilon,
-        "swiglu": arch.swiglu,
-        "openai_gelu": arch.activation == "gelu_tanh",
-        "position_embedding_type": arch.position_embedding_type,
+# HFArchitecture fields that are not the trainer setting of the same name -> the settings
+# they give; every other field that names a TrainingConfig option is that option's value.
+TRANSLATED: Dict[str, Callable[[HFArchitecture], Dict[str, Any]]] = {
+    "family": lambda a: {},
+    "dtype": lambda a: {},
+    "activation": lambda a: {"openai_gelu": a.activation == "gelu_tanh"},
+    "max_position_embeddings": lambda a: {
         "max_position_embeddings": (
-            arch.max_position_embeddings if arch.position_embedding_type != "rope" else None
-        ),
-        "rotary_base": arch.rotary_base,
-        "use_rope_scaling": arch.rope_scaling_factor is not None,
-        "rope_scaling_factor": arch.rope_scaling_factor or 8.0,
-        "disable_bias_linear": not arch.add_bias_linear,
-        "add_qkv_bias": arch.add_qkv_bias,
-        "untie_embeddings_and_output_weights": not arch.tied,
-        "window_size": None if arch.window_size is None else list(arch.window_size),
-        "qk_layernorm": arch.qk_layernorm,
-        "qk_layernorm_whole_projection": arch.qk_layernorm_whole_projection,
-        "num_experts": arch.num_moe_experts,
-        **moe_training_settings(arch),
-    }
+            a.max_position_embeddings if a.position_embedding_type != "rope" else None
+        )
+    },
+    "rope_scaling_factor": lambda a: {
+        "use_rope_scaling": a.rope_scaling_factor is not None,
+        "rope_scaling_factor": a.rope_scaling_factor or 8.0,
+    },
+    "add_bias_linear": lambda a: {"disable_bias_linear": not a.add_bias_linear},
+    "tied": lambda a: {"untie_embeddings_and_output_weights": not a.tied},
+    "window_size": lambda a: {
+        "window_size": None if a.window_size is None else list(a.window_size)
+    },
+    "num_moe_experts": lambda a: {"num_experts": a.num_moe_experts},
+    "moe_layer_freq": lambda a: {"moe_layer_freq": written_moe_layer_freq(a)},
+}
 
 
-def moe_training_settings(arch: HFArchitecture) -> Dict[str, Any]:
-    """The trainer's MoE model settings of ``arch`` (none for a dense model): softmax
-    routing without scaling, groups or expert bias, as the families compute it. No router
-    loss: HuggingFace's ``router_aux_loss_coef`` is a different loss (docs/huggingface.md);
-    ``--moe-aux-loss-coeff`` and ``--moe-z-loss-coeff`` stay the user's choice."""
-    if arch.num_moe_experts is None:
-        return {}
-    return {
-        "moe_router_topk": arch.moe_router_topk,
-        "moe_ffn_hidden_size": arch.moe_ffn_hidden_size,
-        "moe_router_pre_softmax": arch.moe_router_pre_softmax,
-        "moe_shared_expert_intermediate_size": arch.moe_shared_expert_intermediate_size,
-        "moe_shared_expert_gate": arch.moe_shared_expert_gate,
-        "moe_layer_freq": written_moe_layer_freq(arch),
-        **WRITTEN_ROUTING,
-    }
+def training_settings(arch: HFArchitecture) -> Dict[str, Any]:
+    """The trainer's model settings (``TrainingConfig`` fields) that build ``arch``: each
+    field by its name or through ``TRANSLATED``. A MoE model's: softmax routing without
+    scaling, groups or expert bias (``WRITTEN_ROUTING``), as the families compute it; no
+    router loss: HuggingFace's ``router_aux_loss_coef`` is a different loss
+    (docs/huggingface.md), ``--moe-aux-loss-coeff`` and ``--moe-z-loss-coeff`` stay the
+    user's choice."""
+    options = _option_names()
+    moe = arch.num_moe_experts is not None
+    out: Dict[str, Any] = {}
+    for f in fields(HFArchitecture):
+        if f.name.startswith("moe_") and not moe:
+            continue
+        if f.name in TRANSLATED:
+            out.update(TRANSLATED[f.name](arch))
+        elif f.name in options:
+            out[f.name] = getattr(arch, f.name)
+    return {**out, **WRITTEN_ROUTING} if moe else out
+
+
+def _option_names() -> set:
+    from megatron.training.arguments import TrainingConfig  # no torch
+
+    return {f.name for f in fields(TrainingConfig)}
 
 
 def settings_of_hf_config(raw: Dict[str, Any], where: str = "config.json") -> Dict[str, Any]:
@@ -250,32 +251,29 @@ def _with_defaults(settings: Dict[str, Any]) -> Dict[str, Any]:
 
 def _architecture_of_settings(settings: Dict[str, Any]) -> HFArchitecture:
     """The architecture (no family yet) of a model our trainer built; ``settings`` has every
-    option (``_with_defaults``)."""
+    option (``_with_defaults``). A field named as an option takes its value; the
+    ``TRANSLATED`` ones (and the MoE fields) are computed back here."""
+    options = _option_names()
+    same = {
+        f.name: settings[f.name]
+        for f in fields(HFArchitecture)
+        if f.name in options and f.name not in TRANSLATED and not f.name.startswith("moe_")
+    }
     swiglu, bias = bool(settings["swiglu"]), not settings["disable_bias_linear"]
-    scaling = settings["rope_scaling_factor"] if settings["use_rope_scaling"] else None
     rope = settings["position_embedding_type"] == "rope"
-    return HFArchitecture(
+    translated = dict(
         family="",
-        num_layers=settings["num_layers"],
-        hidden_size=settings["hidden_size"],
-        num_attention_heads=settings["num_attention_heads"],
-        num_query_groups=settings["num_query_groups"],
-        kv_channels=settings["kv_channels"],
-        ffn_hidden_size=settings["ffn_hidden_size"],
-        vocab_size=settings["vocab_size"],
-        normalization=settings["normalization"],
-        norm_epsilon=settings["norm_epsilon"],
         swiglu=swiglu,
         activation="silu" if swiglu else ("gelu_tanh" if settings["openai_gelu"] else "gelu"),
         position_embedding_type="rope" if rope else "learned_absolute",
         max_position_embeddings=settings["max_position_embeddings"],
         rotary_base=float(settings["rotary_base"]),
-        rope_scaling_factor=scaling,
+        rope_scaling_factor=(
+            settings["rope_scaling_factor"] if settings["use_rope_scaling"] else None
+        ),
         add_bias_linear=bias,
         add_qkv_bias=bool(settings["add_qkv_bias"]) and not bias,
         tied=not settings["untie_embeddings_and_output_weights"],
         window_size=tuple(settings["window_size"]) if settings["window_size"] else None,
-        qk_layernorm=bool(settings["qk_layernorm"]),
-        qk_layernorm_whole_projection=bool(settings["qk_layernorm_whole_projection"]),
-        **moe_architecture_fields(settings),
     )
+    return HFArchitecture(**{**same, **translated}, **moe_architecture_fields(settings))

@@ -67,3 +67,28 @@ def test_every_family_writes_what_it_reads(family):
     assert model_meaning(again) == model_meaning(settings)
     chosen = settings_of_hf_config(hf_config_of_settings(dict(settings, seq_length=16)))
     assert model_meaning(chosen) == model_meaning(settings)
+
+
+@pytest.mark.parametrize("family", sorted(REGISTRY))
+def test_architecture_and_settings_translate_by_name(family):
+    """An HFArchitecture field named as a trainer option is that option (no hand mapping:
+    a new model feature is one field); the others go through ``TRANSLATED`` both ways, so
+    settings -> architecture -> settings is the identity."""
+    import dataclasses
+
+    from megatron.training import TrainingConfig
+    from megatron.training.hf.config import TRANSLATED, architecture_from_model_settings
+    from tests.unit_tests.hf.test_hf_refusals import BASE
+
+    options = {f.name for f in dataclasses.fields(TrainingConfig)}
+    arch = architecture_from_config(BASE[family])
+    settings = training_settings(arch)
+    for f in dataclasses.fields(arch):
+        if (
+            f.name in options
+            and f.name not in TRANSLATED
+            and (arch.num_moe_experts is not None or not f.name.startswith("moe_"))
+        ):
+            assert settings[f.name] == getattr(arch, f.name), f.name
+    again = architecture_from_model_settings(dict(settings, seq_length=16))
+    assert training_settings(again) == settings
