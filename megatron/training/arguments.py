@@ -30,14 +30,19 @@ from megatron.training import options
 from megatron.training.model_settings import resolved_model
 from megatron.training.options import (
     DATA,
+    DDP_CONFIG,
+    GPT_MODEL,
     LAYOUT,
+    LORA_CONFIG,
     MODEL,
     OPTIMIZER,
     OUTPUT,
     PRECISION,
     RUN,
+    SCHEDULER,
     Check,
     Option,
+    Sets,
     command_line,
     is_int,
     is_number,
@@ -92,11 +97,39 @@ def _is_signal_name(name: object) -> bool:
     return isinstance(name, str) and name in catchable_signals()
 
 
-def _hf_families() -> str:
-    """The HuggingFace families ``--hf-model`` reads (the converter's registry)."""
-    from megatron.training.hf.families import REGISTRY  # no torch
+def _moe(field: str, value=None, from_layout: bool = False) -> Sets:
+    """A ``TransformerConfig`` MoE field, set only with ``--num-experts``."""
+    return Sets(
+        field, value=value, when=lambda c: c.num_experts is not None, from_layout=from_layout
+    )
 
-    return ", ".join(REGISTRY)
+
+def _fusion(field: str) -> Sets:
+    """One of megatron-core's fusion switches, on with ``--compile`` (torch.compile'd
+    functions); ``bias_activation_fusion`` stays off for OpenAI's tanh GELU, which it does
+    not fuse."""
+
+    def value(config, _layout) -> bool:
+        tanh_gelu = field == "bias_activation_fusion" and config.openai_gelu and not config.swiglu
+        return config.compile and not tanh_gelu
+
+    return Sets(field, value=value)
+
+
+# megatron-core's fusion switches, set by --compile.
+FUSIONS = (
+    "bias_activation_fusion",
+    "bias_dropout_fusion",
+    "apply_rope_fusion",
+    "persist_layer_norm",
+    "cross_entropy_loss_fusion",
+)
+_FUSION_SWITCHES = tuple(_fusion(field) for field in FUSIONS)
+
+
+# Where --hf-model's help names the families: the converter's registry fills it in
+# (``build_parser(hf_families=...)``; the converter imports this module, not the reverse).
+HF_FAMILIES = "the HuggingFace families listed"
 
 
 # --help sections: the field that opens each one (the following fields belong to it).
@@ -139,6 +172,7 @@ class TrainingConfig:
         "--tp",
         "--tensor-model-parallel-size",
         kind=LAYOUT,
+        library=Sets("tensor_model_parallel_size", from_layout=True),
         metavar="T",
         check=positive,
         help="tensor-parallel size T (heads, FFN and vocabulary split over T ranks)",
@@ -147,6 +181,7 @@ class TrainingConfig:
         False,
         "--sequence-parallel",
         kind=LAYOUT,
+        library="sequence_parallel",
         help="with --tp > 1: norms, dropout and residuals on a 1/T share of the sequence",
     )
     context_parallel_size: int = option(
@@ -154,6 +189,7 @@ class TrainingConfig:
         "--cp",
         "--context-parallel-size",
         kind=LAYOUT,
+        library=Sets("context_parallel_size", from_layout=True),
         metavar="C",
         check=positive,
         help="context-parallel size C (each sequence split into 2C chunks)",
@@ -163,6 +199,7 @@ class TrainingConfig:
         "--pp",
         "--pipeline-model-parallel-size",
         kind=LAYOUT,
+        library=Sets("pipeline_model_parallel_size", from_layout=True),
         metavar="P",
         check=positive,
         help="pipeline-parallel size",
@@ -172,6 +209,7 @@ class TrainingConfig:
         "--vpp",
         "--num-virtual-stages-per-pipeline-rank",
         kind=LAYOUT,
+        library=Sets("virtual_pipeline_model_parallel_size", from_layout=True),
         type=int,
         metavar="V",
         check=positive,
@@ -190,6 +228,7 @@ class TrainingConfig:
         "all_gather",
         "--cp-comm-type",
         kind=LAYOUT,
+        library="cp_comm_type",
         nargs="+",
         choices=CP_COMM_TYPES,
         metavar="KIND",
@@ -203,6 +242,9 @@ class TrainingConfig:
         None,
         "--hierarchical-context-parallel-sizes",
         kind=LAYOUT,
+        library=Sets(
+            "hierarchical_context_parallel_sizes", value=lambda c, layout: layout.hierarchical_sizes
+        ),
         nargs=2,
         type=int,
         metavar=("A", "P"),
@@ -289,18 +331,34 @@ class TrainingConfig:
     )
     # Model.
     num_layers: int = option(
-        4, "--num-layers", kind=MODEL, check=positive, help="transformer layers"
+        4,
+        "--num-layers",
+        kind=MODEL,
+        library="num_layers",
+        check=positive,
+        help="transformer layers",
     )
     hidden_size: int = option(
-        32, "--hidden-size", kind=MODEL, check=positive, help="hidden size (model width)"
+        32,
+        "--hidden-size",
+        kind=MODEL,
+        library="hidden_size",
+        check=positive,
+        help="hidden size (model width)",
     )
     num_attention_heads: int = option(
-        4, "--num-attention-heads", kind=MODEL, check=positive, help="attention heads"
+        4,
+        "--num-attention-heads",
+        kind=MODEL,
+        library="num_attention_heads",
+        check=positive,
+        help="attention heads",
     )
     num_query_groups: Optional[int] = option(
         None,
         "--num-query-groups",
         kind=MODEL,
+        library="num_query_groups",
         type=int,
         check=positive,
         help="key/value head groups (grouped-query attention); default: one per head",
@@ -309,6 +367,7 @@ class TrainingConfig:
         None,
         "--ffn-hidden-size",
         kind=MODEL,
+        library="ffn_hidden_size",
         type=int,
         check=positive,
         help="MLP hidden size; default: 4 x hidden size",
@@ -317,6 +376,7 @@ class TrainingConfig:
         "LayerNorm",
         "--normalization",
         kind=MODEL,
+        library="normalization",
         choices=NORMALIZATIONS,
         check=one_of(NORMALIZATIONS),
         help="normalization layer",
@@ -325,23 +385,30 @@ class TrainingConfig:
         False,
         "--swiglu",
         kind=MODEL,
+        library="gated_linear_unit",
         help="gated MLP silu(x W_gate) * (x W_up) instead of gelu(x W_1)",
     )
     position_embedding_type: str = option(
         "learned_absolute",
         "--position-embedding-type",
         kind=MODEL,
+        library=Sets("position_embedding_type", GPT_MODEL),
         choices=POSITION_EMBEDDING_TYPES,
         check=one_of(POSITION_EMBEDDING_TYPES),
         help="learned absolute positions or rotary embeddings",
     )
     disable_bias_linear: bool = option(
-        False, "--disable-bias-linear", kind=MODEL, help="no biases in the linear layers"
+        False,
+        "--disable-bias-linear",
+        kind=MODEL,
+        library=Sets("add_bias_linear", value=lambda c, _: not c.disable_bias_linear),
+        help="no biases in the linear layers",
     )
     label_smoothing: float = option(
         0.0,
         "--label-smoothing",
         kind=RUN,
+        library="label_smoothing",
         check=Check("in [0, 1)", config_rules.label_smoothing_allowed),
         help="label smoothing of the cross-entropy over the whole vocabulary",
     )
@@ -349,6 +416,7 @@ class TrainingConfig:
         0.02,
         "--init-method-std",
         kind=RUN,
+        library="init_method_std",
         check=non_negative_number,
         help="std of initial weights",
     )
@@ -356,12 +424,18 @@ class TrainingConfig:
         False,
         "--untie-embeddings-and-output-weights",
         kind=MODEL,
+        library=Sets(
+            "share_embeddings_and_output_weights",
+            GPT_MODEL,
+            lambda c, _: not c.untie_embeddings_and_output_weights,
+        ),
         help="separate output layer (default: tied to the word embeddings)",
     )
     kv_channels: Optional[int] = option(
         None,
         "--kv-channels",
         kind=MODEL,
+        library="kv_channels",
         type=int,
         check=positive,
         help="size of each attention head; default: hidden size / attention heads",
@@ -370,6 +444,9 @@ class TrainingConfig:
         None,
         "--max-position-embeddings",
         kind=MODEL,
+        library=Sets(
+            "max_sequence_length", GPT_MODEL, lambda c, _: c.max_position_embeddings or c.seq_length
+        ),
         type=int,
         check=positive,
         help="rows of the learned position table (learned_absolute); default: --seq-length",
@@ -378,22 +455,30 @@ class TrainingConfig:
         1e-5,
         "--norm-epsilon",
         kind=MODEL,
+        library="layernorm_epsilon",
         check=positive_number,
         help="epsilon of LayerNorm / RMSNorm",
     )
     rotary_base: float = option(
-        10000.0, "--rotary-base", kind=MODEL, check=positive_number, help="RoPE base (rope_theta)"
+        10000.0,
+        "--rotary-base",
+        kind=MODEL,
+        library=Sets("rotary_base", GPT_MODEL),
+        check=positive_number,
+        help="RoPE base (rope_theta)",
     )
     use_rope_scaling: bool = option(
         False,
         "--use-rope-scaling",
         kind=MODEL,
+        library=Sets("rope_scaling", GPT_MODEL),
         help="Llama 3.x RoPE frequency scaling (by --rope-scaling-factor)",
     )
     rope_scaling_factor: float = option(
         8.0,
         "--rope-scaling-factor",
         kind=MODEL,
+        library=Sets("rope_scaling_factor", GPT_MODEL),
         check=positive_number,
         help="--use-rope-scaling: the factor long wavelengths are divided by",
     )
@@ -401,12 +486,14 @@ class TrainingConfig:
         False,
         "--add-qkv-bias",
         kind=MODEL,
+        library="add_qkv_bias",
         help="biases on the query/key/value projection even with --disable-bias-linear (Qwen2)",
     )
     qk_layernorm: bool = option(
         False,
         "--qk-layernorm",
         kind=MODEL,
+        library="qk_layernorm",
         help="normalize each query and key head (--normalization, over kv-channels) before "
         "the rotary embedding (Qwen3)",
     )
@@ -414,6 +501,7 @@ class TrainingConfig:
         False,
         "--qk-layernorm-whole-projection",
         kind=MODEL,
+        library="qk_layernorm_whole_projection",
         help="with --qk-layernorm and RMSNorm: one norm over all heads of the query and of "
         "the key projection (weights [heads x kv-channels]), not one per head (OLMoE)",
     )
@@ -427,6 +515,7 @@ class TrainingConfig:
         "auto",
         "--attention-backend",
         kind=RUN,
+        library="attention_backend",
         choices=ATTENTION_BACKENDS,
         check=one_of(ATTENTION_BACKENDS),
         help="attention kernel: auto (the one PyTorch's scaled_dot_product_attention picks for "
@@ -437,6 +526,10 @@ class TrainingConfig:
         None,
         "--window-size",
         kind=MODEL,
+        library=Sets(
+            "window_size",
+            value=lambda c, _: None if c.window_size is None else tuple(c.window_size),
+        ),
         nargs=2,
         type=int,
         metavar=("LEFT", "RIGHT"),
@@ -450,10 +543,11 @@ class TrainingConfig:
         None,
         "--hf-model",
         kind=RUN,
+        library=Sets("perform_initialization", value=lambda c, _: not c.hf_model),
         type=str,
         metavar="DIR",
         help="start from a HuggingFace model (config.json + safetensors; its model_type one "
-        f"of {_hf_families()}; docs/huggingface.md): its config.json sets the model options "
+        f"of {HF_FAMILIES}; docs/huggingface.md): its config.json sets the model options "
         "above (an explicit conflicting one is an error), its weights are loaded at any "
         "layout, and with --data-path its tokenizer is the default --tokenizer",
     )
@@ -462,6 +556,7 @@ class TrainingConfig:
         None,
         "--num-experts",
         kind=MODEL,
+        library=_moe("num_moe_experts"),
         type=int,
         metavar="E",
         check=positive,
@@ -469,12 +564,20 @@ class TrainingConfig:
         "dense model. Needs --disable-bias-linear",
     )
     moe_router_topk: int = option(
-        2, "--moe-router-topk", kind=MODEL, check=positive, help="experts per token (k)"
+        2,
+        "--moe-router-topk",
+        kind=MODEL,
+        library=_moe("moe_router_topk"),
+        check=positive,
+        help="experts per token (k)",
     )
     moe_ffn_hidden_size: Optional[int] = option(
         None,
         "--moe-ffn-hidden-size",
         kind=MODEL,
+        library=_moe(
+            "moe_ffn_hidden_size", lambda c, _: c.moe_ffn_hidden_size or c.ffn_hidden_size
+        ),
         type=int,
         check=positive,
         help="each routed expert's FFN size; default: --ffn-hidden-size",
@@ -483,6 +586,7 @@ class TrainingConfig:
         None,
         "--moe-shared-expert-intermediate-size",
         kind=MODEL,
+        library=_moe("moe_shared_expert_intermediate_size"),
         type=int,
         check=positive,
         help="FFN size of the shared expert every token goes through; default: none",
@@ -491,12 +595,14 @@ class TrainingConfig:
         False,
         "--moe-shared-expert-gate",
         kind=MODEL,
+        library=_moe("moe_shared_expert_gate"),
         help="scale the shared expert by sigmoid(x . g) (Qwen2-MoE)",
     )
     moe_router_load_balancing_type: str = option(
         "aux_loss",
         "--moe-router-load-balancing-type",
         kind=OPTIMIZER,
+        library=_moe("moe_router_load_balancing_type"),
         check=one_of(config_rules.MOE_LOAD_BALANCING_TYPES),
         help="aux_loss (over each micro-batch), seq_aux_loss (per sequence) or none; "
         "sinkhorn and global_aux_loss are refused (layout-dependent)",
@@ -505,6 +611,7 @@ class TrainingConfig:
         0.0,
         "--moe-aux-loss-coeff",
         kind=OPTIMIZER,
+        library=_moe("moe_aux_loss_coeff"),
         check=non_negative_number,
         help="load-balancing loss coefficient c (docs/moe.md has the definition)",
     )
@@ -512,6 +619,7 @@ class TrainingConfig:
         None,
         "--moe-z-loss-coeff",
         kind=OPTIMIZER,
+        library=_moe("moe_z_loss_coeff"),
         type=float,
         check=non_negative_number,
         help="router z-loss coefficient; default: none",
@@ -520,12 +628,14 @@ class TrainingConfig:
         False,
         "--moe-router-pre-softmax",
         kind=MODEL,
+        library=_moe("moe_router_pre_softmax"),
         help="softmax over all experts before the top-k (default: over the selected k)",
     )
     moe_router_score_function: str = option(
         "softmax",
         "--moe-router-score-function",
         kind=MODEL,
+        library=_moe("moe_router_score_function"),
         check=one_of(config_rules.MOE_SCORE_FUNCTIONS),
         help="softmax or sigmoid routing scores",
     )
@@ -533,6 +643,7 @@ class TrainingConfig:
         None,
         "--moe-router-dtype",
         kind=MODEL,
+        library=_moe("moe_router_dtype"),
         check=one_of(("fp32", "fp64")),
         help="the router's logits, routing and router losses in this dtype (default: the "
         "model's; fp32 as transformers' MoE routers in a bf16 run)",
@@ -541,6 +652,7 @@ class TrainingConfig:
         False,
         "--moe-router-enable-expert-bias",
         kind=MODEL,
+        library=_moe("moe_router_enable_expert_bias"),
         help="aux-loss-free balancing: a per-expert bias on the selection scores, updated "
         "after every step from the token counts (needs --moe-router-score-function sigmoid)",
     )
@@ -548,6 +660,7 @@ class TrainingConfig:
         1e-3,
         "--moe-router-bias-update-rate",
         kind=OPTIMIZER,
+        library=_moe("moe_router_bias_update_rate"),
         check=positive_number,
         help="step of the expert-bias update",
     )
@@ -555,6 +668,7 @@ class TrainingConfig:
         None,
         "--moe-router-topk-scaling-factor",
         kind=MODEL,
+        library=_moe("moe_router_topk_scaling_factor"),
         type=float,
         check=positive_number,
         help="multiply the routing probabilities by this factor; default: none",
@@ -563,6 +677,7 @@ class TrainingConfig:
         None,
         "--moe-router-num-groups",
         kind=MODEL,
+        library=_moe("moe_router_num_groups"),
         type=int,
         check=positive,
         help="group-limited routing: expert groups (with --moe-router-group-topk)",
@@ -571,6 +686,7 @@ class TrainingConfig:
         None,
         "--moe-router-group-topk",
         kind=MODEL,
+        library=_moe("moe_router_group_topk"),
         type=int,
         check=positive,
         help="group-limited routing: groups each token may use",
@@ -579,6 +695,7 @@ class TrainingConfig:
         1,
         "--moe-layer-freq",
         kind=MODEL,
+        library=_moe("moe_layer_freq"),
         type=int,
         nargs="+",
         one_or_list=True,
@@ -589,6 +706,7 @@ class TrainingConfig:
         False,
         "--moe-grouped-gemm",
         kind=RUN,
+        library=_moe("moe_grouped_gemm"),
         help="GroupedMLP experts (one grouped GEMM on a GPU; same values as the default "
         "SequentialMLP)",
     )
@@ -596,6 +714,7 @@ class TrainingConfig:
         "allgather",
         "--moe-token-dispatcher-type",
         kind=RUN,
+        library=_moe("moe_token_dispatcher_type"),
         check=one_of(config_rules.MOE_TOKEN_DISPATCHERS),
         help="allgather or alltoall (flex is refused)",
     )
@@ -604,6 +723,7 @@ class TrainingConfig:
         "--expert-model-parallel-size",
         "--ep",
         kind=LAYOUT,
+        library=_moe("expert_model_parallel_size", from_layout=True),
         check=positive,
         help="expert-parallel size (experts split over EP ranks)",
     )
@@ -612,13 +732,19 @@ class TrainingConfig:
         "--expert-tensor-parallel-size",
         "--etp",
         kind=LAYOUT,
+        library=_moe("expert_tensor_parallel_size", from_layout=True),
         type=int,
         check=positive,
         help="tensor-parallel size inside each expert; default: --tp",
     )
     # Optimization.
     train_iters: int = option(
-        20, "--train-iters", kind=OPTIMIZER, check=positive, help="training iterations"
+        20,
+        "--train-iters",
+        kind=OPTIMIZER,
+        library=Sets("lr_decay_steps", SCHEDULER),
+        check=positive,
+        help="training iterations",
     )
     lr: float = option(
         3e-3, "--lr", kind=OPTIMIZER, check=positive_number, help="peak Adam learning rate"
@@ -648,7 +774,12 @@ class TrainingConfig:
         help="decoupled weight decay (AdamW)",
     )
     lr_warmup_iters: int = option(
-        0, "--lr-warmup-iters", kind=OPTIMIZER, check=non_negative, help="linear warm-up from 0"
+        0,
+        "--lr-warmup-iters",
+        kind=OPTIMIZER,
+        library=Sets("lr_warmup_steps", SCHEDULER),
+        check=non_negative,
+        help="linear warm-up from 0",
     )
     lr_decay_style: str = option(
         "constant",
@@ -691,6 +822,7 @@ class TrainingConfig:
         False,
         "--calculate-per-token-loss",
         kind=RUN,
+        library="calculate_per_token_loss",
         help="train sum(loss)/sum(tokens) over the global batch instead of the mean over "
         "microbatches of each microbatch's token mean",
     )
@@ -706,12 +838,14 @@ class TrainingConfig:
         False,
         "--overlap-grad-reduce",
         kind=RUN,
+        library=Sets("overlap_grad_reduce", DDP_CONFIG),
         help="reduce gradient buckets asynchronously during the backward",
     )
     use_distributed_optimizer: bool = option(
         False,
         "--use-distributed-optimizer",
         kind=RUN,
+        library=Sets("use_distributed_optimizer", DDP_CONFIG),
         help="ZeRO-1: gradients reduce-scattered over data x context parallel ranks, fp32 "
         "main parameters and Adam state kept for this rank's shard only, parameters "
         "all-gathered after the step (docs/memory.md)",
@@ -720,6 +854,7 @@ class TrainingConfig:
         False,
         "--overlap-param-gather",
         kind=RUN,
+        library=Sets("overlap_param_gather", DDP_CONFIG),
         help="with --use-distributed-optimizer: all-gather the updated parameters "
         "asynchronously, each module's forward waiting for its own bucket",
     )
@@ -728,6 +863,7 @@ class TrainingConfig:
         None,
         "--recompute-granularity",
         kind=RUN,
+        library="recompute_granularity",
         choices=config_rules.RECOMPUTE_GRANULARITIES,
         help="recompute activations in the backward: full (whole layers, with "
         "--recompute-method and --recompute-num-layers) or selective (--recompute-modules)",
@@ -736,6 +872,7 @@ class TrainingConfig:
         None,
         "--recompute-method",
         kind=RUN,
+        library="recompute_method",
         choices=config_rules.RECOMPUTE_METHODS,
         help="with --recompute-granularity full: uniform (groups of --recompute-num-layers "
         "layers, one checkpoint each) or block (the first --recompute-num-layers layers of "
@@ -745,6 +882,7 @@ class TrainingConfig:
         None,
         "--recompute-num-layers",
         kind=RUN,
+        library="recompute_num_layers",
         type=int,
         metavar="N",
         help="layers per checkpoint (uniform) or layers checkpointed per chunk (block)",
@@ -753,6 +891,7 @@ class TrainingConfig:
         None,
         "--recompute-modules",
         kind=RUN,
+        library="recompute_modules",
         nargs="+",
         choices=config_rules.RECOMPUTE_MODULES,
         metavar="MODULE",
@@ -763,6 +902,7 @@ class TrainingConfig:
         False,
         "--gradient-accumulation-fusion",
         kind=RUN,
+        library="gradient_accumulation_fusion",
         help="linear layers add their weight gradients into the fp32 main_grad inside the "
         "GEMM (megatron-core's gradient_accumulation_fusion)",
     )
@@ -770,6 +910,7 @@ class TrainingConfig:
         False,
         "--compile",
         kind=RUN,
+        library=_FUSION_SWITCHES,
         help="torch.compile each transformer layer and the loss (an extra of this trainer; "
         "megatron-core's fusion switches are set too): the same math, fewer memory passes "
         "(docs/mixed_precision.md)",
@@ -778,6 +919,7 @@ class TrainingConfig:
         1234,
         "--seed",
         kind=RUN,
+        library=(Sets("seed", GPT_MODEL), Sets("seed", LORA_CONFIG)),
         check=non_negative,
         help="seed of the weights and of the generated data",
     )
@@ -786,11 +928,16 @@ class TrainingConfig:
         False,
         "--bf16",
         kind=PRECISION,
+        library="bf16",
         help="bf16 weights and activations (Float16Module), fp32 main_grad and fp32 main "
         "parameters in the optimizer, loss in fp32",
     )
     fp16: bool = option(
-        False, "--fp16", kind=PRECISION, help="as --bf16 in fp16, with dynamic loss scaling (below)"
+        False,
+        "--fp16",
+        kind=PRECISION,
+        library="fp16",
+        help="as --bf16 in fp16, with dynamic loss scaling (below)",
     )
     loss_scale: Optional[float] = option(
         None,
@@ -886,6 +1033,7 @@ class TrainingConfig:
         None,
         "--lora-dim",
         kind=MODEL,
+        library=Sets("dim", LORA_CONFIG),
         type=int,
         check=positive,
         metavar="R",
@@ -895,6 +1043,7 @@ class TrainingConfig:
         32.0,
         "--lora-alpha",
         kind=MODEL,
+        library=Sets("alpha", LORA_CONFIG),
         type=float,
         check=options.positive_number,
         help="with --lora-dim: the adapter output is scaled by alpha / dim",
@@ -903,6 +1052,7 @@ class TrainingConfig:
         tuple(config_rules.LORA_TARGETS),
         "--lora-target-modules",
         kind=MODEL,
+        library=Sets("target_modules", LORA_CONFIG, lambda c, _: tuple(c.lora_target_modules)),
         type=str,
         nargs="+",
         metavar="MODULE",
@@ -913,6 +1063,7 @@ class TrainingConfig:
         (),
         "--lora-exclude-modules",
         kind=MODEL,
+        library=Sets("exclude_modules", LORA_CONFIG, lambda c, _: tuple(c.lora_exclude_modules)),
         type=str,
         nargs="+",
         metavar="MODULE",
@@ -922,6 +1073,7 @@ class TrainingConfig:
         0.0,
         "--lora-dropout",
         kind=RUN,
+        library=Sets("dropout", LORA_CONFIG),
         type=float,
         check=options.unit_interval,
         help="with --lora-dim: dropout on the adapter's input (or output, see below)",
@@ -930,6 +1082,7 @@ class TrainingConfig:
         "pre",
         "--lora-dropout-position",
         kind=RUN,
+        library=Sets("dropout_position", LORA_CONFIG),
         choices=config_rules.LORA_DROPOUT_POSITIONS,
         help="with --lora-dim: pre (on the adapter's input) or post (on its output)",
     )
@@ -937,6 +1090,7 @@ class TrainingConfig:
         "xavier",
         "--lora-a-init-method",
         kind=RUN,
+        library=Sets("lora_A_init_method", LORA_CONFIG),
         choices=config_rules.LORA_INIT_METHODS,
         help="with --lora-dim: how A is drawn (seeded by --seed and the layer's name)",
     )
@@ -944,6 +1098,7 @@ class TrainingConfig:
         "zero",
         "--lora-b-init-method",
         kind=RUN,
+        library=Sets("lora_B_init_method", LORA_CONFIG),
         choices=config_rules.LORA_INIT_METHODS,
         help="with --lora-dim: how B is drawn (zero: training starts at the base model)",
     )
@@ -1277,24 +1432,32 @@ def single_process_config(config: TrainingConfig) -> TrainingConfig:
 # ----------------------------------------------------------------------------- command line
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(hf_families: Sequence[str] = ()) -> argparse.ArgumentParser:
     """The ``python -m megatron.training`` / ``megatron-train`` command line, one option per
-    ``TrainingConfig`` field (``options.build_parser``)."""
+    ``TrainingConfig`` field (``options.build_parser``); ``hf_families``: the model types
+    ``--hf-model``'s help lists (the converter's registry, passed by the command line)."""
     description = (
         "Supervised fine-tuning of a small GPT on generated prompt/response pairs "
         "(prompt tokens masked out of the loss), under any tensor/context/pipeline/"
         "virtual-pipeline/data-parallel layout. CPU (gloo) by default, NCCL when every "
         "process has a GPU. The logged loss is the same for every layout."
     )
-    return options.build_parser(
+    parser = options.build_parser(
         TrainingConfig, "python -m megatron.training", description, _SECTIONS
     )
+    if hf_families:
+        for action in parser._actions:
+            if action.dest == "hf_model":
+                action.help = action.help.replace(HF_FAMILIES, ", ".join(hf_families))
+    return parser
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> TrainingConfig:
+def parse_args(
+    argv: Optional[Sequence[str]] = None, hf_families: Sequence[str] = ()
+) -> TrainingConfig:
     """Parse the command line into a ``TrainingConfig`` (no checks: ``validate_config``); a
-    mistake raises ``UsageError``."""
-    return options.parse(build_parser(), TrainingConfig, argv)
+    mistake raises ``UsageError``. ``hf_families``: see ``build_parser``."""
+    return options.parse(build_parser(hf_families), TrainingConfig, argv)
 
 
 def explicit_options(argv: Sequence[str]) -> List[str]:

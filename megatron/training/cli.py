@@ -40,6 +40,7 @@ from megatron.training.errors import (
     report_error,
     usage_error_of_failure,
 )
+from megatron.training.hf.families import REGISTRY  # no torch
 from megatron.training.hf_settings import resolve_hf_model
 from megatron.training.preflight import (
     adopt_checkpoint_settings,
@@ -66,7 +67,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     debug = debug_requested(argv)
     under_torchrun = "WORLD_SIZE" in os.environ
     try:
-        parsed = parse_args(argv)  # first: --help shows the defaults
+        parsed = parse_args(argv, tuple(REGISTRY))  # first: --help shows the defaults
         explicit = explicit_options(argv)
         config, adopted = adopt_checkpoint_settings(parsed, explicit)
         check_input_paths(config, adopted)

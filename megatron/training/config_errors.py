@@ -10,7 +10,8 @@ behind the fields a message mentions, with their values, in front of it::
 
 A field is the ``TrainingConfig`` field of the same name (every option declared in
 ``arguments.py``), or the one ``LIBRARY_NAMES`` lists for a library field the trainer sets
-from a field of another name. A mention is the name as a whole word; a one-word name
+from a field of another name (generated from the options' ``library=`` declarations). A
+mention is the name as a whole word; a one-word name
 (``lr``, ``fp16``) only as ``name=``, so that plain words are not taken for fields. A message
 that already names a flag (the trainer's own errors) is left as it is. No torch here.
 """
@@ -19,25 +20,23 @@ import re
 from dataclasses import fields
 from typing import Any, Dict, List, Tuple
 
-from megatron.training.options import option_of
+from megatron.training.arguments import TrainingConfig
+from megatron.training.options import (
+    DDP_CONFIG,
+    GPT_MODEL,
+    SCHEDULER,
+    TRANSFORMER_CONFIG,
+    library_names,
+    option_of,
+)
 
-# library field -> the TrainingConfig field it is set from (model.py, training.py)
-LIBRARY_NAMES: Dict[str, str] = {
-    "layernorm_epsilon": "norm_epsilon",
-    "gated_linear_unit": "swiglu",
-    "add_bias_linear": "disable_bias_linear",
-    "max_sequence_length": "max_position_embeddings",
-    "share_embeddings_and_output_weights": "untie_embeddings_and_output_weights",
-    "rope_scaling": "use_rope_scaling",
-    "lr_warmup_steps": "lr_warmup_iters",
-    "lr_decay_steps": "train_iters",
-    # megatron-core's fusion switches, set by --compile (model.FUSIONS)
-    "bias_activation_fusion": "compile",
-    "bias_dropout_fusion": "compile",
-    "apply_rope_fusion": "compile",
-    "persist_layer_norm": "compile",
-    "cross_entropy_loss_fusion": "compile",
-}
+# library field -> the TrainingConfig field it is set from, generated from the options'
+# ``library=`` declarations (arguments.py): layernorm_epsilon <- norm_epsilon,
+# num_moe_experts <- num_experts, the fusion switches <- compile, ... (LoRAConfig names its
+# flags itself: ``model.lora_config``)
+LIBRARY_NAMES: Dict[str, str] = library_names(
+    TrainingConfig, (TRANSFORMER_CONFIG, GPT_MODEL, DDP_CONFIG, SCHEDULER)
+)
 
 
 def name_the_flags(message: str, config: Any) -> str:

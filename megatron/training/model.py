@@ -1,9 +1,8 @@
-"""This rank's model: one GPT chunk per virtual pipeline stage, each wrapped in DDP, with
-the schedule hooks set as megatron's training loop sets them.
+"""This rank's model: one GPT chunk per virtual pipeline stage (``chunk.build_gpt_chunk``),
+each wrapped in DDP, with the schedule hooks set as megatron's training loop sets them.
 
-Chunk v of pipeline rank p is virtual stage s = v * PP + p; it embeds tokens when s = 0 and
-computes the loss when s = PP * V - 1. Weights are seeded per parameter (GPTModel), so every
-layout starts from the same model.
+The configs come from the options' ``library=`` declarations (``options.library_values``).
+Weights are seeded per parameter (GPTModel), so every layout starts from the same model.
 """
 
 from typing import List, Optional
@@ -18,14 +17,22 @@ from megatron.core.distributed import (
     finalize_model_grads,
 )
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.models.gpt.gpt_model import padded_vocab_size
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.lora import LoRAConfig, apply_lora, lora_modules
+from megatron.core.transformer.lora import apply_lora, lora_modules
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.utils import openai_gelu
-from megatron.training.arguments import Layout, TrainingConfig, flag_of
+from megatron.training import chunk
+from megatron.training.arguments import Layout, TrainingConfig
+from megatron.training.lora_settings import lora_config
+from megatron.training.options import (
+    DDP_CONFIG,
+    GPT_MODEL,
+    TRANSFORMER_CONFIG,
+    library_table,
+    library_values,
+)
 
 
 def build_model(
@@ -44,41 +51,24 @@ def build_model(
     """
     transformer_config = transformer_config_from(config, layout)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=config.overlap_grad_reduce,
-        use_distributed_optimizer=config.use_distributed_optimizer,
-        overlap_param_gather=config.overlap_param_gather,
+        grad_reduce_in_fp32=True, **library_values(config, layout, DDP_CONFIG)
     )
-    pp, vpp = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size
+    vpp = layout.virtual_pipeline_model_parallel_size
     pp_rank = 0 if pg_collection is None else pg_collection.pp.rank()
-    last_stage = pp * (vpp or 1) - 1
     chunks = []
     for vp_stage in range(vpp or 1):
-        stage = vp_stage * pp + pp_rank
-        gpt = GPTModel(
-            config=transformer_config,
-            # this chunk's layers, MoE where --moe-layer-freq puts them
-            transformer_layer_spec=get_gpt_decoder_block_spec(
-                transformer_config, use_transformer_engine=False, vp_stage=vp_stage, pp_rank=pp_rank
-            ),
+        gpt = chunk.build_gpt_chunk(
+            transformer_config,
+            pg_collection,
+            vp_stage if vpp else None,
+            pp_rank,
             vocab_size=padded_vocab_size(
                 config.vocab_size,
                 config.make_vocab_size_divisible_by,
                 layout.tensor_model_parallel_size,
             ),
             true_vocab_size=config.vocab_size,
-            max_sequence_length=config.max_position_embeddings or config.seq_length,
-            pre_process=stage == 0,
-            post_process=stage == last_stage,
-            share_embeddings_and_output_weights=not config.untie_embeddings_and_output_weights,
-            position_embedding_type=config.position_embedding_type,
-            rotary_base=config.rotary_base,
-            rope_scaling=config.use_rope_scaling,
-            rope_scaling_factor=config.rope_scaling_factor,
-            vp_stage=vp_stage if vpp else None,
-            pg_collection=pg_collection,
-            seed=config.seed,
-            pp_rank=pp_rank,
+            **library_values(config, layout, GPT_MODEL),
         )
         if config.hf_model:  # before any wrapper copies the parameters
             from megatron.training.hf import load_hf_weights
@@ -122,48 +112,9 @@ def build_model(
 def moe_fields(config: TrainingConfig, layout: Layout) -> dict:
     """TransformerConfig's mixture-of-experts fields from the flags (none without
     ``--num-experts``)."""
-    if config.num_experts is None:
-        return {}
-    return dict(
-        num_moe_experts=config.num_experts,
-        moe_router_topk=config.moe_router_topk,
-        moe_ffn_hidden_size=config.moe_ffn_hidden_size or config.ffn_hidden_size,
-        moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
-        moe_shared_expert_gate=config.moe_shared_expert_gate,
-        moe_router_load_balancing_type=config.moe_router_load_balancing_type,
-        moe_aux_loss_coeff=config.moe_aux_loss_coeff,
-        moe_z_loss_coeff=config.moe_z_loss_coeff,
-        moe_router_pre_softmax=config.moe_router_pre_softmax,
-        moe_router_score_function=config.moe_router_score_function,
-        moe_router_dtype=config.moe_router_dtype,
-        moe_router_enable_expert_bias=config.moe_router_enable_expert_bias,
-        moe_router_bias_update_rate=config.moe_router_bias_update_rate,
-        moe_router_topk_scaling_factor=config.moe_router_topk_scaling_factor,
-        moe_router_num_groups=config.moe_router_num_groups,
-        moe_router_group_topk=config.moe_router_group_topk,
-        moe_layer_freq=config.moe_layer_freq,
-        moe_grouped_gemm=config.moe_grouped_gemm,
-        moe_token_dispatcher_type=config.moe_token_dispatcher_type,
-        expert_model_parallel_size=layout.expert_model_parallel_size,
-        expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
-    )
-
-
-def lora_config(config: TrainingConfig) -> LoRAConfig:
-    """The ``LoRAConfig`` of a run's ``--lora-*`` flags (errors name the flags)."""
-    return LoRAConfig(
-        target_modules=tuple(config.lora_target_modules),
-        exclude_modules=tuple(config.lora_exclude_modules),
-        dim=config.lora_dim,
-        alpha=config.lora_alpha,
-        dropout=config.lora_dropout,
-        dropout_position=config.lora_dropout_position,
-        lora_A_init_method=config.lora_a_init_method,
-        lora_B_init_method=config.lora_b_init_method,
-        seed=config.seed,
-        flags={f: flag_of(f"lora_{f}") for f in ("dim", "alpha", "dropout")}
-        | {"target_modules": "--lora-target-modules", "exclude_modules": "--lora-exclude-modules"},
-    )
+    values = library_values(config, layout, TRANSFORMER_CONFIG)
+    moe = [s.field for _, s in library_table(TrainingConfig, TRANSFORMER_CONFIG) if s.when]
+    return {name: values[name] for name in moe if name in values}
 
 
 def _check_some_layer_adapted(config: TrainingConfig, chunks, pg_collection) -> None:
@@ -193,76 +144,27 @@ def _check_some_layer_adapted(config: TrainingConfig, chunks, pg_collection) -> 
 
 
 def transformer_config_from(config: TrainingConfig, layout: Layout) -> TransformerConfig:
-    """The TransformerConfig of a run: float32 (or bf16/fp16 with ``--bf16``/``--fp16``:
-    ``params_dtype`` and ``pipeline_dtype`` too, as megatron's arguments set them), no
-    dropout, the layout's parallel sizes, the architecture flags (``--swiglu``: gated linear
-    unit with silu); with ``--hf-model`` weights are not drawn (they are loaded)."""
-    dtype = precision_dtype(config)
-    # A field table, one TransformerConfig keyword per line: ``duplicates`` pairs its runs of
-    # ``name=config.name`` with the other tables that build a config from flags (the
-    # optimizer's in training.py, generate's, the HF converter's); each maps its own fields.
+    """The TransformerConfig of a run: the fields its options declare (``option(...,
+    library=...)`` in ``arguments.py``; a MoE field only with ``--num-experts``) and the few
+    that no one option sets (``computed_fields``)."""
     return TransformerConfig(
-        num_layers=config.num_layers,
-        hidden_size=config.hidden_size,
-        num_attention_heads=config.num_attention_heads,
-        num_query_groups=config.num_query_groups,
-        ffn_hidden_size=config.ffn_hidden_size,
-        normalization=config.normalization,
-        kv_channels=config.kv_channels,
-        layernorm_epsilon=config.norm_epsilon,
-        gated_linear_unit=config.swiglu,
-        activation_func=activation_of(config),
-        add_bias_linear=not config.disable_bias_linear,
-        add_qkv_bias=config.add_qkv_bias,
-        qk_layernorm=config.qk_layernorm,
-        qk_layernorm_whole_projection=config.qk_layernorm_whole_projection,
-        perform_initialization=not config.hf_model,
-        window_size=None if config.window_size is None else tuple(config.window_size),
-        attention_backend=config.attention_backend,
-        label_smoothing=config.label_smoothing,
-        tensor_model_parallel_size=layout.tensor_model_parallel_size,
-        sequence_parallel=config.sequence_parallel,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        init_method_std=config.init_method_std,
-        context_parallel_size=layout.context_parallel_size,
-        hierarchical_context_parallel_sizes=layout.hierarchical_sizes,
-        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
-        bf16=config.bf16,
-        fp16=config.fp16,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        calculate_per_token_loss=config.calculate_per_token_loss,
-        gradient_accumulation_fusion=config.gradient_accumulation_fusion,
-        deallocate_pipeline_outputs=True,
-        cp_comm_type=config.cp_comm_type,
-        recompute_granularity=config.recompute_granularity,
-        recompute_method=config.recompute_method,
-        recompute_num_layers=config.recompute_num_layers,
-        recompute_modules=config.recompute_modules,
-        **(fusions_of(config) if config.compile else {}),
-        **moe_fields(config, layout),
+        **library_values(config, layout, TRANSFORMER_CONFIG), **computed_fields(config)
     )
 
 
-# megatron-core's fusion switches, turned on by --compile (torch.compile'd functions).
-FUSIONS = dict(
-    bias_activation_fusion=True,
-    bias_dropout_fusion=True,
-    apply_rope_fusion=True,
-    persist_layer_norm=True,
-    cross_entropy_loss_fusion=True,
-)
-
-
-def fusions_of(config: TrainingConfig) -> dict:
-    """``FUSIONS``, without ``bias_activation_fusion`` for an activation it does not fuse
-    (OpenAI's tanh GELU)."""
-    fusions = dict(FUSIONS)
-    if not config.swiglu and config.openai_gelu:
-        fusions["bias_activation_fusion"] = False
-    return fusions
+def computed_fields(config: TrainingConfig) -> dict:
+    """The TransformerConfig fields no single option sets: the activation (``--swiglu``: silu,
+    gated; ``--openai-gelu``), the weights' dtype (``params_dtype`` and ``pipeline_dtype``, as
+    megatron's arguments set them), no dropout, pipeline outputs deallocated."""
+    dtype = precision_dtype(config)
+    return dict(
+        activation_func=activation_of(config),
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        deallocate_pipeline_outputs=True,
+    )
 
 
 def compile_layers(gpt: GPTModel) -> None:

@@ -9,14 +9,32 @@ kinds, and ``--load`` adopts the recorded model kind. From
 a dataclass of such fields this module builds the ``argparse`` parser (``build_parser``),
 parses a command line into an instance (``parse``), writes an instance back as flags
 (``command_line``) and runs every field's own check (``check_fields``). Checks between
-fields belong to the config's own validation (``arguments.validate_config``). No torch here.
+fields belong to the config's own validation (``arguments.validate_config``).
+
+An option that configures the library declares the library field it sets
+(``library="layernorm_epsilon"``, or ``Sets(...)`` with a target, a value rule or a
+condition): ``library_values`` builds a library config's keywords from that table and
+``library_names`` is its reverse (library field -> option), so neither is written again by
+hand. No torch here.
 """
 
 import argparse
 import copy
 import math
 from dataclasses import MISSING, Field, dataclass, field, fields
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
+from typing import (
+    Any,
+    Callable,
+    Collection,
+    Dict,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    Type,
+    Union,
+)
 
 from megatron.training.errors import UsageError
 
@@ -74,6 +92,33 @@ def one_of(choices: Sequence[str]) -> Check:
     return Check(expected, lambda v: v in choices)
 
 
+# The library configs an option may set (``Sets.target``).
+TRANSFORMER_CONFIG = "TransformerConfig"
+GPT_MODEL = "GPTModel"
+LORA_CONFIG = "LoRAConfig"
+DDP_CONFIG = "DistributedDataParallelConfig"
+SCHEDULER = "OptimizerParamScheduler"
+TARGETS = (TRANSFORMER_CONFIG, GPT_MODEL, LORA_CONFIG, DDP_CONFIG, SCHEDULER)
+
+
+@dataclass(frozen=True)
+class Sets:
+    """A library field an option sets: ``field`` of ``target`` (one of ``TARGETS``), whose
+    value is ``value(config, layout)`` (None: the option's own value, or the layout's field
+    of the option's name when ``from_layout``), set only where ``when(config)`` is True
+    (None: always)."""
+
+    field: str
+    target: str = TRANSFORMER_CONFIG
+    value: Optional[Callable[[Any, Any], Any]] = None
+    when: Optional[Callable[[Any], bool]] = None
+    from_layout: bool = False
+
+    def __post_init__(self):
+        if self.target not in TARGETS:
+            raise ValueError(f"Sets {self.field}: target must be one of {TARGETS}")
+
+
 @dataclass(frozen=True)
 class Option:
     """The command line of one config field (see ``option``)."""
@@ -87,6 +132,7 @@ class Option:
     nargs: Union[None, int, str] = None
     metavar: Union[None, str, Tuple[str, ...]] = None
     one_or_list: bool = False  # nargs "+": one value is kept as the value, not a 1-list
+    library: Tuple[Sets, ...] = ()  # the library fields it sets
 
     @property
     def flag(self) -> str:
@@ -105,17 +151,25 @@ def option(
     nargs: Union[None, int, str] = None,
     metavar: Union[None, str, Tuple[str, ...]] = None,
     one_or_list: bool = False,
+    library: Union[None, str, Sets, Sequence[Sets]] = None,
 ) -> Any:
     """A dataclass field with its command line: ``flags`` (the first names it in errors),
     its ``kind`` (one of ``KINDS``), ``help``, and ``check`` on its own value (skipped when
     the value is None and the default is None). A bool default makes a switch:
     ``store_true`` for False, ``store_false`` for True. The value type is ``type``, else the
-    default's type."""
+    default's type. ``library``: the library field(s) it sets (a name: that
+    ``TransformerConfig`` field, with the option's value)."""
     if not flags or not all(f.startswith("--") for f in flags):
         raise ValueError(f"option: flags must start with '--', got {flags!r}")
     if kind not in KINDS:
         raise ValueError(f"option {flags[0]}: kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    spec = Option(tuple(flags), help, kind, check, type, choices, nargs, metavar, one_or_list)
+    if library is None:
+        sets: Tuple[Sets, ...] = ()
+    elif isinstance(library, (str, Sets)):
+        sets = (Sets(library) if isinstance(library, str) else library,)
+    else:
+        sets = tuple(library)
+    spec = Option(tuple(flags), help, kind, check, type, choices, nargs, metavar, one_or_list, sets)
     return field(default=default, metadata={"option": spec})
 
 
@@ -130,6 +184,46 @@ def fields_of_kind(config_class: Type, *kinds: str) -> Tuple[str, ...]:
     if unknown:
         raise ValueError(f"fields_of_kind: unknown kinds {unknown}; expected {', '.join(KINDS)}")
     return tuple(f.name for f in fields(config_class) if option_of(f).kind in kinds)
+
+
+def library_table(config_class: Type, target: str) -> List[Tuple[str, Sets]]:
+    """``(option field, Sets)`` of each library field of ``target`` the options set, in
+    declaration order."""
+    return [
+        (f.name, sets)
+        for f in fields(config_class)
+        for sets in option_of(f).library
+        if sets.target == target
+    ]
+
+
+def library_values(
+    config: Any, layout: Any, target: str, only: Optional[Collection[str]] = None
+) -> Dict[str, Any]:
+    """The keywords of ``target`` that ``config``'s options (those named in ``only``, None:
+    all) set (``Sets``), at ``layout``."""
+    values: Dict[str, Any] = {}
+    for name, sets in library_table(type(config), target):
+        if only is not None and name not in only:
+            continue
+        if sets.when is not None and not sets.when(config):
+            continue
+        if sets.value is not None:
+            values[sets.field] = sets.value(config, layout)
+        else:
+            values[sets.field] = getattr(layout if sets.from_layout else config, name)
+    return values
+
+
+def library_names(config_class: Type, targets: Sequence[str] = TARGETS) -> Dict[str, str]:
+    """Library field -> the option field that sets it, for each field of ``targets`` set from
+    an option of another name (the first option declaring it wins)."""
+    names: Dict[str, str] = {}
+    for config_field in fields(config_class):
+        for sets in option_of(config_field).library:
+            if sets.field != config_field.name and sets.target in targets:
+                names.setdefault(sets.field, config_field.name)
+    return names
 
 
 def build_parser(

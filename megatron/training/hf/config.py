@@ -9,13 +9,19 @@ key and its value, so a converted model is never silently a different model. Wha
 family reads and writes lives in its module under ``families/``; this module dispatches.
 
 ``hf_config_for_export`` goes back: the original ``config.json`` when the model came from one,
-else a fresh one written by the family that claims the trained model's settings.
+else a fresh one written by the first family that writes the trained model faithfully: its
+``config.json`` reads back as the same model (``read(write(x)) == x``; no family knows about
+the others). Per direction, one function: ``settings_of_hf_config`` (HF config -> the
+trainer's settings) and ``hf_config_of_settings`` (settings -> HF config).
 """
 
 import json
+from collections import defaultdict
+from dataclasses import fields, replace
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
+from megatron.core.config_rules import moe_layer_pattern
 from megatron.training.hf.families import REGISTRY
 from megatron.training.hf.families.moe import (
     WRITTEN_ROUTING,
@@ -34,6 +40,8 @@ __all__ = [
     "hf_config_for_export",
     "training_settings",
     "architecture_from_model_settings",
+    "hf_config_of_settings",
+    "settings_of_hf_config",
 ]
 
 
@@ -94,105 +102,178 @@ def hf_config_for_export(
     return config
 
 
-def training_settings(arch: HFArchitecture) -> Dict[str, Any]:
-    """The trainer's model settings (``TrainingConfig`` fields) that build ``arch``."""
-    return {
-        "num_layers": arch.num_layers,
-        "hidden_size": arch.hidden_size,
-        "num_attention_heads": arch.num_attention_heads,
-        "num_query_groups": arch.num_query_groups,
-        "kv_channels": arch.kv_channels,
-        "ffn_hidden_size": arch.ffn_hidden_size,
-        "vocab_size": arch.vocab_size,
-        "normalization": arch.normalization,
-        "norm_epsilon": arch.norm_epsilon,
-        "swiglu": arch.swiglu,
-        "openai_gelu": arch.activation == "gelu_tanh",
-        "position_embedding_type": arch.position_embedding_type,
+# HFArchitecture fields that are not the trainer setting of the same name -> the settings
+# they give; every other field that names a TrainingConfig option is that option's value.
+TRANSLATED: Dict[str, Callable[[HFArchitecture], Dict[str, Any]]] = {
+    "family": lambda a: {},
+    "dtype": lambda a: {},
+    "activation": lambda a: {"openai_gelu": a.activation == "gelu_tanh"},
+    "max_position_embeddings": lambda a: {
         "max_position_embeddings": (
-            arch.max_position_embeddings if arch.position_embedding_type != "rope" else None
-        ),
-        "rotary_base": arch.rotary_base,
-        "use_rope_scaling": arch.rope_scaling_factor is not None,
-        "rope_scaling_factor": arch.rope_scaling_factor or 8.0,
-        "disable_bias_linear": not arch.add_bias_linear,
-        "add_qkv_bias": arch.add_qkv_bias,
-        "untie_embeddings_and_output_weights": not arch.tied,
-        "window_size": None if arch.window_size is None else list(arch.window_size),
-        "qk_layernorm": arch.qk_layernorm,
-        "qk_layernorm_whole_projection": arch.qk_layernorm_whole_projection,
-        "num_experts": arch.num_moe_experts,
-        **moe_training_settings(arch),
-    }
+            a.max_position_embeddings if a.position_embedding_type != "rope" else None
+        )
+    },
+    "rope_scaling_factor": lambda a: {
+        "use_rope_scaling": a.rope_scaling_factor is not None,
+        "rope_scaling_factor": a.rope_scaling_factor or 8.0,
+    },
+    "add_bias_linear": lambda a: {"disable_bias_linear": not a.add_bias_linear},
+    "tied": lambda a: {"untie_embeddings_and_output_weights": not a.tied},
+    "window_size": lambda a: {
+        "window_size": None if a.window_size is None else list(a.window_size)
+    },
+    "num_moe_experts": lambda a: {"num_experts": a.num_moe_experts},
+    "moe_layer_freq": lambda a: {"moe_layer_freq": written_moe_layer_freq(a)},
+}
 
 
-def moe_training_settings(arch: HFArchitecture) -> Dict[str, Any]:
-    """The trainer's MoE model settings of ``arch`` (none for a dense model): softmax
-    routing without scaling, groups or expert bias, as the families compute it. No router
-    loss: HuggingFace's ``router_aux_loss_coef`` is a different loss (docs/huggingface.md);
-    ``--moe-aux-loss-coeff`` and ``--moe-z-loss-coeff`` stay the user's choice."""
-    if arch.num_moe_experts is None:
-        return {}
-    return {
-        "moe_router_topk": arch.moe_router_topk,
-        "moe_ffn_hidden_size": arch.moe_ffn_hidden_size,
-        "moe_router_pre_softmax": arch.moe_router_pre_softmax,
-        "moe_shared_expert_intermediate_size": arch.moe_shared_expert_intermediate_size,
-        "moe_shared_expert_gate": arch.moe_shared_expert_gate,
-        "moe_layer_freq": written_moe_layer_freq(arch),
-        **WRITTEN_ROUTING,
-    }
+def training_settings(arch: HFArchitecture) -> Dict[str, Any]:
+    """The trainer's model settings (``TrainingConfig`` fields) that build ``arch``: each
+    field by its name or through ``TRANSLATED``. A MoE model's: softmax routing without
+    scaling, groups or expert bias (``WRITTEN_ROUTING``), as the families compute it; no
+    router loss: HuggingFace's ``router_aux_loss_coef`` is a different loss
+    (docs/huggingface.md), ``--moe-aux-loss-coeff`` and ``--moe-z-loss-coeff`` stay the
+    user's choice."""
+    options = _option_names()
+    moe = arch.num_moe_experts is not None
+    out: Dict[str, Any] = {}
+    for f in fields(HFArchitecture):
+        if f.name.startswith("moe_") and not moe:
+            continue
+        if f.name in TRANSLATED:
+            out.update(TRANSLATED[f.name](arch))
+        elif f.name in options:
+            out[f.name] = getattr(arch, f.name)
+    return {**out, **WRITTEN_ROUTING} if moe else out
+
+
+def _option_names() -> set:
+    from megatron.training.arguments import TrainingConfig  # no torch
+
+    return {f.name for f in fields(TrainingConfig)}
+
+
+def settings_of_hf_config(raw: Dict[str, Any], where: str = "config.json") -> Dict[str, Any]:
+    """HF config -> settings: the trainer's model settings of a ``config.json`` dict."""
+    return training_settings(architecture_from_config(raw, where))
+
+
+def hf_config_of_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
+    """Settings -> HF config: the fresh ``config.json`` (without ``dtype``) of a model our
+    trainer built, in the first family that writes it faithfully."""
+    arch = architecture_from_model_settings(settings)
+    return REGISTRY[arch.family].write(arch)
 
 
 def architecture_from_model_settings(settings: Dict[str, Any]) -> HFArchitecture:
     """The HuggingFace family and architecture of a model our trainer built (its saved run
-    settings); ValueError when no supported family has it."""
-    swiglu = bool(settings.get("swiglu"))
-    rope = settings.get("position_embedding_type") == "rope"
-    bias = not settings.get("disable_bias_linear", False)
-    qkv_bias = bool(settings.get("add_qkv_bias", False))
-    norm = settings.get("normalization", "LayerNorm")
-    model = resolved_model(settings)
-    hidden, heads = settings["hidden_size"], settings["num_attention_heads"]
-    kv = model["kv_channels"]
-    family = next((name for name, f in REGISTRY.items() if f.claims(model)), None)
-    if family is None:
-        hints = [f.settings_hint for f in REGISTRY.values() if f.settings_hint]
-        raise ValueError(
-            "export: this model (normalization={!r}, swiglu={}, position_embedding_type={!r}, "
-            "biases={}, add_qkv_bias={}) matches no HuggingFace family we write; expected "
-            "one of: {}".format(
-                norm,
-                swiglu,
-                settings.get("position_embedding_type"),
-                bias,
-                qkv_bias,
-                "; ".join(hints),
-            )
+    settings): the first family (registry order) whose ``config.json`` reads back as the
+    same model, ``read(write(x)) == x``; ValueError when none does."""
+    full = _with_defaults(settings)
+    base = _architecture_of_settings(full)
+    for name, family in REGISTRY.items():
+        arch = replace(base, family=name)
+        if _round_trips(family, arch, full):
+            return arch
+    hints = [f.settings_hint for f in REGISTRY.values() if f.settings_hint]
+    raise ValueError(
+        "export: this model (normalization={!r}, swiglu={}, position_embedding_type={!r}, "
+        "biases={}, add_qkv_bias={}) matches no HuggingFace family we write; expected "
+        "one of: {}".format(
+            full["normalization"],
+            bool(full["swiglu"]),
+            full["position_embedding_type"],
+            not full["disable_bias_linear"],
+            bool(full["add_qkv_bias"]),
+            "; ".join(hints),
         )
-    scaling = settings.get("rope_scaling_factor") if settings.get("use_rope_scaling") else None
-    return HFArchitecture(
-        family=family,
-        num_layers=settings["num_layers"],
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        num_query_groups=model["num_query_groups"],
-        kv_channels=kv,
-        ffn_hidden_size=model["ffn_hidden_size"],
-        vocab_size=settings["vocab_size"],
-        normalization=norm,
-        norm_epsilon=settings.get("norm_epsilon", 1e-5),
-        swiglu=swiglu,
-        activation="silu" if swiglu else ("gelu_tanh" if settings.get("openai_gelu") else "gelu"),
-        position_embedding_type="rope" if rope else "learned_absolute",
-        max_position_embeddings=model["max_position_embeddings"],
-        rotary_base=float(settings.get("rotary_base", 10000)),
-        rope_scaling_factor=scaling,
-        add_bias_linear=bias,
-        add_qkv_bias=qkv_bias and not bias,
-        tied=not settings.get("untie_embeddings_and_output_weights", False),
-        window_size=tuple(settings["window_size"]) if settings.get("window_size") else None,
-        qk_layernorm=bool(settings.get("qk_layernorm", False)),
-        qk_layernorm_whole_projection=bool(settings.get("qk_layernorm_whole_projection", False)),
-        **moe_architecture_fields(model),
     )
+
+
+def _round_trips(family, arch: HFArchitecture, settings: Dict[str, Any]) -> bool:
+    """Whether ``family`` writes ``arch`` as a ``config.json`` that reads back (with the
+    family's refusals) as the model ``settings`` describe."""
+    try:  # a family writes only what it has keys for (GPT-2: no silu; a MoE one: no dense)
+        back = training_settings(architecture_from_config(family.write(arch)))
+    except (KeyError, TypeError, ValueError):
+        return False
+    keys = set(back) | set(training_settings(arch))  # the MoE ones of either side
+    return model_meaning({k: back.get(k) for k in keys}) == model_meaning(
+        {k: settings.get(k) for k in keys}
+    )
+
+
+def model_meaning(settings: Dict[str, Any]) -> Dict[str, Any]:
+    """``settings`` (``training_settings``'s keys) with those that leave the model unchanged
+    dropped or normalized: rotary settings of learned positions, the position table of RoPE,
+    the rope factor without scaling, --openai-gelu under --swiglu, a q/k/v bias beside all
+    biases, the whole-projection switch without q/k norms, MoE settings of a dense model,
+    a shared-expert gate without a shared expert, the dense FFN size when every layer is a
+    MoE layer."""
+    out = dict(settings)
+    if out["position_embedding_type"] == "rope":
+        out.pop("max_position_embeddings")
+        out["rotary_base"] = float(out["rotary_base"])
+    else:
+        for key in ("rotary_base", "use_rope_scaling", "rope_scaling_factor"):
+            out.pop(key)
+    if not out.get("use_rope_scaling"):
+        out.pop("rope_scaling_factor", None)
+    out["openai_gelu"] = bool(out["openai_gelu"]) and not out["swiglu"]
+    out["add_qkv_bias"] = bool(out["add_qkv_bias"]) and bool(out["disable_bias_linear"])
+    out["qk_layernorm_whole_projection"] = bool(
+        out["qk_layernorm_whole_projection"] and out["qk_layernorm"]
+    )
+    out["window_size"] = list(out["window_size"]) if out["window_size"] else None
+    out["norm_epsilon"] = float(out["norm_epsilon"])
+    out = {k: None if v is False else v for k, v in out.items()}  # off: False or absent
+    if out["num_experts"] is None:
+        return {k: v for k, v in out.items() if not k.startswith("moe_")}
+    pattern = list(moe_layer_pattern(out["moe_layer_freq"], out["num_layers"]))
+    out["moe_layer_freq"] = pattern
+    out["moe_ffn_hidden_size"] = out["moe_ffn_hidden_size"] or out["ffn_hidden_size"]
+    shared = out["moe_shared_expert_intermediate_size"] is not None
+    out["moe_shared_expert_gate"] = bool(out["moe_shared_expert_gate"]) and shared or None
+    if all(pattern):
+        out.pop("ffn_hidden_size")
+    return out
+
+
+def _with_defaults(settings: Dict[str, Any]) -> Dict[str, Any]:
+    """Recorded settings with the options they lack (or hold as None) at their defaults,
+    derived ones resolved (``resolved_model``)."""
+    from megatron.training.arguments import TrainingConfig  # no torch
+
+    defaults = {f.name: f.default for f in fields(TrainingConfig)}
+    given = {k: v for k, v in settings.items() if v is not None}
+    return defaultdict(lambda: None, resolved_model({**defaults, **given}))
+
+
+def _architecture_of_settings(settings: Dict[str, Any]) -> HFArchitecture:
+    """The architecture (no family yet) of a model our trainer built; ``settings`` has every
+    option (``_with_defaults``). A field named as an option takes its value; the
+    ``TRANSLATED`` ones (and the MoE fields) are computed back here."""
+    options = _option_names()
+    same = {
+        f.name: settings[f.name]
+        for f in fields(HFArchitecture)
+        if f.name in options and f.name not in TRANSLATED and not f.name.startswith("moe_")
+    }
+    swiglu, bias = bool(settings["swiglu"]), not settings["disable_bias_linear"]
+    rope = settings["position_embedding_type"] == "rope"
+    translated = dict(
+        family="",
+        swiglu=swiglu,
+        activation="silu" if swiglu else ("gelu_tanh" if settings["openai_gelu"] else "gelu"),
+        position_embedding_type="rope" if rope else "learned_absolute",
+        max_position_embeddings=settings["max_position_embeddings"],
+        rotary_base=float(settings["rotary_base"]),
+        rope_scaling_factor=(
+            settings["rope_scaling_factor"] if settings["use_rope_scaling"] else None
+        ),
+        add_bias_linear=bias,
+        add_qkv_bias=bool(settings["add_qkv_bias"]) and not bias,
+        tied=not settings["untie_embeddings_and_output_weights"],
+        window_size=tuple(settings["window_size"]) if settings["window_size"] else None,
+    )
+    return HFArchitecture(**{**same, **translated}, **moe_architecture_fields(settings))

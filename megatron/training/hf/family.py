@@ -121,8 +121,11 @@ class Family:
     weight table (which HuggingFace rows make each of our parameters).
 
     A subclass sets ``model_type`` and ``architecture`` (the ``architectures`` entry of a
-    causal LM) and implements the four abstract methods; ``claims`` and ``key_prefix`` have
-    defaults. Refusals live in ``read``: every key it does not look at is refused.
+    causal LM) and implements the four abstract methods; ``key_prefix`` has a default.
+    Refusals live in ``read``: every key it does not look at is refused. A trained model is
+    written as the first family whose ``read(write(arch))`` gives the same model back
+    (``config.architecture_from_model_settings``): ``write`` may simply drop what the family
+    has no key for, the round trip refuses it.
     """
 
     model_type: str = ""
@@ -149,11 +152,6 @@ class Family:
     ) -> Dict[str, Source]:
         """The parameters of global layer ``layer``, by their full one-chunk names."""
         raise NotImplementedError
-
-    def claims(self, settings: Dict[str, Any]) -> bool:
-        """Whether a model our trainer built (its saved run settings) is written as this
-        family when it has no imported ``config.json``."""
-        return False
 
     def key_prefix(self, keys: Iterable[str]) -> Optional[str]:
         """The prefix of this checkpoint's tensor names when it is not the usual one."""

@@ -13,18 +13,16 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_decoder_block_spec,
-)
 from megatron.core.models.gpt.gpt_model import padded_vocab_size
 from megatron.core.process_groups_config import ProcessGroupCollection, resolve_group
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
 from megatron.core.transformer.utils import openai_gelu
 from megatron.core.utils import get_pg_rank, get_pg_size
-from megatron.training.hf.config import HFArchitecture, read_hf_config
+from megatron.training import chunk
+from megatron.training.arguments import TrainingConfig
+from megatron.training.hf.config import HFArchitecture, read_hf_config, training_settings
 from megatron.training.hf.families import REGISTRY
-from megatron.training.hf.families.moe import WRITTEN_ROUTING, written_moe_layer_freq
 from megatron.training.hf.weights import (
     SafetensorsReader,
     Source,
@@ -33,6 +31,7 @@ from megatron.training.hf.weights import (
     parameter_sources,
     read_rows,
 )
+from megatron.training.options import TRANSFORMER_CONFIG, library_values
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": openai_gelu}
 # Our parameters whose rows are the vocabulary (padded in the model to a multiple of TP).
@@ -91,44 +90,13 @@ def transformer_config_from_hf(
 
 
 def architecture_fields(arch: HFArchitecture) -> Dict[str, Any]:
-    """The TransformerConfig fields ``arch`` fixes."""
-    return dict(
-        num_layers=arch.num_layers,
-        hidden_size=arch.hidden_size,
-        num_attention_heads=arch.num_attention_heads,
-        num_query_groups=arch.num_query_groups,
-        kv_channels=arch.kv_channels,
-        ffn_hidden_size=arch.ffn_hidden_size,
-        normalization=arch.normalization,
-        layernorm_epsilon=arch.norm_epsilon,
-        gated_linear_unit=arch.swiglu,
-        activation_func=ACTIVATIONS[arch.activation],
-        add_bias_linear=arch.add_bias_linear,
-        add_qkv_bias=arch.add_qkv_bias,
-        window_size=arch.window_size,
-        qk_layernorm=arch.qk_layernorm,
-        qk_layernorm_whole_projection=arch.qk_layernorm_whole_projection,
-        **moe_fields(arch),
-    )
-
-
-def moe_fields(arch: HFArchitecture) -> Dict[str, Any]:
-    """The TransformerConfig MoE fields ``arch`` fixes (none for a dense model): the
-    routing (softmax, before or after the top-k: ``WRITTEN_ROUTING``), the expert and
-    shared-expert sizes and which layers are MoE layers. Router losses are left at their
-    defaults (none)."""
-    if arch.num_moe_experts is None:
-        return {}
-    return dict(
-        num_moe_experts=arch.num_moe_experts,
-        moe_router_topk=arch.moe_router_topk,
-        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
-        moe_router_pre_softmax=arch.moe_router_pre_softmax,
-        moe_shared_expert_intermediate_size=arch.moe_shared_expert_intermediate_size,
-        moe_shared_expert_gate=arch.moe_shared_expert_gate,
-        moe_layer_freq=written_moe_layer_freq(arch),
-        **WRITTEN_ROUTING,
-    )
+    """The TransformerConfig fields ``arch`` fixes: the trainer's options' ``library=``
+    declarations applied to the settings ``arch`` gives (``training_settings``; a MoE field
+    only for a MoE model), with its activation."""
+    settings = training_settings(arch)
+    config = TrainingConfig(**settings)
+    fields = library_values(config, None, TRANSFORMER_CONFIG, only=settings)
+    return dict(fields, activation_func=ACTIVATIONS[arch.activation])
 
 
 def gpt_model_kwargs(
@@ -163,24 +131,14 @@ def build_gpt_chunk(
 ) -> GPTModel:
     """This rank's chunk (virtual stage ``vp_stage`` x PP + pipeline rank), weights left
     as allocated (``perform_initialization`` off while building)."""
-    pp = config.pipeline_model_parallel_size
-    vpp = config.virtual_pipeline_model_parallel_size or 1
-    pp_rank = _pp_rank(pg_collection)
-    stage = (vp_stage or 0) * pp + pp_rank
     initialize = config.perform_initialization
     config.perform_initialization = False
-    # this chunk's layers, MoE where moe_layer_freq says (none for a dense model)
-    spec = get_gpt_decoder_block_spec(
-        config, use_transformer_engine=False, vp_stage=vp_stage, pp_rank=pp_rank
-    )
     try:
-        return GPTModel(
-            config=config,
-            transformer_layer_spec=spec,
-            pre_process=stage == 0,
-            post_process=stage == pp * vpp - 1,
-            pg_collection=pg_collection,
-            vp_stage=vp_stage,
+        return chunk.build_gpt_chunk(
+            config,
+            pg_collection,
+            vp_stage,
+            _pp_rank(pg_collection),
             **gpt_model_kwargs(arch, max_sequence_length, config.tensor_model_parallel_size),
         )
     finally:

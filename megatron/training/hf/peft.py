@@ -37,16 +37,11 @@ LORA_SETTINGS = ("lora_dim", "lora_alpha", "lora_dropout", "lora_target_modules"
 
 
 def lora_of_settings(settings: Dict[str, Any]) -> Optional[LoRAConfig]:
-    """The ``LoRAConfig`` a checkpoint's run settings record (None: no adapters)."""
-    if not settings.get("lora_dim"):
-        return None
-    return LoRAConfig(
-        target_modules=tuple(settings.get("lora_target_modules") or LoRAConfig.target_modules),
-        exclude_modules=tuple(settings.get("lora_exclude_modules") or ()),
-        dim=int(settings["lora_dim"]),
-        alpha=float(settings.get("lora_alpha", 32.0)),
-        dropout=float(settings.get("lora_dropout", 0.0)),
-    )
+    """The ``LoRAConfig`` a checkpoint's run settings record (None: no adapters), through
+    the trainer's own path (``lora_settings.lora_of_settings``)."""
+    from megatron.training import lora_settings
+
+    return lora_settings.lora_of_settings(settings)
 
 
 def adapted_layers(arch: HFArchitecture, lora: LoRAConfig) -> List[str]:

@@ -2,8 +2,8 @@
 
 To add a family: write ``families/NAME.py`` with a ``Family`` subclass (its ``config.json``
 reading and writing, its weight table, its refusals) and ``FAMILY = NAME()``, then add one
-line below. Order matters only for ``claims`` (the first family that claims a trained
-model's settings writes it).
+line below. Order matters only on export of a model trained from scratch: the first family
+whose ``config.json`` reads back as the same model writes it (``read(write(x)) == x``).
 """
 
 from typing import Dict

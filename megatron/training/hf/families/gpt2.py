@@ -75,20 +75,6 @@ class GPT2(Family):
             "resid_pdrop": 0.0,
         }
 
-    def claims(self, settings: Dict[str, Any]) -> bool:
-        hidden, heads = settings["hidden_size"], settings["num_attention_heads"]
-        kv = settings.get("kv_channels") or hidden // heads
-        return (
-            settings.get("normalization", "LayerNorm") == "LayerNorm"
-            and not settings.get("swiglu")
-            and settings.get("position_embedding_type") != "rope"
-            and not settings.get("disable_bias_linear", False)
-            and not settings.get("qk_layernorm", False)
-            and not settings.get("window_size")
-            and settings.get("num_experts") is None
-            and kv * heads == hidden
-        )
-
     def key_prefix(self, keys: Iterable[str]) -> Optional[str]:
         return "" if "wte.weight" in set(keys) else None
 

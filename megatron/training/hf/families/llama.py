@@ -9,7 +9,6 @@ separate q/k/v and gate/up projections (Mistral and Qwen2 add or refuse a few ke
 
 from typing import Any, Dict, List, Optional, Tuple
 
-from megatron.training.hf.families.moe import MOE_FIELDS
 from megatron.training.hf.family import ConfigReader, Family, HFArchitecture, Segment, Source
 
 # Llama 3.x frequency scaling as megatron-core's RotaryEmbedding(rope_scaling=True) has it:
@@ -67,21 +66,15 @@ class LlamaShaped(Family):
             max_position_embeddings=c.positive_int("max_position_embeddings", default=2048),
             rotary_base=rotary_base,
             rope_scaling_factor=scaling,
-            add_bias_linear=extra.get("add_bias_linear", False),
-            add_qkv_bias=extra.get("add_qkv_bias", False),
             tied=bool(c.optional("tie_word_embeddings", False)),
             dtype=c.dtype(),
-            window_size=extra.get("window_size"),
-            qk_layernorm=extra.get("qk_layernorm", False),
-            qk_layernorm_whole_projection=extra.get("qk_layernorm_whole_projection", False),
-            **{name: extra[name] for name in MOE_FIELDS if name in extra},
+            **{"add_bias_linear": False, "add_qkv_bias": False, **extra},
         )
 
     def read_extra(self, c: ConfigReader) -> Dict[str, Any]:
-        """The family's own keys: HFArchitecture fields (``add_bias_linear``,
-        ``add_qkv_bias``, ``window_size``, ``qk_layernorm``, ``qk_layernorm_whole_projection``,
-        the MoE fields of ``families.moe.MOE_FIELDS``) that differ from the plain Llama shape.
-        """
+        """The family's own keys: the HFArchitecture fields (``add_bias_linear``,
+        ``add_qkv_bias``, ``window_size``, ``qk_layernorm``, the MoE fields, ...) that differ
+        from the plain Llama shape, passed on as they are."""
         return {}
 
     def write(self, arch: HFArchitecture) -> Dict[str, Any]:
@@ -178,26 +171,8 @@ class Llama(LlamaShaped):
     def write_extra(self, arch: HFArchitecture) -> Dict[str, Any]:
         return {"attention_bias": arch.add_bias_linear, "mlp_bias": arch.add_bias_linear}
 
-    def claims(self, settings: Dict[str, Any]) -> bool:
-        bias = not settings.get("disable_bias_linear", False)
-        qkv_bias_only = bool(settings.get("add_qkv_bias", False)) and not bias
-        qk_norm = bool(settings.get("qk_layernorm", False))
-        return rmsnorm_swiglu_rope(settings) and not qkv_bias_only and not qk_norm
-
 
 FAMILY = Llama()
-
-
-def rmsnorm_swiglu_rope(settings: Dict[str, Any], window: bool = False) -> bool:
-    """Whether trainer settings describe a dense Llama-shaped model, with a sliding window
-    (``--window-size``) exactly when ``window`` (Mistral's; the others have none)."""
-    return (
-        settings.get("normalization", "LayerNorm") == "RMSNorm"
-        and bool(settings.get("swiglu"))
-        and settings.get("position_embedding_type") == "rope"
-        and settings.get("num_experts") is None
-        and bool(settings.get("window_size")) == window
-    )
 
 
 def grouped_qkv(arch: HFArchitecture, attn: str, kind: str) -> Source:

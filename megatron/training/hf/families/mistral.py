@@ -2,7 +2,7 @@
 
 from typing import Any, Dict
 
-from megatron.training.hf.families.llama import LlamaShaped, rmsnorm_swiglu_rope
+from megatron.training.hf.families.llama import LlamaShaped
 from megatron.training.hf.family import ConfigReader, HFArchitecture
 
 
@@ -25,17 +25,6 @@ class Mistral(LlamaShaped):
     def write_extra(self, arch: HFArchitecture) -> Dict[str, Any]:
         window = arch.window_size
         return {"sliding_window": None if window is None else window[0] + 1}
-
-    def claims(self, settings: Dict[str, Any]) -> bool:
-        """A dense Llama-shaped model with a causal sliding window (``--window-size W 0``),
-        no biases, no q/k norm (Llama claims the same model without a window)."""
-        return (
-            rmsnorm_swiglu_rope(settings, window=True)
-            and settings["window_size"][1] == 0
-            and bool(settings.get("disable_bias_linear", False))
-            and not settings.get("add_qkv_bias", False)
-            and not settings.get("qk_layernorm", False)
-        )
 
 
 FAMILY = Mistral()

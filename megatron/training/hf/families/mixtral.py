@@ -13,9 +13,7 @@ from typing import Any, Dict, Optional
 
 from megatron.training.hf.families.mistral import Mistral
 from megatron.training.hf.families.moe import (
-    every_layer_moe,
     moe_mlp_sources,
-    moe_settings_written,
     read_routing,
     replace_mlp,
 )
@@ -55,18 +53,6 @@ class Mixtral(Mistral):
             num_local_experts=arch.num_moe_experts,
             num_experts_per_tok=arch.moe_router_topk,
             router_jitter_noise=0.0,
-        )
-
-    def claims(self, settings: Dict[str, Any]) -> bool:
-        """Every layer a MoE layer with renormalized top-k weights, no shared expert, no
-        q/k norm or q/k/v bias."""
-        return (
-            moe_settings_written(settings)
-            and every_layer_moe(settings)
-            and not settings.get("moe_router_pre_softmax", False)
-            and settings.get("moe_shared_expert_intermediate_size") is None
-            and not settings.get("qk_layernorm", False)
-            and not settings.get("add_qkv_bias", False)
         )
 
     def layer_sources(

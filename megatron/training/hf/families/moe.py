@@ -30,16 +30,6 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 from megatron.core.config_rules import moe_layer_pattern
 from megatron.training.hf.family import ConfigReader, HFArchitecture, Segment, Source
 
-# The HFArchitecture fields a family's ``read_extra`` may set for a MoE model.
-MOE_FIELDS = (
-    "num_moe_experts",
-    "moe_router_topk",
-    "moe_ffn_hidden_size",
-    "moe_router_pre_softmax",
-    "moe_shared_expert_intermediate_size",
-    "moe_shared_expert_gate",
-    "moe_layer_freq",
-)
 # The routing these families compute, in megatron's names (TransformerConfig and trainer
 # settings alike): set on import, required of a trained model's settings on export.
 WRITTEN_ROUTING: Dict[str, Any] = {
@@ -56,11 +46,6 @@ def written_moe_layer_freq(arch: HFArchitecture) -> Union[int, List[int]]:
     list (whose layers megatron-core's checkpoints store one by one, not stacked)."""
     pattern = list(arch.moe_layer_freq)
     return 1 if all(pattern) else pattern
-
-
-def every_layer_moe(settings: Dict[str, Any]) -> bool:
-    """Whether a trained model's settings make every layer a MoE layer."""
-    return all(moe_layer_pattern(settings.get("moe_layer_freq", 1), settings["num_layers"]))
 
 
 def read_routing(c: ConfigReader, experts: int, norm_topk_prob: bool) -> Dict[str, Any]:
@@ -178,22 +163,6 @@ def moe_full_shapes(arch: HFArchitecture) -> Dict[str, tuple]:
             shapes[p + "shared_experts.linear_fc2.weight"] = (h, fs)
             shapes[p + "shared_experts.gate_weight"] = (1, h)
     return shapes
-
-
-def moe_settings_written(settings: Dict[str, Any]) -> bool:
-    """Whether a model our trainer built (its resolved run settings) has the MoE that these
-    families write: a SwiGLU, RMSNorm, RoPE decoder without linear biases whose routing is
-    a softmax over the router logits, top-k, without scaling, group-limited selection or
-    expert bias."""
-    return (
-        settings.get("num_experts") is not None
-        and settings.get("normalization", "LayerNorm") == "RMSNorm"
-        and bool(settings.get("swiglu"))
-        and settings.get("position_embedding_type") == "rope"
-        and bool(settings.get("disable_bias_linear", False))
-        and all(settings.get(name, value) == value for name, value in WRITTEN_ROUTING.items())
-        and not settings.get("window_size")
-    )
 
 
 def moe_architecture_fields(settings: Dict[str, Any]) -> Dict[str, Any]:

@@ -19,8 +19,6 @@ from typing import Any, Dict, Optional
 
 from megatron.training.hf.families.llama import LlamaShaped
 from megatron.training.hf.families.moe import (
-    every_layer_moe,
-    moe_settings_written,
     read_norm_topk_prob,
     read_routing,
 )
@@ -81,18 +79,6 @@ class Olmoe(LlamaShaped):
         table = super().layer_sources(arch, layer, prefix)
         table.update(qk_norm_sources(arch, layer, prefix))
         return qwen_moe_layer_sources(arch, table, layer, prefix)
-
-    def claims(self, settings: Dict[str, Any]) -> bool:
-        """Whole-projection q/k norms, every layer MoE, no shared expert, no q/k/v bias,
-        head_dim = hidden / heads."""
-        return (
-            moe_settings_written(settings)
-            and bool(settings.get("qk_layernorm_whole_projection", False))
-            and every_layer_moe(settings)
-            and settings.get("moe_shared_expert_intermediate_size") is None
-            and not settings.get("add_qkv_bias", False)
-            and settings["kv_channels"] * settings["num_attention_heads"] == settings["hidden_size"]
-        )
 
 
 FAMILY = Olmoe()

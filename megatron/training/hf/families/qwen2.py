@@ -3,7 +3,7 @@ multimodal rotary embeddings refused."""
 
 from typing import Any, Dict
 
-from megatron.training.hf.families.llama import LlamaShaped, rmsnorm_swiglu_rope
+from megatron.training.hf.families.llama import LlamaShaped
 from megatron.training.hf.family import ConfigReader
 
 
@@ -16,12 +16,6 @@ class Qwen2(LlamaShaped):
         refuse_sliding_windows(c)
         c.expect("use_mrope", False, "false", default=False)
         return {"add_qkv_bias": True}
-
-    def claims(self, settings: Dict[str, Any]) -> bool:
-        bias = not settings.get("disable_bias_linear", False)
-        qkv_bias = bool(settings.get("add_qkv_bias", False))
-        qk_norm = bool(settings.get("qk_layernorm", False))
-        return rmsnorm_swiglu_rope(settings) and qkv_bias and not bias and not qk_norm
 
 
 FAMILY = Qwen2()

@@ -16,7 +16,6 @@ from typing import Any, Dict, Optional
 from megatron.training.hf.families.llama import LlamaShaped
 from megatron.training.hf.families.moe import (
     moe_mlp_sources,
-    moe_settings_written,
     read_norm_topk_prob,
     read_routing,
     read_sparse_layers,
@@ -134,15 +133,6 @@ class Qwen2Moe(QwenMoeLayers, LlamaShaped):
             write_qwen_moe(arch),
             qkv_bias=arch.add_qkv_bias,
             shared_expert_intermediate_size=arch.moe_shared_expert_intermediate_size,
-        )
-
-    def claims(self, settings: Dict[str, Any]) -> bool:
-        """A shared expert with its sigmoid gate, no q/k norm."""
-        return (
-            moe_settings_written(settings)
-            and settings.get("moe_shared_expert_intermediate_size") is not None
-            and bool(settings.get("moe_shared_expert_gate", False))
-            and not settings.get("qk_layernorm", False)
         )
 
 

@@ -10,7 +10,7 @@ are not expressible with a norm-free MLP and are refused; sliding windows are re
 
 from typing import Any, Dict, Optional
 
-from megatron.training.hf.families.llama import LlamaShaped, rmsnorm_swiglu_rope
+from megatron.training.hf.families.llama import LlamaShaped
 from megatron.training.hf.families.qwen2 import refuse_sliding_windows
 from megatron.training.hf.family import ConfigReader, HFArchitecture, Segment, Source
 
@@ -35,13 +35,6 @@ class Qwen3(LlamaShaped):
             **super().layer_sources(arch, layer, prefix),
             **qk_norm_sources(arch, layer, prefix),
         }
-
-    def claims(self, settings: Dict[str, Any]) -> bool:
-        bias = not settings.get("disable_bias_linear", False)
-        qkv_bias = bool(settings.get("add_qkv_bias", False))
-        qk_norm = bool(settings.get("qk_layernorm", False))
-        whole = bool(settings.get("qk_layernorm_whole_projection", False))  # not per head
-        return rmsnorm_swiglu_rope(settings) and qk_norm and not whole and not bias and not qkv_bias
 
 
 FAMILY = Qwen3()

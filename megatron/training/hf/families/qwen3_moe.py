@@ -9,7 +9,6 @@ dense MLP of ``intermediate_size``.
 
 from typing import Any, Dict
 
-from megatron.training.hf.families.moe import moe_settings_written
 from megatron.training.hf.families.qwen2_moe import (
     QwenMoeLayers,
     read_qwen_moe,
@@ -32,17 +31,6 @@ class Qwen3Moe(QwenMoeLayers, Qwen3):
 
     def write_extra(self, arch: HFArchitecture) -> Dict[str, Any]:
         return dict(super().write_extra(arch), **write_qwen_moe(arch))
-
-    def claims(self, settings: Dict[str, Any]) -> bool:
-        """Per-head q/k norms (not OLMoE's whole-projection ones), no shared expert, no q/k/v
-        bias."""
-        return (
-            moe_settings_written(settings)
-            and bool(settings.get("qk_layernorm", False))
-            and not settings.get("qk_layernorm_whole_projection", False)
-            and settings.get("moe_shared_expert_intermediate_size") is None
-            and not settings.get("add_qkv_bias", False)
-        )
 
 
 FAMILY = Qwen3Moe()
