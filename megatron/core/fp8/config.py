@@ -96,9 +96,28 @@ def check_fp8_config(config: Any) -> None:
         value = getattr(config, name)
         if value != default or type(value) is not type(default):
             raise NotImplementedError(f"{name}={value!r}: {why}; expected {default!r}")
+    if fmt is not None and config.num_moe_experts:
+        _check_expert_layout(config)
     if fmt is not None and recipe != "tensorwise":
         why = _RECIPE_WHY.get(recipe, "a recipe is needed")
         raise NotImplementedError(
             f"fp8_recipe={recipe!r} with fp8={fmt!r}: {why} (megatron-core's default recipe is "
             "'delayed'; set fp8_recipe='tensorwise' / --fp8-recipe tensorwise)"
+        )
+
+
+def _check_expert_layout(config: Any) -> None:
+    """FP8 experts need their token exchange (expert TP x EP) inside the ranks of one
+    micro-batch (TP x CP): an expert GEMM holding several micro-batches' tokens would scale
+    them by their joint amax, which one process never computes."""
+    tp, cp = config.tensor_model_parallel_size, config.context_parallel_size
+    ep = config.expert_model_parallel_size
+    etp = config.expert_tensor_parallel_size or tp
+    if (tp * cp) % (etp * ep):
+        raise NotImplementedError(
+            f"fp8={config.fp8!r} with num_moe_experts={config.num_moe_experts}: "
+            f"expert_model_parallel_size={ep} x expert_tensor_parallel_size={etp} must divide "
+            f"tensor_model_parallel_size={tp} x context_parallel_size={cp}: experts spread "
+            "over data-parallel replicas would mix micro-batches in one FP8 scale, so the "
+            "result would depend on the layout"
         )

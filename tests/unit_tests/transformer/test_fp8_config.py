@@ -104,3 +104,16 @@ def test_fp8_param_without_fp8_names_both():
 def test_default_recipe_with_fp8_says_how_to_get_tensorwise():
     with pytest.raises(NotImplementedError, match="fp8_recipe='delayed'.*--fp8-recipe tensorwise"):
         _config(fp8="hybrid")
+
+
+MOE = dict(num_moe_experts=4, moe_ffn_hidden_size=8, add_bias_linear=False)
+
+
+def test_fp8_experts_spread_over_data_parallel_replicas_are_refused():
+    fp8 = dict(fp8="hybrid", fp8_recipe="tensorwise")
+    with pytest.raises(NotImplementedError, match="expert_model_parallel_size=2 x"):
+        _config(**MOE, **fp8, expert_model_parallel_size=2)
+    # inside the ranks of one micro-batch (EP over TP x SP): accepted
+    _config(**MOE, **fp8, expert_model_parallel_size=2, expert_tensor_parallel_size=1,
+            tensor_model_parallel_size=2, sequence_parallel=True)  # fmt: skip
+    _config(**MOE, expert_model_parallel_size=2)  # without FP8: accepted
