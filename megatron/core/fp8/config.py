@@ -6,7 +6,7 @@ gradients) with ``fp8_recipe`` "tensorwise" (current per-tensor scaling), ``fp8_
 (scale = fp8_max / amax / 2**margin; megatron-core passes no margin to its tensorwise recipe,
 here it is honoured) and ``fp8_wgrad`` (False: the weight gradient in high precision). Every
 other field must keep its default (``fp8_recipe`` may hold any recipe name while ``fp8`` is
-None: it is read only with FP8).
+None: it is read only with FP8, and megatron's scripts pass its default "delayed").
 """
 
 from typing import Any, List, Tuple
@@ -60,6 +60,7 @@ _AT_DEFAULT: List[Tuple[str, Any, str]] = [
     ),
     ("fp4", None, "FP4 is not implemented"),
     ("fp4_param", False, "FP4 is not implemented"),
+    ("fp4_recipe", "nvfp4", "FP4 is not implemented"),
     ("fp4_quantizer_factory", None, "FP4 is not implemented"),
     ("use_kitchen", False, "the kitchen quantization extension is not available"),
     ("use_kitchen_attention", False, "the kitchen quantization extension is not available"),
