@@ -31,6 +31,7 @@ LIBRARY_NAMES: Dict[str, str] = {
     "rope_scaling": "use_rope_scaling",
     "lr_warmup_steps": "lr_warmup_iters",
     "lr_decay_steps": "train_iters",
+    "fp8": "fp8_format",
     # megatron-core's fusion switches, set by --compile (model.FUSIONS)
     "bias_activation_fusion": "compile",
     "bias_dropout_fusion": "compile",

@@ -236,6 +236,19 @@ def transformer_config_from(config: TrainingConfig, layout: Layout) -> Transform
         recompute_modules=config.recompute_modules,
         **(fusions_of(config) if config.compile else {}),
         **moe_fields(config, layout),
+        **fp8_fields(config),
+    )
+
+
+def fp8_fields(config: TrainingConfig) -> dict:
+    """TransformerConfig's FP8 fields from the flags (docs/fp8.md)."""
+    return dict(
+        fp8=config.fp8_format,
+        fp8_recipe=config.fp8_recipe,
+        fp8_margin=config.fp8_margin,
+        fp8_amax_history_len=config.fp8_amax_history_len,
+        fp8_amax_compute_algo=config.fp8_amax_compute_algo,
+        fp8_wgrad=config.fp8_wgrad,
     )
 
 

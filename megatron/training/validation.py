@@ -16,6 +16,7 @@ from typing import Any, Collection, List, Optional, Tuple
 from megatron.core import config_rules
 from megatron.core.config_rules import CP_COMM_TYPES
 from megatron.training.errors import UsageError
+from megatron.training.fp8_flags import check_fp8_flags
 from megatron.training.model_settings import resolved_model
 from megatron.training.options import check_fields, is_int, option_of
 
@@ -141,6 +142,7 @@ def validate_config(
         _check_packing(c)
     _check_combinations(c, given)
     _check_moe(c, world_size, given)
+    check_fp8_flags(c, given)
     _check_lora(c)
     hierarchical = c.hierarchical_context_parallel_sizes
     return Layout(

@@ -26,7 +26,6 @@ from megatron.core.communication import (
 )
 from megatron.core.fp8 import scaling
 from megatron.core.process_groups_config import get_pg_size, resolve_group
-from megatron.core.tensor_parallel.grad_accumulation_fusion import require_main_grad
 
 
 @dataclass(frozen=True)
@@ -64,13 +63,10 @@ def fp8_linear(
     gemm: Fp8Gemm,
 ) -> torch.Tensor:
     """``linear_with_grad_accumulation_and_async_allreduce`` with FP8 GEMMs (module
-    docstring); the same arguments, ``tp_group`` resolved."""
+    docstring); the same arguments, ``tp_group`` resolved, ``gradient_accumulation_fusion``
+    only where ``weight.main_grad`` is to be written (the caller checked it exists)."""
     if get_pg_size(tp_group) == 1:
         allreduce_dgrad = sequence_parallel = False
-    if gradient_accumulation_fusion and torch.is_grad_enabled() and weight.requires_grad:
-        require_main_grad(weight)
-    else:
-        gradient_accumulation_fusion = False
     flags = (gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel)
     return Fp8LinearFunction.apply(input, weight, bias, flags, tp_group, gemm)
 

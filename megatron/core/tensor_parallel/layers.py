@@ -294,11 +294,14 @@ class _ParallelLinear(torch.nn.Module):
         """X W^T [+ b] with this layer's group and weight-gradient fusion (in FP8 with
         ``fp8_gemm``)."""
         if self.fp8_gemm is not None:
+            fusion = self.gradient_accumulation_fusion and torch.is_grad_enabled()
+            if fusion and weight.requires_grad:
+                require_main_grad(weight)
             return fp8_linear(
                 input_,
                 weight,
                 bias,
-                self.gradient_accumulation_fusion,
+                fusion and weight.requires_grad,
                 allreduce_dgrad,
                 sequence_parallel,
                 self.tp_group,
