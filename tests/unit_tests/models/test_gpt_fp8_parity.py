@@ -43,7 +43,7 @@ def _case(layout: Layout, arch: str, slow: bool = False):
 
 CASES = [
     _case(Layout(tp=2, sp=True), "llama"),
-    _case(Layout(cp=2), "llama"),
+    _case(Layout(cp=2), "llama", slow=True),
     _case(Layout(tp=2, cp=2), "llama", slow=True),
     _case(Layout(tp=4), "gpt2", slow=True),
     _case(Layout(tp=2, pp=2), "llama", slow=True),
@@ -93,6 +93,9 @@ def _all_errors(errors: Dict[str, float]) -> Dict[str, float]:
 @pytest.mark.parametrize("layout, arch", CASES)
 def test_fp8_main_grads_equal_the_one_process_fp8_run(layout: Layout, arch: str, monkeypatch):
     errors = layout_errors(layout, arch, monkeypatch)
+    worst = max(_all_errors(errors).values())
+    if dist.get_rank() == 0:  # shown with pytest -s
+        print(f"\n{layout.id}-{arch}: worst parameter {worst:.2e} (tolerance {TOLERANCE})")
     assert_no_failures([f"{n}: {e:.3e} > {TOLERANCE}" for n, e in errors.items() if e > TOLERANCE])
 
 

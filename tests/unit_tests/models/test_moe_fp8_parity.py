@@ -18,7 +18,13 @@ from megatron.core import parallel_state
 from megatron.core.fp8.grouped import Fp8Experts
 from megatron.core.process_groups_config import ProcessGroupCollection
 from tests.unit_tests.dist_utils import assert_no_failures, rel_error
-from tests.unit_tests.models.moe_parity import MoECase, expected_shard, run_step, use_moe_layout
+from tests.unit_tests.models.moe_parity import (
+    MoECase,
+    build_model,
+    expected_shard,
+    run_step,
+    use_moe_layout,
+)
 
 TOLERANCE, CONTROL_MIN = 1e-4, 1e-3
 
@@ -35,7 +41,7 @@ def _p(case: MoECase, slow: bool = False):
 C = MoECase
 CASES = [
     _p(C(ep=2, etp=1, tp=2, mask="uneven", mode="per-token", grouped=True)),
-    _p(C(ep=1, etp=1, cp=2, mask="uneven", grouped=True)),
+    _p(C(ep=1, etp=1, cp=2, mask="uneven", grouped=True), slow=True),
     _p(C(ep=2, etp=1, cp=2, mask="uneven", shared=True), slow=True),
     _p(C(ep=2, etp=1, tp=2, cp=2, mask="uneven", losses="all", router="sigmoid-bias"), slow=True),
     _p(C(ep=2, etp=2, tp=2, cp=2, mask="single", grouped=True, dispatcher="allgather"), slow=True),
@@ -92,6 +98,36 @@ def test_negative_control_per_shard_expert_amax_is_far_off(monkeypatch):
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, max(e for n, e in errors.items() if "expert" in n))
     assert max(everyone) > CONTROL_MIN, everyone
+
+
+@functools.lru_cache(maxsize=None)
+def one_process_second_step(key: MoECase) -> Dict[str, torch.Tensor]:
+    parallel_state.destroy_model_parallel()
+    return _two_steps(key, _own_groups()).grads
+
+
+def _two_steps(case: MoECase, groups):
+    model = build_model(case, groups, configure=_fp8)
+    run_step(case, groups, model=model)
+    return run_step(case, groups, model=model)
+
+
+@pytest.mark.slow
+@pytest.mark.world(2)
+def test_dp2_distributed_optimizer_second_step_equals_one_process():
+    """DP = 2 with the distributed optimizer: the second step's FP8 casts read weights
+    all-gathered from the optimizer's shards; its gradients equal the one-process run's."""
+    case = C(dp=2, distopt=True, mask="uneven", grouped=True)
+    expected = one_process_second_step(dataclasses.replace(case.model_key(), grouped=True))
+    groups = use_moe_layout(case)
+    run = _two_steps(case, groups)
+    failures = []
+    for name, grad in run.grads.items():
+        kind, param = run.layouts[name]
+        error = rel_error(grad, expected_shard(expected[name], name, kind, param, groups, case))
+        if error > TOLERANCE:
+            failures.append(f"{name}: {error:.3e} > {TOLERANCE}")
+    assert_no_failures(failures)
 
 
 @pytest.mark.world(2)
