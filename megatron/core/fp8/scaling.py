@@ -71,11 +71,12 @@ def scaled_mm(
     a_scale: torch.Tensor,
     b_scale: torch.Tensor,
     out_dtype: torch.dtype,
+    pad: Optional[bool] = None,
 ) -> torch.Tensor:
     """(a / a_scale) @ (b / b_scale) for FP8 ``a`` [m, k] and ``b`` [k, n], fp32 accumulation,
-    returned in ``out_dtype``."""
+    returned in ``out_dtype`` (``pad``: to CUDA's multiples of 16; default: on CUDA)."""
     n = b.shape[1]
-    if a.is_cuda:
+    if a.is_cuda if pad is None else pad:
         a = _pad(a, 1)
         b = _pad(_pad(b, 0), 1)
     out = torch._scaled_mm(
@@ -85,7 +86,7 @@ def scaled_mm(
         scale_b=b_scale.reciprocal(),
         out_dtype=out_dtype,
     )
-    return out[:, :n] if out.shape[1] != n else out
+    return out[:, :n].contiguous() if out.shape[1] != n else out
 
 
 def _pad(t: torch.Tensor, dim: int) -> torch.Tensor:

@@ -110,3 +110,16 @@ def test_the_gpt_output_layer_stays_in_high_precision():
     gpt = GPTModel(config, get_gpt_layer_local_spec(), 32, 8)
     assert gpt.output_layer.fp8_gemm is None
     assert gpt.decoder.layers[0].mlp.linear_fc1.fp8_gemm.fmt == "hybrid"
+
+
+def test_padding_to_multiples_of_16_changes_no_product():
+    """The CUDA path pads inner and output sizes to multiples of 16 with zeros: the product
+    (forced on the CPU) is that of the unpadded GEMM, contiguous, in its shape."""
+    torch.manual_seed(1)
+    a, b = torch.randn(7, 24).to(E4M3), torch.randn(24, 40).to(E4M3)
+    scale = torch.tensor(2.0)
+    plain = scaling.scaled_mm(a, b, scale, scale, torch.float32, pad=False)
+    padded = scaling.scaled_mm(a, b, scale, scale, torch.float32, pad=True)
+    assert padded.shape == (7, 40) and padded.is_contiguous()
+    torch.testing.assert_close(padded, plain, rtol=0, atol=0)
+    torch.testing.assert_close(plain, (a.float() / 2) @ (b.float() / 2))
