@@ -22,7 +22,8 @@ Conventions:
 * ``start_*`` return a ``Pending``: the collective runs while the caller computes;
   ``Pending.wait()`` returns the result. On the GPU this overlaps communication with work.
 * Functions ending in ``_`` work in place on the caller's tensor (gradient buckets,
-  parameter buffers, statistics): ``all_reduce_``, ``broadcast_``,
+  parameter buffers, statistics): ``all_reduce_``, ``broadcast_`` (and
+  ``broadcast_from_last_``, from the group's last rank: the last pipeline stage),
   ``start_reduce_scatter_shard_`` and ``start_all_gather_shards_`` (a flat buffer cut into
   T equal shards, rank r owning shard r, as the distributed optimizer lays it out).
   ``ReduceOp.AVG`` is emulated where the backend lacks it (SUM, then division by T).
@@ -32,8 +33,8 @@ Conventions:
   (batched, or one by one in a deadlock-free order) and waits.
 
 Block order is rank order within ``group``: block r of a gathered tensor is rank r's.
-Nothing else in ``megatron/core`` calls a ``torch.distributed`` collective
-(``tests/unit_tests/test_import_graph.py`` keeps it so, with a short allow-list).
+Nothing else in ``megatron`` (the core and the trainer) calls a ``torch.distributed``
+collective (``tests/unit_tests/test_import_graph.py`` keeps it so, with a short allow-list).
 """
 
 from typing import Any, Callable, List, Optional, Sequence
@@ -293,6 +294,12 @@ def broadcast_(
     buf, copy_back = _on_comm_device(tensor, group)
     dist.broadcast(buf, src=dist.get_global_rank(group, src), group=group)
     return _finish_in_place(tensor, buf, copy_back, 1)
+
+
+def broadcast_from_last_(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """``tensor <- the last rank of group's tensor``, in place (the last pipeline stage holds
+    the loss and the logits; the other stages take its values); returns it."""
+    return broadcast_(tensor, group, src=get_pg_size(group) - 1)
 
 
 # ---------------------------------------------------------------------------------------------

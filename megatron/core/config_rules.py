@@ -196,3 +196,43 @@ def moe_layer_pattern(moe_layer_freq, num_layers: int) -> Optional[List[int]]:
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 LORA_INIT_METHODS = ("xavier", "normal", "kaiming", "zero")
 LORA_DROPOUT_POSITIONS = ("pre", "post")
+
+
+def lora_module_names(
+    num_layers: int,
+    moe_pattern: Optional[Sequence[int]] = None,
+    num_experts: int = 0,
+    shared_experts: bool = False,
+) -> List[str]:
+    """The global names of a GPT's linear layers an adapter pattern can name, in order:
+    per layer its attention's ``linear_qkv`` / ``linear_proj``, then a dense layer's
+    ``mlp.linear_fc1`` / ``linear_fc2``, or a MoE layer's (``moe_pattern[i]`` 1) routed
+    experts ``mlp.experts.local_experts.<g>.linear_fc1`` / ``fc2`` (global expert g) and,
+    with ``shared_experts``, ``mlp.shared_experts.linear_fc1`` / ``fc2``."""
+    names = []
+    for i in range(num_layers):
+        p = f"decoder.layers.{i}."
+        names += [p + "self_attention.linear_qkv", p + "self_attention.linear_proj"]
+        if moe_pattern and moe_pattern[i]:
+            names += [f"{p}mlp.experts.local_experts.{g}.linear_fc{n}"
+                      for g in range(num_experts) for n in (1, 2)]  # fmt: skip
+            if shared_experts:
+                names += [p + "mlp.shared_experts.linear_fc1", p + "mlp.shared_experts.linear_fc2"]
+        else:
+            names += [p + "mlp.linear_fc1", p + "mlp.linear_fc2"]
+    return names
+
+
+def lora_is_pattern(text: str) -> bool:
+    """Whether a LoRA target is a wildcard on the global module name (else a last name)."""
+    return any(c in text for c in "*?[.")
+
+
+def lora_pattern_matches(name: str, pattern: str) -> bool:
+    """Whether LoRA target ``pattern`` names the module with global name ``name``: a
+    wildcard matches the whole name, a plain name (``linear_qkv``) its last component."""
+    import fnmatch
+
+    if lora_is_pattern(pattern):
+        return fnmatch.fnmatchcase(name, pattern)
+    return name.rsplit(".", 1)[-1] == pattern

@@ -1,12 +1,27 @@
 """``jit_fuser``: how megatron-core fuses small elementwise functions (``torch.compile`` on
-the torch versions this core supports, as megatron-core 0.16.1 does from torch 2.2)."""
+the torch versions this core supports, as megatron-core 0.16.1 does from torch 2.2).
 
+The ``torch.compile`` call itself is made on the first call of the function: creating it
+imports ``torch._dynamo`` and ``torch._inductor`` (seconds of CPU), which a process that
+never runs the function (``--help``, an export, generation without the fused paths) should
+not pay at import time."""
+
+import functools
 from typing import Callable
 
 import torch
 
 
 def jit_fuser(function: Callable) -> Callable:
-    """``torch.compile(function)``; compiled lazily, on its first call, once per input
-    signature (shapes that change are then compiled as dynamic)."""
-    return torch.compile(function)
+    """``torch.compile(function)``, created on the first call and compiled then, once per
+    input signature (shapes that change are then compiled as dynamic)."""
+    compiled = None
+
+    @functools.wraps(function)
+    def fused(*args, **kwargs):
+        nonlocal compiled
+        if compiled is None:
+            compiled = torch.compile(function)
+        return compiled(*args, **kwargs)
+
+    return fused

@@ -190,6 +190,7 @@ _GROUP_CACHE: Dict[tuple, dist.ProcessGroup] = {}
 _GROUP_CACHE_WORLD: Optional[dist.ProcessGroup] = None  # the default group they belong to
 
 _STATE: Optional["_ParallelState"] = None
+_GENERATION = 0  # bumped by every initialize_model_parallel and destroy_model_parallel
 _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK: Optional[int] = None
 _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE: Optional[int] = None
 # Values set by the set_* functions; they win over the groups' sizes and ranks.
@@ -342,6 +343,7 @@ def initialize_model_parallel(
     build("embd", [list(embd_fn(r)) for r in pp_groups])
     build("pos_embd", [list(pos_fn(r)) for r in pp_groups])
     _STATE = state
+    _bump_generation()
     _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = virtual_pipeline_model_parallel_size
     _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = 0 if virtual_pipeline_model_parallel_size else None
 
@@ -354,9 +356,22 @@ def destroy_model_parallel() -> None:
     global _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
     _drop_stale_group_cache()
     _STATE = None
+    _bump_generation()
     _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = None
     _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = None
     _OVERRIDES.clear()
+
+
+def groups_generation() -> int:
+    """A number that changes whenever ``initialize_model_parallel`` or
+    ``destroy_model_parallel`` runs: a module that resolved ``parallel_state``'s groups (MPU
+    fallback) at generation g may reuse them while this still returns g."""
+    return _GENERATION
+
+
+def _bump_generation() -> None:
+    global _GENERATION
+    _GENERATION += 1
 
 
 def model_parallel_is_initialized() -> bool:

@@ -1,7 +1,7 @@
 """megatron.training: supervised fine-tuning of a small GPT under any CP/PP/VPP/DP layout.
 
 Run ``python -m megatron.training --help``. In-process use: ``pretrain(TrainingConfig(...))``
-runs a whole job; ``train`` is the loop.
+runs a whole job; ``train`` one training run (its loop: ``megatron.training.loop``).
 """
 
 from megatron.training.arguments import Layout, TrainingConfig, validate_config

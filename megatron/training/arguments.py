@@ -1013,8 +1013,15 @@ class TrainingConfig:
         "--log-interval",
         kind=OUTPUT,
         check=positive,
+        help="with --no-progress: iterations between console lines",
+    )
+    tensorboard_log_interval: int = option(
+        1,
+        "--tensorboard-log-interval",
+        kind=OUTPUT,
+        check=positive,
         help="iterations between TensorBoard / W&B training scalars (validation results are "
-        "always logged) and, with --no-progress, between console lines",
+        "always logged)",
     )
     log_num_zeros_in_grad: bool = option(
         False,

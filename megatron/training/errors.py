@@ -118,9 +118,9 @@ def one_line(exc: BaseException) -> str:
     return "; ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
-def report_error(message: str) -> None:
-    """Print ``message`` once, as one line on stderr (see the module docstring for who
-    prints in a multi-process launch)."""
+def report_error(message: str, prog: str = "megatron.training") -> None:
+    """Print ``message`` once, as one line on stderr, as ``prog: error: message`` (see the
+    module docstring for who prints in a multi-process launch)."""
     error_file = os.environ.get(ERROR_FILE_VARIABLE)
     if error_file:
         _write_error_file(Path(error_file), message)
@@ -128,7 +128,7 @@ def report_error(message: str) -> None:
             return
         if not _lowest_local_reporter(Path(error_file)):
             return
-    print(f"{_prefix()}{message}", file=sys.stderr, flush=True)
+    print(f"{_prefix(prog)}{message}", file=sys.stderr, flush=True)
 
 
 def lost_peer(exc: BaseException) -> bool:
@@ -160,16 +160,16 @@ def usage_error_of_failure(error_file_data: object) -> Optional[str]:
     return None
 
 
-def format_line(message: str, rank: Optional[int] = None) -> str:
-    """``megatron.training: error[ on rank R]: message``."""
+def format_line(message: str, rank: Optional[int] = None, prog: str = "megatron.training") -> str:
+    """``megatron.training: error[ on rank R]: message`` (``prog``: the tool's name)."""
     where = "" if rank is None else f" on rank {rank}"
-    return f"megatron.training: error{where}: {message}"
+    return f"{prog}: error{where}: {message}"
 
 
-def _prefix() -> str:
+def _prefix(prog: str = "megatron.training") -> str:
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     rank = os.environ.get("RANK")
-    return format_line("", int(rank) if world > 1 and rank is not None else None)
+    return format_line("", int(rank) if world > 1 and rank is not None else None, prog)
 
 
 def _write_error_file(path: Path, message: str) -> None:

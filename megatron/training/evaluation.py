@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
+from megatron.core.communication import broadcast_from_last_
 from megatron.core.device import comm_device
 from megatron.core.pipeline_parallel.loss_reporting import reduce_reported_totals
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -195,9 +195,7 @@ def _reduced_totals(
     dp_cp = None if pg_collection is None else pg_collection.dp_cp
     totals = reduce_reported_totals(reported, dp_cp).get(loss_key, (0.0, 0.0))
     value = torch.tensor(totals, dtype=torch.float64, device=comm_device())
-    pp = None if pg_collection is None else pg_collection.pp
-    if pp is not None and pp.size() > 1:
-        dist.broadcast(value, src=dist.get_global_rank(pp, pp.size() - 1), group=pp)
+    broadcast_from_last_(value, None if pg_collection is None else pg_collection.pp)
     return value[0].item(), value[1].item()
 
 

@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core.communication import all_reduce_, world_group
 from megatron.core.device import comm_device
 from megatron.training.errors import STOPPED_FILE_VARIABLE
 
@@ -85,7 +86,7 @@ class ExitConditions:
         code = self._local_code(iteration)
         if (self.signal_name or self.minutes) and dist.is_initialized():
             flag = torch.tensor([code], dtype=torch.int32, device=comm_device())
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            all_reduce_(flag, world_group(), dist.ReduceOp.MAX)
             code = int(flag.item())
         if not code:
             return None

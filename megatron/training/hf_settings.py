@@ -18,7 +18,8 @@ def resolve_hf_model(config, explicit=None):
     Each model option not given explicitly takes config.json's value; one given explicitly
     with another value is a ValueError naming the flag and both values. ``explicit``: the
     fields given on the command line (None: those that differ from their defaults). With
-    ``--data-path`` and no ``--tokenizer``, the tokenizer is DIR's (``tokenizer.json``).
+    ``--data-path`` (or ``--valid-data-path``) and no ``--tokenizer``, the tokenizer is DIR's
+    (``tokenizer.json``).
     The HuggingFace paths are checked first (``check_hf_paths``). Idempotent.
     """
     check_hf_paths(config)
@@ -44,10 +45,32 @@ def resolve_hf_model(config, explicit=None):
             f"--hf-model {config.hf_model} sets the model from its config.json, but "
             f"{'; '.join(conflicts)}; leave these flags out"
         )
+    changes.update(_adapter_targets(config, arch, explicit, defaults))
     tokenizer = Path(config.hf_model) / "tokenizer.json"
-    if config.data_path is not None and config.tokenizer is None and tokenizer.is_file():
+    text = config.data_path or config.valid_data_path  # the tokenizer of either file
+    if text is not None and config.tokenizer is None and tokenizer.is_file():
         changes["tokenizer"] = str(config.hf_model)
     return replace(config, **changes)
+
+
+def _adapter_targets(config, arch, explicit, defaults) -> dict:
+    """With ``--hf-adapter`` and ``--lora-dim``: the adapter's layers (its
+    adapter_config.json's target_modules and exclusions) as ``--lora-target-modules`` /
+    ``--lora-exclude-modules``, unless these were given."""
+    if not config.hf_adapter or config.lora_dim is None:
+        return {}
+    from megatron.training.hf.peft import lora_settings_of_peft
+
+    targets = ("lora_target_modules", "lora_exclude_modules")
+    given = [
+        n
+        for n in targets
+        if (n in explicit if explicit is not None else getattr(config, n) != defaults[n])
+    ]
+    if given:
+        return {}
+    settings = lora_settings_of_peft(config.hf_adapter, arch)
+    return {n: settings[n] for n in targets}
 
 
 def check_hf_paths(config) -> None:

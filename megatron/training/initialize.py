@@ -122,3 +122,9 @@ def single_process_groups(rank: int = 0) -> Optional[ProcessGroupCollection]:
 def is_rank_zero() -> bool:
     """True on global rank 0, or without torch.distributed."""
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def print_rank_0(message: str) -> None:
+    """Print on global rank 0 only (megatron's name)."""
+    if is_rank_zero():
+        print(message, flush=True)

@@ -1,7 +1,9 @@
 """What a run leaves behind: ``metrics.jsonl`` (one JSON object per iteration) and
 ``loss.png`` (the loss and the validation loss, the gradient norm and the learning rate
 against iteration; the one-process run's too when compared). A resumed run continues both
-(``continued_history``)."""
+(``continued_history``). ``metrics.jsonl`` is written as the run goes
+(``loggers.JsonlSink``); ``save_metrics`` rewrites it at the end (the last rank's timings)
+beside the picture."""
 
 import json
 import warnings
@@ -75,9 +77,15 @@ def write_jsonl(path: Path, records: List[dict]) -> Path:
 
 
 def read_jsonl(path) -> List[dict]:
-    """The records of a ``metrics.jsonl`` file."""
+    """The records of a ``metrics.jsonl`` file; an unfinished last line (a run killed while
+    writing it) is left out."""
     with open(path) as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+        lines = [line for line in handle if line.strip()]
+    records = [json.loads(line) for line in lines[:-1]]
+    try:
+        return records + [json.loads(line) for line in lines[-1:]]
+    except json.JSONDecodeError:
+        return records
 
 
 def plot_loss_curves(path: Path, curves: Dict[str, List[dict]]) -> Path:

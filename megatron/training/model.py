@@ -11,7 +11,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-from megatron.core.device import comm_device
+from megatron.core.communication import all_reduce
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -166,9 +166,7 @@ def _check_some_layer_adapted(config: TrainingConfig, chunks, pg_collection) -> 
     stages = 1 if pp is None else pp.size()
     counts = torch.zeros(stages, dtype=torch.int64)
     counts[0 if pp is None else pp.rank()] = sum(len(lora_modules(c)) for c in chunks)
-    if stages > 1:
-        counts = counts.to(comm_device(pp))
-        torch.distributed.all_reduce(counts, group=pp)
+    counts = all_reduce(counts, pp)
     targets = (
         f"--lora-target-modules {' '.join(config.lora_target_modules)} (less "
         f"--lora-exclude-modules {' '.join(config.lora_exclude_modules) or '(none)'})"

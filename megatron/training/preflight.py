@@ -90,9 +90,11 @@ def check_input_paths(config: TrainingConfig, adopted: Sequence[str] = ()) -> No
     def flag(name: str, option: str) -> str:
         return f"{option} (recorded in the --load checkpoint)" if name in adopted else option
 
+    # an evaluation of --valid-data-path (--skip-train) reads no training data
+    validation_only = config.skip_train and config.valid_data_path
     for name, option in (("data_path", "--data-path"), ("valid_data_path", "--valid-data-path")):
         path = getattr(config, name, None)
-        if path:
+        if path and not (name == "data_path" and validation_only):
             _check_data_path(flag(name, option), path)
     tokenizer = config.tokenizer
     if tokenizer not in (None, "byte-level") and not os.path.exists(tokenizer):

@@ -10,21 +10,23 @@ defaults (query groups, FFN size, head size) come from ``resolved_model``. No to
 (the launcher checks the command line before starting the workers).
 """
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Collection, List, Optional, Tuple
 
 from megatron.core import config_rules
 from megatron.core.config_rules import CP_COMM_TYPES
 from megatron.training.errors import UsageError
+from megatron.training.flag_checks import Config
+from megatron.training.flag_checks import Given as _Given
+from megatron.training.flag_checks import default as _default
+from megatron.training.flag_checks import flag as _flag
+from megatron.training.flag_checks import require as _require
 from megatron.training.fp8_flags import check_fp8_flags
 from megatron.training.model_settings import resolved_model
-from megatron.training.options import check_fields, is_int, option_of
+from megatron.training.options import check_fields, is_int
+from megatron.training.run_checks import check_run_options
 
 __all__ = ["Layout", "validate_config"]
-
-# A ``megatron.training.arguments.TrainingConfig`` (not imported: ``arguments`` re-exports
-# this module's names, and the rules need only its fields).
-Config = Any
 
 
 @dataclass(frozen=True)
@@ -52,13 +54,16 @@ class Layout:
 
     @property
     def name(self) -> str:
-        """Short name, e.g. ``cp2-pp2-vpp2-dp1`` or ``tp2-sp-cp2-pp1-dp1``."""
+        """Short name, e.g. ``cp2-pp2-vpp2-dp1``, ``tp2-sp-cp2-pp1-dp1`` or, with expert
+        parallelism, ``cp2-pp1-dp2-ep2`` (``-etpN`` when the experts' TP differs)."""
         vpp = self.virtual_pipeline_model_parallel_size
         tp = self.tensor_model_parallel_size
+        ep, etp = self.expert_model_parallel_size, self.expert_tensor_parallel_size
         return (
             f"{f'tp{tp}-' if tp > 1 else ''}{'sp-' if self.sequence_parallel else ''}"
             f"cp{self.context_parallel_size}-pp{self.pipeline_model_parallel_size}"
             f"{f'-vpp{vpp}' if vpp else ''}-dp{self.data_parallel_size}"
+            f"{f'-ep{ep}' if ep > 1 else ''}{f'-etp{etp}' if etp not in (None, tp) else ''}"
         )
 
 
@@ -140,7 +145,7 @@ def validate_config(
     _check_cp_comm_type(c)
     if c.pack_sequences:
         _check_packing(c)
-    _check_combinations(c, given)
+    check_run_options(c, given)
     _check_moe(c, world_size, given)
     check_fp8_flags(c, given)
     _check_lora(c)
@@ -189,17 +194,6 @@ _LAYOUT_FLAGS = (
     "expert_model_parallel_size",
     "expert_tensor_parallel_size",
 )
-
-
-class _Given:
-    """``given(name)``: whether the run sets field ``name`` (``validate_config``'s
-    ``explicit``)."""
-
-    def __init__(self, c: Config, explicit: Optional[Collection[str]]) -> None:
-        self.c, self.explicit = c, frozenset(explicit or ())
-
-    def __call__(self, name: str) -> bool:
-        return name in self.explicit or getattr(self.c, name) != _default(self.c, name)
 
 
 def _check_moe(c: Config, world_size: int, given: _Given) -> None:
@@ -295,235 +289,6 @@ def _check_router_losses(c: Config, given: _Given) -> None:
 
 def _moe_flag(name: str) -> str:
     return "--" + name.replace("_", "-")
-
-
-def _check_combinations(c: Config, given: _Given) -> None:
-    """Options that need, or exclude, another one (so none is silently ignored)."""
-    _require(
-        not c.overlap_param_gather or c.use_distributed_optimizer,
-        "--overlap-param-gather only supported with distributed optimizer: add "
-        "--use-distributed-optimizer",
-    )
-    recompute = config_rules.recompute_problems(
-        c.recompute_granularity,
-        c.recompute_method,
-        c.recompute_num_layers,
-        c.recompute_modules,
-        c.num_layers // c.pipeline_model_parallel_size,
-        name=lambda field: "--" + field.replace("_", "-"),
-    )
-    _require(not recompute, "; ".join(recompute))
-    _require(
-        c.recompute_modules is None or c.recompute_granularity == "selective",
-        f"--recompute-modules {' '.join(c.recompute_modules or [])} needs "
-        f"--recompute-granularity selective (got {c.recompute_granularity})",
-    )
-    _require(
-        not (c.per_shard_loss_normalization and c.calculate_per_token_loss),
-        "--per-shard-loss-normalization emulates the averaged mode; it cannot be combined "
-        "with --calculate-per-token-loss",
-    )
-    _require(
-        c.save_interval is None or c.save is not None,
-        f"--save-interval {c.save_interval} needs --save DIR",
-    )
-    for name in (
-        "ckpt_step",
-        "finetune",
-        "no_load_optim",
-        "no_load_rng",
-        "exit_on_missing_checkpoint",
-        "override_opt_param_scheduler",
-        "use_checkpoint_opt_param_scheduler",
-    ):
-        value = getattr(c, name)
-        _require(
-            value is None or value is False or c.load is not None,
-            f"{_flag(c, name)}"
-            f"{'' if isinstance(value, bool) else f' {value}'} needs --load DIR "
-            "(nothing is loaded)",
-        )
-    _require(
-        not (c.override_opt_param_scheduler and c.use_checkpoint_opt_param_scheduler),
-        "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each "
-        "other (the command line's schedule, or the checkpoint's)",
-    )
-    exits = [
-        f"{_flag(c, name)}{'' if value is True else f' {value}'}"
-        for name in ("exit_signal_handler", "exit_duration_in_mins", "exit_interval")
-        for value in [getattr(c, name)]
-        if value not in (None, False)
-    ]
-    _require(
-        not exits or c.save is not None,
-        f"{', '.join(exits)} save a checkpoint before exiting: add --save DIR",
-    )
-    _require(
-        c.exit_signal_handler or c.exit_signal == _default(c, "exit_signal"),
-        f"--exit-signal {c.exit_signal} needs --exit-signal-handler",
-    )
-    _require(
-        not (c.compare_single_process and c.load),
-        "--compare-single-process compares a whole run from iteration 1; it cannot be "
-        f"combined with --load {c.load}",
-    )
-    _require(
-        c.lr_warmup_iters < c.train_iters,
-        f"--lr-warmup-iters must be >= 0 and < --train-iters {c.train_iters}, "
-        f"got {c.lr_warmup_iters}",
-    )
-    _require(c.min_lr <= c.lr, f"--min-lr must be in [0, --lr {c.lr}], got {c.min_lr}")
-    _require(
-        c.tokenizer is None or c.data_path is not None,
-        f"--tokenizer {c.tokenizer!r} needs --data-path (the generated data has its own ids)",
-    )
-    _require(
-        c.eod_token is None or c.tokenizer not in (None, "byte-level"),
-        f"--eod-token {c.eod_token!r} needs --tokenizer DIR_OR_tokenizer.json (the byte-level "
-        "tokenizer's end-of-document id is fixed)",
-    )
-    _require(
-        c.data_path is None or c.vocab_size == _default(c, "vocab_size") or c.hf_model,
-        f"--vocab-size {c.vocab_size} is not used with --data-path: the vocabulary is the "
-        "tokenizer's (see --tokenizer); leave --vocab-size out",
-    )
-    _require(
-        c.min_lr == 0 or c.lr_decay_style != "constant",
-        f"--min-lr {c.min_lr} is the end of a decay, but --lr-decay-style constant keeps "
-        "--lr; use --lr-decay-style linear or cosine, or leave --min-lr out",
-    )
-    _require(
-        c.compare_single_process or c.compare_tolerance == _default(c, "compare_tolerance"),
-        f"--compare-tolerance {c.compare_tolerance} needs --compare-single-process",
-    )
-    _require(not (c.bf16 and c.fp16), "--bf16 and --fp16 were both given; expected at most one")
-    _check_evaluation(c, given)
-    _check_logging(c)
-    _require(
-        c.position_embedding_type == "learned_absolute" or c.max_position_embeddings is None,
-        f"--max-position-embeddings {c.max_position_embeddings} sizes the learned position "
-        "table; --position-embedding-type rope has none",
-    )
-    _require(
-        c.position_embedding_type != "learned_absolute"
-        or (c.max_position_embeddings or c.seq_length) >= c.seq_length,
-        f"--seq-length {c.seq_length} is longer than the learned position table "
-        f"(--max-position-embeddings {c.max_position_embeddings})",
-    )
-    _require(
-        c.position_embedding_type == "rope"
-        or not (c.use_rope_scaling or c.rotary_base != _default(c, "rotary_base")),
-        "--use-rope-scaling and --rotary-base need --position-embedding-type rope",
-    )
-    _require(
-        c.use_rope_scaling or c.rope_scaling_factor == _default(c, "rope_scaling_factor"),
-        f"--rope-scaling-factor {c.rope_scaling_factor} needs --use-rope-scaling",
-    )
-    _require(not (c.openai_gelu and c.swiglu), "--openai-gelu and --swiglu exclude each other")
-    _require(
-        not c.qk_layernorm_whole_projection or (c.qk_layernorm and c.normalization == "RMSNorm"),
-        "--qk-layernorm-whole-projection needs --qk-layernorm and --normalization RMSNorm "
-        f"(got --qk-layernorm {c.qk_layernorm}, --normalization {c.normalization})",
-    )
-    _require(
-        c.min_loss_scale <= c.initial_loss_scale,
-        f"--min-loss-scale {c.min_loss_scale} must be <= --initial-loss-scale "
-        f"{c.initial_loss_scale}",
-    )
-    dynamic = [
-        _flag(c, name)
-        for name in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
-        if getattr(c, name) != _default(c, name)
-    ]
-    _require(
-        c.fp16 or not dynamic,
-        f"{', '.join(dynamic)} set the dynamic loss scaling of --fp16, which is not given",
-    )
-
-
-def _check_evaluation(c: Config, given: _Given) -> None:
-    """--eval-interval, --eval-iters, --valid-data-path, --split, --skip-train: each used,
-    none contradicting another."""
-    _require(
-        c.valid_data_path is None or c.data_path is not None,
-        f"--valid-data-path {c.valid_data_path!r} needs --data-path (the generated data "
-        "validates on held-out generated pairs)",
-    )
-    _require(
-        c.split is None or c.data_path is not None,
-        f"--split {c.split!r} splits --data-path, which is not given",
-    )
-    _require(
-        not (c.split and c.valid_data_path),
-        f"--split {c.split!r} and --valid-data-path {c.valid_data_path!r} both name "
-        "validation data; give one",
-    )
-    if c.split is not None:
-        from megatron.training.datasets import parse_split
-
-        try:
-            weights = parse_split(c.split)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
-        _require(
-            weights[0] > 0 or c.skip_train,
-            f"--split {c.split!r} leaves no training data (its first weight is 0)",
-        )
-        _require(
-            weights[1] > 0 or (c.eval_interval is None and not c.skip_train),
-            f"--split {c.split!r} has no validation part (its second weight is 0), but "
-            f"{'--skip-train' if c.skip_train else f'--eval-interval {c.eval_interval}'} "
-            "needs validation data",
-        )
-    _require(
-        c.eval_iters != -1 or c.data_path is not None,
-        "--eval-iters -1 (the whole validation set) needs --valid-data-path or --split: the "
-        "generated validation data is endless; give a number of global batches",
-    )
-    enabled = c.eval_interval or c.valid_data_path or c.split or c.skip_train
-    _require(
-        c.eval_iters == _default(c, "eval_iters") or enabled,
-        f"--eval-iters {c.eval_iters} needs validation: add --eval-interval N, "
-        "--valid-data-path or --split",
-    )
-    _require(
-        not c.skip_train or c.load is not None or c.hf_model is not None,
-        "--skip-train evaluates a trained model: add --load DIR or --hf-model DIR",
-    )
-    _require(
-        not c.skip_train or c.eval_iters != 0,
-        "--skip-train only evaluates, but --eval-iters 0 turns validation off",
-    )
-    _require(
-        not (c.skip_train and c.compare_single_process),
-        "--skip-train trains nothing; --compare-single-process compares training runs",
-    )
-    _require(
-        not c.skip_train or c.export_hf is None,
-        f"--skip-train trains nothing, so --export-hf {c.export_hf} would write nothing; to "
-        "convert a checkpoint use python -m megatron.training.hf export --load DIR --out "
-        f"{c.export_hf}",
-    )
-    off = [name for name in ("eval_interval", "valid_data_path") if given(name)]
-    _require(
-        c.eval_iters != 0 or not off,
-        f"{' and '.join(f'{_flag(c, n)} {getattr(c, n)}' for n in off)} "
-        f"ask{'s' if len(off) == 1 else ''} for validation, but --eval-iters 0 turns it off; "
-        "leave one of them out",
-    )
-
-
-def _check_logging(c: Config) -> None:
-    """The W&B details need --wandb-project; each logger's package is installed."""
-    from megatron.training.loggers import check_logging_packages
-
-    for name in ("wandb_exp_name", "wandb_save_dir"):
-        value = getattr(c, name)
-        _require(
-            value is None or c.wandb_project is not None,
-            f"{_flag(c, name)} {value} needs --wandb-project NAME",
-        )
-    check_logging_packages(c)
 
 
 def _check_packing(c: Config) -> None:
@@ -679,6 +444,7 @@ def _check_lora(c: Config) -> None:
             f"--lora-target-modules / --lora-exclude-modules {target!r}: expected one of "
             f"{', '.join(config_rules.LORA_TARGETS)} or a wildcard pattern",
         )
+    _check_lora_targets(c)
     _require(
         not (c.pretrained_checkpoint and c.hf_model),
         f"--pretrained-checkpoint {c.pretrained_checkpoint} and --hf-model {c.hf_model} both "
@@ -700,27 +466,39 @@ def _check_lora(c: Config) -> None:
     )
 
 
+def _check_lora_targets(c: Config) -> None:
+    """Before any worker starts: every --lora-target-modules pattern names some linear layer
+    of the model, and none of the chosen layers is a routed expert's (not supported)."""
+    moe = c.num_experts is not None
+    names = config_rules.lora_module_names(
+        c.num_layers,
+        config_rules.moe_layer_pattern(c.moe_layer_freq, c.num_layers) if moe else None,
+        c.num_experts or 0,
+        moe and c.moe_shared_expert_intermediate_size is not None,
+    )
+
+    def named(name: str, patterns) -> bool:
+        return any(config_rules.lora_pattern_matches(name, p) for p in patterns)
+
+    for target in c.lora_target_modules:
+        _require(
+            any(config_rules.lora_pattern_matches(n, target) for n in names),
+            f"--lora-target-modules {target!r} matches no layer of the model (its linear "
+            f"layers are named like {names[0]}, {names[-1]})",
+        )
+    for name in names:
+        _require(
+            ".experts." not in name
+            or not named(name, c.lora_target_modules)
+            or named(name, c.lora_exclude_modules),
+            f"--lora-target-modules {' '.join(c.lora_target_modules)}: LoRA target {name} is "
+            "a routed expert's linear layer: adapters on experts are not supported; leave them "
+            "out (--lora-exclude-modules '*.experts.*') or name the layers to adapt "
+            "(--lora-target-modules linear_qkv linear_proj)",
+        )
+
+
 def _shown(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return " ".join(str(v) for v in value) or "(empty)"
     return str(value)
-
-
-def _flag(c: Config, name: str) -> str:
-    """The flag naming field ``name`` of ``c`` in messages (e.g. ``--tp``)."""
-    return option_of(_field(c, name)).flag
-
-
-def _default(c: Config, name: str) -> Any:
-    """The declared default of field ``name`` of ``c``."""
-    return _field(c, name).default
-
-
-def _field(c: Config, name: str):
-    return next(f for f in fields(c) if f.name == name)
-
-
-def _require(condition: bool, message: str) -> None:
-    """Raise UsageError(message) (a ValueError) unless ``condition``."""
-    if not condition:
-        raise UsageError(message)

@@ -281,9 +281,9 @@ def profile_ours(c: Shape, args, variant: str) -> str:
     ``variant`` (``prof.step()`` at the end of each iteration, where the trainer logs)."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    from megatron.training import training
+    from megatron.training import loop
 
-    original = training.logged_loss
+    original = loop.logged_loss
     with profile(
         activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
         schedule=schedule(wait=1, warmup=0, active=2),
@@ -294,11 +294,11 @@ def profile_ours(c: Shape, args, variant: str) -> str:
             prof.step()
             return value
 
-        training.logged_loss = stepped
+        loop.logged_loss = stepped
         try:
             result = run_ours(c, args, variant, 1, 2)
         finally:
-            training.logged_loss = original
+            loop.logged_loss = original
     times = ", ".join(f"{r['iteration_time_s'] * 1e3:.1f}" for r in result.records)
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=45)
     return f"profile of {variant} (2 iterations; iteration ms: {times})\n{table}"

@@ -221,3 +221,14 @@ def test_one_rank_in_place_collectives_are_the_identity():
     assert torch.equal(comm.start_reduce_scatter_shard_(t, None).wait(), t)
     assert comm.start_all_gather_shards_(t, None).wait() is t
     assert comm.broadcast_(t, None) is t
+
+
+@pytest.mark.world(1, 2, 4)
+def test_broadcast_from_last_gives_every_rank_the_last_ranks_tensor():
+    """The one "from the last pipeline stage" broadcast (loss, validation totals, generated
+    token): in place, from the group's last rank (the pair's second rank at world 4)."""
+    groups = _groups() if dist.is_initialized() else [(None, [0])]
+    for group, ranks in groups:
+        mine = _x(dist.get_rank() if dist.is_initialized() else 0)
+        assert comm.broadcast_from_last_(mine, group) is mine
+        torch.testing.assert_close(mine, _x(ranks[-1]), rtol=0, atol=0)

@@ -1,7 +1,8 @@
 """The package's import graph (SPEC section 9): no circles, no private names across packages,
-``megatron.core`` never imports ``megatron.training``, and ``torch.distributed`` collectives
-in ``megatron.core`` are called from ``megatron.core.communication`` only (plus a short
-allow-list, each entry with its reason).
+``megatron.core`` never imports ``megatron.training``, imports run one way down the layers of
+docs/architecture.md (``LAYERS``, data here), and ``torch.distributed`` collectives anywhere
+in ``megatron`` (the core and the trainer) are called from ``megatron.core.communication``
+only (plus a short allow-list, each entry with its reason).
 
 Every ``import`` / ``from ... import`` statement of every module under ``megatron/`` counts,
 wherever it is written (module level, inside a function, under ``if``): Python runs a
@@ -27,6 +28,68 @@ ROOT = Path(__file__).resolve().parents[2]
 # names the change. ``test_pending_exceptions_still_occur`` fails once an entry is obsolete.
 PENDING: Set[Tuple[str, str]] = set()
 
+
+# The layers of docs/architecture.md, bottom to top: a module may import its own layer and the
+# ones below. A module belongs to the layer of the longest name that is it or a package above
+# it (``megatron.core.transformer.transformer_config`` sits below the rest of its package).
+LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
+    (
+        "rules",
+        (
+            "megatron.core.config_rules",
+            "megatron.core.moe_config_rules",
+            "megatron.core.config",
+            "megatron.core.enums",
+            "megatron.core.fp8.config",
+        ),
+    ),
+    (
+        "device, groups",
+        (
+            "megatron.core.device",
+            "megatron.core.parallel_state",
+            "megatron.core.process_groups_config",
+            "megatron.core.hyper_comm_grid",
+            "megatron.core.model_parallel_config",
+            "megatron.core.jit",
+            "megatron.core.packed_seq_params",
+        ),
+    ),
+    ("communication", ("megatron.core.communication",)),
+    ("checkpoint format", ("megatron.core.dist_checkpointing",)),
+    (
+        "parallel regions",
+        (
+            "megatron.core.tensor_parallel",
+            "megatron.core.context_parallel",
+            "megatron.core.utils",
+            "megatron.core.fp8",
+        ),
+    ),
+    ("fusions", ("megatron.core.fusions", "megatron.core.rope")),
+    (
+        "transformer config",
+        ("megatron.core.transformer.transformer_config", "megatron.core.transformer.enums"),
+    ),
+    ("transformer", ("megatron.core.transformer",)),
+    ("inference", ("megatron.core.inference",)),
+    ("models", ("megatron.core.models",)),
+    (
+        "training machinery",
+        (
+            "megatron.core.pipeline_parallel",
+            "megatron.core.distributed",
+            "megatron.core.optimizer",
+            "megatron.core.optimizer_param_scheduler",
+        ),
+    ),
+    ("data, tokenizers", ("megatron.core.datasets", "megatron.core.tokenizers")),
+    (
+        "drop-in names",
+        ("megatron.core", "megatron.core.extensions", "megatron.core.inference_params"),
+    ),
+    ("trainer", ("megatron", "megatron.training")),
+)
 
 # torch.distributed functions that communicate: outside megatron.core.communication they may
 # appear (called or referenced) only where RAW_COLLECTIVES_ALLOWED says why.
@@ -110,14 +173,14 @@ class RawCollective(NamedTuple):
 
 
 def raw_collectives(modules: Dict[str, Module]) -> List[RawCollective]:
-    """Uses of a ``torch.distributed`` collective (``COLLECTIVES``) in ``megatron.core``
-    outside ``communication``: ``dist.all_reduce`` through any alias of the module
+    """Uses of a ``torch.distributed`` collective (``COLLECTIVES``) in ``megatron`` (the core
+    and the trainer) outside ``communication``: ``dist.all_reduce`` through any alias of the module
     (``import torch.distributed as dist``, ``torch.distributed.x``, ``from torch import
     distributed``), or the function imported by name (``from torch.distributed import x``),
     called or only referenced."""
     found = []
     for name, (source, _) in modules.items():
-        if not name.startswith("megatron.core") or name == COMMUNICATION_MODULE:
+        if name == COMMUNICATION_MODULE:
             continue
         found += [RawCollective(name, line, what) for line, what in _raw_collectives(source)]
     return found
@@ -183,6 +246,32 @@ def _dotted(node: ast.AST) -> str:
     if not isinstance(node, ast.Name):
         return ""
     return ".".join([node.id] + parts[::-1])
+
+
+class UpwardImport(NamedTuple):
+    edge: Edge
+    importer_layer: str
+    target_layer: str
+
+
+def layer_of(module: str, layers=LAYERS) -> int:
+    """Index in ``layers`` of ``module``'s layer (longest matching name), -1 for none."""
+    best, best_length = -1, -1
+    for index, (_, names) in enumerate(layers):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > best_length:
+                best, best_length = index, len(name)
+    return best
+
+
+def upward_imports(edges: List[Edge], layers=LAYERS) -> List[UpwardImport]:
+    """Edges whose target sits in a higher layer than their importer."""
+    found = []
+    for edge in edges:
+        low, high = layer_of(edge.importer, layers), layer_of(edge.target, layers)
+        if low >= 0 and high > low:
+            found.append(UpwardImport(edge, layers[low][0], layers[high][0]))
+    return found
 
 
 def import_cycles(edges: List[Edge]) -> List[List[str]]:
@@ -325,9 +414,27 @@ def test_core_never_imports_training():
     )
 
 
+def test_every_module_has_a_layer():
+    modules = package_modules()
+    missing = sorted(m for m in modules if layer_of(m) < 0)
+    assert (
+        not missing
+    ), f"modules in no layer (add them to LAYERS and docs/architecture.md): {missing}"
+
+
+def test_imports_run_down_the_layers():
+    """No module imports a module of a higher layer (docs/architecture.md, ``LAYERS``)."""
+    found = upward_imports(import_edges(package_modules()))
+    assert not found, "upward imports (move the shared part down a layer):\n" + "\n".join(
+        f"  {u.edge.importer}:{u.edge.line} ({u.importer_layer}) -> {u.edge.target} "
+        f"({u.target_layer})"
+        for u in found
+    )
+
+
 def test_collectives_only_in_communication():
-    """Every torch.distributed collective of megatron.core goes through communication.py
-    (its gloo/NCCL, device and async-handle choices are made there once)."""
+    """Every torch.distributed collective of megatron (the core and the trainer) goes through
+    communication.py (its gloo/NCCL, device and async-handle choices are made there once)."""
     found = [
         c
         for c in raw_collectives(package_modules())
@@ -418,8 +525,9 @@ def test_core_importing_training_is_found():
 
 
 def test_a_planted_raw_collective_is_found():
-    """Each way of reaching a collective is caught; communication.py and megatron.training
-    are not checked; a non-collective torch.distributed function is not flagged."""
+    """Each way of reaching a collective is caught, in the core and in the trainer;
+    communication.py is not checked; a non-collective torch.distributed function is not
+    flagged."""
     modules = _invented(
         {
             "megatron.__init__": "",
@@ -447,4 +555,37 @@ def test_a_planted_raw_collective_is_found():
         ("megatron.core.d", "batch_isend_irecv"),
         ("megatron.core.e", "P2POp"),
         ("megatron.core.e", "isend"),
+        ("megatron.training.t", "barrier"),
     ]
+
+
+def test_an_upward_import_is_found():
+    """On an invented graph: a function-level import of a higher layer is caught (through a
+    package's ``__init__`` too), one of the same or a lower layer is not, and a module below
+    the rest of its package (``pkg.config``) may not import its package's upper modules."""
+    layers = (
+        ("low", ("megatron.low", "megatron.pkg.config")),
+        ("mid", ("megatron.pkg",)),
+        ("high", ("megatron", "megatron.high")),
+    )
+    modules = _invented(
+        {
+            "megatron.__init__": "",
+            "megatron.low.__init__": "",
+            "megatron.low.a": "def f():\n    from megatron.pkg.layer import g\n",
+            "megatron.pkg.__init__": "",
+            "megatron.pkg.config": "from megatron.pkg import layer\n",
+            "megatron.pkg.layer": "from megatron.low import a\nfrom megatron.pkg import config\n",
+            "megatron.high.__init__": "",
+            "megatron.high.h": "import megatron.pkg.layer\nimport megatron.low.a\n",
+        }
+    )
+    found = {
+        (u.edge.importer, u.edge.target) for u in upward_imports(import_edges(modules), layers)
+    }
+    assert found == {
+        ("megatron.low.a", "megatron.pkg.layer"),
+        ("megatron.low.a", "megatron.pkg"),
+        ("megatron.pkg.config", "megatron.pkg.layer"),
+    }
+    assert layer_of("megatron.pkg.config.x", layers) == 0 and layer_of("elsewhere", layers) == -1

@@ -61,12 +61,27 @@ def finalize_model_grads(
         _allreduce_sequence_parallel_grads(model, groups.tp)
         _allreduce_word_embedding_grads(model, groups)
         _allreduce_position_embedding_grads(model, groups)
-    _update_router_expert_bias(model, groups)
+    if _may_have_expert_bias(model):
+        _update_router_expert_bias(model, groups)
     if num_tokens is not None:
         total = _global_token_count(num_tokens, groups)
         scale = 1.0 / torch.clamp(total, min=1.0)
         for chunk in model:
             chunk.scale_gradients(scale)
+
+
+def _may_have_expert_bias(model: List[torch.nn.Module]) -> bool:
+    """False when every chunk's config says ``moe_router_enable_expert_bias`` is off (a dense
+    model: no walk over its modules each step, as megatron-core); a chunk without a config
+    is walked."""
+    for chunk in model:
+        try:
+            config = get_attr_wrapped_model(chunk, "config", allow_none=False)
+        except RuntimeError:
+            return True
+        if getattr(config, "moe_router_enable_expert_bias", True):
+            return True
+    return False
 
 
 def _update_router_expert_bias(model: List[torch.nn.Module], groups) -> None:

@@ -12,8 +12,8 @@ from typing import Optional, Tuple, Union
 import torch
 
 from megatron.core import tensor_parallel
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.rope import apply_rotary_pos_emb
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule, leave_as_allocated, output_projection

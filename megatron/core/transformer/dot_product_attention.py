@@ -15,7 +15,11 @@ from megatron.core.transformer.cp_attention import (
 )
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.parallel_groups import cp_group_of, hierarchical_cp_groups_of
+from megatron.core.transformer.parallel_groups import (
+    ResolvedGroup,
+    cp_group_of,
+    hierarchical_cp_groups_of,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -23,9 +27,10 @@ class DotProductAttention(MegatronModule):
     """Causal attention of this CP rank's queries over the whole sequence (megatron-core
     0.16.1's constructor), through ``cp_attention.context_parallel_attention``.
 
-    The CP group of a step is ``pg_collection.cp``, else ``parallel_state``'s (MPU fallback,
-    resolved at every forward), else none. ``attention_dropout`` is not applied (the CP
-    kernels have no dropout; a warning says so when it is > 0). The kernel is
+    The CP group of a step is ``pg_collection.cp``, else ``parallel_state``'s (MPU fallback),
+    else none; resolved and checked once at build time (again only after ``parallel_state``
+    is re-initialized: ``parallel_groups.ResolvedGroup``). ``attention_dropout`` is not
+    applied (the CP kernels have no dropout; a warning says so when it is > 0). The kernel is
     ``config.attention_backend``'s (``cp_attention.kernel_choice``); ``config.window_size``
     gives sliding-window attention, refused here, at build time, where the CP setting or the
     kernel cannot compute it.
@@ -64,11 +69,14 @@ class DotProductAttention(MegatronModule):
         self.softmax_scale = softmax_scale
         self.kernel = kernel_for_backend(config.attention_backend)
         check_backend_window(config.attention_backend, config.window_size)
-        comm = self._comm_type()
+        self._comm = self._comm_type()
         check_window_size(
-            config.window_size, comm, 0 if comm == "a2a+p2p" else config.context_parallel_size
+            config.window_size,
+            self._comm,
+            0 if self._comm == "a2a+p2p" else config.context_parallel_size,
         )
-        self._cp_group()  # fail at build time on a mismatched group
+        resolve = hierarchical_cp_groups_of if self._comm == "a2a+p2p" else cp_group_of
+        self._cp_groups = ResolvedGroup(resolve, pg_collection, config)  # fails here if mismatched
 
     def forward(
         self,
@@ -90,8 +98,8 @@ class DotProductAttention(MegatronModule):
             query,
             key,
             value,
-            cp_group=self._cp_group(),
-            cp_comm_type=self._comm_type(),
+            cp_group=self._cp_groups.get(),
+            cp_comm_type=self._comm,
             softmax_scale=self.softmax_scale,
             packed_seq_params=packed_seq_params,
             kernel=self.kernel,
@@ -104,12 +112,6 @@ class DotProductAttention(MegatronModule):
         if self.cp_comm_type == "a2a+p2p" and self.config.context_parallel_size == 1:
             return "all_gather"
         return self.cp_comm_type or "all_gather"
-
-    def _cp_group(self):
-        """The CP group, or the [all-to-all, ring] pair for a2a+p2p."""
-        if self._comm_type() == "a2a+p2p":
-            return hierarchical_cp_groups_of(self.pg_collection, self.config)
-        return cp_group_of(self.pg_collection, self.config)
 
 
 _WARNED = set()

@@ -38,7 +38,6 @@ Written here because no library does TP-sharded LoRA on megatron-core's layers (
 """
 
 import dataclasses
-import fnmatch
 import math
 import zlib
 from dataclasses import dataclass, field
@@ -49,7 +48,7 @@ import torch.nn.functional as F
 
 from megatron.core.config_rules import LORA_DROPOUT_POSITIONS as DROPOUT_POSITIONS
 from megatron.core.config_rules import LORA_INIT_METHODS as INIT_METHODS
-from megatron.core.config_rules import LORA_TARGETS
+from megatron.core.config_rules import LORA_TARGETS, lora_is_pattern, lora_pattern_matches
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -85,7 +84,7 @@ class LoRAConfig:
         if not self.target_modules:
             raise bad("target_modules", list(self.target_modules), "at least one module")
         for pattern in self.target_modules:
-            if not _is_pattern(pattern) and pattern not in LORA_TARGETS:
+            if not lora_is_pattern(pattern) and pattern not in LORA_TARGETS:
                 raise bad("target_modules", pattern, f"one of {LORA_TARGETS} or a wildcard")
         if not isinstance(self.dim, int) or self.dim < 1:
             raise bad("dim", self.dim, "a positive integer")
@@ -141,9 +140,52 @@ def apply_lora(model: torch.nn.Module, lora: LoRAConfig) -> List[str]:
         if hasattr(module, "adapter"):
             raise ValueError(f"LoRA target {global_name} already has an adapter")
         module.adapter = LoRAAdapter(module, lora, global_name)
+        module.adapter.stacked = _in_every_layer(lora, global_name, module.config.num_layers)
         module.forward = _WithAdapter(module.forward, module.adapter)
         added.append(global_name)
     return added
+
+
+def separate_partial_adapters(
+    model: torch.nn.Module, sharded_state_dict: dict, prefix: str = ""
+) -> None:
+    """Store the adapters that only some layers have (``*.layers.0.*``) one layer at a
+    time, in place (``GPTModel.sharded_state_dict`` calls it): a block stacks each tensor
+    over every layer (``decoder.layers.<name>`` [num_layers, ...]), which such an adapter
+    would leave with gaps; theirs become ``decoder.layers.<global layer>.<name>`` without the
+    layer axis (the non-homogeneous block's form). Decided from the targets alone, so every
+    stage and layout agrees."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    layers = f"{prefix}decoder.layers."
+    prefixes = tuple(
+        layers + name.split(".", 3)[3] + ".adapter."
+        for name, adapter in lora_modules(model).items()
+        if not getattr(adapter, "stacked", True)
+    )
+    if not prefixes:
+        return
+
+    def separate(x):
+        if not isinstance(x, (ShardedTensor, ShardedObject)) or not x.key.startswith(prefixes):
+            return x
+        layer = x.global_offset[0]
+        changes = dict(
+            key=f"{layers}{layer}.{x.key[len(layers):]}",
+            global_shape=x.global_shape[1:],
+            global_offset=x.global_offset[1:],
+        )
+        if isinstance(x, ShardedTensor):
+            fragments = x.axis_fragmentations
+            changes.update(
+                local_shape=x.local_shape[1:],
+                prepend_axis_num=x.prepend_axis_num - 1,
+                axis_fragmentations=None if fragments is None else fragments[1:],
+            )
+        return dataclasses.replace(x, **changes)
+
+    dict_list_map_inplace(separate, sharded_state_dict)
 
 
 def lora_modules(model: torch.nn.Module) -> Dict[str, "LoRAAdapter"]:
@@ -286,10 +328,15 @@ def _seed_of(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
-def _is_pattern(text: str) -> bool:
-    return any(c in text for c in "*?[.")
+def _in_every_layer(lora: LoRAConfig, global_name: str, num_layers: int) -> bool:
+    """Whether every layer's module at ``global_name``'s place gets an adapter (so the
+    adapter's tensors stack over the layers); a name outside the layers counts as yes."""
+    parts = global_name.split(".")
+    if parts[:2] != ["decoder", "layers"] or not parts[2].isdigit():
+        return True
+    rest = ".".join(parts[3:])
+    return all(lora.matches(f"decoder.layers.{i}.{rest}") for i in range(num_layers))
 
 
 def _matches(name: str, patterns: Sequence[str]) -> bool:
-    last = name.rsplit(".", 1)[-1]
-    return any(fnmatch.fnmatchcase(name, p) if _is_pattern(p) else last == p for p in patterns)
+    return any(lora_pattern_matches(name, p) for p in patterns)

@@ -5,10 +5,12 @@ Each getter checks the group's size against the config, so a mismatched collecti
 error at build time rather than a hang.
 """
 
-from typing import List, Optional
+import weakref
+from typing import Any, Callable, List, Optional
 
 import torch.distributed as dist
 
+from megatron.core import parallel_state
 from megatron.core.process_groups_config import (
     ProcessGroupCollection,
     get_pg_rank,
@@ -70,6 +72,65 @@ def hierarchical_cp_groups_of(
             "then every A-th)"
         )
     return list(groups)
+
+
+class ResolvedGroup:
+    """A module's group (or list of groups), resolved by ``resolve(pg_collection, config)``
+    once instead of at every forward.
+
+    With a ``pg_collection`` the result is kept for good (the module holds the collection
+    anyway). Without one (MPU fallback) it is kept until ``parallel_state`` is initialized or
+    destroyed again (``parallel_state.groups_generation``), and only weakly, so a model that
+    outlives its run does not keep that run's groups alive; then it is resolved afresh.
+    """
+
+    def __init__(self, resolve: Callable[[Any, Any], Any], pg_collection, config) -> None:
+        self._resolve, self._pg_collection, self._config = resolve, pg_collection, config
+        self._generation: Optional[int] = None
+        self._held: Any = None
+        self.get()  # resolved (and checked) at build time
+
+    def get(self) -> Any:
+        """The group(s) of this step."""
+        if self._pg_collection is not None:
+            if self._generation is None:
+                self._held, self._generation = self._resolve(self._pg_collection, self._config), 0
+            return self._held
+        generation = parallel_state.groups_generation()
+        if generation == self._generation:
+            groups = _dereference(self._held)
+            if groups is not _GONE:
+                return groups
+        groups = self._resolve(None, self._config)
+        self._held, self._generation = _weak(groups), generation
+        return groups
+
+    def __getstate__(self) -> dict:  # pickling or deepcopy: resolve again on first use
+        state = dict(self.__dict__)
+        state["_held"], state["_generation"] = None, None
+        return state
+
+
+_GONE = object()
+
+
+def _weak(groups: Any) -> Any:
+    """``groups`` (None, a group or a list of groups) held by weak references."""
+    if groups is None:
+        return None
+    if isinstance(groups, (list, tuple)):
+        return [weakref.ref(g) for g in groups]
+    return weakref.ref(groups)
+
+
+def _dereference(held: Any) -> Any:
+    """What ``_weak`` held, or ``_GONE`` when a group was freed since."""
+    if held is None:
+        return None
+    groups = [ref() for ref in held] if isinstance(held, list) else held()
+    if groups is None or (isinstance(groups, list) and any(g is None for g in groups)):
+        return _GONE
+    return groups
 
 
 def pp_rank_of(pg_collection: Optional[ProcessGroupCollection], config) -> int:

@@ -9,8 +9,8 @@ from megatron.core import config_rules
 from megatron.core.config_rules import CP_COMM_TYPES
 from megatron.core.fp8.config import check_fp8_config
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.moe_config_rules import check_moe_config
 from megatron.core.transformer.enums import AttnBackend
-from megatron.core.transformer.moe.config_checks import check_moe_config
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import dist_checkpointing
+from megatron.core.communication import barrier, world_group
 from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.training import checkpointing
@@ -61,6 +62,7 @@ from megatron.training.hf.weights import (
     safetensors_module,
     scatter_to_hf,
 )
+from megatron.training.lora_base import LORA_BASE_KEY
 
 MODEL_ONLY_KEY = "model_only"
 HF_CONFIG_KEY = "hf_config"
@@ -150,17 +152,20 @@ def export_hf(
             "adapter (without --merge-lora), or merge from a full checkpoint"
         )
     adapter_only = lora is not None and not merge_lora
-    embedding = stored.get("embedding.word_embeddings.weight")
-    if embedding is None:
-        raise ValueError(f"{directory}: no embedding.word_embeddings.weight; not a GPT checkpoint")
-    dtype = dtype or _dtype_name(embedding.dtype)
-    if dtype not in DTYPES:
+    if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if not adapter_only:  # an adapter-only checkpoint holds no embedding (nor needs one)
+        embedding = stored.get("embedding.word_embeddings.weight")
+        if embedding is None:
+            raise ValueError(
+                f"{directory}: no embedding.word_embeddings.weight; not a GPT checkpoint"
+            )
+        dtype = dtype or _dtype_name(embedding.dtype)
     writing = not dist.is_initialized() or dist.get_rank() == 0
     staging = _make_staging(out_dir) if writing else None
     try:
         if adapter_only:
-            _export_adapter_into(staging, directory, common, arch, stored)
+            _export_adapter_into(staging, directory, common, arch, stored, dtype)
         else:
             merge = lora if merge_lora else None
             _export_into(
@@ -171,8 +176,7 @@ def export_hf(
     finally:
         if staging is not None:
             remove_tree(staging)
-    if dist.is_initialized():
-        dist.barrier()
+    barrier(world_group())
     return out_dir
 
 
@@ -245,9 +249,10 @@ def _export_into(
             (staging / name).write_text(text)
 
 
-def _export_adapter_into(staging, directory, common, arch, stored) -> None:
+def _export_adapter_into(staging, directory, common, arch, stored, dtype=None) -> None:
     """The LoRA adapters of checkpoint ``directory`` as a PEFT folder in ``staging`` (on
-    the writing rank); ``base_model_name_or_path`` is the run's ``--hf-model``."""
+    the writing rank; ``dtype``: of the written tensors, default the stored one);
+    ``base_model_name_or_path`` is the run's ``--hf-model``."""
     from safetensors.torch import save_file
 
     settings = common.get("run_settings") or {}
@@ -259,17 +264,29 @@ def _export_adapter_into(staging, directory, common, arch, stored) -> None:
     if staging is None:
         return
     tensors, modules = to_peft(adapters, arch, lora)
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    written = DTYPES[dtype] if dtype else None
+    tensors = {k: v.to(written or v.dtype).contiguous() for k, v in tensors.items()}
     save_file(tensors, str(staging / ADAPTER_WEIGHTS), metadata=EXPORT_METADATA)
-    config = peft_config(arch, lora, modules, settings.get("hf_model"))
+    source = _base_model_path(common)
+    config = peft_config(arch, lora, modules, source)
     (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     sidecars = common.get(HF_FILES_KEY)
-    source = settings.get("hf_model")
     if sidecars is None and source and Path(source).is_dir():
         sidecars = _sidecar_files(Path(source))
     for name, text in (sidecars or {}).items():
         if name != "generation_config.json":
             (staging / name).write_text(text)
+
+
+def _base_model_path(common: Dict[str, Any]) -> Optional[str]:
+    """The PEFT adapter's ``base_model_name_or_path``: the absolute path of the run's
+    ``--hf-model`` (recorded at save; an older checkpoint's path as typed, made absolute
+    when it names a folder from here)."""
+    base = common.get(LORA_BASE_KEY) or {}
+    if base.get("flag") == "--hf-model":
+        return base["path"]
+    typed = (common.get("run_settings") or {}).get("hf_model")
+    return str(Path(typed).resolve()) if typed and Path(typed).is_dir() else typed
 
 
 def resolve_checkpoint(load_dir) -> Path:

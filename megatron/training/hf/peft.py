@@ -17,11 +17,13 @@ wrappers only; the table is the converter's.
 """
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from megatron.core.config_rules import lora_module_names
 from megatron.core.transformer.lora import LoRAConfig
 from megatron.training.hf.family import HFArchitecture, Source
 from megatron.training.hf.weights import layer_sources, our_full_shapes
@@ -29,12 +31,6 @@ from megatron.training.hf.weights import layer_sources, our_full_shapes
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
-ADAPTABLE = (
-    "self_attention.linear_qkv",
-    "self_attention.linear_proj",
-    "mlp.linear_fc1",
-    "mlp.linear_fc2",
-)
 # the trainer's run settings that describe the adapters (recorded in every checkpoint)
 LORA_SETTINGS = ("lora_dim", "lora_alpha", "lora_dropout", "lora_target_modules",
                  "lora_exclude_modules")  # fmt: skip
@@ -54,13 +50,17 @@ def lora_of_settings(settings: Dict[str, Any]) -> Optional[LoRAConfig]:
 
 
 def adapted_layers(arch: HFArchitecture, lora: LoRAConfig) -> List[str]:
-    """Our one-chunk names of the layers with an adapter (``decoder.layers.3.mlp.linear_fc1``)."""
-    return [
-        f"decoder.layers.{layer}.{path}"
-        for layer in range(arch.num_layers)
-        for path in ADAPTABLE
-        if lora.matches(f"decoder.layers.{layer}.{path}")
-    ]
+    """Our one-chunk names of the layers with an adapter (``decoder.layers.3.mlp.linear_fc1``;
+    a MoE layer's shared expert ``...mlp.shared_experts.linear_fc1``; never a routed expert,
+    which the trainer refuses to adapt)."""
+    moe = arch.num_moe_experts is not None
+    names = lora_module_names(
+        arch.num_layers,
+        [int(arch.is_moe_layer(i)) for i in range(arch.num_layers)] if moe else None,
+        arch.num_moe_experts or 0,
+        moe and arch.moe_shared_expert_intermediate_size is not None,
+    )
+    return [n for n in names if ".experts." not in n and lora.matches(n)]
 
 
 def adapter_shapes(arch: HFArchitecture, lora: LoRAConfig) -> Dict[str, Tuple[int, int]]:
@@ -155,16 +155,44 @@ def peft_config(
     }
 
 
+# adapter_config.json keys that give some modules another rank or alpha: peft applies them,
+# our fused layers have one --lora-dim and one --lora-alpha, so a non-empty one is refused
+PER_MODULE_KEYS = ("rank_pattern", "alpha_pattern")
+
+
 def read_peft_config(directory: Path) -> Dict[str, Any]:
-    """``adapter_config.json`` of a PEFT folder, checked for what we can express."""
+    """``adapter_config.json`` of a PEFT folder, checked for what we can express: a LoRA
+    adapter with ``r`` (a positive integer) and ``lora_alpha`` (a positive number), one rank
+    and alpha for every module (``rank_pattern`` / ``alpha_pattern`` empty), no rsLoRA, DoRA
+    or bias (else a ValueError naming the file and the key)."""
     path = Path(directory) / ADAPTER_CONFIG
     if not path.is_file():
         raise FileNotFoundError(f"{directory}: no {ADAPTER_CONFIG} (not a PEFT adapter folder)")
-    raw = json.loads(path.read_text())
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     expected = {"peft_type": "LORA", "use_rslora": False, "use_dora": False, "bias": "none"}
     for key, value in expected.items():
         if raw.get(key, value) != value:
             raise ValueError(f"{path}: {key}={raw.get(key)!r} is not supported; expected {value!r}")
+    for key, what, kind in (("r", "the adapter's rank", int), ("lora_alpha", "its scale", float)):
+        value = raw.get(key)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or value <= 0 or (kind is int and value != int(value)):
+            found = f"no {key!r}" if key not in raw else f"{key}={value!r}"
+            expected_value = "a positive integer" if kind is int else "a positive number"
+            raise ValueError(f"{path}: {found} ({what}); expected {expected_value}")
+    for key in PER_MODULE_KEYS:
+        if raw.get(key):
+            raise ValueError(
+                f"{path}: {key}={raw[key]!r} gives some modules another "
+                f"{'rank' if key == 'rank_pattern' else 'alpha'}, which peft applies and our "
+                "fused adapters cannot (one --lora-dim and --lora-alpha for every layer); "
+                f"expected {key} empty"
+            )
     return raw
 
 
@@ -207,7 +235,7 @@ def load_peft_adapter(model: torch.nn.Module, directory, arch: HFArchitecture, l
     raw = read_peft_config(directory)
     for key, ours, flag in (("r", lora.dim, "--lora-dim"), ("lora_alpha", lora.alpha,
                                                                "--lora-alpha")):  # fmt: skip
-        if raw.get(key) is None or float(raw[key]) != float(ours):
+        if float(raw[key]) != float(ours):
             raise ValueError(
                 f"{directory / ADAPTER_CONFIG}: {key}={raw.get(key)!r}, but {flag} {ours}"
             )
@@ -248,3 +276,57 @@ def _tp_slice(full: torch.Tensor, param: torch.Tensor, layer: torch.nn.Module) -
     size, rank = (1, 0) if group is None else (group.size(), group.rank())
     blocks = full.chunk(size * getattr(param, "partition_stride", 1), dim=param.partition_dim)
     return torch.cat(blocks[rank::size], dim=param.partition_dim)
+
+
+def lora_settings_of_peft(directory, arch: HFArchitecture) -> Dict[str, Any]:
+    """The trainer's LoRA settings of PEFT folder ``directory`` on a model of ``arch``:
+    ``lora_dim`` and ``lora_alpha`` (``r``, ``lora_alpha``) and, as exact layer names,
+    ``lora_target_modules`` (our layers whose HuggingFace modules ``target_modules`` selects,
+    less ``exclude_modules`` and layers outside ``layers_to_transform``, as PEFT matches
+    them) with no exclusions. A fused layer only some of whose modules are targeted is
+    refused naming it."""
+    raw = read_peft_config(Path(directory))
+    where = Path(directory) / ADAPTER_CONFIG
+    targets = []
+    for name in adapted_layers(arch, LoRAConfig(target_modules=("*",))):  # every candidate
+        layer = int(name.split(".")[2])
+        sources = layer_sources(arch, layer)
+        if f"{name}.weight" not in sources:
+            continue
+        modules = sorted({seg.key[: -len(".weight")] for seg in sources[f"{name}.weight"]})
+        chosen = [m for m in modules if _peft_selects(raw, m, layer)]
+        if chosen and len(chosen) < len(modules):
+            raise ValueError(
+                f"{where}: target_modules adapts {', '.join(chosen)} but not "
+                f"{', '.join(sorted(set(modules) - set(chosen)))}; our {name} fuses them "
+                "into one layer, so adapt all of them or none"
+            )
+        if chosen:
+            targets.append(name)
+    if not targets:
+        raise ValueError(
+            f"{where}: target_modules {raw.get('target_modules')!r} selects none of this "
+            "model's attention or dense MLP layers (the layers LoRA adapts here)"
+        )
+    return dict(
+        lora_dim=int(raw["r"]),
+        lora_alpha=float(raw.get("lora_alpha", raw["r"])),
+        lora_target_modules=tuple(targets),
+        lora_exclude_modules=(),
+    )
+
+
+def _peft_selects(raw: Dict[str, Any], module: str, layer: int) -> bool:
+    """PEFT's rule: a string is a regular expression on the whole module name, a list holds
+    names or name suffixes; ``exclude_modules`` likewise; ``layers_to_transform`` keeps
+    the listed layer indices."""
+
+    def matches(spec: Any) -> bool:
+        if isinstance(spec, str):
+            return re.fullmatch(spec, module) is not None
+        return any(module == t or module.endswith("." + t) for t in spec or ())
+
+    layers = raw.get("layers_to_transform")
+    if layers is not None and layer not in ([layers] if isinstance(layers, int) else layers):
+        return False
+    return matches(raw.get("target_modules")) and not matches(raw.get("exclude_modules"))

@@ -12,7 +12,15 @@ the special tokens added first (ids 0, 1, ...: the end-of-document token, then t
 The folder gets ``tokenizer.json`` and ``tokenizer_config.json`` with ``eos_token`` (= the
 end-of-document token) and, unless ``--chat-template none``, ``chat_template``: ``chatml``
 (the default: ``<|im_start|>role\\n...<|im_end|>\\n`` turns, the assistant's content and
-``<|im_end|>`` inside ``{% generation %}``) or a Jinja file of your own.
+``<|im_end|>`` inside ``{% generation %}``) or a Jinja file of your own. ``eos_token`` is the
+end of a document (the trainer appends it to text records); a chat turn ends with the
+special token the template writes after the assistant's content (ChatML's ``<|im_end|>``),
+which ``python -m megatron.training.generate`` finds in the template and stops at, as at
+``eos_token``.
+
+Refused: an ``--output-dir`` that already holds a tokenizer (unless ``--overwrite``), inputs
+without any text, a file that is not UTF-8 (named with its line). A vocabulary that comes
+out smaller than ``--vocab-size`` (too little text) is reported.
 """
 
 import argparse
@@ -24,6 +32,8 @@ from megatron.training.errors import missing_package
 
 DEFAULT_EOD = "<|endoftext|>"
 CHATML_SPECIAL = ["<|im_start|>", "<|im_end|>"]
+# the files a tokenizer folder gets (an existing one is replaced only with --overwrite)
+WRITTEN = ("tokenizer.json", "tokenizer_config.json")
 
 # Written for this project: ChatML turns; the assistant writes its content and <|im_end|>.
 CHATML_TEMPLATE = (
@@ -46,23 +56,20 @@ def train_tokenizer(
     special_tokens: Optional[Sequence[str]] = None,
     chat_template: Optional[str] = "chatml",
     min_frequency: int = 2,
+    overwrite: bool = False,
 ) -> str:
-    """Train and save (module docstring) into ``output_dir`` (created when missing); returns
-    ``output_dir``. ``chat_template``:
-    ``"chatml"``, a path to a Jinja file, or ``None``/``"none"`` for no template.
-    ``special_tokens`` default to ChatML's with the chatml template, else none."""
+    """Train and save (module docstring) into ``output_dir`` (created when missing; a
+    folder that already holds a tokenizer is refused unless ``overwrite``); returns
+    ``output_dir``. ``chat_template``: ``"chatml"``, a path to a Jinja file, or
+    ``None``/``"none"`` for no template. ``special_tokens`` default to ChatML's with the
+    chatml template, else none. Inputs without any text are refused; a vocabulary that
+    comes out smaller than ``vocab_size`` (too little text) is reported."""
     try:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     except ImportError:
         raise missing_package("tokenizers", "tokenizers", "training a tokenizer") from None
 
-    for path in inputs:
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"--input {path!r}: no such file")
-    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        raise NotADirectoryError(
-            f"--output-dir {output_dir!r} is a file; expected a folder (created when missing)"
-        )
+    _check_paths(inputs, output_dir, overwrite)
     template = _template(chat_template)
     if special_tokens is None:
         special_tokens = CHATML_SPECIAL if chat_template == "chatml" else []
@@ -83,15 +90,63 @@ def train_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_texts(inputs), trainer)
+    counted = _Counted(_texts(inputs))
+    tokenizer.train_from_iterator(counted, trainer)
+    if counted.count == 0:
+        raise ValueError(
+            f"--input {' '.join(inputs)}: no text in these files (only empty lines); expected "
+            "text lines or JSONL records with strings"
+        )
+    size = tokenizer.get_vocab_size()
+    if size < vocab_size:
+        print(
+            f"note: the vocabulary has {size} tokens, fewer than --vocab-size {vocab_size}: "
+            f"the text has no more pairs seen at least --min-frequency {min_frequency} times"
+        )
+    _save(tokenizer, output_dir, eod_token, template)
+    return output_dir
+
+
+class _Counted:
+    """An iterator that counts what it yields (the trainer consumes it)."""
+
+    def __init__(self, items: Iterator[str]) -> None:
+        self.items, self.count = items, 0
+
+    def __iter__(self) -> Iterator[str]:
+        for item in self.items:
+            self.count += 1
+            yield item
+
+
+def _check_paths(inputs: Sequence[str], output_dir: str, overwrite: bool) -> None:
+    for path in inputs:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--input {path!r}: no such file")
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise NotADirectoryError(
+            f"--output-dir {output_dir!r} is a file; expected a folder (created when missing)"
+        )
+    there = [n for n in WRITTEN if os.path.exists(os.path.join(output_dir, n))]
+    if there and not overwrite:
+        raise ValueError(
+            f"--output-dir {output_dir!r} already holds {', '.join(there)}; refusing to "
+            "replace a tokenizer: choose a new folder, or pass --overwrite"
+        )
+
+
+def _save(tokenizer: Any, output_dir: str, eod_token: str, template: Optional[str]) -> None:
     os.makedirs(output_dir, exist_ok=True)
     tokenizer.save(os.path.join(output_dir, "tokenizer.json"))
     config: dict = {"eos_token": eod_token, "tokenizer_class": "PreTrainedTokenizerFast"}
     if template is not None:
         config["chat_template"] = template
-    with open(os.path.join(output_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2, ensure_ascii=False)
-    return output_dir
+    _write_json(os.path.join(output_dir, "tokenizer_config.json"), config)
+
+
+def _write_json(path: str, value: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=2, ensure_ascii=False)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> str:
@@ -106,6 +161,11 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     train.add_argument("--special-tokens", nargs="*", default=None, help="more special tokens")
     train.add_argument("--chat-template", default="chatml", help="chatml, a Jinja file, or none")
     train.add_argument("--min-frequency", type=int, default=2)
+    train.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the tokenizer files of an --output-dir that already holds a tokenizer",
+    )
     args = parser.parse_args(argv)
     out = train_tokenizer(
         args.input,
@@ -115,8 +175,10 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         special_tokens=args.special_tokens,
         chat_template=args.chat_template,
         min_frequency=args.min_frequency,
+        overwrite=args.overwrite,
     )
-    print(f"tokenizer written to {out} (tokenizer.json, tokenizer_config.json)")
+    files = [n for n in WRITTEN if os.path.isfile(os.path.join(out, n))]
+    print(f"tokenizer written to {out} ({', '.join(files)})")
     return out
 
 
@@ -135,8 +197,15 @@ def _template(chat_template: Optional[str]) -> Optional[str]:
 
 def _texts(inputs: Sequence[str]) -> Iterator[str]:
     for path in inputs:
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
+        with open(path, "rb") as f:
+            for line_no, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise ValueError(
+                        f"{path}:{line_no}: not UTF-8 text (byte 0x{raw[err.start]:02x} at "
+                        f"column {err.start + 1}); expected UTF-8 files"
+                    ) from None
                 if not line.strip():
                     continue
                 if path.endswith(".jsonl"):

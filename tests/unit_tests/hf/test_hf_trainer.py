@@ -154,10 +154,11 @@ def test_sft_from_hf_at_cp2_pp2_follows_one_process_and_exports_to_transformers(
 
 
 @pytest.mark.world(1)
-def test_chat_data_with_the_hf_models_tokenizer(tmp_path):
+def test_chat_data_with_the_hf_models_tokenizer(tmp_path, capsys):
     """--hf-model DIR --data-path chat.jsonl: DIR's tokenizer.json and chat template are the
     tokenizer, the model keeps config.json's (padded) vocabulary, and --export-hf carries
-    the tokenizer files along; a tokenizer larger than the vocabulary is refused."""
+    the tokenizer files along; a tokenizer larger than the vocabulary is refused. DIR's
+    tokenizer also reads --valid-data-path of a --skip-train run without --data-path."""
     pytest.importorskip("tokenizers", reason="the tokenizers package is not installed")
     pytest.importorskip("jinja2", reason="jinja2 (the hf extra) is not installed")
     import json
@@ -186,6 +187,12 @@ def test_chat_data_with_the_hf_models_tokenizer(tmp_path):
         shutil.copy(hf / name, small / name)
     with pytest.raises(ValueError, match="more than --hf-model .* vocab_size 128"):
         _losses(hf_model=str(small), data_path=str(data), train_iters=1, seq_length=32)
+    # --skip-train --valid-data-path without --data-path: DIR's tokenizer reads it too
+    capsys.readouterr()
+    only = dict(RUN, hf_model=str(hf), skip_train=True, valid_data_path=str(data), seq_length=32)
+    with fresh_layout():
+        (record,) = pretrain(TrainingConfig(**only, eval_iters=-1)).records
+    assert record["valid_loss"] > 0 and f"({hf} tokenizer)" in capsys.readouterr().out
 
 
 @pytest.mark.world(2)

@@ -10,9 +10,9 @@ What is compared, on every rank (``check``):
 - the parameters after one optimizer step (SGD, no momentum, no clipping: p - lr * grad),
   with or without the distributed optimizer, and the gradient norm the step reports;
 - the expert bias after the step (sigmoid routing with aux-loss-free balancing);
-- the logged router losses per MoE layer, (1/(D M)) sum_m loss_{m,l} with the coefficient,
-  and the per-expert load (valid tokens of the dispatch map, summed over the global batch),
-  exactly;
+- the logged router losses per MoE layer, (1/(D M)) sum_m loss_{m,l} / c (megatron-core
+  logs them without the coefficient c), and the per-expert load (valid tokens of the
+  dispatch map, summed over the global batch), exactly;
 - the routing map of every token this rank routes (a forward hook on each router) against
   the reference's, whose top-k margins are checked first (``ROUTING_MARGIN``).
 
@@ -357,12 +357,15 @@ def reference_step(key: MoECase) -> Reference:
     norm = float(torch.sqrt(sum((g * g).sum() for g in grads.values())))
     moe_layers = sorted(stats[0])
     G = key.mb
+    # megatron-core logs each router loss divided by its coefficient
     logged = {
-        "load_balancing_loss": [sum(float(s[i].aux) for s in stats) / G for i in moe_layers],
-        "seq_load_balancing_loss": [
-            sum(float(s[i].seq_aux) for s in stats) / G for i in moe_layers
+        "load_balancing_loss": [
+            sum(float(s[i].aux) for s in stats) / G / (moe.aux or 1.0) for i in moe_layers
         ],
-        "z_loss": [sum(float(s[i].z) for s in stats) / G for i in moe_layers],
+        "seq_load_balancing_loss": [
+            sum(float(s[i].seq_aux) for s in stats) / G / (moe.seq_aux or 1.0) for i in moe_layers
+        ],
+        "z_loss": [sum(float(s[i].z) for s in stats) / G / (moe.z or 1.0) for i in moe_layers],
     }
     load = [
         [sum(s[i].valid_counts[e] for s in stats) for e in range(moe.experts)] for i in moe_layers

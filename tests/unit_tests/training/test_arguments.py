@@ -122,6 +122,7 @@ NON_DEFAULT = dict(
     split="90,10,0",
     skip_train=True,
     log_interval=7,
+    tensorboard_log_interval=3,
     log_num_zeros_in_grad=True,
     tensorboard_dir="tb",
     wandb_project="proj",
@@ -463,7 +464,7 @@ def test_the_kinds_give_the_resume_and_comparison_lists():
         "exit_duration_in_mins", "exit_interval", "log_interval", "tensorboard_dir",
         "wandb_project", "wandb_exp_name", "wandb_save_dir", "expert_model_parallel_size",
         "expert_tensor_parallel_size", "save_trainable_params_only",
-        "merge_lora",
+        "merge_lora", "tensorboard_log_interval",
     }  # fmt: skip
     assert single.nproc_per_node == 1
 

@@ -68,3 +68,25 @@ def test_long_healthy_fp32_run_passes_the_default_comparison():
         if tolerances[:10] != [1e-4] * 10:
             failures.append(f"the first iterations are not held to 1e-4: {tolerances[:10]}")
     assert_no_failures(failures)
+
+
+@pytest.mark.world(1)
+def test_a_tolerance_too_wide_to_mean_anything_is_inconclusive_not_pass():
+    """A long MoE run's derived tolerance grew to 0.97 on a loss of ~2 (routing flips) and
+    the comparison printed PASS: a tolerance above 1% of the loss is INCONCLUSIVE, with a
+    warning naming where it stopped meaning anything; a tight one still PASSes, a
+    difference over its tolerance still FAILs."""
+    reference = _records([2.3, 2.2, 2.1, 2.0])
+    records = _records([2.3, 2.2 + 1e-6, 2.1 + 0.3, 2.0 - 0.5])
+    loose = compare_losses(records, reference, [1e-4, 1e-4, 0.5, 0.97])
+    text = format_comparison(loose, "ep2-cp2-dp1", "1 process")
+    assert not loose.passed and loose.verdict == "INCONCLUSIVE"
+    assert not loose.failed  # a correct run is never failed (SPEC 19): exit status 0
+    assert "PASS" not in text and "INCONCLUSIVE" in text, text
+    assert "warning: from iteration 3 the tolerance exceeds 1% of the 1 process loss" in text
+    assert "9.70e-01 on a loss of 2.0000 at iteration 4" in text, text
+    tight = compare_losses(records[:2], reference[:2], [1e-4, 1e-4])
+    assert tight.passed and tight.verdict == "PASS"
+    failing = compare_losses(records, reference, [1e-4, 1e-4, 0.5, 0.2])
+    assert failing.verdict == "FAIL" and "FAIL" in format_comparison(failing, "a", "b")
+    assert failing.failed and not tight.failed

@@ -23,8 +23,7 @@ from typing import List
 import pytest
 import torch.distributed as dist
 
-from megatron.training import TrainingConfig
-from megatron.training import training as training_module
+from megatron.training import TrainingConfig, loop
 from megatron.training.checkpointing import TRACKER_FILENAME
 from megatron.training.training import pretrain
 from tests.unit_tests.dist_utils import assert_no_failures, fresh_layout
@@ -73,7 +72,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_iteration(monkeypa
     layout = dict(context_parallel_size=2)
     straight = _losses(_run(train_iters=4, **layout))
     calls = []
-    original = training_module.logged_loss
+    original = loop.logged_loss
 
     def signal_rank_one_at_iteration_two(*args, **kwargs):
         calls.append(1)
@@ -81,11 +80,11 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_iteration(monkeypa
             os.kill(os.getpid(), signal.SIGUSR1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(training_module, "logged_loss", signal_rank_one_at_iteration_two)
+    monkeypatch.setattr(loop, "logged_loss", signal_rank_one_at_iteration_two)
     stopped = _run(
         train_iters=4, save=save, exit_signal_handler=True, exit_signal="SIGUSR1", **layout
     )
-    monkeypatch.setattr(training_module, "logged_loss", original)
+    monkeypatch.setattr(loop, "logged_loss", original)
     failures = []
     if [r["iteration"] for r in stopped.records] != [1, 2]:
         failures.append(f"rank {dist.get_rank()} stopped after {len(stopped.records)}")

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.context_parallel import get_thd_batch_on_this_cp_rank, slice_batch_for_cp_rank
-from megatron.training import TrainingConfig, training
+from megatron.training import TrainingConfig, loop, training
 from megatron.training.data import (
     PACK_PAD_MULTIPLE,
     SEP,
@@ -206,9 +206,9 @@ def test_without_the_mask_padding_is_routed_and_counted(monkeypatch):
     config = TrainingConfig(train_iters=1, global_batch_size=4, **MOE)
     with fresh_layout():
         (masked,) = training.pretrain(config).records
-    on_this_cp_rank = training._on_this_cp_rank
+    on_this_cp_rank = loop._on_this_cp_rank
     monkeypatch.setattr(
-        training,
+        loop,
         "_on_this_cp_rank",
         lambda batch, groups: on_this_cp_rank(training.without_padding_mask(batch), groups),
     )

@@ -44,6 +44,7 @@ def _events(directory: str) -> dict:
 
 
 def _mismatches(events: dict, records: list, log_interval: int) -> list:
+    # log_interval: the run's --tensorboard-log-interval
     """Every metrics.jsonl value TensorBoard should hold, compared (float32)."""
     failures = []
     for record in records:
@@ -61,20 +62,21 @@ def _mismatches(events: dict, records: list, log_interval: int) -> list:
         if not tag.startswith("lm loss validation") and step % log_interval
     ]
     if unexpected:
-        failures.append(f"scalars outside --log-interval {log_interval}: {unexpected}")
+        failures.append(f"scalars outside --tensorboard-log-interval {log_interval}: {unexpected}")
     return failures
 
 
 @pytest.mark.world(1)
 def test_tensorboard_holds_the_metrics_values(tmp_path):
-    """3 iterations, validation at 2 and 3, --log-interval 2: TensorBoard holds metrics.jsonl's
+    """3 iterations, validation at 2 and 3, --tensorboard-log-interval 2: TensorBoard holds
+    metrics.jsonl's
     values at steps 2 (training and validation) and 3 (validation only); tokens/s counts
     the data's tokens (2L + 2 per generated sample), not padding."""
     config = TrainingConfig(
         train_iters=3,
         eval_interval=2,
         eval_iters=1,
-        log_interval=2,
+        tensorboard_log_interval=2,  # megatron's flag (was --log-interval's job)
         tensorboard_dir=str(tmp_path / "tb"),
         save_metrics=str(tmp_path / "m"),
         progress=False,

@@ -256,3 +256,32 @@ def test_lora_on_a_moe_model_refuses_the_experts_by_name_and_trains_without_them
     losses = _run(**moe, lora_exclude_modules=["*.experts.*"],
                   moe_shared_expert_intermediate_size=16)  # fmt: skip
     assert len(losses) == 2
+
+
+@pytest.mark.world(2)
+@pytest.mark.slow
+def test_adapters_on_some_layers_resume_at_another_layout():
+    """Adapters on layers 0 and 3 only (stored one layer at a time; a stacked tensor would
+    have gaps): saved adapter-only at pp2 (one adapted layer per stage), resumed at tp2-sp,
+    the losses continue the uninterrupted run's."""
+    root = Path(_shared_dir())
+    try:
+        _run(train_iters=2, save=str(root / "base"))
+        lora = dict(LORA, pretrained_checkpoint=str(root / "base"), train_iters=4,
+                    lora_target_modules=["*.layers.0.*", "*.layers.3.*"])  # fmt: skip
+        straight = _run(tensor_model_parallel_size=2, **lora)
+        first = _run(pipeline_model_parallel_size=2, **dict(lora, train_iters=2),
+                     save=str(root / "lora"), save_trainable_params_only=True)  # fmt: skip
+        resumed = _run(tensor_model_parallel_size=2, sequence_parallel=True, **lora,
+                       load=str(root / "lora"))  # fmt: skip
+        assert first == pytest.approx(straight[:2], rel=1e-6)
+        assert resumed == pytest.approx(straight[2:], rel=1e-6)
+        stored = dist_checkpointing.load_tensors_metadata(
+            str(checkpoint_dir(str(root / "lora"), 2))
+        )
+        layers = {k.split(".")[2] for k in stored if k.startswith("decoder.layers.")}
+        assert layers == {"0", "3"}, sorted(stored)
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(root, ignore_errors=True)

@@ -27,7 +27,7 @@ from megatron.core.models.common.embeddings.language_model_embedding import (
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule, leave_as_allocated
-from megatron.core.transformer.parallel_groups import cp_group_of, tp_group_of
+from megatron.core.transformer.parallel_groups import ResolvedGroup, cp_group_of, tp_group_of
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -38,8 +38,9 @@ class GPTModel(MegatronModule):
     """Decoder-only language model chunk (megatron-core 0.16.1's constructor).
 
     Groups (explicit first): TP from ``pg_collection.tp``, CP from ``pg_collection.cp``
-    (resolved at every forward), the pipeline rank from ``pg_collection.pp``; without a
-    collection, ``parallel_state``'s groups (MPU fallback) when initialized, else one rank.
+    (resolved at build time, again after ``parallel_state`` is re-initialized), the pipeline
+    rank from ``pg_collection.pp``; without a collection, ``parallel_state``'s groups (MPU
+    fallback) when initialized, else one rank.
     Chunk ``vp_stage`` on pipeline rank p is virtual stage vp_stage * PP + p and holds the
     global layers [stage * L / (PP * V), (stage + 1) * L / (PP * V)).
 
@@ -114,7 +115,8 @@ class GPTModel(MegatronModule):
                 "supported; expected 'learned_absolute', 'rope' or 'none'"
             )
         self.tp_group = tp_group_of(pg_collection, config)
-        cp_group_of(pg_collection, config)  # a mismatched CP group fails here, not mid-step
+        # resolved once; a mismatched CP group fails here, not mid-step
+        self._cp_group = ResolvedGroup(cp_group_of, pg_collection, config)
         tp_size = get_pg_size(self.tp_group)
         if not isinstance(vocab_size, int) or vocab_size < 1 or vocab_size % tp_size:
             raise ValueError(
@@ -357,6 +359,8 @@ class GPTModel(MegatronModule):
           keys map (``self_attention.linear_qkv.layer_norm_weight``, ...);
         - the word embeddings and output weight may be loaded from a checkpoint of another
           padding (``allow_shape_mismatch``: the overlap is read);
+        - LoRA adapters on some layers only are stored one layer at a time
+          (``separate_partial_adapters``);
         - a tied output weight on a later stage than the embedding is stored as
           ``embedding.word_embeddings.weight`` with replica id (1, ...): never written
           twice, loaded from the embedding.
@@ -386,6 +390,9 @@ class GPTModel(MegatronModule):
                 # the vocabulary's padding depends on TP: another padding loads the overlap
                 # (the true rows; padded rows are zero on both sides)
                 sharded[key] = dataclasses.replace(piece, allow_shape_mismatch=True)
+        from megatron.core.transformer.lora import separate_partial_adapters
+
+        separate_partial_adapters(self, sharded, prefix)  # LoRA adapters on some layers only
         return sharded
 
     def shared_embedding_or_output_weight(self) -> Optional[Tensor]:
@@ -401,7 +408,7 @@ class GPTModel(MegatronModule):
         device. Unpacked rows reuse the angles of the last call with the same length, CP
         rank and device (built on the host, copied to the device once instead of once per
         layer and microbatch); packed rows take each document's own positions."""
-        cp_group = cp_group_of(self.pg_collection, self.config)
+        cp_group = self._cp_group.get()
         total = self._global_seq_length(input_ids, decoder_input, cp_group)
         hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
         device = hidden.device
@@ -418,7 +425,8 @@ class GPTModel(MegatronModule):
 
     def _rotary_angles_from(self, inference_context, decoder_input) -> Tensor:
         """RoPE angles of the positions [offset, offset + s) a cached forward runs (the
-        table for the context's whole length is built once per device and kept)."""
+        table for the context's whole length is built once per device and kept); s is the
+        whole sequence, TP times this rank's part under sequence parallelism."""
         hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
         key = (inference_context.max_sequence_length, hidden.device)
         cached = getattr(self, "_inference_rotary", None)
@@ -426,7 +434,8 @@ class GPTModel(MegatronModule):
             table = self.rotary_pos_emb(key[0], packed_seq=False, cp_group=None)
             self._inference_rotary = cached = (key, table.to(hidden.device))
         offset = inference_context.sequence_len_offset
-        return cached[1][offset : offset + hidden.shape[0]]
+        sp = get_pg_size(self.tp_group) if self.config.sequence_parallel else 1
+        return cached[1][offset : offset + hidden.shape[0] * sp]
 
     def _global_seq_length(self, input_ids, decoder_input, cp_group) -> int:
         """The whole sequence's length s from this rank's inputs (for RoPE)."""

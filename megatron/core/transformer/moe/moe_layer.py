@@ -16,12 +16,9 @@ import torch
 
 from megatron.core.process_groups_config import ProcessGroupCollection, get_pg_rank
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.dispatchers import DISPATCHERS
 from megatron.core.transformer.moe.parallel import moe_groups_of
 from megatron.core.transformer.moe.router import TopKRouter
-from megatron.core.transformer.moe.token_dispatcher import (
-    MoEAllGatherTokenDispatcher,
-    MoEAlltoAllTokenDispatcher,
-)
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -89,10 +86,7 @@ class MoELayer(BaseMoELayer):
         self.router.defer_router_losses = True  # attached to the output (TopKRouter)
         if layer_number is not None:
             self.router.set_layer_number(layer_number)
-        dispatcher = {
-            "allgather": MoEAllGatherTokenDispatcher,
-            "alltoall": MoEAlltoAllTokenDispatcher,
-        }[config.moe_token_dispatcher_type]
+        dispatcher = DISPATCHERS[config.moe_token_dispatcher_type]
         self.token_dispatcher = dispatcher(
             self.num_local_experts, self.local_expert_indices, config, pg_collection
         )

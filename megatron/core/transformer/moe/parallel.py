@@ -56,3 +56,11 @@ def moe_groups_of(pg_collection: Optional[ProcessGroupCollection], config) -> Mo
 
 
 _NAMES = ("tp", "cp", "tp_cp", "dp", "tp_dp_cp", "ep", "expt_tp", "tp_ep", "expt_dp")
+
+
+def get_default_pg_collection() -> ProcessGroupCollection:
+    """The MoE layer's groups from ``parallel_state`` (MPU fallback): ep, expt_tp, tp_ep,
+    expt_dp, tp, cp, tp_cp, dp, tp_dp_cp, pp."""
+    return ProcessGroupCollection.use_mpu_process_groups(
+        ["ep", "expt_tp", "tp_ep", "expt_dp", "tp", "cp", "tp_cp", "dp", "tp_dp_cp", "pp"]
+    )

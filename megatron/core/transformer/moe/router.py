@@ -203,12 +203,12 @@ class TopKRouter(Router):
             )
             weight = moe_utils.router_loss_token_weight(self.config, counts)
             probs = MoEAuxLossAutoScaler.apply(probs, aux * _weight(weight, aux))
-            self._track("load_balancing_loss", aux)
+            self._track("load_balancing_loss", aux, aux_coeff)
         if seq_coeff:
             seq_aux = self._seq_aux_loss(scores, routing_map, valid, seq_coeff)
             weight = moe_utils.router_loss_token_weight(self.config, counts)
             probs = MoEAuxLossAutoScaler.apply(probs, seq_aux * _weight(weight, seq_aux))
-            self._track("seq_load_balancing_loss", seq_aux)
+            self._track("seq_load_balancing_loss", seq_aux, seq_coeff)
         if self.config.moe_z_loss_coeff:
             probs = self._attach_z_loss(probs, logits, pad, counts)
         return probs
@@ -218,7 +218,7 @@ class TopKRouter(Router):
             logits, self.config.moe_z_loss_coeff, padding_mask=pad, num_tokens=counts.tokens
         )
         weight = moe_utils.router_loss_token_weight(self.config, counts)
-        self._track("z_loss", z_loss)
+        self._track("z_loss", z_loss, self.config.moe_z_loss_coeff)
         return MoEAuxLossAutoScaler.apply(activation, z_loss * _weight(weight, z_loss))
 
     def _seq_aux_loss(self, scores, aux_map, valid, coeff):
@@ -254,10 +254,12 @@ class TopKRouter(Router):
             counts, self.layer_number, self.config.num_layers, self.groups.tp_cp, self.groups.dp
         )
 
-    def _track(self, name: str, loss: torch.Tensor) -> None:
+    def _track(self, name: str, loss: torch.Tensor, coeff: float) -> None:
+        """Track ``loss / coeff`` (megatron-core's logged value: the loss without its
+        coefficient; ``coeff`` is nonzero, the loss is only attached then)."""
         moe_utils.save_to_aux_losses_tracker(
             name,
-            loss,
+            loss / coeff,
             self.layer_number,
             self.config.num_layers,
             reduce_group=self.groups.tp_cp,

@@ -21,14 +21,14 @@ import torch
 from megatron.core import communication
 from megatron.core.process_groups_config import ProcessGroupCollection, get_pg_size
 from megatron.core.tensor_parallel import mappings
-from megatron.core.transformer.moe.moe_utils import (
+from megatron.core.transformer.moe.parallel import moe_groups_of
+from megatron.core.transformer.moe.permutation import (
     count_per_expert,
     gather_routes,
     inverse_permutation,
     routes_into_slots,
     sum_slots_in_order,
 )
-from megatron.core.transformer.moe.parallel import moe_groups_of
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 

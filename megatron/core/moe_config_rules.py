@@ -1,5 +1,6 @@
 """``TransformerConfig``'s mixture-of-experts checks (megatron-core 0.16.1's, plus the
-refusals of this core).
+refusals of this core): the one home of the MoE config rules, torch-free and on the rules
+floor, below ``transformer_config`` (which calls ``check_moe_config``) and the MoE layers.
 
 Only dropless routing is implemented, and every setting whose result would depend on how
 the tokens are split over ranks (capacity factors, running averages, per-rank noise,
