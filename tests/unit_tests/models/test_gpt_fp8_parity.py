@@ -43,12 +43,12 @@ def _case(layout: Layout, arch: str, slow: bool = False):
 
 CASES = [
     _case(Layout(tp=2, sp=True), "llama"),
-    _case(Layout(cp=2), "llama", slow=True),
+    _case(Layout(cp=2), "llama"),
     _case(Layout(tp=2, cp=2), "llama", slow=True),
     _case(Layout(tp=4), "gpt2", slow=True),
-    _case(Layout(tp=2, pp=2), "llama", slow=True),
+    _case(Layout(tp=2, pp=2), "llama"),
     _case(Layout(tp=2, sp=True, cp=2), "gpt2", slow=True),
-    _case(Layout(dp=2), "llama", slow=True),
+    _case(Layout(dp=2), "llama"),
     _case(Layout(tp=2, sp=True, cp=2, pp=2), "llama", slow=True),
 ]
 
@@ -100,9 +100,7 @@ def test_fp8_main_grads_equal_the_one_process_fp8_run(layout: Layout, arch: str,
 
 
 @pytest.mark.world(2)
-@pytest.mark.parametrize(
-    "layout", [Layout(tp=2, sp=True), pytest.param(Layout(cp=2), marks=pytest.mark.slow)]
-)
+@pytest.mark.parametrize("layout", [Layout(tp=2, sp=True), Layout(cp=2)], ids=lambda x: x.id)
 def test_negative_control_per_shard_amax_is_far_off(layout: Layout, monkeypatch):
     """Without the MAX reduction each shard scales by its own amax: far outside TOLERANCE."""
     one_process_grads("llama")  # the reference keeps the global (one-rank) amax

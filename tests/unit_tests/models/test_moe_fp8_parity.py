@@ -41,8 +41,8 @@ def _p(case: MoECase, slow: bool = False):
 C = MoECase
 CASES = [
     _p(C(ep=2, etp=1, tp=2, mask="uneven", mode="per-token", grouped=True)),
-    _p(C(ep=1, etp=1, cp=2, mask="uneven", grouped=True), slow=True),
-    _p(C(ep=2, etp=1, cp=2, mask="uneven", shared=True), slow=True),
+    _p(C(ep=1, etp=1, cp=2, mask="uneven", grouped=True)),
+    _p(C(ep=2, etp=1, cp=2, mask="uneven", shared=True)),
     _p(C(ep=2, etp=1, tp=2, cp=2, mask="uneven", losses="all", router="sigmoid-bias"), slow=True),
     _p(C(ep=2, etp=2, tp=2, cp=2, mask="single", grouped=True, dispatcher="allgather"), slow=True),
 ]
@@ -112,7 +112,6 @@ def _two_steps(case: MoECase, groups):
     return run_step(case, groups, model=model)
 
 
-@pytest.mark.slow
 @pytest.mark.world(2)
 def test_dp2_distributed_optimizer_second_step_equals_one_process():
     """DP = 2 with the distributed optimizer: the second step's FP8 casts read weights

@@ -47,7 +47,7 @@ def test_bad_fp8_flags_are_refused_naming_the_flag(changes, world, message):
         validate_config(TrainingConfig(**changes), world)
 
 
-@pytest.mark.slow  # two trainer runs (~10 s each on 2 busy cores)
+@pytest.mark.slow  # two trainer runs (~1 s together)
 @pytest.mark.world(1)
 def test_an_fp8_run_learns_close_to_fp32_but_not_equal():
     runs = [pretrain(TrainingConfig(train_iters=3, progress=False, **c)) for c in ({}, FP8)]
