@@ -236,3 +236,7 @@ def lora_pattern_matches(name: str, pattern: str) -> bool:
     if lora_is_pattern(pattern):
         return fnmatch.fnmatchcase(name, pattern)
     return name.rsplit(".", 1)[-1] == pattern
+
+
+# Preference training (megatron.core.preference; the trainer's --dpo-loss-type).
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")

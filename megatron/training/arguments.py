@@ -57,6 +57,7 @@ from megatron.training.validation import Layout, validate_config
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
+OPTIMIZERS = ("adam", "sgd")
 
 __all__ = [
     "CP_COMM_TYPES",
@@ -672,6 +673,21 @@ class TrainingConfig:
         check=Check("a finite number >= 0 (0 disables)", lambda v: is_number(v) and v >= 0),
         help="gradient-norm clipping threshold, 0: off",
     )
+    optimizer: str = option(
+        "adam",
+        "--optimizer",
+        kind=PRECISION,  # the optimizer state's form: refused on a resume that loads it
+        choices=OPTIMIZERS,
+        check=one_of(OPTIMIZERS),
+        help="adam (AdamW: --adam-beta1/2, --adam-eps) or sgd (--sgd-momentum); megatron's flag",
+    )
+    sgd_momentum: float = option(
+        0.9,
+        "--sgd-momentum",
+        kind=OPTIMIZER,
+        check=Check("in [0, 1)", lambda v: is_number(v) and 0 <= v < 1),
+        help="with --optimizer sgd: the momentum (megatron's default 0.9; 0: plain SGD)",
+    )
     calculate_per_token_loss: bool = option(
         False,
         "--calculate-per-token-loss",
@@ -997,8 +1013,10 @@ class TrainingConfig:
         "--hf-adapter",
         kind=RUN,
         metavar="DIR",
-        help="with --lora-dim and --hf-model: start the adapters from this PEFT adapter folder "
-        "(adapter_config.json + adapter_model.safetensors, e.g. an earlier --export-hf)",
+        help="with --hf-model: start the adapters from this PEFT adapter folder "
+        "(adapter_config.json + adapter_model.safetensors, e.g. an earlier --export-hf); its "
+        "r, lora_alpha and target_modules set --lora-dim, --lora-alpha and the targets unless "
+        "given",
     )
     merge_lora: bool = option(
         False,
@@ -1006,6 +1024,58 @@ class TrainingConfig:
         kind=OUTPUT,
         help="with --lora-dim and --export-hf: write the merged model (W + alpha/dim B A, "
         "merged in float32) instead of the PEFT adapter folder",
+    )
+    # Preference training (docs/dpo.md).
+    dpo: bool = option(
+        False,
+        "--dpo",
+        kind=DATA,
+        help="train on preference pairs (DPO) instead of SFT: --data-path is TRL's preference "
+        "JSONL (prompt / chosen / rejected), default generated pairs; --global-batch-size and "
+        "--micro-batch-size count pairs",
+    )
+    dpo_beta: float = option(
+        0.1, "--dpo-beta", kind=RUN, check=positive_number, help="with --dpo: beta"
+    )
+    dpo_loss_type: str = option(
+        "sigmoid",
+        "--dpo-loss-type",
+        kind=RUN,
+        choices=config_rules.DPO_LOSS_TYPES,
+        check=one_of(config_rules.DPO_LOSS_TYPES),
+        help="with --dpo: sigmoid (DPO), hinge (SLiC) or ipo (on per-token mean log-ratios)",
+    )
+    dpo_label_smoothing: float = option(
+        0.0,
+        "--dpo-label-smoothing",
+        kind=RUN,
+        check=Check("in [0, 0.5)", lambda v: is_number(v) and 0 <= v < 0.5),
+        help="with --dpo --dpo-loss-type sigmoid: the probability of a flipped label "
+        "(conservative DPO)",
+    )
+    dpo_sft_weight: float = option(
+        0.0,
+        "--dpo-sft-weight",
+        kind=RUN,
+        check=non_negative_number,
+        help="with --dpo: add this x the NLL of every chosen-completion token of the global "
+        "batch over their count",
+    )
+    dpo_reference_free: bool = option(
+        False,
+        "--dpo-reference-free",
+        kind=RUN,
+        help="with --dpo: no reference model (its log-probabilities taken as 0)",
+    )
+    dpo_reference_hf_model: Optional[str] = option(
+        None,
+        "--dpo-reference-hf-model",
+        kind=RUN,
+        type=str,
+        metavar="DIR",
+        help="with --dpo: the frozen reference, a HuggingFace model with the policy's "
+        "architecture and tokenizer (default: the policy's starting weights; with LoRA the "
+        "base with its adapters off)",
     )
     # Logging (megatron's flags; docs/lifecycle.md).
     log_interval: int = option(

@@ -492,6 +492,13 @@ def _recorded_model_settings(args) -> dict:
             recorded[key] = tuple(recorded[key])
     if not common.get("trainable_params_only"):  # the checkpoint holds every weight
         recorded.update(hf_model=None, pretrained_checkpoint=None)
+        return recorded
+    from megatron.training.lora_base import LORA_BASE_KEY
+
+    base = common.get(LORA_BASE_KEY) or {}  # the absolute path of the base
+    field = {"--hf-model": "hf_model", "--pretrained-checkpoint": "pretrained_checkpoint"}
+    if base.get("flag") in field and base.get("path"):  # works from any directory
+        recorded[field[base["flag"]]] = base["path"]
     return recorded
 
 

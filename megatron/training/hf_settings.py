@@ -54,23 +54,27 @@ def resolve_hf_model(config, explicit=None):
 
 
 def _adapter_targets(config, arch, explicit, defaults) -> dict:
-    """With ``--hf-adapter`` and ``--lora-dim``: the adapter's layers (its
-    adapter_config.json's target_modules and exclusions) as ``--lora-target-modules`` /
-    ``--lora-exclude-modules``, unless these were given."""
-    if not config.hf_adapter or config.lora_dim is None:
-        return {}
+    """With ``--hf-adapter``: the adapter's rank and alpha (its adapter_config.json's ``r``
+    and ``lora_alpha``) as ``--lora-dim`` / ``--lora-alpha`` when ``--lora-dim`` was not
+    given, and its layers (``target_modules`` and exclusions) as ``--lora-target-modules`` /
+    ``--lora-exclude-modules`` unless these were given."""
+    if not config.hf_adapter or not Path(config.hf_adapter).is_dir():
+        return {}  # a missing folder is refused by name with the other adapter checks
     from megatron.training.hf.peft import lora_settings_of_peft
 
+    settings = lora_settings_of_peft(config.hf_adapter, arch)
+    changes = {}
+    if config.lora_dim is None:
+        changes = {n: settings[n] for n in ("lora_dim", "lora_alpha")}
     targets = ("lora_target_modules", "lora_exclude_modules")
     given = [
         n
         for n in targets
         if (n in explicit if explicit is not None else getattr(config, n) != defaults[n])
     ]
-    if given:
-        return {}
-    settings = lora_settings_of_peft(config.hf_adapter, arch)
-    return {n: settings[n] for n in targets}
+    if not given:
+        changes.update({n: settings[n] for n in targets})
+    return changes
 
 
 def check_hf_paths(config) -> None:

@@ -30,6 +30,16 @@ from typing import Any, Callable, Dict, List, Optional
 
 from megatron.training.errors import UsageError
 
+# --dpo's metrics.jsonl keys (megatron.core.preference.METRIC_KEYS): TRL's names, whose
+# scalar names have TRL's slash (rewards/chosen)
+DPO_METRICS = (
+    "rewards_chosen",
+    "rewards_rejected",
+    "rewards_accuracies",
+    "rewards_margins",
+    "logps_chosen",
+    "logps_rejected",
+)
 # metrics.jsonl key -> megatron's scalar name
 SCALAR_NAMES = {
     "loss": "lm loss",
@@ -42,6 +52,7 @@ SCALAR_NAMES = {
     "mem_allocated_bytes": "mem-allocated-bytes",
     "mem_max_allocated_bytes": "mem-max-allocated-bytes",
     "mem_reserved_bytes": "mem-reserved-bytes",
+    **{name: name.replace("_", "/", 1) for name in DPO_METRICS},  # --dpo: TRL's names
     # the router losses under megatron's track_moe_metrics names
     "moe_load_balancing_loss": "load_balancing_loss",
     "moe_seq_load_balancing_loss": "seq_load_balancing_loss",
@@ -50,6 +61,7 @@ SCALAR_NAMES = {
 VALIDATION_SCALAR_NAMES = {
     "valid_loss": "lm loss validation",
     "valid_ppl": "lm loss validation ppl",
+    **{f"valid_{name}": f"{name.replace('_', '/', 1)} validation" for name in DPO_METRICS},
 }
 # moe_tokens_per_expert[l][e] -> this scalar (an extra of this core; megatron has none)
 TOKENS_PER_EXPERT_NAME = "moe/tokens_per_expert/layer_{layer}_expert_{expert}"

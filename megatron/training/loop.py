@@ -45,6 +45,7 @@ from megatron.training.arguments import Layout, TrainingConfig
 from megatron.training.checkpoint_layout import checkpoint_dir, layout_record, settings_record
 from megatron.training.checkpoint_save import save_checkpoint
 from megatron.training.data import microbatches_for_rank
+from megatron.training.dpo import ROWS_PER_PAIR, dpo_line
 from megatron.training.errors import TrainingStopped
 from megatron.training.evaluation import Validation, ValidationSet, evaluate, evaluation_due
 from megatron.training.exits import ExitConditions, exit_message
@@ -80,6 +81,12 @@ class Run:
     last_validation: Optional[float] = None
     upcoming: Optional[Tuple[dict, List[dict]]] = None
     bar: Any = None
+    dpo: Any = None  # --dpo: dpo.PreferenceTraining (the reference pass, objective, metrics)
+
+    @property
+    def rows(self) -> int:
+        """Rows of the data per sample: 2 for a preference pair (chosen, rejected), else 1."""
+        return ROWS_PER_PAIR if self.dpo is not None else 1
 
     @property
     def scaled(self) -> bool:
@@ -146,13 +153,16 @@ def step(run: Run, iteration: int) -> Dict[str, Any]:
         chunk.zero_grad_buffer()
     per_shard = layout.context_parallel_size if config.per_shard_loss_normalization else None
     vpp = layout.virtual_pipeline_model_parallel_size
+    forward_step_func = functools.partial(forward_step, per_shard_cp_size=per_shard)
+    if run.dpo is not None:  # after the reference pass over these microbatches
+        forward_step_func = run.dpo.forward_step_func(global_batch, microbatches)
     reported = run.forward_backward_func(
-        forward_step_func=functools.partial(forward_step, per_shard_cp_size=per_shard),
+        forward_step_func=forward_step_func,
         data_iterator=[iter(microbatches) for _ in model] if vpp else iter(microbatches),
         model=model if vpp else model[0],
         num_microbatches=layout.num_microbatches,
         seq_length=config.seq_length,
-        micro_batch_size=config.micro_batch_size,
+        micro_batch_size=config.micro_batch_size * run.rows,
         pg_collection=run.pg_collection,
         forward_only=False,
     )
@@ -164,7 +174,10 @@ def step(run: Run, iteration: int) -> Dict[str, Any]:
     scheduler.step(increment=1)
     # The next batch is made while the device finishes this step (the logged loss waits).
     run.upcoming = batch_of(run, iteration + 1) if iteration < config.train_iters else None
-    loss = logged_loss(reported, run.pg_collection)
+    if run.dpo is None:
+        loss, preference = logged_loss(reported, run.pg_collection), {}
+    else:
+        loss, preference = run.dpo.logged(reported)
     run.skipped += 0 if updated else 1
     if config.check_for_nan_in_loss_and_grad:
         check_step(iteration, loss, grad_norm)
@@ -173,13 +186,14 @@ def step(run: Run, iteration: int) -> Dict[str, Any]:
     return {
         "iteration": iteration,
         "loss": loss,
+        **preference,
         "grad_norm": grad_norm,
         **({"num_zeros_in_grad": num_zeros} if config.log_num_zeros_in_grad else {}),
         "lr": lr,
         "tokens_per_s": data_tokens / seconds,
         "valid_tokens": int(global_batch["loss_mask"].sum().item()),
         "data_tokens": data_tokens,
-        "padding_tokens": config.global_batch_size * config.seq_length - data_tokens,
+        "padding_tokens": config.global_batch_size * run.rows * config.seq_length - data_tokens,
         "iteration_time_s": seconds,
         "skipped_iterations": run.skipped,
         "loss_scale": run.optimizer.get_loss_scale().item() if run.scaled else None,
@@ -259,7 +273,7 @@ def microbatches_of(run: Run, global_batch: Dict[str, torch.Tensor]) -> List[Dic
     return [
         _on_this_cp_rank(microbatch, groups)
         for microbatch in microbatches_for_rank(
-            global_batch, config.micro_batch_size, run.layout.num_microbatches, dp_rank
+            global_batch, config.micro_batch_size * run.rows, run.layout.num_microbatches, dp_rank
         )
     ]
 
@@ -274,6 +288,9 @@ def validate(run: Run, iteration: int) -> Optional[dict]:
     """The validation pass after ``iteration`` (``evaluation.evaluate``): its record fields,
     printed on rank 0."""
     config, exits = run.config, run.exits
+    stop_check = exits.stop_check if exits is not None and exits.active else None
+    if run.dpo is not None:  # the preference objective and TRL's metrics (dpo.py)
+        return _validate_preferences(run, iteration, stop_check)
     result = evaluate(
         run.model,
         run.validation_set,
@@ -286,7 +303,7 @@ def validate(run: Run, iteration: int) -> Optional[dict]:
         pg_collection=run.pg_collection,
         interleaved=bool(run.layout.virtual_pipeline_model_parallel_size),
         loss_key=LOSS_KEY,
-        stop_check=exits.stop_check if exits is not None and exits.active else None,
+        stop_check=stop_check,
     )
     if result is None:
         return None
@@ -295,6 +312,20 @@ def validate(run: Run, iteration: int) -> Optional[dict]:
     else:
         print_rank_0(_validation_line(iteration, result))
     return {"valid_loss": result.loss, "valid_ppl": result.ppl, "validation_tokens": result.tokens}
+
+
+def _validate_preferences(run: Run, iteration: int, stop_check) -> Optional[dict]:
+    """``--dpo``'s validation pass (``dpo.PreferenceTraining.validate``), printed on rank 0."""
+    fields = run.dpo.validate(
+        run.validation_set, functools.partial(microbatches_of, run), stop_check
+    )
+    if fields is not None:
+        line = f"validation at iteration {iteration}: {dpo_line(fields)}"
+        if run.config.progress and is_rank_zero():
+            run.bar.write(line)
+        else:
+            print_rank_0(line)
+    return fields
 
 
 def forward_step(data_iterator, model, per_shard_cp_size: Optional[int] = None):

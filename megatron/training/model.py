@@ -29,9 +29,13 @@ from megatron.training.arguments import Layout, TrainingConfig, flag_of
 
 
 def build_model(
-    config: TrainingConfig, layout: Layout, pg_collection: Optional[ProcessGroupCollection]
+    config: TrainingConfig,
+    layout: Layout,
+    pg_collection: Optional[ProcessGroupCollection],
+    ddp: bool = True,
 ) -> List[DistributedDataParallel]:
-    """The DDP-wrapped GPT chunks of this rank, in virtual-stage order.
+    """The DDP-wrapped GPT chunks of this rank, in virtual-stage order (``ddp=False``: the
+    chunks without DDP and without the schedule hooks, e.g. a frozen DPO reference).
 
     Hooks on the shared TransformerConfig: ``no_sync_func`` (per chunk with VPP),
     ``grad_sync_func`` with ``--overlap-grad-reduce``, and ``finalize_model_grads_func``.
@@ -92,6 +96,9 @@ def build_model(
             compile_layers(gpt)
         if config.bf16 or config.fp16:  # adapters too: fp32 main params in the optimizer
             gpt = Float16Module(transformer_config, gpt)
+        if not ddp:
+            chunks.append(gpt)
+            continue
         chunks.append(
             DistributedDataParallel(
                 config=transformer_config,
@@ -100,6 +107,8 @@ def build_model(
                 pg_collection=pg_collection,
             )
         )
+    if not ddp:
+        return chunks
     if config.lora_dim is not None:
         _check_some_layer_adapted(config, chunks, pg_collection)
     one_or_list = (lambda fns: fns) if vpp else (lambda fns: fns[0])

@@ -56,11 +56,7 @@ def compare_run_settings(
     if not before.get("lora_dim"):  # a base model for new LoRA adapters (load_checkpoint
         # asks for --finetune when it is loaded as a resume)
         checked = tuple(n for n in checked if n not in LORA_SETTINGS)
-    differences = [
-        f"{flag_of(name)} {_shown(before[name])} when saved, {_shown(now[name])} now"
-        for name in checked
-        if name in before and name in now and before[name] != now[name]
-    ]
+    differences = [_change(name, before, now) for name in _differing(checked, before, now)]
     if differences:
         escape = "" if finetune else "; --finetune allows other data, not another model"
         raise SettingsConflict(
@@ -68,11 +64,8 @@ def compare_run_settings(
             f"saved values: leave these flags out and --load adopts them{escape}):\n"
             + "\n".join(f"  {line}" for line in differences)
         )
-    precision = [
-        f"{flag_of(name)} {_shown(before[name])} when saved, {_shown(now[name])} now"
-        for name in (OPTIMIZER_SETTINGS if load_optim and not finetune else ())
-        if name in before and name in now and before[name] != now[name]
-    ]
+    form = OPTIMIZER_SETTINGS if load_optim and not finetune else ()
+    precision = [_change(name, before, now) for name in _differing(form, before, now)]
     if precision:
         raise ValueError(
             f"--load: checkpoint {directory} was saved with {'; '.join(precision)}: its "
@@ -100,6 +93,7 @@ OPTIMIZER_RESUME_RULES = {
     "adam_beta2": APPLIED,
     "adam_eps": APPLIED,
     "clip_grad": APPLIED,
+    "sgd_momentum": APPLIED,  # the momentum buffer continues with the new factor
     "loss_scale": APPLIED,  # a fixed scale to another fixed scale; to or from dynamic: refused
     "min_loss_scale": APPLIED,
     "loss_scale_window": APPLIED,
@@ -130,17 +124,13 @@ def compare_optimizer_settings(
     ``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler``)."""
     if not saved:
         return []
-    changed = [
-        name
-        for name in OPTIMIZER_RESUME_RULES
-        if name in saved and name in current and saved[name] != current[name]
-    ]
+    changed = _differing(OPTIMIZER_RESUME_RULES, saved, current)
     styles = {saved.get("lr_decay_style", "constant"), current.get("lr_decay_style", "constant")}
     if styles == {"constant"} and "train_iters" in changed:
         changed.remove("train_iters")  # a constant rate has no decay horizon
 
     def line(name: str) -> str:
-        return f"{flag_of(name)} {_shown(saved[name])} when saved, {_shown(current[name])} now"
+        return _change(name, saved, current)
 
     refused = [
         name
@@ -212,6 +202,16 @@ def _effective_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
     elif table_given:
         out.pop("seq_length", None)  # the table has max_position_embeddings rows
     return out
+
+
+def _differing(names, before: Dict[str, Any], now: Dict[str, Any]) -> List[str]:
+    """The settings of ``names`` both records hold, with different values."""
+    return [n for n in names if n in before and n in now and before[n] != now[n]]
+
+
+def _change(name: str, before: Dict[str, Any], now: Dict[str, Any]) -> str:
+    """One differing setting in a message: its flag, the saved and the current value."""
+    return f"{flag_of(name)} {_shown(before[name])} when saved, {_shown(now[name])} now"
 
 
 def _shown(value: Any) -> str:

@@ -29,6 +29,7 @@ from megatron.training.checkpointing import base_weights, load_checkpoint
 from megatron.training.compare import Comparison
 from megatron.training.comparison import compare_with_single_process
 from megatron.training.datasets import build_sft_dataset, build_training_tokenizer
+from megatron.training.dpo import PreferenceTraining, build_preference_validation
 from megatron.training.evaluation import build_validation_set
 from megatron.training.exits import ExitConditions
 from megatron.training.hf_settings import resolve_hf_model
@@ -55,6 +56,7 @@ from megatron.training.loop import (  # noqa: F401 - the step's names, importabl
 from megatron.training.lora_base import lora_base_record
 from megatron.training.metrics import save_metrics
 from megatron.training.model import build_model, precision_dtype
+from megatron.training.preference_data import build_preference_dataset
 
 
 @dataclass
@@ -174,7 +176,8 @@ def _build_run(
     """The run's data, validation set, model, optimizer and schedule, resumed from
     ``--pretrained-checkpoint`` / ``--load`` when given."""
     dataset, config = _training_data(config)
-    validation_set = build_validation_set(config)
+    build_validation = build_preference_validation if config.dpo else build_validation_set
+    validation_set = build_validation(config)
     if validation_set is not None:
         print_rank_0(validation_set.describe())
         for note in validation_set.notes:  # truncation counts of the validation records
@@ -190,10 +193,16 @@ def _build_run(
     if config.fp16 or config.loss_scale is not None:  # the schedule scales the loss
         model[0].config.grad_scale_func = optimizer.scale_loss
     start_iteration = _load_checkpoints(config, layout, model, optimizer, scheduler)
-    return Run(
+    run = Run(
         config, layout, pg_collection, model, optimizer, scheduler, dataset, validation_set,
         sinks, start_iteration=start_iteration, lora_base=_lora_base(config),
     )  # fmt: skip
+    if config.dpo:  # the reference (after the loads: the starting weights), the objective
+        run.dpo = PreferenceTraining(
+            config, layout, pg_collection, model, run.forward_backward_func
+        )
+        print_rank_0(run.dpo.describe())
+    return run
 
 
 def _load_checkpoints(config: TrainingConfig, layout: Layout, model, optimizer, scheduler) -> int:
@@ -240,7 +249,8 @@ def _training_data(config: TrainingConfig) -> Tuple[Any, TrainingConfig]:
     """The training data set (None with ``--skip-train``: nothing is trained, so no
     ``--data-path`` is read) and ``config`` with the model's vocabulary: the tokenizer's
     for data files, checked against ``--hf-model``'s (which may be padded)."""
-    dataset = None if config.skip_train else build_sft_dataset(config)
+    build = build_preference_dataset if config.dpo else build_sft_dataset
+    dataset = None if config.skip_train else build(config)
     for note in getattr(dataset, "notes", []):  # truncation and empty-loss counts
         print_rank_0(note)
     if not (config.data_path or config.valid_data_path):  # generated data: its own ids
@@ -275,14 +285,16 @@ def build_optimizer(
     model: List[torch.nn.Module],
     pg_collection: Optional[ProcessGroupCollection],
 ):
-    """megatron-core's optimizer (AdamW, clipping by the global gradient norm; fp32 main
-    parameters and, with ``--fp16``, loss scaling for half-precision weights) and its
-    learning-rate schedule: linear warm-up from 0 over ``--lr-warmup-iters``, then
-    ``--lr-decay-style`` down to ``--min-lr`` at ``--train-iters``; constant weight decay
-    (none on biases and 1-D parameters, as megatron)."""
+    """megatron-core's optimizer (AdamW, or SGD with ``--optimizer sgd``; clipping by the
+    global gradient norm; fp32 main parameters and, with ``--fp16``, loss scaling for
+    half-precision weights) and its learning-rate schedule: linear warm-up from 0 over
+    ``--lr-warmup-iters``, then ``--lr-decay-style`` down to ``--min-lr`` at
+    ``--train-iters``; constant weight decay (none on biases and 1-D parameters, as
+    megatron)."""
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
-            optimizer="adam",
+            optimizer=config.optimizer,
+            sgd_momentum=config.sgd_momentum,
             lr=config.lr,
             min_lr=config.min_lr,
             weight_decay=config.weight_decay,
@@ -391,7 +403,8 @@ def _print_header(config: TrainingConfig, layout: Layout) -> None:
     backend = dist.get_backend() if dist.is_initialized() else "no torch.distributed"
     backend += f", {describe_device(comm_device())}"
     print_rank_0(
-        f"SFT of a GPT ({config.num_layers} layers, hidden {config.hidden_size}, "
+        f"{'DPO' if config.dpo else 'SFT'} of a GPT ({config.num_layers} layers, hidden "
+        f"{config.hidden_size}, "
         f"{config.num_attention_heads} heads, vocab {_data_description(config)}; "
         f"layout {layout.name} on {_processes(layout.world_size)} "
         f"({backend}); {layout.num_microbatches} microbatch(es) of {config.micro_batch_size} "

@@ -15,6 +15,7 @@ from typing import Any, Collection, List, Optional, Tuple
 
 from megatron.core import config_rules
 from megatron.core.config_rules import CP_COMM_TYPES
+from megatron.training.dpo_checks import check_dpo
 from megatron.training.errors import UsageError
 from megatron.training.flag_checks import Config
 from megatron.training.flag_checks import Given as _Given
@@ -149,6 +150,7 @@ def validate_config(
     _check_moe(c, world_size, given)
     check_fp8_flags(c, given)
     _check_lora(c)
+    _check_objective(c, given)
     hierarchical = c.hierarchical_context_parallel_sizes
     return Layout(
         world_size,
@@ -416,6 +418,27 @@ LORA_FIELDS = (
     "merge_lora",
     "hf_adapter",
 )
+
+
+def _check_objective(c: Config, given: _Given) -> None:
+    """The --dpo flags (``dpo_checks``) and the optimizer's (``_check_optimizer``)."""
+    check_dpo(c)
+    _check_optimizer(c, given)
+
+
+def _check_optimizer(c: Config, given: _Given) -> None:
+    """Adam's flags need --optimizer adam, --sgd-momentum needs --optimizer sgd."""
+    unused = ("sgd_momentum",) if c.optimizer == "adam" else ADAM_FIELDS
+    for name in unused:
+        _require(
+            not given(name),
+            f"{_flag(c, name)} {getattr(c, name)} with --optimizer {c.optimizer}: it sets "
+            f"{'SGD' if name == 'sgd_momentum' else 'Adam'}'s state, which "
+            f"--optimizer {c.optimizer} does not have",
+        )
+
+
+ADAM_FIELDS = ("adam_beta1", "adam_beta2", "adam_eps")
 
 
 def _check_lora(c: Config) -> None:

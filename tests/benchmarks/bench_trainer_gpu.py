@@ -24,7 +24,9 @@ Variants:
   ``--recompute-granularity selective`` (core attention); both eager ``--bf16``.
   ``ours-lora``: ``--lora-dim 8 --lora-alpha 16`` (adapters on linear_qkv, linear_proj,
   linear_fc1, linear_fc2; the base frozen, fp32 adapters), ``ours-lora-compile`` with
-  ``--compile``: against ``ours`` (full fine-tuning) in the same launch.
+  ``--compile``: against ``ours`` (full fine-tuning) in the same launch. ``ours-dpo`` /
+  ``ours-lora-dpo``: ``--dpo`` on generated preference pairs, 2 pairs of 8k-token sequences
+  per step (the same 32768 policy tokens; the reference's forward on top).
   ``ours-fp8``: ``--fp8-format hybrid --fp8-recipe tensorwise`` (FP8 GEMMs in the attention
   and MLP linears, every scale from the global amax; docs/fp8.md), ``ours-fp8-compile`` with
   ``--compile`` (issue 41: at least 1.07x ``ours-compile``).
@@ -200,6 +202,9 @@ def time_bare(c: Shape, compiled: bool, args, device, fp8: bool = False) -> Dict
 def trainer_config(c: Shape, args, **extra):
     from megatron.training import TrainingConfig
 
+    settings = dict(micro_batch_size=1, global_batch_size=c.microbatches)
+    if extra.get("dpo"):  # batch sizes count pairs (2 sequences): the same tokens per step
+        settings["global_batch_size"] = c.microbatches // 2
     return TrainingConfig(
         num_layers=c.layers,
         hidden_size=c.hidden,
@@ -213,8 +218,7 @@ def trainer_config(c: Shape, args, **extra):
         untie_embeddings_and_output_weights=True,
         vocab_size=c.vocab,
         seq_length=c.seq,
-        micro_batch_size=1,
-        global_batch_size=c.microbatches,
+        **settings,
         train_iters=args.warmup + args.steps,
         lr=1e-4,
         bf16=True,
@@ -251,6 +255,8 @@ def run_ours(c: Shape, args, variant: str, warmup: int, steps: int):
         extra.update(lora_dim=8, lora_alpha=16.0)
     if "fp8" in variant:  # issue 41: FP8 GEMMs, scales from the global amax
         extra.update(fp8_format="hybrid", fp8_recipe="tensorwise")
+    if "dpo" in variant:  # issue 40: DPO (policy forward + backward, reference forward)
+        extra["dpo"] = True
     original = trainer_model.transformer_config_from
     if "fused" in variant:  # the library's switches (the trainer has no flag for each)
 

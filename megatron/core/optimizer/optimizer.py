@@ -222,6 +222,34 @@ class MegatronOptimizer(ABC):
     @abstractmethod
     def load_state_dict(self, state_dict: Dict) -> None: ...
 
+    def sharded_state_dict(
+        self,
+        model_sharded_state_dict: Dict[str, Any],
+        is_loading: bool = False,
+        metadata: Optional[dict] = None,
+    ) -> Dict[str, Any]:
+        """``state_dict()`` for ``dist_checkpointing``: Adam's moments (and fp32 main
+        parameters, ``_shard_state``) stored like their model parameters
+        (``optimizer.state.exp_avg.<key>``, ``optimizer.state.fp32_param.<key>``, same boxes),
+        the shared step as ``state["common_step"]``. ``is_loading``: create empty state first
+        (a fresh optimizer then has tensors to load into)."""
+        if is_loading:
+            self.init_state_fn(self.optimizer, self.config)
+        state_dict = self.state_dict()
+        model_params = self._model_params_in_optimizer_order()
+        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, model_params)
+        self._shard_state(state_dict, id_map)
+        return state_dict
+
+    def _model_params_in_optimizer_order(self) -> List[torch.Tensor]:
+        """The model parameter behind each optimizer parameter (here: the same)."""
+        return self.get_parameters()
+
+    def _shard_state(self, state_dict: Dict, id_map: Dict) -> None:
+        """Replace the tensors of ``state_dict()`` by sharded ones (``id_map``: optimizer
+        position -> the model parameter's sharded tensor)."""
+        _shard_torch_optimizer_state(state_dict, id_map)
+
     @property
     def param_groups(self) -> List[dict]:
         return self.optimizer.param_groups if self.optimizer is not None else []
@@ -243,7 +271,9 @@ class MegatronOptimizer(ABC):
 
 
 class MixedPrecisionOptimizer(MegatronOptimizer):
-    """Shared fp16/bf16 logic: optional loss scaling with an inf/nan check."""
+    """Shared fp16/bf16 logic: optional loss scaling with an inf/nan check. The constructor
+    (megatron-core's signature, which ``Float16OptimizerWithFloat16Params`` shares) ends with
+    ``_init_main_params``, where a subclass builds its main parameters."""
 
     def __init__(
         self,
@@ -259,6 +289,10 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         self._device = _params_device(optimizer)
         self.found_inf = torch.zeros(1, dtype=torch.float, device=self._device)
         self._scale_one = torch.ones(1, dtype=torch.float, device=self._device)
+        self._init_main_params()
+
+    def _init_main_params(self) -> None:
+        """Set up the main parameters once the base is built (none here)."""
 
     def get_loss_scale(self) -> torch.Tensor:
         return self._scale_one if self.grad_scaler is None else self.grad_scaler.scale
@@ -326,15 +360,8 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
     are stepped directly.
     """
 
-    # megatron-core's constructor signature, the same as MixedPrecisionOptimizer's
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        config: OptimizerConfig,
-        grad_scaler: Optional[MegatronGradScaler],
-        init_state_fn: Callable,
-    ) -> None:
-        super().__init__(optimizer, config, grad_scaler, init_state_fn)
+    def _init_main_params(self) -> None:
+        """Replace each half-precision parameter by its fp32 main copy in the optimizer."""
         self.float16_groups: List[List[torch.nn.Parameter]] = []
         self.fp32_from_float16_groups: List[List[torch.Tensor]] = []
         self.fp32_from_fp32_groups: List[List[torch.nn.Parameter]] = []
@@ -406,22 +433,8 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
         state["fp32_from_fp16_params"] = self.fp32_from_float16_groups
         return state
 
-    def sharded_state_dict(
-        self,
-        model_sharded_state_dict: Dict[str, Any],
-        is_loading: bool = False,
-        metadata: Optional[dict] = None,
-    ) -> Dict[str, Any]:
-        """``state_dict()`` for ``dist_checkpointing``: Adam's moments and the fp32 main
-        parameters stored like their model parameters (``optimizer.state.exp_avg.<key>``,
-        ``optimizer.state.fp32_param.<key>``, same boxes), the shared step as
-        ``state["common_step"]``. ``is_loading``: create empty state first (a fresh optimizer
-        then has tensors to load into)."""
-        if is_loading:
-            self.init_state_fn(self.optimizer, self.config)
-        state_dict = self.state_dict()
-        model_params = self._model_params_in_optimizer_order()
-        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, model_params)
+    def _shard_state(self, state_dict: Dict, id_map: Dict) -> None:
+        """The fp32 main parameters stored in their model parameters' boxes too."""
         position = {id(p): i for i, p in enumerate(self.get_parameters())}
         state_dict["fp32_from_fp16_params"] = [
             [
@@ -433,7 +446,6 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
             for group in self.fp32_from_float16_groups
         ]
         _shard_torch_optimizer_state(state_dict["optimizer"], id_map)
-        return state_dict
 
     def _model_params_in_optimizer_order(self) -> List[torch.Tensor]:
         """The model parameter behind each optimizer parameter (a main copy's half one)."""
@@ -498,22 +510,6 @@ class FP32Optimizer(MegatronOptimizer):
 
     def state_dict(self) -> Dict:
         return self.optimizer.state_dict()
-
-    def sharded_state_dict(
-        self,
-        model_sharded_state_dict: Dict[str, Any],
-        is_loading: bool = False,
-        metadata: Optional[dict] = None,
-    ) -> Dict[str, Any]:
-        """``state_dict()`` for ``dist_checkpointing``: Adam's moments stored like their
-        parameters (``optimizer.state.exp_avg.<key>``, same boxes), the shared step as
-        ``state["common_step"]``. ``is_loading``: create empty state first."""
-        if is_loading:
-            self.init_state_fn(self.optimizer, self.config)
-        state_dict = self.state_dict()
-        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.get_parameters())
-        _shard_torch_optimizer_state(state_dict, id_map)
-        return state_dict
 
     def load_state_dict(self, state_dict: Dict) -> None:
         restore_common_step(state_dict)

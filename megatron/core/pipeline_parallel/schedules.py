@@ -19,7 +19,8 @@ dp_cp group (summed in per-token mode), so each shard's loss is scaled as
 One concern in ~1,000 lines: megatron-core's module path holds the three schedules, their
 public helpers (``forward_step``, ``backward_step``, the schedule tables, ...) and the loss
 contract above, and tests and users patch its names in place (``reduce_loss_across_cp``), so
-they stay in this one module; the three schedules share one runner (``_Run``).
+they stay in this one module. The three schedules are three loops: ``_schedule`` gives each
+megatron-core's signature and the shared steps, and they run on one runner (``_Run``).
 """
 
 import contextlib
@@ -66,95 +67,91 @@ def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[i
     return forward_backward_no_pipelining
 
 
-# The three schedules take the same keyword-only parameters: megatron-core's public
-# signatures (tests/unit_tests/test_api_compat.py); what they share is ``_Run``.
-def forward_backward_no_pipelining(
-    *,
-    forward_step_func,
-    data_iterator: DataIterator,
-    model: Model,
-    num_microbatches: int,
-    seq_length: int,
-    micro_batch_size: int,
-    decoder_seq_length: Optional[int] = None,
-    forward_only: bool = False,
-    collect_non_loss_data: bool = False,
-    first_val_step: Optional[bool] = None,
-    adjust_tensor_shapes_fn: Optional[Callable] = None,
-    p2p_communicator: Optional[P2PCommunicator] = None,
-    pg_collection: Optional[ProcessGroupCollection] = None,
-    force_all_reduce: Optional[bool] = False,
-) -> List[Any]:
+def _schedule(pipelined: bool, interleaved: bool = False):
+    """Give a schedule's loop megatron-core's keyword-only signature (the same for the three
+    schedules: tests/unit_tests/test_api_compat.py) and the steps they share: ``_Run`` checks
+    the arguments and holds the step, the loop runs the microbatches, ``_Run.finish`` syncs
+    and finalizes the gradients. The loop's docstring is the schedule's."""
+
+    def wrap(loop: Callable[["_Run"], None]) -> Callable[..., List[Any]]:
+        def schedule(
+            *,
+            forward_step_func,
+            data_iterator: DataIterator,
+            model: Model,
+            num_microbatches: int,
+            seq_length: int,
+            micro_batch_size: int,
+            decoder_seq_length: Optional[int] = None,
+            forward_only: bool = False,
+            collect_non_loss_data: bool = False,
+            first_val_step: Optional[bool] = None,
+            adjust_tensor_shapes_fn: Optional[Callable] = None,
+            p2p_communicator: Optional[P2PCommunicator] = None,
+            pg_collection: Optional[ProcessGroupCollection] = None,
+            force_all_reduce: Optional[bool] = False,
+        ) -> List[Any]:
+            if adjust_tensor_shapes_fn is not None and interleaved:
+                raise ScheduleArgumentError(
+                    "adjust_tensor_shapes_fn is not supported by the interleaved schedule; got "
+                    f"{adjust_tensor_shapes_fn!r}, expected None"
+                )
+            run = _Run(
+                forward_step_func,
+                data_iterator,
+                model,
+                num_microbatches,
+                pg_collection,
+                forward_only,
+                collect_non_loss_data,
+                pipelined=pipelined,
+                interleaved=interleaved,
+                p2p_communicator=p2p_communicator,
+                seq_length=seq_length,
+                micro_batch_size=micro_batch_size,
+                adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
+            )
+            if not interleaved and len(run.models) != 1:
+                raise ScheduleArgumentError(
+                    f"{loop.__name__}: model must be one module (or a list of one), got a list "
+                    f"of {len(run.models)}"
+                    + ("; use the interleaved schedule for model chunks" if pipelined else "")
+                )
+            loop(run)
+            return run.finish(force_all_reduce)
+
+        schedule.__name__ = schedule.__qualname__ = loop.__name__
+        schedule.__doc__, schedule.__module__ = loop.__doc__, loop.__module__
+        return schedule
+
+    return wrap
+
+
+@_schedule(pipelined=False)
+def forward_backward_no_pipelining(run: "_Run") -> None:
     """Run M microbatches forward and backward on one stage, syncing gradients on the last.
 
     Returns the list of ``reported`` dicts of the loss function, one per microbatch.
     """
-    run = _Run(
-        forward_step_func,
-        data_iterator,
-        model,
-        num_microbatches,
-        pg_collection,
-        forward_only,
-        collect_non_loss_data,
-        pipelined=False,
-    )
-    if len(run.models) != 1:
-        raise ScheduleArgumentError(
-            f"forward_backward_no_pipelining: model must be one module (or a list of one), "
-            f"got a list of {len(run.models)}"
-        )
+    M = run.num_microbatches
     run.grad_sync.disable()
-    for microbatch in range(num_microbatches):
-        if microbatch == num_microbatches - 1:
+    for microbatch in range(M):
+        if microbatch == M - 1:
             run.grad_sync.enable()
         output = run.forward(0, microbatch, None, is_last_stage=True)
-        if not forward_only:
+        if not run.forward_only:
             run.backward(None, output, None)
-    return run.finish(force_all_reduce)
 
 
-def forward_backward_pipelining_without_interleaving(
-    *,
-    forward_step_func,
-    data_iterator: DataIterator,
-    model: Model,
-    num_microbatches: int,
-    seq_length: int,
-    micro_batch_size: int,
-    decoder_seq_length: Optional[int] = None,
-    forward_only: bool = False,
-    collect_non_loss_data: bool = False,
-    first_val_step: Optional[bool] = None,
-    adjust_tensor_shapes_fn: Optional[Callable] = None,
-    p2p_communicator: Optional[P2PCommunicator] = None,
-    pg_collection: Optional[ProcessGroupCollection] = None,
-    force_all_reduce: Optional[bool] = False,
-) -> List[Any]:
+@_schedule(pipelined=True)
+def forward_backward_pipelining_without_interleaving(run: "_Run") -> None:
     """1F1B: ``_warmup_microbatches`` forwards, then one forward and one backward per
     step, then the remaining backwards; gradients sync during the last backward."""
-    run = _Run(
-        forward_step_func,
-        data_iterator,
-        model,
-        num_microbatches,
-        pg_collection,
-        forward_only,
-        collect_non_loss_data,
-        pipelined=True,
-        p2p_communicator=p2p_communicator,
-    )
-    if len(run.models) != 1:
-        raise ScheduleArgumentError(
-            "forward_backward_pipelining_without_interleaving: model must be one module (or "
-            f"a list of one), got a list of {len(run.models)}; use the interleaved schedule "
-            "for model chunks"
-        )
     p2p, first, last = run.p2p, run.pp_rank == 0, run.pp_rank == run.pp_size - 1
-    recv_shapes = send_shapes = run.tensor_shape(seq_length, micro_batch_size)
-    if adjust_tensor_shapes_fn is not None:
-        recv_shapes, send_shapes = adjust_tensor_shapes_fn([recv_shapes], [send_shapes])
-    M = num_microbatches
+    recv_shapes = send_shapes = run.tensor_shape()
+    if run.adjust_tensor_shapes_fn is not None:
+        recv_shapes, send_shapes = run.adjust_tensor_shapes_fn([recv_shapes], [send_shapes])
+    M, forward_only = run.num_microbatches, run.forward_only
     warmup = min(_warmup_microbatches(M, run.pp_size, run.pp_rank, forward_only=forward_only), M)
     pending = []  # (input, output) of microbatches awaiting their backward
 
@@ -192,58 +189,26 @@ def forward_backward_pipelining_without_interleaving(
             input_tensor, output = pending.pop(0)
             output_grad = p2p.recv_backward(send_shapes, last)
             p2p.send_backward(run.backward(input_tensor, output, output_grad), first)
-    return run.finish(force_all_reduce)
 
 
-def forward_backward_pipelining_with_interleaving(
-    *,
-    forward_step_func,
-    data_iterator: DataIterator,
-    model: Model,
-    num_microbatches: int,
-    seq_length: int,
-    micro_batch_size: int,
-    decoder_seq_length: Optional[int] = None,
-    forward_only: bool = False,
-    collect_non_loss_data: bool = False,
-    first_val_step: Optional[bool] = None,
-    adjust_tensor_shapes_fn: Optional[Callable] = None,
-    p2p_communicator: Optional[P2PCommunicator] = None,
-    pg_collection: Optional[ProcessGroupCollection] = None,
-    force_all_reduce: Optional[bool] = False,
-) -> List[Any]:
+@_schedule(pipelined=True, interleaved=True)
+def forward_backward_pipelining_with_interleaving(run: "_Run") -> None:
     """Interleaved 1F1B over V model chunks per rank (chunk v on rank p is stage v*PP + p).
 
     The k-th forward runs chunk ``(k mod g*V) div g`` on microbatch ``(k div g*V)*g + k mod g``
     (g = ``microbatch_group_size_per_vp_stage``); backwards use the same table with the
     chunk mirrored. Warm-up: ``_warmup_microbatches`` forwards, at most M*V.
     """
-    if adjust_tensor_shapes_fn is not None:
-        raise ScheduleArgumentError(
-            "adjust_tensor_shapes_fn is not supported by the interleaved schedule; got "
-            f"{adjust_tensor_shapes_fn!r}, expected None"
-        )
-    run = _Run(
-        forward_step_func,
-        data_iterator,
-        model,
-        num_microbatches,
-        pg_collection,
-        forward_only,
-        collect_non_loss_data,
-        pipelined=True,
-        p2p_communicator=p2p_communicator,
-    )
-    _check_vpp(run.models, run.config, pipelined=True, interleaved=True)
     V, PP, p = len(run.models), run.pp_size, run.pp_rank
+    forward_only = run.forward_only
     table = interleaved_schedule_table(
-        num_microbatches, V, run.config.microbatch_group_size_per_vp_stage, PP
+        run.num_microbatches, V, run.config.microbatch_group_size_per_vp_stage, PP
     )
     total = len(table)
     fwd_chunk = [chunk for _, chunk in table]
     bwd_chunk = [V - 1 - chunk for _, chunk in table]
     last_backward_of = {chunk: k for k, chunk in enumerate(bwd_chunk)}
-    shape = run.tensor_shape(seq_length, micro_batch_size)
+    shape = run.tensor_shape()
     p2p = run.p2p
 
     def first_stage(chunk: int) -> bool:
@@ -307,7 +272,6 @@ def forward_backward_pipelining_with_interleaving(
             input_grad = backward(b, output_grad)
             output_grad = p2p.send_backward_recv_backward(input_grad, recv_next_for(b + 1), shape)
         run.grad_sync.enable()
-    return run.finish(force_all_reduce)
 
 
 class ScheduleArgumentError(ValueError, AssertionError):
@@ -735,7 +699,11 @@ class _Run:
         forward_only,
         collect_non_loss_data,
         pipelined,
+        interleaved=False,
         p2p_communicator=None,
+        seq_length=None,
+        micro_batch_size=None,
+        adjust_tensor_shapes_fn=None,
     ) -> None:
         self.models = list(model) if isinstance(model, (list, tuple)) else [model]
         if not self.models or not all(isinstance(m, torch.nn.Module) for m in self.models):
@@ -744,10 +712,12 @@ class _Run:
             )
         self.config = get_model_config(self.models[0])
         _check_num_microbatches(num_microbatches)
-        _check_vpp(self.models, self.config, pipelined)
+        _check_vpp(self.models, self.config, pipelined, interleaved)
         self.iterators = _per_chunk(data_iterator, len(self.models))
         self.forward_step_func, self.num_microbatches = forward_step_func, num_microbatches
         self.forward_only, self.collect_non_loss_data = forward_only, collect_non_loss_data
+        self.seq_length, self.micro_batch_size = seq_length, micro_batch_size
+        self.adjust_tensor_shapes_fn = adjust_tensor_shapes_fn
         self.pg_collection = _resolve_pg_collection(pg_collection, self.config, pipelined)
         self.cp_group = self.pg_collection.cp if self.pg_collection is not None else None
         self.cp_size = get_pg_size(self.cp_group)
@@ -768,10 +738,10 @@ class _Run:
         if self.config.timers is not None:
             self.config.timers("forward-backward", log_level=1).start()
 
-    def tensor_shape(self, seq_length: int, micro_batch_size: int) -> List[int]:
+    def tensor_shape(self) -> List[int]:
         """Pipeline message shape ``(seq_length // (C * T), micro_batch_size, hidden_size)``,
         T = the tensor-parallel size under sequence parallelism, else 1 (megatron-core's)."""
-        cp = self.cp_size
+        seq_length, cp = self.seq_length, self.cp_size
         if getattr(self.config, "sequence_parallel", False):
             cp *= self.config.tensor_model_parallel_size
         if seq_length % cp and not self.config.variable_seq_lengths:
@@ -779,7 +749,7 @@ class _Run:
                 f"seq_length={seq_length} is not divisible by the context-parallel size "
                 f"{self.cp_size} (x the tensor-parallel size under sequence parallelism)"
             )
-        return [seq_length // cp, micro_batch_size, self.config.hidden_size]
+        return [seq_length // cp, self.micro_batch_size, self.config.hidden_size]
 
     def forward(
         self, chunk: int, microbatch: int, input_tensor, is_last_stage: bool, vp_stage=None

@@ -28,14 +28,11 @@ def tp_group_of(
     return _checked_group(pg_collection, "tp", config.tensor_model_parallel_size)
 
 
-# tp_group_of and cp_group_of: the same getter for two groups, each with its own contract in
-# its docstring (callers import them by name); the rule itself is ``_checked_group``.
 def cp_group_of(
     pg_collection: Optional[ProcessGroupCollection], config
 ) -> Optional[dist.ProcessGroup]:
-    """The CP group: ``pg_collection.cp``; without a collection, ``parallel_state``'s (MPU
-    fallback) when initialized; else None (C = 1). Its size must equal
-    ``config.context_parallel_size``."""
+    """``tp_group_of`` for the CP group (``pg_collection.cp``; None: C = 1), of size
+    ``config.context_parallel_size``: both are ``_checked_group``."""
     return _checked_group(pg_collection, "cp", config.context_parallel_size)
 
 

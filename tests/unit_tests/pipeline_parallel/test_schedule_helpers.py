@@ -4,6 +4,8 @@ facts recorded from megatron-core itself: ``get_pp_rank_microbatches``,
 returns a Python number (accepted with ``forward_only=True``, rejected in training).
 """
 
+import inspect
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -215,3 +217,23 @@ def test_misuse_megatron_core_asserts_on_is_an_assertion_error():
     with pytest.raises(AssertionError, match="expected a Tensor") as info:
         schedules.deallocate_output_tensor([1.0], deallocate_pipeline_outputs=True)
     assert isinstance(info.value, TypeError)
+
+
+@pytest.mark.world(1)
+def test_schedules_keep_their_names_and_docs_around_the_shared_signature():
+    """The three schedules are loops given one signature by ``_schedule``: each still
+    introspects as itself (name, module, docstring) with megatron-core's keyword-only
+    parameters, and ``get_forward_backward_func`` returns them."""
+    funcs = [
+        schedules.forward_backward_no_pipelining,
+        schedules.forward_backward_pipelining_without_interleaving,
+        schedules.forward_backward_pipelining_with_interleaving,
+    ]
+    for func in funcs:
+        assert func.__module__ == schedules.__name__ and func.__qualname__ == func.__name__
+        assert getattr(schedules, func.__name__) is func and func.__doc__
+        params = inspect.signature(func).parameters.values()
+        assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params), func
+    assert len({str(inspect.signature(func)) for func in funcs}) == 1
+    assert len({func.__doc__ for func in funcs}) == 3
+    assert schedules.get_forward_backward_func(pp_size=2, vp_size=2) is funcs[2]

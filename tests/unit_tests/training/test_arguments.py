@@ -161,6 +161,15 @@ NON_DEFAULT = dict(
     pretrained_checkpoint="base-ckpt",
     merge_lora=True,
     hf_adapter="adapter-dir",
+    optimizer="sgd",
+    sgd_momentum=0.5,
+    dpo=True,
+    dpo_beta=0.5,
+    dpo_loss_type="ipo",
+    dpo_label_smoothing=0.1,
+    dpo_sft_weight=1.0,
+    dpo_reference_free=True,
+    dpo_reference_hf_model="ref-dir",
 )
 
 
@@ -446,8 +455,8 @@ def test_the_kinds_give_the_resume_and_comparison_lists():
         "lora_target_modules", "lora_exclude_modules", "pretrained_checkpoint",
     }  # fmt: skip
     assert (set(DATA_SETTINGS), set(OPTIMIZER_SETTINGS)) == (
-        {"data_path", "eod_token", "split"},
-        {"bf16", "fp16"},
+        {"data_path", "eod_token", "split", "dpo"},
+        {"bf16", "fp16", "optimizer"},
     )
     single = single_process_config(TrainingConfig(**NON_DEFAULT))
     reset = {

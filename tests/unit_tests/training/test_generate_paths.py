@@ -230,6 +230,21 @@ def test_an_adapters_target_modules_become_the_lora_targets(models, tmp_path):
 
 
 @pytest.mark.world(1)
+def test_the_trainers_hf_adapter_takes_the_adapters_rank_and_alpha(models, tmp_path):
+    """``--hf-model M --hf-adapter A`` alone: r and lora_alpha from A's adapter_config.json
+    (a run's own --lora-dim stays, and a different one is refused when the adapter loads)."""
+    from megatron.training.arguments import TrainingConfig, validate_config
+    from megatron.training.hf_settings import resolve_hf_model
+
+    folder = _peft_folder(tmp_path / "a", ["q_proj", "k_proj", "v_proj", "o_proj"], r=2)
+    config = resolve_hf_model(TrainingConfig(hf_model=str(models["moe"]), hf_adapter=str(folder)))
+    assert (config.lora_dim, config.lora_alpha) == (2, 8.0)
+    validate_config(config, 1)  # was: "--hf-adapter ... needs --lora-dim R"
+    own = TrainingConfig(hf_model=str(models["moe"]), hf_adapter=str(folder), lora_dim=4)
+    assert resolve_hf_model(own).lora_dim == 4
+
+
+@pytest.mark.world(1)
 def test_generate_with_a_moe_adapter_builds_the_adapters_targets(models, tmp_path):
     from safetensors.torch import save_file
 
@@ -468,3 +483,21 @@ def test_a_data_path_runs_recorded_settings_build_a_model_config_and_a_byte_toke
     assert g._tokenizer_spec(args) == ("byte-level", None, [])
     codec = g._codec(args)
     assert codec.encode("hé") == [104, 0xC3, 0xA9] and codec.stop_ids == {256}
+
+
+@pytest.mark.slow
+@pytest.mark.world(1)
+def test_an_adapter_only_checkpoint_generates_from_another_directory(tmp_path, monkeypatch):
+    """The base of an adapter-only checkpoint given as a relative path is found from any
+    directory (the checkpoint's recorded absolute path of its base)."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    _pretrain(train_iters=2, save="base")
+    lora = dict(lora_dim=4, lora_b_init_method="normal", save_trainable_params_only=True)
+    _pretrain(train_iters=2, pretrained_checkpoint="base", save="lora", **lora)
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    code, out, err = _main("--load", tmp_path / "run" / "lora", "--prompt-ids", PROMPT,
+                           "--max-new-tokens", "3")  # fmt: skip
+    assert code == 0, err
+    assert len(out.split()) == 3, out

@@ -1,0 +1,279 @@
+"""Preference pairs for ``--dpo``: TRL's preference JSONL, or generated pairs.
+
+``--data-path FILE.jsonl`` with ``--dpo``: one pair per line, in one of TRL's two forms:
+
+- conversational ``{"prompt": [messages], "chosen": [messages], "rejected": [messages]}``: the
+  tokenizer's chat template renders the prompt with the generation prompt, P, and the prompt
+  followed by the completion, Q; the completion's tokens are every token of Q after the
+  templated prompt (with ChatML: the content, ``<|im_end|>`` and the newline), TRL's rule;
+- standard ``{"prompt": str, "chosen": str, "rejected": str}``: no template;
+  ``prompt + completion + [EOD]`` (after the tokenizer's own prefix, e.g. BOS), the
+  completion's tokens starting where its ids diverge from the tokenized prompt's.
+
+Each side becomes ids ``x`` with a 0/1 mask (1 on the completion), then a sample exactly as an
+SFT record (``datasets.FileSFTDataset``): cut or padded to ``seq_length + 1`` ids,
+``loss_mask[t] = m[t + 1]``. Pair ``i`` of the stream is record ``perm_e[i mod R]`` (the SFT
+order rule). A global batch of P pairs is 2P rows, interleaved: row 2i the chosen, 2i + 1 the
+rejected completion of pair i, so a micro-batch of b pairs (2b rows) holds whole pairs.
+
+A pair with a side longer than ``seq_length + 1`` ids is cut (counted; more than 10% of the
+pairs stops the run unless ``--allow-truncation``, as for SFT).
+
+Without ``--data-path``: generated pairs. Pair i (its own generator, from ``--seed`` and i):
+``[BOS] p [SEP]`` then the chosen ``reverse(p) [EOS]`` or a rejected random response of a
+random length (1 .. len(p)) ``[EOS]``: the completions' lengths differ, as real pairs' do.
+"""
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy
+import torch
+
+from megatron.training.data import EOS, PAD, Batch, SFTDataset
+from megatron.training.datasets import (
+    MAX_TRUNCATED,
+    Record,
+    build_training_tokenizer,
+    jsonl_records,
+    split_ranges,
+)
+
+_EOS = torch.tensor([EOS])
+PAIR_FORMS = (
+    "a JSON object with 'prompt', 'chosen' and 'rejected' (three strings, or three lists of "
+    "chat messages)"
+)
+Pair = Tuple[Record, Record]
+
+
+def build_preference_dataset(config: Any, valid: bool = False):
+    """The generated pairs without ``--data-path``, else the pairs of the JSONL file (the
+    training part of ``--split``). ``valid``: the validation pairs instead (the records of
+    ``--valid-data-path``, or the validation part of ``--split``, or a generated stream of
+    their own)."""
+    if not (config.data_path or (valid and config.valid_data_path)):
+        stream = "dpo-valid" if valid else "dpo"
+        return GeneratedPreferenceDataset(config.seq_length, config.vocab_size, config.seed, stream)
+    tokenizer = build_training_tokenizer(config.tokenizer, config.eod_token)
+    path = config.valid_data_path if valid and config.valid_data_path else config.data_path
+    flag = "--valid-data-path" if valid and config.valid_data_path else "--data-path"
+    pairs = [
+        tokenize_pair(record, tokenizer, where)
+        for where, record in jsonl_records(path, expected=PAIR_FORMS)
+    ]
+    if not pairs:
+        raise ValueError(f"{flag} {path!r}: no records (the file is empty)")
+    name = path
+    if config.split and flag == "--data-path":
+        start, end = split_ranges(config.split, len(pairs))[1 if valid else 0]
+        pairs, name = pairs[start:end], f"{name} (--split records {start}..{end - 1})"
+        if not pairs:
+            part = "validation" if valid else "training"
+            raise ValueError(f"--split {config.split}: no {part} records in --data-path {path}")
+    return PreferenceDataset(
+        pairs,
+        config.seq_length,
+        config.seed,
+        tokenizer.pad,
+        tokenizer.vocab_size,
+        name,
+        None if config.allow_truncation else MAX_TRUNCATED,
+    )
+
+
+def tokenize_pair(record: Any, tokenizer: Any, where: str) -> Pair:
+    """(chosen, rejected) ``(ids, mask)`` of one JSONL record (module docstring); errors
+    start with ``where`` (``FILE:LINE``)."""
+    if not isinstance(record, dict) or not {"prompt", "chosen", "rejected"} <= set(record):
+        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise ValueError(f"{where}: got {keys}; expected {PAIR_FORMS}")
+    prompt = record["prompt"]
+    sides = (record["chosen"], record["rejected"])
+    if all(isinstance(v, list) for v in (prompt, *sides)):
+        return tuple(_conversational(prompt, side, tokenizer, where) for side in sides)
+    if all(isinstance(v, str) for v in (prompt, *sides)):
+        prefix = list(getattr(tokenizer, "document_prefix", []))
+        prompt_ids = prefix + list(tokenizer.tokenize(prompt))
+        return tuple(
+            _split(prompt_ids, prefix + list(tokenizer.tokenize(prompt + side)) + [tokenizer.eod])
+            for side in sides
+        )
+    kinds = ", ".join(type(v).__name__ for v in (prompt, *sides))
+    raise ValueError(f"{where}: prompt, chosen, rejected are {kinds}; expected {PAIR_FORMS}")
+
+
+def _conversational(prompt: list, completion: list, tokenizer: Any, where: str) -> Record:
+    """TRL's rule: the tokens of template(prompt + completion) after template(prompt, with
+    the generation prompt)."""
+    from megatron.core.tokenizers.chat_template import ChatTemplateError, render_chat
+
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError(
+            f"{where}: a conversational pair needs a tokenizer with a chat template: pass "
+            "--tokenizer with a HuggingFace tokenizer folder holding chat_template"
+        )
+    variables = dict(getattr(tokenizer, "special_tokens", {}))
+    try:
+        before = render_chat(template, prompt, variables, add_generation_prompt=True)
+        full = render_chat(template, list(prompt) + list(completion), variables)
+    except ChatTemplateError as err:
+        raise ValueError(f"{where}: {err}") from None
+    return _split(list(tokenizer.tokenize(before)), list(tokenizer.tokenize(full)))
+
+
+def _split(prompt_ids: List[int], ids: List[int]) -> Record:
+    """``ids`` with the mask 1 from the first position where they differ from
+    ``prompt_ids`` on."""
+    common = 0
+    for a, b in zip(prompt_ids, ids):
+        if a != b:
+            break
+        common += 1
+    mask = numpy.zeros(len(ids), numpy.uint8)
+    mask[common:] = 1
+    return numpy.asarray(ids, dtype=numpy.int64), mask
+
+
+class PreferenceDataset:
+    """Pairs of ``(ids, mask)`` records as interleaved [2P, s] global batches (module
+    docstring); ``notes``: truncation and empty-pair counts for the trainer to print."""
+
+    def __init__(
+        self,
+        pairs: List[Pair],
+        seq_length: int,
+        seed: int,
+        pad: int,
+        vocab_size: int,
+        name: str = "the pairs",
+        max_truncated: Optional[float] = None,
+    ) -> None:
+        self.pairs, self.seq_length, self.seed, self.pad = pairs, seq_length, seed, pad
+        self.vocab_size, self.name = vocab_size, name
+        top = max(int(ids.max(initial=0)) for pair in pairs for ids, _ in pair)
+        if top >= vocab_size:
+            raise ValueError(
+                f"--data-path {name!r} holds token id {top}, outside the tokenizer's "
+                f"vocabulary of {vocab_size}"
+            )
+        self.notes = self._check_lengths(max_truncated)
+        self._perms: Dict[int, List[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def pair_in_file_order(self, position: int) -> Tuple[Batch, Batch]:
+        """(chosen, rejected) samples of record ``position`` of the file (validation)."""
+        chosen, rejected = self.pairs[position]
+        return self._sample(chosen), self._sample(rejected)
+
+    def pair(self, index: int) -> Tuple[Batch, Batch]:
+        """(chosen, rejected) samples of pair ``index`` of the stream."""
+        epoch, k = divmod(index, len(self.pairs))
+        if epoch not in self._perms:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perms[epoch] = torch.randperm(len(self.pairs), generator=generator).tolist()
+        chosen, rejected = self.pairs[self._perms[epoch][k]]
+        return self._sample(chosen), self._sample(rejected)
+
+    def global_batch(self, iteration: int, global_batch_size: int) -> Batch:
+        """Pairs ``[iteration * GBS, (iteration + 1) * GBS)`` as [2 GBS, s] tensors, rows
+        interleaved chosen / rejected."""
+        return _stack(self, iteration, global_batch_size)
+
+    def data_tokens(self, iteration: int, global_batch_size: int) -> int:
+        """Positions of the global batch's 2 GBS rows that hold data, not padding."""
+        batch = self.global_batch(iteration, global_batch_size)
+        return int((~batch["padding_mask"]).sum())
+
+    def _sample(self, record: Record) -> Batch:
+        ids, mask = record
+        s = self.seq_length
+        n = min(ids.size, s + 1)
+        x = torch.full((s + 1,), self.pad, dtype=torch.long)
+        x[:n] = torch.from_numpy(ids[:n])
+        loss_mask = torch.zeros(s)
+        loss_mask[: n - 1] = torch.from_numpy(mask[1:n].astype(numpy.float32))
+        return {
+            "tokens": x[:-1].clone(),
+            "labels": x[1:].clone(),
+            "loss_mask": loss_mask,
+            "position_ids": torch.arange(s),
+            "padding_mask": torch.arange(s) >= n - 1,
+        }
+
+    def _check_lengths(self, max_truncated: Optional[float]) -> List[str]:
+        s, total = self.seq_length, len(self.pairs)
+        cut = sum(1 for pair in self.pairs if any(ids.size > s + 1 for ids, _ in pair))
+        empty = sum(
+            1 for pair in self.pairs if any(int(mask[1 : s + 1].sum()) == 0 for _, mask in pair)
+        )
+        if max_truncated is not None and cut > max_truncated * total:
+            longest = max(ids.size for pair in self.pairs for ids, _ in pair)
+            raise ValueError(
+                f"--data-path {self.name!r}: {cut} of {total} pairs "
+                f"({100 * cut / total:.0f}%, more than {100 * max_truncated:.0f}%) have a "
+                f"prompt + completion longer than --seq-length {s} + 1 tokens and would be cut "
+                f"(the longest has {longest}); raise --seq-length, or pass --allow-truncation "
+                "to train on the cut pairs"
+            )
+        notes = []
+        if cut:
+            notes.append(f"{cut} of {total} pairs truncated to --seq-length {s}")
+        if empty:
+            notes.append(
+                f"warning: {empty} of {total} pairs have a completion with no token within "
+                f"--seq-length {s}; its log-probability is 0"
+            )
+        return notes
+
+
+class GeneratedPreferenceDataset:
+    """The generated pairs (module docstring): an endless, deterministic stream."""
+
+    def __init__(self, seq_length: int, vocab_size: int, seed: int, stream: str = "dpo") -> None:
+        self.samples = SFTDataset(seq_length, vocab_size, seed, stream=stream)
+        self.others = SFTDataset(seq_length, vocab_size, seed, stream=f"{stream}-rejected")
+        self.seq_length, self.vocab_size, self.seed = seq_length, vocab_size, seed
+        self.notes: List[str] = []
+
+    def pair_in_file_order(self, index: int) -> Tuple[Batch, Batch]:
+        """Pair ``index`` (the generated stream has no file; validation reads it in order)."""
+        return self.pair(index)
+
+    def pair(self, index: int) -> Tuple[Batch, Batch]:
+        """(chosen, rejected) samples of pair ``index``: the rejected response is the first
+        min(L', L) prompt symbols of sample ``index`` of a stream of its own (L' its prompt
+        length, L this pair's)."""
+        chosen = self.samples[index]
+        length = int(chosen["loss_mask"].sum().item()) - 1  # the prompt's length L
+        other = self.others[index]
+        size = min(int(other["loss_mask"].sum().item()) - 1, length)
+        x = torch.full((self.seq_length + 1,), PAD, dtype=torch.long)
+        x[: length + 2] = chosen["tokens"][: length + 2]  # BOS p SEP
+        x[length + 2 : length + 3 + size] = torch.cat([other["tokens"][1 : 1 + size], _EOS])
+        positions = torch.arange(self.seq_length)
+        rejected = {
+            "tokens": x[:-1].clone(),
+            "labels": x[1:].clone(),
+            "loss_mask": ((positions >= length + 1) & (positions <= length + 1 + size)).float(),
+            "position_ids": positions,
+            "padding_mask": positions >= length + size + 2,
+        }
+        return chosen, rejected
+
+    def global_batch(self, iteration: int, global_batch_size: int) -> Batch:
+        """Pairs ``[iteration * GBS, (iteration + 1) * GBS)`` as interleaved [2 GBS, s]."""
+        return _stack(self, iteration, global_batch_size)
+
+    def data_tokens(self, iteration: int, global_batch_size: int) -> int:
+        """Positions of the global batch's 2 GBS rows that hold data, not padding."""
+        batch = self.global_batch(iteration, global_batch_size)
+        return int((~batch["padding_mask"]).sum())
+
+
+def _stack(dataset: Any, iteration: int, global_batch_size: int) -> Batch:
+    start = iteration * global_batch_size
+    rows = [s for i in range(start, start + global_batch_size) for s in dataset.pair(i)]
+    return {key: torch.stack([r[key] for r in rows]) for key in rows[0]}
