@@ -15,3 +15,21 @@ class ModelType(enum.Enum):
             "ModelType.encoder_and_decoder is deprecated. Please use "
             "ModelType.encoder_or_decoder instead."
         )
+
+
+class Fp8Recipe(str, enum.Enum):
+    """megatron-core's FP8 recipe names (``TransformerConfig.fp8_recipe``); this core
+    implements ``tensorwise`` (``megatron.core.fp8``)."""
+
+    delayed = "delayed"
+    tensorwise = "tensorwise"
+    mxfp8 = "mxfp8"
+    blockwise = "blockwise"
+    custom = "custom"
+
+
+class Fp4Recipe(str, enum.Enum):
+    """megatron-core's FP4 recipe names (FP4 is not implemented)."""
+
+    nvfp4 = "nvfp4"
+    custom = "custom"

@@ -156,8 +156,10 @@ def _refuse_unimplemented(config) -> None:
         "moe_hybridep_num_sms": "the flex dispatcher (HybridEP) is not supported",
         "moe_permute_fusion": "Transformer Engine's permute fusion is not available",
         "moe_router_fusion": "Transformer Engine's router fusion is not available",
-        "moe_router_padding_for_quantization": "fp8 / fp4 are not supported",
-        "moe_router_padding_for_fp8": "fp8 is not supported",
+        "moe_router_padding_for_quantization": "FP8 experts need no padding (each expert is "
+        "its own FP8 GEMM) and FP4 is not supported",
+        "moe_router_padding_for_fp8": "FP8 experts need no padding (each expert is its own "
+        "FP8 GEMM)",
         "moe_layer_recompute": "MoE-layer recomputation is not implemented (use "
         "recompute_granularity='full')",
         "moe_latent_size": "latent MoE is not implemented",

@@ -26,6 +26,7 @@ from typing import Dict, List, Optional, Sequence, Union
 
 from megatron.core import config_rules
 from megatron.core.config_rules import ATTENTION_BACKENDS, CP_COMM_TYPES, NORMALIZATIONS
+from megatron.core.fp8.config import FP8_RECIPES
 from megatron.training import options
 from megatron.training.model_settings import resolved_model
 from megatron.training.options import (
@@ -938,6 +939,57 @@ class TrainingConfig:
         kind=PRECISION,
         library="fp16",
         help="as --bf16 in fp16, with dynamic loss scaling (below)",
+    )
+    fp8_format: Optional[str] = option(
+        None,
+        "--fp8-format",
+        kind=RUN,
+        library=Sets("fp8"),
+        type=str,
+        choices=("e4m3", "hybrid"),
+        help="FP8 GEMMs in the attention and MLP linears and the experts (docs/fp8.md): e4m3 "
+        "everywhere, or hybrid (e5m2 gradients); every scale from the tensor's global amax, "
+        "so every layout trains the same model",
+    )
+    fp8_recipe: str = option(
+        "delayed",
+        "--fp8-recipe",
+        kind=RUN,
+        library="fp8_recipe",
+        choices=FP8_RECIPES,
+        help="with --fp8-format: the scaling recipe; tensorwise (current per-tensor scaling) "
+        "is implemented, the others are refused (megatron's default: delayed)",
+    )
+    fp8_margin: int = option(
+        0,
+        "--fp8-margin",
+        kind=RUN,
+        library="fp8_margin",
+        check=non_negative,
+        help="with --fp8-format: scale = fp8_max / amax / 2^margin",
+    )
+    fp8_amax_history_len: int = option(
+        1,
+        "--fp8-amax-history-len",
+        kind=RUN,
+        library="fp8_amax_history_len",
+        check=positive,
+        help="delayed recipe only (refused otherwise): the amax history length",
+    )
+    fp8_amax_compute_algo: str = option(
+        "most_recent",
+        "--fp8-amax-compute-algo",
+        kind=RUN,
+        library="fp8_amax_compute_algo",
+        choices=("most_recent", "max"),
+        help="delayed recipe only (refused otherwise): the amax of the history",
+    )
+    fp8_wgrad: bool = option(
+        True,
+        "--no-fp8-wgrad",
+        kind=RUN,
+        library="fp8_wgrad",
+        help="with --fp8-format: the weight-gradient GEMM in the input precision, not FP8",
     )
     loss_scale: Optional[float] = option(
         None,

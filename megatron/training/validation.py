@@ -22,6 +22,7 @@ from megatron.training.flag_checks import Given as _Given
 from megatron.training.flag_checks import default as _default
 from megatron.training.flag_checks import flag as _flag
 from megatron.training.flag_checks import require as _require
+from megatron.training.fp8_flags import check_fp8_flags
 from megatron.training.model_settings import resolved_model
 from megatron.training.options import check_fields, is_int
 from megatron.training.run_checks import check_run_options
@@ -131,22 +132,13 @@ def validate_config(
     )
     num_microbatches = c.global_batch_size // per_step
     if vpp is not None:
-        # Imported here: the self-launching process checks layouts without importing torch.
-        from megatron.core.pipeline_parallel.schedules import interleaved_schedule_table
-
-        try:
-            interleaved_schedule_table(num_microbatches, vpp, pp, pp)
-        except ValueError as exc:
-            raise UsageError(
-                f"--vpp {vpp}: {num_microbatches} microbatches per data-parallel replica "
-                f"(--global-batch-size {c.global_batch_size} / (--micro-batch-size "
-                f"{c.micro_batch_size} x DP {dp})) cannot be interleaved: {exc}"
-            ) from None
+        _check_interleaving(c, num_microbatches, dp)
     _check_cp_comm_type(c)
     if c.pack_sequences:
         _check_packing(c)
     check_run_options(c, given)
     _check_moe(c, world_size, given)
+    check_fp8_flags(c, given)
     _check_lora(c)
     _check_objective(c, given)
     hierarchical = c.hierarchical_context_parallel_sizes
@@ -163,6 +155,22 @@ def validate_config(
         c.expert_model_parallel_size,
         c.expert_tensor_parallel_size,
     )
+
+
+def _check_interleaving(c: Config, num_microbatches: int, dp: int) -> None:
+    """--vpp: the interleaved schedule can run ``num_microbatches`` per replica."""
+    # Imported here: the self-launching process checks layouts without importing torch.
+    from megatron.core.pipeline_parallel.schedules import interleaved_schedule_table
+
+    vpp, pp = c.virtual_pipeline_model_parallel_size, c.pipeline_model_parallel_size
+    try:
+        interleaved_schedule_table(num_microbatches, vpp, pp, pp)
+    except ValueError as exc:
+        raise UsageError(
+            f"--vpp {vpp}: {num_microbatches} microbatches per data-parallel replica "
+            f"(--global-batch-size {c.global_batch_size} / (--micro-batch-size "
+            f"{c.micro_batch_size} x DP {dp})) cannot be interleaved: {exc}"
+        ) from None
 
 
 _MOE_FLAGS = (

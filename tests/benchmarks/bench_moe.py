@@ -18,6 +18,8 @@ Variants, each timed over ``--steps`` steps after ``--warmup`` (each step bracke
 ``torch.cuda.synchronize``; peak = ``torch.cuda.max_memory_allocated`` during the variant):
 - ``ours-sequential``: our ``MoELayer`` with ``SequentialMLP`` (one GEMM per expert);
 - ``ours-grouped``: our ``MoELayer`` with ``GroupedMLP`` (``torch._grouped_mm`` on CUDA);
+- ``ours-grouped-fp8``: the same with FP8 experts (``fp8="hybrid"``, tensorwise, one
+  ``torch._scaled_mm`` per expert, scales from the global amax; issue 41, docs/fp8.md);
 - ``bare-grouped-mm``: the floor: ~30 lines of PyTorch (router, top-k, softmax, argsort,
   gather, two ``torch._grouped_mm`` with SwiGLU between, weighted ``index_add_``, and the
   same aux loss);
@@ -91,15 +93,23 @@ def layer_config(config_cls, shape: dict, grouped: bool, bf16: bool, aux_coeff: 
 
 
 def build_moe_layer(
-    grouped: bool, shape: dict, device: torch.device, bf16: bool, aux_coeff: float = 1e-3
+    grouped: bool,
+    shape: dict,
+    device: torch.device,
+    bf16: bool,
+    aux_coeff: float = 1e-3,
+    fp8: bool = False,
 ):
     """``MoELayer`` from ``get_gpt_layer_local_spec(num_experts=...)`` of whichever
-    ``megatron.core`` is imported (ours, or megatron-core in the child process)."""
+    ``megatron.core`` is imported (ours, or megatron-core in the child process); ``fp8``:
+    hybrid tensorwise FP8 experts (ours)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     config = layer_config(TransformerConfig, shape, grouped, bf16, aux_coeff)
+    if fp8:
+        config.fp8, config.fp8_recipe = "hybrid", "tensorwise"
     spec = get_gpt_layer_local_spec(num_experts=shape["experts"], moe_grouped_gemm=grouped)
     layer = MoELayer(config, spec.submodules.mlp.submodules, layer_number=1).to(device)
     _init(layer.parameters())
@@ -210,12 +220,13 @@ def variant_step(
     name: str, shape: dict, device: torch.device, bf16: bool, aux_coeff: float
 ) -> Callable[[torch.Tensor, torch.Tensor], None]:
     """``step(x, grad)``: one forward + backward of variant ``name`` ("ours-sequential",
-    "ours-grouped", "mcore-sequential" in the child, "bare-grouped-mm")."""
+    "ours-grouped", "ours-grouped-fp8", "mcore-sequential" in the child, "bare-grouped-mm")."""
     if name == "bare-grouped-mm":
         dtype = torch.bfloat16 if bf16 else torch.float32
         bare = BareMoE(shape, dtype, device, aux_coeff)
         return lambda x, grad: bare_step(bare, x, grad)
-    return moe_step(build_moe_layer(name.endswith("grouped"), shape, device, bf16, aux_coeff))
+    grouped, fp8 = "grouped" in name, name.endswith("fp8")
+    return moe_step(build_moe_layer(grouped, shape, device, bf16, aux_coeff, fp8))
 
 
 def layer_variants(names: List[str], shape: dict, args, device) -> Dict[str, dict]:
@@ -497,7 +508,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         device = torch.device("cuda")
         record["device"] = torch.cuda.get_device_name()
         init_single_process("nccl")
-        names = ["ours-sequential", "ours-grouped", "bare-grouped-mm"]
+        names = ["ours-sequential", "ours-grouped", "ours-grouped-fp8", "bare-grouped-mm"]
         layers = {s: layer_variants(names, SHAPES[s], args, device) for s in shapes}
         for s, result in mcore_child(args, shapes).items():
             layers[s].update(result)

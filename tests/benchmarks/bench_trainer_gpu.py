@@ -27,6 +27,12 @@ Variants:
   ``--compile``: against ``ours`` (full fine-tuning) in the same launch. ``ours-dpo`` /
   ``ours-lora-dpo``: ``--dpo`` on generated preference pairs, 2 pairs of 8k-token sequences
   per step (the same 32768 policy tokens; the reference's forward on top).
+  ``ours-fp8``: ``--fp8-format hybrid --fp8-recipe tensorwise`` (FP8 GEMMs in the attention
+  and MLP linears, every scale from the global amax; docs/fp8.md), ``ours-fp8-compile`` with
+  ``--compile`` (issue 41: at least 1.07x ``ours-compile``).
+- ``bare-fp8-compiled``: the bare loop under ``torch.compile`` with torchao's float8 training
+  (``convert_to_float8_training``, the "tensorwise" recipe, every linear but the output
+  head), when torchao is installed (issue 41: ``ours-fp8-compile`` at least as fast).
 
 Each variant runs ``--warmup`` untimed steps then ``--steps`` timed ones; the trainer's
 steps are its own ``iteration_time_s`` (data, schedule, optimizer, logging). tokens/s =
@@ -129,9 +135,20 @@ class Llama(torch.nn.Module):
         return (losses * mask.flatten()).sum() / mask.sum().clamp(min=1)
 
 
-def bare_runner(c: Shape, compiled: bool, device: torch.device) -> Callable[[], None]:
-    """One training step of the bare loop: M microbatches, clip, fused AdamW."""
+def bare_runner(
+    c: Shape, compiled: bool, device: torch.device, fp8: bool = False
+) -> Callable[[], None]:
+    """One training step of the bare loop: M microbatches, clip, fused AdamW (``fp8``:
+    torchao float8 tensorwise linears, the head excepted)."""
     model = Llama(c).to(device)
+    if fp8:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(
+            model,
+            config=Float8LinearConfig.from_recipe_name("tensorwise"),
+            module_filter_fn=lambda module, fqn: fqn != "head",
+        )
     step_model = torch.compile(model) if compiled else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
     gen = torch.Generator().manual_seed(0)
@@ -164,9 +181,9 @@ def bare_runner(c: Shape, compiled: bool, device: torch.device) -> Callable[[], 
     return step
 
 
-def time_bare(c: Shape, compiled: bool, args, device) -> Dict:
+def time_bare(c: Shape, compiled: bool, args, device, fp8: bool = False) -> Dict:
     torch.cuda.reset_peak_memory_stats()
-    step = bare_runner(c, compiled, device)
+    step = bare_runner(c, compiled, device, fp8)
     for _ in range(args.warmup):
         step()
     times = []
@@ -236,6 +253,8 @@ def run_ours(c: Shape, args, variant: str, warmup: int, steps: int):
         extra["recompute_granularity"] = "selective"
     if "lora" in variant:  # issue 32: rank-8 adapters on every linear layer, base frozen
         extra.update(lora_dim=8, lora_alpha=16.0)
+    if "fp8" in variant:  # issue 41: FP8 GEMMs, scales from the global amax
+        extra.update(fp8_format="hybrid", fp8_recipe="tensorwise")
     if "dpo" in variant:  # issue 40: DPO (policy forward + backward, reference forward)
         extra["dpo"] = True
     original = trainer_model.transformer_config_from
@@ -324,7 +343,8 @@ def main() -> None:
         start = time.perf_counter()
         try:
             if variant.startswith("bare"):
-                out = time_bare(c, variant == "bare-compiled", args, device)
+                compiled = variant in ("bare-compiled", "bare-fp8-compiled")
+                out = time_bare(c, compiled, args, device, fp8="fp8" in variant)
                 params = out["params"]
             else:
                 out = time_ours(c, args, variant)

@@ -40,6 +40,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
             "megatron.core.moe_config_rules",
             "megatron.core.config",
             "megatron.core.enums",
+            "megatron.core.fp8.config",
         ),
     ),
     (
@@ -58,7 +59,12 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("checkpoint format", ("megatron.core.dist_checkpointing",)),
     (
         "parallel regions",
-        ("megatron.core.tensor_parallel", "megatron.core.context_parallel", "megatron.core.utils"),
+        (
+            "megatron.core.tensor_parallel",
+            "megatron.core.context_parallel",
+            "megatron.core.utils",
+            "megatron.core.fp8",
+        ),
     ),
     ("fusions", ("megatron.core.fusions", "megatron.core.rope")),
     (

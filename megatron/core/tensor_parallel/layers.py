@@ -41,6 +41,7 @@ from megatron.core.communication import (
     start_reduce_scatter_along_first_dim,
 )
 from megatron.core.device import comm_device
+from megatron.core.fp8.linear import Fp8Gemm, fp8_linear
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.process_groups_config import get_pg_rank, get_pg_size, resolve_group
 from megatron.core.tensor_parallel.grad_accumulation_fusion import (
@@ -254,6 +255,9 @@ class _ParallelLinear(torch.nn.Module):
         self.explicit_expert_comm = False
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         self.tp_group = resolve_group("tp", tp_group)
+        # FP8 GEMMs with ``config.fp8`` (``megatron.core.fp8``); None keeps this layer in
+        # high precision (the output layer, LoRA adapters)
+        self.fp8_gemm: Optional[Fp8Gemm] = Fp8Gemm.from_config(config)
         _register_extra_state_default(self)
 
     def _new_weight(
@@ -287,7 +291,22 @@ class _ParallelLinear(torch.nn.Module):
         allreduce_dgrad: bool,
         sequence_parallel: bool,
     ) -> torch.Tensor:
-        """X W^T [+ b] with this layer's group and weight-gradient fusion."""
+        """X W^T [+ b] with this layer's group and weight-gradient fusion (in FP8 with
+        ``fp8_gemm``)."""
+        if self.fp8_gemm is not None:
+            fusion = self.gradient_accumulation_fusion and torch.is_grad_enabled()
+            if fusion and weight.requires_grad:
+                require_main_grad(weight)
+            return fp8_linear(
+                input_,
+                weight,
+                bias,
+                fusion and weight.requires_grad,
+                allreduce_dgrad,
+                sequence_parallel,
+                self.tp_group,
+                self.fp8_gemm,
+            )
         return linear_with_grad_accumulation_and_async_allreduce(
             input_,
             weight,

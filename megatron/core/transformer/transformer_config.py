@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from megatron.core import config_rules
 from megatron.core.config_rules import CP_COMM_TYPES
+from megatron.core.fp8.config import check_fp8_config
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.moe_config_rules import check_moe_config
 from megatron.core.transformer.enums import AttnBackend
@@ -33,6 +34,10 @@ class TransformerConfig(ModelParallelConfig):
     the ``recompute_modules`` of every layer ("core_attn", "mlp", "layernorm"; default
     ["core_attn"]). Dropout masks are replayed from the RNG states, so gradients are those of
     the run without recomputation. ``distribute_saved_activations`` is not supported.
+
+    FP8 (``fp8`` "e4m3" | "hybrid" with ``fp8_recipe="tensorwise"``, ``fp8_margin``,
+    ``fp8_wgrad``): the attention and MLP linears' GEMMs in FP8, every scale from the tensor's
+    global amax (``megatron.core.fp8``); the other FP8/FP4 fields must keep their defaults.
     """
 
     # megatron-core's fields, one declaration each: runs of them share a shape by design.
@@ -129,6 +134,30 @@ class TransformerConfig(ModelParallelConfig):
     moe_hybridep_num_sms: int = 16
     moe_extended_tp: bool = False
     overlap_moe_expert_parallel_comm: bool = False
+    # FP8 (megatron.core.fp8.config says what is implemented; the rest is refused by name)
+    activation_func_fp8_input_store: bool = False
+    fp8: Optional[str] = None
+    fp8_recipe: Optional[str] = "delayed"
+    fp8_param: bool = False
+    fp8_quantizer_factory: Optional[str] = None
+    fp8_margin: int = 0
+    fp8_interval: int = 1
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"
+    fp8_wgrad: bool = True
+    fp8_dot_product_attention: bool = False
+    fp8_multi_head_attention: bool = False
+    tp_only_amax_red: bool = False
+    first_last_layers_bf16: bool = False
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
+    use_kitchen: bool = False
+    use_kitchen_attention: bool = False
+    kitchen_attention_backend: str = "sdpa"
+    fp4: Optional[str] = None
+    fp4_recipe: Optional[str] = "nvfp4"
+    fp4_param: bool = False
+    fp4_quantizer_factory: Optional[str] = None
 
     def __post_init__(self) -> None:
         """Derive ffn, kv and query-group sizes; check every TP split is even."""
@@ -161,6 +190,7 @@ class TransformerConfig(ModelParallelConfig):
             self.ffn_hidden_size = 4 * self.hidden_size
         _check_cp_comm_type(self.cp_comm_type, self.num_layers)
         check_moe_config(self)
+        check_fp8_config(self)
         self._check_recompute()
         self.attention_backend = _attention_backend(self.attention_backend)
         _check_window_size(self.window_size)

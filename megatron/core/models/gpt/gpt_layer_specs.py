@@ -49,11 +49,16 @@ def get_gpt_layer_local_spec(
     ``num_experts`` the MLP is a ``MoELayer`` (experts ``GroupedMLP`` with
     ``moe_grouped_gemm``, else ``SequentialMLP``; a ``SharedExpertMLP`` used when the config
     sets ``moe_shared_expert_intermediate_size``). ``qk_layernorm``: per-head q/k norms.
-    Multi-latent attention, fp8, qk L2 norm and kitchen are not implemented.
+    Multi-latent attention, qk L2 norm and kitchen are not implemented; ``fp8`` (deprecated
+    and unused in megatron-core) is refused: FP8 comes from ``TransformerConfig.fp8``.
     """
+    if fp8:
+        raise NotImplementedError(
+            f"get_gpt_layer_local_spec: fp8={fp8!r} is deprecated and unused (megatron-core); "
+            "set TransformerConfig.fp8 (docs/fp8.md); expected None"
+        )
     unsupported = dict(
         multi_latent_attention=multi_latent_attention,
-        fp8=fp8,
         qk_l2_norm=qk_l2_norm,
         use_kitchen=use_kitchen,
         use_kitchen_attention=use_kitchen_attention,

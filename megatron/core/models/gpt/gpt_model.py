@@ -19,6 +19,7 @@ from megatron.core import tensor_parallel
 from megatron.core.context_parallel import thd_document_positions, thd_partitioned_indices
 from megatron.core.device import comm_device
 from megatron.core.enums import ModelType
+from megatron.core.fp8.linear import bind_cp_group
 from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from megatron.core.models.common.embeddings.language_model_embedding import (
     LanguageModelEmbedding,
@@ -180,6 +181,7 @@ class GPTModel(MegatronModule):
             vp_stage=vp_stage,
             pp_rank=pp_rank,
         )
+        bind_cp_group(self.decoder, cp_group_of(pg_collection, config))
         if post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size,
@@ -194,6 +196,7 @@ class GPTModel(MegatronModule):
                 grad_output_buffer=None,
                 tp_group=self.tp_group,
             )
+            self.output_layer.fp8_gemm = None  # the output layer stays in high precision
             if pre_process and share_embeddings_and_output_weights:
                 # The tied weight also gets the embedding lookup's gradient through autograd;
                 # adding the projection's into main_grad would make DDP skip that one.

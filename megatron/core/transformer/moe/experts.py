@@ -20,6 +20,7 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from megatron.core.fp8.grouped import Fp8Experts, fp8_grouped_linear
 from megatron.core.process_groups_config import ProcessGroupCollection, get_pg_rank, get_pg_size
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.parallel import moe_groups_of
@@ -83,6 +84,8 @@ class _LocalExperts(MegatronModule):
         self.groups = moe_groups_of(pg_collection, config)
         self.num_local_experts = num_local_experts
         self.tp_group, self.ep_group = self.groups.expt_tp, self.groups.ep
+        # FP8 GEMMs with ``config.fp8`` (``megatron.core.fp8.grouped``), else None
+        self.fp8_experts = Fp8Experts.from_config(config, self.groups.tp_cp, self.first_expert)
 
     @property
     def first_expert(self) -> int:
@@ -139,6 +142,9 @@ class SequentialMLP(_LocalExperts):
     ):
         """Rows grouped by local expert (``tokens_per_expert`` rows each) -> (outputs, None)."""
         sizes = [int(n) for n in tokens_per_expert.tolist()]
+        if self.fp8_experts is not None:
+            weights = [(e.linear_fc1.weight, e.linear_fc2.weight) for e in self.local_experts]
+            return _fp8_experts(self, permuted_local_hidden_states, sizes, permuted_probs, weights)
         tokens = torch.split(permuted_local_hidden_states, sizes)
         probs = torch.split(permuted_probs, sizes)
         outputs = [expert(x, p) for expert, x, p in zip(self.local_experts, tokens, probs)]
@@ -198,6 +204,10 @@ class GroupedMLP(_LocalExperts):
         """Rows grouped by local expert -> (outputs, None)."""
         x = permuted_local_hidden_states
         w1, w2 = self.expert_w1(), self.expert_w2()
+        if self.fp8_experts is not None:
+            sizes = [int(n) for n in tokens_per_expert.tolist()]
+            weights = [(a.t(), b.t()) for a, b in zip(w1, w2)]
+            return _fp8_experts(self, x, sizes, permuted_probs, weights)
         if _use_grouped_mm(x, w1):
             offsets = torch.cumsum(tokens_per_expert.to(x.device), 0).to(torch.int32)
             hidden = torch._grouped_mm(x, w1, offs=offsets)
@@ -235,6 +245,13 @@ def _activate(config: TransformerConfig, hidden: torch.Tensor, probs: torch.Tens
     else:
         hidden = config.activation_func(hidden)
     return hidden * probs.unsqueeze(-1).to(hidden.dtype)
+
+
+def _fp8_experts(experts: _LocalExperts, x, sizes, probs, weights) -> Tuple[torch.Tensor, None]:
+    """Both projections of every local expert in FP8; ``weights``: (W1_i, W2_i) [out, in]."""
+    hidden = fp8_grouped_linear(x, sizes, [w for w, _ in weights], experts.fp8_experts)
+    hidden = _activate(experts.config, hidden, probs)
+    return fp8_grouped_linear(hidden, sizes, [w for _, w in weights], experts.fp8_experts), None
 
 
 def _use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:

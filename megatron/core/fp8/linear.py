@@ -1,0 +1,150 @@
+"""The FP8 linear: Y = X W^T + b with the GEMMs in FP8 and every scale from the global amax.
+
+Forward: X (all-gathered along dim 0 under sequence parallelism) and W are cast to e4m3 with
+scales from their amaxes MAX-reduced over the TP group (W and a row-parallel X are split
+along TP, a column-parallel output gradient too; a replicated tensor's MAX is itself) and the
+context-parallel group (the sequence is split over CP), in one collective per group for both.
+Backward: the output gradient G is cast (e5m2 for "hybrid", e4m3 for "e4m3") with its global
+amax; dL/dX = G W from the FP8 G and W; dL/dW = G^T X from the FP8 G and X (``fp8_wgrad``;
+else in the input's precision from the saved high-precision X); dL/db = sum of G in high
+precision. The communication of dL/dX is that of the high-precision linear
+(``tensor_parallel.layers``). Data parallelism splits no tensor of one GEMM (each replica
+runs whole microbatches) and the weight is cast from the full model parameter after the
+distributed optimizer's all-gather, so neither needs a reduction.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import torch
+
+from megatron.core.communication import (
+    all_gather_along_first_dim,
+    start_all_reduce,
+    start_reduce_scatter_along_first_dim,
+)
+from megatron.core.fp8 import scaling
+from megatron.core.process_groups_config import get_pg_size, resolve_group
+
+
+@dataclass(frozen=True)
+class Fp8Gemm:
+    """What an FP8 GEMM needs: the format ("e4m3" | "hybrid"), ``margin``, ``wgrad`` (FP8
+    weight gradient) and ``cp_group``, the group the activations' sequence is split over
+    (None: ``parallel_state``'s CP group when initialized)."""
+
+    fmt: str
+    margin: int = 0
+    wgrad: bool = True
+    cp_group: Any = None
+
+    @classmethod
+    def from_config(cls, config: Any) -> Optional["Fp8Gemm"]:
+        """The settings of ``config`` (a ``TransformerConfig``); None without FP8."""
+        fmt = getattr(config, "fp8", None)
+        if fmt is None:
+            return None
+        return cls(fmt, config.fp8_margin, config.fp8_wgrad)
+
+    def activation_groups(self, tp_group: Any) -> Tuple[Any, Any]:
+        """The groups an activation (or its gradient) of a TP layer is sharded across."""
+        return tp_group, resolve_group("cp", self.cp_group)
+
+
+def fp8_linear(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    gradient_accumulation_fusion: bool,
+    allreduce_dgrad: bool,
+    sequence_parallel: bool,
+    tp_group: Any,
+    gemm: Fp8Gemm,
+) -> torch.Tensor:
+    """``linear_with_grad_accumulation_and_async_allreduce`` with FP8 GEMMs (module
+    docstring); the same arguments, ``tp_group`` resolved, ``gradient_accumulation_fusion``
+    only where ``weight.main_grad`` is to be written (the caller checked it exists)."""
+    if get_pg_size(tp_group) == 1:
+        allreduce_dgrad = sequence_parallel = False
+    flags = (gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel)
+    return Fp8LinearFunction.apply(input, weight, bias, flags, tp_group, gemm)
+
+
+class Fp8LinearFunction(torch.autograd.Function):
+    """Autograd of ``fp8_linear`` (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, flags, tp_group, gemm):
+        """Y = (X_q / s_x) (W_q / s_w)^T + b."""
+        fusion, allreduce_dgrad, sequence_parallel = flags
+        total = all_gather_along_first_dim(input, tp_group) if sequence_parallel else input
+        x2d = total.reshape(-1, total.shape[-1])
+        groups = gemm.activation_groups(tp_group)
+        fwd_dtype, _ = scaling.fp8_dtypes(gemm.fmt)
+        amax = torch.stack([scaling.local_amax(x2d), scaling.local_amax(weight)])
+        s_x, s_w = scaling.scale_from_amax(
+            scaling.reduce_amax(amax, groups), fwd_dtype, gemm.margin
+        ).unbind()
+        q_x, q_w = scaling.quantize(x2d, s_x, fwd_dtype), scaling.quantize(weight, s_w, fwd_dtype)
+        out = scaling.scaled_mm(q_x, q_w.t(), s_x, s_w, input.dtype)
+        if bias is not None:
+            out = out + bias
+        high_x = None if gemm.wgrad or not ctx.needs_input_grad[1] else x2d
+        ctx.save_for_backward(q_x, q_w, s_x, s_w, high_x, weight)
+        ctx.flags, ctx.tp_group, ctx.gemm, ctx.has_bias = flags, tp_group, gemm, bias is not None
+        ctx.input_dtype = input.dtype
+        return out.view(*total.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        """dL/dX, dL/dW, dL/db (module docstring)."""
+        q_x, q_w, s_x, s_w, high_x, weight = ctx.saved_tensors
+        fusion, allreduce_dgrad, sequence_parallel = ctx.flags
+        gemm, group = ctx.gemm, ctx.tp_group
+        _, grad_dtype = scaling.fp8_dtypes(gemm.fmt)
+        g2d = grad_output.reshape(-1, grad_output.shape[-1])
+        amax = scaling.reduce_amax(
+            scaling.local_amax(g2d).reshape(1), gemm.activation_groups(group)
+        )
+        s_g = scaling.scale_from_amax(amax[0], grad_dtype, gemm.margin)
+        q_g = scaling.quantize(g2d, s_g, grad_dtype)
+        grad_input = scaling.scaled_mm(q_g, q_w, s_g, s_w, ctx.input_dtype)
+        grad_input = grad_input.view(*grad_output.shape[:-1], q_w.shape[1])
+        pending = None
+        if allreduce_dgrad:
+            pending = start_all_reduce(grad_input, group, overwrite_input=True)
+        elif sequence_parallel:
+            pending = start_reduce_scatter_along_first_dim(grad_input, group, overwrite_input=True)
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = _weight_grad(q_g, s_g, g2d, q_x, s_x, high_x, weight, fusion)
+        if ctx.has_bias:
+            grad_bias = g2d.sum(dim=0)
+        if pending is not None:
+            grad_input = pending.wait()
+        return grad_input, grad_weight, grad_bias, None, None, None
+
+
+def _weight_grad(q_g, s_g, g2d, q_x, s_x, high_x, weight, fusion) -> torch.Tensor:
+    """G^T X in FP8 (``high_x`` None) or in high precision; added into ``main_grad`` with
+    ``fusion`` (then the returned tensor only fires DDP's hook)."""
+    out_dtype = weight.main_grad.dtype if fusion else weight.dtype
+    if high_x is None:
+        grad = scaling.scaled_mm(q_g.t(), q_x, s_g, s_x, out_dtype)
+    else:
+        grad = g2d.t().matmul(high_x).to(out_dtype)
+    if not fusion:
+        return grad
+    weight.main_grad.add_(grad)
+    weight.grad_added_to_main_grad = True
+    return torch.empty_like(weight)
+
+
+def bind_cp_group(module: torch.nn.Module, cp_group: Any) -> None:
+    """Give every FP8 linear under ``module`` the model's context-parallel group (a model
+    built with an explicit ``pg_collection`` does not use ``parallel_state``'s)."""
+    for sub in module.modules():
+        gemm = getattr(sub, "fp8_gemm", None)
+        if isinstance(gemm, Fp8Gemm):
+            sub.fp8_gemm = dataclasses.replace(gemm, cp_group=cp_group)

@@ -1,0 +1,143 @@
+"""The FP8 linear on one process (``megatron.core.fp8``): its forward and both gradients equal
+the product of the dequantized FP8 operands (e4m3 forward; e5m2 output gradient for "hybrid",
+e4m3 for "e4m3"), each scaled by fp8_max / amax / 2**margin; ``fp8_wgrad=False`` keeps the
+weight gradient in high precision; gradient-accumulation fusion adds into ``main_grad``; FP8
+is applied and close to the high-precision linear; the GPT's output layer stays in high
+precision. The layouts: ``tests/unit_tests/models/test_gpt_fp8_parity.py``."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core.fp8 import scaling
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer import TransformerConfig
+
+pytestmark = pytest.mark.world(1)
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _config(**changes) -> TransformerConfig:
+    base = dict(num_layers=1, hidden_size=16, num_attention_heads=2)
+    return TransformerConfig(**{**base, "fp8": "hybrid", "fp8_recipe": "tensorwise", **changes})
+
+
+def _fake_quant(t: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> torch.Tensor:
+    """t rounded to its FP8 value, written out: q = cast(t * s), value q / s."""
+    scale = torch.finfo(dtype).max / t.abs().max().float() / 2**margin
+    return (t.float() * scale).to(dtype).float() / scale
+
+
+def _run(layer_cls, config, **kwargs):
+    torch.manual_seed(0)
+    layer = layer_cls(16, 24, config=config, init_method=torch.nn.init.normal_, **kwargs)
+    x = torch.randn(5, 3, 16, requires_grad=True)
+    y, _ = layer(x)
+    g = torch.randn_like(y)
+    y.backward(g)
+    return layer, x, y, g
+
+
+@pytest.mark.parametrize("fmt, grad_dtype", [("hybrid", E5M2), ("e4m3", E4M3)])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_forward_and_gradients_are_the_dequantized_products(fmt, grad_dtype, margin):
+    config = _config(fp8=fmt, fp8_margin=margin)
+    layer, x, y, g = _run(ColumnParallelLinear, config, bias=True)
+    xq, wq = _fake_quant(x.detach(), E4M3, margin), _fake_quant(layer.weight.detach(), E4M3, margin)
+    gq = _fake_quant(g, grad_dtype, margin).reshape(-1, 24)
+    torch.testing.assert_close(y, F.linear(xq, wq, layer.bias), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(x.grad.reshape(-1, 16), gq @ wq, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(layer.weight.grad, gq.t() @ xq.reshape(-1, 16), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(layer.bias.grad, g.reshape(-1, 24).sum(0))
+
+
+def test_no_fp8_wgrad_keeps_the_weight_gradient_in_high_precision():
+    layer, x, _, g = _run(RowParallelLinear, _config(fp8_wgrad=False), **_ROW)
+    expected = g.reshape(-1, 24).t() @ x.detach().reshape(-1, 16)
+    torch.testing.assert_close(layer.weight.grad, expected)
+
+
+_ROW = dict(bias=False, input_is_parallel=True, skip_bias_add=False)
+
+
+def test_gradient_accumulation_fusion_adds_into_main_grad():
+    plain, _, _, _ = _run(RowParallelLinear, _config(), **_ROW)
+    torch.manual_seed(0)
+    layer = RowParallelLinear(
+        16, 24, config=_config(gradient_accumulation_fusion=True),
+        init_method=torch.nn.init.normal_, **_ROW,
+    )  # fmt: skip
+    layer.weight.main_grad = torch.ones_like(layer.weight)
+    x = torch.randn(5, 3, 16, requires_grad=True)
+    y, _ = layer(x)
+    y.backward(torch.randn_like(y))
+    torch.testing.assert_close(layer.weight.main_grad, 1 + plain.weight.grad)
+
+
+@pytest.mark.parametrize(
+    "layer_cls, kwargs", [(ColumnParallelLinear, {}), (RowParallelLinear, _ROW)]
+)
+def test_fp8_is_applied_and_close_to_high_precision(layer_cls, kwargs):
+    fp8_layer, x8, y8, _ = _run(layer_cls, _config(), **kwargs)
+    hp_layer, x, y, _ = _run(layer_cls, _config(fp8=None), **kwargs)
+    for fp8, hp in [(y8, y), (x8.grad, x.grad), (fp8_layer.weight.grad, hp_layer.weight.grad)]:
+        error = float((fp8 - hp).norm() / hp.norm())
+        assert 1e-3 < error < 0.1, error
+
+
+def test_zero_input_gives_zero_output_and_finite_gradients():
+    config = _config()
+    layer = ColumnParallelLinear(16, 8, config=config, init_method=torch.nn.init.normal_)
+    x = torch.zeros(4, 1, 16, requires_grad=True)
+    y, _ = layer(x)
+    y.sum().backward()
+    assert not y.any() and torch.isfinite(x.grad).all() and torch.isfinite(layer.weight.grad).all()
+    assert scaling.scale_from_amax(torch.tensor(0.0), E4M3, 0) == 1
+
+
+def test_scale_is_fp8_max_over_amax_over_two_to_the_margin():
+    amax = torch.tensor(3.5)
+    assert scaling.scale_from_amax(amax, E4M3, 1) == torch.tensor(448.0) / 3.5 / 2
+    assert scaling.scale_from_amax(amax, E5M2, 0) == torch.tensor(57344.0) / 3.5
+
+
+def test_the_gpt_output_layer_stays_in_high_precision():
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = _config(num_layers=1, hidden_size=16, num_attention_heads=2)
+    gpt = GPTModel(config, get_gpt_layer_local_spec(), 32, 8)
+    assert gpt.output_layer.fp8_gemm is None
+    assert gpt.decoder.layers[0].mlp.linear_fc1.fp8_gemm.fmt == "hybrid"
+
+
+def test_padding_to_multiples_of_16_changes_no_product():
+    """The CUDA path pads inner and output sizes to multiples of 16 with zeros: the product
+    (forced on the CPU) is that of the unpadded GEMM, contiguous, in its shape."""
+    torch.manual_seed(1)
+    a, b = torch.randn(7, 24).to(E4M3), torch.randn(24, 40).to(E4M3)
+    scale = torch.tensor(2.0)
+    plain = scaling.scaled_mm(a, b, scale, scale, torch.float32, pad=False)
+    padded = scaling.scaled_mm(a, b, scale, scale, torch.float32, pad=True)
+    assert padded.shape == (7, 40) and padded.is_contiguous()
+    torch.testing.assert_close(padded, plain, rtol=0, atol=0)
+    torch.testing.assert_close(plain, (a.float() / 2) @ (b.float() / 2))
+
+
+def test_the_cpu_product_is_scaled_mm_s_without_its_reference_loop(monkeypatch):
+    """On the CPU ``scaled_mm`` gives torch._scaled_mm's numbers without calling it (its CPU
+    kernel is a reference loop: 24 s for 512 x 256 x 1024, the emulation 9 ms)."""
+    torch.manual_seed(2)
+    a, b = torch.randn(9, 32).to(E4M3), torch.randn(32, 20).to(E5M2)
+    s_a, s_b = torch.tensor(3.0), torch.tensor(0.25)
+    expected = torch._scaled_mm(
+        a, b, scale_a=s_a.reciprocal(), scale_b=s_b.reciprocal(), out_dtype=torch.float32
+    )
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch._scaled_mm called on the CPU")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    got = scaling.scaled_mm(a, b, s_a, s_b, torch.float32)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
