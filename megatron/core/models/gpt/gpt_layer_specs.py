@@ -12,6 +12,11 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron.core.transformer.multi_latent_attention import (
+    MLASelfAttention,
+    MLASelfAttentionSubmodules,
+    ReplicatedLinear,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import (
@@ -49,10 +54,10 @@ def get_gpt_layer_local_spec(
     ``num_experts`` the MLP is a ``MoELayer`` (experts ``GroupedMLP`` with
     ``moe_grouped_gemm``, else ``SequentialMLP``; a ``SharedExpertMLP`` used when the config
     sets ``moe_shared_expert_intermediate_size``). ``qk_layernorm``: per-head q/k norms.
-    Multi-latent attention, fp8, qk L2 norm and kitchen are not implemented.
+    ``multi_latent_attention``: ``MLASelfAttention`` (its q/kv norms with ``qk_layernorm``;
+    needs an ``MLATransformerConfig``). fp8, qk L2 norm and kitchen are not implemented.
     """
     unsupported = dict(
-        multi_latent_attention=multi_latent_attention,
         fp8=fp8,
         qk_l2_norm=qk_l2_norm,
         use_kitchen=use_kitchen,
@@ -74,22 +79,48 @@ def get_gpt_layer_local_spec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=WrappedTorchNorm,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=tensor_parallel.ColumnParallelLinear,
-                    core_attention=DotProductAttention,
-                    linear_proj=tensor_parallel.RowParallelLinear,
-                    q_layernorm=qk_norm,
-                    k_layernorm=qk_norm,
-                ),
+            self_attention=(
+                _mla_spec(qk_norm) if multi_latent_attention else _self_attention_spec(qk_norm)
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=WrappedTorchNorm,
             mlp=_mlp_spec(num_experts, moe_grouped_gemm),
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map=_keys_map(num_experts),
+        ),
+    )
+
+
+def _self_attention_spec(qk_norm: type) -> ModuleSpec:
+    """Self-attention with the fused QKV projection."""
+    return ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=tensor_parallel.ColumnParallelLinear,
+            core_attention=DotProductAttention,
+            linear_proj=tensor_parallel.RowParallelLinear,
+            q_layernorm=qk_norm,
+            k_layernorm=qk_norm,
+        ),
+    )
+
+
+def _mla_spec(qk_norm: type) -> ModuleSpec:
+    """Multi-latent attention: replicated down projections, head-split up projections."""
+    return ModuleSpec(
+        module=MLASelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=MLASelfAttentionSubmodules(
+            linear_q_proj=tensor_parallel.ColumnParallelLinear,
+            linear_q_down_proj=ReplicatedLinear,
+            linear_q_up_proj=tensor_parallel.ColumnParallelLinear,
+            linear_kv_down_proj=ReplicatedLinear,
+            linear_kv_up_proj=tensor_parallel.ColumnParallelLinear,
+            core_attention=DotProductAttention,
+            linear_proj=tensor_parallel.RowParallelLinear,
+            q_layernorm=qk_norm,
+            kv_layernorm=qk_norm,
         ),
     )
 
@@ -141,6 +172,7 @@ def get_gpt_decoder_layer_specs(
         )
     common = dict(
         qk_layernorm=config.qk_layernorm,
+        multi_latent_attention=config.multi_latent_attention,
         normalization=normalization,
         qk_l2_norm=qk_l2_norm,
         moe_use_legacy_grouped_gemm=config.moe_use_legacy_grouped_gemm,
