@@ -2,15 +2,26 @@
 logits, loss and every gradient, at one process and at TP 2 (with and without SP); the
 negative control: the shared rope key's gradient not summed over TP fails at TP 2."""
 
+from typing import Optional
 from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
 
+from megatron.core.context_parallel import get_batch_on_this_cp_rank
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.transformer_config import MLATransformerConfig
+from tests.unit_tests.dist_utils import Layout, assert_no_failures, gather_failures, use_layout
+from tests.unit_tests.models.naming import reference_names
 
 transformers = pytest.importorskip("transformers")
 
@@ -63,7 +74,8 @@ def _hf_model(rope_type: str, q_lora_rank):
     return model
 
 
-def _config(rope_type: str, q_lora_rank, tp: int = 1, sp: bool = False, **extra):
+def _config(rope_type: str, q_lora_rank, layout: Optional[Layout] = None, **extra):
+    layout = layout or Layout()
     rope = dict(
         rotary_scaling_factor=YARN["factor"],
         beta_fast=YARN["beta_fast"],
@@ -93,8 +105,11 @@ def _config(rope_type: str, q_lora_rank, tp: int = 1, sp: bool = False, **extra)
         hidden_dropout=0.0,
         attention_dropout=0.0,
         params_dtype=torch.float64,
-        tensor_model_parallel_size=tp,
-        sequence_parallel=sp,
+        tensor_model_parallel_size=layout.tp,
+        sequence_parallel=layout.sp,
+        context_parallel_size=layout.cp,
+        pipeline_model_parallel_size=layout.pp,
+        pipeline_dtype=torch.float64,
         **rope,
         **extra,
     )
@@ -122,9 +137,8 @@ def _mapping(layer: int, q_lora_rank) -> dict:
     return names
 
 
-def _load(model: GPTModel, hf, q_lora_rank, tp: int, rank: int) -> dict:
-    """Copy HF's weights into ``model`` (this TP rank's shards); our name -> HF tensor."""
-    hf_params = dict(hf.named_parameters())
+def _hf_names(q_lora_rank) -> dict:
+    """Our one-chunk parameter name -> (HF name, TP split dim or None; "fc1": gate and up)."""
     names = {
         "embedding.word_embeddings.weight": ("model.embed_tokens.weight", 0),
         "decoder.final_layernorm.weight": ("model.norm.weight", None),
@@ -132,61 +146,79 @@ def _load(model: GPTModel, hf, q_lora_rank, tp: int, rank: int) -> dict:
     }
     for layer in range(LAYERS):
         names.update(_mapping(layer, q_lora_rank))
-    ours = dict(model.named_parameters())
-    pairs = {}
-    with torch.no_grad():
-        for name, (hf_name, dim) in names.items():
-            pairs[name] = (hf_params[hf_name], dim)
-            full = hf_params[hf_name].detach()
-            ours[name].copy_(full if dim is None else full.chunk(tp, dim)[rank])
-        for layer in range(LAYERS):  # fc1 = [gate; up], each split over TP
-            mlp = f"model.layers.{layer}.mlp."
-            gate, up = hf_params[mlp + "gate_proj.weight"], hf_params[mlp + "up_proj.weight"]
-            fc1 = torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
-            ours[f"decoder.layers.{layer}.mlp.linear_fc1.weight"].copy_(fc1)
-            pairs[f"decoder.layers.{layer}.mlp.linear_fc1.weight"] = ((gate, up), "fc1")
-    assert set(pairs) == set(ours), set(ours) ^ set(pairs)
-    return pairs
+        mlp = f"model.layers.{layer}.mlp."
+        names[f"decoder.layers.{layer}.mlp.linear_fc1.weight"] = (mlp, "fc1")
+    return names
 
 
-def _expected_grad(hf_param, dim, tp: int, rank: int) -> torch.Tensor:
+def _hf_tensor(hf_params: dict, hf_name: str, dim, tp: int, rank: int, grad: bool):
+    """This TP rank's shard of an HF weight (or of its gradient)."""
+    pick = (lambda p: p.grad) if grad else (lambda p: p.detach())
     if dim == "fc1":
-        gate, up = hf_param
-        return torch.cat([gate.grad.chunk(tp)[rank], up.grad.chunk(tp)[rank]])
-    return hf_param.grad if dim is None else hf_param.grad.chunk(tp, dim)[rank]
+        gate, up = (pick(hf_params[hf_name + k]) for k in ("gate_proj.weight", "up_proj.weight"))
+        return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
+    full = pick(hf_params[hf_name])
+    return full if dim is None else full.chunk(tp, dim)[rank]
 
 
-def _run(rope_type, q_lora_rank, tp=1, sp=False, pg_collection=None, rank=0):
-    """(our logits [b, s, v_local], HF logits, our loss, HF loss, grad mismatches)."""
-    hf = _hf_model(rope_type, q_lora_rank)
-    config = _config(rope_type, q_lora_rank, tp, sp)
-    spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True)
-    model = GPTModel(
-        config, spec, VOCAB, 32, position_embedding_type="rope", pg_collection=pg_collection
-    )
-    pairs = _load(model, hf, q_lora_rank, tp, rank)
-    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
-    labels = torch.roll(tokens, -1, 1)
+def _load(chunk: GPTModel, hf, q_lora_rank, tp: int, rank: int) -> dict:
+    """Copy HF's weights into ``chunk`` (this TP rank's shards); reference name -> param."""
+    names, hf_params = _hf_names(q_lora_rank), dict(hf.named_parameters())
+    ours = dict(reference_names(chunk))
+    with torch.no_grad():
+        for name, param in ours.items():
+            param.copy_(_hf_tensor(hf_params, *names[name], tp, rank, grad=False))
+    return ours
+
+
+def _grad_mismatches(ours: dict, hf, q_lora_rank, tp: int, rank: int, attr="grad") -> list:
+    """Names whose gradient differs from HF's shard by more than 1e-10 relative."""
+    names, hf_params, bad = _hf_names(q_lora_rank), dict(hf.named_parameters()), []
+    for name, param in ours.items():
+        expected = _hf_tensor(hf_params, *names[name], tp, rank, grad=True)
+        got = getattr(param, attr)
+        err = (got - expected).abs().max().item() / expected.abs().max().item()
+        if err > 1e-10:
+            bad.append(f"{name}: {err:.2e}")
+    return bad
+
+
+def _hf_loss(hf, tokens, labels, mask):
+    """HF's masked mean cross entropy (float64 norms) with its backward run."""
     modeling = transformers.models.deepseek_v3.modeling_deepseek_v3
     with mock.patch.object(modeling.DeepseekV3RMSNorm, "forward", _rms_norm_float64):
         out = hf(input_ids=tokens)
-    hf_loss = torch.nn.functional.cross_entropy(out.logits.reshape(-1, VOCAB), labels.reshape(-1))
-    hf_loss.backward()
-    with torch.no_grad():
-        logits = model(tokens, None, None)  # [b, s, v / tp]
-    loss = model(tokens, None, None, labels=labels).mean()
+    per_token = torch.nn.functional.cross_entropy(
+        out.logits.reshape(-1, VOCAB), labels.reshape(-1), reduction="none"
+    )
+    loss = (per_token * mask.reshape(-1)).sum() / mask.sum()
     loss.backward()
-    if tp > 1:  # what finalize_model_grads does: sum the sequence-parallel marked over TP
-        for p in model.parameters():
-            if getattr(p, "sequence_parallel", False):
-                dist.all_reduce(p.grad, group=pg_collection.tp)
-    bad = []
-    for name, param in model.named_parameters():
-        expected = _expected_grad(*pairs[name], tp, rank)
-        err = (param.grad - expected).abs().max().item() / expected.abs().max().item()
-        if err > 1e-10:
-            bad.append(f"{name}: {err:.2e}")
-    return logits, out.logits, loss, hf_loss, bad
+    return out.logits, loss
+
+
+def _batch():
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, SEQ, dtype=torch.float64)
+    mask[0, : SEQ - 2] = 0  # valid tokens on one CP shard only
+    mask[1, :3] = 0
+    return tokens, torch.roll(tokens, -1, 1), mask
+
+
+def _run(rope_type, q_lora_rank):
+    """One process: (our logits, HF logits, our loss, HF loss, gradient mismatches)."""
+    hf = _hf_model(rope_type, q_lora_rank)
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True)
+    model = GPTModel(
+        _config(rope_type, q_lora_rank), spec, VOCAB, 32, position_embedding_type="rope"
+    )
+    ours = _load(model, hf, q_lora_rank, 1, 0)
+    tokens, labels, mask = _batch()
+    hf_logits, hf_loss = _hf_loss(hf, tokens, labels, mask)
+    with torch.no_grad():
+        logits = model(tokens, None, None)
+    loss = (model(tokens, None, None, labels=labels) * mask).sum() / mask.sum()
+    loss.backward()
+    return logits, hf_logits, loss, hf_loss, _grad_mismatches(ours, hf, q_lora_rank, 1, 0)
 
 
 @pytest.mark.world(1)
@@ -197,3 +229,75 @@ def test_mla_matches_deepseek_v3(rope_type, q_lora_rank):
     torch.testing.assert_close(logits, hf_logits, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(loss, hf_loss, rtol=1e-12, atol=1e-12)
     assert not bad, bad
+
+
+def _distributed_step(layout: Layout, rope_type: str, q_lora_rank, hf) -> list:
+    """One step through DDP, the schedule and finalize_model_grads (per-token loss: the
+    masked sum over the whole batch divided by its valid tokens); gradient mismatches."""
+    use_layout(layout)
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    config = _config(rope_type, q_lora_rank, layout, calculate_per_token_loss=True)
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True)
+    pp_rank = groups.pp.rank()
+    gpt = GPTModel(
+        config,
+        spec,
+        VOCAB,
+        32,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == layout.pp - 1,
+        position_embedding_type="rope",
+        pg_collection=groups,
+    )
+    tp_rank = groups.tp.rank()
+    ours = _load(gpt, hf, q_lora_rank, layout.tp, tp_rank)
+    chunk = DistributedDataParallel(config, DistributedDataParallelConfig(), gpt, groups)
+    config.finalize_model_grads_func = finalize_model_grads
+    tokens, labels, mask = _batch()
+    batch = dict(tokens=tokens, labels=labels, loss_mask=mask)
+    batch = get_batch_on_this_cp_rank(batch, groups.cp)
+
+    def forward_step(data_iterator, model):
+        output = model(batch["tokens"], None, None, labels=batch["labels"])
+
+        def loss_func(output_tensor):
+            loss_sum = (output_tensor * batch["loss_mask"]).sum()
+            return loss_sum, batch["loss_mask"].sum().to(torch.int), {}
+
+        return output, loss_func
+
+    chunk.zero_grad_buffer()
+    get_forward_backward_func(layout.pp)(
+        forward_step_func=forward_step,
+        data_iterator=iter([None]),
+        model=chunk,
+        num_microbatches=1,
+        seq_length=SEQ // layout.cp,
+        micro_batch_size=2,
+        pg_collection=groups,
+    )
+    return _grad_mismatches(ours, hf, q_lora_rank, layout.tp, tp_rank, attr="main_grad")
+
+
+LAYOUTS = [Layout(tp=2), Layout(tp=2, sp=True), Layout(cp=2), Layout(pp=2)]
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.id)
+def test_mla_layouts_match_deepseek_v3(layout):
+    """Every main_grad after one step at tp2, tp2-sp, cp2 (uneven mask), pp2 equals
+    transformers' gradient shard (yarn, q LoRA)."""
+    hf = _hf_model("yarn", 8)
+    _hf_loss(hf, *_batch())
+    assert_no_failures(gather_failures(_distributed_step(layout, "yarn", 8, hf)))
+
+
+@pytest.mark.world(2)
+def test_negative_control_rope_key_grad_not_summed_over_tp(monkeypatch):
+    """Without the TP sum of the shared rope key's gradient (megatron-core 0.16.1,
+    Megatron-LM #1699) the kv down projection's gradient is wrong at tp2."""
+    monkeypatch.setattr(MLASelfAttention, "_shared_rope_key", lambda self, k_pe: k_pe)
+    hf = _hf_model("rope", 8)
+    _hf_loss(hf, *_batch())
+    bad = _distributed_step(Layout(tp=2), "rope", 8, hf)
+    assert any("linear_kv_down_proj" in entry for entry in bad), bad
