@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.context_parallel import cp_shard_positions
+from megatron.core.device import comm_device
 from megatron.core.process_groups_config import ProcessGroupCollection, get_pg_rank
 from megatron.core.rope import rotate, yarn_get_mscale, yarn_inv_freq
 from megatron.core.tensor_parallel.mappings import (
@@ -57,12 +58,19 @@ class ReplicatedLinear(MegatronModule):
     """y = x W^T with W [output_size, input_size] whole on every TP rank; returns (y, None)."""
 
     def __init__(
-        self, input_size: int, output_size: int, *, config: MLATransformerConfig, **_unused
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: MLATransformerConfig,
+        tp_group: Optional[torch.distributed.ProcessGroup] = None,
+        **_unused,
     ) -> None:
         super().__init__(config)
         self.input_size, self.output_size = input_size, output_size
+        device = "cpu" if config.use_cpu_initialization else comm_device(tp_group)
         self.weight = torch.nn.Parameter(
-            torch.empty(output_size, input_size, dtype=config.params_dtype)
+            torch.empty(output_size, input_size, dtype=config.params_dtype, device=device)
         )
 
     def forward(self, input_: torch.Tensor) -> Tuple[torch.Tensor, None]:
@@ -131,7 +139,11 @@ class MLASelfAttention(MegatronModule):
             self.linear_q_proj = self._up(submodules.linear_q_proj, config.hidden_size, heads)
         else:
             self.linear_q_down_proj = build_module(
-                submodules.linear_q_down_proj, config.hidden_size, config.q_lora_rank, config=config
+                submodules.linear_q_down_proj,
+                config.hidden_size,
+                config.q_lora_rank,
+                config=config,
+                tp_group=self.tp_group,
             )
             self.q_layernorm = self._norm(submodules.q_layernorm, config, config.q_lora_rank)
             self.linear_q_up_proj = self._up(submodules.linear_q_up_proj, config.q_lora_rank, heads)
@@ -141,6 +153,7 @@ class MLASelfAttention(MegatronModule):
             config.hidden_size,
             config.kv_lora_rank + config.qk_pos_emb_head_dim,
             config=config,
+            tp_group=self.tp_group,
         )
         self.kv_layernorm = self._norm(submodules.kv_layernorm, config, config.kv_lora_rank)
         self.linear_kv_up_proj = self._up(

@@ -19,7 +19,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
-from megatron.core.transformer.transformer_config import MLATransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from tests.unit_tests.dist_utils import Layout, assert_no_failures, gather_failures, use_layout
 from tests.unit_tests.models.naming import reference_names
 
@@ -84,7 +84,7 @@ def _config(rope_type: str, q_lora_rank, layout: Optional[Layout] = None, **extr
         mscale_all_dim=YARN["mscale_all_dim"],
         original_max_position_embeddings=YARN["original_max_position_embeddings"],
     )
-    return MLATransformerConfig(
+    fields = dict(
         num_layers=LAYERS,
         hidden_size=HIDDEN,
         num_attention_heads=HEADS,
@@ -111,8 +111,8 @@ def _config(rope_type: str, q_lora_rank, layout: Optional[Layout] = None, **extr
         pipeline_model_parallel_size=layout.pp,
         pipeline_dtype=torch.float64,
         **rope,
-        **extra,
     )
+    return MLATransformerConfig(**{**fields, **extra})
 
 
 def _mapping(layer: int, q_lora_rank) -> dict:
@@ -231,12 +231,12 @@ def test_mla_matches_deepseek_v3(rope_type, q_lora_rank):
     assert not bad, bad
 
 
-def _distributed_step(layout: Layout, rope_type: str, q_lora_rank, hf) -> list:
+def _distributed_step(layout: Layout, rope_type: str, q_lora_rank, hf, **extra) -> list:
     """One step through DDP, the schedule and finalize_model_grads (per-token loss: the
     masked sum over the whole batch divided by its valid tokens); gradient mismatches."""
     use_layout(layout)
     groups = ProcessGroupCollection.use_mpu_process_groups()
-    config = _config(rope_type, q_lora_rank, layout, calculate_per_token_loss=True)
+    config = _config(rope_type, q_lora_rank, layout, calculate_per_token_loss=True, **extra)
     spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True)
     pp_rank = groups.pp.rank()
     gpt = GPTModel(
@@ -279,17 +279,31 @@ def _distributed_step(layout: Layout, rope_type: str, q_lora_rank, hf) -> list:
     return _grad_mismatches(ours, hf, q_lora_rank, layout.tp, tp_rank, attr="main_grad")
 
 
-LAYOUTS = [Layout(tp=2), Layout(tp=2, sp=True), Layout(cp=2), Layout(pp=2)]
+RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+CASES = [
+    (Layout(tp=2), {}),
+    (Layout(tp=2, sp=True), {}),
+    (Layout(tp=2, sp=True), RECOMPUTE),
+    (Layout(cp=2), {}),
+    (Layout(cp=2), dict(cp_comm_type="p2p")),
+    (Layout(cp=2), dict(cp_comm_type="a2a")),
+    (Layout(pp=2), {}),
+]
 
 
 @pytest.mark.world(2)
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.id)
-def test_mla_layouts_match_deepseek_v3(layout):
-    """Every main_grad after one step at tp2, tp2-sp, cp2 (uneven mask), pp2 equals
-    transformers' gradient shard (yarn, q LoRA)."""
+@pytest.mark.parametrize(
+    "layout, extra",
+    CASES,
+    ids=lambda c: c.id if isinstance(c, Layout) else "-".join(map(str, c.values())),
+)
+def test_mla_layouts_match_deepseek_v3(layout, extra):
+    """Every main_grad after one step at tp2, tp2-sp (with full recompute), cp2 with an
+    uneven mask (all_gather, p2p, a2a: K and V head dims differ), pp2 equals transformers'
+    gradient shard (yarn, q LoRA)."""
     hf = _hf_model("yarn", 8)
     _hf_loss(hf, *_batch())
-    assert_no_failures(gather_failures(_distributed_step(layout, "yarn", 8, hf)))
+    assert_no_failures(gather_failures(_distributed_step(layout, "yarn", 8, hf, **extra)))
 
 
 @pytest.mark.world(2)
@@ -301,3 +315,19 @@ def test_negative_control_rope_key_grad_not_summed_over_tp(monkeypatch):
     _hf_loss(hf, *_batch())
     bad = _distributed_step(Layout(tp=2), "rope", 8, hf)
     assert any("linear_kv_down_proj" in entry for entry in bad), bad
+
+
+@pytest.mark.world(1)
+def test_mla_bad_input_is_refused_by_name():
+    """A plain TransformerConfig with multi_latent_attention, an unknown rope_type, an odd
+    rope dim and a non-positive rank are refused naming the field and value."""
+    with pytest.raises(NotImplementedError, match="multi_latent_attention=True needs an MLA"):
+        TransformerConfig(
+            num_layers=1, hidden_size=8, num_attention_heads=2, multi_latent_attention=True
+        )
+    with pytest.raises(ValueError, match="rope_type must be 'rope' or 'yarn', got 'llama3'"):
+        _config("llama3", 8)
+    with pytest.raises(ValueError, match=r"qk_pos_emb_head_dim \(3\) must be even"):
+        _config("rope", 8, qk_pos_emb_head_dim=3)
+    with pytest.raises(ValueError, match="kv_lora_rank must be a positive integer, got 0"):
+        _config("rope", 8, kv_lora_rank=0)
