@@ -22,6 +22,7 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
+from megatron.core import tensor_parallel
 from megatron.core.context_parallel import cp_shard_positions
 from megatron.core.device import comm_device
 from megatron.core.process_groups_config import ProcessGroupCollection, get_pg_rank
@@ -303,14 +304,28 @@ class MLASelfAttention(MegatronModule):
 
     def _attention(self, query, key, value, attention_mask) -> torch.Tensor:
         """Core attention with V zero-padded to Q/K's head dim (or Q and K to V's): the CP
-        paths take one head dim; the padding adds nothing to scores or outputs."""
+        paths take one head dim; the padding adds nothing to scores or outputs. Selective
+        recompute of ``core_attn`` as ``Attention``."""
         dq, dv = query.shape[-1], value.shape[-1]
         if dv < dq:
             value = F.pad(value, (0, dq - dv))
         elif dq < dv:
             query, key = F.pad(query, (0, dv - dq)), F.pad(key, (0, dv - dq))
-        context = self.core_attention(
-            query, key, value, attention_mask, attn_mask_type=self.attn_mask_type
+
+        def core_attention(q, k, v, mask):
+            return self.core_attention(q, k, v, mask, attn_mask_type=self.attn_mask_type)
+
+        recompute = (
+            self.config.recompute_granularity == "selective"
+            and "core_attn" in self.config.recompute_modules
+            and self.training
+            and torch.is_grad_enabled()
         )
+        if recompute:  # keep only Q, K, V; rerun the attention in the backward
+            context = tensor_parallel.checkpoint(
+                core_attention, False, query, key, value, attention_mask
+            )
+        else:
+            context = core_attention(query, key, value, attention_mask)
         s, b = context.shape[:2]
         return context.view(s, b, self.heads, -1)[..., :dv].reshape(s, b, self.heads * dv)

@@ -2,11 +2,13 @@
 logits, loss and every gradient, at one process and at TP 2 (with and without SP); the
 negative control: the shared rope key's gradient not summed over TP fails at TP 2."""
 
+import functools
 from typing import Optional
 from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megatron.core.context_parallel import get_batch_on_this_cp_rank
 from megatron.core.distributed import (
@@ -23,7 +25,12 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from tests.unit_tests.dist_utils import Layout, assert_no_failures, gather_failures, use_layout
 from tests.unit_tests.models.naming import reference_names
 
-transformers = pytest.importorskip("transformers")
+
+def _transformers():
+    """transformers, imported only by the tests that compare with it directly (a 2-rank
+    launch of the default run does not pay its import)."""
+    return pytest.importorskip("transformers")
+
 
 VOCAB, HIDDEN, HEADS, LAYERS, SEQ = 32, 16, 4, 2, 8
 YARN = dict(
@@ -46,6 +53,7 @@ def _hf_model(rope_type: str, q_lora_rank):
     rope = {"rope_type": "default", "rope_theta": 10000.0}
     if rope_type == "yarn":
         rope = {"rope_type": "yarn", "rope_theta": 10000.0, **YARN}
+    transformers = _transformers()
     config = transformers.DeepseekV3Config(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
@@ -151,31 +159,44 @@ def _hf_names(q_lora_rank) -> dict:
     return names
 
 
-def _hf_tensor(hf_params: dict, hf_name: str, dim, tp: int, rank: int, grad: bool):
-    """This TP rank's shard of an HF weight (or of its gradient)."""
-    pick = (lambda p: p.grad) if grad else (lambda p: p.detach())
+def _shard(full: torch.Tensor, dim, tp: int, rank: int) -> torch.Tensor:
+    """This TP rank's shard of a one-process tensor (fc1: of each of its two halves)."""
     if dim == "fc1":
-        gate, up = (pick(hf_params[hf_name + k]) for k in ("gate_proj.weight", "up_proj.weight"))
+        gate, up = full.chunk(2)
         return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
-    full = pick(hf_params[hf_name])
     return full if dim is None else full.chunk(tp, dim)[rank]
 
 
-def _load(chunk: GPTModel, hf, q_lora_rank, tp: int, rank: int) -> dict:
-    """Copy HF's weights into ``chunk`` (this TP rank's shards); reference name -> param."""
-    names, hf_params = _hf_names(q_lora_rank), dict(hf.named_parameters())
-    ours = dict(reference_names(chunk))
+def _hf_reference(hf, q_lora_rank) -> dict:
+    """Our one-process name -> (HF's weight, HF's gradient) in our layout."""
+    hf_params, reference = dict(hf.named_parameters()), {}
+    for name, (hf_name, dim) in _hf_names(q_lora_rank).items():
+        if dim == "fc1":
+            parts = [hf_params[hf_name + k] for k in ("gate_proj.weight", "up_proj.weight")]
+            reference[name] = (
+                torch.cat([p.detach() for p in parts]),
+                torch.cat([p.grad for p in parts]),
+            )
+        else:
+            param = hf_params[hf_name]
+            reference[name] = (param.detach(), param.grad)
+    return reference
+
+
+def _load(chunk: GPTModel, reference: dict, q_lora_rank, tp: int, rank: int) -> dict:
+    """Copy the reference weights into ``chunk`` (this TP rank's shards); name -> param."""
+    dims, ours = _hf_names(q_lora_rank), dict(reference_names(chunk))
     with torch.no_grad():
         for name, param in ours.items():
-            param.copy_(_hf_tensor(hf_params, *names[name], tp, rank, grad=False))
+            param.copy_(_shard(reference[name][0], dims[name][1], tp, rank))
     return ours
 
 
-def _grad_mismatches(ours: dict, hf, q_lora_rank, tp: int, rank: int, attr="grad") -> list:
-    """Names whose gradient differs from HF's shard by more than 1e-10 relative."""
-    names, hf_params, bad = _hf_names(q_lora_rank), dict(hf.named_parameters()), []
+def _grad_mismatches(ours: dict, reference: dict, q_lora_rank, tp, rank, attr="grad") -> list:
+    """Names whose gradient differs from the reference's shard by more than 1e-10 relative."""
+    dims, bad = _hf_names(q_lora_rank), []
     for name, param in ours.items():
-        expected = _hf_tensor(hf_params, *names[name], tp, rank, grad=True)
+        expected = _shard(reference[name][1], dims[name][1], tp, rank)
         got = getattr(param, attr)
         err = (got - expected).abs().max().item() / expected.abs().max().item()
         if err > 1e-10:
@@ -185,7 +206,7 @@ def _grad_mismatches(ours: dict, hf, q_lora_rank, tp: int, rank: int, attr="grad
 
 def _hf_loss(hf, tokens, labels, mask):
     """HF's masked mean cross entropy (float64 norms) with its backward run."""
-    modeling = transformers.models.deepseek_v3.modeling_deepseek_v3
+    modeling = _transformers().models.deepseek_v3.modeling_deepseek_v3
     with mock.patch.object(modeling.DeepseekV3RMSNorm, "forward", _rms_norm_float64):
         out = hf(input_ids=tokens)
     per_token = torch.nn.functional.cross_entropy(
@@ -204,21 +225,49 @@ def _batch():
     return tokens, torch.roll(tokens, -1, 1), mask
 
 
-def _run(rope_type, q_lora_rank):
-    """One process: (our logits, HF logits, our loss, HF loss, gradient mismatches)."""
-    hf = _hf_model(rope_type, q_lora_rank)
+def _one_process(rope_type, q_lora_rank, reference=None, groups=None):
+    """Our model on one process (``groups``: of one rank each, inside a launch) from the
+    reference's weights (None: its own seeded ones): (model, name -> param, logits, loss)."""
     spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True)
-    model = GPTModel(
-        _config(rope_type, q_lora_rank), spec, VOCAB, 32, position_embedding_type="rope"
-    )
-    ours = _load(model, hf, q_lora_rank, 1, 0)
+    config = _config(rope_type, q_lora_rank)
+    model = GPTModel(config, spec, VOCAB, 32, position_embedding_type="rope", pg_collection=groups)
+    ours = dict(reference_names(model))
+    if reference is not None:
+        _load(model, reference, q_lora_rank, 1, 0)
     tokens, labels, mask = _batch()
-    hf_logits, hf_loss = _hf_loss(hf, tokens, labels, mask)
     with torch.no_grad():
         logits = model(tokens, None, None)
     loss = (model(tokens, None, None, labels=labels) * mask).sum() / mask.sum()
     loss.backward()
-    return logits, hf_logits, loss, hf_loss, _grad_mismatches(ours, hf, q_lora_rank, 1, 0)
+    return ours, logits, loss
+
+
+def _run(rope_type, q_lora_rank):
+    """One process: (our logits, HF logits, our loss, HF loss, gradient mismatches)."""
+    hf = _hf_model(rope_type, q_lora_rank)
+    hf_logits, hf_loss = _hf_loss(hf, *_batch())
+    reference = _hf_reference(hf, q_lora_rank)
+    ours, logits, loss = _one_process(rope_type, q_lora_rank, reference)
+    return logits, hf_logits, loss, hf_loss, _grad_mismatches(ours, reference, q_lora_rank, 1, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _single_rank_groups() -> ProcessGroupCollection:
+    """Every group of this rank alone (every rank creates every group)."""
+    single = None
+    for rank in range(dist.get_world_size()):
+        group = dist.new_group([rank])
+        if rank == dist.get_rank():
+            single = group
+    names = ("tp", "pp", "cp", "dp", "dp_cp", "embd", "pos_embd", "mp", "tp_cp", "tp_dp_cp")
+    return ProcessGroupCollection(**{name: single for name in names})
+
+
+def _own_reference(rope_type: str, q_lora_rank) -> dict:
+    """Our one-process model's (seeded) weights and gradients, built inside a launch on
+    groups of one rank (equal to transformers': ``test_mla_matches_deepseek_v3``)."""
+    ours, _, _ = _one_process(rope_type, q_lora_rank, groups=_single_rank_groups())
+    return {name: (param.detach(), param.grad) for name, param in ours.items()}
 
 
 @pytest.mark.world(1)
@@ -231,7 +280,7 @@ def test_mla_matches_deepseek_v3(rope_type, q_lora_rank):
     assert not bad, bad
 
 
-def _distributed_step(layout: Layout, rope_type: str, q_lora_rank, hf, **extra) -> list:
+def _distributed_step(layout: Layout, rope_type: str, q_lora_rank, reference, **extra) -> list:
     """One step through DDP, the schedule and finalize_model_grads (per-token loss: the
     masked sum over the whole batch divided by its valid tokens); gradient mismatches."""
     use_layout(layout)
@@ -250,7 +299,7 @@ def _distributed_step(layout: Layout, rope_type: str, q_lora_rank, hf, **extra) 
         pg_collection=groups,
     )
     tp_rank = groups.tp.rank()
-    ours = _load(gpt, hf, q_lora_rank, layout.tp, tp_rank)
+    ours = _load(gpt, reference, q_lora_rank, layout.tp, tp_rank)
     chunk = DistributedDataParallel(config, DistributedDataParallelConfig(), gpt, groups)
     config.finalize_model_grads_func = finalize_model_grads
     tokens, labels, mask = _batch()
@@ -276,7 +325,7 @@ def _distributed_step(layout: Layout, rope_type: str, q_lora_rank, hf, **extra) 
         micro_batch_size=2,
         pg_collection=groups,
     )
-    return _grad_mismatches(ours, hf, q_lora_rank, layout.tp, tp_rank, attr="main_grad")
+    return _grad_mismatches(ours, reference, q_lora_rank, layout.tp, tp_rank, "main_grad")
 
 
 RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -284,6 +333,7 @@ CASES = [
     (Layout(tp=2), {}),
     (Layout(tp=2, sp=True), {}),
     (Layout(tp=2, sp=True), RECOMPUTE),
+    (Layout(cp=2), dict(recompute_granularity="selective")),
     (Layout(cp=2), {}),
     (Layout(cp=2), dict(cp_comm_type="p2p")),
     (Layout(cp=2), dict(cp_comm_type="a2a")),
@@ -297,23 +347,32 @@ CASES = [
     CASES,
     ids=lambda c: c.id if isinstance(c, Layout) else "-".join(map(str, c.values())),
 )
-def test_mla_layouts_match_deepseek_v3(layout, extra):
+def test_mla_layouts_match_one_process(layout, extra):
     """Every main_grad after one step at tp2, tp2-sp (with full recompute), cp2 with an
-    uneven mask (all_gather, p2p, a2a: K and V head dims differ), pp2 equals transformers'
-    gradient shard (yarn, q LoRA)."""
+    uneven mask (all_gather, p2p, a2a: K and V head dims differ; selective recompute), pp2
+    equals the one-process model's gradient shard (yarn, q LoRA)."""
+    reference = _own_reference("yarn", 8)
+    assert_no_failures(gather_failures(_distributed_step(layout, "yarn", 8, reference, **extra)))
+
+
+@pytest.mark.slow
+@pytest.mark.world(2)
+@pytest.mark.parametrize("layout", [Layout(tp=2, sp=True), Layout(cp=2), Layout(pp=2)], ids=str)
+def test_mla_layouts_match_deepseek_v3(layout):
+    """The same against transformers' gradients directly."""
     hf = _hf_model("yarn", 8)
     _hf_loss(hf, *_batch())
-    assert_no_failures(gather_failures(_distributed_step(layout, "yarn", 8, hf, **extra)))
+    reference = _hf_reference(hf, 8)
+    assert_no_failures(gather_failures(_distributed_step(layout, "yarn", 8, reference)))
 
 
 @pytest.mark.world(2)
 def test_negative_control_rope_key_grad_not_summed_over_tp(monkeypatch):
     """Without the TP sum of the shared rope key's gradient (megatron-core 0.16.1,
     Megatron-LM #1699) the kv down projection's gradient is wrong at tp2."""
+    reference = _own_reference("rope", 8)
     monkeypatch.setattr(MLASelfAttention, "_shared_rope_key", lambda self, k_pe: k_pe)
-    hf = _hf_model("rope", 8)
-    _hf_loss(hf, *_batch())
-    bad = _distributed_step(Layout(tp=2), "rope", 8, hf)
+    bad = _distributed_step(Layout(tp=2), "rope", 8, reference)
     assert any("linear_kv_down_proj" in entry for entry in bad), bad
 
 
