@@ -321,7 +321,7 @@ def _distributed_step(layout: Layout, rope_type: str, q_lora_rank, reference, **
         data_iterator=iter([None]),
         model=chunk,
         num_microbatches=1,
-        seq_length=SEQ // layout.cp,
+        seq_length=SEQ,
         micro_batch_size=2,
         pg_collection=groups,
     )
@@ -333,6 +333,7 @@ CASES = [
     (Layout(tp=2), {}),
     (Layout(tp=2, sp=True), {}),
     (Layout(tp=2, sp=True), RECOMPUTE),
+    (Layout(tp=2, sp=True), dict(q_lora_rank=None)),
     (Layout(cp=2), dict(recompute_granularity="selective")),
     (Layout(cp=2), {}),
     (Layout(cp=2), dict(cp_comm_type="p2p")),
@@ -348,16 +349,34 @@ CASES = [
     ids=lambda c: c.id if isinstance(c, Layout) else "-".join(map(str, c.values())),
 )
 def test_mla_layouts_match_one_process(layout, extra):
-    """Every main_grad after one step at tp2, tp2-sp (with full recompute), cp2 with an
-    uneven mask (all_gather, p2p, a2a: K and V head dims differ; selective recompute), pp2
-    equals the one-process model's gradient shard (yarn, q LoRA)."""
+    """Every main_grad after one step at tp2, tp2-sp (with full recompute; without q LoRA),
+    cp2 with an uneven mask (all_gather, p2p, a2a: K and V head dims differ; selective
+    recompute), pp2 equals the one-process model's gradient shard (yarn, q LoRA)."""
+    extra = dict(extra)
+    q_lora_rank = extra.pop("q_lora_rank", 8)
+    reference = _own_reference("yarn", q_lora_rank)
+    failures = _distributed_step(layout, "yarn", q_lora_rank, reference, **extra)
+    assert_no_failures(gather_failures(failures))
+
+
+@pytest.mark.slow
+@pytest.mark.world(4)
+@pytest.mark.parametrize(
+    "layout",
+    [Layout(tp=2, sp=True, cp=2), Layout(cp=2, pp=2), Layout(tp=2, pp=2), Layout(tp=2, dp=2)],
+    ids=lambda c: c.id,
+)
+def test_mla_4_rank_layouts_match_one_process(layout):
+    """The same at 4 ranks: tp2-sp x cp2, cp2 x pp2, tp2 x pp2, tp2 x dp2."""
     reference = _own_reference("yarn", 8)
-    assert_no_failures(gather_failures(_distributed_step(layout, "yarn", 8, reference, **extra)))
+    assert_no_failures(gather_failures(_distributed_step(layout, "yarn", 8, reference)))
 
 
 @pytest.mark.slow
 @pytest.mark.world(2)
-@pytest.mark.parametrize("layout", [Layout(tp=2, sp=True), Layout(cp=2), Layout(pp=2)], ids=str)
+@pytest.mark.parametrize(
+    "layout", [Layout(tp=2, sp=True), Layout(cp=2), Layout(pp=2)], ids=lambda c: c.id
+)
 def test_mla_layouts_match_deepseek_v3(layout):
     """The same against transformers' gradients directly."""
     hf = _hf_model("yarn", 8)
