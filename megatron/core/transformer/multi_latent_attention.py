@@ -221,21 +221,27 @@ class MLASelfAttention(MegatronModule):
             exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
             self._inv_freq = 1.0 / (config.rotary_base**exponents)
 
-    def _angles(self, seq_local: int) -> torch.Tensor:
-        """Angles [s_local, 1, 1, dim] of this CP rank's positions (float32)."""
+    def _angles(self, seq_local: int, device: torch.device) -> torch.Tensor:
+        """Angles [s_local, 1, 1, dim] of this CP rank's positions (float32, on ``device``;
+        the last length's kept, so they are copied to the device once)."""
         cp_group = self._cp_group.get()
-        cp = get_pg_size(cp_group)
-        if cp == 1:
-            positions = torch.arange(seq_local)
-        else:
-            positions = cp_shard_positions(seq_local * cp, cp, get_pg_rank(cp_group))
-        freqs = torch.outer(positions.to(torch.float32), self._inv_freq)
-        return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+        cp, rank = get_pg_size(cp_group), get_pg_rank(cp_group)
+        key = (seq_local, cp, rank, device)
+        cached = getattr(self, "_angles_cache", None)
+        if cached is None or cached[0] != key:
+            if cp == 1:
+                positions = torch.arange(seq_local)
+            else:
+                positions = cp_shard_positions(seq_local * cp, cp, rank)
+            freqs = torch.outer(positions.to(torch.float32), self._inv_freq)
+            angles = torch.cat((freqs, freqs), dim=-1)[:, None, None, :].to(device)
+            self._angles_cache = cached = (key, angles)
+        return cached[1]
 
     def _rope(self, t: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
         """De-interleave the pairs (x0, x1), (x2, x3), .. into halves, then rotate."""
         t = torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
-        return rotate(t, angles.to(t.device), False, self._rope_mscale)
+        return rotate(t, angles, False, self._rope_mscale)
 
     def _shared_rope_key(self, k_pe: torch.Tensor) -> torch.Tensor:
         """k_pe feeds this rank's heads only: its gradient is summed over TP."""
@@ -265,7 +271,7 @@ class MLASelfAttention(MegatronModule):
         kv, _ = self.linear_kv_up_proj(self.kv_layernorm(kv_c))
         kv = kv.view(s, b, self.heads, config.qk_head_dim + config.v_head_dim)
         k_nope, value = kv.split([config.qk_head_dim, config.v_head_dim], dim=-1)
-        angles = self._angles(s)
+        angles = self._angles(s, q.device)
         q_pe = self._rope(q_pe, angles)
         k_pe = self._rope(self._shared_rope_key(k_pe).unsqueeze(2), angles)
         query = torch.cat((q_nope, q_pe), dim=-1)
