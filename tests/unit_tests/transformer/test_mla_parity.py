@@ -409,3 +409,31 @@ def test_mla_bad_input_is_refused_by_name():
         _config("rope", 8, qk_pos_emb_head_dim=3)
     with pytest.raises(ValueError, match="kv_lora_rank must be a positive integer, got 0"):
         _config("rope", 8, kv_lora_rank=0)
+
+
+@pytest.mark.world(1)
+def test_yarn_rotary_embedding_matches_transformers():
+    """megatron-core's ``YarnRotaryEmbedding``: the frequencies and the cos/sin scale equal
+    transformers' yarn parameters (float32), the angles are positions x frequencies."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        YarnRotaryEmbedding,
+    )
+
+    hf = _hf_model("yarn", 8)
+    rope_init = _transformers().modeling_rope_utils.ROPE_INIT_FUNCTIONS["yarn"]
+    inv_freq, attention_factor = rope_init(hf.config)
+    ours = YarnRotaryEmbedding(
+        4,
+        rotary_base=10000.0,
+        scaling_factor=YARN["factor"],
+        original_max_position_embeddings=YARN["original_max_position_embeddings"],
+        beta_fast=YARN["beta_fast"],
+        beta_slow=YARN["beta_slow"],
+        mscale=YARN["mscale"],
+        mscale_all_dim=YARN["mscale_all_dim"],
+    )
+    assert torch.equal(ours.inv_freq, inv_freq.float())
+    angles, mscale = ours(6)
+    assert mscale == pytest.approx(attention_factor, rel=1e-15) and mscale != 1.0
+    expected = torch.outer(torch.arange(6, dtype=torch.float32), inv_freq.float())
+    assert torch.equal(angles[:, 0, 0], torch.cat((expected, expected), dim=-1))
