@@ -3,7 +3,8 @@ layers that use it (``transformer.attention``, ``fusions.fused_rope``); megatron
 ``models.common.embeddings.rope_utils`` re-exports it."""
 
 import functools
-from typing import Callable, Optional
+import math
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -51,3 +52,63 @@ def rotate(t: Tensor, freqs: Tensor, interleaved: bool, mscale: float) -> Tensor
 def fused_rotate() -> Callable[..., Tensor]:
     """``rotate`` compiled by ``jit_fuser`` (made on first use: compiling is not free)."""
     return jit_fuser(rotate)
+
+
+def yarn_inv_freq(
+    dim: int,
+    base: float,
+    factor: float,
+    original_max_position_embeddings: int,
+    beta_fast: float,
+    beta_slow: float,
+    round_to_int: bool = True,
+) -> Tensor:
+    """YaRN frequencies [dim / 2] (float32): base^(-2i / dim) kept below the ramp's low end,
+    divided by ``factor`` above its high end, linearly blended between (the ramp's ends are
+    the dims making ``beta_fast`` / ``beta_slow`` turns over the original length)."""
+    extra = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    low, high = yarn_correction_range(
+        beta_fast, beta_slow, dim, base, original_max_position_embeddings, round_to_int
+    )
+    keep = 1.0 - yarn_linear_ramp(low, high, dim // 2)
+    return extra / factor * (1 - keep) + extra * keep
+
+
+def yarn_correction_dim(
+    rotations: float, dim: int, base: float, max_position_embeddings: int
+) -> float:
+    """The (fractional) rotary dim whose wavelength makes ``rotations`` turns over
+    ``max_position_embeddings`` positions."""
+    return (
+        dim * math.log(max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+    )
+
+
+def yarn_correction_range(
+    low_rot: float,
+    high_rot: float,
+    dim: int,
+    base: float,
+    max_position_embeddings: int,
+    round_to_int: bool = True,
+) -> Tuple[float, float]:
+    """The ramp's ends, floored / ceiled with ``round_to_int``, clamped to [0, dim - 1]."""
+    low = yarn_correction_dim(low_rot, dim, base, max_position_embeddings)
+    high = yarn_correction_dim(high_rot, dim, base, max_position_embeddings)
+    if round_to_int:
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, dim - 1)
+
+
+def yarn_linear_ramp(low: float, high: float, dim: int) -> Tensor:
+    """clamp((i - low) / (high - low), 0, 1) for i < dim (float32)."""
+    if low == high:
+        high += 0.001
+    return ((torch.arange(dim, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+
+
+def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
+    """0.1 mscale ln(scale) + 1 for scale > 1, else 1."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0

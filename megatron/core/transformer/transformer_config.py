@@ -169,8 +169,11 @@ class TransformerConfig(ModelParallelConfig):
             )
         if self.mtp_num_layers is not None:
             raise NotImplementedError("mtp_num_layers is not supported by this core")
-        if self.multi_latent_attention:
-            raise NotImplementedError("multi_latent_attention is not supported by this core")
+        if self.multi_latent_attention and not isinstance(self, MLATransformerConfig):
+            raise NotImplementedError(
+                "multi_latent_attention=True needs an MLATransformerConfig (its q/kv LoRA ranks "
+                "and head dims), not a plain TransformerConfig"
+            )
         if self.test_mode:
             raise NotImplementedError("test_mode=True is not supported by this core")
         if self.normalization not in config_rules.NORMALIZATIONS:
@@ -318,3 +321,60 @@ def _check_window_size(window_size) -> None:
             "window_size must be None or (left, right) with left >= 0 (or -1: no limit) and "
             f"right 0 or -1 (causal attention sees no later key), got {window_size!r}"
         )
+
+
+@dataclass
+class MLATransformerConfig(TransformerConfig):
+    """Multi-latent attention's fields (megatron-core 0.16.1's names and defaults):
+    q/kv LoRA ranks (``q_lora_rank=None``: one q projection), the per-head dims of the
+    non-rotated query/key part, the rotated part shared by all heads, and the values; rope
+    "rope" or "yarn" (``rotary_scaling_factor``, ``original_max_position_embeddings``,
+    ``beta_fast``, ``beta_slow``, ``mscale``, ``mscale_all_dim``)."""
+
+    multi_latent_attention: bool = True
+    q_lora_rank: Optional[int] = 512
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    normalization: str = "RMSNorm"
+    rope_type: str = "yarn"
+    rotary_base: float = 10000
+    rotary_percent: float = 1.0
+    rotary_scaling_factor: float = 40
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32
+    beta_slow: float = 1
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    cache_mla_latents: bool = False
+
+    def __post_init__(self) -> None:
+        """Check the MLA fields (the rest as TransformerConfig)."""
+        super().__post_init__()
+        if self.rope_type not in ("rope", "yarn"):
+            raise ValueError(f"rope_type must be 'rope' or 'yarn', got {self.rope_type!r}")
+        if self.rotary_percent != 1.0:
+            raise NotImplementedError(
+                f"MLATransformerConfig: rotary_percent={self.rotary_percent} is not supported; "
+                "expected 1.0 (the whole qk_pos_emb_head_dim part is rotated)"
+            )
+        if self.cache_mla_latents:
+            raise NotImplementedError(
+                "MLATransformerConfig: cache_mla_latents=True is not supported"
+            )
+        dims = dict(
+            kv_lora_rank=self.kv_lora_rank,
+            qk_head_dim=self.qk_head_dim,
+            qk_pos_emb_head_dim=self.qk_pos_emb_head_dim,
+            v_head_dim=self.v_head_dim,
+        )
+        if self.q_lora_rank is not None:
+            dims["q_lora_rank"] = self.q_lora_rank
+        for name, value in dims.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.qk_pos_emb_head_dim % 2:
+            raise ValueError(
+                f"qk_pos_emb_head_dim ({self.qk_pos_emb_head_dim}) must be even (rope pairs)"
+            )

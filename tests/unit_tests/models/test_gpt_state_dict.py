@@ -48,7 +48,5 @@ def test_spec_rejects_what_it_cannot_build():
     """Options of get_gpt_layer_local_spec this core lacks fail with the option's name."""
     with pytest.raises(NotImplementedError, match="fp8='e4m3'"):
         get_gpt_layer_local_spec(num_experts=8, fp8="e4m3")
-    with pytest.raises(NotImplementedError, match="multi_latent_attention=True"):
-        get_gpt_layer_local_spec(multi_latent_attention=True)
     with pytest.raises(ValueError, match="normalization.*'L2Norm'"):
         get_gpt_layer_local_spec(normalization="L2Norm")

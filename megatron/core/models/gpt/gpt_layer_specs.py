@@ -12,6 +12,11 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron.core.transformer.multi_latent_attention import (
+    MLASelfAttention,
+    MLASelfAttentionSubmodules,
+    ReplicatedLinear,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import (
@@ -49,8 +54,10 @@ def get_gpt_layer_local_spec(
     ``num_experts`` the MLP is a ``MoELayer`` (experts ``GroupedMLP`` with
     ``moe_grouped_gemm``, else ``SequentialMLP``; a ``SharedExpertMLP`` used when the config
     sets ``moe_shared_expert_intermediate_size``). ``qk_layernorm``: per-head q/k norms.
-    Multi-latent attention, qk L2 norm and kitchen are not implemented; ``fp8`` (deprecated
-    and unused in megatron-core) is refused: FP8 comes from ``TransformerConfig.fp8``.
+    ``multi_latent_attention``: ``MLASelfAttention`` (its q/kv norms with ``qk_layernorm``;
+    needs an ``MLATransformerConfig``). qk L2 norm and kitchen are not implemented; ``fp8``
+    (deprecated and unused in megatron-core) is refused: FP8 comes from
+    ``TransformerConfig.fp8``.
     """
     if fp8:
         raise NotImplementedError(
@@ -58,7 +65,6 @@ def get_gpt_layer_local_spec(
             "set TransformerConfig.fp8 (docs/fp8.md); expected None"
         )
     unsupported = dict(
-        multi_latent_attention=multi_latent_attention,
         qk_l2_norm=qk_l2_norm,
         use_kitchen=use_kitchen,
         use_kitchen_attention=use_kitchen_attention,
@@ -79,22 +85,48 @@ def get_gpt_layer_local_spec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=WrappedTorchNorm,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=tensor_parallel.ColumnParallelLinear,
-                    core_attention=DotProductAttention,
-                    linear_proj=tensor_parallel.RowParallelLinear,
-                    q_layernorm=qk_norm,
-                    k_layernorm=qk_norm,
-                ),
+            self_attention=(
+                _mla_spec(qk_norm) if multi_latent_attention else _self_attention_spec(qk_norm)
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=WrappedTorchNorm,
             mlp=_mlp_spec(num_experts, moe_grouped_gemm),
             mlp_bda=get_bias_dropout_add,
-            sharded_state_dict_keys_map=_keys_map(num_experts),
+            sharded_state_dict_keys_map=_keys_map(num_experts, multi_latent_attention),
+        ),
+    )
+
+
+def _self_attention_spec(qk_norm: type) -> ModuleSpec:
+    """Self-attention with the fused QKV projection."""
+    return ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=tensor_parallel.ColumnParallelLinear,
+            core_attention=DotProductAttention,
+            linear_proj=tensor_parallel.RowParallelLinear,
+            q_layernorm=qk_norm,
+            k_layernorm=qk_norm,
+        ),
+    )
+
+
+def _mla_spec(qk_norm: type) -> ModuleSpec:
+    """Multi-latent attention: replicated down projections, head-split up projections."""
+    return ModuleSpec(
+        module=MLASelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=MLASelfAttentionSubmodules(
+            linear_q_proj=tensor_parallel.ColumnParallelLinear,
+            linear_q_down_proj=ReplicatedLinear,
+            linear_q_up_proj=tensor_parallel.ColumnParallelLinear,
+            linear_kv_down_proj=ReplicatedLinear,
+            linear_kv_up_proj=tensor_parallel.ColumnParallelLinear,
+            core_attention=DotProductAttention,
+            linear_proj=tensor_parallel.RowParallelLinear,
+            q_layernorm=qk_norm,
+            kv_layernorm=qk_norm,
         ),
     )
 
@@ -120,10 +152,15 @@ def _mlp_spec(num_experts: Optional[int], moe_grouped_gemm: bool) -> ModuleSpec:
     )
 
 
-def _keys_map(num_experts: Optional[int]) -> dict:
+def _keys_map(num_experts: Optional[int], multi_latent_attention: bool = False) -> dict:
     """Storage keys of the norms (megatron-core's local spec: the pre-MLP norm is stored
-    under the MLP's fc1 for dense layers only)."""
-    keys = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+    under the MLP's fc1 for dense layers only; the input norm under linear_qkv, which
+    multi-latent attention has not)."""
+    keys = (
+        {}
+        if multi_latent_attention
+        else {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+    )
     if num_experts is None:
         keys["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
     return keys
@@ -146,6 +183,7 @@ def get_gpt_decoder_layer_specs(
         )
     common = dict(
         qk_layernorm=config.qk_layernorm,
+        multi_latent_attention=config.multi_latent_attention,
         normalization=normalization,
         qk_l2_norm=qk_l2_norm,
         moe_use_legacy_grouped_gemm=config.moe_use_legacy_grouped_gemm,

@@ -161,7 +161,7 @@ class GPTModel(MegatronModule):
                 scatter_to_sequence_parallel=scatter_embedding_sequence_parallel,
                 tp_group=self.tp_group,
             )
-        if position_embedding_type == "rope":
+        if position_embedding_type == "rope" and not config.multi_latent_attention:
             self.rotary_pos_emb = RotaryEmbedding(
                 kv_channels=config.kv_channels,
                 rotary_percent=rotary_percent,
@@ -272,9 +272,10 @@ class GPTModel(MegatronModule):
             )
             extra_block_kwargs = block_kwargs
         rotary_pos_emb = None
-        if self.position_embedding_type == "rope" and inference_context is not None:
+        rope = self.position_embedding_type == "rope" and not self.config.multi_latent_attention
+        if rope and inference_context is not None:  # (MLA rotates inside its attention)
             rotary_pos_emb = self._rotary_angles_from(inference_context, decoder_input)
-        elif self.position_embedding_type == "rope":
+        elif rope:
             rotary_pos_emb = self._rotary_angles(input_ids, decoder_input, packed_seq_params)
         hidden_states = self.decoder(
             hidden_states=decoder_input,
@@ -515,7 +516,8 @@ class GPTModel(MegatronModule):
             return
         for param in self.decoder.parameters():
             expert = not getattr(param, "allreduce", True)  # reduced over expert DP instead
-            if not getattr(param, "tensor_model_parallel", False) and not expert:
+            whole = getattr(param, "grad_complete_over_tp", False)  # e.g. MLA's down projections
+            if not getattr(param, "tensor_model_parallel", False) and not expert and not whole:
                 param.sequence_parallel = True
 
 

@@ -1,0 +1,337 @@
+"""Multi-latent attention (DeepSeek-V2/V3; megatron-core 0.16.1's ``MLASelfAttention``).
+
+q = linear_q_up_proj(q_layernorm(linear_q_down_proj(x))) (or ``linear_q_proj(x)`` when
+``q_lora_rank`` is None), per head [qk_head_dim | qk_pos_emb_head_dim];
+linear_kv_down_proj(x) = [c_kv | k_pe], k_nope and v per head from
+linear_kv_up_proj(kv_layernorm(c_kv)); k_pe (one rope key shared by every head) and q's rope
+part are rotated by de-interleaving rope (yarn: cos/sin scaled by mscale, the softmax scale
+by mscale(factor, mscale_all_dim)^2).
+
+Tensor parallelism: the down projections and their norms are replicated and run on the whole
+sequence (gathered under SP), the up projections are split by heads and sum their input
+gradient over TP; the rope key k_pe reaches every head without an up projection, so its
+gradient is summed over TP explicitly (megatron-core 0.16.1 does not: Megatron-LM #1699).
+Every replicated parameter then has the whole gradient on each rank (``grad_complete_over_tp``:
+not summed again under SP).
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import tensor_parallel
+from megatron.core.context_parallel import cp_shard_positions
+from megatron.core.device import comm_device
+from megatron.core.process_groups_config import ProcessGroupCollection, get_pg_rank
+from megatron.core.rope import rotate, yarn_get_mscale, yarn_inv_freq
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.module import MegatronModule, leave_as_allocated, output_projection
+from megatron.core.transformer.parallel_groups import ResolvedGroup, cp_group_of, tp_group_of
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import MLATransformerConfig
+from megatron.core.utils import get_pg_size
+
+
+@dataclass
+class MLASelfAttentionSubmodules:
+    """Specs of multi-latent attention's parts (megatron-core's names)."""
+
+    linear_q_proj: Union[ModuleSpec, type] = None
+    linear_q_down_proj: Union[ModuleSpec, type] = None
+    linear_q_up_proj: Union[ModuleSpec, type] = None
+    linear_kv_down_proj: Union[ModuleSpec, type] = None
+    linear_kv_up_proj: Union[ModuleSpec, type] = None
+    core_attention: Union[ModuleSpec, type] = None
+    linear_proj: Union[ModuleSpec, type] = None
+    q_layernorm: Union[ModuleSpec, type] = None
+    kv_layernorm: Union[ModuleSpec, type] = None
+
+
+class ReplicatedLinear(MegatronModule):
+    """y = x W^T with W [output_size, input_size] whole on every TP rank; returns (y, None)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: MLATransformerConfig,
+        tp_group: Optional[torch.distributed.ProcessGroup] = None,
+        **_unused,
+    ) -> None:
+        super().__init__(config)
+        self.input_size, self.output_size = input_size, output_size
+        device = "cpu" if config.use_cpu_initialization else comm_device(tp_group)
+        self.weight = torch.nn.Parameter(
+            torch.empty(output_size, input_size, dtype=config.params_dtype, device=device)
+        )
+
+    def forward(self, input_: torch.Tensor) -> Tuple[torch.Tensor, None]:
+        """(x W^T, no bias)."""
+        return F.linear(input_, self.weight), None
+
+
+class MLASelfAttention(MegatronModule):
+    """Multi-latent self-attention (module docstring); returns (output [s, b, h], bias)."""
+
+    def __init__(
+        self,
+        config: MLATransformerConfig,
+        submodules: MLASelfAttentionSubmodules,
+        layer_number: int,
+        attn_mask_type: AttnMaskType = AttnMaskType.causal,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ) -> None:
+        super().__init__(config)
+        if not isinstance(config, MLATransformerConfig):
+            raise TypeError(
+                f"MLASelfAttention needs an MLATransformerConfig, got {type(config).__name__}"
+            )
+        self.layer_number = layer_number
+        self.attn_mask_type = attn_mask_type
+        self.tp_group = tp_group_of(pg_collection, config)
+        tp = get_pg_size(self.tp_group)
+        if config.num_attention_heads % tp:
+            raise ValueError(
+                f"num_attention_heads ({config.num_attention_heads}) must be a multiple of "
+                f"tensor_model_parallel_size ({tp})"
+            )
+        self.heads = config.num_attention_heads // tp
+        self.q_head_dim = config.qk_head_dim + config.qk_pos_emb_head_dim
+        self._cp_group = ResolvedGroup(cp_group_of, pg_collection, config)
+        if cp_comm_type is None:
+            cp_comm_type = config.cp_comm_type
+        if isinstance(cp_comm_type, (list, tuple)):  # one per layer, as in Attention
+            cp_comm_type = cp_comm_type[layer_number - 1]
+        self._build_projections(config, submodules)
+        self.core_attention = build_module(
+            submodules.core_attention,
+            config=config,
+            layer_number=layer_number,
+            attn_mask_type=attn_mask_type,
+            attention_type="self",
+            softmax_scale=self._softmax_scale(config),
+            cp_comm_type=cp_comm_type,
+            pg_collection=pg_collection,
+        )
+        self.linear_proj = output_projection(
+            submodules.linear_proj,
+            config.num_attention_heads * config.v_head_dim,
+            config,
+            "proj",
+            self.tp_group,
+        )
+        self._set_rope(config)
+
+    def _build_projections(self, config, submodules) -> None:
+        """The q path, the kv path and their norms (norm eps: ``layernorm_epsilon``)."""
+        heads = config.num_attention_heads
+        replicated = []
+        if config.q_lora_rank is None:
+            self.linear_q_proj = self._up(submodules.linear_q_proj, config.hidden_size, heads)
+        else:
+            self.linear_q_down_proj = build_module(
+                submodules.linear_q_down_proj,
+                config.hidden_size,
+                config.q_lora_rank,
+                config=config,
+                tp_group=self.tp_group,
+            )
+            self.q_layernorm = self._norm(submodules.q_layernorm, config, config.q_lora_rank)
+            self.linear_q_up_proj = self._up(submodules.linear_q_up_proj, config.q_lora_rank, heads)
+            replicated += [self.linear_q_down_proj, self.q_layernorm]
+        self.linear_kv_down_proj = build_module(
+            submodules.linear_kv_down_proj,
+            config.hidden_size,
+            config.kv_lora_rank + config.qk_pos_emb_head_dim,
+            config=config,
+            tp_group=self.tp_group,
+        )
+        self.kv_layernorm = self._norm(submodules.kv_layernorm, config, config.kv_lora_rank)
+        self.linear_kv_up_proj = self._up(
+            submodules.linear_kv_up_proj,
+            config.kv_lora_rank,
+            heads,
+            per_head=config.qk_head_dim + config.v_head_dim,
+        )
+        for module in replicated + [self.linear_kv_down_proj, self.kv_layernorm]:
+            for param in module.parameters():
+                param.grad_complete_over_tp = True
+
+    @staticmethod
+    def _norm(spec, config, size: int) -> torch.nn.Module:
+        return build_module(
+            spec or IdentityOp, config=config, hidden_size=size, eps=config.layernorm_epsilon
+        )
+
+    def _up(self, spec, input_size: int, heads: int, per_head: Optional[int] = None):
+        """A column-parallel projection to ``heads`` x ``per_head`` (default: the q head dim)
+        whose input is already whole on every rank: no sequence gather, its input gradient
+        summed over TP."""
+        module = build_module(
+            spec,
+            input_size,
+            heads * (per_head or self.q_head_dim),
+            config=self.config,
+            init_method=leave_as_allocated,
+            gather_output=False,
+            bias=False,
+            skip_bias_add=False,
+            is_expert=False,
+            tp_group=self.tp_group,
+        )
+        module.sequence_parallel = False
+        module.allreduce_dgrad = get_pg_size(self.tp_group) > 1
+        return module
+
+    @staticmethod
+    def _softmax_scale(config: MLATransformerConfig) -> float:
+        scale = 1.0 / math.sqrt(config.qk_head_dim + config.qk_pos_emb_head_dim)
+        if config.rope_type == "yarn":
+            scale *= yarn_get_mscale(config.rotary_scaling_factor, config.mscale_all_dim) ** 2
+        return scale
+
+    def _set_rope(self, config: MLATransformerConfig) -> None:
+        """Frequencies (float32) and the cos/sin scale of ``config.rope_type``."""
+        dim = config.qk_pos_emb_head_dim
+        self._rope_mscale = 1.0
+        if config.rope_type == "yarn":
+            factor = config.rotary_scaling_factor
+            self._inv_freq = yarn_inv_freq(
+                dim,
+                config.rotary_base,
+                factor,
+                config.original_max_position_embeddings,
+                config.beta_fast,
+                config.beta_slow,
+            )
+            self._rope_mscale = yarn_get_mscale(factor, config.mscale) / yarn_get_mscale(
+                factor, config.mscale_all_dim
+            )
+        else:
+            exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
+            self._inv_freq = 1.0 / (config.rotary_base**exponents)
+
+    def _angles(self, seq_local: int, device: torch.device) -> torch.Tensor:
+        """Angles [s_local, 1, 1, dim] of this CP rank's positions (float32, on ``device``;
+        the last length's kept, so they are copied to the device once)."""
+        cp_group = self._cp_group.get()
+        cp, rank = get_pg_size(cp_group), get_pg_rank(cp_group)
+        key = (seq_local, cp, rank, device)
+        cached = getattr(self, "_angles_cache", None)
+        if cached is None or cached[0] != key:
+            if cp == 1:
+                positions = torch.arange(seq_local)
+            else:
+                positions = cp_shard_positions(seq_local * cp, cp, rank)
+            freqs = torch.outer(positions.to(torch.float32), self._inv_freq)
+            angles = torch.cat((freqs, freqs), dim=-1)[:, None, None, :].to(device)
+            self._angles_cache = cached = (key, angles)
+        return cached[1]
+
+    def _rope(self, t: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+        """De-interleave the pairs (x0, x1), (x2, x3), .. into halves, then rotate."""
+        t = torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
+        return rotate(t, angles, False, self._rope_mscale)
+
+    def _shared_rope_key(self, k_pe: torch.Tensor) -> torch.Tensor:
+        """k_pe feeds this rank's heads only: its gradient is summed over TP."""
+        if get_pg_size(self.tp_group) == 1:
+            return k_pe
+        return copy_to_tensor_model_parallel_region(k_pe, group=self.tp_group)
+
+    def get_query_key_value_tensors(
+        self, hidden_states: torch.Tensor
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q and K [s, b, np/TP, qk_head_dim + qk_pos_emb_head_dim], V [s, b, np/TP,
+        v_head_dim]; s is this CP rank's whole part (gathered over TP under SP)."""
+        config = self.config
+        x = hidden_states
+        if config.sequence_parallel and get_pg_size(self.tp_group) > 1:
+            x = gather_from_sequence_parallel_region(x, False, group=self.tp_group)
+        if config.q_lora_rank is None:
+            q, _ = self.linear_q_proj(x)
+        else:
+            q, _ = self.linear_q_up_proj(self.q_layernorm(self.linear_q_down_proj(x)[0]))
+        s, b = q.shape[:2]
+        q = q.view(s, b, self.heads, self.q_head_dim)
+        q_nope, q_pe = q.split([config.qk_head_dim, config.qk_pos_emb_head_dim], dim=-1)
+        kv_c, k_pe = self.linear_kv_down_proj(x)[0].split(
+            [config.kv_lora_rank, config.qk_pos_emb_head_dim], dim=-1
+        )
+        kv, _ = self.linear_kv_up_proj(self.kv_layernorm(kv_c))
+        kv = kv.view(s, b, self.heads, config.qk_head_dim + config.v_head_dim)
+        k_nope, value = kv.split([config.qk_head_dim, config.v_head_dim], dim=-1)
+        angles = self._angles(s, q.device)
+        q_pe = self._rope(q_pe, angles)
+        k_pe = self._rope(self._shared_rope_key(k_pe).unsqueeze(2), angles)
+        query = torch.cat((q_nope, q_pe), dim=-1)
+        key = torch.cat((k_nope, k_pe.expand(-1, -1, self.heads, -1)), dim=-1)
+        return query, key, value
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        key_value_states: Optional[torch.Tensor] = None,
+        inference_context=None,
+        rotary_pos_emb=None,
+        rotary_pos_cos=None,
+        rotary_pos_sin=None,
+        rotary_pos_cos_sin=None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+        sequence_len_offset: Optional[int] = None,
+        *,
+        inference_params=None,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """[s, b, h] -> (output [s, b, h], linear_proj bias); rope is applied here (the
+        passed ``rotary_pos_emb`` is not used)."""
+        for name, value in (
+            ("key_value_states", key_value_states),
+            ("inference_context", inference_context or inference_params),
+            ("packed_seq_params", packed_seq_params),
+            ("attention_bias", attention_bias),
+        ):
+            if value is not None:
+                raise NotImplementedError(f"MLASelfAttention: {name} is not supported")
+        query, key, value = self.get_query_key_value_tensors(hidden_states)
+        context = self._attention(query, key, value, attention_mask)
+        return self.linear_proj(context)
+
+    def _attention(self, query, key, value, attention_mask) -> torch.Tensor:
+        """Core attention with V zero-padded to Q/K's head dim (or Q and K to V's): the CP
+        paths take one head dim; the padding adds nothing to scores or outputs. Selective
+        recompute of ``core_attn`` as ``Attention``."""
+        dq, dv = query.shape[-1], value.shape[-1]
+        if dv < dq:
+            value = F.pad(value, (0, dq - dv))
+        elif dq < dv:
+            query, key = F.pad(query, (0, dv - dq)), F.pad(key, (0, dv - dq))
+
+        def core_attention(q, k, v, mask):
+            return self.core_attention(q, k, v, mask, attn_mask_type=self.attn_mask_type)
+
+        recompute = (
+            self.config.recompute_granularity == "selective"
+            and "core_attn" in self.config.recompute_modules
+            and self.training
+            and torch.is_grad_enabled()
+        )
+        if recompute:  # keep only Q, K, V; rerun the attention in the backward
+            context = tensor_parallel.checkpoint(
+                core_attention, False, query, key, value, attention_mask
+            )
+        else:
+            context = core_attention(query, key, value, attention_mask)
+        s, b = context.shape[:2]
+        return context.view(s, b, self.heads, -1)[..., :dv].reshape(s, b, self.heads * dv)
