@@ -240,3 +240,13 @@ def lora_pattern_matches(name: str, pattern: str) -> bool:
 
 # Preference training (megatron.core.preference; the trainer's --dpo-loss-type).
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")
+# the reported metrics of preference training (TRL's names without the slash; the logged
+# scalars have it: rewards/chosen)
+DPO_METRIC_KEYS = (
+    "rewards_chosen",
+    "rewards_rejected",
+    "rewards_accuracies",
+    "rewards_margins",
+    "logps_chosen",
+    "logps_rejected",
+)

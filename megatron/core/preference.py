@@ -35,20 +35,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron.core.config_rules import DPO_LOSS_TYPES
+from megatron.core.config_rules import DPO_LOSS_TYPES, DPO_METRIC_KEYS
 from megatron.core.process_groups_config import get_pg_size
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
 LOSS_TYPES = DPO_LOSS_TYPES
 # the reported keys of the policy pass (each [sum, count]; see ``preference_metrics``)
-METRIC_KEYS = (
-    "rewards_chosen",
-    "rewards_rejected",
-    "rewards_accuracies",
-    "rewards_margins",
-    "logps_chosen",
-    "logps_rejected",
-)
+METRIC_KEYS = DPO_METRIC_KEYS
 PAIR_LOSS_KEY, SFT_KEY, REFERENCE_KEY = "dpo_pair_loss", "dpo_sft_nll", "reference_logps"
 
 

@@ -205,20 +205,7 @@ class FileSFTDataset:
         return self._sample(self._record(index))
 
     def _sample(self, record: Record) -> Batch:
-        ids, mask = record
-        s = self.seq_length
-        n = min(ids.size, s + 1)
-        x = torch.full((s + 1,), self.pad, dtype=torch.long)
-        x[:n] = torch.from_numpy(ids[:n])
-        loss_mask = torch.zeros(s)
-        loss_mask[: n - 1] = torch.from_numpy(mask[1:n].astype(numpy.float32))
-        return {
-            "tokens": x[:-1].clone(),
-            "labels": x[1:].clone(),
-            "loss_mask": loss_mask,
-            "position_ids": torch.arange(s),
-            "padding_mask": torch.arange(s) >= n - 1,
-        }
+        return padded_sample(record, self.seq_length, self.pad)
 
     def document(self, index: int) -> Batch:
         """Sample ``index``'s record as a document of ``min(len - 1, seq_length)`` positions:
@@ -441,3 +428,23 @@ def _read_indexed(prefix: str, eod: int) -> List[Record]:
 
 def _ids(ids: Any) -> numpy.ndarray:
     return numpy.asarray(list(ids), dtype=numpy.int64)
+
+
+def padded_sample(record: Record, seq_length: int, pad: int) -> Batch:
+    """One row of ``seq_length`` positions from a (token ids, loss mask) record: tokens and
+    next-token labels, cut to the row or filled with ``pad`` (masked out, marked in
+    ``padding_mask``)."""
+    ids, mask = record
+    s = seq_length
+    n = min(ids.size, s + 1)
+    x = torch.full((s + 1,), pad, dtype=torch.long)
+    x[:n] = torch.from_numpy(ids[:n])
+    loss_mask = torch.zeros(s)
+    loss_mask[: n - 1] = torch.from_numpy(mask[1:n].astype(numpy.float32))
+    return {
+        "tokens": x[:-1].clone(),
+        "labels": x[1:].clone(),
+        "loss_mask": loss_mask,
+        "position_ids": torch.arange(s),
+        "padding_mask": torch.arange(s) >= n - 1,
+    }

@@ -28,18 +28,12 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
+from megatron.core.config_rules import DPO_METRIC_KEYS
 from megatron.training.errors import UsageError
 
 # --dpo's metrics.jsonl keys (megatron.core.preference.METRIC_KEYS): TRL's names, whose
 # scalar names have TRL's slash (rewards/chosen)
-DPO_METRICS = (
-    "rewards_chosen",
-    "rewards_rejected",
-    "rewards_accuracies",
-    "rewards_margins",
-    "logps_chosen",
-    "logps_rejected",
-)
+DPO_METRICS = DPO_METRIC_KEYS
 # metrics.jsonl key -> megatron's scalar name
 SCALAR_NAMES = {
     "loss": "lm loss",

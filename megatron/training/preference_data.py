@@ -35,6 +35,7 @@ from megatron.training.datasets import (
     Record,
     build_training_tokenizer,
     jsonl_records,
+    padded_sample,
     split_ranges,
 )
 
@@ -188,20 +189,7 @@ class PreferenceDataset:
         return int((~batch["padding_mask"]).sum())
 
     def _sample(self, record: Record) -> Batch:
-        ids, mask = record
-        s = self.seq_length
-        n = min(ids.size, s + 1)
-        x = torch.full((s + 1,), self.pad, dtype=torch.long)
-        x[:n] = torch.from_numpy(ids[:n])
-        loss_mask = torch.zeros(s)
-        loss_mask[: n - 1] = torch.from_numpy(mask[1:n].astype(numpy.float32))
-        return {
-            "tokens": x[:-1].clone(),
-            "labels": x[1:].clone(),
-            "loss_mask": loss_mask,
-            "position_ids": torch.arange(s),
-            "padding_mask": torch.arange(s) >= n - 1,
-        }
+        return padded_sample(record, self.seq_length, self.pad)
 
     def _check_lengths(self, max_truncated: Optional[float]) -> List[str]:
         s, total = self.seq_length, len(self.pairs)

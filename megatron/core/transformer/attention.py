@@ -134,18 +134,7 @@ class Attention(MegatronModule):
                 packed_seq_params=packed_seq_params,
             )
 
-        recompute = (
-            self.config.recompute_granularity == "selective"
-            and "core_attn" in self.config.recompute_modules
-            and self.training
-            and torch.is_grad_enabled()
-        )
-        if recompute:  # keep only Q, K, V; rerun the attention in the backward
-            context = tensor_parallel.checkpoint(
-                core_attention, False, query, key, value, attention_mask
-            )
-        else:
-            context = core_attention(query, key, value, attention_mask)
+        context = attend(self, core_attention, query, key, value, attention_mask)
         return self.linear_proj(context)
 
     def _cached_attention(self, query, key, value, inference_context) -> torch.Tensor:
@@ -261,3 +250,19 @@ class SelfAttention(Attention):
         query, key, value = mixed_qkv.split([heads_per_group * d, d, d], dim=-1)
         query = query.reshape(*query.shape[:2], groups * heads_per_group, d)
         return self.q_layernorm(query), self.k_layernorm(key), value
+
+
+def attend(module: torch.nn.Module, core_attention, query, key, value, attention_mask):
+    """``core_attention(query, key, value, attention_mask)`` of an attention ``module``; under
+    selective recomputation of ``core_attn`` (training, with grad) only Q, K and V are kept
+    and the attention reruns in the backward."""
+    config = module.config
+    recompute = (
+        config.recompute_granularity == "selective"
+        and "core_attn" in config.recompute_modules
+        and module.training
+        and torch.is_grad_enabled()
+    )
+    if recompute:
+        return tensor_parallel.checkpoint(core_attention, False, query, key, value, attention_mask)
+    return core_attention(query, key, value, attention_mask)

@@ -22,7 +22,6 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from megatron.core import tensor_parallel
 from megatron.core.context_parallel import cp_shard_positions
 from megatron.core.device import comm_device
 from megatron.core.process_groups_config import ProcessGroupCollection, get_pg_rank
@@ -31,6 +30,7 @@ from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
+from megatron.core.transformer.attention import attend
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule, leave_as_allocated, output_projection
@@ -321,17 +321,6 @@ class MLASelfAttention(MegatronModule):
         def core_attention(q, k, v, mask):
             return self.core_attention(q, k, v, mask, attn_mask_type=self.attn_mask_type)
 
-        recompute = (
-            self.config.recompute_granularity == "selective"
-            and "core_attn" in self.config.recompute_modules
-            and self.training
-            and torch.is_grad_enabled()
-        )
-        if recompute:  # keep only Q, K, V; rerun the attention in the backward
-            context = tensor_parallel.checkpoint(
-                core_attention, False, query, key, value, attention_mask
-            )
-        else:
-            context = core_attention(query, key, value, attention_mask)
+        context = attend(self, core_attention, query, key, value, attention_mask)
         s, b = context.shape[:2]
         return context.view(s, b, self.heads, -1)[..., :dv].reshape(s, b, self.heads * dv)
