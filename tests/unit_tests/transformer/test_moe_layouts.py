@@ -242,7 +242,9 @@ def _groups() -> ProcessGroupCollection:
 
 @functools.lru_cache(maxsize=None)
 def one_process(per_token: bool):
-    """The same model and global batch in one process (singleton groups)."""
+    """The same model and global batch in one process (singleton groups; no parallel_state
+    layout, so no group the collection leaves out falls back to an earlier test's)."""
+    parallel_state.destroy_model_parallel()
     single = dist.new_subgroups(group_size=1)[0]
     groups = ProcessGroupCollection(dp_cp=single, expt_dp=single, pp=single, dp=single)
     config = make_config(MoELayout(), per_token)
