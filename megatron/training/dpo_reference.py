@@ -83,10 +83,10 @@ def check_source(source: Dict[str, Any], where: str) -> None:
 
 
 def describe_source(source: Dict[str, Any]) -> str:
-    """``the seeded initialization (--seed 1234)``, ``--hf-model /abs/dir``, ..."""
+    """``from --seed 1234``, ``from --hf-model /abs/dir``, ..."""
     if source["flag"] == SEED:
-        return f"the seeded initialization (--seed {source['seed']})"
-    return f"{source['flag']} {source['path']}"
+        return f"from --seed {source['seed']}"
+    return f"from {source['flag']} {source['path']}"
 
 
 def _fresh_source(config: TrainingConfig) -> Dict[str, Any]:

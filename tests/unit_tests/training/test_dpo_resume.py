@@ -125,6 +125,31 @@ def test_a_finetune_source_is_rebuilt_on_resume_and_refused_by_name_when_gone(tm
 
 
 @pytest.mark.world(1)
+@pytest.mark.slow  # writes a HuggingFace model
+def test_an_hf_model_source_is_rebuilt_on_resume_and_refused_when_changed(tmp_path):
+    """--hf-model DIR: the checkpoint records DIR; the resume equals the uninterrupted run;
+    DIR's weights replaced by others, the resume is refused naming DIR."""
+    from tests.unit_tests.hf.hf_models import LLAMA_CONFIG, write_random_hf_model
+
+    model = write_random_hf_model(tmp_path / "policy", LLAMA_CONFIG, seed=0)
+    base = {k: v for k, v in SMALL.items() if k not in ("num_layers", "hidden_size")}
+    base.pop("num_attention_heads")
+    base.update(NO_VALIDATION, hf_model=str(model), seq_length=16)
+
+    def run(**changes):
+        with fresh_layout():
+            return _computed(pretrain(TrainingConfig(**{**base, **changes})).records)
+
+    straight = run(train_iters=2)
+    saved = tmp_path / "run"
+    interrupted = run(train_iters=1, save=str(saved)) + run(train_iters=2, load=str(saved))
+    assert interrupted == straight and straight[1]["rewards_chosen"] != 0.0
+    write_random_hf_model(tmp_path / "policy", LLAMA_CONFIG, seed=1)
+    with pytest.raises(UsageError, match=f"--hf-model {model.resolve()} .*now holds other"):
+        run(train_iters=2, load=str(saved))
+
+
+@pytest.mark.world(1)
 @pytest.mark.slow  # the default run's budget
 def test_a_lora_dpo_run_resumes_bit_for_bit(tmp_path):
     """LoRA's reference is the base with its adapters off: nothing to record."""
