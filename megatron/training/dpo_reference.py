@@ -49,9 +49,10 @@ def reference_source(config: TrainingConfig) -> Optional[Dict[str, Any]]:
     if not recorded:
         raise UsageError(
             f"--load {config.load} with --dpo: checkpoint {directory} records no DPO reference "
-            "(it is not a full fine-tuning DPO run's, e.g. an SFT, LoRA or reference-free "
-            "run's), so a resume would not know the reference; pass --finetune to start DPO "
-            "from its weights, or --dpo-reference-hf-model DIR"
+            "(an SFT, LoRA or reference-free run's, or a DPO run's saved before checkpoints "
+            "recorded it), so a resume would not know the reference, the run's starting "
+            "weights; pass --finetune to start DPO from its weights, or "
+            "--dpo-reference-hf-model DIR"
         )
     check_source(recorded, f"--load {config.load}: checkpoint {directory}")
     return dict(recorded)
