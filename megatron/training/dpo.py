@@ -5,7 +5,8 @@ Each iteration, on the global batch of P pairs (2P interleaved rows, ``preferenc
 
 1. the reference pass: the layout's schedule, forward only, in eval mode with the RNG states
    kept, over this rank's micro-batches, through the reference model: a frozen copy of the
-   policy's starting weights (built once, after ``--load`` / ``--pretrained-checkpoint``), the
+   policy's starting weights (built once, after ``--load`` / ``--pretrained-checkpoint``;
+   a resume rebuilds it from the source its checkpoints record, ``dpo_reference``), the
    policy itself with its LoRA adapters off (no second copy), ``--dpo-reference-hf-model``'s
    weights, or nothing with ``--dpo-reference-free`` (log-probs 0). The last pipeline stage
    keeps each micro-batch's whole-sequence reference log-probs (summed over CP);
