@@ -5,7 +5,8 @@ Each iteration, on the global batch of P pairs (2P interleaved rows, ``preferenc
 
 1. the reference pass: the layout's schedule, forward only, in eval mode with the RNG states
    kept, over this rank's micro-batches, through the reference model: a frozen copy of the
-   policy's starting weights (built once, after ``--load`` / ``--pretrained-checkpoint``), the
+   policy's starting weights (built once, after ``--load`` / ``--pretrained-checkpoint``;
+   a resume rebuilds it from the source its checkpoints record, ``dpo_reference``), the
    policy itself with its LoRA adapters off (no second copy), ``--dpo-reference-hf-model``'s
    weights, or nothing with ``--dpo-reference-free`` (log-probs 0). The last pipeline stage
    keeps each micro-batch's whole-sequence reference log-probs (summed over CP);
@@ -39,6 +40,7 @@ from megatron.core.preference import (
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe import moe_utils
 from megatron.training.arguments import Layout, TrainingConfig, flag_of, resolved_model
+from megatron.training.dpo_reference import FINETUNE, HF_MODEL, describe_source
 from megatron.training.evaluation import (
     WHOLE_SET,
     _eval_mode,
@@ -61,8 +63,14 @@ class PreferenceTraining:
         pg_collection: Optional[ProcessGroupCollection],
         model: List[torch.nn.Module],
         forward_backward_func,
+        source: Optional[dict] = None,
+        resumed: bool = False,
     ) -> None:
+        """``source``: where the starting weights came from (``dpo_reference``; recorded in
+        the run's checkpoints); ``resumed``: the policy holds a resumed checkpoint's weights,
+        so the reference is rebuilt from ``source`` instead of copied from the policy."""
         self.config, self.layout, self.pg = config, layout, pg_collection
+        self.source = source
         self.model, self.schedule = model, forward_backward_func
         self.objective = PreferenceObjective(
             beta=config.dpo_beta,
@@ -71,7 +79,9 @@ class PreferenceTraining:
             sft_weight=config.dpo_sft_weight,
         )
         self.cp = None if pg_collection is None else pg_collection.cp
-        self.reference = build_reference(config, layout, pg_collection, model)
+        rebuild = source if resumed else None
+        with _preserved_rng_states():  # a resumed run's restored RNG states stay as loaded
+            self.reference = build_reference(config, layout, pg_collection, model, rebuild)
 
     def describe(self) -> str:
         """``DPO: sigmoid loss, beta 0.1, ...; reference: ...; micro-batches of 2 pairs``."""
@@ -85,6 +95,8 @@ class PreferenceTraining:
                 else self.config.dpo_reference_hf_model or "a frozen copy of the starting weights"
             )
         )
+        if self.source is not None:
+            reference += f" ({describe_source(self.source)})"
         extras = f", label smoothing {o.label_smoothing}" if o.label_smoothing else ""
         extras += f", SFT weight {o.sft_weight}" if o.sft_weight else ""
         return (
@@ -224,10 +236,11 @@ def build_preference_validation(config: TrainingConfig) -> Optional[PreferenceVa
     return PreferenceValidation(batches, whole, int(count) - whole, source, list(dataset.notes))
 
 
-def build_reference(config, layout, pg_collection, model):
+def build_reference(config, layout, pg_collection, model, rebuild: Optional[dict] = None):
     """None (``--dpo-reference-free``), ``"adapters off"`` (LoRA: the policy itself), or the
-    reference chunks: ``--dpo-reference-hf-model``'s weights, else a frozen copy of the
-    policy's present (starting) weights; no DDP, no gradients."""
+    reference chunks: ``--dpo-reference-hf-model``'s weights, the starting weights rebuilt
+    from their recorded source ``rebuild`` (a resume: ``dpo_reference``), else a frozen copy
+    of the policy's present (starting) weights; no DDP, no gradients."""
     if config.dpo_reference_free:
         return None
     if config.lora_dim is not None and not config.dpo_reference_hf_model:
@@ -235,6 +248,8 @@ def build_reference(config, layout, pg_collection, model):
     source = config.dpo_reference_hf_model
     if source:
         check_reference_architecture(config)
+    if rebuild is not None:
+        return _rebuilt_reference(config, layout, pg_collection, rebuild)
     reference_config = dataclasses.replace(
         config,
         lora_dim=None,
@@ -245,6 +260,27 @@ def build_reference(config, layout, pg_collection, model):
     for chunk, policy in zip(chunks, model):
         if not source:
             chunk.load_state_dict(policy.module.state_dict())
+    return _frozen(chunks)
+
+
+def _rebuilt_reference(config, layout, pg_collection, source: dict) -> List[torch.nn.Module]:
+    """The starting weights from their recorded ``source``: the seeded initialization,
+    ``--hf-model``'s folder, or the ``--load --finetune`` checkpoint (weights only)."""
+    from megatron.training.checkpoint_layout import layout_record
+    from megatron.training.checkpointing import load_checkpoint
+
+    hf_model = source["path"] if source["flag"] == HF_MODEL else None
+    reference_config = dataclasses.replace(
+        config, lora_dim=None, hf_adapter=None, hf_model=hf_model, seed=source["seed"]
+    )
+    chunks = build_model(reference_config, layout, pg_collection, ddp=False)
+    if source["flag"] == FINETUNE:
+        load_checkpoint(source["path"], chunks, None, layout_record(layout), finetune=True)
+    return _frozen(chunks)
+
+
+def _frozen(chunks: List[torch.nn.Module]) -> List[torch.nn.Module]:
+    for chunk in chunks:
         for parameter in chunk.parameters():
             parameter.requires_grad_(False)
     return chunks

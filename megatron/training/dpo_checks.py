@@ -64,15 +64,8 @@ def check_dpo(c: Any) -> None:
         "policy with its adapters off) would add its routing counts to the expert-bias update; "
         "pass --dpo-reference-hf-model DIR or --dpo-reference-free",
     )
-    keeps_reference = (
-        c.finetune or c.lora_dim is not None or c.dpo_reference_free or c.dpo_reference_hf_model
-    )
-    _require(
-        not c.load or keeps_reference,
-        f"--load {c.load} with --dpo resumes a run whose reference (the starting weights) the "
-        "checkpoint does not hold: pass --finetune to start DPO from the checkpoint, or "
-        "--dpo-reference-hf-model DIR (or train LoRA, whose reference is the base)",
-    )
+    # --load without --finetune (a resume): the reference's recorded source is checked when
+    # the checkpoint is read (dpo_reference.reference_source, preflight and the trainer)
 
 
 def _flag(name: str) -> str:

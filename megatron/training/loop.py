@@ -46,6 +46,7 @@ from megatron.training.checkpoint_layout import checkpoint_dir, layout_record, s
 from megatron.training.checkpoint_save import save_checkpoint
 from megatron.training.data import microbatches_for_rank
 from megatron.training.dpo import ROWS_PER_PAIR, dpo_line
+from megatron.training.dpo_reference import REFERENCE_SOURCE_KEY
 from megatron.training.errors import TrainingStopped
 from megatron.training.evaluation import Validation, ValidationSet, evaluate, evaluation_due
 from megatron.training.exits import ExitConditions, exit_message
@@ -522,6 +523,15 @@ def save_due(config: TrainingConfig, iteration: int) -> bool:
     return iteration == config.train_iters or (interval is not None and iteration % interval == 0)
 
 
+def run_settings(run: Run) -> Dict[str, Any]:
+    """The settings its checkpoints record: the config's, and with ``--dpo`` the source of a
+    reference that copies the starting weights (``dpo_reference``: a resume rebuilds it)."""
+    record = settings_record(run.config)
+    if run.dpo is not None and run.dpo.source is not None:
+        record[REFERENCE_SOURCE_KEY] = dict(run.dpo.source)
+    return record
+
+
 def save_at(run: Run, iteration: int) -> None:
     """The checkpoint of ``iteration`` in ``--save`` (collective)."""
     config = run.config
@@ -533,7 +543,7 @@ def save_at(run: Run, iteration: int) -> None:
         run.scheduler,
         layout=layout_record(run.layout),
         consumed_samples=iteration * config.global_batch_size,
-        run_settings=settings_record(config),
+        run_settings=run_settings(run),
         trainable_only=config.save_trainable_params_only,
         lora_base=run.lora_base,
     )
@@ -562,7 +572,7 @@ def export_final_model(run: Run, iteration: int) -> None:
             run.optimizer,
             run.scheduler,
             layout=layout_record(run.layout),
-            run_settings=settings_record(config),
+            run_settings=run_settings(run),
             lora_base=run.lora_base,
         )
     export_hf(source, target, merge_lora=merge)

@@ -10,7 +10,8 @@ would not honour (``checkpointing.compare_run_settings`` / ``compare_optimizer_s
 
 ``check_input_paths``: ``--data-path``, ``--valid-data-path``, ``--tokenizer``,
 ``--hf-model`` and ``--load`` exist and are what they must be (a file, a folder, an indexed
-prefix, a checkpoint), each error naming the flag, the path and what was expected.
+prefix, a checkpoint; with ``--dpo``, the reference source a resumed checkpoint recorded),
+each error naming the flag, the path and what was expected.
 
 ``check_output_paths``: the output folders can be folders, ``--save`` overwrites no
 checkpoints the run does not resume, and an ``--export-hf`` model has a HuggingFace family,
@@ -120,6 +121,10 @@ def check_input_paths(config: TrainingConfig, adopted: Sequence[str] = ()) -> No
         resolve_checkpoint(
             config.load, config.save, config.ckpt_step, config.exit_on_missing_checkpoint
         )
+        if config.dpo:  # a resumed DPO run's reference source still exists
+            from megatron.training.dpo_reference import reference_source
+
+            reference_source(config)
 
 
 def _check_data_path(option: str, path: str) -> None:

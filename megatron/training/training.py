@@ -30,6 +30,7 @@ from megatron.training.compare import Comparison
 from megatron.training.comparison import compare_with_single_process
 from megatron.training.datasets import build_sft_dataset, build_training_tokenizer
 from megatron.training.dpo import PreferenceTraining, build_preference_validation
+from megatron.training.dpo_reference import reference_source
 from megatron.training.evaluation import build_validation_set
 from megatron.training.exits import ExitConditions
 from megatron.training.hf_settings import resolve_hf_model
@@ -175,6 +176,8 @@ def _build_run(
 ) -> Run:
     """The run's data, validation set, model, optimizer and schedule, resumed from
     ``--pretrained-checkpoint`` / ``--load`` when given."""
+    # --dpo: where the reference comes from (a resume's recorded source, checked up front)
+    reference = reference_source(config)
     dataset, config = _training_data(config)
     build_validation = build_preference_validation if config.dpo else build_validation_set
     validation_set = build_validation(config)
@@ -199,8 +202,9 @@ def _build_run(
     )  # fmt: skip
     if config.dpo:  # the reference (after the loads: the starting weights), the objective
         run.dpo = PreferenceTraining(
-            config, layout, pg_collection, model, run.forward_backward_func
-        )
+            config, layout, pg_collection, model, run.forward_backward_func,
+            source=reference, resumed=start_iteration > 0,
+        )  # fmt: skip
         print_rank_0(run.dpo.describe())
     return run
 

@@ -219,7 +219,6 @@ def test_a_jsonl_file_of_pairs_trains_and_validates_on_its_split(tmp_path):
         (dict(dpo_label_smoothing=0.5), "--dpo-label-smoothing"),
         (dict(dpo_loss_type="kto"), "--dpo-loss-type"),
         (dict(dpo_reference_free=True, dpo_reference_hf_model="x"), "--dpo-reference-free and"),
-        (dict(load="ckpt"), "--load ckpt with --dpo resumes a run"),
         (
             dict(
                 lora_dim=4,
