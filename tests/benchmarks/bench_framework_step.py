@@ -368,6 +368,8 @@ def main() -> None:
             )
         append_json(args.json, {"framework": fw["name"], "models": MODELS, "times": results})
     dist.barrier()
+    variants.clear()  # the models and their groups freed now, not at interpreter exit (where
+    gc.collect()  # gloo's threads can abort a half-finalized process: docs/troubleshooting.md)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
