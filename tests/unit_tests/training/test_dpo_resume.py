@@ -18,21 +18,9 @@ from megatron.training.errors import UsageError
 from megatron.training.preflight import check_input_paths
 from megatron.training.training import pretrain
 from tests.unit_tests.dist_utils import assert_no_failures, fresh_layout
+from tests.unit_tests.training.test_trainer_dpo import SMALL as DPO_SMALL
 
-SMALL = dict(
-    num_layers=2,
-    hidden_size=16,
-    num_attention_heads=4,
-    seq_length=32,
-    global_batch_size=4,
-    micro_batch_size=2,
-    progress=False,
-    lr=1e-2,
-    dpo=True,
-    dpo_beta=0.5,
-    eval_interval=2,
-    eval_iters=1,
-)
+SMALL = dict(DPO_SMALL, eval_interval=2, eval_iters=1)  # the DPO trainer tests' run
 # what a resumed record must equal (the timings and memory are measured, not computed)
 NO_VALIDATION = dict(eval_interval=None, eval_iters=TrainingConfig().eval_iters)
 COMPARED = ("loss", "grad_norm", "lr", "valid_loss", "valid_rewards_margins")
