@@ -42,7 +42,7 @@ def all_gather_attention(query, key, value, group, call: AttentionCall) -> torch
     plan = block_plan(query.shape[0], cp_size, cp_rank, call.packed, query.device)
     gathered_bytes = 2 * key.numel() * key.element_size() * cp_size
     groups = head_groups(key.shape[2], call.num_head_groups, gathered_bytes)
-    return AllGatherAttention.apply(query, key, value, group, plan, call.kernel, groups)
+    return AllGatherAttention.apply(query, key, value, group, plan, call.kernel, groups, call.sink)
 
 
 def validate(query: torch.Tensor, key: torch.Tensor, group) -> None:
@@ -81,7 +81,7 @@ class AllGatherAttention(torch.autograd.Function):
     """All-gather CP attention, one head group at a time (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, group, plan: BlockPlan, kernel: Kernel, head_groups):
+    def forward(ctx, query, key, value, group, plan: BlockPlan, kernel: Kernel, head_groups, sink):
         world, rank = get_pg_size(group), get_pg_rank(group)
         s_local, rep = query.shape[0], query.shape[2] // key.shape[2]
         rescale = Rescale.for_inputs(query, key, value, group)
@@ -104,11 +104,11 @@ class AllGatherAttention(torch.autograd.Function):
                     forward_block(part, q_h, KeyValues(*rows.chunk(2, dim=2)), kernel, acc_h)
             del kv
         ctx.head_groups = head_groups
-        return save_merged(ctx, query, q, kv_local, acc, group, plan, kernel, rescale)
+        return save_merged(ctx, query, q, kv_local, acc, group, plan, kernel, rescale, sink)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, kv_local, out, lse = ctx.saved_tensors
+        q, kv_local, out, lse, _ = ctx.saved_tensors
         group, plan, kernel, dtype = ctx.group, ctx.plan, ctx.kernel, ctx.dtype
         world, rank = get_pg_size(group), get_pg_rank(group)
         pending = start_gather(kv_local, ctx.head_groups[0], group)
@@ -145,4 +145,4 @@ class AllGatherAttention(torch.autograd.Function):
             dk_in, dv_in = reduction.wait().chunk(2, dim=2)
             add_scaled(dk[:, :, h0:h1], dk_in, gk, factors.dk)
             add_scaled(dv[:, :, h0:h1], dv_in, gv, factors.dv)
-        return side.dq.to(dtype), dk, dv, None, None, None, None
+        return side.dq.to(dtype), dk, dv, None, None, None, None, ctx.sink_grad

@@ -9,6 +9,7 @@ runs over those P ranks, and the heads go back. Needs n and n_kv divisible by A.
 all-to-all suits fast links within a node, the ring the links between nodes.)
 """
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -19,6 +20,7 @@ from megatron.core.transformer.cp_attention.collectives import HeadsToSeq, SeqTo
 from megatron.core.transformer.cp_attention.local import local_attention
 from megatron.core.transformer.cp_attention.plans import exchange_order
 from megatron.core.transformer.cp_attention.ring import ring_attention
+from megatron.core.transformer.cp_attention.sinks import heads_share
 from megatron.core.transformer.cp_attention.strategy import AttentionCall, Strategy
 
 
@@ -81,8 +83,10 @@ def _all_to_all_attention(
     q_heads = SeqToHeads.apply(query, group).index_select(0, order)
     kv_heads = SeqToHeads.apply(kv.contiguous(), group).index_select(0, order)
     k_heads, v_heads = kv_heads.chunk(2, dim=2)
+    # this rank's heads' sinks: their gradient is this rank's share (summed over CP)
+    sink = heads_share(call.sink, get_pg_rank(group), a2a_size)
     if ring is None:
-        out = local_attention(q_heads, k_heads, v_heads, call.packed, call.kernel)
+        out = local_attention(q_heads, k_heads, v_heads, call.packed, call.kernel, sink)
     else:
-        out = ring_attention(q_heads, k_heads, v_heads, ring, call)
+        out = ring_attention(q_heads, k_heads, v_heads, ring, replace(call, sink=sink))
     return HeadsToSeq.apply(out.index_select(0, back), group)

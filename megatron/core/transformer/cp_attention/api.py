@@ -27,6 +27,7 @@ def context_parallel_attention(
     kernel: Optional[str] = None,
     num_head_groups: Optional[int] = None,
     window_size: Optional[Tuple[int, int]] = None,
+    softmax_offset: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of this CP rank's queries over the whole sequence.
 
@@ -51,16 +52,21 @@ def context_parallel_attention(
     unless the gathered K/V would exceed 2 GiB; see ``all_gather.head_groups``).
     ``window_size`` (megatron-core's (left, right); right 0 or -1): sliding-window attention,
     query i sees keys i - left .. i (of its own document); at C = 1 and with a2a
-    (``check_window_size`` says which settings can have one).
+    (``check_window_size`` says which settings can have one). ``softmax_offset`` [np]
+    (megatron-core's name): attention sinks, one logit per query head added to the softmax
+    denominator, exp(sink_h) + sum_j exp(s_ij) (``sinks``; differentiable), in every mode.
     """
     strategy = _check_arguments(query, key, value, cp_comm_type, cp_group, packed_seq_params)
     cp_size = 0 if strategy.group_pair else get_pg_size(cp_group)
     window = check_window_size(window_size, strategy.name, cp_size)
     strategy.validate(query, key, cp_group)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(query.shape[-1])
-    call = AttentionCall(Kernel(kernel, scale, window), packed_seq_params, num_head_groups)
+    _check_sink(softmax_offset, query)
+    call = AttentionCall(
+        Kernel(kernel, scale, window), packed_seq_params, num_head_groups, softmax_offset
+    )
     if cp_size == 1:
-        return local_attention(query, key, value, packed_seq_params, call.kernel)
+        return local_attention(query, key, value, packed_seq_params, call.kernel, call.sink)
     return strategy.run(query, key, value, cp_group, call)
 
 
@@ -85,6 +91,18 @@ def check_window_size(window_size, cp_comm_type: Optional[str], cp_size: int) ->
             f"{cp_size if cp_size else '> 1 (hierarchical)'}"
         )
     return window
+
+
+def _check_sink(sink: Optional[torch.Tensor], query: torch.Tensor) -> None:
+    """``softmax_offset`` is None or one value per query head, on the query's device."""
+    if sink is None:
+        return
+    if sink.dim() != 1 or sink.shape[0] != query.shape[2] or sink.device != query.device:
+        raise ValueError(
+            f"context_parallel_attention: softmax_offset must be [{query.shape[2]}] (one "
+            f"sink logit per query head) on {query.device}, got {tuple(sink.shape)} on "
+            f"{sink.device}"
+        )
 
 
 def _check_arguments(query, key, value, cp_comm_type, cp_group, packed) -> Strategy:

@@ -20,6 +20,7 @@ from megatron.core.transformer.cp_attention.rescale import (
     Rescale,
     kernel_grad_inputs,
 )
+from megatron.core.transformer.cp_attention.sinks import sink_forward, sink_grad
 
 
 @dataclass(frozen=True)
@@ -78,13 +79,18 @@ class QuerySide:
 
 
 def save_merged(
-    ctx, query, q, kv_local, acc: Accumulator, group, plan, kernel: Kernel, rescale: Rescale
-) -> torch.Tensor:
-    """End of a CP attention forward (all-gather, ring): the merged output in ``query``'s
-    dtype, with what ``query_side`` reads in the backward saved on ``ctx``: q, this rank's
-    [K | V] (fp16 when rescaled), out, the LSE, the group, plan, kernel, rescaling, dtype."""
+    ctx, query, q, kv_local, acc: Accumulator, group, plan, kernel: Kernel, rescale: Rescale,
+    sink=None,
+) -> torch.Tensor:  # fmt: skip
+    """End of a CP attention forward (all-gather, ring): the attention sinks (``sink``, None:
+    none) joined to the merged output and LSE once, the output in ``query``'s dtype, with
+    what ``query_side`` reads in the backward saved on ``ctx``: q, this rank's [K | V] (fp16
+    when rescaled), out, the LSE, the sinks, the group, plan, kernel, rescaling, dtype."""
+    ctx.has_sink = sink is not None
+    if sink is not None:
+        acc = Accumulator(*sink_forward(acc.out, acc.lse, sink))
     out = rescale.output(acc.out, query.dtype, plan.valid)
-    ctx.save_for_backward(q, kv_local, out, acc.lse)
+    ctx.save_for_backward(q, kv_local, out, acc.lse, sink)
     ctx.group, ctx.plan, ctx.kernel, ctx.rescale = group, plan, kernel, rescale
     ctx.dtype = query.dtype
     return out
@@ -92,7 +98,11 @@ def save_merged(
 
 def query_side(ctx, grad_out, q, k, out, lse) -> Tuple[QuerySide, GradFactors]:
     """Start of the matching backward: the ``QuerySide`` (dO, O as the kernels take them, a
-    zero float32 dq) and the factors that undo the rescaling; ``k`` is this rank's keys."""
+    zero float32 dq) and the factors that undo the rescaling; ``k`` is this rank's keys.
+    The sinks' gradient (None without sinks) is left on ``ctx.sink_grad``."""
+    sink = ctx.saved_tensors[4] if ctx.has_sink else None
+    valid = ctx.plan.valid
+    ctx.sink_grad = sink_grad(grad_out if valid is None else grad_out * valid, out, lse, sink)
     do, o, factors = kernel_grad_inputs(
         grad_out, out, q, k, ctx.plan.valid, ctx.kernel.scale, ctx.rescale
     )

@@ -31,9 +31,9 @@ def ring_attention(query, key, value, group, call: AttentionCall) -> torch.Tenso
     a2a+p2p calls it with its ring group)."""
     cp_size, cp_rank = get_pg_size(group), get_pg_rank(group)
     if cp_size == 1:
-        return local_attention(query, key, value, call.packed, call.kernel)
+        return local_attention(query, key, value, call.packed, call.kernel, call.sink)
     plan = block_plan(query.shape[0], cp_size, cp_rank, call.packed, query.device)
-    return RingAttention.apply(query, key, value, group, plan, call.kernel)
+    return RingAttention.apply(query, key, value, group, plan, call.kernel, call.sink)
 
 
 def validate(query: torch.Tensor, key: torch.Tensor, group) -> None:
@@ -48,7 +48,7 @@ class RingAttention(torch.autograd.Function):
     """Load-balanced ring CP attention with float32 LSE merging (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, group, plan: BlockPlan, kernel: Kernel):
+    def forward(ctx, query, key, value, group, plan: BlockPlan, kernel: Kernel, sink):
         world, rank = get_pg_size(group), get_pg_rank(group)
         n_kv = key.shape[2]
         rescale = Rescale.for_inputs(query, key, value, group)
@@ -62,13 +62,13 @@ class RingAttention(torch.autograd.Function):
             forward_block(part, q, source, kernel, acc, first=step == 0)
             if exchange is not None:
                 kv = exchange.wait()
-        return save_merged(ctx, query, q, kv_local, acc, group, plan, kernel, rescale)
+        return save_merged(ctx, query, q, kv_local, acc, group, plan, kernel, rescale, sink)
 
     # Same frame as AllGatherAttention's (the end of the forward, unpacking ``ctx``): the
     # shared steps are blocks.save_merged / query_side; the exchanges differ.
     @staticmethod
     def backward(ctx, grad_out):
-        q, kv, out, lse = ctx.saved_tensors
+        q, kv, out, lse, _ = ctx.saved_tensors
         group, plan, kernel, dtype = ctx.group, ctx.plan, ctx.kernel, ctx.dtype
         world, rank = get_pg_size(group), get_pg_rank(group)
         n_kv = kv.shape[2] // 2
@@ -89,4 +89,4 @@ class RingAttention(torch.autograd.Function):
                 kv = exchange.wait()
         dk, dv = dkv_exchange.wait().split(n_kv, dim=2)  # after C hops: this rank's own
         dq, dk, dv = (x.to(dtype) for x in (side.dq, dk, dv))
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, ctx.sink_grad

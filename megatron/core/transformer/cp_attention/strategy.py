@@ -15,12 +15,14 @@ from megatron.core.transformer.cp_attention.blocks import Kernel
 @dataclass(frozen=True)
 class AttentionCall:
     """The settings of one ``context_parallel_attention`` call that every strategy receives:
-    how blocks are computed, the packed-sequence parameters (None: dense) and how many K/V
-    head groups the all-gather uses (None: its default)."""
+    how blocks are computed, the packed-sequence parameters (None: dense), how many K/V
+    head groups the all-gather uses (None: its default) and the attention sinks of the
+    query heads given (``sinks``; None: none)."""
 
     kernel: Kernel
     packed: Optional[object] = None
     num_head_groups: Optional[int] = None
+    sink: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)
