@@ -154,6 +154,73 @@ def window_left(window_size: Optional[Sequence[int]]) -> Optional[int]:
     return window_size[0]
 
 
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+
+
+def layer_window_size(
+    window_size: Optional[Sequence[int]], skip_freq: object, layer_number: int
+) -> Optional[Sequence[int]]:
+    """The window of layer ``layer_number`` (1-based): ``window_size`` on the sliding layers,
+    None on the full ones. ``skip_freq`` (megatron-core's ``window_attn_skip_freq``): None,
+    every layer slides; an int N, every N-th layer is full; a list, 1 = slides, 0 = full."""
+    if window_size is None or skip_freq is None:
+        return window_size
+    if _is_int(skip_freq):
+        return window_size if layer_number % skip_freq else None
+    return window_size if skip_freq[layer_number - 1] else None
+
+
+def gpt_oss_problems(
+    softmax_type: object,
+    skip_freq: object,
+    window_size: object,
+    num_layers: int,
+    glu_linear_offset: object,
+    clamp: object,
+    gated: bool,
+) -> List[str]:
+    """What is wrong with the GPT-OSS fields (megatron-core's names), each message naming the
+    field, its value and what was expected."""
+    out = []
+    if softmax_type not in SOFTMAX_TYPES:
+        out.append(f"softmax_type={softmax_type!r}; expected one of {SOFTMAX_TYPES}")
+    if skip_freq is not None:
+        if window_size is None:
+            out.append(
+                f"window_attn_skip_freq={skip_freq!r} needs window_size (it says which layers "
+                "keep the sliding window)"
+            )
+        elif _is_int(skip_freq):
+            if skip_freq < 1:
+                out.append(f"window_attn_skip_freq={skip_freq!r}; expected an int >= 1")
+        elif not (
+            isinstance(skip_freq, (list, tuple))
+            and len(skip_freq) == num_layers
+            and all(v in (0, 1) and not isinstance(v, float) for v in skip_freq)
+        ):
+            out.append(
+                f"window_attn_skip_freq={skip_freq!r}; expected an int >= 1 or a list of "
+                f"num_layers ({num_layers}) values 0 (full attention) or 1 (sliding window)"
+            )
+    offset_set = glu_linear_offset not in (0, 0.0)
+    if not isinstance(glu_linear_offset, (int, float)) or isinstance(glu_linear_offset, bool):
+        out.append(f"glu_linear_offset={glu_linear_offset!r}; expected a number")
+    elif offset_set and not gated:
+        out.append(
+            f"glu_linear_offset={glu_linear_offset!r} needs gated_linear_unit=True (it offsets "
+            "the gated unit's linear half)"
+        )
+    if clamp is not None:
+        if not (isinstance(clamp, (int, float)) and not isinstance(clamp, bool) and clamp > 0):
+            out.append(f"activation_func_clamp_value={clamp!r}; expected a number > 0 or None")
+        elif not gated:
+            out.append(
+                f"activation_func_clamp_value={clamp!r} needs gated_linear_unit=True (it "
+                "clamps the gated unit's two halves)"
+            )
+    return out
+
+
 def _is_int(value: object) -> bool:
     """An int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)

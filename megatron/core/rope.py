@@ -66,12 +66,13 @@ def yarn_inv_freq(
     """YaRN frequencies [dim / 2] (float32): base^(-2i / dim) kept below the ramp's low end,
     divided by ``factor`` above its high end, linearly blended between (the ramp's ends are
     the dims making ``beta_fast`` / ``beta_slow`` turns over the original length)."""
-    extra = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    powers = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extra, inter = 1.0 / powers, 1.0 / (factor * powers)  # (megatron-core's and HF's roundings)
     low, high = yarn_correction_range(
         beta_fast, beta_slow, dim, base, original_max_position_embeddings, round_to_int
     )
     keep = 1.0 - yarn_linear_ramp(low, high, dim // 2)
-    return extra / factor * (1 - keep) + extra * keep
+    return inter * (1 - keep) + extra * keep
 
 
 def yarn_correction_dim(

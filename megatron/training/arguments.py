@@ -60,7 +60,7 @@ from megatron.training.options import (
 from megatron.training.validation import Layout, validate_config
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
-POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn")
 DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
 OPTIMIZERS = ("adam", "sgd")
 
@@ -96,6 +96,10 @@ def catchable_signals() -> List[str]:
 def _is_signal_name(name: object) -> bool:
     """A name of a catchable signal (``catchable_signals``)."""
     return isinstance(name, str) and name in catchable_signals()
+
+
+def _yarn(c) -> bool:
+    return c.position_embedding_type == "yarn"
 
 
 def _moe(field: str, value=None, from_layout: bool = False) -> Sets:
@@ -386,8 +390,41 @@ class TrainingConfig:
         False,
         "--swiglu",
         kind=MODEL,
-        library="gated_linear_unit",
+        library=Sets("gated_linear_unit", value=lambda c, _: c.swiglu or c.quick_geglu),
         help="gated MLP silu(x W_gate) * (x W_up) instead of gelu(x W_1)",
+    )
+    quick_geglu: bool = option(
+        False,
+        "--quick-geglu",
+        kind=MODEL,
+        help="gated MLP quick_gelu(x W_gate) * (x W_up), quick_gelu(x) = x sigmoid(1.702 x) "
+        "(GPT-OSS's experts, with --glu-linear-offset 1 --activation-func-clamp-value 7)",
+    )
+    glu_linear_offset: float = option(
+        0.0,
+        "--glu-linear-offset",
+        kind=MODEL,
+        library="glu_linear_offset",
+        help="gated MLP: act(x W_gate) * (x W_up + OFFSET) (GPT-OSS: 1)",
+    )
+    activation_func_clamp_value: Optional[float] = option(
+        None,
+        "--activation-func-clamp-value",
+        kind=MODEL,
+        type=float,
+        library="activation_func_clamp_value",
+        check=positive_number,
+        help="gated MLP: x W_gate clamped above, x W_up on both sides at this value (GPT-OSS: 7)",
+    )
+    softmax_type: str = option(
+        "vanilla",
+        "--softmax-type",
+        kind=MODEL,
+        library="softmax_type",
+        choices=config_rules.SOFTMAX_TYPES,
+        check=one_of(config_rules.SOFTMAX_TYPES),
+        help="attention softmax: vanilla; learnable: attention sinks, a learned logit per head "
+        "in the denominator (GPT-OSS); off-by-one: a sink of 0",
     )
     position_embedding_type: str = option(
         "learned_absolute",
@@ -468,6 +505,53 @@ class TrainingConfig:
         check=positive_number,
         help="RoPE base (rope_theta)",
     )
+    rotary_scaling_factor: Optional[float] = option(
+        None,
+        "--rotary-scaling-factor",
+        kind=MODEL,
+        type=float,
+        library=Sets("yarn_rotary_scaling_factor", when=lambda c: _yarn(c)),
+        check=positive_number,
+        help="--position-embedding-type yarn: the YaRN scaling factor",
+    )
+    yarn_original_max_position_embeddings: Optional[int] = option(
+        None,
+        "--yarn-original-max-position-embeddings",
+        kind=MODEL,
+        type=int,
+        library=Sets("yarn_original_max_position_embeddings", when=lambda c: _yarn(c)),
+        check=positive,
+        help="--position-embedding-type yarn: the length the model was trained at",
+    )
+    yarn_beta_fast: Optional[float] = option(
+        None,
+        "--yarn-beta-fast",
+        kind=MODEL,
+        type=float,
+        library=Sets("yarn_beta_fast", when=lambda c: _yarn(c)),
+        check=positive_number,
+        help="--position-embedding-type yarn: turns of the ramp's high end (usually 32)",
+    )
+    yarn_beta_slow: Optional[float] = option(
+        None,
+        "--yarn-beta-slow",
+        kind=MODEL,
+        type=float,
+        library=Sets("yarn_beta_slow", when=lambda c: _yarn(c)),
+        check=positive_number,
+        help="--position-embedding-type yarn: turns of the ramp's low end (usually 1)",
+    )
+    no_yarn_correction_range_round_to_int: bool = option(
+        False,
+        "--no-yarn-correction-range-round-to-int",
+        kind=MODEL,
+        library=Sets(
+            "yarn_correction_range_round_to_int",
+            value=lambda c, _: not c.no_yarn_correction_range_round_to_int,
+        ),
+        help="--position-embedding-type yarn: keep the ramp's ends fractional (GPT-OSS; "
+        "HuggingFace's truncate: false)",
+    )
     use_rope_scaling: bool = option(
         False,
         "--use-rope-scaling",
@@ -539,6 +623,18 @@ class TrainingConfig:
         ),
         help="sliding-window attention: a query sees LEFT earlier keys (RIGHT 0: causal); "
         "default: no window",
+    )
+    window_attn_skip_freq: Union[None, int, List[int]] = option(
+        None,
+        "--window-attn-skip-freq",
+        kind=MODEL,
+        library="window_attn_skip_freq",
+        type=int,
+        nargs="+",
+        one_or_list=True,
+        metavar="N",
+        help="with --window-size: N, every N-th layer has full attention (GPT-OSS: 2); or one "
+        "value per layer, 1 = sliding window, 0 = full attention",
     )
     hf_model: Optional[str] = option(
         None,

@@ -16,6 +16,7 @@ from megatron.core.distributed import (
     DistributedDataParallelConfig,
     finalize_model_grads,
 )
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_model import padded_vocab_size
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -197,7 +198,10 @@ def keep_eager(layer: torch.nn.Module) -> None:
 
 
 def activation_of(config: TrainingConfig):
-    """silu (``--swiglu``, gated), OpenAI's tanh GELU (``--openai-gelu``) or exact GELU."""
+    """silu (``--swiglu``, gated), quick_gelu (``--quick-geglu``, gated), OpenAI's tanh GELU
+    (``--openai-gelu``) or exact GELU."""
+    if config.quick_geglu:
+        return quick_gelu
     return F.silu if config.swiglu else openai_gelu if config.openai_gelu else F.gelu
 
 

@@ -138,6 +138,7 @@ def validate_config(
         _check_packing(c)
     check_run_options(c, given)
     _check_moe(c, world_size, given)
+    _check_gpt_oss_features(c, given)
     check_fp8_flags(c, given)
     _check_lora(c)
     _check_objective(c, given)
@@ -224,8 +225,10 @@ def _check_moe(c: Config, world_size: int, given: _Given) -> None:
     ep = c.expert_model_parallel_size
     etp = c.expert_tensor_parallel_size or tp
     _require(
-        c.disable_bias_linear,
-        f"--num-experts {experts} needs --disable-bias-linear (expert biases are not supported)",
+        c.disable_bias_linear or (etp == 1 and not c.moe_grouped_gemm),
+        f"--num-experts {experts} with biases (no --disable-bias-linear) needs "
+        f"--expert-tensor-parallel-size 1 (got {etp}) and no --moe-grouped-gemm: expert "
+        "biases are implemented in the sequential experts without expert TP",
     )
     _require(
         tp == 1 or c.sequence_parallel,
@@ -277,6 +280,43 @@ def _check_moe(c: Config, world_size: int, given: _Given) -> None:
         f"--moe-layer-freq {c.moe_layer_freq}: expected N >= 1 or --num-layers "
         f"({c.num_layers}) 0/1 entries",
     )
+
+
+def _check_gpt_oss_features(c: Config, given: _Given) -> None:
+    """--quick-geglu, --glu-linear-offset, --activation-func-clamp-value, --softmax-type,
+    --window-attn-skip-freq and the YaRN flags: what each needs, named before any worker."""
+    if c.quick_geglu:
+        _require(
+            not c.swiglu and not c.openai_gelu,
+            "--quick-geglu is its own gated activation; leave out --swiglu and --openai-gelu",
+        )
+    gated = c.swiglu or c.quick_geglu
+    for name in ("glu_linear_offset", "activation_func_clamp_value"):
+        _require(
+            gated or not given(name),
+            f"{_flag(c, name)} {getattr(c, name)} shapes the gated MLP; it needs --swiglu or "
+            "--quick-geglu",
+        )
+    problems = config_rules.gpt_oss_problems(
+        c.softmax_type, c.window_attn_skip_freq, c.window_size, c.num_layers,
+        c.glu_linear_offset, c.activation_func_clamp_value, gated,
+    )  # fmt: skip
+    for problem in problems:
+        _require(False, problem.replace("window_attn_skip_freq=", "--window-attn-skip-freq "))
+    yarn = ("rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+            "yarn_beta_slow")  # fmt: skip
+    for name in yarn + ("no_yarn_correction_range_round_to_int",):
+        if c.position_embedding_type == "yarn" and name in yarn:
+            _require(
+                getattr(c, name) is not None,
+                f"--position-embedding-type yarn needs {_flag(c, name)}",
+            )
+        else:
+            _require(
+                c.position_embedding_type == "yarn" or not given(name),
+                f"{_flag(c, name)} is a YaRN setting; it needs --position-embedding-type yarn "
+                f"(got {c.position_embedding_type})",
+            )
 
 
 def _check_router_losses(c: Config, given: _Given) -> None:

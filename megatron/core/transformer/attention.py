@@ -13,7 +13,7 @@ import torch
 
 from megatron.core import tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.rope import apply_rotary_pos_emb
+from megatron.core.rope import apply_rotary_pos_emb, yarn_get_mscale
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule, leave_as_allocated, output_projection
@@ -118,8 +118,9 @@ class Attention(MegatronModule):
                 q_emb, k_emb = rotary_pos_emb
             else:
                 q_emb = k_emb = rotary_pos_emb
-            query = apply_rotary_pos_emb(query, q_emb, config=self.config)
-            key = apply_rotary_pos_emb(key, k_emb, config=self.config)
+            mscale = yarn_cos_sin_scale(self.config)
+            query = apply_rotary_pos_emb(query, q_emb, config=self.config, mscale=mscale)
+            key = apply_rotary_pos_emb(key, k_emb, config=self.config, mscale=mscale)
         if inference_context is not None:
             return self.linear_proj(self._cached_attention(query, key, value, inference_context))
 
@@ -140,15 +141,17 @@ class Attention(MegatronModule):
     def _cached_attention(self, query, key, value, inference_context) -> torch.Tensor:
         """Attention of the new queries [s, b, np, d] over every key cached so far (the
         new ones stored first): query i at position o + i (o = the context's
-        ``sequence_len_offset``) sees positions <= o + i, within ``window_size`` when set.
-        Context parallelism does not apply (one rank holds the whole sequence)."""
+        ``sequence_len_offset``) sees positions <= o + i, within this layer's window when
+        set, with the attention sinks when the core attention has them. Context parallelism
+        does not apply (one rank holds the whole sequence)."""
         if self.config.context_parallel_size > 1:
             raise NotImplementedError(
                 "inference_context with context_parallel_size > 1; generate at CP = 1"
             )
         keys, values = inference_context.store(self.layer_number, key, value)
         s, total = query.shape[0], keys.shape[0]
-        window = self.config.window_size
+        window = self.core_attention.window_size
+        sinks = self.core_attention.softmax_offset
         windowed = window is not None and window[0] >= 0 and total > window[0] + 1
         mask, causal = None, False
         if windowed or (s > 1 and total > s):  # a chunk after cached tokens, or a window
@@ -166,10 +169,40 @@ class Attention(MegatronModule):
         if per_group > 1:  # grouped-query attention: each key/value head serves per_group
             k = k.repeat_interleave(per_group, dim=1)
             v = v.repeat_interleave(per_group, dim=1)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, scale=self.core_attention.softmax_scale
-        )
+        scale = self.core_attention.softmax_scale
+        if sinks is not None:
+            out = _attention_with_sinks(q, k, v, mask, causal, scale, sinks)
+        else:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, scale=scale
+            )
         return out.permute(2, 0, 1, 3).reshape(s, out.shape[0], -1)
+
+
+def yarn_cos_sin_scale(config: TransformerConfig) -> float:
+    """YaRN's cos/sin scale mscale(factor, yarn_mscale) / mscale(factor, yarn_mscale_all_dim)
+    when the config has YaRN fields (``GPTModel(position_embedding_type="yarn")``), else 1."""
+    factor = config.yarn_rotary_scaling_factor
+    if factor is None:
+        return 1.0
+    mscale = config.yarn_mscale if config.yarn_mscale is not None else 1.0
+    return yarn_get_mscale(factor, mscale) / yarn_get_mscale(
+        factor, config.yarn_mscale_all_dim or 0.0
+    )
+
+
+def _attention_with_sinks(q, k, v, mask, causal: bool, scale: float, sinks) -> torch.Tensor:
+    """[b, n, s, d] attention whose softmax has one more column per head, the sink logit
+    (dropped after the softmax; float32 or wider)."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    column = sinks.to(dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v.to(dtype)).to(q.dtype)
 
 
 class SelfAttention(Attention):

@@ -6,7 +6,9 @@ from typing import Optional
 
 import torch
 
+from megatron.core.config_rules import layer_window_size
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.cp_attention import (
     check_backend_window,
     check_window_size,
@@ -32,8 +34,11 @@ class DotProductAttention(MegatronModule):
     is re-initialized: ``parallel_groups.ResolvedGroup``). ``attention_dropout`` is not
     applied (the CP kernels have no dropout; a warning says so when it is > 0). The kernel is
     ``config.attention_backend``'s (``cp_attention.kernel_choice``); ``config.window_size``
-    gives sliding-window attention, refused here, at build time, where the CP setting or the
-    kernel cannot compute it.
+    gives sliding-window attention (on the layers ``config.window_attn_skip_freq`` leaves
+    sliding: ``window_size`` here), refused here, at build time, where the CP setting or the
+    kernel cannot compute it. ``config.softmax_type`` "learnable": attention sinks, a
+    parameter ``softmax_offset`` [np / TP] (this TP rank's heads; zero at first) added to
+    every softmax denominator as exp(sink_h); "off-by-one": a fixed sink 0 (+1).
     """
 
     def __init__(
@@ -68,10 +73,18 @@ class DotProductAttention(MegatronModule):
             softmax_scale = 1.0 / math.sqrt(config.kv_channels)
         self.softmax_scale = softmax_scale
         self.kernel = kernel_for_backend(config.attention_backend)
-        check_backend_window(config.attention_backend, config.window_size)
+        self.window_size = layer_window_size(
+            config.window_size, config.window_attn_skip_freq, self.layer_number
+        )
+        check_backend_window(config.attention_backend, self.window_size)
         self._comm = self._comm_type()
+        sinks = _sinks(config)
+        if isinstance(sinks, torch.nn.Parameter) or sinks is None:
+            self.softmax_offset = sinks
+        else:
+            self.register_buffer("softmax_offset", sinks, persistent=False)
         check_window_size(
-            config.window_size,
+            self.window_size,
             self._comm,
             0 if self._comm == "a2a+p2p" else config.context_parallel_size,
         )
@@ -103,7 +116,8 @@ class DotProductAttention(MegatronModule):
             softmax_scale=self.softmax_scale,
             packed_seq_params=packed_seq_params,
             kernel=self.kernel,
-            window_size=self.config.window_size,
+            window_size=self.window_size,
+            softmax_offset=self.softmax_offset,
         )
         return context.reshape(context.shape[0], context.shape[1], -1)
 
@@ -112,6 +126,20 @@ class DotProductAttention(MegatronModule):
         if self.cp_comm_type == "a2a+p2p" and self.config.context_parallel_size == 1:
             return "all_gather"
         return self.cp_comm_type or "all_gather"
+
+
+def _sinks(config: TransformerConfig) -> Optional[torch.Tensor]:
+    """The sinks of this TP rank's heads: a zero parameter ("learnable"), a zero tensor
+    ("off-by-one"), or None ("vanilla")."""
+    if config.softmax_type == "vanilla":
+        return None
+    heads = config.num_attention_heads // config.tensor_model_parallel_size
+    zeros = torch.zeros(heads, dtype=config.params_dtype)
+    if config.softmax_type == "off-by-one":
+        return zeros
+    sinks = torch.nn.Parameter(zeros)
+    set_tensor_model_parallel_attributes(sinks, True, 0, 1)
+    return sinks
 
 
 _WARNED = set()

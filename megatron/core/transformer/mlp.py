@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.core.fusions.fused_bias_geglu import gated_unit
 from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
 from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
 from megatron.core.transformer.module import MegatronModule, leave_as_allocated, output_projection
@@ -52,11 +53,14 @@ class MLP(MegatronModule):
         self.activation_func = config.activation_func
         if config.bias_activation_fusion:
             gated, act = config.gated_linear_unit, config.activation_func
-            if not ((gated and act is F.silu) or (not gated and act is F.gelu)):
+            plain = config.glu_linear_offset == 0 and config.activation_func_clamp_value is None
+            if not ((gated and act is F.silu and plain) or (not gated and act is F.gelu)):
                 raise ValueError(
                     "MLP: bias_activation_fusion=True fuses SwiGLU (gated_linear_unit with "
-                    "activation_func F.silu) or GELU (F.gelu, not gated); got "
-                    f"gated_linear_unit={gated}, activation_func={act!r}"
+                    "activation_func F.silu, no glu_linear_offset or clamp) or GELU (F.gelu, "
+                    f"not gated); got gated_linear_unit={gated}, activation_func={act!r}, "
+                    f"glu_linear_offset={config.glu_linear_offset}, "
+                    f"activation_func_clamp_value={config.activation_func_clamp_value}"
                 )
         self.linear_fc1 = build_module(
             submodules.linear_fc1,
@@ -87,8 +91,7 @@ class MLP(MegatronModule):
         if bias is not None:
             intermediate = intermediate + bias
         if self.config.gated_linear_unit:
-            gate, up = intermediate.chunk(2, dim=-1)
-            intermediate = self.activation_func(gate) * up
+            intermediate = gated_unit(self.config, intermediate)
         else:
             intermediate = self.activation_func(intermediate)
         return self.linear_fc2(intermediate)

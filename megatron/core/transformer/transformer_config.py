@@ -62,6 +62,22 @@ class TransformerConfig(ModelParallelConfig):
     num_moe_experts: Optional[int] = None
     rotary_interleaved: bool = False
     window_size: Optional[tuple] = None
+    # megatron-core's GPT-OSS fields: which layers keep the window (int N: every N-th layer
+    # is full attention; list: 1 = sliding window, 0 = full, per layer), attention sinks
+    # ("learnable": a per-head logit in the softmax denominator; "off-by-one": a sink of 0),
+    # the gated unit's act(gate) * (up + offset) and the clamp of gate (above) and up (both)
+    window_attn_skip_freq: Optional[Union[int, List[int]]] = None
+    softmax_type: str = "vanilla"
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: Optional[float] = None
+    # YaRN rotary embeddings of GPTModel(position_embedding_type="yarn") (megatron-core's names)
+    yarn_rotary_scaling_factor: Optional[float] = None
+    yarn_original_max_position_embeddings: Optional[int] = None
+    yarn_beta_fast: Optional[float] = None
+    yarn_beta_slow: Optional[float] = None
+    yarn_mscale: Optional[float] = None
+    yarn_mscale_all_dim: Optional[float] = None
+    yarn_correction_range_round_to_int: bool = True
     normalization: str = "LayerNorm"
     qk_layernorm: bool = False
     # An extra of this core: the q/k norms over all heads of each projection together
@@ -197,6 +213,7 @@ class TransformerConfig(ModelParallelConfig):
         self._check_recompute()
         self.attention_backend = _attention_backend(self.attention_backend)
         _check_window_size(self.window_size)
+        self._check_gpt_oss_fields()
         self._fill_init_methods()
         if not self.num_attention_heads:
             return
@@ -220,6 +237,20 @@ class TransformerConfig(ModelParallelConfig):
                 f"{name} ({value!r}) must be a positive multiple of tensor_model_parallel_size "
                 f"({tp})"
             )
+
+    def _check_gpt_oss_fields(self) -> None:
+        """softmax_type, window_attn_skip_freq, glu_linear_offset and
+        activation_func_clamp_value (``config_rules``: shared with the trainer's flags)."""
+        for problem in config_rules.gpt_oss_problems(
+            self.softmax_type,
+            self.window_attn_skip_freq,
+            self.window_size,
+            self.num_layers,
+            self.glu_linear_offset,
+            self.activation_func_clamp_value,
+            self.gated_linear_unit,
+        ):
+            raise ValueError(problem)
 
     def _check_recompute(self) -> None:
         """megatron-core 0.16.1's recompute checks, with the fields named."""

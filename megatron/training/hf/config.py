@@ -107,10 +107,18 @@ def hf_config_for_export(
 TRANSLATED: Dict[str, Callable[[HFArchitecture], Dict[str, Any]]] = {
     "family": lambda a: {},
     "dtype": lambda a: {},
-    "activation": lambda a: {"openai_gelu": a.activation == "gelu_tanh"},
+    "activation": lambda a: {
+        "openai_gelu": a.activation == "gelu_tanh",
+        "quick_geglu": a.activation == "quick_gelu",
+    },
+    "window_attn_skip_freq": lambda a: {
+        "window_attn_skip_freq": (
+            None if a.window_attn_skip_freq is None else list(a.window_attn_skip_freq)
+        )
+    },
     "max_position_embeddings": lambda a: {
         "max_position_embeddings": (
-            a.max_position_embeddings if a.position_embedding_type != "rope" else None
+            None if a.position_embedding_type in ("rope", "yarn") else a.max_position_embeddings
         )
     },
     "rope_scaling_factor": lambda a: {
@@ -211,7 +219,7 @@ def model_meaning(settings: Dict[str, Any]) -> Dict[str, Any]:
     a shared-expert gate without a shared expert, the dense FFN size when every layer is a
     MoE layer."""
     out = dict(settings)
-    if out["position_embedding_type"] == "rope":
+    if out["position_embedding_type"] in ("rope", "yarn"):
         out.pop("max_position_embeddings")
         out["rotary_base"] = float(out["rotary_base"])
     else:
@@ -219,6 +227,13 @@ def model_meaning(settings: Dict[str, Any]) -> Dict[str, Any]:
             out.pop(key)
     if not out.get("use_rope_scaling"):
         out.pop("rope_scaling_factor", None)
+    if out["position_embedding_type"] != "yarn":
+        for key in _YARN_SETTINGS:
+            out.pop(key, None)
+    out["window_attn_skip_freq"] = _skip_pattern(
+        out.get("window_attn_skip_freq"), out["window_size"], out["num_layers"]
+    )
+    out["glu_linear_offset"] = float(out.get("glu_linear_offset") or 0.0) or None
     out["openai_gelu"] = bool(out["openai_gelu"]) and not out["swiglu"]
     out["add_qkv_bias"] = bool(out["add_qkv_bias"]) and bool(out["disable_bias_linear"])
     out["qk_layernorm_whole_projection"] = bool(
@@ -239,6 +254,27 @@ def model_meaning(settings: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
+_YARN_SETTINGS = (
+    "rotary_scaling_factor",
+    "yarn_original_max_position_embeddings",
+    "yarn_beta_fast",
+    "yarn_beta_slow",
+    "no_yarn_correction_range_round_to_int",
+)
+
+
+def _skip_pattern(freq, window, layers: int) -> Optional[list]:
+    """``window_attn_skip_freq`` as one 0/1 per layer (None: no window, or every layer
+    slides), so that 2 and [1, 0, 1, 0] compare equal."""
+    if not window or freq is None:
+        return None
+    if isinstance(freq, int):
+        pattern = [int((i + 1) % freq != 0) for i in range(layers)]
+    else:
+        pattern = [int(v) for v in freq]
+    return None if all(pattern) else pattern
+
+
 def _with_defaults(settings: Dict[str, Any]) -> Dict[str, Any]:
     """Recorded settings with the options they lack (or hold as None) at their defaults,
     derived ones resolved (``resolved_model``)."""
@@ -247,6 +283,21 @@ def _with_defaults(settings: Dict[str, Any]) -> Dict[str, Any]:
     defaults = {f.name: f.default for f in fields(TrainingConfig)}
     given = {k: v for k, v in settings.items() if v is not None}
     return defaultdict(lambda: None, resolved_model({**defaults, **given}))
+
+
+def _activation_of_settings(settings: Dict[str, Any]) -> str:
+    if settings["quick_geglu"]:
+        return "quick_gelu"
+    if settings["swiglu"]:
+        return "silu"
+    return "gelu_tanh" if settings["openai_gelu"] else "gelu"
+
+
+def _skip_tuple(settings: Dict[str, Any]):
+    pattern = _skip_pattern(
+        settings["window_attn_skip_freq"], settings["window_size"], settings["num_layers"]
+    )
+    return None if pattern is None else tuple(pattern)
 
 
 def _architecture_of_settings(settings: Dict[str, Any]) -> HFArchitecture:
@@ -260,12 +311,12 @@ def _architecture_of_settings(settings: Dict[str, Any]) -> HFArchitecture:
         if f.name in options and f.name not in TRANSLATED and not f.name.startswith("moe_")
     }
     swiglu, bias = bool(settings["swiglu"]), not settings["disable_bias_linear"]
-    rope = settings["position_embedding_type"] == "rope"
+    rope = settings["position_embedding_type"] in ("rope", "yarn")
     translated = dict(
         family="",
         swiglu=swiglu,
-        activation="silu" if swiglu else ("gelu_tanh" if settings["openai_gelu"] else "gelu"),
-        position_embedding_type="rope" if rope else "learned_absolute",
+        activation=_activation_of_settings(settings),
+        position_embedding_type=settings["position_embedding_type"] if rope else "learned_absolute",
         max_position_embeddings=settings["max_position_embeddings"],
         rotary_base=float(settings["rotary_base"]),
         rope_scaling_factor=(
@@ -275,5 +326,6 @@ def _architecture_of_settings(settings: Dict[str, Any]) -> HFArchitecture:
         add_qkv_bias=bool(settings["add_qkv_bias"]) and not bias,
         tied=not settings["untie_embeddings_and_output_weights"],
         window_size=tuple(settings["window_size"]) if settings["window_size"] else None,
+        window_attn_skip_freq=_skip_tuple(settings),
     )
     return HFArchitecture(**{**same, **translated}, **moe_architecture_fields(settings))

@@ -41,9 +41,10 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 class HFArchitecture:
     """What a HuggingFace decoder is, in our GPT's terms.
 
-    ``activation``: "silu" (gated: SwiGLU), "gelu" (erf) or "gelu_tanh" (OpenAI's tanh
-    approximation, GPT-2's ``gelu_new``). ``rope_scaling_factor``: Llama 3.x frequency
-    scaling (None: none). ``dtype``: the dtype the checkpoint declares (a torch name).
+    ``activation``: "silu" (gated: SwiGLU), "gelu" (erf), "gelu_tanh" (OpenAI's tanh
+    approximation, GPT-2's ``gelu_new``) or "quick_gelu" (gated, ``--quick-geglu``).
+    ``rope_scaling_factor``: Llama 3.x frequency scaling (None: none). ``dtype``: the dtype
+    the checkpoint declares (a torch name).
     """
 
     family: str
@@ -81,6 +82,19 @@ class HFArchitecture:
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_gate: bool = False
     moe_layer_freq: Optional[Tuple[int, ...]] = None
+    # GPT-OSS (megatron-core's names, as the trainer's options): attention sinks; which layers
+    # keep ``window_size`` (one 1 = sliding / 0 = full per layer); the gated unit's offset and
+    # clamp (``activation`` "quick_gelu": x sigmoid(1.702 x)); YaRN rotary embeddings
+    # (``position_embedding_type`` "yarn")
+    softmax_type: str = "vanilla"
+    window_attn_skip_freq: Optional[Tuple[int, ...]] = None
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: Optional[float] = None
+    rotary_scaling_factor: Optional[float] = None
+    yarn_original_max_position_embeddings: Optional[int] = None
+    yarn_beta_fast: Optional[float] = None
+    yarn_beta_slow: Optional[float] = None
+    no_yarn_correction_range_round_to_int: bool = False
 
     def qk_norm_sizes(self) -> Tuple[int, int]:
         """The q and k norm weights' sizes: ``kv_channels`` each (per head), or all heads of
@@ -101,16 +115,24 @@ class HFArchitecture:
 
 @dataclass(frozen=True)
 class Segment:
-    """Rows [start, stop) of HuggingFace tensor ``key`` (columns when ``transposed``)."""
+    """Rows [start, stop) of HuggingFace tensor ``key`` (columns when ``transposed``), every
+    ``step``-th one (GPT-OSS's interleaved gate/up columns: step 2); ``index``: of the
+    sub-tensor ``key[index]`` of a stacked tensor (GPT-OSS's [experts, ...] parameters)."""
 
     key: str
     start: int
     stop: int
     transposed: bool = False
+    step: int = 1
+    index: Optional[int] = None
 
     @property
     def length(self) -> int:
-        return self.stop - self.start
+        return len(range(self.start, self.stop, self.step))
+
+    def hf_rows(self, first: int, last: int) -> slice:
+        """The HuggingFace rows of our rows [first, last) of this segment (0-based)."""
+        return slice(self.start + first * self.step, self.start + last * self.step, self.step)
 
 
 Source = Tuple[Segment, ...]

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_model import padded_vocab_size
 from megatron.core.process_groups_config import ProcessGroupCollection, resolve_group
@@ -33,7 +34,7 @@ from megatron.training.hf.weights import (
 )
 from megatron.training.options import TRANSFORMER_CONFIG, library_values
 
-ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": openai_gelu}
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": openai_gelu, "quick_gelu": quick_gelu}
 # Our parameters whose rows are the vocabulary (padded in the model to a multiple of TP).
 VOCAB_PARAMETERS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -226,8 +227,23 @@ def _load_experts(model: GPTModel, reader, sources, full_shapes, finite: bool) -
                         f"{list(target.shape)} but its HuggingFace rows give {list(value.shape)}"
                     )
                 target.copy_(value)
+                _load_expert_bias(module, prefix, i, proj, (sources, reader, finite))
         filled.update(id(p) for p in module.parameters())
     return filled
+
+
+def _load_expert_bias(module, prefix: str, i: int, proj: str, read) -> None:
+    """Local expert ``i``'s ``proj`` bias (``add_bias_linear``: ``SequentialMLP`` at expert
+    TP 1, so whole); ``read``: (sources, reader, finite)."""
+    if not hasattr(module, "local_experts"):
+        return
+    bias = getattr(module.local_experts[i], proj).bias
+    if bias is None:
+        return
+    sources, reader, finite = read
+    name = f"{prefix}.local_experts.{module.first_expert + i}.{proj}.bias"
+    value = read_rows(reader, sources[name], [(0, bias.shape[0])], None, finite=finite)
+    bias.copy_(value)
 
 
 def hf_prefix(reader: SafetensorsReader, arch: HFArchitecture) -> Optional[str]:

@@ -71,20 +71,25 @@ def hf_shapes(arch: HFArchitecture, sources: Dict[str, Source], our_shapes) -> D
     ({name: shape}): a segment's HuggingFace tensor has our other dimension and the largest
     row index its segments reach (checked against the file before reading)."""
     rows: Dict[str, int] = {}
+    stacked: Dict[str, int] = {}  # key -> sub-tensors (``Segment.index``)
     shapes: Dict[str, tuple] = {}
     for name, source in sources.items():
         shape = tuple(our_shapes[name])
         for seg in source:
             rows[seg.key] = max(rows.get(seg.key, 0), seg.stop)
+            if seg.index is not None:
+                stacked[seg.key] = max(stacked.get(seg.key, 0), seg.index + 1)
             if len(shape) == 1:
                 shapes[seg.key] = (None,)
             elif seg.transposed:
                 shapes[seg.key] = (shape[1], None)
             else:
                 shapes[seg.key] = (None, shape[1])
-    return {
-        key: tuple(rows[key] if s is None else s for s in shape) for key, shape in shapes.items()
-    }
+    out = {}
+    for key, shape in shapes.items():
+        inner = tuple(rows[key] if s is None else s for s in shape)
+        out[key] = (stacked[key],) + inner if key in stacked else inner
+    return out
 
 
 def our_full_shapes(arch: HFArchitecture) -> Dict[str, tuple]:
@@ -111,6 +116,7 @@ def our_full_shapes(arch: HFArchitecture) -> Dict[str, tuple]:
                 p + "self_attention.linear_proj.bias": (h,),
                 p + "self_attention.q_layernorm.weight": (q_norm,),
                 p + "self_attention.k_layernorm.weight": (k_norm,),
+                p + "self_attention.core_attention.softmax_offset": (arch.num_attention_heads,),
                 p + "pre_mlp_layernorm.weight": (h,),
                 p + "pre_mlp_layernorm.bias": (h,),
                 p + "mlp.linear_fc1.weight": ((2 if arch.swiglu else 1) * ffn, h),
@@ -292,14 +298,7 @@ def read_rows(
         for seg in source:
             lo, hi = max(first, offset), min(last, offset + seg.length)
             if lo < hi:
-                rows = slice(seg.start + lo - offset, seg.start + hi - offset)
-                cols = slice(None) if columns is None else slice(*columns)
-                if seg.transposed:
-                    pieces.append(reader.read(seg.key, (cols, rows)).t())
-                elif columns is None and len(reader.shape(seg.key)) == 1:
-                    pieces.append(reader.read(seg.key, (rows,)))
-                else:
-                    pieces.append(reader.read(seg.key, (rows, cols)))
+                pieces.append(_read_segment(reader, seg, lo - offset, hi - offset, columns))
                 if finite and not torch.isfinite(pieces[-1]).all():
                     raise ValueError(
                         f"{reader.file_of(seg.key)}: tensor {seg.key!r} holds NaN or infinite "
@@ -308,6 +307,24 @@ def read_rows(
                     )
             offset += seg.length
     return torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0].contiguous()
+
+
+def _read_segment(reader, seg, first: int, last: int, columns) -> torch.Tensor:
+    """Our rows [first, last) of ``seg`` (and ``columns``, None: all) from its tensor: the
+    contiguous span of HuggingFace rows read, then every ``step``-th kept."""
+    rows = seg.hf_rows(first, last)
+    span = slice(rows.start, rows.start + (last - first - 1) * seg.step + 1)
+    cols = slice(None) if columns is None else slice(*columns)
+    lead = () if seg.index is None else (slice(seg.index, seg.index + 1),)
+    dims = len(reader.shape(seg.key)) - len(lead)
+    if seg.transposed:
+        part = reader.read(seg.key, lead + (cols, span))
+        part = (part[0] if lead else part)[:, :: seg.step].t()
+    else:
+        index = (span,) if columns is None and dims == 1 else (span, cols)
+        part = reader.read(seg.key, lead + index)
+        part = (part[0] if lead else part)[:: seg.step]
+    return part.contiguous() if seg.step > 1 or lead else part
 
 
 def scatter_to_hf(
@@ -323,10 +340,13 @@ def scatter_to_hf(
             target = out.get(seg.key)
             if target is None:
                 target = out[seg.key] = torch.empty(shapes[seg.key], dtype=tensor.dtype)
+            if seg.index is not None:
+                target = target[seg.index]
+            rows = seg.hf_rows(0, seg.length)
             if seg.transposed:
-                target[:, seg.start : seg.stop] = part.t()
+                target[:, rows] = part.t()
             else:
-                target[seg.start : seg.stop] = part
+                target[rows] = part
             offset += seg.length
     return out
 

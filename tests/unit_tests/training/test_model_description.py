@@ -35,6 +35,8 @@ MODEL_OPTIONS_ELSEWHERE = {
     "seq_length": "the data; the default position table (max_position_embeddings)",
     "tokenizer": "the data",
     "openai_gelu": "activation_func (model.computed_fields, with --swiglu)",
+    "quick_geglu": "activation_func (model.computed_fields) and gated_linear_unit (--swiglu's "
+    "declaration)",
     "pretrained_checkpoint": "the weights loaded",
 }
 TARGET_FIELDS = {

@@ -80,6 +80,17 @@ NON_DEFAULT = {
     "mtp_num_layers": 1,
     "rotary_interleaved": True,
     "window_size": (2, 0),
+    "window_attn_skip_freq": With(2, window_size=(2, 0)),
+    "softmax_type": "learnable",
+    "glu_linear_offset": With(1.0, gated_linear_unit=True),
+    "activation_func_clamp_value": With(0.05, gated_linear_unit=True),
+    # YaRN fields: refused by name unless GPTModel(position_embedding_type="yarn")
+    "yarn_rotary_scaling_factor": 4.0,
+    "yarn_original_max_position_embeddings": 16,
+    "yarn_beta_fast": 16.0,
+    "yarn_beta_slow": 2.0,
+    "yarn_mscale": 0.5,
+    "yarn_mscale_all_dim": 0.5,
     "normalization": "RMSNorm",
     "qk_layernorm": True,
     "qk_layernorm_whole_projection": With(True, qk_layernorm=True, normalization="RMSNorm"),
@@ -195,6 +206,8 @@ SPEED_VALUES = {
 }
 
 OWNED_ELSEWHERE = {
+    "yarn_correction_range_round_to_int": "read by GPTModel(position_embedding_type='yarn') "
+    "only (tests/unit_tests/hf/test_hf_gpt_oss.py: HuggingFace's truncate false)",
     # layout: tests/unit_tests/models/test_gpt_parity.py checks they leave gradients unchanged
     "tensor_model_parallel_size": "layout (TP parity tests)",
     "pipeline_model_parallel_size": "layout (PP parity tests)",

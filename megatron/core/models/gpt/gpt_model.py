@@ -44,8 +44,8 @@ class GPTModel(MegatronModule):
     Chunk ``vp_stage`` on pipeline rank p is virtual stage vp_stage * PP + p and holds the
     global layers [stage * L / (PP * V), (stage + 1) * L / (PP * V)).
 
-    Parameters: norm weights 1, biases 0; every other weight is built as the full
-    (unsharded) float32 CPU tensor by its config init method, ``embedding_init_method`` for
+    Parameters: norm weights 1, biases and attention sinks 0; every other weight is built as
+    the full (unsharded) float32 CPU tensor by its config init method, ``embedding_init_method`` for
     the word and position embeddings, ``output_layer_init_method`` for the attention
     projection and MLP fc2, ``init_method`` for the rest (megatron-core's roles; defaults
     Normal(0, std) and Normal(0, std / sqrt(2 L)), see ``TransformerConfig``), with the CPU
@@ -109,11 +109,12 @@ class GPTModel(MegatronModule):
             raise NotImplementedError(
                 "GPTModel: config.fp32_residual_connection=True is not supported"
             )
-        if position_embedding_type not in ("learned_absolute", "rope", "none"):
+        if position_embedding_type not in ("learned_absolute", "rope", "yarn", "none"):
             raise NotImplementedError(
                 f"GPTModel: position_embedding_type={position_embedding_type!r} is not "
-                "supported; expected 'learned_absolute', 'rope' or 'none'"
+                "supported; expected 'learned_absolute', 'rope', 'yarn' or 'none'"
             )
+        _check_yarn_fields(config, position_embedding_type)
         self.tp_group = tp_group_of(pg_collection, config)
         # resolved once; a mismatched CP group fails here, not mid-step
         self._cp_group = ResolvedGroup(cp_group_of, pg_collection, config)
@@ -172,6 +173,8 @@ class GPTModel(MegatronModule):
                 rope_scaling_factor=rope_scaling_factor,
                 use_cpu_initialization=config.use_cpu_initialization,
             )
+        if position_embedding_type == "yarn":
+            self.rotary_pos_emb = _yarn_embedding(config, rotary_percent, rotary_base)
         self.decoder = TransformerBlock(
             config=config,
             spec=transformer_layer_spec,
@@ -272,7 +275,8 @@ class GPTModel(MegatronModule):
             )
             extra_block_kwargs = block_kwargs
         rotary_pos_emb = None
-        rope = self.position_embedding_type == "rope" and not self.config.multi_latent_attention
+        rope = self.position_embedding_type in ("rope", "yarn")
+        rope = rope and not self.config.multi_latent_attention
         if rope and inference_context is not None:  # (MLA rotates inside its attention)
             rotary_pos_emb = self._rotary_angles_from(inference_context, decoder_input)
         elif rope:
@@ -414,15 +418,21 @@ class GPTModel(MegatronModule):
         hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
         device = hidden.device
         if packed_seq_params is not None:  # angles of the positions within each document
-            angles = self.rotary_pos_emb(total, packed_seq=True, cp_group=cp_group)
+            angles = self._angles(total, packed_seq=True, cp_group=cp_group)
             positions = _positions_in_documents(packed_seq_params, total, cp_group)
             return angles[positions.to(angles.device)].to(device)
         key = (total, get_pg_size(cp_group), get_pg_rank(cp_group), device)
         cached = getattr(self, "_rotary_cache", None)
         if cached is None or cached[0] != key:
-            angles = self.rotary_pos_emb(total, packed_seq=False, cp_group=cp_group)
+            angles = self._angles(total, packed_seq=False, cp_group=cp_group)
             self._rotary_cache = (key, angles.to(device))
         return self._rotary_cache[1]
+
+    def _angles(self, total: int, **kwargs) -> Tensor:
+        """The rotary embedding's angles (YaRN's come with their cos/sin scale, which the
+        attention applies: ``Attention`` reads it from the config)."""
+        angles = self.rotary_pos_emb(total, **kwargs)
+        return angles[0] if isinstance(angles, tuple) else angles
 
     def _rotary_angles_from(self, inference_context, decoder_input) -> Tensor:
         """RoPE angles of the positions [offset, offset + s) a cached forward runs (the
@@ -432,7 +442,7 @@ class GPTModel(MegatronModule):
         key = (inference_context.max_sequence_length, hidden.device)
         cached = getattr(self, "_inference_rotary", None)
         if cached is None or cached[0] != key:
-            table = self.rotary_pos_emb(key[0], packed_seq=False, cp_group=None)
+            table = self._angles(key[0], packed_seq=False, cp_group=None)
             self._inference_rotary = cached = (key, table.to(hidden.device))
         offset = inference_context.sequence_len_offset
         sp = get_pg_size(self.tp_group) if self.config.sequence_parallel else 1
@@ -467,7 +477,7 @@ class GPTModel(MegatronModule):
                 name = self._reference_name(f"{module_name}.{param_name}")
                 if isinstance(module, norms) and param_name == "weight":
                     param.fill_(1.0)
-                elif param_name == "bias":
+                elif param_name in ("bias", "softmax_offset"):  # attention sinks start at 0
                     param.zero_()
                 else:
                     method = _init_method_for(name, self.config)
@@ -519,6 +529,54 @@ class GPTModel(MegatronModule):
             whole = getattr(param, "grad_complete_over_tp", False)  # e.g. MLA's down projections
             if not getattr(param, "tensor_model_parallel", False) and not expert and not whole:
                 param.sequence_parallel = True
+
+
+YARN_FIELDS = (
+    "yarn_rotary_scaling_factor",
+    "yarn_original_max_position_embeddings",
+    "yarn_beta_fast",
+    "yarn_beta_slow",
+)
+
+
+def _check_yarn_fields(config: TransformerConfig, position_embedding_type: str) -> None:
+    """position_embedding_type "yarn" needs the four YaRN fields; other types none of them."""
+    given = [n for n in YARN_FIELDS if getattr(config, n) is not None]
+    if position_embedding_type == "yarn" and len(given) != len(YARN_FIELDS):
+        missing = [n for n in YARN_FIELDS if n not in given]
+        raise ValueError(
+            f"GPTModel: position_embedding_type='yarn' needs config.{', config.'.join(missing)}"
+        )
+    extra = given + [n for n in ("yarn_mscale", "yarn_mscale_all_dim") if getattr(config, n)]
+    if position_embedding_type != "yarn" and extra:
+        raise ValueError(
+            f"GPTModel: config.{extra[0]}={getattr(config, extra[0])!r} is set but "
+            f"position_embedding_type={position_embedding_type!r}; expected 'yarn'"
+        )
+
+
+def _yarn_embedding(config: TransformerConfig, rotary_percent: float, rotary_base) -> Any:
+    """The YaRN rotary embedding of the config's yarn_* fields (megatron-core's names)."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        YarnRotaryEmbedding,
+    )
+
+    if rotary_percent < 1.0:
+        raise NotImplementedError(
+            "GPTModel: position_embedding_type='yarn' with rotary_percent < 1"
+        )
+    return YarnRotaryEmbedding(
+        config.kv_channels,
+        rotary_interleaved=config.rotary_interleaved,
+        rotary_base=rotary_base,
+        scaling_factor=config.yarn_rotary_scaling_factor,
+        original_max_position_embeddings=config.yarn_original_max_position_embeddings,
+        beta_fast=config.yarn_beta_fast,
+        beta_slow=config.yarn_beta_slow,
+        mscale=config.yarn_mscale if config.yarn_mscale is not None else 1.0,
+        mscale_all_dim=config.yarn_mscale_all_dim or 0.0,
+        correction_range_round_to_int=config.yarn_correction_range_round_to_int,
+    )
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:

@@ -40,6 +40,17 @@ def expert_sharded_state_dict(experts, prefix: str, sharded_offsets: tuple, meta
                 out[f"{prefix}local_experts.{i}.{proj}.weight"] = _factory(
                     key, param, [(i, lambda t: t)], dim, stride, info, lambda m: m[0]
                 )
+                bias = getattr(expert, proj).bias  # add_bias_linear: [out], expert TP 1
+                if bias is not None:
+                    out[f"{prefix}local_experts.{i}.{proj}.bias"] = _factory(
+                        f"{prefix}experts.{proj}.bias",
+                        bias,
+                        [(i, lambda t: t)],
+                        0,
+                        stride if dim == 0 else 1,
+                        info,
+                        lambda m: m[0],
+                    )
         return out
     count = experts.num_local_experts
     for name, proj, dim, stride, view in (

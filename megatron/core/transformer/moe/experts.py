@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.fp8.grouped import Fp8Experts, fp8_grouped_linear
+from megatron.core.fusions.fused_bias_geglu import gated_unit
 from megatron.core.process_groups_config import ProcessGroupCollection, get_pg_rank, get_pg_size
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.parallel import moe_groups_of
@@ -32,12 +33,17 @@ float32 weight of that expert (the model's seeded initialization)."""
 
 
 class _ExpertLinear(torch.nn.Module):
-    """One expert projection's shard: ``weight`` [out, in] (local), y = x weight^T."""
+    """One expert projection's shard: ``weight`` [out, in] (local), y = x weight^T; with
+    ``bias`` (``add_bias_linear``, expert TP 1) a ``bias`` [out] the caller adds."""
 
-    def __init__(self, weight: torch.Tensor, partition_dim: int, stride: int) -> None:
+    def __init__(self, weight: torch.Tensor, partition_dim: int, stride: int, bias: bool) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(weight)
         _mark_expert(self.weight, partition_dim, stride)
+        self.bias = None
+        if bias:
+            self.bias = torch.nn.Parameter(weight.new_zeros(weight.shape[0]))
+            _mark_expert(self.bias, 0, stride if partition_dim == 0 else 1)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """x W^T."""
@@ -52,21 +58,31 @@ class ExpertMLP(torch.nn.Module):
         ffn = config.moe_ffn_hidden_size // etp
         fc1_out = 2 * ffn if config.gated_linear_unit else ffn
         dtype, device = config.params_dtype, None
+        bias = config.add_bias_linear
         self.linear_fc1 = _ExpertLinear(
             torch.empty(fc1_out, config.hidden_size, dtype=dtype, device=device),
             partition_dim=0,
             stride=2 if config.gated_linear_unit else 1,
+            bias=bias,
         )
         self.linear_fc2 = _ExpertLinear(
             torch.empty(config.hidden_size, ffn, dtype=dtype, device=device),
             partition_dim=1,
             stride=1,
+            bias=bias,
         )
         self.config = config
 
     def forward(self, tokens: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        """(act(x W1^T) * p) W2^T."""
-        return self.linear_fc2(_activate(self.config, self.linear_fc1(tokens), probs))
+        """(act(x W1^T [+ b1]) * p) W2^T [+ p b2]: the routing weight scales the whole
+        expert output, its fc2 bias included."""
+        hidden = self.linear_fc1(tokens)
+        if self.linear_fc1.bias is not None:
+            hidden = hidden + self.linear_fc1.bias
+        out = self.linear_fc2(_activate(self.config, hidden, probs))
+        if self.linear_fc2.bias is not None:
+            out = out + probs.unsqueeze(-1).to(out.dtype) * self.linear_fc2.bias
+        return out
 
 
 class _LocalExperts(MegatronModule):
@@ -86,6 +102,11 @@ class _LocalExperts(MegatronModule):
         self.tp_group, self.ep_group = self.groups.expt_tp, self.groups.ep
         # FP8 GEMMs with ``config.fp8`` (``megatron.core.fp8.grouped``), else None
         self.fp8_experts = Fp8Experts.from_config(config, self.groups.tp_cp, self.first_expert)
+        if config.add_bias_linear and self.fp8_experts is not None:
+            raise NotImplementedError(
+                f"add_bias_linear=True with fp8={config.fp8!r}: the FP8 expert GEMMs have no "
+                "biases; set add_bias_linear=False or fp8=None"
+            )
 
     @property
     def first_expert(self) -> int:
@@ -174,6 +195,11 @@ class GroupedMLP(_LocalExperts):
         pg_collection: Optional[ProcessGroupCollection] = None,
     ) -> None:
         super().__init__(num_local_experts, config, pg_collection)
+        if config.add_bias_linear:
+            raise NotImplementedError(
+                "GroupedMLP (moe_grouped_gemm=True) with add_bias_linear=True: expert biases "
+                "are implemented in SequentialMLP; build the spec with moe_grouped_gemm=False"
+            )
         etp = get_pg_size(self.tp_group)
         self.ffn = config.moe_ffn_hidden_size // etp
         self.fc1_out = 2 * self.ffn if config.gated_linear_unit else self.ffn
@@ -240,8 +266,7 @@ class GroupedMLP(_LocalExperts):
 def _activate(config: TransformerConfig, hidden: torch.Tensor, probs: torch.Tensor):
     """act(h) (gated: act(gate) * up) times each row's probability."""
     if config.gated_linear_unit:
-        gate, up = hidden.chunk(2, dim=-1)
-        hidden = config.activation_func(gate) * up
+        hidden = gated_unit(config, hidden)
     else:
         hidden = config.activation_func(hidden)
     return hidden * probs.unsqueeze(-1).to(hidden.dtype)

@@ -18,8 +18,9 @@ _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
 class Router(MegatronModule):
-    """The gating weight [E, h] (replicated over TP; under sequence parallelism it is
-    marked ``sequence_parallel`` by the model, so its gradient is summed over TP).
+    """The gating weight [E, h] and, with ``add_bias_linear``, bias [E] (replicated over TP;
+    under sequence parallelism marked ``sequence_parallel`` by the model, so their gradients
+    are summed over TP).
     ``defer_router_losses`` (set by ``MoELayer``): hold the router losses back for
     ``attach_deferred_losses``."""
 
@@ -36,6 +37,10 @@ class Router(MegatronModule):
         self.weight = torch.nn.Parameter(
             torch.empty(self.num_experts, config.hidden_size, dtype=config.params_dtype)
         )
+        # megatron-core: a router bias [E] with add_bias_linear (GPT-OSS), zero-initialized
+        self.bias = None
+        if config.add_bias_linear:
+            self.bias = torch.nn.Parameter(torch.zeros(self.num_experts, dtype=config.params_dtype))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -49,9 +54,11 @@ class Router(MegatronModule):
         self.layer_number = layer_number
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
-        """Logits [..., E] = x W^T, in ``moe_router_dtype`` (default: the input's dtype)."""
+        """Logits [..., E] = x W^T (+ b), in ``moe_router_dtype`` (default: the input's
+        dtype)."""
         dtype = _ROUTER_DTYPES.get(self.config.moe_router_dtype, input.dtype)
-        return F.linear(input.to(dtype), self.weight.to(dtype))
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(input.to(dtype), self.weight.to(dtype), bias)
 
     def routing(self, logits: torch.Tensor):
         """Route logits (the subclass's rule)."""

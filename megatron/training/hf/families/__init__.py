@@ -10,6 +10,7 @@ from typing import Dict
 
 from megatron.training.hf.families import (
     gpt2,
+    gpt_oss,
     llama,
     mistral,
     mixtral,
@@ -33,6 +34,7 @@ REGISTRY: Dict[str, Family] = {
         qwen2_moe.FAMILY,
         qwen3_moe.FAMILY,
         olmoe.FAMILY,
+        gpt_oss.FAMILY,
     )
 }
 

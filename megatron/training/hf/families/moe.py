@@ -155,9 +155,12 @@ def moe_full_shapes(arch: HFArchitecture) -> Dict[str, tuple]:
             continue
         p = f"decoder.layers.{layer}.mlp."
         shapes[p + "router.weight"] = (arch.num_moe_experts, h)
+        shapes[p + "router.bias"] = (arch.num_moe_experts,)
         for g in range(arch.num_moe_experts):
             shapes[f"{p}experts.local_experts.{g}.linear_fc1.weight"] = (2 * f, h)
             shapes[f"{p}experts.local_experts.{g}.linear_fc2.weight"] = (h, f)
+            shapes[f"{p}experts.local_experts.{g}.linear_fc1.bias"] = (2 * f,)
+            shapes[f"{p}experts.local_experts.{g}.linear_fc2.bias"] = (h,)
         if fs is not None:
             shapes[p + "shared_experts.linear_fc1.weight"] = (2 * fs, h)
             shapes[p + "shared_experts.linear_fc2.weight"] = (h, fs)

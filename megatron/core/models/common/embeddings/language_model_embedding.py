@@ -23,7 +23,9 @@ class LanguageModelEmbedding(MegatronModule):
         config: TransformerConfig,
         vocab_size: int,
         max_sequence_length: int,
-        position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute",
+        position_embedding_type: Literal[
+            "learned_absolute", "rope", "yarn", "none"
+        ] = "learned_absolute",
         num_tokentypes: int = 0,
         scatter_to_sequence_parallel: bool = True,
         tp_group: Optional[dist.ProcessGroup] = None,
@@ -31,10 +33,10 @@ class LanguageModelEmbedding(MegatronModule):
         super().__init__(config)
         if num_tokentypes:
             raise NotImplementedError("LanguageModelEmbedding: num_tokentypes > 0 is not supported")
-        if position_embedding_type not in ("learned_absolute", "rope", "none"):
+        if position_embedding_type not in ("learned_absolute", "rope", "yarn", "none"):
             raise ValueError(
-                "position_embedding_type must be 'learned_absolute', 'rope' or 'none', got "
-                f"{position_embedding_type!r}"
+                "position_embedding_type must be 'learned_absolute', 'rope', 'yarn' or 'none', "
+                f"got {position_embedding_type!r}"
             )
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length

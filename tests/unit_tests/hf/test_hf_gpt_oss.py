@@ -1,0 +1,211 @@
+"""GPT-OSS (``GptOssForCausalLM``) against ``transformers`` itself, one process, float64.
+
+A tiny random GPT-OSS (2 layers: sliding window 5 then full attention, 4 experts top-2,
+YaRN with truncate false, a small ``swiglu_limit`` so that the clamps act, random sinks,
+router bias and every bias) is saved by transformers; ``model_from_hf`` builds ours in
+float64. Logits, the loss and every parameter's gradient (ours written back in HuggingFace's
+layout by the family's table) equal transformers' float64 ones; negative controls show the
+check catches the sinks or the clamp left out. Import then export gives back the original
+tensors bit for bit, and a model our trainer's options describe exports as GPT-OSS.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.training.hf import model_from_hf
+from megatron.training.hf.__main__ import main as hf_cli
+from megatron.training.hf.config import hf_config_of_settings, read_hf_config
+from megatron.training.hf.weights import (
+    SafetensorsReader,
+    hf_shapes,
+    our_full_shapes,
+    parameter_sources,
+    scatter_to_hf,
+)
+from tests.unit_tests.dist_utils import rel_error
+from tests.unit_tests.hf.hf_models import HAVE_TRANSFORMERS, SKIP_REASON, VOCAB, token_ids
+
+pytestmark = [
+    pytest.mark.world(1),
+    pytest.mark.skipif(not HAVE_TRANSFORMERS, reason=SKIP_REASON),
+]
+
+CONFIG = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=5,
+    swiglu_limit=0.4,
+    initializer_range=0.1,
+    max_position_embeddings=256,
+    rope_parameters=dict(
+        rope_type="yarn",
+        factor=4.0,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+        original_max_position_embeddings=16,
+        rope_theta=150000.0,
+    ),
+)
+
+
+def build_gpt_oss(directory, seed: int = 0, **overrides):
+    """Save a tiny random GPT-OSS under ``directory`` (float32 values); returns the path."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**CONFIG, **overrides))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.3)
+            elif name.endswith("sinks"):
+                param.normal_(0.0, 1.0)
+            elif "router" in name:  # clear margins between the experts
+                param.normal_(0.0, 0.5)
+            elif "bias" in name:
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    return build_gpt_oss(tmp_path_factory.mktemp("gpt-oss") / "model")
+
+
+def _rms_norm_in_input_dtype(self, hidden_states):
+    """transformers' GptOssRMSNorm without its float32 round trip (a precision choice,
+    not the model's maths): the float64 oracle stays float64."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+@pytest.fixture(autouse=True)
+def float64_norms(monkeypatch):
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    monkeypatch.setattr(modeling_gpt_oss.GptOssRMSNorm, "forward", _rms_norm_in_input_dtype)
+
+
+def transformers_float64(path):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float64, experts_implementation="eager"
+    )
+    return model.eval()
+
+
+def loss_of(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of [b, s, V] logits."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def ours_and_theirs(path, ids):
+    """(our logits, loss, gradients in HF names; transformers' logits, loss, gradients)."""
+    theirs = transformers_float64(path)
+    their_logits = theirs(ids).logits
+    their_loss = loss_of(their_logits, ids)
+    their_loss.backward()
+    their_grads = {n: p.grad for n, p in theirs.named_parameters()}
+    model, _ = model_from_hf(path, params_dtype=torch.float64)
+    model.train()
+    logits = model(ids, torch.arange(ids.shape[1]).expand_as(ids))
+    loss = loss_of(logits, ids)
+    loss.backward()
+    arch, _ = read_hf_config(path)
+    sources = parameter_sources(arch)
+    shapes = hf_shapes(arch, sources, our_full_shapes(arch))
+    ours = {n: p.grad for n, p in model.named_parameters()}
+    grads = scatter_to_hf(ours, sources, shapes)
+    return (logits, loss, grads), (their_logits, their_loss, their_grads)
+
+
+def test_logits_loss_and_every_gradient_equal_transformers_in_float64(gpt_oss):
+    ids = token_ids()
+    (logits, loss, grads), (their_logits, their_loss, their_grads) = ours_and_theirs(gpt_oss, ids)
+    assert rel_error(logits, their_logits) <= 1e-12
+    assert abs(loss.item() - their_loss.item()) <= 1e-12 * abs(their_loss.item())
+    assert sorted(grads) == sorted(their_grads)
+    errors = {k: rel_error(grads[k], their_grads[k]) for k in grads}
+    assert max(errors.values()) <= 1e-10, {k: f"{e:.1e}" for k, e in errors.items() if e > 1e-10}
+
+
+def _logit_error(path, ids) -> float:
+    theirs = transformers_float64(path)
+    model, _ = model_from_hf(path, params_dtype=torch.float64)
+    with torch.no_grad():
+        ours = model(ids, torch.arange(ids.shape[1]).expand_as(ids))
+        return rel_error(ours, theirs(ids).logits)
+
+
+def test_negative_control_sinks_left_out_are_caught(gpt_oss, monkeypatch):
+    forward = DotProductAttention.forward
+
+    def without_sinks(self, *args, **kwargs):
+        sinks, self.softmax_offset = self.softmax_offset, None
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            self.softmax_offset = sinks
+
+    monkeypatch.setattr(DotProductAttention, "forward", without_sinks)
+    assert _logit_error(gpt_oss, token_ids()) > 1e-3
+
+
+def test_negative_control_clamp_left_out_is_caught(gpt_oss, monkeypatch):
+    from megatron.core.fusions import fused_bias_geglu
+
+    gated = fused_bias_geglu.gated_unit
+
+    def unclamped(config, hidden):
+        gate, up = hidden.chunk(2, dim=-1)
+        return config.activation_func(gate) * (up + config.glu_linear_offset)
+
+    monkeypatch.setattr("megatron.core.transformer.moe.experts.gated_unit", unclamped)
+    assert gated is not unclamped and _logit_error(gpt_oss, token_ids()) > 1e-3
+
+
+def test_import_export_gives_back_the_original_tensors(gpt_oss, tmp_path):
+    assert hf_cli(["import", "--hf", str(gpt_oss), "--out", str(tmp_path / "ckpt")]) == 0
+    out = tmp_path / "hf"
+    assert hf_cli(["export", "--load", str(tmp_path / "ckpt"), "--out", str(out)]) == 0
+    original, exported = SafetensorsReader(gpt_oss), SafetensorsReader(out)
+    assert sorted(original.keys()) == sorted(exported.keys())
+    for key in original.keys():
+        everything = (slice(None),) * len(original.shape(key))
+        a, b = original.read(key, everything), exported.read(key, everything)
+        assert a.dtype == b.dtype and torch.equal(a, b), key
+
+
+GPT_OSS_SETTINGS = dict(
+    num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8,
+    vocab_size=VOCAB, normalization="RMSNorm", norm_epsilon=1e-5, quick_geglu=True,
+    glu_linear_offset=1.0, activation_func_clamp_value=7.0, softmax_type="learnable",
+    window_size=[4, 0], window_attn_skip_freq=2, position_embedding_type="yarn",
+    rotary_base=150000.0, rotary_scaling_factor=32.0, yarn_original_max_position_embeddings=4096,
+    yarn_beta_fast=32.0, yarn_beta_slow=1.0, no_yarn_correction_range_round_to_int=True,
+    untie_embeddings_and_output_weights=True, num_experts=4, moe_ffn_hidden_size=24,
+    moe_router_topk=2,
+)  # fmt: skip
+
+
+def test_a_model_of_the_trainers_gpt_oss_flags_writes_a_gpt_oss_config():
+    config = hf_config_of_settings(GPT_OSS_SETTINGS)
+    assert config["model_type"] == "gpt_oss"
+    assert config["layer_types"] == ["sliding_attention", "full_attention"]
+    assert config["sliding_window"] == 5 and config["swiglu_limit"] == 7.0
+    assert config["rope_parameters"]["truncate"] is False
+    without_sinks = dict(GPT_OSS_SETTINGS, softmax_type="vanilla")
+    with pytest.raises(ValueError, match="matches no HuggingFace family"):
+        hf_config_of_settings(without_sinks)
