@@ -47,7 +47,14 @@ BASE = {
     "olmoe": {**LLAMA, "model_type": "olmoe", "num_experts": 4, "num_experts_per_tok": 2,
               "norm_topk_prob": False, "clip_qkv": None, "attention_bias": False,
               "router_aux_loss_coef": 0.01, "output_router_logits": False},
+    "gpt_oss": dict(model_type="gpt_oss", hidden_size=32, intermediate_size=24,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                    vocab_size=128, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
+                    rope_parameters=dict(rope_type="yarn", factor=32.0, beta_fast=32.0,
+                                         beta_slow=1.0, truncate=False, rope_theta=150000.0,
+                                         original_max_position_embeddings=4096)),
 }  # fmt: skip
+GPT_OSS_YARN = BASE["gpt_oss"]["rope_parameters"]
 
 REFUSED = [
     ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
@@ -92,6 +99,15 @@ REFUSED = [
     ("qwen3_moe", {"attention_bias": True}, "attention_bias"),
     ("qwen3_moe", {"moe_intermediate_size": None}, "moe_intermediate_size"),
     ("qwen3_moe", {"n_shared_experts": 1}, "n_shared_experts"),  # unknown to the converter
+    ("gpt_oss", {"quantization_config": {"quant_method": "mxfp4"}}, "quantization_config"),
+    ("gpt_oss", {"swiglu_alpha": 1.5}, "swiglu_alpha"),
+    ("gpt_oss", {"attention_bias": False}, "attention_bias"),
+    ("gpt_oss", {"hidden_act": "gelu"}, "hidden_act"),
+    ("gpt_oss", {"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types"),
+    ("gpt_oss", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+     "rope_parameters.rope_type"),  # fmt: skip
+    ("gpt_oss", {"rope_parameters": {**GPT_OSS_YARN, "attention_factor": 2.0}}, "rope_parameters"),
+    ("gpt_oss", {"num_experts_per_tok": 5}, "num_experts_per_tok"),
 ]
 
 
