@@ -111,12 +111,15 @@ def _moe(field: str, value=None, from_layout: bool = False) -> Sets:
 
 def _fusion(field: str) -> Sets:
     """One of megatron-core's fusion switches, on with ``--compile`` (torch.compile'd
-    functions); ``bias_activation_fusion`` stays off for OpenAI's tanh GELU, which it does
-    not fuse."""
+    functions); ``bias_activation_fusion`` stays off for OpenAI's tanh GELU and GPT-OSS's
+    gated unit (--quick-geglu, an offset or a clamp), which it does not fuse."""
 
     def value(config, _layout) -> bool:
-        tanh_gelu = field == "bias_activation_fusion" and config.openai_gelu and not config.swiglu
-        return config.compile and not tanh_gelu
+        tanh_gelu = config.openai_gelu and not config.swiglu
+        gpt_oss = config.quick_geglu or config.glu_linear_offset
+        gpt_oss = gpt_oss or config.activation_func_clamp_value is not None
+        unfused = field == "bias_activation_fusion" and (tanh_gelu or gpt_oss)
+        return config.compile and not unfused
 
     return Sets(field, value=value)
 

@@ -140,7 +140,7 @@ def _check_model_options(c: Config) -> None:
     _require(
         c.position_embedding_type == "learned_absolute" or c.max_position_embeddings is None,
         f"--max-position-embeddings {c.max_position_embeddings} sizes the learned position "
-        "table; --position-embedding-type rope has none",
+        f"table; --position-embedding-type {c.position_embedding_type} has none",
     )
     _require(
         c.position_embedding_type != "learned_absolute"
@@ -149,9 +149,13 @@ def _check_model_options(c: Config) -> None:
         f"(--max-position-embeddings {c.max_position_embeddings})",
     )
     _require(
-        c.position_embedding_type == "rope"
-        or not (c.use_rope_scaling or c.rotary_base != _default(c, "rotary_base")),
-        "--use-rope-scaling and --rotary-base need --position-embedding-type rope",
+        c.position_embedding_type == "rope" or not c.use_rope_scaling,
+        "--use-rope-scaling needs --position-embedding-type rope",
+    )
+    _require(
+        c.position_embedding_type in ("rope", "yarn")
+        or c.rotary_base == _default(c, "rotary_base"),
+        "--rotary-base needs --position-embedding-type rope or yarn",
     )
     _require(
         c.use_rope_scaling or c.rope_scaling_factor == _default(c, "rope_scaling_factor"),

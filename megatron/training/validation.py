@@ -301,8 +301,14 @@ def _check_gpt_oss_features(c: Config, given: _Given) -> None:
         c.softmax_type, c.window_attn_skip_freq, c.window_size, c.num_layers,
         c.glu_linear_offset, c.activation_func_clamp_value, gated,
     )  # fmt: skip
-    for problem in problems:
-        _require(False, problem.replace("window_attn_skip_freq=", "--window-attn-skip-freq "))
+    for problem in problems:  # the library's field names as the trainer's flags
+        for field, flag in (
+            ("window_attn_skip_freq=", "--window-attn-skip-freq "),
+            ("window_size", "--window-size"),
+            ("num_layers", "--num-layers"),
+        ):
+            problem = problem.replace(field, flag)
+        _require(False, problem)
     yarn = ("rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
             "yarn_beta_slow")  # fmt: skip
     for name in yarn + ("no_yarn_correction_range_round_to_int",):
@@ -436,12 +442,12 @@ def _check_tensor_parallel(c: Config) -> None:
     }  # the vocabulary is padded to a multiple of TP (--make-vocab-size-divisible-by)
     for name, value in config_rules.tensor_parallel_misfits(tp, splits):
         raise UsageError(f"{_flag(c, name)} {value} is not divisible by --tp {tp}")
-    if c.position_embedding_type == "rope":
+    if c.position_embedding_type in ("rope", "yarn"):
         head_dim = model["kv_channels"]
         _require(
             head_dim % 2 == 0,
-            f"--position-embedding-type rope needs an even head size, got --hidden-size "
-            f"{c.hidden_size} / --num-attention-heads {heads} = {head_dim}",
+            f"--position-embedding-type {c.position_embedding_type} needs an even head size, "
+            f"got --hidden-size {c.hidden_size} / --num-attention-heads {heads} = {head_dim}",
         )
     if c.sequence_parallel:
         _require(

@@ -53,14 +53,17 @@ class MLP(MegatronModule):
         self.activation_func = config.activation_func
         if config.bias_activation_fusion:
             gated, act = config.gated_linear_unit, config.activation_func
-            plain = config.glu_linear_offset == 0 and config.activation_func_clamp_value is None
-            if not ((gated and act is F.silu and plain) or (not gated and act is F.gelu)):
+            if not ((gated and act is F.silu) or (not gated and act is F.gelu)):
                 raise ValueError(
                     "MLP: bias_activation_fusion=True fuses SwiGLU (gated_linear_unit with "
-                    "activation_func F.silu, no glu_linear_offset or clamp) or GELU (F.gelu, "
-                    f"not gated); got gated_linear_unit={gated}, activation_func={act!r}, "
-                    f"glu_linear_offset={config.glu_linear_offset}, "
-                    f"activation_func_clamp_value={config.activation_func_clamp_value}"
+                    "activation_func F.silu) or GELU (F.gelu, not gated); got "
+                    f"gated_linear_unit={gated}, activation_func={act!r}"
+                )
+            offset, clamp = config.glu_linear_offset, config.activation_func_clamp_value
+            if gated and (offset or clamp is not None):
+                raise ValueError(
+                    "MLP: bias_activation_fusion=True fuses the plain SwiGLU; got "
+                    f"glu_linear_offset={offset}, activation_func_clamp_value={clamp}"
                 )
         self.linear_fc1 = build_module(
             submodules.linear_fc1,

@@ -209,3 +209,29 @@ def test_a_model_of_the_trainers_gpt_oss_flags_writes_a_gpt_oss_config():
     without_sinks = dict(GPT_OSS_SETTINGS, softmax_type="vanilla")
     with pytest.raises(ValueError, match="matches no HuggingFace family"):
         hf_config_of_settings(without_sinks)
+
+
+@pytest.mark.slow
+def test_a_model_trained_from_scratch_exports_as_gpt_oss(tmp_path):
+    """--export-hf of a run with the GPT-OSS flags (no HuggingFace start): transformers loads
+    the written GPT-OSS and computes what our model computes."""
+    from megatron.training import TrainingConfig
+    from megatron.training.training import pretrain
+    from tests.unit_tests.dist_utils import fresh_layout
+
+    out = tmp_path / "exported"
+    settings = {k: v for k, v in GPT_OSS_SETTINGS.items() if k != "num_layers"}
+    config = TrainingConfig(
+        num_layers=2, seq_length=16, global_batch_size=4, train_iters=1, progress=False,
+        export_hf=str(out), **settings,
+    )  # fmt: skip
+    with fresh_layout():
+        pretrain(config)
+    import json
+
+    assert json.loads((out / "config.json").read_text())["model_type"] == "gpt_oss"
+    ids = token_ids() % config.vocab_size
+    model, _ = model_from_hf(out, params_dtype=torch.float64)
+    with torch.no_grad():
+        ours = model(ids, torch.arange(ids.shape[1]).expand_as(ids))
+        assert rel_error(ours, transformers_float64(out)(ids).logits) <= 1e-12

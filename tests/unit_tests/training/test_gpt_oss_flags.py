@@ -1,0 +1,71 @@
+"""The GPT-OSS trainer flags (megatron's names) refused by name where they do not fit, before
+any worker starts; and the library's refusals of what expert biases do not support."""
+
+import re
+
+import pytest
+
+from megatron.training.arguments import TrainingConfig
+from megatron.training.model import transformer_config_from
+from megatron.training.validation import validate_config
+
+pytestmark = pytest.mark.world(1)
+
+BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4)
+YARN = dict(
+    position_embedding_type="yarn", rotary_scaling_factor=32.0,
+    yarn_original_max_position_embeddings=4096, yarn_beta_fast=32.0, yarn_beta_slow=1.0,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(quick_geglu=True, swiglu=True), "--quick-geglu is its own gated activation"),
+        (dict(glu_linear_offset=1.0), "--glu-linear-offset 1.0 shapes the gated MLP"),
+        (dict(activation_func_clamp_value=7.0), "--activation-func-clamp-value 7.0 shapes"),
+        (dict(window_attn_skip_freq=2), "--window-attn-skip-freq 2 needs --window-size"),
+        (
+            dict(window_size=[4, 0], window_attn_skip_freq=[1, 0, 1]),
+            "a list of --num-layers (2) values",
+        ),
+        ({**YARN, "yarn_beta_fast": None}, "yarn needs --yarn-beta-fast"),
+        (dict(yarn_beta_slow=1.0), "--yarn-beta-slow is a YaRN setting"),
+        (
+            dict(num_experts=4, tensor_model_parallel_size=2, sequence_parallel=True),
+            "with biases (no --disable-bias-linear) needs --expert-tensor-parallel-size 1",
+        ),
+        (dict(num_experts=4, moe_grouped_gemm=True), "and no --moe-grouped-gemm"),
+    ],
+)
+def test_a_misplaced_gpt_oss_flag_is_refused_by_name(flags, message):
+    world = flags.get("tensor_model_parallel_size", 1)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        validate_config(TrainingConfig(**BASE, **flags), world)
+
+
+def test_the_gpt_oss_flags_set_megatron_cores_fields():
+    config = TrainingConfig(
+        **BASE, **YARN, quick_geglu=True, glu_linear_offset=1.0, activation_func_clamp_value=7.0,
+        softmax_type="learnable", window_size=[4, 0], window_attn_skip_freq=2, compile=True,
+        no_yarn_correction_range_round_to_int=True,
+    )  # fmt: skip
+    built = transformer_config_from(config, validate_config(config, 1))
+    assert built.gated_linear_unit and built.activation_func.__name__ == "quick_gelu"
+    assert (built.glu_linear_offset, built.activation_func_clamp_value) == (1.0, 7.0)
+    assert (built.softmax_type, built.window_attn_skip_freq) == ("learnable", 2)
+    assert built.yarn_rotary_scaling_factor == 32.0
+    assert not built.yarn_correction_range_round_to_int
+    assert not built.bias_activation_fusion  # --compile does not fuse the clamped unit
+
+
+def test_expert_biases_refuse_the_grouped_experts_and_fp8():
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.moe.experts import GroupedMLP
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=2,
+        moe_ffn_hidden_size=8, add_bias_linear=True,
+    )  # fmt: skip
+    with pytest.raises(NotImplementedError, match="GroupedMLP .* add_bias_linear=True"):
+        GroupedMLP(2, config)
