@@ -235,3 +235,35 @@ def test_a_model_trained_from_scratch_exports_as_gpt_oss(tmp_path):
     with torch.no_grad():
         ours = model(ids, torch.arange(ids.shape[1]).expand_as(ids))
         assert rel_error(ours, transformers_float64(out)(ids).logits) <= 1e-12
+
+
+def test_the_cached_forward_and_greedy_generation_equal_the_full_forward_and_transformers(
+    gpt_oss,
+):
+    """megatron.training.generate's cached forward (sinks, the sliding window of the first
+    layer over a 12-token sequence: prompt, a chunk, single tokens) gives the full forward's
+    logits, and greedy tokens are transformers' ``generate``'s."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+    from megatron.training.generate import generate
+
+    model, _ = model_from_hf(gpt_oss, params_dtype=torch.float64)
+    model.eval()
+    ids = token_ids()[:1, :12]
+    with torch.no_grad():
+        full = model(ids, torch.arange(12)[None])
+        context, steps = StaticInferenceContext(1, 12), []
+        for start, stop in [(0, 6), (6, 9)] + [(i, i + 1) for i in range(9, 12)]:
+            steps.append(model(ids[:, start:stop], torch.arange(start, stop)[None],
+                               inference_context=context))  # fmt: skip
+            context.increment_sequence_len_offset(stop - start)
+    assert rel_error(torch.cat(steps, dim=1), full) <= 1e-12
+    prompt = ids[0, :6].tolist()
+    ours = generate([model], prompt, 6, vocab_size=VOCAB)
+    with torch.no_grad():
+        out = transformers_float64(gpt_oss).generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=6, min_new_tokens=6,
+            output_scores=True, return_dict_in_generate=True, pad_token_id=0,
+        )  # fmt: skip
+    margins = [float(s[0].topk(2).values.diff().abs()) for s in out.scores]
+    assert min(margins) > 1e-6, f"a near tie makes the comparison meaningless: {margins}"
+    assert ours == out.sequences[0, 6:].tolist()
