@@ -187,3 +187,36 @@ def test_logits_loss_and_gradients_at_pp2(reference):
         if not err <= 1e-10:
             failures.append(f"pp2: {param_name} gradient relative error {err:.1e}")
     assert_no_failures(failures)
+
+
+def test_a_checkpoint_saved_at_tp2_loads_at_ep2(reference):
+    """The sinks (split over TP with the heads), the router bias and the expert biases (on
+    the global expert axis) in ``sharded_state_dict``: saved at TP 2 x SP, loaded at EP 2
+    into zeroed weights, every parameter equals the HuggingFace import at EP 2."""
+    from megatron.core import dist_checkpointing
+
+    path = reference[0]
+    directory = path.parent / "checkpoint-tp2"
+    if dist.get_rank() == 0:
+        directory.mkdir(exist_ok=True)
+    dist.barrier()
+    layout, extra = LAYOUTS["tp2-sp"]
+    use_layout(layout)
+    model, _ = model_from_hf(path, params_dtype=torch.float64, **extra)
+    dist_checkpointing.save(model.sharded_state_dict(), str(directory))
+    layout, extra = LAYOUTS["ep2"]
+    use_layout(layout)
+    expected, _ = model_from_hf(path, params_dtype=torch.float64, **extra)
+    fresh, _ = model_from_hf(path, params_dtype=torch.float64, **extra)
+    with torch.no_grad():
+        for param in fresh.parameters():
+            param.zero_()
+    fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(), str(directory)))
+    wanted = dict(expected.named_parameters())
+    failures = [
+        f"ep2: {name} differs after the load"
+        for name, param in fresh.named_parameters()
+        if not torch.equal(param, wanted[name])
+    ]
+    assert any("softmax_offset" in n for n in wanted) and any("fc2.bias" in n for n in wanted)
+    assert_no_failures(failures)
