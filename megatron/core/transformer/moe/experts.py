@@ -5,6 +5,9 @@ Expert i (global index g = ep_rank * E_local + i): y = (act(x W1_g^T) * p) W2_g^
 W1_g [F (2F gated), h] and W2_g [h, F] split over expert tensor parallelism like a
 column- / row-parallel pair (the gated W1 with stride 2: a rank keeps its slices of both
 halves). Each rank returns its partial sums; the token dispatcher sums them over expert TP.
+With ``add_bias_linear`` (``SequentialMLP``, expert TP 1; megatron-core's GPT-OSS experts)
+y = p (act(x W1_g^T + b1_g) W2_g^T + b2_g); the gated unit is ``fused_bias_geglu.gated_unit``
+(``glu_linear_offset``, ``activation_func_clamp_value``).
 Expert parameters have ``allreduce = False`` (their gradients are reduced over the
 expert-data-parallel group) and no communication inside.
 
