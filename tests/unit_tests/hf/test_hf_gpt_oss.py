@@ -176,6 +176,15 @@ def test_negative_control_clamp_left_out_is_caught(gpt_oss, monkeypatch):
     assert gated is not unclamped and _logit_error(gpt_oss, token_ids()) > 1e-3
 
 
+def test_negative_control_every_layer_windowed_is_caught(gpt_oss, monkeypatch):
+    """The full-attention layer of ``layer_types`` kept windowed: the logits differ."""
+    monkeypatch.setattr(
+        "megatron.core.transformer.dot_product_attention.layer_window_size",
+        lambda window, freq, layer: window,
+    )
+    assert _logit_error(gpt_oss, token_ids()) > 1e-3
+
+
 def test_import_export_gives_back_the_original_tensors(gpt_oss, tmp_path):
     assert hf_cli(["import", "--hf", str(gpt_oss), "--out", str(tmp_path / "ckpt")]) == 0
     out = tmp_path / "hf"
