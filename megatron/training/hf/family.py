@@ -180,6 +180,17 @@ class Family:
         return None
 
 
+def _refusal(value: Any) -> str:
+    """What a refused key's message expects (MXFP4: how to dequantize first)."""
+    if isinstance(value, dict) and value.get("quant_method") == "mxfp4":
+        return (
+            "absent: MXFP4 weights are not read; dequantize the checkpoint first "
+            "(transformers: from_pretrained(..., quantization_config=Mxfp4Config("
+            "dequantize=True)), then save_pretrained)"
+        )
+    return "absent (quantized / pruned / decoder-with-cross-attention models are not supported)"
+
+
 class ConfigReader:
     """Reads keys of a config dict, remembering which were looked at; every failure is a
     ValueError naming the file, the key, its value and what was expected."""
@@ -190,12 +201,7 @@ class ConfigReader:
         for key in REFUSED_KEYS:
             value = raw.get(key)
             if value:
-                self.fail(
-                    key,
-                    value,
-                    "absent (quantized / pruned / decoder-with-cross-attention "
-                    "models are not supported)",
-                )
+                self.fail(key, value, _refusal(value))
             self._seen.add(key)
 
     def fail(self, key: str, value: Any, expected: str) -> None:

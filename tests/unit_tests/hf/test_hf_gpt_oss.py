@@ -185,6 +185,15 @@ def test_negative_control_every_layer_windowed_is_caught(gpt_oss, monkeypatch):
     assert _logit_error(gpt_oss, token_ids()) > 1e-3
 
 
+def test_an_mxfp4_checkpoint_is_refused_with_how_to_dequantize_it():
+    from megatron.training.hf import architecture_from_config
+    from tests.unit_tests.hf.test_hf_refusals import BASE
+
+    mxfp4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    with pytest.raises(ValueError, match=r"quantization_config=.*Mxfp4Config\(dequantize=True\)"):
+        architecture_from_config({**BASE["gpt_oss"], "quantization_config": mxfp4})
+
+
 def test_import_export_gives_back_the_original_tensors(gpt_oss, tmp_path):
     assert hf_cli(["import", "--hf", str(gpt_oss), "--out", str(tmp_path / "ckpt")]) == 0
     out = tmp_path / "hf"
