@@ -285,3 +285,47 @@ def test_the_cached_forward_and_greedy_generation_equal_the_full_forward_and_tra
     margins = [float(s[0].topk(2).values.diff().abs()) for s in out.scores]
     assert min(margins) > 1e-6, f"a near tie makes the comparison meaningless: {margins}"
     assert ours == out.sequences[0, 6:].tolist()
+
+
+@pytest.mark.slow
+def test_a_lora_run_exports_a_peft_adapter_and_a_merged_gpt_oss(tmp_path):
+    """LoRA on the attention (the experts excluded) from --hf-model: the PEFT adapter on
+    transformers' GPT-OSS and the merged export give our trained model's logits."""
+    pytest.importorskip("peft", reason="peft is a test extra (pip install -e .[dev])")
+    from peft import PeftModel
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.transformer.lora import LoRAConfig, apply_lora
+    from megatron.training import TrainingConfig
+    from megatron.training.checkpointing import checkpoint_dir
+    from megatron.training.training import pretrain
+    from tests.unit_tests.dist_utils import fresh_layout
+    from tests.unit_tests.hf.hf_models import transformers_logits
+
+    base = build_gpt_oss(tmp_path / "base")
+    ckpt, adapter, merged = tmp_path / "ckpt", tmp_path / "adapter", tmp_path / "merged"
+    lora = dict(lora_dim=4, lora_alpha=8.0, lora_b_init_method="normal")
+    with fresh_layout():
+        result = pretrain(TrainingConfig(
+            hf_model=str(base), seq_length=16, global_batch_size=4, micro_batch_size=2,
+            train_iters=2, lr=0.05, progress=False, save=str(ckpt), export_hf=str(adapter),
+            lora_exclude_modules=["*.experts.*"], **lora,
+        ))  # fmt: skip
+    assert result.passed
+    model, _ = model_from_hf(base)
+    apply_lora(model, LoRAConfig(dim=4, alpha=8.0, exclude_modules=("*.experts.*",)))
+    state = model.sharded_state_dict()
+    loaded = dist_checkpointing.load({"model": state}, str(checkpoint_dir(str(ckpt), 2)))
+    model.load_state_dict(loaded["model"])
+    model.eval()
+    ids = token_ids()
+    with torch.no_grad():
+        ours = model(ids, torch.arange(ids.shape[1]).expand_as(ids))
+        import transformers
+
+        peft = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        peft = PeftModel.from_pretrained(peft, adapter).eval()
+        assert rel_error(peft(input_ids=ids).logits, ours) <= 1e-5
+    assert hf_cli(["export", "--load", str(ckpt), "--out", str(merged), "--merge-lora"]) == 0
+    assert rel_error(transformers_logits(merged, ids), ours) <= 1e-5
+    assert rel_error(transformers_logits(base, ids), ours) > 1e-4  # the adapters changed it
