@@ -30,7 +30,8 @@ Modules, top down: ``api`` (the entry point and its checks), ``registry`` and ``
 (the strategies and what one is), ``all_gather``, ``ring``, ``all_to_all`` (one per
 strategy), ``local`` (a whole sequence on one rank), ``blocks`` (kernel calls on plan parts,
 merged by log-sum-exp), ``plans`` (how a sequence is cut into kernel calls, and their cache),
-``rescale`` (bf16 through the fp16 kernels), ``collectives`` (every collective of the
+``rescale`` (bf16 through the fp16 kernels), ``sinks`` (attention sinks joined to the merged
+output and LSE), ``collectives`` (every collective of the
 package), ``kernel_choice`` (which kernel runs: config, PyTorch's default, environment
 override), ``kernels`` (the attention kernels with their log-sum-exp).
 """
