@@ -233,11 +233,9 @@ def _load_experts(model: GPTModel, reader, sources, full_shapes, finite: bool) -
 
 
 def _load_expert_bias(module, prefix: str, i: int, proj: str, read) -> None:
-    """Local expert ``i``'s ``proj`` bias (``add_bias_linear``: ``SequentialMLP`` at expert
-    TP 1, so whole); ``read``: (sources, reader, finite)."""
-    if not hasattr(module, "local_experts"):
-        return
-    bias = getattr(module.local_experts[i], proj).bias
+    """Local expert ``i``'s ``proj`` bias (``add_bias_linear``: at expert TP 1, so whole);
+    ``read``: (sources, reader, finite)."""
+    bias = module.local_expert_bias(i, proj)
     if bias is None:
         return
     sources, reader, finite = read

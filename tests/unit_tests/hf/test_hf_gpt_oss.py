@@ -111,14 +111,16 @@ def loss_of(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def ours_and_theirs(path, ids):
+def ours_and_theirs(path, ids, **overrides):
     """(our logits, loss, gradients in HF names; transformers' logits, loss, gradients)."""
     theirs = transformers_float64(path)
     their_logits = theirs(ids).logits
     their_loss = loss_of(their_logits, ids)
     their_loss.backward()
     their_grads = {n: p.grad for n, p in theirs.named_parameters()}
-    model, _ = model_from_hf(path, params_dtype=torch.float64)
+    model, _ = model_from_hf(path, params_dtype=torch.float64, **overrides)
+    grouped = any(name.endswith("experts.bias1") for name, _ in model.named_parameters())
+    assert grouped == bool(overrides.get("moe_grouped_gemm"))
     model.train()
     logits = model(ids, torch.arange(ids.shape[1]).expand_as(ids))
     loss = loss_of(logits, ids)
@@ -127,13 +129,33 @@ def ours_and_theirs(path, ids):
     sources = parameter_sources(arch)
     shapes = hf_shapes(arch, sources, our_full_shapes(arch))
     ours = {n: p.grad for n, p in model.named_parameters()}
-    grads = scatter_to_hf(ours, sources, shapes)
+    ours.update(_sequential_names(model))
+    grads = scatter_to_hf({n: g for n, g in ours.items() if n in sources}, sources, shapes)
     return (logits, loss, grads), (their_logits, their_loss, their_grads)
 
 
-def test_logits_loss_and_every_gradient_equal_transformers_in_float64(gpt_oss):
+def _sequential_names(model) -> dict:
+    """GroupedMLP's expert gradients under SequentialMLP's (the table's) names."""
+    out = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "expert_w1") and module.weight1.grad is not None:
+            for i in range(module.num_local_experts):
+                g = f"{name}.local_experts.{module.first_expert + i}."
+                w1 = module.weight1.grad.view(module.expert_w1().shape)[i].t()
+                w2 = module.weight2.grad.view(module.expert_w2().shape)[i].t()
+                out[g + "linear_fc1.weight"], out[g + "linear_fc2.weight"] = w1, w2
+                out[g + "linear_fc1.bias"] = module.bias1.grad[i]
+                out[g + "linear_fc2.bias"] = module.bias2.grad[i]
+    return out
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["sequential", "grouped"])
+def test_logits_loss_and_every_gradient_equal_transformers_in_float64(gpt_oss, grouped):
     ids = token_ids()
-    (logits, loss, grads), (their_logits, their_loss, their_grads) = ours_and_theirs(gpt_oss, ids)
+    extra = {"moe_grouped_gemm": True} if grouped else {}
+    (logits, loss, grads), (their_logits, their_loss, their_grads) = ours_and_theirs(
+        gpt_oss, ids, **extra
+    )
     assert rel_error(logits, their_logits) <= 1e-12
     assert abs(loss.item() - their_loss.item()) <= 1e-12 * abs(their_loss.item())
     assert sorted(grads) == sorted(their_grads)
@@ -183,6 +205,24 @@ def test_negative_control_every_layer_windowed_is_caught(gpt_oss, monkeypatch):
         lambda window, freq, layer: window,
     )
     assert _logit_error(gpt_oss, token_ids()) > 1e-3
+
+
+def test_a_checkpoint_of_sequential_experts_loads_into_grouped_ones(gpt_oss, tmp_path):
+    """Expert biases on megatron-core's global expert axis: the same entries from
+    ``SequentialMLP`` and ``GroupedMLP``."""
+    from megatron.core import dist_checkpointing
+
+    sequential, _ = model_from_hf(gpt_oss, params_dtype=torch.float64)
+    dist_checkpointing.save(sequential.sharded_state_dict(), str(tmp_path))
+    grouped, _ = model_from_hf(gpt_oss, params_dtype=torch.float64, moe_grouped_gemm=True)
+    with torch.no_grad():
+        for param in grouped.parameters():
+            param.zero_()
+    grouped.load_state_dict(dist_checkpointing.load(grouped.sharded_state_dict(), str(tmp_path)))
+    ids = token_ids()
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    with torch.no_grad():
+        assert rel_error(grouped(ids, positions), sequential(ids, positions)) <= 1e-12
 
 
 def test_an_mxfp4_checkpoint_is_refused_with_how_to_dequantize_it():

@@ -1,5 +1,5 @@
 """The GPT-OSS trainer flags (megatron's names) refused by name where they do not fit, before
-any worker starts; and the library's refusals of what expert biases do not support."""
+any worker starts, and the library fields they set."""
 
 import re
 
@@ -35,7 +35,6 @@ YARN = dict(
             dict(num_experts=4, tensor_model_parallel_size=2, sequence_parallel=True),
             "with biases (no --disable-bias-linear) needs --expert-tensor-parallel-size 1",
         ),
-        (dict(num_experts=4, moe_grouped_gemm=True), "and no --moe-grouped-gemm"),
     ],
 )
 def test_a_misplaced_gpt_oss_flag_is_refused_by_name(flags, message):
@@ -57,15 +56,3 @@ def test_the_gpt_oss_flags_set_megatron_cores_fields():
     assert built.yarn_rotary_scaling_factor == 32.0
     assert not built.yarn_correction_range_round_to_int
     assert not built.bias_activation_fusion  # --compile does not fuse the clamped unit
-
-
-def test_expert_biases_refuse_the_grouped_experts_and_fp8():
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.moe.experts import GroupedMLP
-
-    config = TransformerConfig(
-        num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=2,
-        moe_ffn_hidden_size=8, add_bias_linear=True,
-    )  # fmt: skip
-    with pytest.raises(NotImplementedError, match="GroupedMLP .* add_bias_linear=True"):
-        GroupedMLP(2, config)

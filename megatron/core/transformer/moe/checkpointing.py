@@ -75,6 +75,13 @@ def expert_sharded_state_dict(experts, prefix: str, sharded_offsets: tuple, meta
             info,
             merge,
         )
+    for name, proj, stride in (("bias1", "linear_fc1", fc1_stride), ("bias2", "linear_fc2", 1)):
+        param = getattr(experts, name, None)
+        if param is not None:  # add_bias_linear: [E_local, out], expert TP 1
+            rows = [(i, lambda t, _i=i: t[_i]) for i in range(count)]
+            out[f"{prefix}{name}"] = _factory(
+                f"{prefix}experts.{proj}.bias", param, rows, 0, stride, info, torch.stack
+            )
     return out
 
 

@@ -5,7 +5,8 @@ Expert i (global index g = ep_rank * E_local + i): y = (act(x W1_g^T) * p) W2_g^
 W1_g [F (2F gated), h] and W2_g [h, F] split over expert tensor parallelism like a
 column- / row-parallel pair (the gated W1 with stride 2: a rank keeps its slices of both
 halves). Each rank returns its partial sums; the token dispatcher sums them over expert TP.
-With ``add_bias_linear`` (``SequentialMLP``, expert TP 1; megatron-core's GPT-OSS experts)
+With ``add_bias_linear`` (expert TP 1; megatron-core's GPT-OSS experts; ``GroupedMLP``'s as
+``bias1`` [E_local, F1] and ``bias2`` [E_local, h])
 y = p (act(x W1_g^T + b1_g) W2_g^T + b2_g); the gated unit is ``fused_bias_geglu.gated_unit``
 (``glu_linear_offset``, ``activation_func_clamp_value``).
 Expert parameters have ``allreduce = False`` (their gradients are reduced over the
@@ -180,6 +181,10 @@ class SequentialMLP(_LocalExperts):
         """Local expert ``i``'s ``proj`` parameter [out, in]."""
         return getattr(self.local_experts[i], proj).weight
 
+    def local_expert_bias(self, i: int, proj: str) -> Optional[torch.Tensor]:
+        """Local expert ``i``'s ``proj`` bias [out] (None without ``add_bias_linear``)."""
+        return getattr(self.local_experts[i], proj).bias
+
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """megatron-core's layout: ``{prefix}experts.linear_fc1.weight`` etc. with the global
         expert index on an axis after the layer axis (see ``expert_sharded_state_dict``)."""
@@ -198,11 +203,6 @@ class GroupedMLP(_LocalExperts):
         pg_collection: Optional[ProcessGroupCollection] = None,
     ) -> None:
         super().__init__(num_local_experts, config, pg_collection)
-        if config.add_bias_linear:
-            raise NotImplementedError(
-                "GroupedMLP (moe_grouped_gemm=True) with add_bias_linear=True: expert biases "
-                "are implemented in SequentialMLP; build the spec with moe_grouped_gemm=False"
-            )
         etp = get_pg_size(self.tp_group)
         self.ffn = config.moe_ffn_hidden_size // etp
         self.fc1_out = 2 * self.ffn if config.gated_linear_unit else self.ffn
@@ -215,6 +215,14 @@ class GroupedMLP(_LocalExperts):
         )
         _mark_expert(self.weight1, 1, 1)
         _mark_expert(self.weight2, 0, 1)
+        self.bias1 = self.bias2 = None  # add_bias_linear (expert TP 1): [E_local, out] each
+        if config.add_bias_linear:
+            self.bias1 = torch.nn.Parameter(
+                torch.zeros(num_local_experts, self.fc1_out, dtype=dtype)
+            )
+            self.bias2 = torch.nn.Parameter(torch.zeros(num_local_experts, hidden, dtype=dtype))
+            _mark_expert(self.bias1, 1, 1)
+            _mark_expert(self.bias2, 1, 1)
 
     def expert_w1(self) -> torch.Tensor:
         """[E_local, h, F1]: expert i's W1^T shard."""
@@ -238,16 +246,22 @@ class GroupedMLP(_LocalExperts):
             weights = [(a.t(), b.t()) for a, b in zip(w1, w2)]
             return _fp8_experts(self, x, sizes, permuted_probs, weights)
         if _use_grouped_mm(x, w1):
-            offsets = torch.cumsum(tokens_per_expert.to(x.device), 0).to(torch.int32)
-            hidden = torch._grouped_mm(x, w1, offs=offsets)
+            counts = tokens_per_expert.to(x.device)
+            offsets = torch.cumsum(counts, 0).to(torch.int32)
+            hidden = _add_bias(torch._grouped_mm(x, w1, offs=offsets), self.bias1, counts)
             hidden = _activate(self.config, hidden, permuted_probs)
-            return torch._grouped_mm(hidden, w2, offs=offsets), None
+            out = torch._grouped_mm(hidden, w2, offs=offsets)
+            return _add_bias(out, self.bias2, counts, permuted_probs), None
         sizes = [int(n) for n in tokens_per_expert.tolist()]
         outputs = []
         for i, (xi, pi) in enumerate(
             zip(torch.split(x, sizes), torch.split(permuted_probs, sizes))
         ):
-            outputs.append(_activate(self.config, xi @ w1[i], pi) @ w2[i])
+            hidden = xi @ w1[i] if self.bias1 is None else xi @ w1[i] + self.bias1[i]
+            out = _activate(self.config, hidden, pi) @ w2[i]
+            if self.bias2 is not None:
+                out = out + pi.unsqueeze(-1).to(out.dtype) * self.bias2[i]
+            outputs.append(out)
         if not outputs:
             return x, None
         return torch.cat(outputs, dim=0), None
@@ -257,6 +271,12 @@ class GroupedMLP(_LocalExperts):
         ``weight1`` / ``weight2``."""
         stacked = self.expert_w1() if proj == "linear_fc1" else self.expert_w2()
         return stacked[i].t()
+
+    def local_expert_bias(self, i: int, proj: str) -> Optional[torch.Tensor]:
+        """Local expert ``i``'s ``proj`` bias [out] (a view of ``bias1`` / ``bias2``; None
+        without ``add_bias_linear``)."""
+        stacked = self.bias1 if proj == "linear_fc1" else self.bias2
+        return None if stacked is None else stacked[i]
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """The same checkpoint entries as ``SequentialMLP`` (see
@@ -273,6 +293,17 @@ def _activate(config: TransformerConfig, hidden: torch.Tensor, probs: torch.Tens
     else:
         hidden = config.activation_func(hidden)
     return hidden * probs.unsqueeze(-1).to(hidden.dtype)
+
+
+def _add_bias(out, bias, counts, probs=None) -> torch.Tensor:
+    """``out`` (rows grouped by local expert, ``counts`` each) plus each row's expert's bias
+    row (times the row's routing weight with ``probs``); ``out`` itself without a bias."""
+    if bias is None:
+        return out
+    rows = bias.repeat_interleave(counts, dim=0, output_size=out.shape[0]).to(out.dtype)
+    if probs is not None:
+        rows = rows * probs.unsqueeze(-1).to(out.dtype)
+    return out + rows
 
 
 def _fp8_experts(experts: _LocalExperts, x, sizes, probs, weights) -> Tuple[torch.Tensor, None]:
