@@ -142,3 +142,35 @@ def test_bad_softmax_offset_is_named():
     q, k, v, _ = make_inputs(4, 1, 4, 2, 8, DTYPE)
     with pytest.raises(ValueError, match=r"softmax_offset must be \[4\]"):
         context_parallel_attention(q, k, v, softmax_offset=torch.zeros(3, dtype=DTYPE))
+
+
+@pytest.mark.world(1)
+@pytest.mark.parametrize("softmax_type", ["off-by-one", "learnable"])
+def test_dot_product_attention_softmax_types(softmax_type):
+    """``softmax_type``: off-by-one is a fixed sink 0; learnable a parameter [heads] (zero at
+    first) whose gradient is the oracle's."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+        softmax_type=softmax_type, params_dtype=DTYPE, attention_dropout=0.0,
+    )  # fmt: skip
+    attention = DotProductAttention(config, 1, AttnMaskType.causal, "self")
+    q, k, v, w = make_inputs(10, 2, 4, 2, 8, DTYPE, seed=9)
+    sink = attention.softmax_offset
+    learnable = isinstance(sink, torch.nn.Parameter)
+    assert learnable == (softmax_type == "learnable") and torch.equal(sink, torch.zeros(4))
+    if learnable:
+        with torch.no_grad():
+            sink.copy_(sinks(4))
+    local = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out = attention(*local, None).view(10, 2, 4, 8)
+    ref = [x.clone().requires_grad_(True) for x in (q, k, v, sink.detach())]
+    expected = oracle(*ref)
+    assert (out - expected).norm() / expected.norm() <= TOLERANCE
+    if learnable:
+        (out * w).sum().backward()
+        (want,) = torch.autograd.grad((expected * w).sum(), ref[3])
+        assert (sink.grad - want).norm() / want.norm() <= TOLERANCE
