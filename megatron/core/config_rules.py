@@ -155,6 +155,26 @@ def window_left(window_size: Optional[Sequence[int]]) -> Optional[int]:
 
 
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+# The cp_comm_types that compute a sliding window at CP > 1 (the registry's strategies with
+# ``sliding_window``; asserted equal in ``cp_attention/registry.py``).
+WINDOWED_CP_COMM_TYPES = ("a2a",)
+
+
+def unwindowed_cp_layers(
+    window_size, skip_freq, cp_comm_type, num_layers: int
+) -> List[Tuple[int, Optional[str]]]:
+    """(layer number, its cp_comm_type) of the layers with a sliding window whose
+    cp_comm_type cannot compute it at CP > 1."""
+    if window_left(window_size) is None:
+        return []
+    kinds = cp_comm_kinds(cp_comm_type)
+    out = []
+    for layer in range(1, num_layers + 1):
+        kind = kinds[layer - 1] if len(kinds) == num_layers else kinds[0]
+        windowed = layer_window_size(window_size, skip_freq, layer) is not None
+        if windowed and (kind or "all_gather") not in WINDOWED_CP_COMM_TYPES:
+            out.append((layer, kind))
+    return out
 
 
 def layer_window_size(

@@ -365,6 +365,23 @@ def _check_packing(c: Config) -> None:
     )
 
 
+def _check_windowed_cp(c: Config) -> None:
+    """At --cp > 1 a sliding-window layer needs a --cp-comm-type that computes the window."""
+    bad = config_rules.unwindowed_cp_layers(
+        c.window_size, c.window_attn_skip_freq, c.cp_comm_type, c.num_layers
+    )
+    if bad:
+        layer, kind = bad[0]
+        able = " or ".join(config_rules.WINDOWED_CP_COMM_TYPES)
+        _require(
+            False,
+            f"--window-size {' '.join(map(str, c.window_size))} at --cp "
+            f"{c.context_parallel_size}: layer {layer} has a sliding window and --cp-comm-type "
+            f"{kind}, which cannot compute it; use --cp-comm-type {able} (for every windowed "
+            "layer: one kind, or one per layer)",
+        )
+
+
 def _check_cp_comm_type(c: Config) -> None:
     """--cp-comm-type: one kind or one per layer; a2a splits each tensor-parallel rank's
     heads over CP, a2a+p2p over the first of --hierarchical-context-parallel-sizes [A, P]
@@ -378,6 +395,8 @@ def _check_cp_comm_type(c: Config) -> None:
     bad = config_rules.unknown_cp_comm_types(c.cp_comm_type) + [k for k in kinds if k is None]
     _require(not bad, f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got {bad}")
     tp, cp = c.tensor_model_parallel_size, c.context_parallel_size
+    if cp > 1:
+        _check_windowed_cp(c)
     _require(
         cp > 1 or set(kinds) == {_default(c, "cp_comm_type")},
         f"--cp-comm-type {' '.join(map(str, kinds))} chooses how context-parallel attention "

@@ -32,13 +32,18 @@ YARN = dict(
         ({**YARN, "yarn_beta_fast": None}, "yarn needs --yarn-beta-fast"),
         (dict(yarn_beta_slow=1.0), "--yarn-beta-slow is a YaRN setting"),
         (
+            dict(window_size=[4, 0], window_attn_skip_freq=2, context_parallel_size=2),
+            "--window-size 4 0 at --cp 2: layer 1 has a sliding window and --cp-comm-type "
+            "all_gather",
+        ),
+        (
             dict(num_experts=4, tensor_model_parallel_size=2, sequence_parallel=True),
             "with biases (no --disable-bias-linear) needs --expert-tensor-parallel-size 1",
         ),
     ],
 )
 def test_a_misplaced_gpt_oss_flag_is_refused_by_name(flags, message):
-    world = flags.get("tensor_model_parallel_size", 1)
+    world = flags.get("tensor_model_parallel_size", 1) * flags.get("context_parallel_size", 1)
     with pytest.raises(ValueError, match=re.escape(message)):
         validate_config(TrainingConfig(**BASE, **flags), world)
 
@@ -56,3 +61,11 @@ def test_the_gpt_oss_flags_set_megatron_cores_fields():
     assert built.yarn_rotary_scaling_factor == 32.0
     assert not built.yarn_correction_range_round_to_int
     assert not built.bias_activation_fusion  # --compile does not fuse the clamped unit
+
+
+def test_windowed_layers_at_cp2_take_a2a_and_the_full_layers_anything():
+    config = TrainingConfig(
+        **BASE, window_size=[4, 0], window_attn_skip_freq=2, context_parallel_size=2,
+        cp_comm_type=["a2a", "all_gather"],
+    )  # fmt: skip
+    validate_config(config, 2)

@@ -7,7 +7,7 @@ check against; asserted equal here) and its test.
 
 from typing import Dict
 
-from megatron.core.config_rules import CP_COMM_TYPES
+from megatron.core.config_rules import CP_COMM_TYPES, WINDOWED_CP_COMM_TYPES
 from megatron.core.transformer.cp_attention import all_gather, all_to_all, ring
 from megatron.core.transformer.cp_attention.strategy import Strategy
 
@@ -24,3 +24,5 @@ STRATEGIES: Dict[str, Strategy] = {
 }
 
 assert tuple(STRATEGIES) == CP_COMM_TYPES, (tuple(STRATEGIES), CP_COMM_TYPES)
+windowed = tuple(name for name, strategy in STRATEGIES.items() if strategy.sliding_window)
+assert windowed == WINDOWED_CP_COMM_TYPES, (windowed, WINDOWED_CP_COMM_TYPES)
