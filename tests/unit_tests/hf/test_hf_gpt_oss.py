@@ -225,6 +225,37 @@ def test_a_checkpoint_of_sequential_experts_loads_into_grouped_ones(gpt_oss, tmp
         assert rel_error(grouped(ids, positions), sequential(ids, positions)) <= 1e-12
 
 
+def test_the_released_config_keys_are_read():
+    """gpt-oss-20b's config.json shape (transformers 4's rope_scaling and rope_theta, the
+    legacy experts_per_token and initial_context_length, 24 alternating layers), dequantized."""
+    from megatron.training.hf import architecture_from_config
+
+    layers = ["sliding_attention", "full_attention"] * 12
+    released = dict(
+        architectures=["GptOssForCausalLM"], model_type="gpt_oss", attention_bias=True,
+        attention_dropout=0.0, eos_token_id=200002, experts_per_token=4, head_dim=64,
+        hidden_act="silu", hidden_size=2880, initial_context_length=4096,
+        initializer_range=0.02, intermediate_size=2880, layer_types=layers,
+        max_position_embeddings=131072, num_attention_heads=64, num_experts_per_tok=4,
+        num_hidden_layers=24, num_key_value_heads=8, num_local_experts=32,
+        output_router_logits=False, pad_token_id=199999, rms_norm_eps=1e-05,
+        rope_scaling=dict(beta_fast=32.0, beta_slow=1.0, factor=32.0,
+                          original_max_position_embeddings=4096, rope_type="yarn",
+                          truncate=False),
+        rope_theta=150000, router_aux_loss_coef=0.9, sliding_window=128, swiglu_limit=7.0,
+        tie_word_embeddings=False, transformers_version="4.55.0.dev0", use_cache=True,
+        vocab_size=201088,
+    )  # fmt: skip
+    arch = architecture_from_config(released)
+    assert (arch.window_size, arch.window_attn_skip_freq[:2]) == ((127, 0), (1, 0))
+    assert (arch.rotary_scaling_factor, arch.no_yarn_correction_range_round_to_int) == (32.0, True)
+    assert (arch.num_moe_experts, arch.moe_router_topk, arch.activation_func_clamp_value) == (
+        32, 4, 7.0,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="experts_per_token=2 .* num_experts_per_tok"):
+        architecture_from_config(dict(released, experts_per_token=2))
+
+
 def test_an_mxfp4_checkpoint_is_refused_with_how_to_dequantize_it():
     from megatron.training.hf import architecture_from_config
     from tests.unit_tests.hf.test_hf_refusals import BASE

@@ -59,6 +59,7 @@ class GptOss(LlamaShaped):
         c.expect("swiglu_alpha", ALPHA, f"{ALPHA} (quick_gelu's gain)", default=ALPHA)
         limit = c.positive_float("swiglu_limit", default=7.0)
         theta, yarn = read_yarn(c)
+        read_release_keys(c)
         return HFArchitecture(
             family=self.model_type,
             num_layers=layers,
@@ -161,6 +162,28 @@ def expert_sources(arch: HFArchitecture, layer: int, mlp: str) -> Dict[str, Sour
         table[name + "linear_fc2.weight"] = (Segment(down, 0, h, transposed=True, index=g),)
         table[name + "linear_fc2.bias"] = (Segment(down + "_bias", 0, h, index=g),)
     return table
+
+
+def read_release_keys(c: ConfigReader) -> None:
+    """Keys of the released checkpoints' config.json that transformers' model does not read:
+    ``experts_per_token`` (must equal ``num_experts_per_tok``) and ``initial_context_length``
+    (the pre-YaRN length, informational: yarn's ``original_max_position_embeddings`` is
+    what the model uses)."""
+    topk = c.optional("num_experts_per_tok", None)
+    alias = c.optional("experts_per_token", None)
+    c.require(
+        alias is None or alias == topk,
+        "experts_per_token",
+        alias,
+        f"the same as num_experts_per_tok ({topk})",
+    )
+    length = c.optional("initial_context_length", None)
+    c.require(
+        length is None or (isinstance(length, int) and length >= 1),
+        "initial_context_length",
+        length,
+        "a positive integer",
+    )
 
 
 def read_windows(c: ConfigReader, layers: int) -> Dict[str, Any]:
