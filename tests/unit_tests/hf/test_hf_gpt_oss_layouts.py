@@ -220,3 +220,30 @@ def test_a_checkpoint_saved_at_tp2_loads_at_ep2(reference):
     ]
     assert any("softmax_offset" in n for n in wanted) and any("fc2.bias" in n for n in wanted)
     assert_no_failures(failures)
+
+
+@pytest.mark.parametrize(
+    "flags", [["--tp", "2", "--expert-tensor-parallel-size", "1"], ["--pp", "2"]],
+    ids=["tp2", "pp2"],
+)  # fmt: skip
+def test_generate_at_a_layout_prints_the_one_process_tokens(reference, flags):
+    """``python -m megatron.training.generate --hf-model`` at TP 2 (expert TP 1: the experts
+    have biases) and PP 2 prints the one-process model's greedy tokens (rank 0 prints)."""
+    import contextlib
+    import io
+
+    from megatron.training.generate import generate, main
+    from tests.unit_tests.dist_utils import fresh_layout
+
+    path = reference[0]
+    prompt = [3, 17, 42, 5, 99, 8]
+    reset_layout()
+    model, _ = model_from_hf(path)
+    model.eval()
+    expected = " ".join(map(str, generate([model], prompt, 6, vocab_size=128)))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), fresh_layout():
+        code = main(["--hf-model", str(path), "--prompt-ids", " ".join(map(str, prompt)),
+                     "--max-new-tokens", "6", *flags])  # fmt: skip
+    assert code == 0
+    assert out.getvalue().strip() == (expected if dist.get_rank() == 0 else "")
