@@ -173,12 +173,6 @@ def _refuse_unimplemented(config) -> None:
             raise NotImplementedError(
                 f"{name}={getattr(config, name)!r}: {why[name]}; expected {default!r}"
             )
-    if config.add_bias_linear and config.expert_tensor_parallel_size != 1:
-        raise NotImplementedError(
-            f"add_bias_linear=True with num_moe_experts={config.num_moe_experts} and "
-            f"expert_tensor_parallel_size={config.expert_tensor_parallel_size}: expert biases "
-            "are implemented at expert_tensor_parallel_size 1; set it to 1"
-        )
     if config.variable_seq_lengths and dispatcher == "allgather":
         raise ValueError(
             "moe_token_dispatcher_type='allgather' does not support variable_seq_lengths=True; "

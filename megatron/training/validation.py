@@ -225,12 +225,6 @@ def _check_moe(c: Config, world_size: int, given: _Given) -> None:
     ep = c.expert_model_parallel_size
     etp = c.expert_tensor_parallel_size or tp
     _require(
-        c.disable_bias_linear or etp == 1,
-        f"--num-experts {experts} with biases (no --disable-bias-linear) needs "
-        f"--expert-tensor-parallel-size 1 (got {etp}): expert biases are implemented "
-        "without expert TP",
-    )
-    _require(
         tp == 1 or c.sequence_parallel,
         f"--num-experts {experts} with --tp {tp} needs --sequence-parallel (without it every "
         "TP rank routes the same tokens and the router losses would depend on the layout)",

@@ -26,6 +26,7 @@ _COPIED_ATTRIBUTES = (
     "partition_stride",
     "shared",
     "allreduce",
+    "expert_tp_duplicate",
 )
 
 

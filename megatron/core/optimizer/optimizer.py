@@ -91,11 +91,15 @@ class MegatronOptimizer(ABC):
 
     def get_expert_main_grads_for_grad_norm(self) -> List[torch.Tensor]:
         """Expert grads (``allreduce = False``): every expert shard is distinct within the
-        expert model-parallel group (expert tp x ep x pp), so each counts once there."""
+        expert model-parallel group (expert tp x ep x pp), so each counts once there; an fc2
+        bias, whole on every expert-TP rank, counts on the rank that adds it
+        (``expert_tp_duplicate`` on the others)."""
         return [
             p.grad
             for p in self.get_parameters()
-            if p.grad is not None and not getattr(p, "allreduce", True)
+            if p.grad is not None
+            and not getattr(p, "allreduce", True)
+            and not getattr(p, "expert_tp_duplicate", False)
         ]
 
     def get_grad_stats_parallel_group(self) -> Optional[dist.ProcessGroup]:

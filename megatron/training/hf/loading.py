@@ -233,15 +233,19 @@ def _load_experts(model: GPTModel, reader, sources, full_shapes, finite: bool) -
 
 
 def _load_expert_bias(module, prefix: str, i: int, proj: str, read) -> None:
-    """Local expert ``i``'s ``proj`` bias (``add_bias_linear``: at expert TP 1, so whole);
-    ``read``: (sources, reader, finite)."""
+    """Local expert ``i``'s ``proj`` bias (``add_bias_linear``: fc1's this expert-TP rank's
+    rows, fc2's whole); ``read``: (sources, reader, finite)."""
     bias = module.local_expert_bias(i, proj)
     if bias is None:
         return
     sources, reader, finite = read
     name = f"{prefix}.local_experts.{module.first_expert + i}.{proj}.bias"
-    value = read_rows(reader, sources[name], [(0, bias.shape[0])], None, finite=finite)
-    bias.copy_(value)
+    size, rank = get_pg_size(module.tp_group), get_pg_rank(module.tp_group)
+    rows = [(0, bias.shape[0])]
+    if proj == "linear_fc1":  # split over expert TP like the rows of fc1's weight
+        _, stride = module.expert_split(proj)
+        rows, _ = strided_ranges((bias.shape[0] * size,), 0, stride, size, rank)
+    bias.copy_(read_rows(reader, sources[name], rows, None, finite=finite))
 
 
 def hf_prefix(reader: SafetensorsReader, arch: HFArchitecture) -> Optional[str]:

@@ -42,6 +42,7 @@ pytestmark = [
 
 LAYOUTS = {
     "tp2-sp": (Layout(tp=2, sp=True, etp=1), dict(sequence_parallel=True)),
+    "tp2-sp-etp2": (Layout(tp=2, sp=True), dict(sequence_parallel=True)),
     "cp2": (Layout(cp=2), dict(cp_comm_type="a2a")),
     "ep2": (Layout(dp=2, ep=2), dict(moe_token_dispatcher_type="alltoall")),
     "pp2": (Layout(pp=2), {}),
@@ -112,7 +113,7 @@ def _reduce_grads(model, layout: Layout) -> None:
             dist.all_reduce(param.grad, group=parallel_state.get_data_parallel_group())
 
 
-@pytest.mark.parametrize("name", ["tp2-sp", "cp2", "ep2"])
+@pytest.mark.parametrize("name", ["tp2-sp", "tp2-sp-etp2", "cp2", "ep2"])
 def test_logits_loss_and_gradients_at_a_layout(reference, name):
     path, their_logits, their_loss, grads = reference
     layout, extra = LAYOUTS[name]
@@ -189,18 +190,20 @@ def test_logits_loss_and_gradients_at_pp2(reference):
     assert_no_failures(failures)
 
 
-def test_a_checkpoint_saved_at_tp2_loads_at_ep2(reference):
+@pytest.mark.parametrize("saved", ["tp2-sp", "tp2-sp-etp2"])
+def test_a_checkpoint_saved_at_tp2_loads_at_ep2(reference, saved):
     """The sinks (split over TP with the heads), the router bias and the expert biases (on
-    the global expert axis) in ``sharded_state_dict``: saved at TP 2 x SP, loaded at EP 2
-    into zeroed weights, every parameter equals the HuggingFace import at EP 2."""
+    the global expert axis; at expert TP 2 fc1's split, fc2's whole) in
+    ``sharded_state_dict``: saved at TP 2 x SP, loaded at EP 2 into zeroed weights, every
+    parameter equals the HuggingFace import at EP 2."""
     from megatron.core import dist_checkpointing
 
     path = reference[0]
-    directory = path.parent / "checkpoint-tp2"
+    directory = path.parent / f"checkpoint-{saved}"
     if dist.get_rank() == 0:
         directory.mkdir(exist_ok=True)
     dist.barrier()
-    layout, extra = LAYOUTS["tp2-sp"]
+    layout, extra = LAYOUTS[saved]
     use_layout(layout)
     model, _ = model_from_hf(path, params_dtype=torch.float64, **extra)
     dist_checkpointing.save(model.sharded_state_dict(), str(directory))
@@ -247,3 +250,26 @@ def test_generate_at_a_layout_prints_the_one_process_tokens(reference, flags):
                      "--max-new-tokens", "6", *flags])  # fmt: skip
     assert code == 0
     assert out.getvalue().strip() == (expected if dist.get_rank() == 0 else "")
+
+
+def test_the_fc2_bias_counts_once_in_the_gradient_norm_at_expert_tp2(reference):
+    """At expert TP 2 the fc2 biases are whole on both ranks: rank 1's are marked
+    ``expert_tp_duplicate`` and left out of the experts' gradient statistics."""
+    from megatron.core.optimizer.optimizer import MegatronOptimizer
+
+    layout, extra = LAYOUTS["tp2-sp-etp2"]
+    use_layout(layout)
+    model, _ = model_from_hf(reference[0], params_dtype=torch.float64, **extra)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.ones_like(p)
+
+    class Params:
+        def get_parameters(self):
+            return params
+
+    counted = MegatronOptimizer.get_expert_main_grads_for_grad_norm(Params())
+    biases = [p for n, p in model.named_parameters() if n.endswith("linear_fc2.bias")]
+    duplicates = [p for p in biases if getattr(p, "expert_tp_duplicate", False)]
+    assert len(duplicates) == (len(biases) if dist.get_rank() == 1 else 0) and biases
+    assert not any(g is p.grad for p in duplicates for g in counted)

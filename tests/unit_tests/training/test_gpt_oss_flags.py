@@ -36,10 +36,6 @@ YARN = dict(
             "--window-size 4 0 at --cp 2: layer 1 has a sliding window and --cp-comm-type "
             "all_gather",
         ),
-        (
-            dict(num_experts=4, tensor_model_parallel_size=2, sequence_parallel=True),
-            "with biases (no --disable-bias-linear) needs --expert-tensor-parallel-size 1",
-        ),
     ],
 )
 def test_a_misplaced_gpt_oss_flag_is_refused_by_name(flags, message):

@@ -40,15 +40,15 @@ def expert_sharded_state_dict(experts, prefix: str, sharded_offsets: tuple, meta
                 out[f"{prefix}local_experts.{i}.{proj}.weight"] = _factory(
                     key, param, [(i, lambda t: t)], dim, stride, info, lambda m: m[0]
                 )
-                bias = getattr(expert, proj).bias  # add_bias_linear: [out], expert TP 1
+                bias = getattr(expert, proj).bias  # add_bias_linear: [out]
                 if bias is not None:
                     out[f"{prefix}local_experts.{i}.{proj}.bias"] = _factory(
                         f"{prefix}experts.{proj}.bias",
                         bias,
                         [(i, lambda t: t)],
                         0,
-                        stride if dim == 0 else 1,
-                        info,
+                        stride,
+                        info if dim == 0 else _whole(info),
                         lambda m: m[0],
                     )
         return out
@@ -75,14 +75,24 @@ def expert_sharded_state_dict(experts, prefix: str, sharded_offsets: tuple, meta
             info,
             merge,
         )
-    for name, proj, stride in (("bias1", "linear_fc1", fc1_stride), ("bias2", "linear_fc2", 1)):
+    for name, proj, stride, where in (
+        ("bias1", "linear_fc1", fc1_stride, info),
+        ("bias2", "linear_fc2", 1, _whole(info)),
+    ):
         param = getattr(experts, name, None)
-        if param is not None:  # add_bias_linear: [E_local, out], expert TP 1
+        if param is not None:  # add_bias_linear: [E_local, out]
             rows = [(i, lambda t, _i=i: t[_i]) for i in range(count)]
             out[f"{prefix}{name}"] = _factory(
-                f"{prefix}experts.{proj}.bias", param, rows, 0, stride, info, torch.stack
+                f"{prefix}experts.{proj}.bias", param, rows, 0, stride, where, torch.stack
             )
     return out
+
+
+def _whole(info: "_Info") -> "_Info":
+    """``info`` for a tensor whole on every expert-TP rank (the fc2 bias): not split over
+    expert TP, expert-TP ranks > 0 replicas of rank 0."""
+    replica = (0, info.etp_rank, info.replica[2])
+    return _Info(**dict(info.__dict__, etp=1, etp_rank=0, replica=replica))
 
 
 class _Info:

@@ -5,8 +5,9 @@ Expert i (global index g = ep_rank * E_local + i): y = (act(x W1_g^T) * p) W2_g^
 W1_g [F (2F gated), h] and W2_g [h, F] split over expert tensor parallelism like a
 column- / row-parallel pair (the gated W1 with stride 2: a rank keeps its slices of both
 halves). Each rank returns its partial sums; the token dispatcher sums them over expert TP.
-With ``add_bias_linear`` (expert TP 1; megatron-core's GPT-OSS experts; ``GroupedMLP``'s as
-``bias1`` [E_local, F1] and ``bias2`` [E_local, h])
+With ``add_bias_linear`` (megatron-core's GPT-OSS experts; ``GroupedMLP``'s as ``bias1``
+[E_local, F1 / ETP] and ``bias2`` [E_local, h]: fc1's bias split over expert TP with its rows,
+fc2's whole and added once, by expert-TP rank 0)
 y = p (act(x W1_g^T + b1_g) W2_g^T + b2_g); the gated unit is ``fused_bias_geglu.gated_unit``
 (``glu_linear_offset``, ``activation_func_clamp_value``).
 Expert parameters have ``allreduce = False`` (their gradients are reduced over the
@@ -38,16 +39,17 @@ float32 weight of that expert (the model's seeded initialization)."""
 
 class _ExpertLinear(torch.nn.Module):
     """One expert projection's shard: ``weight`` [out, in] (local), y = x weight^T; with
-    ``bias`` (``add_bias_linear``, expert TP 1) a ``bias`` [out] the caller adds."""
+    ``bias`` (``add_bias_linear``) a ``bias`` [out] the caller adds (fc1's split over expert
+    TP like its rows, fc2's whole: ``_fc2_bias``)."""
 
     def __init__(self, weight: torch.Tensor, partition_dim: int, stride: int, bias: bool) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(weight)
         _mark_expert(self.weight, partition_dim, stride)
         self.bias = None
-        if bias:
+        if bias:  # fc1's split like its rows; fc2's whole on every expert-TP rank
             self.bias = torch.nn.Parameter(weight.new_zeros(weight.shape[0]))
-            _mark_expert(self.bias, 0, stride if partition_dim == 0 else 1)
+            _mark_expert(self.bias, 0, stride, split=partition_dim == 0)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """x W^T."""
@@ -76,6 +78,7 @@ class ExpertMLP(torch.nn.Module):
             bias=bias,
         )
         self.config = config
+        self.adds_fc2_bias = True  # expert-TP rank 0 (set by SequentialMLP)
 
     def forward(self, tokens: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """(act(x W1^T [+ b1]) * p) W2^T [+ p b2]: the routing weight scales the whole
@@ -85,7 +88,8 @@ class ExpertMLP(torch.nn.Module):
             hidden = hidden + self.linear_fc1.bias
         out = self.linear_fc2(_activate(self.config, hidden, probs))
         if self.linear_fc2.bias is not None:
-            out = out + probs.unsqueeze(-1).to(out.dtype) * self.linear_fc2.bias
+            weight = probs.unsqueeze(-1).to(out.dtype)
+            out = out + _fc2_bias(weight, self.linear_fc2.bias, self.adds_fc2_bias)
         return out
 
 
@@ -111,6 +115,12 @@ class _LocalExperts(MegatronModule):
                 f"add_bias_linear=True with fp8={config.fp8!r}: the FP8 expert GEMMs have no "
                 "biases; set add_bias_linear=False or fp8=None"
             )
+
+    @property
+    def adds_fc2_bias(self) -> bool:
+        """Whether this rank adds the fc2 biases to its partial sums: expert-TP rank 0 (the
+        sum over expert TP has them once)."""
+        return get_pg_rank(self.tp_group) == 0
 
     @property
     def first_expert(self) -> int:
@@ -158,6 +168,9 @@ class SequentialMLP(_LocalExperts):
         self.local_experts = torch.nn.ModuleList(
             ExpertMLP(config, get_pg_size(self.tp_group)) for _ in range(num_local_experts)
         )
+        for expert in self.local_experts:
+            expert.adds_fc2_bias = self.adds_fc2_bias
+            _mark_fc2_bias(expert.linear_fc2.bias, self.adds_fc2_bias)
 
     def forward(
         self,
@@ -215,14 +228,15 @@ class GroupedMLP(_LocalExperts):
         )
         _mark_expert(self.weight1, 1, 1)
         _mark_expert(self.weight2, 0, 1)
-        self.bias1 = self.bias2 = None  # add_bias_linear (expert TP 1): [E_local, out] each
+        self.bias1 = self.bias2 = None  # add_bias_linear: [E_local, F1 / ETP], [E_local, h]
         if config.add_bias_linear:
             self.bias1 = torch.nn.Parameter(
                 torch.zeros(num_local_experts, self.fc1_out, dtype=dtype)
             )
             self.bias2 = torch.nn.Parameter(torch.zeros(num_local_experts, hidden, dtype=dtype))
-            _mark_expert(self.bias1, 1, 1)
-            _mark_expert(self.bias2, 1, 1)
+            _mark_expert(self.bias1, 1, 2 if config.gated_linear_unit else 1)
+            _mark_expert(self.bias2, 1, 1, split=False)
+            _mark_fc2_bias(self.bias2, self.adds_fc2_bias)
 
     def expert_w1(self) -> torch.Tensor:
         """[E_local, h, F1]: expert i's W1^T shard."""
@@ -251,7 +265,7 @@ class GroupedMLP(_LocalExperts):
             hidden = _add_bias(torch._grouped_mm(x, w1, offs=offsets), self.bias1, counts)
             hidden = _activate(self.config, hidden, permuted_probs)
             out = torch._grouped_mm(hidden, w2, offs=offsets)
-            return _add_bias(out, self.bias2, counts, permuted_probs), None
+            return _add_bias(out, self.bias2, counts, permuted_probs, self.adds_fc2_bias), None
         sizes = [int(n) for n in tokens_per_expert.tolist()]
         outputs = []
         for i, (xi, pi) in enumerate(
@@ -260,7 +274,8 @@ class GroupedMLP(_LocalExperts):
             hidden = xi @ w1[i] if self.bias1 is None else xi @ w1[i] + self.bias1[i]
             out = _activate(self.config, hidden, pi) @ w2[i]
             if self.bias2 is not None:
-                out = out + pi.unsqueeze(-1).to(out.dtype) * self.bias2[i]
+                weight = pi.unsqueeze(-1).to(out.dtype)
+                out = out + _fc2_bias(weight, self.bias2[i], self.adds_fc2_bias)
             outputs.append(out)
         if not outputs:
             return x, None
@@ -295,15 +310,35 @@ def _activate(config: TransformerConfig, hidden: torch.Tensor, probs: torch.Tens
     return hidden * probs.unsqueeze(-1).to(hidden.dtype)
 
 
-def _add_bias(out, bias, counts, probs=None) -> torch.Tensor:
+def _add_bias(out, bias, counts, probs=None, adds: bool = True) -> torch.Tensor:
     """``out`` (rows grouped by local expert, ``counts`` each) plus each row's expert's bias
-    row (times the row's routing weight with ``probs``); ``out`` itself without a bias."""
+    row (the fc2 bias with ``probs``: times the row's routing weight, added as ``_fc2_bias``
+    with ``adds``); ``out`` itself without a bias."""
     if bias is None:
         return out
     rows = bias.repeat_interleave(counts, dim=0, output_size=out.shape[0]).to(out.dtype)
     if probs is not None:
-        rows = rows * probs.unsqueeze(-1).to(out.dtype)
+        rows = _fc2_bias(probs.unsqueeze(-1).to(out.dtype), rows, adds)
     return out + rows
+
+
+def _fc2_bias(weight: torch.Tensor, bias: torch.Tensor, adds: bool) -> torch.Tensor:
+    """The fc2 bias term p b2 (``weight`` p, ``bias`` b2) where this rank ``adds`` it
+    (expert-TP rank 0); elsewhere exactly 0 with b2's gradient only (t - t.detach(),
+    t = p.detach() b2): the partial sums over expert TP have the bias once, p's gradient
+    has its term once, and every rank's copy of b2 gets the whole gradient (the expert
+    output's gradient is the same on each expert-TP rank)."""
+    if adds:
+        return weight * bias
+    term = weight.detach() * bias
+    return term - term.detach()
+
+
+def _mark_fc2_bias(bias: Optional[torch.Tensor], adds: bool) -> None:
+    """A fc2 bias is whole on every expert-TP rank: only the rank that adds it counts in the
+    gradient statistics (``expert_tp_duplicate`` on the others)."""
+    if bias is not None:
+        bias.expert_tp_duplicate = not adds
 
 
 def _fp8_experts(experts: _LocalExperts, x, sizes, probs, weights) -> Tuple[torch.Tensor, None]:
@@ -323,10 +358,12 @@ def _use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
     )
 
 
-def _mark_expert(param: torch.nn.Parameter, partition_dim: int, stride: int) -> None:
-    """Expert-parameter attributes: split over expert TP along ``partition_dim``, reduced
-    over expert DP (``allreduce = False``)."""
-    param.tensor_model_parallel = True
+def _mark_expert(
+    param: torch.nn.Parameter, partition_dim: int, stride: int, split: bool = True
+) -> None:
+    """Expert-parameter attributes: split over expert TP along ``partition_dim`` (``split``;
+    else whole on every expert-TP rank), reduced over expert DP (``allreduce = False``)."""
+    param.tensor_model_parallel = split
     param.partition_dim = partition_dim
     param.partition_stride = stride
     param.allreduce = False
