@@ -226,12 +226,12 @@ def test_a_checkpoint_saved_at_tp2_loads_at_ep2(reference, saved):
 
 
 @pytest.mark.parametrize(
-    "flags", [["--tp", "2", "--expert-tensor-parallel-size", "1"], ["--pp", "2"]],
-    ids=["tp2", "pp2"],
+    "flags", [["--tp", "2", "--expert-tensor-parallel-size", "1"], ["--tp", "2"], ["--pp", "2"]],
+    ids=["tp2-etp1", "tp2-etp2", "pp2"],
 )  # fmt: skip
 def test_generate_at_a_layout_prints_the_one_process_tokens(reference, flags):
-    """``python -m megatron.training.generate --hf-model`` at TP 2 (expert TP 1: the experts
-    have biases) and PP 2 prints the one-process model's greedy tokens (rank 0 prints)."""
+    """``python -m megatron.training.generate --hf-model`` at TP 2 (expert TP 1 and 2) and
+    PP 2 prints the one-process model's greedy tokens (rank 0 prints)."""
     import contextlib
     import io
 
