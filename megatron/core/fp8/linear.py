@@ -25,7 +25,7 @@ from megatron.core.communication import (
     start_reduce_scatter_along_first_dim,
 )
 from megatron.core.fp8 import scaling
-from megatron.core.process_groups_config import get_pg_size, resolve_group
+from megatron.core.process_groups_config import resolve_group
 
 
 @dataclass(frozen=True)
@@ -56,18 +56,15 @@ def fp8_linear(
     input: torch.Tensor,
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
-    gradient_accumulation_fusion: bool,
-    allreduce_dgrad: bool,
-    sequence_parallel: bool,
+    flags: Tuple[bool, bool, bool],
     tp_group: Any,
     gemm: Fp8Gemm,
 ) -> torch.Tensor:
     """``linear_with_grad_accumulation_and_async_allreduce`` with FP8 GEMMs (module
-    docstring); the same arguments, ``tp_group`` resolved, ``gradient_accumulation_fusion``
-    only where ``weight.main_grad`` is to be written (the caller checked it exists)."""
-    if get_pg_size(tp_group) == 1:
-        allreduce_dgrad = sequence_parallel = False
-    flags = (gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel)
+    docstring): ``flags`` (gradient_accumulation_fusion, allreduce_dgrad,
+    sequence_parallel) as the high-precision linear runs them (``tensor_parallel.layers.
+    _linear_flags``: none of the communication on a group of one rank, the fusion only where
+    ``weight.main_grad`` is to be written), ``tp_group`` resolved."""
     return Fp8LinearFunction.apply(input, weight, bias, flags, tp_group, gemm)
 
 
