@@ -186,13 +186,16 @@ def keep_eager(layer: torch.nn.Module) -> None:
     """Mark the modules of ``layer`` that ``torch.compile`` must not trace: the linear
     layers (hand-written autograd with ``gradient_accumulation_fusion``'s fp32 GEMMs; a LoRA
     adapter is part of its base layer's call, so it adds no graph break) and core attention
-    (the flash-class kernels with their own backward). The graph breaks around them."""
+    (the flash-class kernels with their own backward). The graph breaks around them. An FP8
+    linear (``fp8_gemm``) is traced: its casts then fuse into the layer's graph and it pays
+    no per-call Python cost (eager, its launches made a 4-layer step CPU-bound: 241 ms
+    against 147 ms in bf16 on an H200)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     eager = (ColumnParallelLinear, RowParallelLinear, DotProductAttention)
     for module in layer.modules():
-        if isinstance(module, eager):
+        if isinstance(module, eager) and getattr(module, "fp8_gemm", None) is None:
             module.forward = torch.compiler.disable(module.forward)
 
 
