@@ -403,6 +403,13 @@ def _check_tensor_parallel(c: Config) -> None:
             f"--position-embedding-type rope needs an even head size, got --hidden-size "
             f"{c.hidden_size} / --num-attention-heads {heads} = {head_dim}",
         )
+        rotary = int(head_dim * c.rotary_percent)
+        _require(
+            rotary >= 2 and rotary % 2 == 0,
+            f"--rotary-percent {c.rotary_percent} rotates int({head_dim} x "
+            f"{c.rotary_percent}) = {rotary} channels of each head; expected an even number "
+            ">= 2 (rotary embeddings rotate pairs)",
+        )
     if c.sequence_parallel:
         _require(
             c.seq_length % (2 * cp * tp) == 0,
