@@ -199,3 +199,185 @@ def test_negative_controls_are_caught(phi3_path, control, monkeypatch):
         )
     err = rel_error(losses, ref_losses)
     assert err > 1e-4, f"{control} went unnoticed (relative error {err:.2e})"
+
+
+LAYOUTS = {"tp2-sp": Layout(tp=2, sp=True), "cp2": Layout(cp=2), "pp2": Layout(pp=2)}
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize(
+    "layout",
+    [  # CP 2 (uneven valid tokens, windows across the chunks) in the default run: 0.1 s
+        pytest.param("tp2-sp", marks=pytest.mark.slow),
+        "cp2",
+        pytest.param("pp2", marks=pytest.mark.slow),
+    ],
+)
+def test_float64_gradients_at_a_layout_equal_transformers(layout):
+    """This rank's shard of every gradient (the schedule, DDP, ``finalize_model_grads``) and
+    the reported loss equal transformers' on the prompt-masked batch (the CP shards hold
+    unequal numbers of valid tokens; the window crosses the CP chunk boundaries)."""
+    from megatron.core.context_parallel import get_batch_on_this_cp_rank
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.loss_reporting import reduce_reported_losses
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from tests.unit_tests.models.test_gpt_parity import MICRO_BATCH, SEQ, forward_step
+
+    box = [None]
+    if dist.get_rank() == 0:  # transformers saves on rank 0 only
+        box = [Path(tempfile.mkdtemp(prefix="phi3-"))]
+        build_phi3(box[0] / "phi3")
+    dist.broadcast_object_list(box, src=0)
+    directory, path = box[0], box[0] / "phi3"
+    batch = global_batch(VOCAB)
+    ref_losses, _, hf_grads = reference(path, batch)
+    mask = batch["loss_mask"].double()
+    ref_logged = ((ref_losses * mask).sum() / mask.sum()).item()
+    expected = our_gradients(hf_grads, architecture_from_config(CONFIG_JSON(path)))
+    use_layout(LAYOUTS[layout])
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    extra = dict(sequence_parallel=True) if layout == "tp2-sp" else {}
+    if layout == "cp2":  # a sliding window at CP > 1 needs the a2a exchange
+        extra["cp_comm_type"] = "a2a"
+    model, config = model_from_hf(path, pg_collection=groups, params_dtype=torch.float64, **extra)
+    ddp = DistributedDataParallel(
+        config, DistributedDataParallelConfig(), model, pg_collection=groups
+    )
+    config.no_sync_func, config.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
+    microbatches = [
+        get_batch_on_this_cp_rank({k: v[g] for k, v in batch.items()}, groups.cp)
+        for g in range(GLOBAL_MICROBATCHES)
+    ]
+    store = get_forward_backward_func(LAYOUTS[layout].pp, None)(
+        forward_step_func=forward_step, data_iterator=iter(microbatches), model=ddp,
+        num_microbatches=GLOBAL_MICROBATCHES, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
+        pg_collection=groups,
+    )  # fmt: skip
+    logged = reduce_reported_losses(store, groups.dp_cp).get("lm loss")
+    failures = []
+    if logged is not None and not abs(logged - ref_logged) <= TOLERANCE * ref_logged:
+        failures.append(f"{layout}: reported loss {logged} != {ref_logged}")
+    for name, param in reference_names(model):
+        assert param.main_grad.dtype == torch.float64, name
+        full = shard_like(expected[name], param, groups.tp.size(), groups.tp.rank())
+        err = rel_error(param.main_grad, full)
+        if not err <= TOLERANCE:
+            failures.append(f"{layout} rank {dist.get_rank()}: {name}: relative error {err:.2e}")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert_no_failures(failures)
+
+
+def CONFIG_JSON(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+@pytest.mark.world(1)
+def test_import_then_export_gives_back_the_original_tensors(phi3_path, tmp_path):
+    """``import`` then ``export``: every tensor bit for bit (the fused rows cut per query
+    group and put back), config.json's meaning kept, and transformers' logits of the export
+    equal the original's exactly."""
+    import transformers
+
+    from megatron.training.hf.__main__ import main as hf_cli
+    from megatron.training.hf.weights import SafetensorsReader
+
+    assert hf_cli(["import", "--hf", str(phi3_path), "--out", str(tmp_path / "ckpt")]) == 0
+    out = tmp_path / "hf"
+    assert hf_cli(["export", "--load", str(tmp_path / "ckpt"), "--out", str(out)]) == 0
+    original, exported = SafetensorsReader(phi3_path), SafetensorsReader(out)
+    assert sorted(original.keys()) == sorted(exported.keys())
+    assert any(key.endswith("self_attn.qkv_proj.weight") for key in exported.keys())
+    for key in original.keys():
+        everything = (slice(None),) * len(original.shape(key))
+        a, b = original.read(key, everything), exported.read(key, everything)
+        assert a.dtype == b.dtype and torch.equal(a, b), key
+    assert architecture_from_config(CONFIG_JSON(out)) == architecture_from_config(
+        CONFIG_JSON(phi3_path)
+    )
+    ids = global_batch(VOCAB)["tokens"][0]
+    logits = [
+        transformers.AutoModelForCausalLM.from_pretrained(p).eval()(ids).logits
+        for p in (phi3_path, out)
+    ]
+    assert torch.equal(*logits)
+
+
+PHI3_SHAPED = dict(
+    num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
+    seq_length=16, normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+    disable_bias_linear=True, untie_embeddings_and_output_weights=True, rotary_percent=0.75,
+    window_size=[4, 0],
+)  # fmt: skip
+
+
+@pytest.mark.world(1)
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(position_embedding_type="learned_absolute", window_size=None),
+         "--rotary-percent need --position-embedding-type rope"),
+        (dict(rotary_percent=0.1), r"--rotary-percent 0.1 rotates int\(8 x 0.1\) = 0 channels"),
+        (dict(rotary_percent=1.5), r"--rotary-percent must be in \(0, 1\], got 1.5"),
+    ],
+    ids=["learned-positions", "no-channel", "above-one"],
+)  # fmt: skip
+def test_rotary_percent_is_checked_by_name(changes, message):
+    from megatron.training import TrainingConfig
+    from megatron.training.arguments import validate_config
+    from megatron.training.errors import UsageError
+
+    config = TrainingConfig(**{**PHI3_SHAPED, **changes})
+    with pytest.raises((UsageError, ValueError), match=message):
+        validate_config(config, 1)
+
+
+@pytest.mark.world(1)
+def test_the_trainer_builds_rotary_embeddings_on_the_given_fraction():
+    """--rotary-percent reaches GPTModel: int(8 x 0.75) = 6 channels, 3 frequencies."""
+    from megatron.training import TrainingConfig
+    from megatron.training.arguments import validate_config
+    from megatron.training.model import build_model
+    from tests.unit_tests.dist_utils import fresh_layout
+
+    config = TrainingConfig(**PHI3_SHAPED)
+    with fresh_layout():
+        (chunk,) = build_model(config, validate_config(config, 1), None)
+    gpt = chunk.module if hasattr(chunk, "module") else chunk
+    assert gpt.rotary_pos_emb.inv_freq.numel() == 3
+
+
+@pytest.mark.world(1)
+@pytest.mark.slow  # a trainer run and two transformers loads: ~5 s
+def test_a_run_from_scratch_with_partial_rotary_exports_as_phi3(tmp_path):
+    """--export-hf of a run with --rotary-percent 0.75 and a window: no other family writes
+    a partial rotary, so it is Phi-3, and transformers computes what our model computes."""
+    import transformers
+
+    from megatron.training import TrainingConfig
+    from megatron.training.training import pretrain
+    from tests.unit_tests.dist_utils import fresh_layout
+
+    out = tmp_path / "exported"
+    config = TrainingConfig(
+        **PHI3_SHAPED, global_batch_size=4, train_iters=1, progress=False, export_hf=str(out)
+    )
+    with fresh_layout():
+        pretrain(config)
+    written = CONFIG_JSON(out)
+    assert written["model_type"] == "phi3" and written["sliding_window"] == 5
+    assert written["partial_rotary_factor"] == 0.75
+    ids = global_batch(config.vocab_size)["tokens"][0]
+    model, _ = model_from_hf(out)
+    model.eval()
+    with torch.no_grad():
+        ours = model(ids, torch.arange(ids.shape[1]).expand_as(ids))
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
+    err = rel_error(ours, theirs)
+    assert err <= 1e-5, f"relative error {err:.2e}"

@@ -112,6 +112,9 @@ class Phi3(LlamaShaped):
             "sliding_window": None if window is None else window[0] + 1,
             "partial_rotary_factor": arch.rotary_percent,
             "original_max_position_embeddings": arch.max_position_embeddings,
+            # transformers' default 32000 would be an embedding row with no gradient (and
+            # outside a smaller vocabulary); our models train every row
+            "pad_token_id": None,
         }
 
     def layer_sources(
