@@ -381,3 +381,80 @@ def test_a_run_from_scratch_with_partial_rotary_exports_as_phi3(tmp_path):
         theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
     err = rel_error(ours, theirs)
     assert err <= 1e-5, f"relative error {err:.2e}"
+
+
+PHI3_JSON = dict(
+    CONFIG, model_type="phi3", architectures=["Phi3ForCausalLM"],
+    rope_parameters=dict(rope_theta=500.0, rope_type="default", partial_rotary_factor=0.75),
+)  # fmt: skip
+
+
+@pytest.mark.world(1)
+@pytest.mark.slow  # a LoRA run, a peft model and three transformers loads: ~6 s
+def test_lora_exports_as_a_peft_adapter_on_the_fused_modules(tmp_path):
+    """A LoRA run from a Phi-3: the PEFT adapter (on peft's ``qkv_proj`` / ``gate_up_proj``,
+    one A and one B each: our fused adapter exactly, B's rows put in HuggingFace's [q; k; v]
+    order) gives our logits through ``peft``, and so does the ``--merge-lora`` export.
+    Negative control: B left in our per-group row order moves peft's logits off."""
+    pytest.importorskip("peft", reason="peft is a test extra (pip install -e .[dev])")
+    from safetensors.torch import load_file, save_file
+
+    from megatron.training import TrainingConfig
+    from megatron.training.hf.__main__ import main as hf_cli
+    from megatron.training.training import pretrain
+    from tests.unit_tests.dist_utils import fresh_layout
+    from tests.unit_tests.hf.hf_models import transformers_logits, write_random_hf_model
+    from tests.unit_tests.hf.test_hf_lora import LORA, RUN, _our_logits, _peft_logits
+
+    config = {k: v for k, v in PHI3_JSON.items() if k != "rope_theta"}
+    base = write_random_hf_model(tmp_path / "base", dict(config, vocab_size=128))
+    ckpt, adapter, merged = tmp_path / "ckpt", tmp_path / "adapter", tmp_path / "merged"
+    with fresh_layout():
+        run = TrainingConfig(hf_model=str(base), **LORA, **RUN, save=str(ckpt),
+                             export_hf=str(adapter))  # fmt: skip
+        assert pretrain(run).passed
+    written = json.loads((adapter / "adapter_config.json").read_text())
+    assert {m.rsplit(".", 1)[-1] for m in written["target_modules"]} == {
+        "qkv_proj", "o_proj", "gate_up_proj", "down_proj"
+    }  # fmt: skip
+    ids = global_batch(128)["tokens"][0]
+    ours = _our_logits(base, ckpt, ids)
+    assert rel_error(_peft_logits(base, adapter, ids), ours) <= 1e-5
+    assert hf_cli(["export", "--load", str(ckpt), "--out", str(merged), "--merge-lora"]) == 0
+    assert rel_error(transformers_logits(merged, ids), ours) <= 1e-5
+    assert rel_error(transformers_logits(base, ids), ours) > 1e-4  # the adapters matter
+
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    key = "base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight"
+    arch = architecture_from_config(config)
+    rows = [tensors[key][s.start : s.stop] for s in phi3.fused_qkv(arch, "qkv")]
+    tensors[key] = torch.cat(rows)  # our per-group order, not HuggingFace's
+    save_file(tensors, str(adapter / "adapter_model.safetensors"), metadata={"format": "pt"})
+    assert rel_error(_peft_logits(base, adapter, ids), ours) > 1e-3
+
+
+@pytest.mark.world(1)
+def test_greedy_generation_equals_transformers(tmp_path):
+    """``megatron.training.generate`` (the key/value cache, the window and the partial rotary
+    at each new position) chooses transformers' greedy tokens; the 6 + 8 tokens outrun the
+    window of 5, and every chosen token leads the runner-up by a clear margin."""
+    import transformers
+
+    from megatron.training.generate import generate
+    from tests.unit_tests.hf.hf_models import write_random_hf_model
+
+    prompt, new = [3, 17, 42, 5, 99, 8], 8
+    config = {k: v for k, v in PHI3_JSON.items() if k != "rope_theta"}
+    path = write_random_hf_model(tmp_path / "m", dict(config, vocab_size=128), std=0.5)
+    model, _ = model_from_hf(path)
+    model.eval()
+    ours = generate([model], prompt, new, vocab_size=128)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        out = reference.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=new, min_new_tokens=new,
+            output_scores=True, return_dict_in_generate=True, pad_token_id=0,
+        )  # fmt: skip
+    margins = [float(s[0].topk(2).values.diff().abs()) for s in out.scores]
+    assert min(margins) > 1e-4, f"a near tie makes the comparison meaningless: {margins}"
+    assert ours == out.sequences[0, len(prompt) :].tolist()
