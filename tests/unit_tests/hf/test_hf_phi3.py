@@ -458,3 +458,37 @@ def test_greedy_generation_equals_transformers(tmp_path):
     margins = [float(s[0].topk(2).values.diff().abs()) for s in out.scores]
     assert min(margins) > 1e-4, f"a near tie makes the comparison meaningless: {margins}"
     assert ours == out.sequences[0, len(prompt) :].tolist()
+
+
+# microsoft/Phi-3-mini-4k-instruct's config.json (transformers 4.40 format, remote-code
+# auto_map) and the 128k model's LongRoPE
+PHI3_MINI_4K = {
+    "_name_or_path": "Phi-3-mini-4k-instruct", "architectures": ["Phi3ForCausalLM"],
+    "attention_dropout": 0.0, "attention_bias": False,
+    "auto_map": {"AutoConfig": "configuration_phi3.Phi3Config",
+                 "AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM"},
+    "bos_token_id": 1, "embd_pdrop": 0.0, "eos_token_id": 32000, "hidden_act": "silu",
+    "hidden_size": 3072, "initializer_range": 0.02, "intermediate_size": 8192,
+    "max_position_embeddings": 4096, "model_type": "phi3", "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 32,
+    "original_max_position_embeddings": 4096, "pad_token_id": 32000, "resid_pdrop": 0.0,
+    "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0, "sliding_window": 2047,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.40.2",
+    "use_cache": True, "vocab_size": 32064,
+}  # fmt: skip
+
+
+@pytest.mark.world(1)
+def test_the_published_phi3_mini_config_reads_and_the_128k_one_is_refused_by_name():
+    from megatron.training.hf.config import training_settings
+
+    arch = architecture_from_config(PHI3_MINI_4K)
+    assert (arch.family, arch.window_size, arch.rotary_percent) == ("phi3", (2046, 0), 1.0)
+    assert (arch.num_query_groups, arch.kv_channels, arch.tied) == (32, 96, False)
+    assert training_settings(arch)["window_size"] == [2046, 0]
+    long_rope = dict(
+        PHI3_MINI_4K, max_position_embeddings=131072, sliding_window=262144,
+        rope_scaling={"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48},
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r'rope_scaling.rope_type="longrope" .*LongRoPE'):
+        architecture_from_config(long_rope)

@@ -113,7 +113,9 @@ REFUSED = [
     ("phi3", {"sliding_window": 0}, "sliding_window"),
     ("phi3", {"original_max_position_embeddings": 0}, "original_max_position_embeddings"),
     ("phi3", {"hidden_act": "gelu"}, "hidden_act"),
-    ("phi3", {"attention_bias": True}, "attention_bias"),  # unknown to the converter
+    ("phi3", {"attention_bias": True}, "attention_bias"),
+    ("phi3", {"auto_map": {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}}, "auto_map"),
+    ("phi3", {"qk_norm": True}, "qk_norm"),  # unknown to the converter
 ]
 
 

@@ -81,6 +81,16 @@ class Phi3(LlamaShaped):
         return theta, None, float(factor)
 
     def read_extra(self, c: ConfigReader) -> Dict[str, Any]:
+        c.expect("attention_bias", False, "false (transformers' Phi-3 has no biases)", False)
+        auto_map = c.optional("auto_map", {})  # the hub's remote code: Phi3* classes
+        c.require(
+            isinstance(auto_map, dict)
+            and all(str(v).rsplit(".", 1)[-1].startswith("Phi3") for v in auto_map.values()),
+            "auto_map",
+            auto_map,
+            "Phi3* classes only (transformers' own Phi-3 computes them; other remote code "
+            "is another model)",
+        )
         hidden, heads = c.raw.get("hidden_size"), c.raw.get("num_attention_heads")
         head_dim = c.optional("head_dim", None)
         c.require(
