@@ -492,3 +492,17 @@ def test_the_published_phi3_mini_config_reads_and_the_128k_one_is_refused_by_nam
     )  # fmt: skip
     with pytest.raises(ValueError, match=r'rope_scaling.rope_type="longrope" .*LongRoPE'):
         architecture_from_config(long_rope)
+
+
+@pytest.mark.world(1)
+def test_hf_model_sets_the_trainer_options_and_refuses_a_contradicting_flag(phi3_path):
+    """--hf-model DIR: config.json gives --rotary-percent 0.75 and --window-size 4 0; a
+    --rotary-percent given with another value is refused naming both."""
+    from megatron.training import TrainingConfig
+    from megatron.training.hf_settings import resolve_hf_model
+
+    config = resolve_hf_model(TrainingConfig(hf_model=str(phi3_path), seq_length=16))
+    assert (config.rotary_percent, config.window_size) == (0.75, [WINDOW - 1, 0])
+    assert (config.num_query_groups, config.untie_embeddings_and_output_weights) == (2, True)
+    with pytest.raises(ValueError, match=r"--rotary-percent 0.5 \(config.json gives 0.75\)"):
+        resolve_hf_model(TrainingConfig(hf_model=str(phi3_path), rotary_percent=0.5))
