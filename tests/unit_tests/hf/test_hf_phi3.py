@@ -6,10 +6,12 @@ loads through ``model_from_hf``; on prompt-masked data (valid tokens fall uneven
 microbatch's only on a quarter of the sequence) our per-token losses, the objective and the
 gradient of every parameter equal transformers' (float64 model, its RMSNorm computed in
 float64 instead of its float32 upcast; gradients mapped through the family's weight table).
-One process here; TP 2 with sequence parallelism, CP 2 and PP 2 (the schedule, DDP and
-``finalize_model_grads``) in the slow run. Negative controls: the fused rows read as
-[q; v; k], a window one position wider, rotary embeddings on the whole head. Import then
-export is bit for bit; LongRoPE and what else we cannot express are refused by name.
+One process and CP 2 in the default run; TP 2 with sequence parallelism, PP 2, TP 2 + SP x
+PP 2 and CP 2 x PP 2 (the schedule, DDP and ``finalize_model_grads``) in the slow run.
+Negative controls: the fused rows read as [q; v; k], a window one position wider, rotary
+embeddings on the whole head. Import then export is bit for bit; LoRA exports as a PEFT
+adapter on the fused modules; greedy generation equals transformers'; LongRoPE and what else
+we cannot express are refused by name.
 """
 
 import json
@@ -201,16 +203,24 @@ def test_negative_controls_are_caught(phi3_path, control, monkeypatch):
     assert err > 1e-4, f"{control} went unnoticed (relative error {err:.2e})"
 
 
-LAYOUTS = {"tp2-sp": Layout(tp=2, sp=True), "cp2": Layout(cp=2), "pp2": Layout(pp=2)}
+LAYOUTS = {
+    "tp2-sp": Layout(tp=2, sp=True),
+    "cp2": Layout(cp=2),
+    "pp2": Layout(pp=2),
+    "tp2-sp-pp2": Layout(tp=2, sp=True, pp=2),
+    "cp2-pp2": Layout(cp=2, pp=2),
+}
+FOUR_RANKS = [pytest.mark.world(4), pytest.mark.slow]
 
 
-@pytest.mark.world(2)
 @pytest.mark.parametrize(
     "layout",
     [  # CP 2 (uneven valid tokens, windows across the chunks) in the default run: 0.1 s
-        pytest.param("tp2-sp", marks=pytest.mark.slow),
-        "cp2",
-        pytest.param("pp2", marks=pytest.mark.slow),
+        pytest.param("tp2-sp", marks=[pytest.mark.world(2), pytest.mark.slow]),
+        pytest.param("cp2", marks=pytest.mark.world(2)),
+        pytest.param("pp2", marks=[pytest.mark.world(2), pytest.mark.slow]),
+        pytest.param("tp2-sp-pp2", marks=FOUR_RANKS),
+        pytest.param("cp2-pp2", marks=FOUR_RANKS),
     ],
 )
 def test_float64_gradients_at_a_layout_equal_transformers(layout):
@@ -241,8 +251,8 @@ def test_float64_gradients_at_a_layout_equal_transformers(layout):
     expected = our_gradients(hf_grads, architecture_from_config(CONFIG_JSON(path)))
     use_layout(LAYOUTS[layout])
     groups = ProcessGroupCollection.use_mpu_process_groups()
-    extra = dict(sequence_parallel=True) if layout == "tp2-sp" else {}
-    if layout == "cp2":  # a sliding window at CP > 1 needs the a2a exchange
+    extra = dict(sequence_parallel=True) if LAYOUTS[layout].sp else {}
+    if LAYOUTS[layout].cp > 1:  # a sliding window at CP > 1 needs the a2a exchange
         extra["cp_comm_type"] = "a2a"
     model, config = model_from_hf(path, pg_collection=groups, params_dtype=torch.float64, **extra)
     ddp = DistributedDataParallel(
