@@ -507,13 +507,7 @@ def _check_lora(c: Config) -> None:
 def _check_lora_targets(c: Config) -> None:
     """Before any worker starts: every --lora-target-modules pattern names some linear layer
     of the model, and none of the chosen layers is a routed expert's (not supported)."""
-    moe = c.num_experts is not None
-    names = config_rules.lora_module_names(
-        c.num_layers,
-        config_rules.moe_layer_pattern(c.moe_layer_freq, c.num_layers) if moe else None,
-        c.num_experts or 0,
-        moe and c.moe_shared_expert_intermediate_size is not None,
-    )
+    names = _lora_names(c)
 
     def named(name: str, patterns) -> bool:
         return any(config_rules.lora_pattern_matches(name, p) for p in patterns)
@@ -536,17 +530,22 @@ def _check_lora_targets(c: Config) -> None:
         )
 
 
-def _check_lora_excludes(c: Config) -> None:
-    """Every --lora-exclude-modules pattern names some adaptable layer of the model (a
-    pattern matching nothing is a typo, not an exclusion): else an error naming the pattern
-    and the layers there are."""
+def _lora_names(c: Config) -> List[str]:
+    """The global names of the model's linear layers a LoRA pattern can name."""
     moe = c.num_experts is not None
-    names = config_rules.lora_module_names(
+    return config_rules.lora_module_names(
         c.num_layers,
         config_rules.moe_layer_pattern(c.moe_layer_freq, c.num_layers) if moe else None,
         c.num_experts or 0,
         moe and c.moe_shared_expert_intermediate_size is not None,
     )
+
+
+def _check_lora_excludes(c: Config) -> None:
+    """Every --lora-exclude-modules pattern names some adaptable layer of the model (a
+    pattern matching nothing is a typo, not an exclusion): else an error naming the pattern
+    and the layers there are."""
+    names = _lora_names(c)
     for pattern in c.lora_exclude_modules:
         _require(
             any(config_rules.lora_pattern_matches(n, pattern) for n in names),
