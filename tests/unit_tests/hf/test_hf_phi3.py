@@ -516,3 +516,34 @@ def test_hf_model_sets_the_trainer_options_and_refuses_a_contradicting_flag(phi3
     assert (config.num_query_groups, config.untie_embeddings_and_output_weights) == (2, True)
     with pytest.raises(ValueError, match=r"--rotary-percent 0.5 \(config.json gives 0.75\)"):
         resolve_hf_model(TrainingConfig(hf_model=str(phi3_path), rotary_percent=0.5))
+
+
+@pytest.mark.world(1)
+@pytest.mark.slow  # a trainer run on a trained tokenizer: ~3 s
+def test_sft_on_multi_turn_chats_with_phi3s_template(tmp_path):
+    """--hf-model DIR --data-path chats.jsonl with Phi-3's own chat template (eos_token
+    closing the conversation) in DIR: multi-turn conversations train (they were refused:
+    the template renders an earlier turn's end differently once later turns follow)."""
+    pytest.importorskip("jinja2", reason="jinja2 (the hf extra) is not installed")
+    from megatron.training import TrainingConfig
+    from megatron.training.training import pretrain
+    from tests.unit_tests.dist_utils import fresh_layout
+    from tests.unit_tests.hf.hf_models import write_random_hf_model
+    from tests.unit_tests.training.test_chat_template import (
+        CONVERSATIONS,
+        PHI3,
+        PHI3_SPECIAL,
+        _save,
+    )
+
+    hf = tmp_path / "hf"
+    _save(hf, PHI3, eos="<|endoftext|>", special=PHI3_SPECIAL, bos="<s>")
+    config = {k: v for k, v in PHI3_JSON.items() if k != "rope_theta"}
+    write_random_hf_model(hf, dict(config, vocab_size=320))
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": m}) for m in CONVERSATIONS * 4) + "\n")
+    run = dict(seq_length=64, global_batch_size=4, micro_batch_size=2, progress=False)
+    with fresh_layout():
+        result = pretrain(TrainingConfig(hf_model=str(hf), data_path=str(data), train_iters=2,
+                                         **run))  # fmt: skip
+    assert result.passed and all(0 < r["loss"] < 100 for r in result.records)
