@@ -483,6 +483,15 @@ class TrainingConfig:
         check=positive_number,
         help="--use-rope-scaling: the factor long wavelengths are divided by",
     )
+    rotary_percent: float = option(
+        1.0,
+        "--rotary-percent",
+        kind=MODEL,
+        library=Sets("rotary_percent", GPT_MODEL),
+        check=Check("in (0, 1]", lambda v: is_number(v) and 0 < v <= 1),
+        help="fraction of each head's channels the rotary embedding rotates (the first "
+        "int(kv-channels x it); Phi-3's partial_rotary_factor); the rest pass unrotated",
+    )
     add_qkv_bias: bool = option(
         False,
         "--add-qkv-bias",

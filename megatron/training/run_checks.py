@@ -150,8 +150,13 @@ def _check_model_options(c: Config) -> None:
     )
     _require(
         c.position_embedding_type == "rope"
-        or not (c.use_rope_scaling or c.rotary_base != _default(c, "rotary_base")),
-        "--use-rope-scaling and --rotary-base need --position-embedding-type rope",
+        or not (
+            c.use_rope_scaling
+            or c.rotary_base != _default(c, "rotary_base")
+            or c.rotary_percent != _default(c, "rotary_percent")
+        ),
+        "--use-rope-scaling, --rotary-base and --rotary-percent need "
+        "--position-embedding-type rope",
     )
     _require(
         c.use_rope_scaling or c.rope_scaling_factor == _default(c, "rope_scaling_factor"),

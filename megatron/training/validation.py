@@ -10,8 +10,9 @@ defaults (query groups, FFN size, head size) come from ``resolved_model``. No to
 (the launcher checks the command line before starting the workers).
 """
 
+import re
 from dataclasses import dataclass
-from typing import Any, Collection, List, Optional, Tuple
+from typing import Any, Collection, List, Optional, Sequence, Tuple
 
 from megatron.core import config_rules
 from megatron.core.config_rules import CP_COMM_TYPES
@@ -403,6 +404,13 @@ def _check_tensor_parallel(c: Config) -> None:
             f"--position-embedding-type rope needs an even head size, got --hidden-size "
             f"{c.hidden_size} / --num-attention-heads {heads} = {head_dim}",
         )
+        rotary = int(head_dim * c.rotary_percent)
+        _require(
+            rotary >= 2 and rotary % 2 == 0,
+            f"--rotary-percent {c.rotary_percent} rotates int({head_dim} x "
+            f"{c.rotary_percent}) = {rotary} channels of each head; expected an even number "
+            ">= 2 (rotary embeddings rotate pairs)",
+        )
     if c.sequence_parallel:
         _require(
             c.seq_length % (2 * cp * tp) == 0,
@@ -474,6 +482,7 @@ def _check_lora(c: Config) -> None:
             f"{', '.join(config_rules.LORA_TARGETS)} or a wildcard pattern",
         )
     _check_lora_targets(c)
+    _check_lora_excludes(c)
     _require(
         not (c.pretrained_checkpoint and c.hf_model),
         f"--pretrained-checkpoint {c.pretrained_checkpoint} and --hf-model {c.hf_model} both "
@@ -498,13 +507,7 @@ def _check_lora(c: Config) -> None:
 def _check_lora_targets(c: Config) -> None:
     """Before any worker starts: every --lora-target-modules pattern names some linear layer
     of the model, and none of the chosen layers is a routed expert's (not supported)."""
-    moe = c.num_experts is not None
-    names = config_rules.lora_module_names(
-        c.num_layers,
-        config_rules.moe_layer_pattern(c.moe_layer_freq, c.num_layers) if moe else None,
-        c.num_experts or 0,
-        moe and c.moe_shared_expert_intermediate_size is not None,
-    )
+    names = _lora_names(c)
 
     def named(name: str, patterns) -> bool:
         return any(config_rules.lora_pattern_matches(name, p) for p in patterns)
@@ -525,6 +528,42 @@ def _check_lora_targets(c: Config) -> None:
             "out (--lora-exclude-modules '*.experts.*') or name the layers to adapt "
             "(--lora-target-modules linear_qkv linear_proj)",
         )
+
+
+def _lora_names(c: Config) -> List[str]:
+    """The global names of the model's linear layers a LoRA pattern can name."""
+    moe = c.num_experts is not None
+    return config_rules.lora_module_names(
+        c.num_layers,
+        config_rules.moe_layer_pattern(c.moe_layer_freq, c.num_layers) if moe else None,
+        c.num_experts or 0,
+        moe and c.moe_shared_expert_intermediate_size is not None,
+    )
+
+
+def _check_lora_excludes(c: Config) -> None:
+    """Every --lora-exclude-modules pattern names some adaptable layer of the model (a
+    pattern matching nothing is a typo, not an exclusion): else an error naming the pattern
+    and the layers there are."""
+    names = _lora_names(c)
+    for pattern in c.lora_exclude_modules:
+        _require(
+            any(config_rules.lora_pattern_matches(n, pattern) for n in names),
+            f"--lora-exclude-modules {pattern!r} matches no layer of the model; its adaptable "
+            f"layers are {_layer_summary(names, c.num_layers, c.num_experts)}",
+        )
+
+
+def _layer_summary(names: Sequence[str], num_layers: int, num_experts: Optional[int]) -> str:
+    """``names`` with the layer and expert indices folded: decoder.layers.<0..L-1>.{...}."""
+    kinds = []
+    for name in names:
+        kind = name.split(".", 3)[3]
+        if num_experts:
+            kind = re.sub(r"local_experts\.\d+\.", f"local_experts.<0..{num_experts - 1}>.", kind)
+        if kind not in kinds:
+            kinds.append(kind)
+    return f"decoder.layers.<0..{num_layers - 1}>.{{{', '.join(kinds)}}}"
 
 
 def _shown(value: Any) -> str:

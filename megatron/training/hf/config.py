@@ -214,8 +214,9 @@ def model_meaning(settings: Dict[str, Any]) -> Dict[str, Any]:
     if out["position_embedding_type"] == "rope":
         out.pop("max_position_embeddings")
         out["rotary_base"] = float(out["rotary_base"])
+        out["rotary_percent"] = float(out["rotary_percent"])
     else:
-        for key in ("rotary_base", "use_rope_scaling", "rope_scaling_factor"):
+        for key in ("rotary_base", "use_rope_scaling", "rope_scaling_factor", "rotary_percent"):
             out.pop(key)
     if not out.get("use_rope_scaling"):
         out.pop("rope_scaling_factor", None)

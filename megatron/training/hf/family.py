@@ -67,6 +67,8 @@ class HFArchitecture:
     tied: bool
     dtype: str = "float32"
     window_size: Optional[Tuple[int, int]] = None  # (left, 0): sliding-window attention
+    # the fraction of each head's channels RoPE rotates (Phi-3's partial_rotary_factor)
+    rotary_percent: float = 1.0
     qk_layernorm: bool = False  # per-head q/k norm (``normalization``) before rotary
     # with qk_layernorm: one RMSNorm over all heads of q and of k (OLMoE), not per head
     qk_layernorm_whole_projection: bool = False

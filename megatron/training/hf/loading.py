@@ -116,6 +116,7 @@ def gpt_model_kwargs(
         max_sequence_length=max_sequence_length or arch.max_position_embeddings,
         position_embedding_type=arch.position_embedding_type,
         rotary_base=arch.rotary_base,
+        rotary_percent=arch.rotary_percent,
         rope_scaling=arch.rope_scaling_factor is not None,
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
         share_embeddings_and_output_weights=arch.tied,

@@ -47,7 +47,13 @@ BASE = {
     "olmoe": {**LLAMA, "model_type": "olmoe", "num_experts": 4, "num_experts_per_tok": 2,
               "norm_topk_prob": False, "clip_qkv": None, "attention_bias": False,
               "router_aux_loss_coef": 0.01, "output_router_logits": False},
+    # Phi-3 as transformers 5 saves it: partial_rotary_factor also inside rope_parameters
+    "phi3": {**LLAMA, "model_type": "phi3", "sliding_window": 5, "partial_rotary_factor": 0.75,
+             "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default",
+                                 "partial_rotary_factor": 0.75},
+             "original_max_position_embeddings": 4096, "resid_pdrop": 0.0, "embd_pdrop": 0.0},
 }  # fmt: skip
+LONGROPE = {"type": "longrope", "short_factor": [1.0] * 3, "long_factor": [2.0] * 3}
 
 REFUSED = [
     ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
@@ -92,6 +98,24 @@ REFUSED = [
     ("qwen3_moe", {"attention_bias": True}, "attention_bias"),
     ("qwen3_moe", {"moe_intermediate_size": None}, "moe_intermediate_size"),
     ("qwen3_moe", {"n_shared_experts": 1}, "n_shared_experts"),  # unknown to the converter
+    # Phi-3: LongRoPE (the 128k models, Phi-3.5, Phi-4-mini) in either spelling, or as "su"
+    ("phi3", {"rope_scaling": LONGROPE}, "rope_scaling.rope_type"),
+    ("phi3", {"rope_scaling": {**LONGROPE, "type": "su"}}, "rope_scaling.rope_type"),
+    ("phi3", {"rope_parameters": {**LONGROPE, "rope_type": "longrope"}},
+     "rope_parameters.rope_type"),  # fmt: skip
+    ("phi3", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+     "rope_scaling.rope_type"),  # fmt: skip
+    ("phi3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),  # != rope_parameters'
+    ("phi3", {"partial_rotary_factor": 0.1, "rope_parameters": None}, "partial_rotary_factor"),
+    ("phi3", {"partial_rotary_factor": 1.5, "rope_parameters": None}, "partial_rotary_factor"),
+    ("phi3", {"head_dim": 16}, "head_dim"),
+    ("phi3", {"sliding_window": 0}, "sliding_window"),
+    ("phi3", {"original_max_position_embeddings": 0}, "original_max_position_embeddings"),
+    ("phi3", {"hidden_act": "gelu"}, "hidden_act"),
+    ("phi3", {"attention_bias": True}, "attention_bias"),
+    ("phi3", {"auto_map": {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}}, "auto_map"),
+    ("phi3", {"qk_norm": True}, "qk_norm"),  # unknown to the converter
 ]
 
 

@@ -74,7 +74,7 @@ TEXT = [
 ] * 10
 
 
-def _tokenizer_object():
+def _tokenizer_object(special=tuple(SPECIAL)):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -82,17 +82,17 @@ def _tokenizer_object():
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=320,
-        special_tokens=SPECIAL,
+        special_tokens=list(special),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(TEXT, trainer)
     return tok
 
 
-def _save(directory, template, eos="<|eot_id|>"):
+def _save(directory, template, eos="<|eot_id|>", special=tuple(SPECIAL), bos="<|begin_of_text|>"):
     fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=_tokenizer_object(),
-        bos_token="<|begin_of_text|>",
+        tokenizer_object=_tokenizer_object(special),
+        bos_token=bos,
         eos_token=eos,
         pad_token="<|endoftext|>",
     )
@@ -137,6 +137,45 @@ def test_incremental_rendering_equals_transformers_generation_mask(tmp_path, con
     ref_ids, ref_mask = _reference(fast, messages)
     assert ids == ref_ids and ids[0] == ours.vocab["<|begin_of_text|>"]
     assert mask == ref_mask
+
+
+# Phi-3 / Phi-3.5 (microsoft/Phi-3-mini-4k-instruct's tokenizer_config.json): no generation
+# blocks, and the end of a conversation is eos_token where a generation prompt would be.
+PHI3 = (
+    "{% for message in messages %}{% if message['role'] == 'system' and message['content'] %}"
+    "{{'<|system|>\n' + message['content'] + '<|end|>\n'}}{% elif message['role'] == 'user' %}"
+    "{{'<|user|>\n' + message['content'] + '<|end|>\n'}}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+PHI3_GEN = PHI3.replace(
+    "{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}",
+    "{{'<|assistant|>\n'}}{% generation %}{{ message['content'] + '<|end|>\n' }}"
+    "{% endgeneration %}",
+)
+PHI3_SPECIAL = ("<s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+
+
+@pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
+def test_phi3_template_trains_each_turn_without_the_closing_eos(tmp_path, conversation):
+    """Phi-3's template writes eos_token after the last message only (instead of the
+    generation prompt): an earlier turn renders with it on its own, so it is the
+    conversation's closing, not part of a turn (it refused multi-turn conversations). Ids
+    are transformers'; the mask is transformers' for the same template with generation
+    blocks around each answer and its <|end|>\n (the final eos not trained)."""
+    messages = CONVERSATIONS[conversation]
+    kwargs = dict(eos="<|endoftext|>", special=PHI3_SPECIAL, bos="<s>")
+    fast = _save(tmp_path / "ref", PHI3_GEN, **kwargs)
+    _save(tmp_path / "plain", PHI3, **kwargs)
+    ours = load_hf_tokenizer(str(tmp_path / "plain"))
+    ids, mask = tokenize_conversation(ours, messages)
+    ref_ids, ref_mask = _reference(fast, messages)
+    assert ids == ref_ids and ids[-1] == ours.vocab["<|endoftext|>"]
+    assert mask == ref_mask and mask[-1] == 0
+    chosen = ours.detokenize([i for i, m in zip(ids, mask) if m])
+    expected = "".join(m["content"] + "<|end|>\n" for m in messages if m["role"] == "assistant")
+    assert chosen == expected
 
 
 def test_template_that_rewrites_earlier_turns_is_refused(tmp_path):

@@ -4,6 +4,7 @@ flags refused without ``--lora-dim``. (The adapters' gradients against an indepe
 reference: ``tests/unit_tests/models/test_lora_parity.py``.)"""
 
 import dataclasses
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -224,6 +225,30 @@ def test_lora_flags_are_refused_by_name(changes, message):
     world = config.tensor_model_parallel_size
     with pytest.raises(UsageError, match=message):
         validate_config(config, world)
+
+
+@pytest.mark.world(1)
+@pytest.mark.parametrize(
+    "changes, shown",
+    [
+        (dict(lora_exclude_modules=["*.layers.9.*"]), "'*.layers.9.*'"),
+        (dict(lora_exclude_modules=["linear_qkv", "*.mlp.linear_fc3"]), "'*.mlp.linear_fc3'"),
+        (dict(lora_exclude_modules=["*.experts.*"]), "'*.experts.*'"),  # a dense model
+    ],
+    ids=["layer-9-of-2", "fc3", "experts-of-a-dense-model"],
+)
+def test_exclusions_that_match_no_layer_are_refused_naming_the_layers(changes, shown):
+    """A --lora-exclude-modules pattern matching nothing (a typo) is refused before the run,
+    naming the pattern and the model's adaptable layers."""
+    config = TrainingConfig(**{**SMALL, "lora_dim": 4, **changes})
+    layers = (  # SMALL: 4 layers
+        "decoder.layers.<0..3>.{self_attention.linear_qkv, self_attention.linear_proj, "
+        "mlp.linear_fc1, mlp.linear_fc2}"
+    )
+    message = f"--lora-exclude-modules {shown} matches no layer of the model; its adaptable "
+    with pytest.raises(UsageError, match=re.escape(f"{message}layers are {layers}")):
+        validate_config(config, 1)
+    validate_config(dataclasses.replace(config, lora_exclude_modules=["*.layers.1.*"]), 1)
 
 
 @pytest.mark.world(1)

@@ -14,6 +14,7 @@ from megatron.training.hf.families import (
     mistral,
     mixtral,
     olmoe,
+    phi3,
     qwen2,
     qwen2_moe,
     qwen3,
@@ -33,6 +34,7 @@ REGISTRY: Dict[str, Family] = {
         qwen2_moe.FAMILY,
         qwen3_moe.FAMILY,
         olmoe.FAMILY,
+        phi3.FAMILY,
     )
 }
 
