@@ -39,7 +39,8 @@ from megatron.core.preference import (
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe import moe_utils
-from megatron.training.arguments import Layout, TrainingConfig, flag_of, resolved_model
+from megatron.training.arguments import Layout, TrainingConfig
+from megatron.training.dpo_checks import check_reference_architecture
 from megatron.training.dpo_reference import FINETUNE, HF_MODEL, describe_source
 from megatron.training.evaluation import (
     WHOLE_SET,
@@ -284,32 +285,6 @@ def _frozen(chunks: List[torch.nn.Module]) -> List[torch.nn.Module]:
         for parameter in chunk.parameters():
             parameter.requires_grad_(False)
     return chunks
-
-
-def check_reference_architecture(config: TrainingConfig) -> None:
-    """``--dpo-reference-hf-model DIR`` must build the policy's model: each model setting its
-    config.json gives equals the run's (else a ValueError naming both values)."""
-    from megatron.training.hf.config import read_hf_config, training_settings
-
-    source = config.dpo_reference_hf_model
-    try:
-        arch, _ = read_hf_config(source)
-    except (FileNotFoundError, NotADirectoryError, ValueError) as err:
-        raise type(err)(f"--dpo-reference-hf-model: {err}") from None
-    settings = training_settings(arch)
-    mine = resolved_model(config)
-    theirs = resolved_model({**mine, **settings})
-    differ = [
-        f"{flag_of(name)} {mine[name]} (its config.json gives {theirs[name]})"
-        for name in settings
-        if mine[name] != theirs[name]
-    ]
-    if differ:
-        raise ValueError(
-            f"--dpo-reference-hf-model {source} is not the policy's architecture: the run has "
-            f"{'; '.join(differ)}; the reference must have the policy's architecture and "
-            "tokenizer"
-        )
 
 
 def _model_call(batch: dict, model) -> torch.Tensor:

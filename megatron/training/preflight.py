@@ -11,7 +11,8 @@ would not honour (``checkpointing.compare_run_settings`` / ``compare_optimizer_s
 ``check_input_paths``: ``--data-path``, ``--valid-data-path``, ``--tokenizer``,
 ``--hf-model`` and ``--load`` exist and are what they must be (a file, a folder, an indexed
 prefix, a checkpoint; with ``--dpo``, the reference source a resumed checkpoint recorded),
-each error naming the flag, the path and what was expected.
+each error naming the flag, the path and what was expected; ``check_dpo_reference``:
+``--dpo-reference-hf-model``'s folder and architecture (once the settings are resolved).
 
 ``check_output_paths``: the output folders can be folders, ``--save`` overwrites no
 checkpoints the run does not resume, and an ``--export-hf`` model has a HuggingFace family,
@@ -125,6 +126,16 @@ def check_input_paths(config: TrainingConfig, adopted: Sequence[str] = ()) -> No
             from megatron.training.dpo_reference import reference_source
 
             reference_source(config)
+
+
+def check_dpo_reference(config: TrainingConfig) -> None:
+    """``--dpo-reference-hf-model DIR`` (with ``--dpo``; settings resolved, after
+    ``--hf-model``) is a HuggingFace model folder of the policy's architecture: an error
+    naming the flag and the folder before any worker starts."""
+    if config.dpo and config.dpo_reference_hf_model:
+        from megatron.training.dpo_checks import check_reference_architecture
+
+        check_reference_architecture(config)
 
 
 def _check_data_path(option: str, path: str) -> None:
