@@ -2,7 +2,8 @@
 checkpoint recorded, every input path and every output path.
 
 ``adopt_checkpoint_settings``: ``--load`` of one of our checkpoints takes the model and data
-settings it recorded (the fields of ``kind=MODEL`` and ``kind=DATA``, and ``--hf-model``)
+settings it recorded (the fields of ``kind=MODEL`` and ``kind=DATA``, ``--hf-model``, and
+for a resumed DPO run ``--seed``)
 for every flag the command line leaves out (megatron's ``--use-checkpoint-args``, here the
 default), so resuming needs only ``--load``; a flag that contradicts the checkpoint is
 refused naming both values, one setting per line, as are optimizer settings the resume
@@ -47,6 +48,7 @@ def adopt_checkpoint_settings(
         compare_run_settings,
         resolve_checkpoint,
     )
+    from megatron.training.resume_rules import resumed_run_settings
 
     directory, _ = resolve_checkpoint(
         config.load, config.save, config.ckpt_step, config.exit_on_missing_checkpoint
@@ -57,9 +59,10 @@ def adopt_checkpoint_settings(
     saved: Dict[str, Any] = common.get("run_settings") or {}
     names = {f.name for f in fields(config)}
     tokenizer_vocab = saved.get("data_path") and not saved.get("hf_model")
+    adopted_names = ADOPTED + (() if config.finetune else resumed_run_settings(saved))
     changes = {
         name: _as_field(saved[name], getattr(config, name))
-        for name in ADOPTED
+        for name in adopted_names
         if name in saved
         and name in names
         and name not in explicit
