@@ -34,6 +34,7 @@ from megatron.core.distributed import (
 )
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.loss_reporting import reduce_reported_totals
 from megatron.core.preference import PreferenceObjective, PreferenceStep
@@ -112,6 +113,26 @@ def test_dpo_main_grads_equal_dense_reference(layout: Layout, objective: str, ar
         held = set(steps[0][0])
     if set(reference[0][0]) - held:
         failures.append(f"no rank holds {sorted(set(reference[0][0]) - held)}")
+    assert_no_failures(failures)
+
+
+@pytest.mark.world(4)
+@pytest.mark.slow
+@pytest.mark.parametrize("objective, arch", [("sigmoid-ls-sft", "llama"), ("ipo", "gpt2")])
+def test_dpo_with_the_distributed_optimizer_at_dp2_cp2(objective: str, arch: str):
+    """dp2 x cp2 with the distributed optimizer (each rank's SGD step on its shard, then the
+    parameters gathered): the parameters after every step, the objective and the metrics
+    match the float64 reference."""
+    layout = Layout(cp=2, dp=2)
+    reference = dense_reference(objective, arch)
+    groups = _groups(layout)
+    steps = distributed_training(layout, objective, arch, groups, distopt=True)
+    failures = compare(layout, steps, reference, groups)
+    names: List[Optional[List[str]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, sorted(steps[0][2]))
+    missing = set(reference[0][2]) - {n for rank_names in names for n in rank_names}
+    if missing:
+        failures.append(f"no rank holds {sorted(missing)}")
     assert_no_failures(failures)
 
 
@@ -246,10 +267,10 @@ def dense_reference(objective_name: str, arch_name: str):
             "logps_chosen": logps[0::2].mean().item(),
             "logps_rejected": logps[1::2].mean().item(),
         }
-        steps.append((grads, metrics))
         with torch.no_grad():
             for name, param in params.items():
                 param -= LR * grads[name]
+        steps.append((grads, metrics, {n: p.detach().clone() for n, p in params.items()}))
     return steps
 
 
@@ -278,11 +299,17 @@ def compare(layout, steps, reference, groups, tolerance: float = TOLERANCE) -> L
     failures = []
     tp = groups.tp if groups is not None else None
     tp_size, tp_rank = (tp.size(), tp.rank()) if tp is not None else (1, 0)
-    for step, ((grads, metrics), (ref_grads, ref_metrics)) in enumerate(zip(steps, reference)):
+    for step, ((grads, metrics, stepped), (ref_grads, ref_metrics, ref_stepped)) in enumerate(
+        zip(steps, reference)
+    ):
         for name, (grad, param) in grads.items() if step == 0 else ():
             error = rel_error(grad, shard_like(ref_grads[name], param, tp_size, tp_rank))
             if not error <= tolerance:
                 failures.append(f"{layout.id} step {step}: {name}: rel error {error:.2e}")
+        for name, (value, param) in stepped.items():
+            error = rel_error(value, shard_like(ref_stepped[name], param, tp_size, tp_rank))
+            if not error <= tolerance:
+                failures.append(f"{layout.id} step {step}: {name} after the step: {error:.2e}")
         for key, value in (metrics or {}).items():
             expected = ref_metrics[key]
             if abs(value - expected) > tolerance * max(1.0, abs(expected)):
@@ -320,10 +347,15 @@ def build(config, arch, groups, seed, pp_rank=None, stage=0, stages=1, vp_stage=
     )
 
 
-def distributed_training(layout: Layout, objective_name: str, arch_name: str, groups, breaks=""):
+def distributed_training(
+    layout: Layout, objective_name: str, arch_name: str, groups, breaks="", distopt=False
+):
     """STEPS plain-SGD steps: per step the reference model's forward-only pass, then the
     policy's forward-backward (schedule, DDP, finalize_model_grads). Returns per step
-    {reference name: (main_grad, parameter)} and the metrics (None off the last stage).
+    {reference name: (main_grad, parameter)}, the metrics (None off the last stage) and
+    {reference name: (value after the step, parameter)} (``distopt`` only: the distributed
+    optimizer's SGD step, whose main_grads only hold this rank's shard of the sum, so the
+    gradients are compared through the stepped parameters; without it, {}).
     ``breaks``: a negative control (``sft_per_mb``, ``moving_ref``)."""
     objective, (arch, lora) = OBJECTIVES[objective_name], _arch(arch_name)
     config = make_config(layout, "averaged", arch)
@@ -340,12 +372,15 @@ def distributed_training(layout: Layout, objective_name: str, arch_name: str, gr
         seed = POLICY_SEED if lora else REFERENCE_SEED
         references.append(build(config, arch, groups, seed, None, stage, stages, vp))
         gpts.append(gpt)
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=distopt
+        )
         chunks.append(DistributedDataParallel(config, ddp_config, gpt, pg_collection=groups))
     if breaks == "moving_ref":
         references = gpts
     config.no_sync_func = [c.no_sync for c in chunks] if vpp else chunks[0].no_sync
     config.finalize_model_grads_func = finalize_model_grads
+    optimizer = _sgd(chunks, groups) if distopt else None
     cp = groups.cp if groups is not None else None
     dp_rank = groups.dp.rank() if groups is not None else 0
     num_microbatches = MICROBATCHES // layout.dp
@@ -389,18 +424,33 @@ def distributed_training(layout: Layout, objective_name: str, arch_name: str, gr
                 key: s / n for key, (s, n) in totals.items() if key.startswith(("rew", "lo"))
             }
             metrics["loss"] = preference.objective_value(totals, objective)
-        grads = {}
-        for gpt in gpts:
-            for name, param in reference_names(gpt):
-                if param.requires_grad:
-                    grads[name] = (param.main_grad.detach().clone(), param)
-        steps.append((grads, metrics))
+        trained = [(n, p) for gpt in gpts for n, p in reference_names(gpt) if p.requires_grad]
+        if optimizer is not None:
+            assert optimizer.step()[0]
+            for chunk in chunks:
+                chunk.finish_param_sync()
+            stepped = {name: (param.detach().clone(), param) for name, param in trained}
+            steps.append(({}, metrics, stepped))
+            continue
+        grads = {name: (param.main_grad.detach().clone(), param) for name, param in trained}
+        steps.append((grads, metrics, {}))
         with torch.no_grad():
-            for gpt in gpts:
-                for param in gpt.parameters():
-                    if param.requires_grad:
-                        param -= LR * param.main_grad.to(param.dtype)
+            for _, param in trained:
+                param -= LR * param.main_grad.to(param.dtype)
     return steps
+
+
+def _sgd(chunks, groups):
+    """The distributed optimizer's plain SGD at LR (no momentum, decay or clipping)."""
+    config = OptimizerConfig(
+        optimizer="sgd",
+        lr=LR,
+        sgd_momentum=0.0,
+        weight_decay=0.0,
+        clip_grad=1e9,  # never clips
+        use_distributed_optimizer=True,
+    )
+    return get_megatron_optimizer(config, chunks, pg_collection=groups)
 
 
 def reference_step(cp, data_iterator, model):
