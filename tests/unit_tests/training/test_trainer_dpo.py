@@ -211,7 +211,7 @@ def test_a_jsonl_file_of_pairs_trains_and_validates_on_its_split(tmp_path):
     "changes, message",
     [
         (dict(dpo=False, dpo_beta=0.5), "--dpo-beta 0.5 needs --dpo"),
-        (dict(pack_sequences=True, micro_batch_size=1), "--pack-sequences with --dpo"),
+        (dict(pack_sequences=True), "--micro-batch-size must be 1, got 2"),
         (dict(calculate_per_token_loss=True), "--calculate-per-token-loss with --dpo"),
         (dict(label_smoothing=0.1), "--label-smoothing 0.1 with --dpo"),
         (dict(skip_train=True, load="c", finetune=True), "--skip-train with --dpo"),
@@ -246,6 +246,51 @@ def test_a_pair_without_its_keys_names_the_file_and_line(tmp_path):
         build_preference_dataset(config)
 
 
+PACKED = dict(seq_length=48, micro_batch_size=1, dpo_sft_weight=0.5, pack_sequences=True)
+
+
+@pytest.mark.world(1)
+@pytest.mark.parametrize(
+    "loss_type", ["sigmoid", pytest.param("ipo", marks=pytest.mark.slow)]  # ipo: per-token means
+)
+def test_packed_pairs_train_the_unpacked_objective(loss_type):
+    """--pack-sequences: whole pairs packed into rows (several in a row), a global batch of
+    rows; iteration 1's objective, TRL's metrics and gradient norm equal the unpacked run's on
+    the same pairs (the reference's packed sums equal the policy's: rewards 0)."""
+    packed = TrainingConfig(**{**SMALL, **PACKED, "dpo_loss_type": loss_type})
+    batch = build_preference_dataset(packed).global_batch(0, packed.global_batch_size)
+    per_row = [(int(row.max()) + 1) // 2 for row in batch["sequence_index"]]
+    assert max(per_row) >= 2 and batch["tokens"].shape == (packed.global_batch_size, 96)
+    (mine,) = _run(train_iters=1, **PACKED, dpo_loss_type=loss_type)
+    (unpacked,) = _run(
+        train_iters=1,
+        **{**PACKED, "pack_sequences": False, "global_batch_size": sum(per_row)},
+        dpo_loss_type=loss_type,
+    )
+    for key in ("loss", "grad_norm", "logps_chosen", "logps_rejected", "rewards_margins"):
+        assert abs(mine[key] - unpacked[key]) <= 1e-5 * max(1.0, abs(unpacked[key])), key
+    assert mine["rewards_chosen"] == 0.0 and mine["padding_tokens"] < unpacked["padding_tokens"]
+
+
+@pytest.mark.world(1)
+def test_packed_validation_holds_whole_batches_of_rows(tmp_path):
+    """The validation pairs packed as the training pairs, in file order: whole global
+    batches of rows, the pairs of a partial last batch left out and counted."""
+    path = tmp_path / "prefs.jsonl"
+    words = ["a b", "c d e f g h", "i", "j k l m n o p q r s t", "u v"]
+    lines = [dict(prompt=w, chosen=" yes " + w, rejected=" no") for w in words * 3]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    files = dict(data_path=str(path), valid_data_path=str(path), eval_interval=1)
+    config = TrainingConfig(**{**SMALL, **PACKED, **files})
+    validation = build_preference_validation(config)
+    rows = [row for batch in validation.batches for row in batch["sequence_index"]]
+    assert len(rows) % config.global_batch_size == 0 and len(rows) >= config.global_batch_size
+    assert validation.num_pairs == sum((int(r.max()) + 1) // 2 for r in rows)
+    assert validation.num_pairs + validation.left_out == len(lines)
+    (record,) = _run(train_iters=1, **PACKED, **files)
+    assert math.isfinite(record["valid_loss"]) and math.isfinite(record["valid_rewards_margins"])
+
+
 # --------------------------------------------------------------- layouts (torchrun, slow)
 
 LAYOUTS = [
@@ -268,6 +313,20 @@ LAYOUTS = [
         dict(num_experts=4, moe_router_topk=2, expert_model_parallel_size=2,
              moe_aux_loss_coeff=0.01, disable_bias_linear=True, dpo_loss_type="hinge"),
         marks=[pytest.mark.world(2), pytest.mark.slow], id="ep2-moe-hinge",
+    ),
+    pytest.param(
+        dict(PACKED, context_parallel_size=2), marks=[pytest.mark.world(2), pytest.mark.slow],
+        id="cp2-packed",
+    ),
+    pytest.param(
+        dict(PACKED, tensor_model_parallel_size=2, sequence_parallel=True,
+             pipeline_model_parallel_size=2, dpo_loss_type="ipo"),
+        marks=[pytest.mark.world(4), pytest.mark.slow], id="tp2-sp-pp2-packed-ipo",
+    ),
+    pytest.param(
+        dict(PACKED, context_parallel_size=2, use_distributed_optimizer=True,
+             dpo_loss_type="hinge"),
+        marks=[pytest.mark.world(4), pytest.mark.slow], id="dp2-cp2-distopt-packed-hinge",
     ),
 ]  # fmt: skip
 
