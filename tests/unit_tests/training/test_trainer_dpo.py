@@ -383,6 +383,69 @@ def test_a_reference_hf_model_gives_the_reference_log_probs(tmp_path):
         _run_with(changes, dpo_reference_hf_model=str(other), **run)
 
 
+@pytest.mark.world(1)
+@pytest.mark.slow  # writes two HuggingFace models, imports transformers
+def test_the_dpo_step_equals_transformers_float64_gradient(tmp_path):
+    """One plain-SGD step (lr 1, no clipping, decay or momentum) from an --hf-model policy
+    against an --dpo-reference-hf-model reference: the exported weights' update equals -lr x
+    the gradient transformers gives (float64) for the issue's objective on the same pairs
+    (sigmoid + the pooled SFT term), every tensor by its HuggingFace name; the loss and the
+    gradient norm too. Control: the per-token MEAN log-probs (not the sums) give another
+    gradient."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from tests.unit_tests.dist_utils import rel_error
+    from tests.unit_tests.hf.hf_models import LLAMA_CONFIG, write_random_hf_model
+
+    policy = write_random_hf_model(tmp_path / "policy", LLAMA_CONFIG, seed=0)
+    reference = write_random_hf_model(tmp_path / "reference", LLAMA_CONFIG, seed=1)
+    beta, weight = 0.5, 0.7
+    changes = {k: v for k, v in SMALL.items() if k not in ("num_layers", "hidden_size")}
+    changes.pop("num_attention_heads")
+    changes.update(
+        hf_model=str(policy), dpo_reference_hf_model=str(reference), seq_length=16,
+        dpo_beta=beta, dpo_sft_weight=weight, optimizer="sgd", sgd_momentum=0.0, lr=1.0,
+        clip_grad=0.0, weight_decay=0.0, export_hf=str(tmp_path / "out"),
+    )  # fmt: skip
+    (record,) = _run_with(changes, train_iters=1)
+    config = TrainingConfig(**changes)
+    batch = build_preference_dataset(config).global_batch(0, config.global_batch_size)
+    mask = batch["loss_mask"].double()
+
+    def logps(model, mean=False):
+        logits = model(batch["tokens"], position_ids=batch["position_ids"]).logits
+        logp = logits.log_softmax(-1).gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)
+        summed = (logp * mask).sum(-1)
+        return summed / mask.sum(-1) if mean else summed
+
+    def gradient(mean=False):
+        load = transformers.AutoModelForCausalLM.from_pretrained
+        model = load(str(policy), dtype=torch.float64)
+        with torch.no_grad():
+            ref = logps(load(str(reference), dtype=torch.float64), mean)
+        mine = logps(model, mean)
+        h = (mine[0::2] - ref[0::2]) - (mine[1::2] - ref[1::2])
+        sft = -logps(model)[0::2].sum() / mask[0::2].sum()
+        objective = -torch.nn.functional.logsigmoid(beta * h).mean() + weight * sft
+        objective.backward()
+        return objective.item(), {n: p.grad for n, p in model.named_parameters()}
+
+    loss, grads = gradient()
+    norm = math.sqrt(sum(float((g * g).sum()) for g in grads.values()))
+    assert (
+        abs(record["loss"] - loss) < 1e-6 * loss and abs(record["grad_norm"] - norm) < 1e-5 * norm
+    )
+    start = load_file(str(policy / "model.safetensors"))
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(exported) == set(grads)
+    update = {n: exported[n].double() - start[n].double() for n in grads}
+    errors = {n: rel_error(update[n], -grads[n]) for n in grads}
+    assert max(errors.values()) < 1e-5, errors
+    _, mean_grads = gradient(mean=True)
+    assert min(rel_error(update[n], -mean_grads[n]) for n in grads) > 1e-2
+
+
 def _run_with(base: dict, **changes):
     with fresh_layout():
         result = pretrain(TrainingConfig(**{**base, **changes}))
