@@ -246,6 +246,27 @@ def test_a_pair_without_its_keys_names_the_file_and_line(tmp_path):
         build_preference_dataset(config)
 
 
+@pytest.mark.world(1)
+@pytest.mark.slow  # three runs, ~4 s
+def test_recompute_and_bf16_train_the_same_objective():
+    """Full activation recomputation gives the same iterations (the reference pass has no
+    graph to recompute, the policy's backward recomputes); bf16 follows the fp32 run at bf16's
+    precision (the log-probs summed in fp32)."""
+    keys = ("loss", "grad_norm", "rewards_margins", "logps_chosen")
+    plain = _run(train_iters=2)
+    recompute = dict(
+        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+    )
+    again = _run(train_iters=2, **recompute)
+    for mine, reference in zip(again, plain):
+        for key in keys:
+            assert abs(mine[key] - reference[key]) <= 1e-6 * max(1.0, abs(reference[key])), key
+    half = _run(train_iters=2, bf16=True)
+    for mine, reference in zip(half, plain):
+        for key in keys:
+            assert abs(mine[key] - reference[key]) <= 3e-2 * max(1.0, abs(reference[key])), key
+
+
 PACKED = dict(seq_length=48, micro_batch_size=1, dpo_sft_weight=0.5, pack_sequences=True)
 
 
