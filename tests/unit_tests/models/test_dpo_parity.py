@@ -169,7 +169,9 @@ def test_packed_pairs_equal_the_unpacked_dense_reference(layout: Layout, objecti
     "breaks, layout",
     [
         # the documents of a row attend to each other (no packed_seq_params)
-        pytest.param("no_thd", Layout(), marks=pytest.mark.world(1), id="no-thd"),
+        pytest.param(
+            "no_thd", Layout(), marks=[pytest.mark.world(1), pytest.mark.slow], id="no-thd"
+        ),
         # the sequence index not split over CP with the tokens
         pytest.param("unsharded_index", Layout(cp=2), marks=pytest.mark.world(2), id="index"),
     ],

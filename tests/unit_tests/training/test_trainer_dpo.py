@@ -308,8 +308,7 @@ def test_packed_validation_holds_whole_batches_of_rows(tmp_path):
     assert len(rows) % config.global_batch_size == 0 and len(rows) >= config.global_batch_size
     assert validation.num_pairs == sum((int(r.max()) + 1) // 2 for r in rows)
     assert validation.num_pairs + validation.left_out == len(lines)
-    (record,) = _run(train_iters=1, **PACKED, **files)
-    assert math.isfinite(record["valid_loss"]) and math.isfinite(record["valid_rewards_margins"])
+    # (the packed validation pass itself: the packed layouts' --compare-single-process below)
 
 
 # --------------------------------------------------------------- layouts (torchrun, slow)
