@@ -15,6 +15,11 @@ each sequence's log-prob.
 
 Negative controls (each must fail the bucket): per-shard log-probs (no sum over CP), the SFT
 term pooled per micro-batch, a reference that moves with the policy.
+
+Packed (``packed_global_batch``): each micro-batch's sequences are the documents of one THD
+row (several pairs per row), compared with the same unpacked reference; controls: the
+documents attending to each other, the sequence index not split over CP with the tokens.
+The distributed optimizer (dp2 x cp2): compared through the parameters after its SGD steps.
 """
 
 import dataclasses
