@@ -197,3 +197,14 @@ def test_a_resume_keeps_the_seed_of_its_generated_pairs(tmp_path, monkeypatch, c
         _run(train_iters=2, load=str(tmp_path), **NO_VALIDATION)
     compare_run_settings({"dpo": True, "seed": 7}, {"dpo": True, "seed": 8}, tmp_path, True)
     compare_run_settings({"dpo": False, "seed": 7}, {"dpo": False, "seed": 8}, tmp_path)
+
+
+@pytest.mark.world(1)
+@pytest.mark.slow  # the default run's budget
+def test_a_packed_dpo_run_resumes_bit_for_bit(tmp_path):
+    """--pack-sequences: the resumed run packs the same rows (the pair stream from its
+    start) and equals the uninterrupted one."""
+    from tests.unit_tests.training.test_trainer_dpo import PACKED
+
+    straight, interrupted = _resumes_exactly(tmp_path, **PACKED)
+    assert interrupted == straight and straight[2]["rewards_margins"] != 0.0
