@@ -328,7 +328,8 @@ class TrainingConfig:
         help="pack documents (generated pairs or --data-path records) into rows of "
         "--seq-length tokens (THD format: documents never attend to each other, each "
         "padded to a multiple of 16, padding "
-        "and prompts masked out of the loss); needs --micro-batch-size 1",
+        "and prompts masked out of the loss); needs --micro-batch-size 1; with --dpo whole "
+        "pairs in rows of 2 x --seq-length, --global-batch-size counting rows (docs/dpo.md)",
     )
     # Model.
     num_layers: int = option(

@@ -45,7 +45,7 @@ from megatron.training.arguments import Layout, TrainingConfig
 from megatron.training.checkpoint_layout import checkpoint_dir, layout_record, settings_record
 from megatron.training.checkpoint_save import save_checkpoint
 from megatron.training.data import microbatches_for_rank
-from megatron.training.dpo import ROWS_PER_PAIR, dpo_line
+from megatron.training.dpo import dpo_line, row_length, rows_per_sample
 from megatron.training.dpo_reference import REFERENCE_SOURCE_KEY
 from megatron.training.errors import TrainingStopped
 from megatron.training.evaluation import Validation, ValidationSet, evaluate, evaluation_due
@@ -86,8 +86,14 @@ class Run:
 
     @property
     def rows(self) -> int:
-        """Rows of the data per sample: 2 for a preference pair (chosen, rejected), else 1."""
-        return ROWS_PER_PAIR if self.dpo is not None else 1
+        """Rows of the data per sample: 2 for a preference pair (chosen, rejected), else 1
+        (also a row of packed pairs)."""
+        return rows_per_sample(self.config) if self.dpo is not None else 1
+
+    @property
+    def row_length(self) -> int:
+        """Positions of a row: ``--seq-length``, a row of packed pairs twice that."""
+        return row_length(self.config) if self.dpo is not None else self.config.seq_length
 
     @property
     def scaled(self) -> bool:
@@ -162,7 +168,7 @@ def step(run: Run, iteration: int) -> Dict[str, Any]:
         data_iterator=[iter(microbatches) for _ in model] if vpp else iter(microbatches),
         model=model if vpp else model[0],
         num_microbatches=layout.num_microbatches,
-        seq_length=config.seq_length,
+        seq_length=run.row_length,
         micro_batch_size=config.micro_batch_size * run.rows,
         pg_collection=run.pg_collection,
         forward_only=False,
@@ -194,7 +200,7 @@ def step(run: Run, iteration: int) -> Dict[str, Any]:
         "tokens_per_s": data_tokens / seconds,
         "valid_tokens": int(global_batch["loss_mask"].sum().item()),
         "data_tokens": data_tokens,
-        "padding_tokens": config.global_batch_size * run.rows * config.seq_length - data_tokens,
+        "padding_tokens": config.global_batch_size * run.rows * run.row_length - data_tokens,
         "iteration_time_s": seconds,
         "skipped_iterations": run.skipped,
         "loss_scale": run.optimizer.get_loss_scale().item() if run.scaled else None,
