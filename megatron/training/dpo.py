@@ -41,7 +41,6 @@ from megatron.core.preference import (
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe import moe_utils
 from megatron.training.arguments import Layout, TrainingConfig
-from megatron.training.dpo_checks import check_reference_architecture
 from megatron.training.dpo_reference import FINETUNE, HF_MODEL, describe_source
 from megatron.training.evaluation import (
     WHOLE_SET,
@@ -51,6 +50,7 @@ from megatron.training.evaluation import (
 )
 from megatron.training.model import build_model
 from megatron.training.preference_data import build_preference_dataset, packed_preference_dataset
+from megatron.training.preflight import check_reference_architecture
 
 ROWS_PER_PAIR = 2
 

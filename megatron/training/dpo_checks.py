@@ -78,37 +78,3 @@ def _default(c: Any, name: str) -> Any:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise UsageError(message)
-
-
-def check_reference_architecture(config: Any) -> None:
-    """``--dpo-reference-hf-model DIR`` is a HuggingFace model folder that builds the
-    policy's model: each model setting its config.json gives equals the run's (resolved
-    settings: after ``--hf-model``). Else a ValueError / FileNotFoundError naming the flag,
-    the folder and what was expected. The command line checks it before any worker starts
-    (``preflight.check_dpo_reference``); the trainer again when it builds the reference."""
-    from megatron.training.arguments import flag_of
-    from megatron.training.hf.config import read_hf_config, training_settings
-    from megatron.training.model_settings import resolved_model
-
-    source = config.dpo_reference_hf_model
-    try:
-        arch, _ = read_hf_config(source)
-    except (FileNotFoundError, NotADirectoryError, ValueError) as err:
-        raise type(err)(
-            f"--dpo-reference-hf-model {source}: {err} (expected a HuggingFace model folder "
-            "with config.json + safetensors, of the policy's architecture)"
-        ) from None
-    settings = training_settings(arch)
-    mine = resolved_model(config)
-    theirs = resolved_model({**mine, **settings})
-    differ = [
-        f"{flag_of(name)} {mine[name]} (its config.json gives {theirs[name]})"
-        for name in settings
-        if mine[name] != theirs[name]
-    ]
-    if differ:
-        raise ValueError(
-            f"--dpo-reference-hf-model {source} is not the policy's architecture: the run has "
-            f"{'; '.join(differ)}; the reference must have the policy's architecture and "
-            "tokenizer"
-        )
