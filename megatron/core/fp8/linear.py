@@ -64,7 +64,12 @@ def fp8_linear(
     docstring): ``flags`` (gradient_accumulation_fusion, allreduce_dgrad,
     sequence_parallel) as the high-precision linear runs them (``tensor_parallel.layers.
     _linear_flags``: none of the communication on a group of one rank, the fusion only where
-    ``weight.main_grad`` is to be written), ``tp_group`` resolved."""
+    ``weight.main_grad`` is to be written), ``tp_group`` resolved. Traced by ``torch.compile``
+    (the trainer's ``--compile``), the backward returns the weight gradient for DDP's hook to
+    add into ``main_grad``, as without ``gradient_accumulation_fusion``: a traced
+    autograd.Function may not write a tensor from outside its graph."""
+    if flags[0] and torch.compiler.is_compiling():
+        flags = (False, *flags[1:])
     return Fp8LinearFunction.apply(input, weight, bias, flags, tp_group, gemm)
 
 

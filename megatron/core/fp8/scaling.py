@@ -87,7 +87,7 @@ def operands(
     ``scale_from_amax(amax)`` (``amax`` the global amaxes, one per tensor), ``tensors`` cast
     with them, the transposed FP8 copies of ``tensors[i]`` for i in ``transposed_too`` and of
     the FP8 tensors ``fp8_to_transpose``. Returns (casts, transposes, scales)."""
-    if tensors and tensors[0].is_cuda:
+    if tensors and _compiled_here(tensors[0]):
         return _fused_operands(
             tensors, amax, dtype, margin, tuple(transposed_too), fp8_to_transpose
         )
@@ -107,7 +107,7 @@ _fused_operands = jit_fuser(_operands)
 
 def quantize(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """cast_fp8(clamp(tensor * scale)) (computed in float32, round to nearest even)."""
-    return (_fused_cast if tensor.is_cuda else _cast)(tensor.detach(), scale, dtype)
+    return (_fused_cast if _compiled_here(tensor) else _cast)(tensor.detach(), scale, dtype)
 
 
 def quantize_both(
@@ -115,7 +115,7 @@ def quantize_both(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``quantize`` of a 2-D ``tensor`` and its transpose as a contiguous tensor (the operand
     of a GEMM that contracts over ``tensor``'s rows), from one read of ``tensor`` on CUDA."""
-    if tensor.is_cuda:
+    if _compiled_here(tensor):
         return _fused_cast_both(tensor.detach(), scale, dtype)
     q = _cast(tensor.detach(), scale, dtype)
     return q, q.t().contiguous()
@@ -123,7 +123,12 @@ def quantize_both(
 
 def transposed(q: torch.Tensor) -> torch.Tensor:
     """``q.t().contiguous()`` of a 2-D FP8 tensor (compiled on CUDA: a tiled transpose)."""
-    return _fused_transpose(q) if q.is_cuda else q.t().contiguous()
+    return _fused_transpose(q) if _compiled_here(q) else q.t().contiguous()
+
+
+def _compiled_here(tensor: torch.Tensor) -> bool:
+    """Run the ``jit_fuser`` version: on CUDA, outside a graph being compiled."""
+    return tensor.is_cuda and not torch.compiler.is_compiling()
 
 
 def _cast(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
