@@ -138,6 +138,7 @@ def validate_config(
         _check_packing(c)
     check_run_options(c, given)
     _check_moe(c, world_size, given)
+    _check_mla(c, given)
     check_fp8_flags(c, given)
     _check_lora(c)
     _check_objective(c, given)
@@ -277,6 +278,47 @@ def _check_moe(c: Config, world_size: int, given: _Given) -> None:
         f"--moe-layer-freq {c.moe_layer_freq}: expected N >= 1 or --num-layers "
         f"({c.num_layers}) 0/1 entries",
     )
+
+
+_MLA_FLAGS = (
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+    "rope_type",
+    "rotary_scaling_factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+)
+_YARN_FLAGS = _MLA_FLAGS[6:]
+
+
+def _check_mla(c: Config, given: _Given) -> None:
+    """The multi-latent attention flags: each needs --multi-latent-attention, the yarn ones
+    need --rope-type yarn, and the rotary part lives in the attention (rope positions)."""
+    if not c.multi_latent_attention:
+        for name in _MLA_FLAGS:
+            _require(
+                not given(name),
+                f"{_moe_flag(name)} {_shown(getattr(c, name))} needs --multi-latent-attention",
+            )
+        return
+    _require(
+        c.position_embedding_type == "rope",
+        f"--multi-latent-attention needs --position-embedding-type rope (its rotary part is "
+        f"inside the attention), got {c.position_embedding_type}",
+    )
+    if c.rope_type == "rope":
+        for name in _YARN_FLAGS:
+            _require(
+                not given(name),
+                f"{_moe_flag(name)} {_shown(getattr(c, name))} is a yarn setting, but "
+                "--rope-type is rope; use --rope-type yarn or leave it out",
+            )
 
 
 def _check_router_losses(c: Config, given: _Given) -> None:
