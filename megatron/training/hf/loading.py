@@ -195,6 +195,10 @@ def load_hf_weights(
                 f"rows give {list(value.shape)}"
             )
         param.copy_(value)
+    for name, buffer in model.named_buffers():  # the router's expert bias (replicated)
+        full_name = one_chunk_name(model, name)
+        if full_name in sources:
+            buffer.copy_(read_rows(reader, sources[full_name], [(0, buffer.shape[0])], None))
 
 
 def _load_experts(model: GPTModel, reader, sources, full_shapes, finite: bool) -> set:

@@ -1,0 +1,251 @@
+"""DeepSeek-V3 / V2 through the HuggingFace family module (``hf/families/deepseek.py``) against
+transformers itself, float64, one process: a tiny V3 (q LoRA, yarn, a dense first layer, MoE
+layer with sigmoid routing, expert bias, group-limited top-k, routed scaling, shared experts)
+and a V2-Lite-shaped V2 (no q LoRA, softmax routing; greedy and group-limited greedy): logits,
+loss, every gradient, and the expert-bias update of a step (``finalize_model_grads``) equal
+transformers' (its float32 steps recompiled in float64). Import then export gives back the
+original tensors bit for bit. Configs we cannot express are refused by name."""
+
+import inspect
+import json
+import textwrap
+from unittest import mock
+
+import pytest
+import torch
+
+from megatron.core.distributed import finalize_model_grads
+from megatron.training.hf import model_from_hf
+from megatron.training.hf.config import read_hf_config
+from megatron.training.hf.weights import SafetensorsReader, parameter_sources
+from tests.unit_tests.hf.hf_models import HAVE_TRANSFORMERS, SKIP_REASON
+
+pytestmark = [
+    pytest.mark.world(1),
+    pytest.mark.skipif(not HAVE_TRANSFORMERS, reason=SKIP_REASON),
+]
+VOCAB, SEQ = 32, 8
+YARN = dict(
+    rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8,
+    beta_fast=8.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.8,
+)  # fmt: skip
+BASE = dict(
+    vocab_size=VOCAB, hidden_size=16, intermediate_size=24, moe_intermediate_size=8,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=6,
+    qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6, first_k_dense_replace=1,
+    n_routed_experts=8, n_shared_experts=2, max_position_embeddings=32, rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)  # fmt: skip
+CONFIGS = {
+    # 4 groups of 2, the best 2 groups, top 4 (= 2 x topk_group: groups scored by their best 2)
+    "v3": ("DeepseekV3", dict(BASE, q_lora_rank=12, num_experts_per_tok=4, n_group=4,
+                              topk_group=2, routed_scaling_factor=2.5, rope_parameters=YARN)),
+    "v2_lite": ("DeepseekV2", dict(BASE, q_lora_rank=None, num_experts_per_tok=2,
+                                   routed_scaling_factor=1.5, topk_method="greedy")),
+    # group-limited greedy: 4 groups, top 2 of the best 2 groups (one expert per group)
+    "v2_grouped": ("DeepseekV2", dict(BASE, q_lora_rank=None, num_experts_per_tok=2,
+                                      topk_method="group_limited_greedy", n_group=4,
+                                      topk_group=2, rope_parameters=YARN)),
+}  # fmt: skip
+
+
+def _float64(fn, module, float64: bool = True):
+    """transformers' ``fn`` recompiled from its source with its float32 steps in float64
+    (``float64`` False: only V2's complex rope table built from float32 cos and sin, as ours,
+    instead of ``torch.polar``'s own float32 trigonometry, which differs by an ulp)."""
+    source = textwrap.dedent(inspect.getsource(fn))
+    source = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith("@"))
+    if float64:
+        source = source.replace("torch.float32", "torch.float64").replace(".float()", ".double()")
+    polar = "torch.polar(torch.ones_like(freqs), freqs)"
+    source = source.replace(polar, "torch.complex(freqs.cos(), freqs.sin())")
+    namespace: dict = {}
+    exec(compile(source, f"<float64 {fn.__qualname__}>", "exec"), vars(module), namespace)
+    return namespace[fn.__name__]
+
+
+def _patches(name: str):
+    """transformers' RMSNorm, router and (V2) rope rotation in float64."""
+    import transformers
+
+    prefix, _ = CONFIGS[name]
+    version = prefix[-2:].lower()
+    module = getattr(transformers.models, f"deepseek_{version}").__dict__[
+        f"modeling_deepseek_{version}"
+    ]
+    norm, router = getattr(module, f"{prefix}RMSNorm"), getattr(module, f"{prefix}TopkRouter")
+    patches = [
+        mock.patch.object(norm, "forward", _float64(norm.forward, module)),
+        mock.patch.object(router, "forward", _float64(router.forward, module)),
+    ]
+    if version == "v2":
+        rotate = _float64(module.apply_rotary_emb, module)
+        patches.append(mock.patch.object(module, "apply_rotary_emb", rotate))
+        rope = module.DeepseekV2RotaryEmbedding
+        table = _float64(rope.forward, module, float64=False)
+        patches.append(mock.patch.object(rope, "forward", table))
+    return patches, router
+
+
+def _build(name: str, directory):
+    """The saved tiny model (float32 values, random norms, router and expert bias) and its
+    transformers copy in float64."""
+    import transformers
+
+    prefix, kwargs = CONFIGS[name]
+    config = getattr(transformers, f"{prefix}Config")(**kwargs)
+    config._attn_implementation = "sdpa"  # eager: softmax in float32
+    config._experts_implementation = "eager"  # grouped_mm: no float64
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{prefix}ForCausalLM")(config)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            p.normal_(0.0, 1.0 if "gate.weight" in pname else 0.3)
+        for bname, b in model.named_buffers():
+            if bname.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
+    model.save_pretrained(directory)
+    return model.double()
+
+
+def _batch():
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, SEQ, dtype=torch.float64)
+    mask[0, :3] = 0
+    return tokens, torch.roll(tokens, -1, 1), mask
+
+
+def _hf_grad(hf_params: dict, key: str) -> torch.Tensor:
+    """The gradient of checkpoint tensor ``key`` (experts are one fused tensor in memory)."""
+    if key in hf_params:
+        return hf_params[key].grad
+    head, expert, proj = key.rsplit(".", 3)[0], int(key.split(".")[-3]), key.split(".")[-2]
+    if proj == "down_proj":
+        return hf_params[f"{head}.down_proj"].grad[expert]
+    gate_up = hf_params[f"{head}.gate_up_proj"].grad[expert]
+    return gate_up.chunk(2)[0 if proj == "gate_proj" else 1]
+
+
+def _run(name: str, directory):
+    """(our logits, loss, model; HF logits, loss, model, HF routed indices per layer)."""
+    hf = _build(name, directory)
+    tokens, labels, mask = _batch()
+    patches, router = _patches(name)
+    chosen = []
+    original = router.forward
+
+    for patch in patches:
+        patch.start()
+    try:
+        patched = router.forward
+
+        def recording(self, hidden_states):
+            out = patched(self, hidden_states)
+            chosen.append(out[2].detach())
+            return out
+
+        with mock.patch.object(router, "forward", recording):
+            out = hf(input_ids=tokens)
+    finally:
+        for patch in reversed(patches):
+            patch.stop()
+    assert router.forward is original
+    per_token = torch.nn.functional.cross_entropy(
+        out.logits.reshape(-1, VOCAB), labels.reshape(-1), reduction="none"
+    )
+    hf_loss = (per_token * mask.reshape(-1)).sum() / mask.sum()
+    hf_loss.backward()
+    ours, config = model_from_hf(directory, params_dtype=torch.float64)
+    ours.train()
+    with torch.no_grad():
+        logits = ours(tokens, None, None)
+    loss = (ours(tokens, None, None, labels=labels) * mask).sum() / mask.sum()
+    loss.backward()
+    return (logits, loss, ours, config), (out.logits.detach(), hf_loss, hf, chosen)
+
+
+def _gradient_errors(ours, hf, directory) -> dict:
+    """Our parameter name -> max relative error of its gradient against transformers'."""
+    arch, _ = read_hf_config(directory)
+    sources = parameter_sources(arch)
+    hf_params = dict(hf.named_parameters())
+    errors = {}
+    for pname, param in ours.named_parameters():
+        expected = torch.cat([_hf_grad(hf_params, seg.key)[seg.start : seg.stop]
+                              for seg in sources[pname]])  # fmt: skip
+        err = (param.grad - expected).abs().max() / expected.abs().max().clamp(min=1e-300)
+        errors[pname] = err.item()
+    return errors
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_deepseek_matches_transformers_in_float64(name, tmp_path):
+    """Logits, loss, every gradient and the expert-bias update equal transformers'."""
+    (logits, loss, ours, config), (hf_logits, hf_loss, hf, chosen) = _run(name, tmp_path)
+    torch.testing.assert_close(logits, hf_logits, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(loss, hf_loss, rtol=1e-12, atol=1e-12)
+    errors = _gradient_errors(ours, hf, tmp_path)
+    assert max(errors.values()) < 1e-10, {k: v for k, v in errors.items() if v >= 1e-10}
+    assert any("router" in k for k in errors) and any("linear_q" in k for k in errors)
+    if name != "v3":
+        return
+    router = ours.decoder.layers[1].mlp.router
+    before = router.expert_bias.clone()
+    counts = torch.bincount(chosen[0].reshape(-1), minlength=8).double()
+    expected = before + config.moe_router_bias_update_rate * torch.sign(counts.mean() - counts)
+    finalize_model_grads([_Chunk(ours)])
+    assert torch.equal(router.expert_bias, expected)
+    assert not torch.equal(expected, before)
+
+
+class _Chunk(torch.nn.Module):
+    """A bare chunk for ``finalize_model_grads`` (no DDP: nothing to synchronize)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        self.config = module.config
+
+    def finish_grad_sync(self, force_all_reduce=False):
+        pass
+
+
+def test_import_export_gives_back_the_original_tensors(tmp_path):
+    from megatron.training.hf.__main__ import main as hf_cli
+
+    _build("v3", tmp_path / "v3")
+    assert hf_cli(["import", "--hf", str(tmp_path / "v3"), "--out", str(tmp_path / "ckpt")]) == 0
+    out = tmp_path / "hf"
+    assert hf_cli(["export", "--load", str(tmp_path / "ckpt"), "--out", str(out)]) == 0
+    original, exported = SafetensorsReader(tmp_path / "v3"), SafetensorsReader(out)
+    assert sorted(original.keys()) == sorted(exported.keys())
+    for key in original.keys():
+        everything = (slice(None),) * len(original.shape(key))
+        a, b = original.read(key, everything), exported.read(key, everything)
+        assert a.dtype == b.dtype and torch.equal(a, b), key
+    assert json.loads((out / "config.json").read_text())["model_type"] == "deepseek_v3"
+
+
+def test_negative_control_each_routing_rule_shows_in_the_logits(tmp_path):
+    """The V3 comparison would catch each routing rule left out: group-limited selection,
+    the expert bias on the selection, the routed scaling factor, the sigmoid scores."""
+    (_, _, ours, config), (hf_logits, _, _, _) = _run("v3", tmp_path)
+    router = ours.decoder.layers[1].mlp.router
+    bias = router.expert_bias.clone()
+    changes = {
+        "no groups": lambda: setattr(config, "moe_router_num_groups", None)
+        or setattr(config, "moe_router_group_topk", None),
+        "no expert bias": lambda: router.expert_bias.zero_(),
+        "no scaling": lambda: setattr(config, "moe_router_topk_scaling_factor", None),
+        "softmax": lambda: setattr(router, "score_function", "softmax"),
+    }
+    for change, apply in changes.items():
+        saved = dict(vars(config))
+        apply()
+        with torch.no_grad():
+            logits = ours(_batch()[0], None, None)
+        err = ((logits - hf_logits).abs().max() / hf_logits.abs().max()).item()
+        assert err > 1e-6, f"{change}: went unnoticed ({err:.2e})"
+        vars(config).update(saved)
+        router.expert_bias.copy_(bias)
+        router.score_function = "sigmoid"
