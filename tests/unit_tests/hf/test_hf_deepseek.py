@@ -249,3 +249,114 @@ def test_negative_control_each_routing_rule_shows_in_the_logits(tmp_path):
         vars(config).update(saved)
         router.expert_bias.copy_(bias)
         router.score_function = "sigmoid"
+
+
+def _v3(**change):
+    from tests.unit_tests.hf.test_hf_refusals import BASE
+
+    return {**BASE["deepseek_v3"], **change}
+
+
+def _v2(**change):
+    from tests.unit_tests.hf.test_hf_refusals import BASE
+
+    return {**BASE["deepseek_v2"], **change}
+
+
+YARN_V3 = _v3()["rope_parameters"]
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (_v3(rms_norm_eps=1e-5), "rms_norm_eps=1e-05 .*expected 1e-6"),
+        (_v3(rope_interleave=False), "rope_interleave=false .*interleaved"),
+        (_v3(rope_parameters={**YARN_V3, "attention_factor": 1.2}), "no attention_factor"),
+        (_v3(rope_parameters={**YARN_V3, "mscale": 0}), "mscale set when mscale_all_dim is"),
+        (_v3(rope_parameters={**YARN_V3, "truncate": False}), "truncate true"),
+        (_v3(rope_parameters={**YARN_V3, "rope_type": "linear"}), "rope_type default or yarn"),
+        (_v3(topk_group=1), "topk_group=1 .*num_experts_per_tok \\(4\\) / 2"),
+        (_v3(norm_topk_prob=False), "norm_topk_prob=false .*expected true"),
+        (_v3(topk_method="greedy"), "topk_method=\"greedy\" .*noaux_tc"),
+        (_v3(scoring_func="softmax"), "scoring_func=\"softmax\""),
+        (_v3(num_key_value_heads=2), "num_key_value_heads=2 .*num_attention_heads"),
+        (_v3(attention_bias=True), "attention_bias=true"),
+        (_v3(q_lora_rank=0), "q_lora_rank=0"),
+        (_v3(head_dim=8), "head_dim=8 .*qk_rope_head_dim \\(4\\)"),
+        (_v3(n_group=3), "n_group=3 .*divisor of n_routed_experts"),
+        (_v3(moe_layer_freq=2), "moe_layer_freq=2"),
+        (_v2(topk_method="group_limited_greedy", n_group=4, topk_group=1),
+         "topk_group=1 .*num_experts_per_tok \\(2\\) / 1"),
+        (_v2(topk_method="noaux_tc"), "topk_method=\"noaux_tc\""),
+        (_v2(norm_topk_prob=True), "norm_topk_prob=true"),
+        (_v2(mlp_bias=True), "mlp_bias=true"),
+    ],
+)  # fmt: skip
+def test_deepseek_configs_we_cannot_express_are_refused_by_name(raw, message):
+    from megatron.training.hf.config import architecture_from_config
+
+    with pytest.raises(ValueError, match=message):
+        architecture_from_config(raw)
+
+
+def test_multi_token_prediction_layers_are_refused_by_name():
+    """The hook for multi-token prediction: V3's layers after num_hidden_layers."""
+    from megatron.training.hf.config import architecture_from_config
+    from megatron.training.hf.families import REGISTRY
+
+    arch = architecture_from_config(_v3())
+    keys = ["model.layers.1.mlp.gate.weight", "model.layers.2.eh_proj.weight"]
+    with pytest.raises(ValueError, match="model.layers.2.eh_proj.weight.*multi-token"):
+        REGISTRY["deepseek_v3"].check_keys(arch, keys, "ckpt")
+    REGISTRY["deepseek_v3"].check_keys(arch, keys[:1], "ckpt")
+
+
+MLA_SETTINGS = dict(
+    normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+    disable_bias_linear=True, norm_epsilon=1e-6, multi_latent_attention=True, kv_lora_rank=8,
+    qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8, qk_layernorm=True,
+    untie_embeddings_and_output_weights=True, num_experts=8, moe_ffn_hidden_size=16,
+    moe_shared_expert_intermediate_size=32, moe_layer_freq=[0, 1],
+)  # fmt: skip
+FROM_SCRATCH = {
+    "deepseek_v3": dict(
+        MLA_SETTINGS, q_lora_rank=12, rope_type="rope", moe_router_topk=4,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=0.01, moe_router_num_groups=4, moe_router_group_topk=2,
+        moe_router_topk_scaling_factor=2.5,
+    ),
+    "deepseek_v2": dict(
+        MLA_SETTINGS, rope_type="yarn", rotary_scaling_factor=4.0,
+        original_max_position_embeddings=8, mscale=0.9, mscale_all_dim=0.8,
+        moe_router_topk=2, moe_router_pre_softmax=True,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FROM_SCRATCH))
+def test_a_deepseek_model_trained_from_scratch_exports_to_transformers(family, tmp_path):
+    """The trainer's flags build the model, train two steps (the expert bias moves) and
+    --export-hf writes the family whose transformers model computes our logits."""
+    from megatron.training import TrainingConfig
+    from megatron.training.training import pretrain
+    from tests.unit_tests.dist_utils import fresh_layout, rel_error
+    from tests.unit_tests.hf.hf_models import token_ids, transformers_logits
+
+    out = tmp_path / "exported"
+    config = TrainingConfig(
+        num_layers=2, seq_length=16, global_batch_size=4, train_iters=2, progress=False,
+        export_hf=str(out), **FROM_SCRATCH[family],
+    )  # fmt: skip
+    with fresh_layout():
+        pretrain(config)
+    assert json.loads((out / "config.json").read_text())["model_type"] == family
+    ids = token_ids() % config.vocab_size
+    model, _ = model_from_hf(out)
+    model.eval()
+    if family == "deepseek_v3":
+        assert model.decoder.layers[1].mlp.router.expert_bias.abs().sum() > 0
+    with torch.no_grad():
+        ours = model(ids, None, None)
+    err = rel_error(transformers_logits(out, ids), ours)
+    assert err <= 1e-5, f"{family}: relative error {err:.2e}"
