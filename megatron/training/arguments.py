@@ -1258,8 +1258,10 @@ class TrainingConfig:
         type=str,
         nargs="+",
         metavar="MODULE",
-        help="with --lora-dim: linear_qkv, linear_proj, linear_fc1, linear_fc2, or wildcards "
-        "on the global module name (e.g. '*.layers.0.*.linear_qkv')",
+        help="with --lora-dim: linear_qkv, linear_proj, linear_fc1, linear_fc2 (with "
+        "--multi-latent-attention also linear_q_down_proj, linear_q_up_proj, linear_q_proj, "
+        "linear_kv_down_proj, linear_kv_up_proj), or wildcards on the global module name "
+        "(e.g. '*.layers.0.*.linear_qkv')",
     )
     lora_exclude_modules: Sequence[str] = option(
         (),

@@ -500,7 +500,7 @@ def _check_lora(c: Config) -> None:
                 f"{_flag(c, name)} {_shown(value)} needs --lora-dim R (LoRA is off without it)",
             )
         return
-    column = {"linear_qkv", "linear_fc1"}
+    column = {"linear_qkv", "linear_fc1", "linear_q_up_proj", "linear_q_proj", "linear_kv_up_proj"}
     column_targets = any(
         t in column or any(ch in t for ch in "*?[.") for t in c.lora_target_modules
     )
@@ -511,9 +511,9 @@ def _check_lora(c: Config) -> None:
     )
     for target in [*c.lora_target_modules, *c.lora_exclude_modules]:
         _require(
-            target in config_rules.LORA_TARGETS or any(ch in target for ch in "*?[."),
+            target in config_rules.LORA_ALL_TARGETS or any(ch in target for ch in "*?[."),
             f"--lora-target-modules / --lora-exclude-modules {target!r}: expected one of "
-            f"{', '.join(config_rules.LORA_TARGETS)} or a wildcard pattern",
+            f"{', '.join(config_rules.LORA_ALL_TARGETS)} or a wildcard pattern",
         )
     _check_lora_targets(c)
     _require(
@@ -546,6 +546,7 @@ def _check_lora_targets(c: Config) -> None:
         config_rules.moe_layer_pattern(c.moe_layer_freq, c.num_layers) if moe else None,
         c.num_experts or 0,
         moe and c.moe_shared_expert_intermediate_size is not None,
+        config_rules.lora_attention_names(c.multi_latent_attention, c.q_lora_rank is not None),
     )
 
     def named(name: str, patterns) -> bool:

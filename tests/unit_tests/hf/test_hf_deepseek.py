@@ -360,3 +360,49 @@ def test_a_deepseek_model_trained_from_scratch_exports_to_transformers(family, t
         ours = model(ids, None, None)
     err = rel_error(transformers_logits(out, ids), ours)
     assert err <= 1e-5, f"{family}: relative error {err:.2e}"
+
+
+def test_lora_on_the_mla_projections_exports_a_peft_adapter_peft_loads(tmp_path):
+    """Adapters on every MLA projection (q down/up, kv down/up, output), written in PEFT's
+    format under transformers' module names: peft's model computes our logits (float64)."""
+    from peft import PeftModel
+    from safetensors.torch import save_file
+
+    from megatron.core.config_rules import LORA_MLA_TARGETS
+    from megatron.core.transformer.lora import LoRAConfig, apply_lora
+    from megatron.training.hf.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, peft_config, to_peft
+
+    hf = _build("v3", tmp_path / "v3")
+    ours, _ = model_from_hf(tmp_path / "v3", params_dtype=torch.float64)
+    targets = LORA_MLA_TARGETS + ("linear_proj",)
+    lora = LoRAConfig(target_modules=targets, dim=4, alpha=8.0, params_dtype=torch.float64,
+                      lora_B_init_method="normal")  # fmt: skip
+    added = apply_lora(ours, lora)
+    kinds = {name.rsplit(".", 1)[-1] for name in added}
+    assert kinds == {"linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+                     "linear_kv_up_proj", "linear_proj"}  # fmt: skip
+    adapters = {n: p.detach() for n, p in ours.named_parameters() if ".adapter." in n}
+    arch, _ = read_hf_config(tmp_path / "v3")
+    tensors, modules = to_peft(adapters, arch, lora)
+    assert "model.layers.0.self_attn.kv_a_proj_with_mqa" in modules
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    save_file(tensors, str(folder / ADAPTER_WEIGHTS))
+    config = peft_config(arch, lora, modules, str(tmp_path / "v3"))
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(config))
+    tokens = _batch()[0]
+    patches, _ = _patches("v3")
+    with torch.no_grad():
+        ours.eval()
+        logits = ours(tokens, None, None)
+        for patch in patches:
+            patch.start()
+        try:
+            base = hf(input_ids=tokens).logits
+            adapted = PeftModel.from_pretrained(hf, str(folder)).double()
+            peft_logits = adapted(input_ids=tokens).logits
+        finally:
+            for patch in reversed(patches):
+                patch.stop()
+    torch.testing.assert_close(logits, peft_logits, rtol=1e-12, atol=1e-12)
+    assert (logits - base).abs().max() > 1e-6  # the adapters change the model

@@ -92,3 +92,20 @@ def test_mla_needs_rotary_positions():
     argv = ["--multi-latent-attention", "--num-layers", "2"]
     with pytest.raises(ValueError, match="--multi-latent-attention needs --position-embedding"):
         _checked(*argv)
+
+
+def test_lora_targets_the_mla_projections_by_name():
+    lora = ["--lora-dim", "4", "--lora-target-modules", "linear_q_down_proj", "linear_kv_up_proj"]
+    config, _ = _checked(*MODEL, *MLA, *lora)
+    assert config.lora_target_modules == ["linear_q_down_proj", "linear_kv_up_proj"]
+    with pytest.raises(ValueError, match="'linear_q_down_proj' matches no layer of the model"):
+        _checked(*MODEL, *lora)  # no multi-latent attention: no such layer
+    with pytest.raises(ValueError, match="'linear_q_up_proj' matches no layer"):
+        _checked(
+            *MODEL,
+            "--multi-latent-attention",
+            "--lora-dim",
+            "4",
+            "--lora-target-modules",
+            "linear_q_up_proj",
+        )  # fmt: skip  (no q LoRA)
