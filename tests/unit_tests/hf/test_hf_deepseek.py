@@ -115,7 +115,7 @@ def _batch():
     return tokens, torch.roll(tokens, -1, 1), mask
 
 
-def _hf_grad(hf_params: dict, key: str) -> torch.Tensor:
+def hf_grad(hf_params: dict, key: str) -> torch.Tensor:
     """The gradient of checkpoint tensor ``key`` (experts are one fused tensor in memory)."""
     if key in hf_params:
         return hf_params[key].grad
@@ -126,10 +126,13 @@ def _hf_grad(hf_params: dict, key: str) -> torch.Tensor:
     return gate_up.chunk(2)[0 if proj == "gate_proj" else 1]
 
 
-def _run(name: str, directory):
-    """(our logits, loss, model; HF logits, loss, model, HF routed indices per layer)."""
+def hf_reference(name: str, directory, mask=None):
+    """transformers' step on the tiny model ``name`` saved in ``directory`` (float64): (its
+    logits, its masked mean loss with the backward run, the model, the experts its router
+    chose per MoE layer [T, k])."""
     hf = _build(name, directory)
-    tokens, labels, mask = _batch()
+    tokens, labels, default_mask = _batch()
+    mask = default_mask if mask is None else mask
     patches, router = _patches(name)
     chosen = []
     original = router.forward
@@ -155,13 +158,26 @@ def _run(name: str, directory):
     )
     hf_loss = (per_token * mask.reshape(-1)).sum() / mask.sum()
     hf_loss.backward()
+    return out.logits.detach(), hf_loss, hf, chosen
+
+
+def _run(name: str, directory):
+    """(our logits, loss, model; HF logits, loss, model, HF routed indices per layer)."""
+    reference = hf_reference(name, directory)
+    tokens, labels, mask = _batch()
     ours, config = model_from_hf(directory, params_dtype=torch.float64)
     ours.train()
     with torch.no_grad():
         logits = ours(tokens, None, None)
     loss = (ours(tokens, None, None, labels=labels) * mask).sum() / mask.sum()
     loss.backward()
-    return (logits, loss, ours, config), (out.logits.detach(), hf_loss, hf, chosen)
+    return (logits, loss, ours, config), reference
+
+
+def expected_bias(bias: torch.Tensor, chosen: torch.Tensor, rate: float) -> torch.Tensor:
+    """The expert bias after a step whose routed experts were ``chosen`` [T, k]."""
+    counts = torch.bincount(chosen.reshape(-1), minlength=bias.numel()).to(bias.dtype)
+    return bias + rate * torch.sign(counts.mean() - counts)
 
 
 def _gradient_errors(ours, hf, directory) -> dict:
@@ -171,7 +187,7 @@ def _gradient_errors(ours, hf, directory) -> dict:
     hf_params = dict(hf.named_parameters())
     errors = {}
     for pname, param in ours.named_parameters():
-        expected = torch.cat([_hf_grad(hf_params, seg.key)[seg.start : seg.stop]
+        expected = torch.cat([hf_grad(hf_params, seg.key)[seg.start : seg.stop]
                               for seg in sources[pname]])  # fmt: skip
         err = (param.grad - expected).abs().max() / expected.abs().max().clamp(min=1e-300)
         errors[pname] = err.item()
@@ -191,8 +207,7 @@ def test_deepseek_matches_transformers_in_float64(name, tmp_path):
         return
     router = ours.decoder.layers[1].mlp.router
     before = router.expert_bias.clone()
-    counts = torch.bincount(chosen[0].reshape(-1), minlength=8).double()
-    expected = before + config.moe_router_bias_update_rate * torch.sign(counts.mean() - counts)
+    expected = expected_bias(before, chosen[0], config.moe_router_bias_update_rate)
     finalize_model_grads([_Chunk(ours)])
     assert torch.equal(router.expert_bias, expected)
     assert not torch.equal(expected, before)
