@@ -8,6 +8,9 @@ Launch: ``torchrun --nproc-per-node 2 -m pytest tests/unit_tests/hf/test_hf_deep
 -m slow``.
 """
 
+import json
+import pathlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -67,8 +70,9 @@ def _batch_of_this_rank(groups, layout: Layout) -> dict:
     return get_batch_on_this_cp_rank(batch, groups.cp)
 
 
-def _step(directory, layout: Layout):
-    """Our model from ``directory`` at ``layout`` after one step: (chunk, config)."""
+def _step(directory, layout: Layout, adapt=None):
+    """Our model from ``directory`` at ``layout`` after one step: (chunk, config);
+    ``adapt(chunk)`` before DDP (LoRA)."""
     use_layout(layout)
     groups = ProcessGroupCollection.use_mpu_process_groups()
     model, config = model_from_hf(
@@ -78,6 +82,8 @@ def _step(directory, layout: Layout):
         sequence_parallel=layout.sp,
         calculate_per_token_loss=True,
     )
+    if adapt is not None:
+        adapt(model)
     chunk = DistributedDataParallel(config, DistributedDataParallelConfig(), model, groups)
     config.finalize_model_grads_func = finalize_model_grads
     batch = _batch_of_this_rank(groups, layout)
@@ -165,4 +171,94 @@ def test_deepseek_step_at_layout_matches_transformers(name, layout, tmp_path):
         want = expected_bias(hf_bias, chosen[0], config.moe_router_bias_update_rate)
         if not torch.equal(router.expert_bias, want):
             failures.append(f"expert bias {router.expert_bias.tolist()} != {want.tolist()}")
+    assert_no_failures(gather_failures(failures))
+
+
+def _full(param, tp_group) -> torch.Tensor:
+    """The whole tensor of a TP-sharded (stride 1) or replicated parameter."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return param.detach()
+    parts = [torch.empty_like(param) for _ in range(tp_group.size())]
+    dist.all_gather(parts, param.detach().contiguous(), group=tp_group)
+    return torch.cat(parts, dim=param.partition_dim)
+
+
+def _peft_reference(name: str, directory, adapters: dict, lora) -> dict:
+    """peft's LoRA gradients (float64) of transformers' model with ``adapters`` (our full
+    adapter tensors), by our adapter parameter names."""
+    from peft import PeftModel
+    from safetensors.torch import save_file
+
+    from megatron.training.hf.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, peft_config, to_peft
+    from tests.unit_tests.hf.test_hf_deepseek import VOCAB, _batch, _build, _patches
+
+    hf = _build(name, directory)
+    arch, _ = read_hf_config(directory)
+    tensors, modules = to_peft(adapters, arch, lora)
+    folder = directory.parent / f"adapter{dist.get_rank()}"
+    folder.mkdir(exist_ok=True)
+    save_file(tensors, str(folder / ADAPTER_WEIGHTS))
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(peft_config(arch, lora, modules, None)))
+    tokens, labels, _ = _batch()
+    mask = _mask()
+    patches, _ = _patches(name)
+    for patch in patches:
+        patch.start()
+    try:
+        adapted = PeftModel.from_pretrained(hf, str(folder), is_trainable=True).double()
+        logits = adapted(input_ids=tokens).logits
+    finally:
+        for patch in reversed(patches):
+            patch.stop()
+    per_token = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, VOCAB), labels.reshape(-1), reduction="none"
+    )
+    ((per_token * mask.reshape(-1)).sum() / mask.sum()).backward()
+    grads = dict(adapted.named_parameters())
+    out = {}
+    for ours in adapters:
+        layer, part = ours.split(".adapter.")
+        module = sources_module(arch, layer)
+        which = "lora_A" if part.startswith("linear_in") else "lora_B"
+        out[ours] = grads[f"base_model.model.{module}.{which}.default.weight"].grad
+    return out
+
+
+def sources_module(arch, layer_name: str) -> str:
+    """transformers' module of our (single-segment) layer ``layer_name``."""
+    (segment,) = parameter_sources(arch)[f"{layer_name}.weight"]
+    return segment.key[: -len(".weight")]
+
+
+@pytest.mark.parametrize("name", ["v3", "v2_lite"])
+@pytest.mark.parametrize(
+    "layout", [Layout(tp=2, sp=True), Layout(cp=2)], ids=lambda layout: layout.id
+)
+def test_lora_on_mla_at_layout_matches_peft(name, layout, tmp_path):
+    """Adapters on every MLA projection: each rank's adapter main_grad equals peft's float64
+    gradient of transformers' model carrying the same (gathered) adapters."""
+    from megatron.core.config_rules import LORA_MLA_TARGETS
+    from megatron.core.transformer.lora import LoRAConfig, apply_lora
+
+    shared = [str(tmp_path / "model")]
+    dist.broadcast_object_list(shared, src=0)
+    directory = pathlib.Path(shared[0])
+    hf_reference(name, directory, mask=_mask())  # writes the model (rank 0)
+    dist.barrier()
+    lora = LoRAConfig(target_modules=LORA_MLA_TARGETS + ("linear_proj",), dim=2, alpha=4.0,
+                      params_dtype=torch.float64, lora_B_init_method="normal")  # fmt: skip
+    model, _ = _step(directory, layout, lambda gpt: apply_lora(gpt, lora))
+    tp_group = model.tp_group
+    adapters = {n: p for n, p in model.named_parameters() if ".adapter." in n}
+    full = {n: _full(p, tp_group) for n, p in adapters.items()}
+    reference = _peft_reference(name, directory, full, lora)
+    failures = []
+    for n, param in adapters.items():
+        ranges = shard_ranges(param, tuple(full[n].shape), get_pg_size(tp_group),
+                              get_pg_rank(tp_group))  # fmt: skip
+        expected = _expected_shard(reference[n], ranges)
+        err = ((param.main_grad - expected).abs().max() / expected.abs().max()).item()
+        if not err <= 1e-10:
+            failures.append(f"{n}: {err:.2e}")
+    assert len(adapters) >= 8
     assert_no_failures(gather_failures(failures))
