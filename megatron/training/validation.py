@@ -526,6 +526,7 @@ def _check_lora(c: Config) -> None:
         "--save-trainable-params-only needs --save DIR",
     )
     _require(not c.merge_lora or c.export_hf, "--merge-lora needs --export-hf DIR")
+    _check_lora_expert_bias(c)
     _require(
         not c.hf_adapter or c.hf_model,
         f"--hf-adapter {c.hf_adapter} needs --hf-model (the base the adapter was trained on)",
@@ -534,6 +535,26 @@ def _check_lora(c: Config) -> None:
         not (c.merge_lora and c.save_trainable_params_only and c.save_interval),
         "--merge-lora with --save-trainable-params-only and --save-interval: the interval "
         "exports merge from the saved checkpoints, which hold no base; drop one of them",
+    )
+
+
+def _check_lora_expert_bias(c: Config) -> None:
+    """The expert bias (``--moe-router-enable-expert-bias``, set by a DeepSeek-V3
+    ``--hf-model``) moves during LoRA training though it is no adapter: what keeps only the
+    adapters would drop its trained value."""
+    if not (c.num_experts and c.moe_router_enable_expert_bias):
+        return
+    _require(
+        not (c.export_hf and not c.merge_lora),
+        f"--export-hf {c.export_hf} with --lora-dim writes a PEFT adapter, which cannot carry "
+        "the expert bias that --moe-router-enable-expert-bias moves during training; add "
+        "--merge-lora (the merged model, trained bias included)",
+    )
+    _require(
+        not c.save_trainable_params_only,
+        "--save-trainable-params-only keeps the LoRA adapters only, not the expert bias that "
+        "--moe-router-enable-expert-bias moves during training (a resume would restart it "
+        "from the base model's); save full checkpoints",
     )
 
 

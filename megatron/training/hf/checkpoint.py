@@ -152,6 +152,13 @@ def export_hf(
             "adapter (without --merge-lora), or merge from a full checkpoint"
         )
     adapter_only = lora is not None and not merge_lora
+    if adapter_only and arch.moe_router_enable_expert_bias:
+        raise ValueError(
+            f"export: checkpoint {directory} has LoRA adapters on a model whose routers have "
+            "an expert bias (moe_router_enable_expert_bias), which training moved; a PEFT "
+            "adapter cannot carry it: export with --merge-lora (the merged model, trained "
+            "bias included)"
+        )
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if not adapter_only:  # an adapter-only checkpoint holds no embedding (nor needs one)

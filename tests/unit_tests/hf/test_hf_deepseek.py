@@ -421,3 +421,30 @@ def test_lora_on_the_mla_projections_exports_a_peft_adapter_peft_loads(tmp_path)
                 patch.stop()
     torch.testing.assert_close(logits, peft_logits, rtol=1e-12, atol=1e-12)
     assert (logits - base).abs().max() > 1e-6  # the adapters change the model
+
+
+@pytest.mark.slow
+def test_lora_on_deepseek_v3_exports_the_trained_expert_bias_merged_only(tmp_path):
+    """LoRA training moves the expert bias (a buffer, no adapter): the adapter-only export
+    is refused by name, the merged one carries the trained bias."""
+    from megatron.training import TrainingConfig
+    from megatron.training.hf.checkpoint import export_hf
+    from megatron.training.training import pretrain
+    from tests.unit_tests.dist_utils import fresh_layout
+
+    _build("v3", tmp_path / "base")
+    config = TrainingConfig(
+        hf_model=str(tmp_path / "base"), seq_length=16, global_batch_size=4, train_iters=2,
+        progress=False, lora_dim=2, save=str(tmp_path / "ckpt"),
+        lora_target_modules=["linear_q_down_proj", "linear_kv_up_proj", "linear_proj"],
+    )  # fmt: skip
+    with fresh_layout():
+        pretrain(config)
+    with pytest.raises(ValueError, match="a PEFT adapter cannot carry it: export with --merge"):
+        export_hf(tmp_path / "ckpt", tmp_path / "adapter")
+    export_hf(tmp_path / "ckpt", tmp_path / "merged", merge_lora=True)
+    key = "model.layers.1.mlp.gate.e_score_correction_bias"
+    base = SafetensorsReader(tmp_path / "base").read(key, (slice(None),))
+    merged = SafetensorsReader(tmp_path / "merged").read(key, (slice(None),))
+    assert not torch.equal(base, merged)
+    assert torch.allclose(merged - base, torch.zeros_like(base), atol=2 * 1e-3 + 1e-7)

@@ -109,3 +109,23 @@ def test_lora_targets_the_mla_projections_by_name():
             "--lora-target-modules",
             "linear_q_up_proj",
         )  # fmt: skip  (no q LoRA)
+
+
+BIAS = ["--num-experts", "4", "--moe-router-score-function", "sigmoid",
+        "--moe-router-enable-expert-bias", "--lora-dim", "2", "--lora-target-modules",
+        "linear_qkv"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--export-hf", "out"], "--export-hf out with --lora-dim writes a PEFT adapter.*"
+         "expert bias.*--merge-lora"),
+        (["--save", "ckpt", "--save-trainable-params-only"],
+         "--save-trainable-params-only keeps the LoRA adapters only, not the expert bias"),
+    ],
+)  # fmt: skip
+def test_lora_that_would_drop_the_trained_expert_bias_is_refused(argv, message):
+    with pytest.raises(ValueError, match=message):
+        _checked(*MODEL, *BIAS, *argv)
+    _checked(*MODEL, *BIAS, "--export-hf", "out", "--merge-lora")  # the bias is merged in
