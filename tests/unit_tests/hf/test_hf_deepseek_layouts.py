@@ -1,11 +1,11 @@
-"""DeepSeek-V3 / V2-Lite from HuggingFace at 2-rank layouts against transformers, float64: one
-step through DDP, the schedule and ``finalize_model_grads`` (per-token loss over an uneven
-mask, a CP shard without valid tokens) gives every ``main_grad`` of transformers' model
-(this rank's TP / expert shard) and, for V3, the expert bias transformers' routing counts
-give (each pipeline stage updates its own layers). Slow: a torchrun launch.
+"""DeepSeek-V3 / V2-Lite from HuggingFace at 2- and 4-rank layouts against transformers,
+float64: one step through DDP, the schedule and ``finalize_model_grads`` (per-token loss over
+an uneven mask, a CP shard without valid tokens) gives every ``main_grad`` of transformers'
+model (this rank's TP / expert shard) and, for V3, the expert bias transformers' routing
+counts give (each pipeline stage updates its own layers). Slow: a torchrun launch.
 
-Launch: ``torchrun --nproc-per-node 2 -m pytest tests/unit_tests/hf/test_hf_deepseek_layouts.py
--m slow``.
+Launch: ``torchrun --nproc-per-node 2 (or 4) -m pytest
+tests/unit_tests/hf/test_hf_deepseek_layouts.py -m slow``.
 """
 
 import json
@@ -38,16 +38,18 @@ from tests.unit_tests.hf.test_hf_deepseek import (
     hf_reference,
 )
 
-pytestmark = [
-    pytest.mark.world(2),
-    pytest.mark.slow,
-    pytest.mark.skipif(not HAVE_TRANSFORMERS, reason=SKIP_REASON),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not HAVE_TRANSFORMERS, reason=SKIP_REASON)]
 LAYOUTS = [
-    Layout(tp=2, sp=True),
-    Layout(cp=2),
-    Layout(pp=2),
-    Layout(dp=2, ep=2),
+    pytest.param(layout, marks=pytest.mark.world(layout.world), id=layout.id)
+    for layout in (
+        Layout(tp=2, sp=True),
+        Layout(cp=2),
+        Layout(pp=2),
+        Layout(dp=2, ep=2),
+        Layout(tp=2, sp=True, pp=2),
+        Layout(cp=2, pp=2),
+        Layout(tp=2, sp=True, dp=2, ep=2),
+    )
 ]
 
 
@@ -153,7 +155,7 @@ def _mismatches(model, hf, directory, tp_group) -> list:
 
 
 @pytest.mark.parametrize("name", ["v3", "v2_lite"])
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.id)
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_deepseek_step_at_layout_matches_transformers(name, layout, tmp_path):
     # transformers' save_pretrained writes on rank 0 only: every rank reads rank 0's folder
     shared = [str(tmp_path / "model")]
@@ -230,6 +232,7 @@ def sources_module(arch, layer_name: str) -> str:
     return segment.key[: -len(".weight")]
 
 
+@pytest.mark.world(2)
 @pytest.mark.parametrize("name", ["v3", "v2_lite"])
 @pytest.mark.parametrize(
     "layout", [Layout(tp=2, sp=True), Layout(cp=2)], ids=lambda layout: layout.id
