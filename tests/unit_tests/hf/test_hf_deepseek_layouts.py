@@ -72,9 +72,9 @@ def _batch_of_this_rank(groups, layout: Layout) -> dict:
     return get_batch_on_this_cp_rank(batch, groups.cp)
 
 
-def _step(directory, layout: Layout, adapt=None):
+def _step(directory, layout: Layout, adapt=None, **overrides):
     """Our model from ``directory`` at ``layout`` after one step: (chunk, config);
-    ``adapt(chunk)`` before DDP (LoRA)."""
+    ``adapt(chunk)`` before DDP (LoRA); ``overrides``: TransformerConfig fields."""
     use_layout(layout)
     groups = ProcessGroupCollection.use_mpu_process_groups()
     model, config = model_from_hf(
@@ -83,6 +83,7 @@ def _step(directory, layout: Layout, adapt=None):
         params_dtype=torch.float64,
         sequence_parallel=layout.sp,
         calculate_per_token_loss=True,
+        **overrides,
     )
     if adapt is not None:
         adapt(model)
@@ -154,16 +155,37 @@ def _mismatches(model, hf, directory, tp_group) -> list:
     return bad
 
 
+RECOMPUTE = {
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "selective": dict(recompute_granularity="selective", recompute_modules=["mlp", "core_attn"]),
+}
+
+
 @pytest.mark.parametrize("name", ["v3", "v2_lite"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_deepseek_step_at_layout_matches_transformers(name, layout, tmp_path):
+    _check_step(name, layout, tmp_path)
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("recompute", list(RECOMPUTE))
+@pytest.mark.parametrize(
+    "layout", [Layout(tp=2, sp=True), Layout(cp=2)], ids=lambda layout: layout.id
+)
+def test_deepseek_v3_step_with_recompute_matches_transformers(recompute, layout, tmp_path):
+    """Full and selective recomputation leave every gradient and the bias update as
+    transformers' (a doubled count would not show in the bias: sign(2m - 2n) = sign(m - n))."""
+    _check_step("v3", layout, tmp_path, **RECOMPUTE[recompute])
+
+
+def _check_step(name, layout, tmp_path, **overrides):
     # transformers' save_pretrained writes on rank 0 only: every rank reads rank 0's folder
     shared = [str(tmp_path / "model")]
     dist.broadcast_object_list(shared, src=0)
     directory = shared[0]
     _, _, hf, chosen = hf_reference(name, directory, mask=_mask())
     dist.barrier()
-    model, config = _step(directory, layout)
+    model, config = _step(directory, layout, **overrides)
     failures = _mismatches(model, hf, directory, model.tp_group)
     for layer in model.decoder.layers:
         router = getattr(layer.mlp, "router", None)
