@@ -448,3 +448,52 @@ def test_lora_on_deepseek_v3_exports_the_trained_expert_bias_merged_only(tmp_pat
     merged = SafetensorsReader(tmp_path / "merged").read(key, (slice(None),))
     assert not torch.equal(base, merged)
     assert torch.allclose(merged - base, torch.zeros_like(base), atol=2 * 1e-3 + 1e-7)
+
+
+# The released checkpoints' config.json (DeepSeek's own remote-code keys; V3 in its bf16 form,
+# without the fp8 quantization_config, which is refused for every family).
+COMMON_RELEASED = dict(
+    attention_bias=False, attention_dropout=0.0, aux_loss_alpha=0.001, bos_token_id=100000,
+    eos_token_id=100001, ep_size=1, hidden_act="silu", initializer_range=0.02,
+    max_position_embeddings=163840, moe_layer_freq=1, pretraining_tp=1, rms_norm_eps=1e-6,
+    rope_theta=10000, seq_aux=True, tie_word_embeddings=False, torch_dtype="bfloat16",
+    use_cache=True, auto_map={"AutoConfig": "configuration_deepseek.DeepseekV2Config"},
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512,
+)  # fmt: skip
+V2_LITE = dict(
+    COMMON_RELEASED, model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"],
+    first_k_dense_replace=1, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+    n_group=1, n_routed_experts=64, n_shared_experts=2, norm_topk_prob=False,
+    num_attention_heads=16, num_experts_per_tok=6, num_hidden_layers=27, num_key_value_heads=16,
+    q_lora_rank=None, routed_scaling_factor=1.0, scoring_func="softmax", topk_group=1,
+    topk_method="greedy", vocab_size=102400,
+    rope_scaling=dict(beta_fast=32, beta_slow=1, factor=40, mscale=0.707, mscale_all_dim=0.707,
+                      original_max_position_embeddings=4096, type="yarn"),
+)  # fmt: skip
+V3 = dict(
+    COMMON_RELEASED, model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
+    first_k_dense_replace=3, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+    n_group=8, n_routed_experts=256, n_shared_experts=1, norm_topk_prob=True,
+    num_attention_heads=128, num_experts_per_tok=8, num_hidden_layers=61, num_key_value_heads=128,
+    num_nextn_predict_layers=1, q_lora_rank=1536, routed_scaling_factor=2.5,
+    scoring_func="sigmoid", topk_group=4, topk_method="noaux_tc", vocab_size=129280,
+    rope_scaling=dict(beta_fast=32, beta_slow=1, factor=40, mscale=1.0, mscale_all_dim=1.0,
+                      original_max_position_embeddings=4096, type="yarn"),
+)  # fmt: skip
+
+
+def test_the_released_deepseek_configs_read_as_their_models():
+    from megatron.training.hf.config import architecture_from_config
+
+    lite = architecture_from_config(V2_LITE)
+    assert (lite.q_lora_rank, lite.moe_router_num_groups, lite.moe_router_pre_softmax) == (
+        None, None, True)  # fmt: skip
+    assert lite.moe_layer_freq == (0,) + (1,) * 26 and lite.moe_router_topk_scaling_factor is None
+    assert (lite.rope_type, lite.mscale, lite.mscale_all_dim) == ("yarn", 0.707, 0.707)
+    assert lite.moe_shared_expert_intermediate_size == 2 * 1408
+    v3 = architecture_from_config(V3)
+    assert (v3.moe_router_num_groups, v3.moe_router_group_topk) == (8, 4)
+    assert (v3.moe_router_score_function, v3.moe_router_enable_expert_bias) == ("sigmoid", True)
+    assert v3.moe_layer_freq == (0,) * 3 + (1,) * 58 and v3.moe_router_topk_scaling_factor == 2.5
+    assert (v3.q_lora_rank, v3.rotary_scaling_factor, v3.original_max_position_embeddings) == (
+        1536, 40.0, 4096)  # fmt: skip
