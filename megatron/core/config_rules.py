@@ -194,6 +194,26 @@ def moe_layer_pattern(moe_layer_freq, num_layers: int) -> Optional[List[int]]:
 # LoRA (megatron.core.transformer.lora; the trainer's --lora-* flags): the layers an adapter
 # can go on, the init methods of A and B, and where dropout acts (Megatron-Bridge's names).
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+# multi-latent attention's projections (Megatron-Bridge's names), adaptable by name too
+LORA_MLA_TARGETS = (
+    "linear_q_down_proj",
+    "linear_q_up_proj",
+    "linear_q_proj",
+    "linear_kv_down_proj",
+    "linear_kv_up_proj",
+)
+LORA_ALL_TARGETS = LORA_TARGETS + LORA_MLA_TARGETS
+
+
+def lora_attention_names(mla: bool = False, q_lora: bool = True) -> Tuple[str, ...]:
+    """An attention's adaptable linear layers, in order (``mla``: multi-latent attention's,
+    with a q down/up pair when ``q_lora``, else one ``linear_q_proj``)."""
+    if not mla:
+        return ("linear_qkv", "linear_proj")
+    q = ("linear_q_down_proj", "linear_q_up_proj") if q_lora else ("linear_q_proj",)
+    return q + ("linear_kv_down_proj", "linear_kv_up_proj", "linear_proj")
+
+
 LORA_INIT_METHODS = ("xavier", "normal", "kaiming", "zero")
 LORA_DROPOUT_POSITIONS = ("pre", "post")
 
@@ -203,16 +223,17 @@ def lora_module_names(
     moe_pattern: Optional[Sequence[int]] = None,
     num_experts: int = 0,
     shared_experts: bool = False,
+    attention: Sequence[str] = ("linear_qkv", "linear_proj"),
 ) -> List[str]:
     """The global names of a GPT's linear layers an adapter pattern can name, in order:
-    per layer its attention's ``linear_qkv`` / ``linear_proj``, then a dense layer's
-    ``mlp.linear_fc1`` / ``linear_fc2``, or a MoE layer's (``moe_pattern[i]`` 1) routed
+    per layer its attention's ``attention`` layers (``lora_attention_names``), then a dense
+    layer's ``mlp.linear_fc1`` / ``linear_fc2``, or a MoE layer's (``moe_pattern[i]`` 1) routed
     experts ``mlp.experts.local_experts.<g>.linear_fc1`` / ``fc2`` (global expert g) and,
     with ``shared_experts``, ``mlp.shared_experts.linear_fc1`` / ``fc2``."""
     names = []
     for i in range(num_layers):
         p = f"decoder.layers.{i}."
-        names += [p + "self_attention.linear_qkv", p + "self_attention.linear_proj"]
+        names += [p + "self_attention." + n for n in attention]
         if moe_pattern and moe_pattern[i]:
             names += [f"{p}mlp.experts.local_experts.{g}.linear_fc{n}"
                       for g in range(num_experts) for n in (1, 2)]  # fmt: skip

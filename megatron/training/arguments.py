@@ -61,6 +61,7 @@ from megatron.training.validation import Layout, validate_config
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+ROPE_TYPES = ("rope", "yarn")
 DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
 OPTIMIZERS = ("adam", "sgd")
 
@@ -103,6 +104,40 @@ def _moe(field: str, value=None, from_layout: bool = False) -> Sets:
     return Sets(
         field, value=value, when=lambda c: c.num_experts is not None, from_layout=from_layout
     )
+
+
+def moe_freq_type(text: str) -> Union[int, List[int]]:
+    """A ``--moe-layer-freq`` entry: an int, or megatron's list expression ("([0]*1+[1]*3)",
+    "[0,1,1,1]": lists of ints, ``*`` by an int, ``+``), evaluated without ``eval``."""
+    import ast
+
+    def value(node):
+        if isinstance(node, ast.Constant) and is_int(node.value):
+            return node.value
+        if isinstance(node, ast.List):
+            items = [value(e) for e in node.elts]
+            if all(is_int(i) for i in items):
+                return items
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Add) and isinstance(left, list) == isinstance(right, list):
+                return left + right
+            if isinstance(node.op, ast.Mult) and isinstance(left, list) and is_int(right):
+                return left * right
+        raise ValueError(text)
+
+    try:
+        return value(ast.parse(text.strip().strip("'\""), mode="eval").body)
+    except (SyntaxError, ValueError, RecursionError):
+        raise argparse.ArgumentTypeError(
+            f"--moe-layer-freq {text!r}: expected an int N, 0/1 entries or a list expression "
+            'such as "([0]*1+[1]*3)"'
+        ) from None
+
+
+def _mla(field: str) -> Sets:
+    """An ``MLATransformerConfig`` field, set only with ``--multi-latent-attention``."""
+    return Sets(field, when=lambda c: c.multi_latent_attention)
 
 
 def _fusion(field: str) -> Sets:
@@ -465,7 +500,7 @@ class TrainingConfig:
         10000.0,
         "--rotary-base",
         kind=MODEL,
-        library=Sets("rotary_base", GPT_MODEL),
+        library=(Sets("rotary_base", GPT_MODEL), _mla("rotary_base")),
         check=positive_number,
         help="RoPE base (rope_theta)",
     )
@@ -515,6 +550,120 @@ class TrainingConfig:
         library="qk_layernorm_whole_projection",
         help="with --qk-layernorm and RMSNorm: one norm over all heads of the query and of "
         "the key projection (weights [heads x kv-channels]), not one per head (OLMoE)",
+    )
+    # Multi-latent attention (megatron's flags and defaults; docs/deepseek.md). Off unless
+    # --multi-latent-attention.
+    multi_latent_attention: bool = option(
+        False,
+        "--multi-latent-attention",
+        kind=MODEL,
+        library=_mla("multi_latent_attention"),
+        help="multi-latent attention (DeepSeek-V2/V3: low-rank q and kv projections, a rotary "
+        "part shared by all heads); needs --position-embedding-type rope",
+    )
+    q_lora_rank: Optional[int] = option(
+        None,
+        "--q-lora-rank",
+        kind=MODEL,
+        library=_mla("q_lora_rank"),
+        type=int,
+        check=positive,
+        help="rank of the query's down projection; default: none (one q projection, "
+        "DeepSeek-V2-Lite)",
+    )
+    kv_lora_rank: int = option(
+        32,
+        "--kv-lora-rank",
+        kind=MODEL,
+        library=_mla("kv_lora_rank"),
+        check=positive,
+        help="rank of the key/value down projection",
+    )
+    qk_head_dim: int = option(
+        128,
+        "--qk-head-dim",
+        kind=MODEL,
+        library=_mla("qk_head_dim"),
+        check=positive,
+        help="per-head query/key dim without rotary embedding",
+    )
+    qk_pos_emb_head_dim: int = option(
+        64,
+        "--qk-pos-emb-head-dim",
+        kind=MODEL,
+        library=_mla("qk_pos_emb_head_dim"),
+        check=Check("an even integer >= 2", lambda v: is_int(v) and v >= 2 and v % 2 == 0),
+        help="per-head query/key dim with rotary embedding (the key's part shared by all heads)",
+    )
+    v_head_dim: int = option(
+        128,
+        "--v-head-dim",
+        kind=MODEL,
+        library=_mla("v_head_dim"),
+        check=positive,
+        help="per-head value dim",
+    )
+    rope_type: Optional[str] = option(
+        None,
+        "--rope-type",
+        kind=MODEL,
+        library=Sets(
+            "rope_type", when=lambda c: c.multi_latent_attention and c.rope_type is not None
+        ),
+        type=str,
+        choices=ROPE_TYPES,
+        check=one_of(ROPE_TYPES),
+        help="multi-latent attention's rotary embedding: rope, or yarn (default, with "
+        "--rotary-scaling-factor, --original-max-position-embeddings, --beta-fast, "
+        "--beta-slow, --mscale, --mscale-all-dim)",
+    )
+    rotary_scaling_factor: float = option(
+        1.0,
+        "--rotary-scaling-factor",
+        kind=MODEL,
+        library=_mla("rotary_scaling_factor"),
+        check=positive_number,
+        help="yarn: the context extension factor",
+    )
+    original_max_position_embeddings: int = option(
+        4096,
+        "--original-max-position-embeddings",
+        kind=MODEL,
+        library=_mla("original_max_position_embeddings"),
+        check=positive,
+        help="yarn: the context length the model was trained at before extension",
+    )
+    beta_fast: float = option(
+        32.0,
+        "--beta-fast",
+        kind=MODEL,
+        library=_mla("beta_fast"),
+        check=positive_number,
+        help="yarn: rotations above which frequencies are kept",
+    )
+    beta_slow: float = option(
+        1.0,
+        "--beta-slow",
+        kind=MODEL,
+        library=_mla("beta_slow"),
+        check=positive_number,
+        help="yarn: rotations below which frequencies are interpolated",
+    )
+    mscale: float = option(
+        1.0,
+        "--mscale",
+        kind=MODEL,
+        library=_mla("mscale"),
+        check=non_negative_number,
+        help="yarn: mscale of the cos/sin scale",
+    )
+    mscale_all_dim: float = option(
+        0.0,
+        "--mscale-all-dim",
+        kind=MODEL,
+        library=_mla("mscale_all_dim"),
+        check=non_negative_number,
+        help="yarn: mscale_all_dim of the cos/sin and softmax scales",
     )
     openai_gelu: bool = option(
         False,
@@ -707,11 +856,12 @@ class TrainingConfig:
         "--moe-layer-freq",
         kind=MODEL,
         library=_moe("moe_layer_freq"),
-        type=int,
+        type=moe_freq_type,
         nargs="+",
         one_or_list=True,
         metavar="N",
-        help="N: every N-th layer (0, N, 2N, ...) is a MoE layer; or one 0/1 per layer",
+        help="N: every N-th layer (0, N, 2N, ...) is a MoE layer; or one 0/1 per layer, as "
+        'entries (0 1 1 1) or megatron\'s list expression ("([0]*1+[1]*3)")',
     )
     moe_grouped_gemm: bool = option(
         False,
@@ -1118,8 +1268,10 @@ class TrainingConfig:
         type=str,
         nargs="+",
         metavar="MODULE",
-        help="with --lora-dim: linear_qkv, linear_proj, linear_fc1, linear_fc2, or wildcards "
-        "on the global module name (e.g. '*.layers.0.*.linear_qkv')",
+        help="with --lora-dim: linear_qkv, linear_proj, linear_fc1, linear_fc2 (with "
+        "--multi-latent-attention also linear_q_down_proj, linear_q_up_proj, linear_q_proj, "
+        "linear_kv_down_proj, linear_kv_up_proj), or wildcards on the global module name "
+        "(e.g. '*.layers.0.*.linear_qkv')",
     )
     lora_exclude_modules: Sequence[str] = option(
         (),

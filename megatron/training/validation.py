@@ -139,6 +139,7 @@ def validate_config(
         _check_packing(c)
     check_run_options(c, given)
     _check_moe(c, world_size, given)
+    _check_mla(c, given)
     check_fp8_flags(c, given)
     _check_lora(c)
     _check_objective(c, given)
@@ -278,6 +279,47 @@ def _check_moe(c: Config, world_size: int, given: _Given) -> None:
         f"--moe-layer-freq {c.moe_layer_freq}: expected N >= 1 or --num-layers "
         f"({c.num_layers}) 0/1 entries",
     )
+
+
+_MLA_FLAGS = (
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+    "rope_type",
+    "rotary_scaling_factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+)
+_YARN_FLAGS = _MLA_FLAGS[6:]
+
+
+def _check_mla(c: Config, given: _Given) -> None:
+    """The multi-latent attention flags: each needs --multi-latent-attention, the yarn ones
+    need --rope-type yarn, and the rotary part lives in the attention (rope positions)."""
+    if not c.multi_latent_attention:
+        for name in _MLA_FLAGS:
+            _require(
+                not given(name),
+                f"{_moe_flag(name)} {_shown(getattr(c, name))} needs --multi-latent-attention",
+            )
+        return
+    _require(
+        c.position_embedding_type == "rope",
+        f"--multi-latent-attention needs --position-embedding-type rope (its rotary part is "
+        f"inside the attention), got {c.position_embedding_type}",
+    )
+    if c.rope_type == "rope":
+        for name in _YARN_FLAGS:
+            _require(
+                not given(name),
+                f"{_moe_flag(name)} {_shown(getattr(c, name))} is a yarn setting, but "
+                "--rope-type is rope; use --rope-type yarn or leave it out",
+            )
 
 
 def _check_router_losses(c: Config, given: _Given) -> None:
@@ -466,7 +508,7 @@ def _check_lora(c: Config) -> None:
                 f"{_flag(c, name)} {_shown(value)} needs --lora-dim R (LoRA is off without it)",
             )
         return
-    column = {"linear_qkv", "linear_fc1"}
+    column = {"linear_qkv", "linear_fc1", "linear_q_up_proj", "linear_q_proj", "linear_kv_up_proj"}
     column_targets = any(
         t in column or any(ch in t for ch in "*?[.") for t in c.lora_target_modules
     )
@@ -477,9 +519,9 @@ def _check_lora(c: Config) -> None:
     )
     for target in [*c.lora_target_modules, *c.lora_exclude_modules]:
         _require(
-            target in config_rules.LORA_TARGETS or any(ch in target for ch in "*?[."),
+            target in config_rules.LORA_ALL_TARGETS or any(ch in target for ch in "*?[."),
             f"--lora-target-modules / --lora-exclude-modules {target!r}: expected one of "
-            f"{', '.join(config_rules.LORA_TARGETS)} or a wildcard pattern",
+            f"{', '.join(config_rules.LORA_ALL_TARGETS)} or a wildcard pattern",
         )
     _check_lora_targets(c)
     _check_lora_excludes(c)
@@ -493,6 +535,7 @@ def _check_lora(c: Config) -> None:
         "--save-trainable-params-only needs --save DIR",
     )
     _require(not c.merge_lora or c.export_hf, "--merge-lora needs --export-hf DIR")
+    _check_lora_expert_bias(c)
     _require(
         not c.hf_adapter or c.hf_model,
         f"--hf-adapter {c.hf_adapter} needs --hf-model (the base the adapter was trained on)",
@@ -501,6 +544,26 @@ def _check_lora(c: Config) -> None:
         not (c.merge_lora and c.save_trainable_params_only and c.save_interval),
         "--merge-lora with --save-trainable-params-only and --save-interval: the interval "
         "exports merge from the saved checkpoints, which hold no base; drop one of them",
+    )
+
+
+def _check_lora_expert_bias(c: Config) -> None:
+    """The expert bias (``--moe-router-enable-expert-bias``, set by a DeepSeek-V3
+    ``--hf-model``) moves during LoRA training though it is no adapter: what keeps only the
+    adapters would drop its trained value."""
+    if not (c.num_experts and c.moe_router_enable_expert_bias):
+        return
+    _require(
+        not (c.export_hf and not c.merge_lora),
+        f"--export-hf {c.export_hf} with --lora-dim writes a PEFT adapter, which cannot carry "
+        "the expert bias that --moe-router-enable-expert-bias moves during training; add "
+        "--merge-lora (the merged model, trained bias included)",
+    )
+    _require(
+        not c.save_trainable_params_only,
+        "--save-trainable-params-only keeps the LoRA adapters only, not the expert bias that "
+        "--moe-router-enable-expert-bias moves during training (a resume would restart it "
+        "from the base model's); save full checkpoints",
     )
 
 
@@ -538,6 +601,7 @@ def _lora_names(c: Config) -> List[str]:
         config_rules.moe_layer_pattern(c.moe_layer_freq, c.num_layers) if moe else None,
         c.num_experts or 0,
         moe and c.moe_shared_expert_intermediate_size is not None,
+        config_rules.lora_attention_names(c.multi_latent_attention, c.q_lora_rank is not None),
     )
 
 

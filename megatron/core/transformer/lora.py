@@ -46,6 +46,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from megatron.core import config_rules
 from megatron.core.config_rules import LORA_DROPOUT_POSITIONS as DROPOUT_POSITIONS
 from megatron.core.config_rules import LORA_INIT_METHODS as INIT_METHODS
 from megatron.core.config_rules import LORA_TARGETS, lora_is_pattern, lora_pattern_matches
@@ -84,8 +85,12 @@ class LoRAConfig:
         if not self.target_modules:
             raise bad("target_modules", list(self.target_modules), "at least one module")
         for pattern in self.target_modules:
-            if not lora_is_pattern(pattern) and pattern not in LORA_TARGETS:
-                raise bad("target_modules", pattern, f"one of {LORA_TARGETS} or a wildcard")
+            if not lora_is_pattern(pattern) and pattern not in config_rules.LORA_ALL_TARGETS:
+                raise bad(
+                    "target_modules",
+                    pattern,
+                    f"one of {config_rules.LORA_ALL_TARGETS} or a wildcard",
+                )
         if not isinstance(self.dim, int) or self.dim < 1:
             raise bad("dim", self.dim, "a positive integer")
         if not math.isfinite(self.alpha) or self.alpha <= 0:
@@ -105,9 +110,9 @@ class LoRAConfig:
 
     def matches(self, name: str) -> bool:
         """Whether the module with global name ``name`` is a target and not excluded: one
-        of the adaptable layers (``LORA_TARGETS``; a wildcard picks among them, so
-        ``*.layers.0.*`` means layer 0's four linear layers) that a pattern names."""
-        if name.rsplit(".", 1)[-1] not in LORA_TARGETS:
+        of the adaptable layers (``LORA_ALL_TARGETS``; a wildcard picks among them, so
+        ``*.layers.0.*`` means layer 0's linear layers) that a pattern names."""
+        if name.rsplit(".", 1)[-1] not in config_rules.LORA_ALL_TARGETS:
             return False
         return _matches(name, self.target_modules) and not _matches(name, self.exclude_modules)
 
@@ -117,6 +122,8 @@ def apply_lora(model: torch.nn.Module, lora: LoRAConfig) -> List[str]:
     targets' global names, in order. A target that is not a tensor-parallel linear layer (an
     expert's linear, a Transformer Engine layer) is refused by name; so is a configuration
     that matches no layer on any stage (checked by the caller, who sees every stage)."""
+    from megatron.core.transformer.multi_latent_attention import ReplicatedLinear
+
     for param in model.parameters():
         param.requires_grad_(False)
     added = []
@@ -132,10 +139,10 @@ def apply_lora(model: torch.nn.Module, lora: LoRAConfig) -> List[str]:
                 f"experts are not supported; leave them out ({excludes} '*.experts.*') or "
                 f"name the layers to adapt ({targets} linear_qkv linear_proj)"
             )
-        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)):
             raise ValueError(
                 f"LoRA target {global_name} is a {type(module).__name__}; adapters go on "
-                "ColumnParallelLinear / RowParallelLinear layers only"
+                "ColumnParallelLinear / RowParallelLinear / ReplicatedLinear layers only"
             )
         if hasattr(module, "adapter"):
             raise ValueError(f"LoRA target {global_name} already has an adapter")
@@ -219,10 +226,13 @@ class LoRAAdapter(torch.nn.Module):
         self.scale = lora.scale
         self.dropout, self.dropout_position = lora.dropout, lora.dropout_position
         self.row_parallel = isinstance(base, RowParallelLinear)
-        tp_size = base.tp_group.size() if base.tp_group is not None else 1
+        tp_group = getattr(base, "tp_group", None)  # a replicated base has none
+        tp_size = tp_group.size() if tp_group is not None else 1
+        # the base layer's own switch: MLA's up projections turn it off (whole input)
+        sequence_parallel = getattr(base, "sequence_parallel", base.config.sequence_parallel)
         config = ModelParallelConfig(
             tensor_model_parallel_size=tp_size,
-            sequence_parallel=base.config.sequence_parallel and tp_size > 1,
+            sequence_parallel=sequence_parallel and tp_size > 1,
             params_dtype=lora.params_dtype,
             perform_initialization=True,
             use_cpu_initialization=base.config.use_cpu_initialization,
@@ -233,8 +243,10 @@ class LoRAAdapter(torch.nn.Module):
         init_b = _init_method(lora.lora_B_init_method, generator)
         stride = getattr(base.weight, "partition_stride", 1)
         # A [dim, in] is split like the base layer's input: row-parallel when the base is.
-        linear_in = dict(config=config, init_method=init_a, bias=False, tp_group=base.tp_group)
-        if self.row_parallel:
+        linear_in = dict(config=config, init_method=init_a, bias=False, tp_group=tp_group)
+        if not isinstance(base, (ColumnParallelLinear, RowParallelLinear)):
+            self._replicated(base, lora, init_a, init_b)
+        elif self.row_parallel:
             self.linear_in = RowParallelLinear(
                 base.input_size, lora.dim, input_is_parallel=True, skip_bias_add=True, **linear_in
             )
@@ -262,8 +274,20 @@ class LoRAAdapter(torch.nn.Module):
                 bias=False,
                 gather_output=False,
                 stride=stride,
-                tp_group=base.tp_group,
+                tp_group=tp_group,
             )
+
+    def _replicated(self, base, lora: LoRAConfig, init_a, init_b) -> None:
+        """A and B whole on every TP rank for a replicated base (MLA's down projections:
+        whole input, complete output gradient, so complete adapter gradients)."""
+        weights = []
+        for shape, init in (((lora.dim, base.input_size), init_a), ((base.output_size, lora.dim),
+                                                                    init_b)):  # fmt: skip
+            weight = torch.empty(shape, dtype=torch.float32)
+            init(weight)
+            weights.append(weight.to(device=base.weight.device, dtype=lora.params_dtype))
+        self.linear_in = _ReplicatedLinear(weights[0], sequence_parallel=False)
+        self.linear_out = _ReplicatedLinear(weights[1], sequence_parallel=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """scale * B A dropout(x) (pre) or dropout(scale * B A x) (post), in the adapter's

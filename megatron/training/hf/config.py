@@ -102,6 +102,15 @@ def hf_config_for_export(
     return config
 
 
+# Multi-latent attention's fields (HFArchitecture and trainer settings alike): settings only
+# of an MLA model.
+MLA_FIELDS = (
+    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+    "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "rotary_scaling_factor",
+    "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+)  # fmt: skip
+_YARN_FIELDS = MLA_FIELDS[7:]
+
 # HFArchitecture fields that are not the trainer setting of the same name -> the settings
 # they give; every other field that names a TrainingConfig option is that option's value.
 TRANSLATED: Dict[str, Callable[[HFArchitecture], Dict[str, Any]]] = {
@@ -144,7 +153,7 @@ def training_settings(arch: HFArchitecture) -> Dict[str, Any]:
             out.update(TRANSLATED[f.name](arch))
         elif f.name in options:
             out[f.name] = getattr(arch, f.name)
-    return {**out, **WRITTEN_ROUTING} if moe else out
+    return {**WRITTEN_ROUTING, **out} if moe else out
 
 
 def _option_names() -> set:
@@ -227,17 +236,39 @@ def model_meaning(settings: Dict[str, Any]) -> Dict[str, Any]:
     )
     out["window_size"] = list(out["window_size"]) if out["window_size"] else None
     out["norm_epsilon"] = float(out["norm_epsilon"])
+    _mla_meaning(out)
     out = {k: None if v is False else v for k, v in out.items()}  # off: False or absent
     if out["num_experts"] is None:
         return {k: v for k, v in out.items() if not k.startswith("moe_")}
     pattern = list(moe_layer_pattern(out["moe_layer_freq"], out["num_layers"]))
     out["moe_layer_freq"] = pattern
     out["moe_ffn_hidden_size"] = out["moe_ffn_hidden_size"] or out["ffn_hidden_size"]
+    if out.get("moe_router_topk_scaling_factor") in (None, 1, 1.0):  # x 1: no scaling
+        out["moe_router_topk_scaling_factor"] = None
     shared = out["moe_shared_expert_intermediate_size"] is not None
     out["moe_shared_expert_gate"] = bool(out["moe_shared_expert_gate"]) and shared or None
     if all(pattern):
         out.pop("ffn_hidden_size")
     return out
+
+
+def _mla_meaning(out: Dict[str, Any]) -> None:
+    """Multi-latent attention's settings normalized in place: none without it; with it the
+    rope type resolved (MLATransformerConfig's default: yarn), the yarn settings dropped
+    under plain rope, the unused GQA head settings dropped."""
+    if not out.get("multi_latent_attention"):
+        for key in MLA_FIELDS:
+            out.pop(key, None)
+        return
+    out["rope_type"] = out.get("rope_type") or "yarn"
+    for key in ("kv_channels", "num_query_groups"):
+        out.pop(key, None)
+    if out["rope_type"] == "rope":
+        for key in _YARN_FIELDS:
+            out.pop(key, None)
+    else:
+        for key in ("rotary_scaling_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+            out[key] = float(out[key])
 
 
 def _with_defaults(settings: Dict[str, Any]) -> Dict[str, Any]:

@@ -83,6 +83,28 @@ class HFArchitecture:
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_gate: bool = False
     moe_layer_freq: Optional[Tuple[int, ...]] = None
+    # DeepSeek routing (megatron's names; ``hf/families/deepseek.py``): sigmoid scores, an
+    # expert bias on the selection (a buffer), group-limited top-k, a routed scaling factor.
+    moe_router_score_function: str = "softmax"
+    moe_router_enable_expert_bias: bool = False
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    # Multi-latent attention (megatron's names and defaults; DeepSeek-V2/V3). With it the
+    # attention fields above (``num_query_groups``, ``kv_channels``) are unused.
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_type: Optional[str] = None
+    rotary_scaling_factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
 
     def qk_norm_sizes(self) -> Tuple[int, int]:
         """The q and k norm weights' sizes: ``kv_channels`` each (per head), or all heads of
@@ -158,6 +180,10 @@ class Family:
     def key_prefix(self, keys: Iterable[str]) -> Optional[str]:
         """The prefix of this checkpoint's tensor names when it is not the usual one."""
         return None
+
+    def check_keys(self, arch: HFArchitecture, keys: Iterable[str], where: str) -> None:
+        """Refuse, by name, tensors the family knows but we do not convert (before the
+        generic unused-tensor refusal)."""
 
 
 class ConfigReader:

@@ -31,6 +31,7 @@ from megatron.training.hf.weights import (
     parameter_sources,
     read_rows,
 )
+from megatron.training.model import transformer_config_class
 from megatron.training.options import TRANSFORMER_CONFIG, library_values
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": openai_gelu}
@@ -86,7 +87,7 @@ def transformer_config_from_hf(
     values = {"hidden_dropout": 0.0, "attention_dropout": 0.0, **fields, **sizes, **overrides}
     if values.get("pipeline_model_parallel_size", 1) > 1 and values.get("pipeline_dtype") is None:
         values["pipeline_dtype"] = values.get("params_dtype", torch.float32)
-    return TransformerConfig(**values)
+    return transformer_config_class(values)(**values)
 
 
 def architecture_fields(arch: HFArchitecture) -> Dict[str, Any]:
@@ -195,6 +196,10 @@ def load_hf_weights(
                 f"rows give {list(value.shape)}"
             )
         param.copy_(value)
+    for name, buffer in model.named_buffers():  # the router's expert bias (replicated)
+        full_name = one_chunk_name(model, name)
+        if full_name in sources:
+            buffer.copy_(read_rows(reader, sources[full_name], [(0, buffer.shape[0])], None))
 
 
 def _load_experts(model: GPTModel, reader, sources, full_shapes, finite: bool) -> set:

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from megatron.core.config_rules import lora_module_names
+from megatron.core.config_rules import lora_attention_names, lora_module_names
 from megatron.core.transformer.lora import LoRAConfig
 from megatron.training.hf.family import HFArchitecture, Source
 from megatron.training.hf.weights import layer_sources, our_full_shapes
@@ -54,6 +54,7 @@ def adapted_layers(arch: HFArchitecture, lora: LoRAConfig) -> List[str]:
         [int(arch.is_moe_layer(i)) for i in range(arch.num_layers)] if moe else None,
         arch.num_moe_experts or 0,
         moe and arch.moe_shared_expert_intermediate_size is not None,
+        lora_attention_names(arch.multi_latent_attention, arch.q_lora_rank is not None),
     )
     return [n for n in names if ".experts." not in n and lora.matches(n)]
 

@@ -21,6 +21,7 @@ import torch
 
 from megatron.training.errors import missing_package
 from megatron.training.hf.families import REGISTRY
+from megatron.training.hf.families.deepseek import mla_full_shapes
 from megatron.training.hf.families.moe import moe_full_shapes
 from megatron.training.hf.family import HFArchitecture, Source
 from megatron.training.hf.target import INDEX_FILENAME, SINGLE_FILENAME
@@ -120,6 +121,8 @@ def our_full_shapes(arch: HFArchitecture) -> Dict[str, tuple]:
             }
         )
     shapes.update(moe_full_shapes(arch))
+    if arch.multi_latent_attention:
+        shapes.update(mla_full_shapes(arch))
     return shapes
 
 
@@ -224,6 +227,7 @@ def check_checkpoint_tensors(
     checkpoint holds no weight the architecture does not use (ValueError naming them)."""
     expected = hf_shapes(arch, sources, our_full_shapes(arch))
     present = set(reader.keys())
+    REGISTRY[arch.family].check_keys(arch, present, str(reader.directory))
     missing = sorted(set(expected) - present)
     if missing:
         raise ValueError(

@@ -52,6 +52,38 @@ BASE = {
              "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default",
                                  "partial_rotary_factor": 0.75},
              "original_max_position_embeddings": 4096, "resid_pdrop": 0.0, "embd_pdrop": 0.0},
+    # DeepSeek-V3 as transformers writes it: q LoRA, yarn, one dense layer, grouped sigmoid
+    # routing with expert bias and shared experts (the MTP key without MTP layers)
+    "deepseek_v3": {
+        "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+        "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+        "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "n_shared_experts": 2, "n_routed_experts": 8,
+        "routed_scaling_factor": 2.5, "kv_lora_rank": 8, "q_lora_rank": 12,
+        "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "qk_head_dim": 12, "head_dim": 4,
+        "v_head_dim": 8, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4,
+        "first_k_dense_replace": 1, "norm_topk_prob": True, "hidden_act": "silu",
+        "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "pretraining_tp": 1,
+        "tie_word_embeddings": False, "rope_interleave": True, "attention_bias": False,
+        "num_nextn_predict_layers": 1, "output_router_logits": False,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                            "original_max_position_embeddings": 16, "beta_fast": 32,
+                            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    },
+    # DeepSeek-V2-Lite's shape: no q LoRA, greedy softmax routing, rope
+    "deepseek_v2": {
+        "model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"],
+        "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+        "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "n_shared_experts": 2, "n_routed_experts": 8,
+        "routed_scaling_factor": 1.0, "kv_lora_rank": 8, "q_lora_rank": None,
+        "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "qk_head_dim": 12, "head_dim": 4,
+        "v_head_dim": 8, "n_group": None, "topk_group": None, "num_experts_per_tok": 2,
+        "topk_method": "greedy", "first_k_dense_replace": 1, "norm_topk_prob": False,
+        "hidden_act": "silu", "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
+        "mlp_bias": False, "attention_bias": False, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
 }  # fmt: skip
 LONGROPE = {"type": "longrope", "short_factor": [1.0] * 3, "long_factor": [2.0] * 3}
 
@@ -157,8 +189,8 @@ def test_a_windowed_model_no_family_expresses_is_refused_on_export(change):
 
 
 def test_an_unsupported_model_type_is_refused():
-    with pytest.raises(ValueError, match="model_type='deepseek_v3' is not supported"):
-        architecture_from_config({**LLAMA, "model_type": "deepseek_v3"})
+    with pytest.raises(ValueError, match="model_type='phi3' is not supported"):
+        architecture_from_config({**LLAMA, "model_type": "phi3"})
 
 
 def test_olmoe_reads_as_whole_projection_qk_norms():

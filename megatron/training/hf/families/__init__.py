@@ -9,6 +9,7 @@ whose ``config.json`` reads back as the same model writes it (``read(write(x)) =
 from typing import Dict
 
 from megatron.training.hf.families import (
+    deepseek,
     gpt2,
     llama,
     mistral,
@@ -35,6 +36,8 @@ REGISTRY: Dict[str, Family] = {
         qwen3_moe.FAMILY,
         olmoe.FAMILY,
         phi3.FAMILY,
+        deepseek.FAMILY_V3,
+        deepseek.FAMILY_V2,
     )
 }
 
