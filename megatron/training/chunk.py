@@ -12,6 +12,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 
 def build_gpt_chunk(
@@ -39,3 +40,9 @@ def build_gpt_chunk(
         pp_rank=pp_rank,
         **gpt_kwargs,
     )
+
+
+def transformer_config_class(values: dict) -> type:
+    """``MLATransformerConfig`` when ``values`` ask for multi-latent attention, else
+    ``TransformerConfig``."""
+    return MLATransformerConfig if values.get("multi_latent_attention") else TransformerConfig

@@ -22,7 +22,6 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.lora import apply_lora, lora_modules
 from megatron.core.transformer.module import Float16Module
-from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.core.transformer.utils import openai_gelu
 from megatron.training import chunk
 from megatron.training.arguments import Layout, TrainingConfig
@@ -149,13 +148,7 @@ def transformer_config_from(config: TrainingConfig, layout: Layout) -> Transform
     library=...)`` in ``arguments.py``; a MoE field only with ``--num-experts``) and the few
     that no one option sets (``computed_fields``)."""
     values = library_values(config, layout, TRANSFORMER_CONFIG)
-    return transformer_config_class(values)(**values, **computed_fields(config))
-
-
-def transformer_config_class(values: dict) -> type:
-    """``MLATransformerConfig`` when ``values`` ask for multi-latent attention, else
-    ``TransformerConfig``."""
-    return MLATransformerConfig if values.get("multi_latent_attention") else TransformerConfig
+    return chunk.transformer_config_class(values)(**values, **computed_fields(config))
 
 
 def computed_fields(config: TrainingConfig) -> dict:

@@ -31,7 +31,6 @@ from megatron.training.hf.weights import (
     parameter_sources,
     read_rows,
 )
-from megatron.training.model import transformer_config_class
 from megatron.training.options import TRANSFORMER_CONFIG, library_values
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": openai_gelu}
@@ -87,7 +86,7 @@ def transformer_config_from_hf(
     values = {"hidden_dropout": 0.0, "attention_dropout": 0.0, **fields, **sizes, **overrides}
     if values.get("pipeline_model_parallel_size", 1) > 1 and values.get("pipeline_dtype") is None:
         values["pipeline_dtype"] = values.get("params_dtype", torch.float32)
-    return transformer_config_class(values)(**values)
+    return chunk.transformer_config_class(values)(**values)
 
 
 def architecture_fields(arch: HFArchitecture) -> Dict[str, Any]:
