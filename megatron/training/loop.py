@@ -41,6 +41,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.loss_reporting import reduce_reported_losses
 from megatron.core.process_groups_config import ProcessGroupCollection, get_pg_rank, get_pg_size
 from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 from megatron.training.arguments import Layout, TrainingConfig
 from megatron.training.checkpoint_layout import checkpoint_dir, layout_record, settings_record
 from megatron.training.checkpoint_save import save_checkpoint
@@ -200,6 +201,7 @@ def step(run: Run, iteration: int) -> Dict[str, Any]:
         "loss_scale": run.optimizer.get_loss_scale().item() if run.scaled else None,
         **_memory_record(),
         **_moe_record(config, layout, run.pg_collection),
+        **mtp_record(config, layout, run.pg_collection),
     }
 
 
@@ -344,7 +346,13 @@ def forward_step(data_iterator, model, per_shard_cp_size: Optional[int] = None):
         extra["packed_seq_params"] = packed
     if batch.get("padding_mask") is not None:
         extra["padding_mask"] = batch["padding_mask"]
-    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], **extra)
+    output = model(
+        batch["tokens"],
+        batch["position_ids"],
+        labels=batch["labels"],
+        loss_mask=batch["loss_mask"],  # read by multi-token prediction
+        **extra,
+    )
     return output, functools.partial(loss_func, batch["loss_mask"], per_shard_cp_size)
 
 
@@ -490,6 +498,24 @@ def _moe_record(
         elif values.numel():
             record[f"moe_{name}"] = float(values.double().mean())
     return record
+
+
+def mtp_record(
+    config: TrainingConfig, layout: Layout, pg_collection: Optional[ProcessGroupCollection]
+) -> Dict[str, float]:
+    """The step's multi-token prediction losses, ``mtp_<k>_loss`` (megatron's "mtp_k loss":
+    the mean over the microbatches and DP replicas of S_k / max(N_k, 1), N_k the whole
+    sequence's count), the same on every rank (collective: broadcast from the last pipeline
+    stage, which holds the MTP depths)."""
+    if not config.mtp_num_layers:
+        return {}
+    losses: Dict[str, float] = {}
+    MTPLossLoggingHelper.track_mtp_metrics(1.0 / layout.num_microbatches, 0, total_loss_dict=losses)
+    names = [f"mtp_{k} loss" for k in range(1, config.mtp_num_layers + 1)]
+    values = torch.tensor([losses.get(name, 0.0) for name in names], dtype=torch.float64)
+    values = values.to(comm_device())
+    broadcast_from_last_(values, None if pg_collection is None else pg_collection.pp)
+    return {name.replace(" ", "_"): value for name, value in zip(names, values.tolist())}
 
 
 def logged_router_losses(config: TrainingConfig) -> List[str]:

@@ -24,6 +24,7 @@ from megatron.training.flag_checks import flag as _flag
 from megatron.training.flag_checks import require as _require
 from megatron.training.fp8_flags import check_fp8_flags
 from megatron.training.model_settings import resolved_model
+from megatron.training.mtp_flags import check_mtp_flags
 from megatron.training.options import check_fields, is_int
 from megatron.training.run_checks import check_run_options
 
@@ -139,6 +140,7 @@ def validate_config(
     check_run_options(c, given)
     _check_moe(c, world_size, given)
     check_fp8_flags(c, given)
+    check_mtp_flags(c, given)
     _check_lora(c)
     _check_objective(c, given)
     hierarchical = c.hierarchical_context_parallel_sizes

@@ -1,0 +1,82 @@
+"""The trainer's multi-token prediction flags (megatron's ``--mtp-num-layers``,
+``--mtp-loss-scaling-factor``): the MTP depths train, their losses are logged under megatron's
+names ("mtp_1 loss", ...), the factor weighs them, and flags that would be ignored or ask for
+what is not implemented are refused by name before anything runs. The gradients' exactness
+is ``tests/unit_tests/models/test_multi_token_prediction.py``'s."""
+
+import math
+
+import pytest
+
+from megatron.training import cli
+from megatron.training.arguments import TrainingConfig, validate_config
+from megatron.training.errors import UsageError
+from megatron.training.loggers import log_line, scalars_of
+from megatron.training.training import pretrain
+from tests.unit_tests.dist_utils import fresh_layout
+
+pytestmark = pytest.mark.world(1)
+
+SMALL = dict(num_layers=2, mtp_num_layers=2, train_iters=2, progress=False)
+
+
+def _records(**settings) -> list:
+    with fresh_layout():
+        return pretrain(TrainingConfig(**{**SMALL, **settings})).records
+
+
+def test_mtp_losses_are_logged_and_weighted():
+    """Each record has mtp_1_loss and mtp_2_loss (about ln 64 for an untrained model), the
+    console line and the scalars name them "mtp_1 loss", "mtp_2 loss"; a zero factor leaves
+    the first step's losses unchanged and changes the second's (the MTP gradient is in the
+    step)."""
+    default, zero = _records(), _records(mtp_loss_scaling_factor=0.0)
+    first = default[0]
+    for key in ("mtp_1_loss", "mtp_2_loss"):
+        assert abs(first[key] - math.log(64)) < 0.5, first
+    assert "| mtp_1 loss: " in log_line(first, 2) and "| mtp_2 loss: " in log_line(first, 2)
+    assert scalars_of(first)["mtp_2 loss"] == first["mtp_2_loss"]
+    assert zero[0]["loss"] == pytest.approx(first["loss"], rel=1e-12)
+    assert zero[0]["mtp_1_loss"] == pytest.approx(first["mtp_1_loss"], rel=1e-12)
+    assert zero[1]["loss"] != pytest.approx(default[1]["loss"], rel=1e-9)
+
+
+def test_no_mtp_logs_no_mtp_loss():
+    """Without --mtp-num-layers the record has no mtp key."""
+    record = _records(mtp_num_layers=None, train_iters=1)[0]
+    assert not [key for key in record if key.startswith("mtp")], record
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(mtp_num_layers=0), r"--mtp-num-layers must be an integer >= 1, got 0"),
+        (dict(mtp_loss_scaling_factor=0.5), r"--mtp-loss-scaling-factor 0.5 needs --mtp-num"),
+        (
+            dict(mtp_num_layers=1, mtp_loss_scaling_factor=float("nan")),
+            r"--mtp-loss-scaling-factor must be a finite number, got nan",
+        ),
+        (
+            dict(mtp_num_layers=1, num_experts=4, disable_bias_linear=True),
+            r"--mtp-num-layers 1 with --num-experts: MoE layers in the MTP depths",
+        ),
+        (
+            dict(mtp_num_layers=1, pipeline_model_parallel_size=2),
+            r"--mtp-num-layers 1 with --position-embedding-type learned_absolute and --pp 2",
+        ),
+    ],
+)
+def test_bad_mtp_flags_are_refused_by_name(settings, message):
+    """Refused before any process group, naming the flag, value and expectation."""
+    with pytest.raises(UsageError, match=message):
+        validate_config(TrainingConfig(**settings), 2)
+
+
+def test_mtp_flags_on_the_command_line(monkeypatch):
+    """megatron's spellings reach the config (and TransformerConfig through its library
+    field)."""
+    reached = []
+    monkeypatch.setattr(cli, "_run", lambda config: reached.append(config) or 0)
+    argv = ["--mtp-num-layers", "3", "--mtp-loss-scaling-factor", "0.25", "--train-iters", "1"]
+    assert cli.main(argv) == 0
+    assert reached[0].mtp_num_layers == 3 and reached[0].mtp_loss_scaling_factor == 0.25
