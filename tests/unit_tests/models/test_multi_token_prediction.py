@@ -37,7 +37,7 @@ from megatron.core.models.gpt.gpt_model import tp_shard
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import multi_token_prediction as mtp_module
-from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.dist_utils import Layout, assert_no_failures, use_layout
 from tests.unit_tests.models.naming import reference_names
@@ -109,7 +109,7 @@ def batch() -> Dict[str, torch.Tensor]:
 def _shift(tensor: torch.Tensor, k: int) -> torch.Tensor:
     """tensor[:, p + k], zero past the end."""
     out = torch.zeros_like(tensor)
-    out[:, : SEQ - k] = tensor[:, k:]
+    out[:, : tensor.shape[1] - k] = tensor[:, k:]
     return out
 
 
@@ -117,42 +117,54 @@ def _rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
 
 
-def _masked_mean(logits, labels, mask) -> torch.Tensor:
-    """sum(mask * CE) / max(sum(mask), 1) of logits [b, s, V]."""
+def _masked_sum(logits, labels, mask) -> torch.Tensor:
+    """sum(mask * CE) of logits [b, s, V]."""
     losses = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), reduction="none")
-    return (losses * mask.reshape(-1)).sum() / mask.sum().clamp(min=1)
+    return (losses * mask.reshape(-1)).sum()
+
+
+def reference_sums(model: GPTModel, part: Dict[str, torch.Tensor], tied: bool) -> list:
+    """[(S, N) of the main loss, then of each depth k] for rows ``part`` (sequences from
+    position 0) from ``model``'s parameters; see the module docstring."""
+    captured = {}
+    hook = model.decoder.register_forward_hook(lambda m, i, o: captured.update(h=o))
+    length = part["tokens"].shape[1]
+    angles = model.rotary_pos_emb(length, packed_seq=True)
+    words = model.embedding.word_embeddings.weight
+    output = words if tied else model.output_layer.weight
+    logits = model(part["tokens"], None)
+    hook.remove()
+    sums = [(_masked_sum(logits, part["labels"], part["loss_mask"]), part["loss_mask"].sum())]
+    hidden = captured["h"]
+    for k, depth in enumerate(model.mtp.layers, start=1):
+        embedded = words[_shift(part["tokens"], k)].transpose(0, 1)
+        combined = torch.cat(
+            [_rms(embedded, depth.enorm.weight), _rms(hidden, depth.hnorm.weight)], -1
+        )
+        x, _ = depth.transformer_layer(combined @ depth.eh_proj.weight.t(), rotary_pos_emb=angles)
+        hidden = _rms(x, depth.final_layernorm.weight)
+        logits_k = (hidden @ output.t()).transpose(0, 1)
+        mask_k = _shift(part["loss_mask"], k)
+        sums.append((_masked_sum(logits_k, _shift(part["labels"], k), mask_k), mask_k.sum()))
+    return sums
+
+
+def objective_of(sums: list) -> tuple:
+    """(main + (f / K) sum_k S_k / max(N_k, 1), [S_k / max(N_k, 1)]) of one microbatch."""
+    ratios = [total / count.clamp(min=1) for total, count in sums]
+    return ratios[0] + FACTOR / DEPTHS * sum(ratios[1:]), [r.item() for r in ratios[1:]]
 
 
 def reference_objective(model: GPTModel, rows: Dict[str, torch.Tensor], tied: bool):
-    """(objective of the whole batch, [depth k's S_k / max(N_k, 1) averaged over the
-    microbatches]) from ``model``'s parameters; see the module docstring."""
-    captured = {}
-    hook = model.decoder.register_forward_hook(lambda m, i, o: captured.update(h=o))
-    angles = model.rotary_pos_emb(SEQ, packed_seq=True)
-    words = model.embedding.word_embeddings.weight
-    output = words if tied else model.output_layer.weight
-    total, logged = 0.0, [0.0] * DEPTHS
+    """(objective of the whole batch: the mean over its microbatches, [depth k's
+    S_k / max(N_k, 1) averaged over the microbatches])."""
     microbatches = ROWS // MICRO
+    total, logged = 0.0, [0.0] * DEPTHS
     for m in range(microbatches):
         part = {key: value[m * MICRO : (m + 1) * MICRO] for key, value in rows.items()}
-        logits = model(part["tokens"], None)
-        objective = _masked_mean(logits, part["labels"], part["loss_mask"])
-        hidden = captured["h"]
-        for k, depth in enumerate(model.mtp.layers, start=1):
-            embedded = words[_shift(part["tokens"], k)].transpose(0, 1)
-            combined = torch.cat(
-                [_rms(embedded, depth.enorm.weight), _rms(hidden, depth.hnorm.weight)], -1
-            )
-            x, _ = depth.transformer_layer(
-                combined @ depth.eh_proj.weight.t(), rotary_pos_emb=angles
-            )
-            hidden = _rms(x, depth.final_layernorm.weight)
-            logits_k = (hidden @ output.t()).transpose(0, 1)
-            loss_k = _masked_mean(logits_k, _shift(part["labels"], k), _shift(part["loss_mask"], k))
-            objective = objective + FACTOR / DEPTHS * loss_k
-            logged[k - 1] += loss_k.item() / microbatches
+        objective, ratios = objective_of(reference_sums(model, part, tied))
         total = total + objective / microbatches
-    hook.remove()
+        logged = [a + b / microbatches for a, b in zip(logged, ratios)]
     return total, logged
 
 
@@ -308,3 +320,156 @@ def test_mtp_8_rank_layout_matches_reference():
     )
     layout = Layout(tp=2, sp=True, cp=2, pp=2)
     assert_no_failures(distributed_step(layout, True, **recompute))
+
+
+@pytest.mark.world(1)
+def test_mtp_checkpoint_saved_at_pp1_loads_into_pp2_stages(tmp_path):
+    """``mtp.layers.<k>.*`` (megatron-core's names) and the MTP stage's embedding copy are
+    layout-free: a one-process checkpoint loads into the two stages of pp2 (built here in
+    one process), every parameter equal to the saved one's; the copy is stored as the word
+    embeddings with replica id (1, ...), never written twice."""
+    from megatron.core import dist_checkpointing
+
+    saved = _model(_config(), ProcessGroupCollection())
+    state = saved.sharded_state_dict()
+    assert "mtp.layers.1.transformer_layer.self_attention.linear_qkv.weight" in state
+    assert {"mtp.layers.0.enorm.weight", "mtp.layers.0.eh_proj.weight"} <= set(state)
+    dist_checkpointing.save(state, str(tmp_path))
+    config = _config(Layout(pp=2))
+    expected = dict(reference_names(saved))
+    for pp_rank in (0, 1):
+        stage = GPTModel(  # another seed: the load must overwrite everything
+            config,
+            get_gpt_layer_local_spec(),
+            VOCAB,
+            SEQ,
+            pre_process=pp_rank == 0,
+            post_process=pp_rank == 1,
+            position_embedding_type="rope",
+            mtp_block_spec=get_gpt_mtp_block_spec(
+                config, get_gpt_layer_local_spec(), False, pp_rank=pp_rank
+            ),
+            pg_collection=ProcessGroupCollection(),
+            pp_rank=pp_rank,
+            seed=99,
+        )
+        sharded = stage.sharded_state_dict()
+        if pp_rank == 1:
+            assert sharded["embedding.word_embeddings.weight"].replica_id[0] == 1
+        stage.load_state_dict(dist_checkpointing.load(sharded, str(tmp_path)))
+        for name, param in reference_names(stage):
+            assert torch.equal(param, expected[name]), name
+
+
+@pytest.mark.world(1)
+def test_mtp_bad_arguments_are_refused_by_name():
+    """Config values, a spec without MTP on the last stage, MTP off the last stage, learned
+    positions on a later stage, MoE MTP layers: each refused naming what and why."""
+    with pytest.raises(ValueError, match=r"mtp_num_layers must be None or an int >= 1, got 0"):
+        _config(mtp_num_layers=0)
+    with pytest.raises(ValueError, match=r"mtp_loss_scaling_factor must be a finite number"):
+        _config(mtp_loss_scaling_factor=float("inf"))
+    config, spec = _config(), get_gpt_layer_local_spec()
+    with pytest.raises(ValueError, match=r"config.mtp_num_layers=2 on the last .* needs mtp_"):
+        GPTModel(config, spec, VOCAB, SEQ, pg_collection=ProcessGroupCollection())
+    mtp = get_gpt_mtp_block_spec(config, spec, False, pp_rank=0)
+    with pytest.raises(ValueError, match=r"mtp_block_spec on a chunk with post_process=False"):
+        GPTModel(config, spec, VOCAB, SEQ, post_process=False, mtp_block_spec=mtp)
+    later = _config(Layout(pp=2))
+    assert get_gpt_mtp_block_spec(later, spec, False, pp_rank=0) is None
+    with pytest.raises(NotImplementedError, match=r"position_embedding_type='learned_absolute'"):
+        GPTModel(
+            later,
+            spec,
+            VOCAB,
+            SEQ,
+            pre_process=False,
+            mtp_block_spec=get_gpt_mtp_block_spec(later, spec, False, pp_rank=1),
+            pg_collection=ProcessGroupCollection(),
+            pp_rank=1,
+        )
+    moe = _config(num_moe_experts=2)
+    moe_spec = get_gpt_layer_local_spec(num_experts=2)
+    with pytest.raises(NotImplementedError, match=r"mixture-of-experts transformer_layer"):
+        _model_with(moe, moe_spec)
+
+
+def _model_with(config, spec) -> GPTModel:
+    mtp = get_gpt_mtp_block_spec(config, spec, False, pp_rank=0)
+    return GPTModel(
+        config, spec, VOCAB, SEQ, mtp_block_spec=mtp, pg_collection=ProcessGroupCollection()
+    )
+
+
+def _packed_reference(tied: bool = False):
+    """(name -> gradient, row) of the packed row of ``test_gpt_packed`` through the reference,
+    each document alone from position 0 (sums over the documents, one microbatch)."""
+    from tests.unit_tests.models.test_gpt_packed import PADDED, REAL, packed_row
+
+    row = {k: v.cpu() for k, v in packed_row().items()}
+    row["loss_mask"] = torch.zeros_like(row["loss_mask"])
+    start = 0
+    for real, padded in zip(REAL, PADDED):  # every real token: a roll across documents shows
+        row["loss_mask"][:, start : start + real] = 1
+        start += padded
+    model = _model(_config(), _single_rank_groups(), tied=tied)
+    totals, start = None, 0
+    for real, padded in zip(REAL, PADDED):
+        if real:
+            doc = {k: row[k][:, start : start + real] for k in ("tokens", "labels", "loss_mask")}
+            sums = reference_sums(model, doc, tied)
+            totals = (
+                sums if totals is None else [(a + c, b + d) for (a, b), (c, d) in zip(totals, sums)]
+            )
+        start += padded
+    objective_of(totals)[0].backward()
+    return {name: param.grad for name, param in reference_names(model)}, row
+
+
+def _packed_step(model: GPTModel, row, packed, total_tokens) -> None:
+    """Backward of this shard's part of main + MTP (the MTP terms' gradient scale 1: the
+    shards' gradients are summed, not averaged)."""
+    MTPLossAutoScaler.set_loss_scale(torch.ones(1))
+    out = model(
+        row["tokens"],
+        row["position_ids"],
+        labels=row["labels"],
+        loss_mask=row["loss_mask"],
+        packed_seq_params=packed,
+    )
+    ((out * row["loss_mask"]).sum() / total_tokens).backward()
+
+
+@pytest.mark.world(1)
+def test_mtp_packed_row_equals_documents_alone():
+    """A packed row (THD: padded documents, an empty one, trailing padding) rolls within
+    each document: every gradient equals the reference's over the documents run alone."""
+    from tests.unit_tests.models.test_gpt_packed import params_of
+
+    expected, row = _packed_reference()
+    model = _model(_config(), ProcessGroupCollection())
+    _packed_step(model, row, params_of(row), row["loss_mask"].sum())
+    assert not _mismatches(model, expected, 1, 0, "grad")
+
+
+@pytest.mark.world(2)
+def test_mtp_packed_row_under_cp2_equals_documents_alone():
+    """The same packed row split over cp2 (each document's load-balanced chunks): the roll
+    crosses the shards in each document's order; gradients summed over CP equal the
+    reference's."""
+    from megatron.core.utils import get_thd_batch_on_this_cp_rank
+    from tests.unit_tests.models.test_gpt_packed import all_reduce_sum
+
+    expected, row = _packed_reference()
+    layout = Layout(cp=2)
+    use_layout(layout)
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    local, packed = get_thd_batch_on_this_cp_rank(
+        row, row["cu_seqlens"], row["cu_seqlens_padded"], row["max_seqlen"]
+    )
+    model = _model(_config(layout), groups)
+    _packed_step(model, local, packed, row["loss_mask"].sum())
+    grads = all_reduce_sum({n: p.grad for n, p in reference_names(model)}, groups.cp)
+    for name, param in reference_names(model):
+        param.grad = grads[name]
+    assert_no_failures(_mismatches(model, expected, 1, 0, "grad"))
