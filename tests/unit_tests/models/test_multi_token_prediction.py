@@ -74,20 +74,24 @@ def _config(layout: Optional[Layout] = None, **extra) -> TransformerConfig:
     return TransformerConfig(**{**fields, **extra})
 
 
-def _model(config, groups, pp_rank: int = 0, tied: bool = False) -> GPTModel:
+def _model(config, groups, pp_rank: int = 0, tied: bool = False, vp_stage=None) -> GPTModel:
+    """Chunk ``vp_stage`` (None: the only one) of pipeline rank ``pp_rank``."""
     spec = get_gpt_layer_local_spec()
-    last = pp_rank == config.pipeline_model_parallel_size - 1
+    pp = config.pipeline_model_parallel_size
+    stage = (vp_stage or 0) * pp + pp_rank
+    last = stage == pp * (config.virtual_pipeline_model_parallel_size or 1) - 1
     return GPTModel(
         config,
         spec,
         VOCAB,
         SEQ,
-        pre_process=pp_rank == 0,
+        pre_process=stage == 0,
         post_process=last,
         share_embeddings_and_output_weights=tied,
         position_embedding_type="rope",
-        mtp_block_spec=get_gpt_mtp_block_spec(config, spec, False, pp_rank=pp_rank),
+        mtp_block_spec=get_gpt_mtp_block_spec(config, spec, False, vp_stage, pp_rank),
         pg_collection=groups,
+        vp_stage=vp_stage,
         pp_rank=pp_rank,
     )
 
@@ -184,9 +188,9 @@ def _single_rank_groups() -> Optional[ProcessGroupCollection]:
 
 
 @functools.lru_cache(maxsize=None)
-def reference(tied: bool = False):
+def reference(tied: bool = False, layers: int = LAYERS):
     """(one-process name -> reference gradient, logged MTP losses)."""
-    model = _model(_config(), _single_rank_groups(), tied=tied)
+    model = _model(_config(num_layers=layers), _single_rank_groups(), tied=tied)
     objective, logged = reference_objective(model, batch(), tied)
     objective.backward()
     return {name: param.grad.clone() for name, param in reference_names(model)}, logged
@@ -250,13 +254,16 @@ def test_mtp_matches_reference_at_one_process(tied):
 def distributed_step(layout: Layout, tied: bool = False, **extra) -> List[str]:
     """One step at ``layout`` (DDP, the schedule, finalize_model_grads; the global batch
     split over DP, MICRO rows per microbatch): main_grad mismatches against the reference."""
-    expected, _ = reference(tied)
+    expected, _ = reference(tied, extra.get("num_layers", LAYERS))
     use_layout(layout)
     groups = ProcessGroupCollection.use_mpu_process_groups()
-    config = _config(layout, **extra)
-    pp_rank = groups.pp.rank()
-    gpt = _model(config, groups, pp_rank, tied)
-    chunk = DistributedDataParallel(config, DistributedDataParallelConfig(), gpt, groups)
+    config = _config(layout, virtual_pipeline_model_parallel_size=layout.vpp, **extra)
+    stages = [None] if layout.vpp is None else list(range(layout.vpp))
+    gpts = [_model(config, groups, groups.pp.rank(), tied, vp) for vp in stages]
+    chunks = [
+        DistributedDataParallel(config, DistributedDataParallelConfig(), gpt, groups)
+        for gpt in gpts
+    ]
     config.finalize_model_grads_func = finalize_model_grads
     rows, dp_rank = batch(), groups.dp.rank()
     mine = {k: v.chunk(layout.dp)[dp_rank] for k, v in rows.items()}
@@ -267,17 +274,21 @@ def distributed_step(layout: Layout, tied: bool = False, **extra) -> List[str]:
         )
         for m in range(count)
     ]
-    chunk.zero_grad_buffer()
-    get_forward_backward_func(layout.pp)(
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    get_forward_backward_func(layout.pp, layout.vpp)(
         forward_step_func=_forward_step(rows),
-        data_iterator=iter(parts),
-        model=chunk,
+        data_iterator=iter(parts) if layout.vpp is None else [iter(parts) for _ in chunks],
+        model=chunks[0] if layout.vpp is None else chunks,
         num_microbatches=count,
         seq_length=SEQ,
         micro_batch_size=MICRO,
         pg_collection=groups,
     )
-    return _mismatches(gpt, expected, layout.tp, groups.tp.rank(), "main_grad")
+    tp_rank = groups.tp.rank()
+    return [
+        bad for gpt in gpts for bad in _mismatches(gpt, expected, layout.tp, tp_rank, "main_grad")
+    ]
 
 
 LAYOUTS = [
@@ -298,6 +309,13 @@ def test_mtp_layouts_match_reference(layout, tied):
     last stage; its embedding copy summed with the first stage's, tied or not), dp2 equals
     the reference's shard."""
     assert_no_failures(distributed_step(layout, tied))
+
+
+@pytest.mark.world(2)
+def test_mtp_interleaved_pipeline_matches_reference():
+    """pp2 x vpp2 (4 layers): the depths on the last chunk of the last rank (virtual stage
+    3), its embedding copy summed with chunk 0's of rank 0."""
+    assert_no_failures(distributed_step(Layout(pp=2, vpp=2), num_layers=4))
 
 
 @pytest.mark.world(2)
