@@ -15,8 +15,6 @@ from megatron.training.loggers import log_line, scalars_of
 from megatron.training.training import pretrain
 from tests.unit_tests.dist_utils import fresh_layout
 
-pytestmark = pytest.mark.world(1)
-
 SMALL = dict(num_layers=2, mtp_num_layers=2, train_iters=2, progress=False)
 
 
@@ -25,6 +23,7 @@ def _records(**settings) -> list:
         return pretrain(TrainingConfig(**{**SMALL, **settings})).records
 
 
+@pytest.mark.world(1)
 def test_mtp_losses_are_logged_and_weighted():
     """Each record has mtp_1_loss and mtp_2_loss (about ln 64 for an untrained model), the
     console line and the scalars name them "mtp_1 loss", "mtp_2 loss"; a zero factor leaves
@@ -41,12 +40,14 @@ def test_mtp_losses_are_logged_and_weighted():
     assert zero[1]["loss"] != pytest.approx(default[1]["loss"], rel=1e-9)
 
 
+@pytest.mark.world(1)
 def test_no_mtp_logs_no_mtp_loss():
     """Without --mtp-num-layers the record has no mtp key."""
     record = _records(mtp_num_layers=None, train_iters=1)[0]
     assert not [key for key in record if key.startswith("mtp")], record
 
 
+@pytest.mark.world(1)
 @pytest.mark.parametrize(
     "settings, message",
     [
@@ -72,6 +73,7 @@ def test_bad_mtp_flags_are_refused_by_name(settings, message):
         validate_config(TrainingConfig(**settings), 2)
 
 
+@pytest.mark.world(1)
 def test_mtp_flags_on_the_command_line(monkeypatch):
     """megatron's spellings reach the config (and TransformerConfig through its library
     field)."""
@@ -80,3 +82,37 @@ def test_mtp_flags_on_the_command_line(monkeypatch):
     argv = ["--mtp-num-layers", "3", "--mtp-loss-scaling-factor", "0.25", "--train-iters", "1"]
     assert cli.main(argv) == 0
     assert reached[0].mtp_num_layers == 3 and reached[0].mtp_loss_scaling_factor == 0.25
+
+
+@pytest.mark.slow
+@pytest.mark.world(4)
+def test_cp2_pp2_logs_the_one_process_mtp_losses():
+    """At CP = 2 x PP = 2 every rank logs the same mtp_k losses (summed over CP, broadcast
+    from the last stage), equal to the one-process run's (float32: within 1e-4), and the
+    LM loss follows the one-process run's."""
+    import torch.distributed as dist
+
+    config = TrainingConfig(
+        **{**SMALL, "train_iters": 3},
+        context_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        position_embedding_type="rope",
+        compare_single_process=True,
+        compare_tolerance=1e-4,
+    )
+    with fresh_layout():
+        result = pretrain(config)
+    ours = [[r["mtp_1_loss"], r["mtp_2_loss"]] for r in result.records]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, ours)
+    failures = [] if result.passed else ["the LM loss left the one-process run's"]
+    if any(other != everyone[0] for other in everyone):
+        failures.append(f"ranks log different MTP losses: {everyone}")
+    if dist.get_rank() == 0:
+        reference = [[r["mtp_1_loss"], r["mtp_2_loss"]] for r in result.reference]
+        for got, want in zip(ours, reference):
+            if any(abs(g - w) > 1e-4 * abs(w) for g, w in zip(got, want)):
+                failures.append(f"MTP losses {got} differ from the one-process run's {want}")
+    from tests.unit_tests.dist_utils import assert_no_failures
+
+    assert_no_failures(failures)
