@@ -153,6 +153,7 @@ def step(run: Run, iteration: int) -> Dict[str, Any]:
     global_batch, microbatches = run.upcoming
     for chunk in model:
         chunk.zero_grad_buffer()
+    MTPLossLoggingHelper.clean_loss_in_tracker()  # the step's MTP losses only
     per_shard = layout.context_parallel_size if config.per_shard_loss_normalization else None
     vpp = layout.virtual_pipeline_model_parallel_size
     forward_step_func = functools.partial(forward_step, per_shard_cp_size=per_shard)

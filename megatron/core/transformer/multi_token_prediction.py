@@ -146,9 +146,10 @@ class MTPLossLoggingHelper:
             return
         tracker = MTPLossLoggingHelper.tracker
         values = tracker.get("values")
-        if values is None or values.numel() != num_layers:
-            tracker["values"] = values = torch.zeros(num_layers, dtype=torch.float64)
-        values[layer_number] += loss.detach().double().cpu()
+        if values is None or values.numel() != num_layers or values.device != loss.device:
+            values = torch.zeros(num_layers, dtype=torch.float64, device=loss.device)
+            tracker["values"] = values
+        values[layer_number] += loss.detach().to(torch.float64)  # no host sync
         tracker["reduce_group"] = reduce_group
         tracker["avg_group"] = avg_group
 
@@ -430,6 +431,11 @@ def attach_mtp_loss(
     the depths of ``model.mtp`` run on the decoder's output, each through the shared output
     layer. ``inputs``: (input_ids, position_ids, labels, loss_mask) of this CP shard."""
     input_ids, position_ids, labels, loss_mask = inputs
+    if input_ids is None:
+        raise ValueError(
+            "GPTModel: multi-token prediction needs input_ids (each depth embeds the tokens k "
+            "ahead); got decoder_input only"
+        )
     cp_group = model._cp_group.get()
     roll = SequenceRoll(labels.shape[-1], cp_group, layer_kwargs["packed_seq_params"])
     states = model.mtp(

@@ -7,7 +7,9 @@ is ``tests/unit_tests/models/test_multi_token_prediction.py``'s."""
 import math
 
 import pytest
+import torch
 
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 from megatron.training import cli
 from megatron.training.arguments import TrainingConfig, validate_config
 from megatron.training.errors import UsageError
@@ -28,7 +30,9 @@ def test_mtp_losses_are_logged_and_weighted():
     """Each record has mtp_1_loss and mtp_2_loss (about ln 64 for an untrained model), the
     console line and the scalars name them "mtp_1 loss", "mtp_2 loss"; a zero factor leaves
     the first step's losses unchanged and changes the second's (the MTP gradient is in the
-    step)."""
+    step). A loss left in the process-wide tracker before the run (another model's) is not
+    counted: each step starts from an empty tracker."""
+    MTPLossLoggingHelper.save_loss_to_tracker(torch.tensor(100.0), 0, 2)
     default, zero = _records(), _records(mtp_loss_scaling_factor=0.0)
     first = default[0]
     for key in ("mtp_1_loss", "mtp_2_loss"):

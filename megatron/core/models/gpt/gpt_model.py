@@ -67,6 +67,11 @@ class GPTModel(MegatronModule):
     are drawn exactly as the unpadded model's, so loss and gradients equal the unpadded
     model's at any padding and TP. ``model.true_vocab_size`` (= ``vocab_size`` unpadded).
 
+    Multi-token prediction (``mtp_block_spec``, from ``get_gpt_mtp_block_spec``; the last
+    stage only): the depths ``mtp.layers.<k>`` and the last stage's copy of the word
+    embeddings (its gradient summed with the first stage's by ``finalize_model_grads``);
+    see ``megatron.core.transformer.multi_token_prediction``.
+
     Sequence parallelism: activations between the TP regions are sharded along s over TP;
     every parameter of the decoder that is not TP-split gets ``param.sequence_parallel =
     True`` (found by walking the parameters), so ``finalize_model_grads`` sums its gradient
@@ -269,9 +274,12 @@ class GPTModel(MegatronModule):
         [b, s_local, vocab / TP] (all of the vocabulary with ``parallel_output=False`` or
         ``runtime_gather_output=True``) without; on other stages the hidden states
         [s_local, b, h] ([s_local / TP, b, h] under sequence parallelism).
-        ``packed_seq_params`` is handed to core attention. ``loss_mask`` is ignored (the
-        loss callback masks). ``padding_mask`` [b, s_local] (True = padding; this CP rank's
-        shard, like ``input_ids``) is given on every pipeline stage; MoE layers leave padding
+        ``packed_seq_params`` is handed to core attention. ``loss_mask`` [b, s_local] is read
+        by multi-token prediction only (the returned main loss is unmasked: the loss callback
+        masks); with ``mtp_block_spec`` and ``labels`` the MTP loss is attached to the
+        returned loss's graph (``multi_token_prediction``). ``padding_mask`` [b, s_local]
+        (True = padding; this CP rank's shard, like ``input_ids``) is given on every
+        pipeline stage; MoE layers leave padding
         out of their router losses and counts. It is sharded like the hidden states
         (``shard_per_token_tensor``: over the model's TP group under sequence parallelism).
         """
