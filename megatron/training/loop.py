@@ -337,7 +337,8 @@ def forward_step(data_iterator, model, per_shard_cp_size: Optional[int] = None):
 
     A microbatch with a ``padding_mask`` (this CP rank's shard, True = padding; the trainer
     keeps it for MoE models only) hands it to the model on every pipeline stage: MoE
-    layers leave padding out of their router losses and token counts.
+    layers leave padding out of their router losses and token counts. The chunk holding
+    multi-token prediction depths also gets the ``loss_mask`` (their rolled masks).
     ``per_shard_cp_size``: see ``loss_func`` (None: the exact objective).
     """
     batch = next(data_iterator)
@@ -347,14 +348,19 @@ def forward_step(data_iterator, model, per_shard_cp_size: Optional[int] = None):
         extra["packed_seq_params"] = packed
     if batch.get("padding_mask") is not None:
         extra["padding_mask"] = batch["padding_mask"]
-    output = model(
-        batch["tokens"],
-        batch["position_ids"],
-        labels=batch["labels"],
-        loss_mask=batch["loss_mask"],  # read by multi-token prediction
-        **extra,
-    )
+    if _has_mtp(model):  # multi-token prediction reads the loss mask
+        extra["loss_mask"] = batch["loss_mask"]
+    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], **extra)
     return output, functools.partial(loss_func, batch["loss_mask"], per_shard_cp_size)
+
+
+def _has_mtp(model) -> bool:
+    """Whether the chunk (through its wrappers) holds multi-token prediction depths."""
+    while model is not None:
+        if getattr(model, "mtp_process", False):
+            return True
+        model = getattr(model, "module", None)
+    return False
 
 
 def loss_func(

@@ -120,3 +120,36 @@ def test_cp2_pp2_logs_the_one_process_mtp_losses():
     from tests.unit_tests.dist_utils import assert_no_failures
 
     assert_no_failures(failures)
+
+
+@pytest.mark.world(1)
+def test_forward_step_hands_the_loss_mask_to_the_mtp_chunk_only():
+    """The chunk with MTP depths (through its wrappers) gets ``loss_mask``; others do not."""
+    from megatron.training import loop
+    from megatron.training.data import SFTDataset
+
+    calls = []
+
+    class Chunk(torch.nn.Module):
+        def __init__(self, mtp_process: bool):
+            super().__init__()
+            self.mtp_process = mtp_process
+
+        def forward(self, tokens, positions, **kwargs):
+            calls.append(kwargs)
+            return torch.zeros(tokens.shape)
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+    batch = SFTDataset(seq_length=16, vocab_size=64, seed=0).global_batch(0, 2)
+    batch = loop.without_padding_mask(batch)
+    loop.forward_step(iter([batch]), Wrapper(Chunk(True)))
+    assert torch.equal(calls[-1]["loss_mask"], batch["loss_mask"])
+    loop.forward_step(iter([batch]), Wrapper(Chunk(False)))
+    assert set(calls[-1]) == {"labels"}
