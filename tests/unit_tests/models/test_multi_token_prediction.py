@@ -311,6 +311,7 @@ def test_mtp_layouts_match_reference(layout, tied):
     assert_no_failures(distributed_step(layout, tied))
 
 
+@pytest.mark.slow
 @pytest.mark.world(2)
 def test_mtp_interleaved_pipeline_matches_reference():
     """pp2 x vpp2 (4 layers): the depths on the last chunk of the last rank (virtual stage

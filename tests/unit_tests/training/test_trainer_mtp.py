@@ -17,7 +17,14 @@ from megatron.training.loggers import log_line, scalars_of
 from megatron.training.training import pretrain
 from tests.unit_tests.dist_utils import fresh_layout
 
-SMALL = dict(num_layers=2, mtp_num_layers=2, train_iters=2, progress=False)
+SMALL = dict(
+    num_layers=2,
+    mtp_num_layers=2,
+    train_iters=2,
+    global_batch_size=2,
+    micro_batch_size=2,
+    progress=False,
+)
 
 
 def _records(**settings) -> list:
