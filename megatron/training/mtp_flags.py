@@ -20,11 +20,6 @@ def check_mtp_flags(c: Any, given: Callable[[str], bool]) -> None:
         return
     mtp = f"--mtp-num-layers {c.mtp_num_layers}"
     refused = (
-        (
-            c.num_experts is not None,
-            "--num-experts: MoE layers in the MTP depths are not "
-            "supported yet; expected a dense model",
-        ),
         (c.dpo, "--dpo: the preference loss has no MTP term; expected no --mtp-num-layers"),
         (
             c.hf_model is not None,

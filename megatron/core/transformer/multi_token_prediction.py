@@ -296,10 +296,10 @@ class MultiTokenPredictionLayer(MegatronModule):
             pp_rank=pp_rank,
         )
         if getattr(self.transformer_layer, "is_moe_layer", False):
-            raise NotImplementedError(
-                "MultiTokenPredictionLayer: a mixture-of-experts transformer_layer in an MTP "
-                "depth is not supported yet; expected a dense layer spec"
-            )
+            # Its router losses enter the objective and its counts the expert-bias update;
+            # the logged router metrics are the decoder's layers' (megatron-core files the
+            # MTP layers' after them).
+            self.transformer_layer.mlp.set_layer_number(None)
         self.final_layernorm = build_module(submodules.layer_norm, **norm)
 
     def forward(self, hidden_states: Tensor, decoder_input: Tensor, **layer_kwargs) -> Tensor:
@@ -371,20 +371,33 @@ class MultiTokenPredictionBlock(MegatronModule):
         *,
         embedding: Callable,
         roll: SequenceRoll,
+        padding_mask: Optional[Tensor] = None,
         **layer_kwargs,
     ) -> Tensor:
         """[h_0; h_1; ...; h_K] concatenated along the sequence dimension (megatron-core's
-        return); ``roll`` shifts the ids and positions in global order, ``embedding`` embeds
-        them, ``layer_kwargs`` (rotary angles, packed-sequence parameters) go to the layers."""
+        return); ``roll`` shifts the ids, positions and ``padding_mask`` ([b, s_local], True =
+        padding; rolled-in positions are not padding, as megatron-core rolls it) in global
+        order, ``embedding`` embeds them, ``layer_kwargs`` (rotary angles, packed-sequence
+        parameters) go to the layers."""
         outputs = [hidden_states]
         for depth, layer in enumerate(self.layers, start=1):
             ids, positions = roll(input_ids, depth), roll(position_ids, depth)
             embedded = embedding(input_ids=ids, position_ids=positions)
-            hidden_states = layer(
-                hidden_states, embedded, attention_mask=attention_mask, **layer_kwargs
-            )
+            kwargs = dict(layer_kwargs, attention_mask=attention_mask)
+            if padding_mask is not None:
+                kwargs["padding_mask"] = _sequence_shard(roll(padding_mask, depth), layer)
+            hidden_states = layer(hidden_states, embedded, **kwargs)
             outputs.append(hidden_states)
         return torch.cat(outputs, dim=0)
+
+
+def _sequence_shard(tensor: Tensor, layer: MultiTokenPredictionLayer) -> Tensor:
+    """A per-token tensor [b, s_local] sharded like the hidden states: this rank's block of
+    s over TP under sequence parallelism."""
+    size = get_pg_size(layer.tp_group)
+    if not layer.config.sequence_parallel or size == 1:
+        return tensor
+    return tensor.chunk(size, dim=1)[get_pg_rank(layer.tp_group)].contiguous()
 
 
 def mtp_loss_terms(
@@ -429,8 +442,9 @@ def attach_mtp_loss(
 ) -> Tensor:
     """``GPTModel``'s main hidden states with the MTP loss attached (``MTPLossAutoScaler``):
     the depths of ``model.mtp`` run on the decoder's output, each through the shared output
-    layer. ``inputs``: (input_ids, position_ids, labels, loss_mask) of this CP shard."""
-    input_ids, position_ids, labels, loss_mask = inputs
+    layer. ``inputs``: (input_ids, position_ids, labels, loss_mask, padding_mask) of this CP
+    shard."""
+    input_ids, position_ids, labels, loss_mask, padding_mask = inputs
     if input_ids is None:
         raise ValueError(
             "GPTModel: multi-token prediction needs input_ids (each depth embeds the tokens k "
@@ -439,7 +453,13 @@ def attach_mtp_loss(
     cp_group = model._cp_group.get()
     roll = SequenceRoll(labels.shape[-1], cp_group, layer_kwargs["packed_seq_params"])
     states = model.mtp(
-        input_ids, position_ids, hidden_states, embedding=model.embedding, roll=roll, **layer_kwargs
+        input_ids,
+        position_ids,
+        hidden_states,
+        embedding=model.embedding,
+        roll=roll,
+        padding_mask=padding_mask,
+        **layer_kwargs,
     ).chunk(1 + model.config.mtp_num_layers, dim=0)
     tied = model.share_embeddings_and_output_weights
     weight = model.shared_embedding_or_output_weight() if tied else None

@@ -67,6 +67,7 @@ def _config(layout: Optional[Layout] = None, **extra) -> TransformerConfig:
         params_dtype=torch.float64,
         pipeline_dtype=torch.float64,
         tensor_model_parallel_size=layout.tp,
+        expert_model_parallel_size=layout.ep,
         sequence_parallel=layout.sp,
         context_parallel_size=layout.cp,
         pipeline_model_parallel_size=layout.pp,
@@ -75,8 +76,9 @@ def _config(layout: Optional[Layout] = None, **extra) -> TransformerConfig:
 
 
 def _model(config, groups, pp_rank: int = 0, tied: bool = False, vp_stage=None) -> GPTModel:
-    """Chunk ``vp_stage`` (None: the only one) of pipeline rank ``pp_rank``."""
-    spec = get_gpt_layer_local_spec()
+    """Chunk ``vp_stage`` (None: the only one) of pipeline rank ``pp_rank`` (MoE layers, the
+    MTP depths' too, when the config has experts)."""
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts)
     pp = config.pipeline_model_parallel_size
     stage = (vp_stage or 0) * pp + pp_rank
     last = stage == pp * (config.virtual_pipeline_model_parallel_size or 1) - 1
@@ -187,10 +189,14 @@ def _single_rank_groups() -> Optional[ProcessGroupCollection]:
     return ProcessGroupCollection(**{name: single for name in names})
 
 
+MOE = dict(num_moe_experts=4, moe_router_topk=2)
+
+
 @functools.lru_cache(maxsize=None)
-def reference(tied: bool = False, layers: int = LAYERS):
+def reference(tied: bool = False, layers: int = LAYERS, moe: bool = False):
     """(one-process name -> reference gradient, logged MTP losses)."""
-    model = _model(_config(num_layers=layers), _single_rank_groups(), tied=tied)
+    extra = MOE if moe else {}
+    model = _model(_config(num_layers=layers, **extra), _single_rank_groups(), tied=tied)
     objective, logged = reference_objective(model, batch(), tied)
     objective.backward()
     return {name: param.grad.clone() for name, param in reference_names(model)}, logged
@@ -210,9 +216,22 @@ def _forward_step(rows):
     return forward_step
 
 
-def _mismatches(model: GPTModel, expected: dict, tp: int, tp_rank: int, attr: str) -> List[str]:
+def _global_expert(name: str, config, ep_rank: int) -> str:
+    """A routed expert's name with its global index (local index + EP rank's first)."""
+    if ".local_experts." not in name:
+        return name
+    head, tail = name.split(".local_experts.")
+    local, rest = tail.split(".", 1)
+    first = ep_rank * config.num_moe_experts // config.expert_model_parallel_size
+    return f"{head}.local_experts.{first + int(local)}.{rest}"
+
+
+def _mismatches(
+    model: GPTModel, expected: dict, tp: int, tp_rank: int, attr: str, ep_rank: int = 0
+) -> List[str]:
     bad = []
     for name, param in reference_names(model):
+        name = _global_expert(name, model.config, ep_rank)
         want = tp_shard(expected[name], param, tp, tp_rank)
         got = getattr(param, attr)
         if got is None:
@@ -225,12 +244,15 @@ def _mismatches(model: GPTModel, expected: dict, tp: int, tp_rank: int, attr: st
 
 
 @pytest.mark.world(1)
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_mtp_matches_reference_at_one_process(tied):
+@pytest.mark.parametrize(
+    "tied, moe", [(False, False), (True, False), (False, True)], ids=["untied", "tied", "moe"]
+)
+def test_mtp_matches_reference_at_one_process(tied, moe):
     """Every gradient of a 2-microbatch step (uneven masks, a fully masked row) equals the
-    reference's, and the logged "mtp_k loss" equal the reference's mean S_k / max(N_k, 1)."""
-    expected, logged = reference(tied)
-    model = _model(_config(), ProcessGroupCollection(), tied=tied)
+    reference's, and the logged "mtp_k loss" equal the reference's mean S_k / max(N_k, 1);
+    with MoE layers (the MTP depths' too: DeepSeek-V3's)."""
+    expected, logged = reference(tied, moe=moe)
+    model = _model(_config(**(MOE if moe else {})), ProcessGroupCollection(), tied=tied)
     rows = batch()
     parts = [{k: v[m * MICRO : (m + 1) * MICRO] for k, v in rows.items()} for m in range(2)]
     MTPLossLoggingHelper.clean_loss_in_tracker()
@@ -254,7 +276,8 @@ def test_mtp_matches_reference_at_one_process(tied):
 def distributed_step(layout: Layout, tied: bool = False, **extra) -> List[str]:
     """One step at ``layout`` (DDP, the schedule, finalize_model_grads; the global batch
     split over DP, MICRO rows per microbatch): main_grad mismatches against the reference."""
-    expected, _ = reference(tied, extra.get("num_layers", LAYERS))
+    moe = "num_moe_experts" in extra
+    expected, _ = reference(tied, extra.get("num_layers", LAYERS), moe)
     use_layout(layout)
     groups = ProcessGroupCollection.use_mpu_process_groups()
     config = _config(layout, virtual_pipeline_model_parallel_size=layout.vpp, **extra)
@@ -285,14 +308,17 @@ def distributed_step(layout: Layout, tied: bool = False, **extra) -> List[str]:
         micro_batch_size=MICRO,
         pg_collection=groups,
     )
-    tp_rank = groups.tp.rank()
+    tp_rank, ep_rank = groups.tp.rank(), groups.ep.rank()
     return [
-        bad for gpt in gpts for bad in _mismatches(gpt, expected, layout.tp, tp_rank, "main_grad")
+        bad
+        for gpt in gpts
+        for bad in _mismatches(gpt, expected, layout.tp, tp_rank, "main_grad", ep_rank)
     ]
 
 
 LAYOUTS = [
     (Layout(tp=2, sp=True), False),
+    (Layout(dp=2, ep=2), "moe"),
     (Layout(cp=2), False),
     (Layout(pp=2), False),
     (Layout(pp=2), True),
@@ -302,13 +328,16 @@ LAYOUTS = [
 
 @pytest.mark.world(2)
 @pytest.mark.parametrize(
-    "layout, tied", LAYOUTS, ids=lambda c: c.id if isinstance(c, Layout) else ("tied" if c else "")
+    "layout, tied",
+    LAYOUTS,
+    ids=lambda c: c.id if isinstance(c, Layout) else ("tied" if c is True else c or ""),
 )
 def test_mtp_layouts_match_reference(layout, tied):
     """Every main_grad at tp2-sp, cp2 (uneven masks: a shard with no target), pp2 (MTP on the
     last stage; its embedding copy summed with the first stage's, tied or not), dp2 equals
     the reference's shard."""
-    assert_no_failures(distributed_step(layout, tied))
+    moe = tied == "moe"
+    assert_no_failures(distributed_step(layout, tied is True, **(MOE if moe else {})))
 
 
 @pytest.mark.slow
@@ -383,7 +412,7 @@ def test_mtp_checkpoint_saved_at_pp1_loads_into_pp2_stages(tmp_path):
 @pytest.mark.world(1)
 def test_mtp_bad_arguments_are_refused_by_name():
     """Config values, a spec without MTP on the last stage, MTP off the last stage, learned
-    positions on a later stage, MoE MTP layers: each refused naming what and why."""
+    positions on a later stage: each refused naming what and why."""
     with pytest.raises(ValueError, match=r"mtp_num_layers must be None or an int >= 1, got 0"):
         _config(mtp_num_layers=0)
     with pytest.raises(ValueError, match=r"mtp_loss_scaling_factor must be a finite number"):
@@ -407,17 +436,6 @@ def test_mtp_bad_arguments_are_refused_by_name():
             pg_collection=ProcessGroupCollection(),
             pp_rank=1,
         )
-    moe = _config(num_moe_experts=2)
-    moe_spec = get_gpt_layer_local_spec(num_experts=2)
-    with pytest.raises(NotImplementedError, match=r"mixture-of-experts transformer_layer"):
-        _model_with(moe, moe_spec)
-
-
-def _model_with(config, spec) -> GPTModel:
-    mtp = get_gpt_mtp_block_spec(config, spec, False, pp_rank=0)
-    return GPTModel(
-        config, spec, VOCAB, SEQ, mtp_block_spec=mtp, pg_collection=ProcessGroupCollection()
-    )
 
 
 def _packed_reference(tied: bool = False):

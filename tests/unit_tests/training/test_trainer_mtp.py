@@ -52,10 +52,14 @@ def test_mtp_losses_are_logged_and_weighted():
 
 
 @pytest.mark.world(1)
-def test_no_mtp_logs_no_mtp_loss():
-    """Without --mtp-num-layers the record has no mtp key."""
+def test_no_mtp_logs_no_mtp_loss_and_moe_mtp_trains():
+    """Without --mtp-num-layers the record has no mtp key; a MoE model's MTP depths are MoE
+    layers too (DeepSeek-V3's) and train, the router metrics those of the decoder's layers."""
     record = _records(mtp_num_layers=None, train_iters=1)[0]
     assert not [key for key in record if key.startswith("mtp")], record
+    moe = _records(train_iters=1, num_experts=4, disable_bias_linear=True)[0]
+    assert abs(moe["mtp_1_loss"] - math.log(64)) < 0.5, moe
+    assert len(moe["moe_tokens_per_expert"]) == 2, moe  # the decoder's two MoE layers
 
 
 @pytest.mark.world(1)
@@ -67,10 +71,6 @@ def test_no_mtp_logs_no_mtp_loss():
         (
             dict(mtp_num_layers=1, mtp_loss_scaling_factor=float("nan")),
             r"--mtp-loss-scaling-factor must be a finite number, got nan",
-        ),
-        (
-            dict(mtp_num_layers=1, num_experts=4, disable_bias_linear=True),
-            r"--mtp-num-layers 1 with --num-experts: MoE layers in the MTP depths",
         ),
         (
             dict(mtp_num_layers=1, pipeline_model_parallel_size=2),

@@ -317,7 +317,7 @@ class GPTModel(MegatronModule):
             hidden_states = attach_mtp_loss(
                 self,
                 hidden_states,
-                (input_ids, position_ids, labels, loss_mask),
+                (input_ids, position_ids, labels, loss_mask, padding_mask),
                 dict(
                     attention_mask=attention_mask,
                     rotary_pos_emb=rotary_pos_emb,
