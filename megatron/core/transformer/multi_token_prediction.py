@@ -32,6 +32,7 @@ from torch import Tensor
 from megatron.core import tensor_parallel
 from megatron.core.communication import all_gather_along_first_dim, all_reduce
 from megatron.core.context_parallel import cp_gathered_positions, thd_partitioned_indices
+from megatron.core.process_groups_config import resolve_group
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.parallel_groups import pp_rank_of, tp_group_of
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -472,7 +473,7 @@ def attach_mtp_loss(
         logits = model.exclude_padded_vocab(logits)
         losses.append(model.compute_language_model_loss(roll(labels, depth), logits))
         masks.append(roll(mask, depth))
-    dp_group = getattr(model.pg_collection, "dp", None) if model.pg_collection else None
+    dp_group = resolve_group("dp", None, model.pg_collection)  # the MPU's without a collection
     terms = mtp_loss_terms(losses, masks, model.config, cp_group, model.training, dp_group)
     hidden_states = states[0]
     for term in terms:
