@@ -160,3 +160,16 @@ def test_forward_step_hands_the_loss_mask_to_the_mtp_chunk_only():
     assert torch.equal(calls[-1]["loss_mask"], batch["loss_mask"])
     loop.forward_step(iter([batch]), Wrapper(Chunk(False)))
     assert set(calls[-1]) == {"labels"}
+
+
+@pytest.mark.slow
+@pytest.mark.world(1)
+def test_resume_restores_the_mtp_depths(tmp_path):
+    """2 iterations, save, resume for 2 more: every loss, the MTP losses too, equals the
+    4-iteration run's bit for bit (the checkpoint holds the MTP depths and their optimizer
+    state)."""
+    keys = ("loss", "mtp_1_loss", "mtp_2_loss")
+    straight = [[r[k] for k in keys] for r in _records(train_iters=4)]
+    _records(train_iters=2, save=str(tmp_path))
+    resumed = [[r[k] for k in keys] for r in _records(train_iters=4, load=str(tmp_path))]
+    assert resumed == straight[2:], (resumed, straight)
