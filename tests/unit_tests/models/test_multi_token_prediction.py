@@ -161,16 +161,25 @@ def objective_of(sums: list) -> tuple:
     return ratios[0] + FACTOR / DEPTHS * sum(ratios[1:]), [r.item() for r in ratios[1:]]
 
 
-def reference_objective(model: GPTModel, rows: Dict[str, torch.Tensor], tied: bool):
+def reference_objective(
+    model: GPTModel, rows: Dict[str, torch.Tensor], tied: bool, per_token: bool = False
+):
     """(objective of the whole batch: the mean over its microbatches, [depth k's
-    S_k / max(N_k, 1) averaged over the microbatches])."""
+    S_k / max(N_k, 1) averaged over the microbatches]). ``per_token``
+    (``calculate_per_token_loss``): (sum S + (f / K) sum_k S_k) / max(sum N, 1) over the
+    whole batch, megatron-core's per-token MTP term."""
     microbatches = ROWS // MICRO
-    total, logged = 0.0, [0.0] * DEPTHS
+    total, logged, sums = 0.0, [0.0] * DEPTHS, []
     for m in range(microbatches):
         part = {key: value[m * MICRO : (m + 1) * MICRO] for key, value in rows.items()}
-        objective, ratios = objective_of(reference_sums(model, part, tied))
+        sums.append(reference_sums(model, part, tied))
+        objective, ratios = objective_of(sums[-1])
         total = total + objective / microbatches
         logged = [a + b / microbatches for a, b in zip(logged, ratios)]
+    if per_token:
+        main = sum(s[0][0] for s in sums)
+        extra = sum(total_k for s in sums for total_k, _ in s[1:])
+        total = (main + FACTOR / DEPTHS * extra) / sum(s[0][1] for s in sums).clamp(min=1)
     return total, logged
 
 
@@ -193,11 +202,11 @@ MOE = dict(num_moe_experts=4, moe_router_topk=2)
 
 
 @functools.lru_cache(maxsize=None)
-def reference(tied: bool = False, layers: int = LAYERS, moe: bool = False):
+def reference(tied: bool = False, layers: int = LAYERS, moe: bool = False, per_token=False):
     """(one-process name -> reference gradient, logged MTP losses)."""
     extra = MOE if moe else {}
     model = _model(_config(num_layers=layers, **extra), _single_rank_groups(), tied=tied)
-    objective, logged = reference_objective(model, batch(), tied)
+    objective, logged = reference_objective(model, batch(), tied, per_token)
     objective.backward()
     return {name: param.grad.clone() for name, param in reference_names(model)}, logged
 
@@ -277,7 +286,8 @@ def distributed_step(layout: Layout, tied: bool = False, **extra) -> List[str]:
     """One step at ``layout`` (DDP, the schedule, finalize_model_grads; the global batch
     split over DP, MICRO rows per microbatch): main_grad mismatches against the reference."""
     moe = "num_moe_experts" in extra
-    expected, _ = reference(tied, extra.get("num_layers", LAYERS), moe)
+    per_token = extra.get("calculate_per_token_loss", False)
+    expected, _ = reference(tied, extra.get("num_layers", LAYERS), moe, per_token)
     use_layout(layout)
     groups = ProcessGroupCollection.use_mpu_process_groups()
     config = _config(layout, virtual_pipeline_model_parallel_size=layout.vpp, **extra)
@@ -323,6 +333,7 @@ LAYOUTS = [
     (Layout(pp=2), False),
     (Layout(pp=2), True),
     (Layout(dp=2), False),
+    (Layout(cp=2), "per-token"),
 ]
 
 
@@ -333,11 +344,11 @@ LAYOUTS = [
     ids=lambda c: c.id if isinstance(c, Layout) else ("tied" if c is True else c or ""),
 )
 def test_mtp_layouts_match_reference(layout, tied):
-    """Every main_grad at tp2-sp, cp2 (uneven masks: a shard with no target), pp2 (MTP on the
-    last stage; its embedding copy summed with the first stage's, tied or not), dp2 equals
-    the reference's shard."""
-    moe = tied == "moe"
-    assert_no_failures(distributed_step(layout, tied is True, **(MOE if moe else {})))
+    """Every main_grad at tp2-sp, dp2 x ep2 (MoE layers), cp2 (uneven masks: a shard with no
+    target; also in per-token mode), pp2 (MTP on the last stage; its embedding copy summed
+    with the first stage's, tied or not), dp2 equals the reference's shard."""
+    extra = {"moe": MOE, "per-token": dict(calculate_per_token_loss=True)}.get(tied, {})
+    assert_no_failures(distributed_step(layout, tied is True, **extra))
 
 
 @pytest.mark.slow
