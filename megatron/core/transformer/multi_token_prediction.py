@@ -34,7 +34,7 @@ from megatron.core.communication import all_gather_along_first_dim, all_reduce
 from megatron.core.context_parallel import cp_gathered_positions, thd_partitioned_indices
 from megatron.core.process_groups_config import resolve_group
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.parallel_groups import pp_rank_of, tp_group_of
+from megatron.core.transformer.parallel_groups import cp_group_of, pp_rank_of, tp_group_of
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -271,6 +271,7 @@ class MultiTokenPredictionLayer(MegatronModule):
         super().__init__(config)
         self.layer_number = layer_number
         self.tp_group = tp_group_of(pg_collection, config)
+        self.cp_group = cp_group_of(pg_collection, config)
         norm = dict(config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
         self.enorm = build_module(submodules.enorm, **norm)
         self.hnorm = build_module(submodules.hnorm, **norm)
@@ -303,17 +304,61 @@ class MultiTokenPredictionLayer(MegatronModule):
             self.transformer_layer.mlp.set_layer_number(None)
         self.final_layernorm = build_module(submodules.layer_norm, **norm)
 
-    def forward(self, hidden_states: Tensor, decoder_input: Tensor, **layer_kwargs) -> Tensor:
-        """h_k from h_{k-1} and the embeddings of the tokens k ahead (both [s, b, h], s
-        sharded like the decoder's hidden states); ``layer_kwargs`` go to the layer."""
+    # megatron-core 0.16.1's signature (``context`` and the fused-rope arguments unused).
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Optional[Tensor],
+        hidden_states: Tensor,
+        attention_mask: Optional[Tensor],
+        context: Optional[Tensor] = None,
+        context_mask: Optional[Tensor] = None,
+        rotary_pos_emb: Optional[Tensor] = None,
+        rotary_pos_cos: Optional[Tensor] = None,
+        rotary_pos_sin: Optional[Tensor] = None,
+        attention_bias: Optional[Tensor] = None,
+        inference_params=None,
+        packed_seq_params=None,
+        sequence_len_offset: Optional[Tensor] = None,
+        embedding: Optional[Callable] = None,
+        *,
+        padding_mask: Optional[Tensor] = None,
+        roll: Optional["SequenceRoll"] = None,
+    ):
+        """(h_k, the ids and positions rolled by one) from h_{k-1} [s, b, h] and the ids and
+        positions of depth k - 1 [b, s_local]: ``embedding`` embeds the ids one further
+        ahead (``roll``: the shift in global order; built from ``packed_seq_params`` and
+        this layer's CP group when None). ``padding_mask``: already this depth's, sharded
+        like the hidden states (for a MoE ``transformer_layer``)."""
+        if context is not None:
+            raise NotImplementedError("MultiTokenPredictionLayer: context is not supported")
+        if roll is None:
+            roll = SequenceRoll(input_ids.shape[-1], self.cp_group, packed_seq_params)
+        input_ids, position_ids = roll(input_ids, 1), roll(position_ids, 1)
+        embedded = embedding(input_ids=input_ids, position_ids=position_ids)
+        layer_kwargs = dict(
+            attention_mask=attention_mask,
+            rotary_pos_emb=rotary_pos_emb,
+            attention_bias=attention_bias,
+            inference_context=inference_params,
+            packed_seq_params=packed_seq_params,
+            sequence_len_offset=sequence_len_offset,
+        )
+        if padding_mask is not None:
+            layer_kwargs["padding_mask"] = padding_mask
+        return self._depth(hidden_states, embedded, layer_kwargs), input_ids, position_ids
+
+    def _depth(self, hidden_states: Tensor, embedded: Tensor, layer_kwargs: dict) -> Tensor:
+        """h_k from h_{k-1} and the embeddings of the tokens k ahead (full recomputation:
+        one checkpoint)."""
         if self.config.recompute_granularity == "full" and self.training:
             if torch.is_grad_enabled():
 
-                def run(hidden: Tensor, embedded: Tensor) -> Tensor:
-                    return self._project_and_run(hidden, embedded, layer_kwargs)
+                def run(hidden: Tensor, decoder_input: Tensor) -> Tensor:
+                    return self._project_and_run(hidden, decoder_input, layer_kwargs)
 
-                return tensor_parallel.checkpoint(run, False, hidden_states, decoder_input)
-        return self._project_and_run(hidden_states, decoder_input, layer_kwargs)
+                return tensor_parallel.checkpoint(run, False, hidden_states, embedded)
+        return self._project_and_run(hidden_states, embedded, layer_kwargs)
 
     def _project_and_run(self, hidden: Tensor, embedded: Tensor, layer_kwargs: dict) -> Tensor:
         combined = torch.cat((self.enorm(embedded), self.hnorm(hidden)), dim=-1)
@@ -363,31 +408,56 @@ class MultiTokenPredictionBlock(MegatronModule):
             for index, layer_spec in enumerate(specs)
         )
 
+    # megatron-core 0.16.1's signature, passed on to every layer.
     def forward(
         self,
         input_ids: Tensor,
         position_ids: Optional[Tensor],
         hidden_states: Tensor,
-        attention_mask: Optional[Tensor] = None,
+        attention_mask: Optional[Tensor],
+        context: Optional[Tensor] = None,
+        context_mask: Optional[Tensor] = None,
+        rotary_pos_emb: Optional[Tensor] = None,
+        rotary_pos_cos: Optional[Tensor] = None,
+        rotary_pos_sin: Optional[Tensor] = None,
+        attention_bias: Optional[Tensor] = None,
+        inference_params=None,
+        packed_seq_params=None,
+        sequence_len_offset: Optional[Tensor] = None,
+        extra_block_kwargs: Optional[dict] = None,
+        embedding: Optional[Callable] = None,
         *,
-        embedding: Callable,
-        roll: SequenceRoll,
         padding_mask: Optional[Tensor] = None,
-        **layer_kwargs,
+        roll: Optional[SequenceRoll] = None,
     ) -> Tensor:
         """[h_0; h_1; ...; h_K] concatenated along the sequence dimension (megatron-core's
-        return); ``roll`` shifts the ids, positions and ``padding_mask`` ([b, s_local], True =
-        padding; rolled-in positions are not padding, as megatron-core rolls it) in global
-        order, ``embedding`` embeds them, ``layer_kwargs`` (rotary angles, packed-sequence
-        parameters) go to the layers."""
+        return) from h_0 = ``hidden_states``. ``roll`` (this core's; None: built from
+        ``packed_seq_params`` and the layers' CP group) shifts the ids, positions and
+        ``padding_mask`` ([b, s_local], True = padding; rolled-in positions are not padding,
+        as megatron-core rolls it) in global order."""
+        if roll is None:
+            roll = SequenceRoll(input_ids.shape[-1], self.layers[0].cp_group, packed_seq_params)
         outputs = [hidden_states]
         for depth, layer in enumerate(self.layers, start=1):
-            ids, positions = roll(input_ids, depth), roll(position_ids, depth)
-            embedded = embedding(input_ids=ids, position_ids=positions)
-            kwargs = dict(layer_kwargs, attention_mask=attention_mask)
+            mask = None
             if padding_mask is not None:
-                kwargs["padding_mask"] = _sequence_shard(roll(padding_mask, depth), layer)
-            hidden_states = layer(hidden_states, embedded, **kwargs)
+                mask = _sequence_shard(roll(padding_mask, depth), layer)
+            hidden_states, input_ids, position_ids = layer(
+                input_ids,
+                position_ids,
+                hidden_states,
+                attention_mask,
+                context=context,
+                rotary_pos_emb=rotary_pos_emb,
+                attention_bias=attention_bias,
+                inference_params=inference_params,
+                packed_seq_params=packed_seq_params,
+                sequence_len_offset=sequence_len_offset,
+                embedding=embedding,
+                padding_mask=mask,
+                roll=roll,
+                **(extra_block_kwargs or {}),
+            )
             outputs.append(hidden_states)
         return torch.cat(outputs, dim=0)
 
@@ -457,10 +527,12 @@ def attach_mtp_loss(
         input_ids,
         position_ids,
         hidden_states,
+        layer_kwargs["attention_mask"],
+        rotary_pos_emb=layer_kwargs["rotary_pos_emb"],
+        packed_seq_params=layer_kwargs["packed_seq_params"],
         embedding=model.embedding,
-        roll=roll,
         padding_mask=padding_mask,
-        **layer_kwargs,
+        roll=roll,
     ).chunk(1 + model.config.mtp_num_layers, dim=0)
     tied = model.share_embeddings_and_output_weights
     weight = model.shared_embedding_or_output_weight() if tied else None

@@ -521,3 +521,43 @@ def test_mtp_packed_row_under_cp2_equals_documents_alone():
     for name, param in reference_names(model):
         param.grad = grads[name]
     assert_no_failures(_mismatches(model, expected, 1, 0, "grad"))
+
+
+# megatron-core 0.16.1's parameters (read from its source), in order; ours may add
+# keyword-only extras after them.
+MCORE_SIGNATURES = {
+    "MultiTokenPredictionLayer.__init__": "config submodules layer_number vp_stage pg_collection",
+    "MultiTokenPredictionLayer.forward": "input_ids position_ids hidden_states attention_mask "
+    "context context_mask rotary_pos_emb rotary_pos_cos rotary_pos_sin attention_bias "
+    "inference_params packed_seq_params sequence_len_offset embedding",
+    "MultiTokenPredictionBlock.__init__": "config spec vp_stage pg_collection",
+    "MultiTokenPredictionBlock.forward": "input_ids position_ids hidden_states attention_mask "
+    "context context_mask rotary_pos_emb rotary_pos_cos rotary_pos_sin attention_bias "
+    "inference_params packed_seq_params sequence_len_offset extra_block_kwargs embedding",
+    "MTPLossLoggingHelper.save_loss_to_tracker": "loss layer_number num_layers reduce_group "
+    "avg_group",
+    "MTPLossLoggingHelper.track_mtp_metrics": "loss_scale iteration writer wandb_writer "
+    "total_loss_dict",
+    "MTPLossAutoScaler.set_loss_scale": "scale",
+    "get_mtp_layer_spec": "transformer_layer_spec use_transformer_engine",
+    "get_mtp_num_layers_to_build": "config vp_stage pp_rank",
+}
+
+
+@pytest.mark.world(1)
+def test_mtp_signatures_are_megatron_cores():
+    """The MTP classes and functions take megatron-core 0.16.1's parameters in its order."""
+    import inspect
+
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    signatures = dict(MCORE_SIGNATURES)
+    signatures["get_gpt_mtp_block_spec"] = "config spec use_transformer_engine vp_stage pp_rank"
+    for path, expected in signatures.items():
+        owner = gpt_layer_specs if path == "get_gpt_mtp_block_spec" else mtp_module
+        function = owner
+        for part in path.split("."):
+            function = getattr(function, part)
+        params = inspect.signature(function).parameters.values()
+        positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+        assert [p for p in positional if p != "self"] == expected.split(), path
