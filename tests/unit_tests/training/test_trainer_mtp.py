@@ -85,6 +85,16 @@ def test_bad_mtp_flags_are_refused_by_name(settings, message):
 
 
 @pytest.mark.world(1)
+def test_the_run_header_names_the_mtp_depths():
+    """The header line says how many depths and their loss weight."""
+    from megatron.training.training import _model_description
+
+    config = TrainingConfig(mtp_num_layers=2, mtp_loss_scaling_factor=0.3)
+    assert "; MTP: 2 depth(s), loss weight 0.3" in _model_description(config)
+    assert "MTP" not in _model_description(TrainingConfig())
+
+
+@pytest.mark.world(1)
 def test_mtp_flags_on_the_command_line(monkeypatch):
     """megatron's spellings reach the config (and TransformerConfig through its library
     field)."""
