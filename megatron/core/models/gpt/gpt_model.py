@@ -279,9 +279,9 @@ class GPTModel(MegatronModule):
         masks); with ``mtp_block_spec`` and ``labels`` the MTP loss is attached to the
         returned loss's graph (``multi_token_prediction``). ``padding_mask`` [b, s_local]
         (True = padding; this CP rank's shard, like ``input_ids``) is given on every
-        pipeline stage; MoE layers leave padding
-        out of their router losses and counts. It is sharded like the hidden states
-        (``shard_per_token_tensor``: over the model's TP group under sequence parallelism).
+        pipeline stage; MoE layers leave padding out of their router losses and counts. It
+        is sharded like the hidden states (``shard_per_token_tensor``: over the model's TP
+        group under sequence parallelism).
         """
         inference_context = inference_context if inference_context is not None else inference_params
         if decoder_input is None and self.pre_process:
