@@ -22,6 +22,11 @@ def check_mtp_flags(c: Any, given: Callable[[str], bool]) -> None:
     refused = (
         (c.dpo, "--dpo: the preference loss has no MTP term; expected no --mtp-num-layers"),
         (
+            c.export_hf is not None,
+            "--export-hf: the HuggingFace export does not write MTP weights yet; expected no "
+            "--export-hf",
+        ),
+        (
             c.hf_model is not None,
             "--hf-model: the HuggingFace loader does not read MTP "
             "weights yet; expected no --mtp-num-layers",

@@ -73,6 +73,10 @@ def test_no_mtp_logs_no_mtp_loss_and_moe_mtp_trains():
             r"--mtp-loss-scaling-factor must be a finite number, got nan",
         ),
         (
+            dict(mtp_num_layers=1, export_hf="out"),
+            r"--mtp-num-layers 1 with --export-hf: the HuggingFace export does not write MTP",
+        ),
+        (
             dict(mtp_num_layers=1, pipeline_model_parallel_size=2),
             r"--mtp-num-layers 1 with --position-embedding-type learned_absolute and --pp 2",
         ),
@@ -183,3 +187,16 @@ def test_resume_restores_the_mtp_depths(tmp_path):
     _records(train_iters=2, save=str(tmp_path))
     resumed = [[r[k] for k in keys] for r in _records(train_iters=4, load=str(tmp_path))]
     assert resumed == straight[2:], (resumed, straight)
+
+
+@pytest.mark.world(1)
+def test_hf_export_refuses_a_model_with_mtp_depths():
+    """A checkpoint's settings with MTP depths match no family we write: refused by name
+    (they would be left out of the export silently)."""
+    from megatron.training.checkpointing import MODEL_SETTINGS
+    from megatron.training.hf.config import architecture_from_model_settings
+
+    config = TrainingConfig(mtp_num_layers=2, normalization="RMSNorm", swiglu=True)
+    settings = {name: getattr(config, name) for name in MODEL_SETTINGS}
+    with pytest.raises(ValueError, match=r"export: this model has mtp_num_layers=2"):
+        architecture_from_model_settings(settings)
