@@ -196,7 +196,9 @@ def test_hf_export_refuses_a_model_with_mtp_depths():
     from megatron.training.checkpointing import MODEL_SETTINGS
     from megatron.training.hf.config import architecture_from_model_settings
 
-    config = TrainingConfig(mtp_num_layers=2, normalization="RMSNorm", swiglu=True)
+    llama = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope")
+    config = TrainingConfig(mtp_num_layers=2, disable_bias_linear=True, **llama)
     settings = {name: getattr(config, name) for name in MODEL_SETTINGS}
     with pytest.raises(ValueError, match=r"export: this model has mtp_num_layers=2"):
         architecture_from_model_settings(settings)
+    assert architecture_from_model_settings({**settings, "mtp_num_layers": None}).family == "llama"
