@@ -247,6 +247,8 @@ class SequenceRoll:
         """[b, s] in global order from every rank's [b, s_local]."""
         if self.gathered is None:
             return tensor
+        if tensor.dtype == torch.bool:  # gathered as bytes (not every backend takes bool)
+            return self._whole(tensor.to(torch.uint8)).bool()
         parts = all_gather_along_first_dim(tensor.t().contiguous(), self.cp_group)
         whole = parts.new_zeros((self.total,) + tuple(parts.shape[1:]))
         whole[self.gathered.to(parts.device)] = parts
