@@ -561,3 +561,19 @@ def test_mtp_signatures_are_megatron_cores():
         params = inspect.signature(function).parameters.values()
         positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
         assert [p for p in positional if p != "self"] == expected.split(), path
+
+
+@pytest.mark.world(1)
+def test_mtp_all_masked_microbatch_gives_zero_not_nan():
+    """A microbatch without any target (N_k = 0 at every depth) adds nothing: every MTP
+    gradient is zero, none NaN (megatron-core 0.16.1 divides by the count unclamped)."""
+    model = _model(_config(), ProcessGroupCollection())
+    MTPLossAutoScaler.set_loss_scale(torch.ones(1))
+    rows = batch()
+    mask = torch.zeros_like(rows["loss_mask"])
+    out = model(rows["tokens"], None, labels=rows["labels"], loss_mask=mask)
+    ((out * mask).sum() / mask.sum().clamp(min=1)).backward()
+    for name, param in model.named_parameters():
+        assert torch.isfinite(param.grad).all(), name
+        if name.startswith("mtp."):
+            assert not param.grad.any(), name
