@@ -711,6 +711,27 @@ class TrainingConfig:
         "above (an explicit conflicting one is an error), its weights are loaded at any "
         "layout, and with --data-path its tokenizer is the default --tokenizer",
     )
+    # Multi-token prediction (megatron's flags; docs/deepseek.md). Off unless --mtp-num-layers.
+    mtp_num_layers: Optional[int] = option(
+        None,
+        "--mtp-num-layers",
+        kind=MODEL,
+        library="mtp_num_layers",
+        type=int,
+        metavar="K",
+        check=positive,
+        help="multi-token prediction depths (DeepSeek-V3's MTP) on the last pipeline stage, "
+        "each predicting one token further; the log gains 'mtp_1 loss' ... 'mtp_K loss'; "
+        "default: none",
+    )
+    mtp_loss_scaling_factor: float = option(
+        0.1,
+        "--mtp-loss-scaling-factor",
+        kind=OPTIMIZER,
+        library=Sets("mtp_loss_scaling_factor", when=lambda c: c.mtp_num_layers is not None),
+        check=Check("a finite number", is_number),
+        help="weight of the MTP loss (the mean of the depths' losses) added to the LM loss",
+    )
     # Mixture of experts (megatron's flags; docs/moe.md). Off unless --num-experts.
     num_experts: Optional[int] = option(
         None,

@@ -421,12 +421,17 @@ def _print_header(config: TrainingConfig, layout: Layout) -> None:
 
 
 def _model_description(config: TrainingConfig) -> str:
-    """The header's experts and LoRA parts (empty for a dense model without adapters)."""
+    """The header's experts, multi-token prediction and LoRA parts (empty for a dense model
+    without them)."""
     parts = []
     if config.num_experts is not None:
         freq = config.moe_layer_freq
         where = "every layer" if freq == 1 else f"--moe-layer-freq {freq}"
         parts.append(f"MoE: {config.num_experts} experts, top-{config.moe_router_topk}, {where}")
+    if config.mtp_num_layers is not None:
+        parts.append(
+            f"MTP: {config.mtp_num_layers} depth(s), loss weight {config.mtp_loss_scaling_factor:g}"
+        )
     if config.lora_dim is not None:
         parts.append(
             f"LoRA: rank {config.lora_dim}, alpha {config.lora_alpha:g} on "

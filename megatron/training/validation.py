@@ -25,6 +25,7 @@ from megatron.training.flag_checks import flag as _flag
 from megatron.training.flag_checks import require as _require
 from megatron.training.fp8_flags import check_fp8_flags
 from megatron.training.model_settings import resolved_model
+from megatron.training.mtp_flags import check_mtp_flags
 from megatron.training.options import check_fields, is_int
 from megatron.training.run_checks import check_run_options
 
@@ -141,6 +142,7 @@ def validate_config(
     _check_moe(c, world_size, given)
     _check_mla(c, given)
     check_fp8_flags(c, given)
+    check_mtp_flags(c, given)
     _check_lora(c)
     _check_objective(c, given)
     hierarchical = c.hierarchical_context_parallel_sizes

@@ -1,5 +1,6 @@
 """Transformer shape, architecture and loss settings on top of the parallel configuration."""
 
+import math
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Union
 
@@ -43,6 +44,7 @@ class TransformerConfig(ModelParallelConfig):
     # megatron-core's fields, one declaration each: runs of them share a shape by design.
     num_layers: int = 0
     mtp_num_layers: Optional[int] = None
+    mtp_loss_scaling_factor: Optional[float] = 0.1
     hidden_size: int = 0
     num_attention_heads: int = 0
     softmax_scale: Optional[float] = None
@@ -167,8 +169,7 @@ class TransformerConfig(ModelParallelConfig):
                 f"TransformerConfig: fp16={self.fp16} and bf16={self.bf16}; expected at most one "
                 "of them True"
             )
-        if self.mtp_num_layers is not None:
-            raise NotImplementedError("mtp_num_layers is not supported by this core")
+        _check_mtp(self.mtp_num_layers, self.mtp_loss_scaling_factor)
         if self.multi_latent_attention and not isinstance(self, MLATransformerConfig):
             raise NotImplementedError(
                 "multi_latent_attention=True needs an MLATransformerConfig (its q/kv LoRA ranks "
@@ -292,6 +293,25 @@ def _check_cp_comm_type(cp_comm_type, num_layers: int) -> None:
         )
     for kind in config_rules.unknown_cp_comm_types(cp_comm_type):
         raise ValueError(f"cp_comm_type entries must be one of {CP_COMM_TYPES}, got {kind!r}")
+
+
+def _check_mtp(mtp_num_layers, mtp_loss_scaling_factor) -> None:
+    """Multi-token prediction: None or a positive number of depths, a finite loss weight."""
+    if mtp_num_layers is None:
+        return
+    if (
+        isinstance(mtp_num_layers, bool)
+        or not isinstance(mtp_num_layers, int)
+        or mtp_num_layers < 1
+    ):
+        raise ValueError(f"mtp_num_layers must be None or an int >= 1, got {mtp_num_layers!r}")
+    factor = mtp_loss_scaling_factor
+    number = isinstance(factor, (int, float)) and not isinstance(factor, bool)
+    if not number or not math.isfinite(factor):
+        raise ValueError(
+            f"mtp_loss_scaling_factor must be a finite number (the weight of the MTP loss), "
+            f"got {factor!r}"
+        )
 
 
 def _check_multiple(name: str, value: int, of_name: str, of_value: int) -> None:

@@ -177,7 +177,14 @@ def hf_config_of_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
 def architecture_from_model_settings(settings: Dict[str, Any]) -> HFArchitecture:
     """The HuggingFace family and architecture of a model our trainer built (its saved run
     settings): the first family (registry order) whose ``config.json`` reads back as the
-    same model, ``read(write(x)) == x``; ValueError when none does."""
+    same model, ``read(write(x)) == x``; ValueError when none does (and for multi-token
+    prediction depths, which no family writes yet)."""
+    if settings.get("mtp_num_layers"):
+        raise ValueError(
+            f"export: this model has mtp_num_layers={settings['mtp_num_layers']} "
+            "(multi-token prediction depths), which no HuggingFace family we write carries "
+            "yet (hf/mtp_weights.py maps DeepSeek-V3's layout); expected a model without them"
+        )
     full = _with_defaults(settings)
     base = _architecture_of_settings(full)
     for name, family in REGISTRY.items():

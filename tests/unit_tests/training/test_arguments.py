@@ -74,6 +74,8 @@ NON_DEFAULT = dict(
     attention_backend="unfused",
     hf_model="hf-model-dir",
     num_experts=8,
+    mtp_num_layers=2,
+    mtp_loss_scaling_factor=0.3,
     moe_router_topk=4,
     moe_ffn_hidden_size=48,
     moe_shared_expert_intermediate_size=32,
@@ -469,7 +471,7 @@ def test_the_kinds_give_the_resume_and_comparison_lists():
         "moe_router_pre_softmax", "moe_router_score_function", "moe_router_enable_expert_bias",
         "moe_router_dtype",
         "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
-        "moe_layer_freq", "lora_dim", "lora_alpha",
+        "moe_layer_freq", "mtp_num_layers", "lora_dim", "lora_alpha",
         "lora_target_modules", "lora_exclude_modules", "pretrained_checkpoint",
     }  # fmt: skip
     assert (set(DATA_SETTINGS), set(OPTIMIZER_SETTINGS)) == (

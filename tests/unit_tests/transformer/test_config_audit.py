@@ -210,6 +210,8 @@ OWNED_ELSEWHERE = {
     "moe_router_bias_update_rate": "the expert-bias update in finalize_model_grads "
     "(test_moe_layer.py)",
     "moe_per_layer_logging": "track_moe_metrics' per-layer scalars (logging only)",
+    "mtp_loss_scaling_factor": "the MTP loss weight, read with mtp_num_layers and an MTP "
+    "block spec (tests/unit_tests/models/test_multi_token_prediction.py)",
     # schedules and DDP: tests/unit_tests/pipeline_parallel, tests/unit_tests/distributed
     "calculate_per_token_loss": "the schedules' loss normalization (test_cp_loss_normalization)",
     "timers": "schedules (callbacks)",

@@ -27,6 +27,11 @@ from megatron.core.models.common.embeddings.language_model_embedding import (
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule, leave_as_allocated
+from megatron.core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlock,
+    attach_mtp_loss,
+    check_mtp_placement,
+)
 from megatron.core.transformer.parallel_groups import ResolvedGroup, cp_group_of, tp_group_of
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
@@ -61,6 +66,11 @@ class GPTModel(MegatronModule):
     their embedding and output rows start at zero and get zero gradient, and the true rows
     are drawn exactly as the unpadded model's, so loss and gradients equal the unpadded
     model's at any padding and TP. ``model.true_vocab_size`` (= ``vocab_size`` unpadded).
+
+    Multi-token prediction (``mtp_block_spec``, from ``get_gpt_mtp_block_spec``; the last
+    stage only): the depths ``mtp.layers.<k>`` and the last stage's copy of the word
+    embeddings (its gradient summed with the first stage's by ``finalize_model_grads``);
+    see ``megatron.core.transformer.multi_token_prediction``.
 
     Sequence parallelism: activations between the TP regions are sharded along s over TP;
     every parameter of the decoder that is not TP-split gets ``param.sequence_parallel =
@@ -101,10 +111,9 @@ class GPTModel(MegatronModule):
         true_vocab_size: Optional[int] = None,
     ) -> None:
         super().__init__(config)
-        if mtp_block_spec is not None:
-            raise NotImplementedError(
-                "GPTModel: mtp_block_spec (multi-token prediction) is not supported"
-            )
+        check_mtp_placement(
+            config, mtp_block_spec, pre_process, post_process, position_embedding_type
+        )
         if config.fp32_residual_connection:
             raise NotImplementedError(
                 "GPTModel: config.fp32_residual_connection=True is not supported"
@@ -149,10 +158,12 @@ class GPTModel(MegatronModule):
         self.position_embedding_type = position_embedding_type
         self.vp_stage = vp_stage
         self.pg_collection = pg_collection
+        self.mtp_block_spec = mtp_block_spec
+        self.mtp_process = mtp_block_spec is not None
 
         # The parts are built with megatron-core's keywords, one per line, like the layer
         # specs and the output projection: alike in shape, each names its own arguments.
-        if pre_process:
+        if pre_process or self.mtp_process:  # MTP embeds the tokens ahead
             self.embedding = LanguageModelEmbedding(
                 config=config,
                 vocab_size=vocab_size,
@@ -182,6 +193,12 @@ class GPTModel(MegatronModule):
             pp_rank=pp_rank,
         )
         bind_cp_group(self.decoder, cp_group_of(pg_collection, config))
+        if self.mtp_process:
+            self.mtp = MultiTokenPredictionBlock(
+                config, mtp_block_spec, vp_stage, pg_collection, pp_rank=pp_rank
+            )
+            bind_cp_group(self.mtp, cp_group_of(pg_collection, config))
+        holds_embedding = pre_process or self.mtp_process
         if post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size,
@@ -191,13 +208,14 @@ class GPTModel(MegatronModule):
                 bias=False,
                 skip_bias_add=False,
                 gather_output=not parallel_output,
-                skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+                skip_weight_param_allocation=holds_embedding
+                and share_embeddings_and_output_weights,
                 embedding_activation_buffer=None,
                 grad_output_buffer=None,
                 tp_group=self.tp_group,
             )
             self.output_layer.fp8_gemm = None  # the output layer stays in high precision
-            if pre_process and share_embeddings_and_output_weights:
+            if holds_embedding and share_embeddings_and_output_weights:
                 # The tied weight also gets the embedding lookup's gradient through autograd;
                 # adding the projection's into main_grad would make DDP skip that one.
                 self.output_layer.gradient_accumulation_fusion = False
@@ -212,7 +230,12 @@ class GPTModel(MegatronModule):
         if post_process and not pre_process and share_embeddings_and_output_weights:
             # The last stage's copy of the tied weight: counted once (on the first stage)
             # by gradient-norm and weight-decay bookkeeping, as megatron-core marks it.
-            self.output_layer.weight.shared = True
+            self.shared_embedding_or_output_weight().shared = True
+        if self.mtp_process and not pre_process:
+            # the MTP stage's copy of the word embeddings: its gradient is summed with the
+            # first stage's (embedding group, finalize_model_grads), counted once
+            self.embedding.word_embeddings.weight.shared = True
+            self.embedding.word_embeddings.weight.shared_embedding = True
 
     def set_input_tensor(self, input_tensor: Union[Tensor, List[Tensor], None]) -> None:
         """Hidden states [s_local, b, h] from the previous stage (a tensor or a list of one)."""
@@ -251,11 +274,14 @@ class GPTModel(MegatronModule):
         [b, s_local, vocab / TP] (all of the vocabulary with ``parallel_output=False`` or
         ``runtime_gather_output=True``) without; on other stages the hidden states
         [s_local, b, h] ([s_local / TP, b, h] under sequence parallelism).
-        ``packed_seq_params`` is handed to core attention. ``loss_mask`` is ignored (the
-        loss callback masks). ``padding_mask`` [b, s_local] (True = padding; this CP rank's
-        shard, like ``input_ids``) is given on every pipeline stage; MoE layers leave padding
-        out of their router losses and counts. It is sharded like the hidden states
-        (``shard_per_token_tensor``: over the model's TP group under sequence parallelism).
+        ``packed_seq_params`` is handed to core attention. ``loss_mask`` [b, s_local] is read
+        by multi-token prediction only (the returned main loss is unmasked: the loss callback
+        masks); with ``mtp_block_spec`` and ``labels`` the MTP loss is attached to the
+        returned loss's graph (``multi_token_prediction``). ``padding_mask`` [b, s_local]
+        (True = padding; this CP rank's shard, like ``input_ids``) is given on every
+        pipeline stage; MoE layers leave padding out of their router losses and counts. It
+        is sharded like the hidden states (``shard_per_token_tensor``: over the model's TP
+        group under sequence parallelism).
         """
         inference_context = inference_context if inference_context is not None else inference_params
         if decoder_input is None and self.pre_process:
@@ -287,6 +313,18 @@ class GPTModel(MegatronModule):
         )
         if not self.post_process:
             return hidden_states
+        if self.mtp_process and labels is not None and inference_context is None:
+            hidden_states = attach_mtp_loss(
+                self,
+                hidden_states,
+                (input_ids, position_ids, labels, loss_mask, padding_mask),
+                dict(
+                    attention_mask=attention_mask,
+                    rotary_pos_emb=rotary_pos_emb,
+                    packed_seq_params=packed_seq_params,
+                ),
+                runtime_gather_output,
+            )
         logits, _ = self.output_layer(
             hidden_states,
             weight=(
@@ -365,6 +403,8 @@ class GPTModel(MegatronModule):
         - a tied output weight on a later stage than the embedding is stored as
           ``embedding.word_embeddings.weight`` with replica id (1, ...): never written
           twice, loaded from the embedding.
+        - the MTP stage's copy of the word embeddings (``mtp.layers.<k>.*`` are whole on
+          the last stage) likewise, with replica id (1, ...)
 
         Groups: TP is the model's; DP x CP from ``metadata["dp_cp_group"]``, else
         ``pg_collection.dp_cp``, else ``parallel_state``'s (MPU fallback), else one rank.
@@ -385,7 +425,13 @@ class GPTModel(MegatronModule):
                     key=f"{prefix}embedding.word_embeddings.weight",
                     replica_id=(1,) + tuple(tied.replica_id)[1:],
                 )
-        for key in (f"{prefix}embedding.word_embeddings.weight", output_key):
+        embedding_key = f"{prefix}embedding.word_embeddings.weight"
+        if self.mtp_process and not self.pre_process and embedding_key in sharded:
+            copy = sharded[embedding_key]  # the MTP stage's copy: loaded, never written
+            sharded[embedding_key] = dataclasses.replace(
+                copy, replica_id=(1,) + tuple(copy.replica_id)[1:]
+            )
+        for key in (embedding_key, output_key):
             piece = sharded.get(key)
             if piece is not None and hasattr(piece, "allow_shape_mismatch"):
                 # the vocabulary's padding depends on TP: another padding loads the overlap
@@ -397,8 +443,9 @@ class GPTModel(MegatronModule):
         return sharded
 
     def shared_embedding_or_output_weight(self) -> Optional[Tensor]:
-        """The tied weight this chunk holds: word embeddings (first stage), output (last)."""
-        if self.pre_process:
+        """The tied weight this chunk holds: word embeddings (first stage, and the MTP stage,
+        which embeds too), output (last)."""
+        if self.pre_process or self.mtp_process:
             return self.embedding.word_embeddings.weight
         if self.post_process:
             return self.output_layer.weight
@@ -514,7 +561,8 @@ class GPTModel(MegatronModule):
         ``finalize_model_grads`` sums it over the TP group."""
         if not self.config.sequence_parallel or get_pg_size(self.tp_group) == 1:
             return
-        for param in self.decoder.parameters():
+        parts = [self.decoder] + ([self.mtp] if self.mtp_process else [])
+        for param in (p for part in parts for p in part.parameters()):
             expert = not getattr(param, "allreduce", True)  # reduced over expert DP instead
             whole = getattr(param, "grad_complete_over_tp", False)  # e.g. MLA's down projections
             if not getattr(param, "tensor_model_parallel", False) and not expert and not whole:
