@@ -47,6 +47,14 @@ BASE = {
     "olmoe": {**LLAMA, "model_type": "olmoe", "num_experts": 4, "num_experts_per_tok": 2,
               "norm_topk_prob": False, "clip_qkv": None, "attention_bias": False,
               "router_aux_loss_coef": 0.01, "output_router_logits": False},
+    "gemma2": {**LLAMA, "model_type": "gemma2", "head_dim": 16, "sliding_window": 4,
+               "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 16,
+               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+               "layer_types": ["sliding_attention", "full_attention"]},
+    "gemma3_text": {**LLAMA, "model_type": "gemma3_text", "head_dim": 16, "sliding_window": 4,
+                    "query_pre_attn_scalar": 16, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                    "sliding_window_pattern": 2, "attn_logit_softcapping": None,
+                    "final_logit_softcapping": None},
 }  # fmt: skip
 
 REFUSED = [
@@ -92,6 +100,17 @@ REFUSED = [
     ("qwen3_moe", {"attention_bias": True}, "attention_bias"),
     ("qwen3_moe", {"moe_intermediate_size": None}, "moe_intermediate_size"),
     ("qwen3_moe", {"n_shared_experts": 1}, "n_shared_experts"),  # unknown to the converter
+    ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation"),
+    ("gemma2", {"attention_bias": True}, "attention_bias"),
+    ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ("gemma2", {"attn_logit_softcapping": -1.0}, "attn_logit_softcapping"),
+    ("gemma2", {"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, "rope_scaling"),
+    ("gemma3_text", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ("gemma3_text", {"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, "rope_scaling"),
+    ("gemma3_text", {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0},
+                                         "sliding_attention": {"rope_type": "default"}}},
+     "rope_parameters.full_attention"),  # fmt: skip
+    ("gemma3_text", {"sliding_window": 0}, "sliding_window"),
 ]
 
 

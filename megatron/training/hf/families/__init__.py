@@ -9,6 +9,7 @@ whose ``config.json`` reads back as the same model writes it (``read(write(x)) =
 from typing import Dict
 
 from megatron.training.hf.families import (
+    gemma,
     gpt2,
     llama,
     mistral,
@@ -33,6 +34,8 @@ REGISTRY: Dict[str, Family] = {
         qwen2_moe.FAMILY,
         qwen3_moe.FAMILY,
         olmoe.FAMILY,
+        gemma.GEMMA2,
+        gemma.GEMMA3,
     )
 }
 
