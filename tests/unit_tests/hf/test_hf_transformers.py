@@ -178,6 +178,21 @@ FROM_SCRATCH = {
     "qwen3": dict(LLAMA_SHAPED_SETTINGS, qk_layernorm=True, num_query_groups=2, kv_channels=16),
     "gpt2": dict(openai_gelu=True),
 }
+# Gemma 2 / 3: zero-centred sandwich norms, scaled embeddings, gated tanh-GELU, a window of 4
+# keys with full attention every other layer; Gemma 2 soft-caps, Gemma 3 q/k norms and a local
+# RoPE base
+GEMMA = dict(
+    normalization="RMSNorm", geglu=True, openai_gelu=True, position_embedding_type="rope",
+    disable_bias_linear=True, apply_layernorm_1p=True, sandwich_layernorm=True,
+    embedding_scale_sqrt_hidden=True, num_query_groups=2, kv_channels=16, window_size=[3, 0],
+    window_attn_skip_freq=2, attention_backend="unfused",
+)  # fmt: skip
+FROM_SCRATCH.update(
+    gemma2=dict(GEMMA, attn_logit_softcapping=20.0, final_logit_softcapping=10.0),
+    gemma3_text=dict(
+        GEMMA, qk_layernorm=True, rotary_base=1e6, local_rotary_base=1e4, softmax_scale=0.2
+    ),
+)
 MOE = MOE_TRAINER_SETTINGS
 FROM_SCRATCH.update(
     mixtral=dict(MOE, untie_embeddings_and_output_weights=True, num_query_groups=2),
@@ -202,7 +217,9 @@ FROM_SCRATCH.update(
 )
 
 
-@pytest.mark.parametrize("family", _some_slow(FROM_SCRATCH, {"mixtral", "qwen3_moe", "olmoe"}))
+@pytest.mark.parametrize(
+    "family", _some_slow(FROM_SCRATCH, {"mixtral", "qwen3_moe", "olmoe", "gemma2", "gemma3_text"})
+)
 def test_a_model_trained_from_scratch_exports_to_transformers(family, tmp_path):
     """--export-hf of a run that did not start from HuggingFace: the config.json written
     from its options makes transformers compute what our model computes."""
