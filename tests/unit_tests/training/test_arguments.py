@@ -357,6 +357,21 @@ def test_options_and_rules_load_without_torch():
             dict(qk_layernorm_whole_projection=True, qk_layernorm=True),
             r"--qk-layernorm-whole-projection needs .*--normalization LayerNorm",
         ),
+        (dict(geglu=True, swiglu=True), r"--geglu and --swiglu exclude each other"),
+        (dict(window_attn_skip_freq=2), r"--window-attn-skip-freq 2 needs --window-size"),
+        (
+            dict(position_embedding_type="rope", local_rotary_base=1e4),
+            r"--local-rotary-base 10000.0 needs --window-size",
+        ),
+        (
+            dict(window_size=[3, 0], local_rotary_base=1e4),
+            r"--local-rotary-base 10000.0 needs --position-embedding-type rope",
+        ),
+        (
+            dict(attn_logit_softcapping=50.0, attention_backend="flash"),
+            r"--attn-logit-softcapping 50.0 .* expected --attention-backend auto, unfused or "
+            r"local, got flash",
+        ),
         (dict(ckpt_step=0), r"--ckpt-step 0 needs --load DIR"),
         (dict(finetune=True), r"--finetune needs --load DIR"),
         (dict(no_load_optim=True), r"--no-load-optim needs --load DIR"),

@@ -68,3 +68,33 @@ def test_a_kernel_without_soft_capping_is_refused_by_name():
     q, k, v = _inputs()
     with pytest.raises(ValueError, match="kernel 'cpu' has no logit soft-capping"):
         context_parallel_attention(q, k, v, softcap=CAP, kernel="cpu")
+
+
+@pytest.mark.parametrize(
+    "changes, named",
+    [
+        (dict(attn_logit_softcapping=-1.0), "attn_logit_softcapping"),
+        (dict(final_logit_softcapping=float("inf")), "final_logit_softcapping"),
+        (dict(window_size=(3, 0), window_attn_skip_freq=0), "window_attn_skip_freq"),
+        (dict(window_size=(3, 0), window_attn_skip_freq=[1, 0, 1]), "window_attn_skip_freq"),
+        (dict(local_rotary_base=1e4), "local_rotary_base"),
+    ],
+)
+def test_the_gemma_fields_are_checked_by_name(changes, named):
+    from megatron.core.transformer import TransformerConfig
+
+    with pytest.raises(ValueError, match=named):
+        TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=4, **changes)
+
+
+def test_a_softcap_with_a_kernel_that_has_none_is_refused_at_build_time():
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    config = TransformerConfig(
+        num_layers=2, hidden_size=16, num_attention_heads=4, attn_logit_softcapping=50.0,
+        attention_backend="flash", attention_dropout=0.0,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="kernel 'flash' has no logit soft-capping"):
+        DotProductAttention(config, 1, AttnMaskType.causal, "self")
