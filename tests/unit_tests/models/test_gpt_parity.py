@@ -87,6 +87,7 @@ ARCHS = {
         dataclasses.replace(LLAMA, name="llama-qknorm", qk_norm=True),
         dataclasses.replace(LLAMA, name="llama-qknorm-whole", qk_norm=True, qk_norm_whole=True),
         GEMMA,
+        dataclasses.replace(GEMMA, name="gemma-full", window=None, skip_freq=None, local_base=None),
     )
 }
 
@@ -136,6 +137,7 @@ CASES = [
     _case(Layout(cp=2), "per-token", "gemma", slow=True),
     _case(Layout(pp=2), "averaged", "gemma", slow=True),
     _case(Layout(tp=2, sp=True, cp=2, pp=2), "per-token", "gemma", slow=True),
+    _case(Layout(cp=2), "averaged", "gemma-full", slow=True),  # soft-caps through all_gather
 ]
 # the full tensor-parallel matrix (slow): TP in {2, 4} x SP on/off x both architectures
 for _tp, _sp, _arch in [
