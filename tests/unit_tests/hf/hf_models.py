@@ -324,3 +324,14 @@ QWEN2_MOE_CONFIG = dict(
     shared_expert_intermediate_size=40,
     mlp_only_layers=[0],
 )
+# Gemma 2: a window of 3 keys on layer 1 (shorter than the prompts), both soft-caps
+GEMMA2_CONFIG = dict(
+    LLAMA_CONFIG, model_type="gemma2", head_dim=16, sliding_window=3, query_pre_attn_scalar=24,
+    attn_logit_softcapping=5.0, final_logit_softcapping=10.0, rope_theta=10000.0,
+)  # fmt: skip
+# Gemma 3 text: q/k norms, the window on layer 1 with its own RoPE base, untied
+GEMMA3_CONFIG = dict(
+    LLAMA_CONFIG, model_type="gemma3_text", head_dim=16, sliding_window=3,
+    sliding_window_pattern=2, rope_theta=1e6, rope_local_base_freq=100.0,
+    tie_word_embeddings=False,
+)  # fmt: skip
