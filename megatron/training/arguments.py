@@ -542,6 +542,16 @@ class TrainingConfig:
         check=positive_number,
         help="--use-rope-scaling: the factor long wavelengths are divided by",
     )
+    rotary_seq_len_interpolation_factor: Optional[float] = option(
+        None,
+        "--rotary-seq-len-interpolation-factor",
+        kind=MODEL,
+        library=Sets("seq_len_interpolation_factor", GPT_MODEL),
+        type=float,
+        check=positive_number,
+        help="linear RoPE scaling: positions divided by this factor (with --local-rotary-base: "
+        "the full-attention layers' only, Gemma 3's rope_scaling); default: none",
+    )
     add_qkv_bias: bool = option(
         False,
         "--add-qkv-bias",

@@ -180,6 +180,11 @@ def _check_gemma_features(c: Config) -> None:
             f"{flag} {value} needs --window-size LEFT 0 with LEFT >= 0 (got --window-size "
             f"{c.window_size})",
         )
+    factor = c.rotary_seq_len_interpolation_factor
+    _require(
+        factor is None or c.position_embedding_type == "rope",
+        f"--rotary-seq-len-interpolation-factor {factor} needs --position-embedding-type rope",
+    )
     _require(
         c.local_rotary_base is None or c.position_embedding_type == "rope",
         f"--local-rotary-base {c.local_rotary_base} needs --position-embedding-type rope",

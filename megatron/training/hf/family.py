@@ -95,6 +95,8 @@ class HFArchitecture:
     final_logit_softcapping: Optional[float] = None
     window_attn_skip_freq: Optional[int] = None
     local_rotary_base: Optional[float] = None
+    # linear RoPE scaling (positions / factor) of the full-attention layers (Gemma 3)
+    rotary_seq_len_interpolation_factor: Optional[float] = None
 
     @property
     def gated(self) -> bool:

@@ -118,6 +118,7 @@ def gpt_model_kwargs(
         rotary_base=arch.rotary_base,
         rope_scaling=arch.rope_scaling_factor is not None,
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
+        seq_len_interpolation_factor=arch.rotary_seq_len_interpolation_factor,
         share_embeddings_and_output_weights=arch.tied,
     )
 

@@ -159,7 +159,8 @@ FAMILIES = {
         ),
         None,
     ),
-    # Gemma 3 text: as Gemma 2 with q/k norms, a local RoPE base, untied, saved sharded
+    # Gemma 3 text: as Gemma 2 with q/k norms, a local RoPE base, the full layers' linear
+    # RoPE scaling, untied, saved sharded
     "gemma3_text": (
         "Gemma3ForCausalLM",
         "Gemma3TextConfig",
@@ -169,8 +170,9 @@ FAMILIES = {
             head_dim=16,
             sliding_window=5,
             sliding_window_pattern=2,
-            rope_theta=1e6,
+            rope_theta=1e4,
             rope_local_base_freq=100.0,
+            rope_scaling=dict(rope_type="linear", factor=4.0),
             tie_word_embeddings=False,
             attn_implementation="eager",
         ),

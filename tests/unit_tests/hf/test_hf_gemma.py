@@ -41,10 +41,12 @@ GEMMA2 = dict(
     SMALL, num_hidden_layers=3, sliding_window=4, attn_logit_softcapping=2.0,
     final_logit_softcapping=3.0, query_pre_attn_scalar=24, rope_theta=5000.0,
 )  # fmt: skip
-# Gemma 3: q/k norms, full attention every 2nd layer, the local base differs from the global
+# Gemma 3: q/k norms, full attention every 2nd layer, the local base differs from the global,
+# the global layers' linear RoPE scaling (the 4B+ models' factor 8)
 GEMMA3 = dict(
     SMALL, num_hidden_layers=2, sliding_window=5, sliding_window_pattern=2,
-    rope_theta=1_000_000.0, rope_local_base_freq=100.0, tie_word_embeddings=False,
+    rope_theta=10_000.0, rope_local_base_freq=100.0, tie_word_embeddings=False,
+    rope_scaling=dict(rope_type="linear", factor=8.0),
 )  # fmt: skip
 CASES = {"gemma2": ("Gemma2ForCausalLM", "Gemma2Config", GEMMA2),
          "gemma3_text": ("Gemma3ForCausalLM", "Gemma3TextConfig", GEMMA3)}  # fmt: skip
@@ -181,8 +183,10 @@ def test_negative_controls_each_gemma_feature_is_needed(gemma, monkeypatch):
         assert _logit_error(path, ref_logits) > 1e-3
 
 
-def test_the_local_rope_base_is_needed():
-    """Gemma 3's sliding layers rotate by rope_local_base_freq: the global base there fails."""
+def test_the_local_rope_base_and_the_global_scaling_are_needed():
+    """Gemma 3's sliding layers rotate by rope_local_base_freq, its full layers by rope_theta
+    with positions / 8: the global (scaled) rope on the sliding layers fails, and so does the
+    full layers' rope without the scaling (on every layer)."""
     import tempfile
 
     monkeypatch = pytest.MonkeyPatch()
@@ -195,10 +199,18 @@ def test_the_local_rope_base_is_needed():
                 ref_logits = reference(ids).logits
             model, _ = model_from_hf(directory, params_dtype=torch.float64)
             assert model.config.local_rotary_base == 100.0
-            model.local_rotary_pos_emb = model.rotary_pos_emb
+            positions = torch.arange(SEQ).expand_as(ids)
+            scaled = model.rotary_pos_emb
+            assert scaled.seq_len_interpolation_factor == 8.0
             with torch.no_grad():
-                err = rel_error(model(ids, torch.arange(SEQ).expand_as(ids)), ref_logits)
-            assert err > 1e-3, f"the local RoPE base went unnoticed ({err:.2e})"
+                model.local_rotary_pos_emb = scaled
+                err = rel_error(model(ids, positions), ref_logits)
+                assert err > 1e-3, f"the local RoPE base went unnoticed ({err:.2e})"
+                del model.local_rotary_pos_emb, model._local_rotary_pos_emb_cache
+                model._rotary_pos_emb_cache = None
+                scaled.seq_len_interpolation_factor = None
+                err = rel_error(model(ids, positions), ref_logits)
+            assert err > 1e-3, f"the global layers' RoPE scaling went unnoticed ({err:.2e})"
     finally:
         monkeypatch.undo()
 

@@ -106,10 +106,26 @@ REFUSED = [
     ("gemma2", {"attn_logit_softcapping": -1.0}, "attn_logit_softcapping"),
     ("gemma2", {"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, "rope_scaling"),
     ("gemma3_text", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
-    ("gemma3_text", {"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, "rope_scaling"),
-    ("gemma3_text", {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0},
-                                         "sliding_attention": {"rope_type": "default"}}},
-     "rope_parameters.full_attention"),  # fmt: skip
+    (
+        "gemma3_text",
+        {"rope_scaling": {"rope_type": "linear", "factor": 3.0}},
+        "rope_scaling.factor",
+    ),  # not a power of two: not bit for bit
+    ("gemma3_text", {"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "rope_scaling"),
+    (
+        "gemma3_text",
+        {
+            "rope_parameters": {
+                "full_attention": {"rope_type": "yarn", "factor": 8.0},
+                "sliding_attention": {"rope_type": "default"},
+            }
+        },
+        "rope_parameters.full_attention",
+    ),
+    ("gemma3_text", {"rope_parameters": {"full_attention": {"rope_type": "default"},
+                                         "sliding_attention": {"rope_type": "linear",
+                                                               "factor": 2.0}}},
+     "rope_parameters.sliding_attention"),  # fmt: skip
     ("gemma3_text", {"sliding_window": 0}, "sliding_window"),
 ]
 

@@ -191,7 +191,12 @@ GEMMA = dict(
 FROM_SCRATCH.update(
     gemma2=dict(GEMMA, attn_logit_softcapping=20.0, final_logit_softcapping=10.0),
     gemma3_text=dict(
-        GEMMA, qk_layernorm=True, rotary_base=1e6, local_rotary_base=1e4, softmax_scale=0.2
+        GEMMA,
+        qk_layernorm=True,
+        rotary_base=1e6,
+        local_rotary_base=1e4,
+        softmax_scale=0.2,
+        rotary_seq_len_interpolation_factor=4.0,
     ),
 )
 MOE = MOE_TRAINER_SETTINGS

@@ -24,7 +24,8 @@ add; ``embed_scale`` multiplies the embeddings by sqrt(hidden) rounded to float3
 ``softmax_scale`` replaces 1/sqrt(d); ``geglu``: act = gelu_tanh(gate) * up;
 ``attn_softcap`` c: scores c tanh(s / c); ``final_softcap`` likewise on the logits;
 ``window`` W: a query sees keys i - W .. i on the window layers (all, or all but every
-``skip_freq``-th, 1-based), which rotate by base ``local_base`` when given.
+``skip_freq``-th, 1-based), which rotate by base ``local_base`` when given; the other
+layers' positions are divided by ``rope_factor`` (linear RoPE scaling).
 """
 
 import math
@@ -65,6 +66,7 @@ class Arch:
     window: Optional[int] = None
     skip_freq: Optional[int] = None
     local_base: Optional[float] = None
+    rope_factor: float = 1.0  # linear scaling of the full-attention layers' positions
 
     def window_layer(self, layer: int) -> bool:
         """Whether 0-based ``layer`` has the sliding window."""
@@ -111,8 +113,10 @@ def dense_gpt_losses(
             k = _norm(k, p, "self_attention.k_layernorm", arch)
         windowed = arch.window_layer(layer)
         if arch.rope:
-            base = arch.local_base if windowed and arch.local_base else 10000.0
-            q, k = _rope(q, d, base), _rope(k, d, base)
+            local = windowed and arch.local_base
+            base = arch.local_base if local else 10000.0
+            factor = 1.0 if local else arch.rope_factor
+            q, k = _rope(q, d, base, factor), _rope(k, d, base, factor)
         k = k.repeat_interleave(per_group, dim=2)
         v = v.repeat_interleave(per_group, dim=2)
         scale = arch.softmax_scale or 1 / math.sqrt(d)
@@ -178,11 +182,13 @@ def _norm(x: torch.Tensor, p: Dict[str, torch.Tensor], name: str, arch: Arch) ->
     return (x - mean) * torch.rsqrt(var + arch.eps) * weight + p[f"{name}.bias"]
 
 
-def _rope(t: torch.Tensor, d: int, base: float = 10000.0) -> torch.Tensor:
-    """Rotate channel pairs (i, i + d/2) of t [b, s, n, d] by position * base^(-2i/d)."""
+def _rope(t: torch.Tensor, d: int, base: float = 10000.0, factor: float = 1.0) -> torch.Tensor:
+    """Rotate channel pairs (i, i + d/2) of t [b, s, n, d] by position / factor *
+    base^(-2i/d)."""
     s = t.shape[1]
     inv_freq = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-    angles = torch.arange(s, dtype=torch.float64)[:, None] * inv_freq[None, :]  # [s, d/2]
+    positions = torch.arange(s, dtype=torch.float64) / factor
+    angles = positions[:, None] * inv_freq[None, :]  # [s, d/2]
     cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
     first, second = t[..., : d // 2], t[..., d // 2 :]
     return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)

@@ -72,11 +72,11 @@ LLAMA = Arch(
 )  # fmt: skip
 # Gemma 2 / 3 in one: zero-centred sandwich norms and q/k norms, scaled embeddings, GeGLU,
 # an attention scale, both soft-caps, a window of 3 keys on layers 1 and 3 with a local RoPE
-# base (layers 2 and 4 full, the default base)
+# base (layers 2 and 4 full, the default base with positions / 4)
 GEMMA = dataclasses.replace(
     LLAMA, name="gemma", swiglu=False, tied=True, qk_norm=True, one_p=True, sandwich=True,
     embed_scale=True, softmax_scale=0.4, geglu=True, attn_softcap=1.0, final_softcap=2.0,
-    window=3, skip_freq=2, local_base=100.0,
+    window=3, skip_freq=2, local_base=100.0, rope_factor=4.0,
 )  # fmt: skip
 ARCHS = {
     a.name: a
@@ -452,6 +452,7 @@ def build_gpt(config, arch, groups, pp_rank, stage=0, stages=1, vp_stage=None) -
         post_process=stage == stages - 1,
         share_embeddings_and_output_weights=arch.tied,
         position_embedding_type="rope" if arch.rope else "learned_absolute",
+        seq_len_interpolation_factor=None if arch.rope_factor == 1.0 else arch.rope_factor,
         vp_stage=vp_stage,
         pg_collection=groups,
         seed=SEED,

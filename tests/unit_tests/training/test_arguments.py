@@ -66,6 +66,7 @@ NON_DEFAULT = dict(
     final_logit_softcapping=30.0,
     window_attn_skip_freq=2,
     local_rotary_base=100.0,
+    rotary_seq_len_interpolation_factor=4.0,
     attention_backend="unfused",
     hf_model="hf-model-dir",
     num_experts=8,
@@ -358,6 +359,10 @@ def test_options_and_rules_load_without_torch():
             r"--qk-layernorm-whole-projection needs .*--normalization LayerNorm",
         ),
         (dict(geglu=True, swiglu=True), r"--geglu and --swiglu exclude each other"),
+        (
+            dict(rotary_seq_len_interpolation_factor=8.0),
+            r"--rotary-seq-len-interpolation-factor 8.0 needs --position-embedding-type rope",
+        ),
         (dict(window_attn_skip_freq=2), r"--window-attn-skip-freq 2 needs --window-size"),
         (
             dict(position_embedding_type="rope", local_rotary_base=1e4),
@@ -472,7 +477,7 @@ def test_the_kinds_give_the_resume_and_comparison_lists():
         "tokenizer", "qk_layernorm_whole_projection", "geglu", "apply_layernorm_1p",
         "sandwich_layernorm", "embedding_scale_sqrt_hidden", "softmax_scale",
         "attn_logit_softcapping", "final_logit_softcapping", "window_attn_skip_freq",
-        "local_rotary_base",
+        "local_rotary_base", "rotary_seq_len_interpolation_factor",
         "seq_length", "max_position_embeddings", "num_experts", "moe_router_topk",
         "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
         "moe_router_pre_softmax", "moe_router_score_function", "moe_router_enable_expert_bias",

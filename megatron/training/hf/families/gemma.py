@@ -13,7 +13,9 @@ soft-capping (``attn_logit_softcapping``, ``final_logit_softcapping``). Gemma 3 
 q/k norms (zero-centred too) and a RoPE base of the sliding-window layers of its own
 (``rope_local_base_freq``, ``--local-rotary-base``). Refused by name: attention biases,
 bidirectional attention, a layer pattern that is not "full every N-th layer", RoPE scaling
-(Gemma 3's linear factor on the global layers of the 4B+ models), another activation.
+but Gemma 3's linear factor of the full-attention layers (the 4B+ models; a power of two,
+``--rotary-seq-len-interpolation-factor``, so that dividing the positions is bit for bit
+transformers' dividing the frequencies), another activation.
 """
 
 import math
@@ -71,11 +73,10 @@ class Gemma2(LlamaShaped):
             default=False,
             allow=lambda v: not v,
         )
-        full_base, local_base = self.read_rope_bases(c)
+        full_base, local_base, factor = self.read_rope_bases(c)
         window = self.read_layers(c)
-        local = (
-            local_base if window["window_size"] is not None and local_base != full_base else None
-        )
+        own = local_base != full_base or factor is not None  # the window layers' own rope
+        local = local_base if window["window_size"] is not None and own else None
         scalar = c.positive_float("query_pre_attn_scalar", default=256)
         return HFArchitecture(
             family=self.model_type,
@@ -107,6 +108,7 @@ class Gemma2(LlamaShaped):
             attn_logit_softcapping=self.softcap(c, "attn_logit_softcapping"),
             final_logit_softcapping=self.softcap(c, "final_logit_softcapping"),
             local_rotary_base=local,
+            rotary_seq_len_interpolation_factor=factor,
             **window,
         )
 
@@ -121,10 +123,11 @@ class Gemma2(LlamaShaped):
         return float(value)
 
     def read_rope_bases(self, c: ConfigReader):
-        """(the base of the full layers, of the sliding ones): one ``rope_theta``."""
+        """(the base of the full layers, of the sliding ones, the full layers' linear
+        scaling factor or None): one ``rope_theta``, no scaling."""
         theta, scaling = read_rope(c)
         c.require(scaling is None, "rope_scaling", c.raw.get("rope_scaling"), "null")
-        return theta, theta
+        return theta, theta, None
 
     def read_layers(self, c: ConfigReader) -> Dict[str, Any]:
         """The window and its pattern (every other layer full, by default)."""
@@ -202,6 +205,9 @@ class Gemma3(Gemma2):
         config = super().write_extra(arch)
         local = arch.local_rotary_base if arch.local_rotary_base is not None else arch.rotary_base
         config.update({"rope_theta": arch.rotary_base, "rope_local_base_freq": local})
+        factor = arch.rotary_seq_len_interpolation_factor
+        if factor is not None:
+            config["rope_scaling"] = {"rope_type": "linear", "factor": factor}
         return config
 
 
@@ -267,38 +273,57 @@ def write_window(arch: HFArchitecture) -> Dict[str, Any]:
 
 
 def read_gemma3_rope(c: ConfigReader):
-    """(full layers' base, sliding layers' base) from ``rope_theta`` / ``rope_local_base_freq``
-    / ``rope_scaling`` (transformers 4) or the per-layer-type ``rope_parameters``
-    (transformers 5); RoPE scaling is refused."""
+    """(full layers' base, sliding layers' base, the full layers' linear factor or None)
+    from ``rope_theta`` / ``rope_local_base_freq`` / ``rope_scaling`` (transformers 4) or the
+    per-layer-type ``rope_parameters`` (transformers 5)."""
     params = c.optional("rope_parameters", None)
     theta = c.optional("rope_theta", None)
     local = c.optional("rope_local_base_freq", None)
-    scaling = c.optional("rope_scaling", None)
-    c.require(
-        scaling is None or scaling.get("rope_type", scaling.get("type")) == "default",
-        "rope_scaling",
-        scaling,
-        "null (Gemma 3's linear RoPE scaling of the global layers is not supported)",
-    )
+    scaling, where = c.optional("rope_scaling", None), "rope_scaling"
     if isinstance(params, dict) and (FULL in params or SLIDING in params):
-        for kind in (FULL, SLIDING):
-            entry = params.get(kind) or {}
-            c.require(
-                entry.get("rope_type", "default") == "default"
-                and set(entry) <= {"rope_type", "rope_theta"},
-                f"rope_parameters.{kind}",
-                entry,
-                "rope_type 'default' (RoPE scaling is not supported)",
-            )
-        theta = params.get(FULL, {}).get("rope_theta", theta)
-        local = params.get(SLIDING, {}).get("rope_theta", local)
+        sliding = params.get(SLIDING) or {}
+        c.require(
+            sliding.get("rope_type", "default") == "default"
+            and set(sliding) <= {"rope_type", "rope_theta"},
+            f"rope_parameters.{SLIDING}",
+            sliding,
+            "rope_type 'default' (the sliding layers are not scaled)",
+        )
+        full = params.get(FULL) or {}
+        theta = full.get("rope_theta", theta)
+        local = sliding.get("rope_theta", local)
+        if full.get("rope_type", "default") != "default" or set(full) - {"rope_type", "rope_theta"}:
+            c.require(scaling is None, "rope_scaling", scaling, "null beside rope_parameters")
+            scaling, where = full, f"rope_parameters.{FULL}"
     elif params is not None:
         c.fail("rope_parameters", params, f"an object of {FULL!r} and {SLIDING!r} entries")
     theta = 1_000_000.0 if theta is None else theta
     local = 10_000.0 if local is None else local
     for key, value in (("rope_theta", theta), ("rope_local_base_freq", local)):
         c.require(isinstance(value, (int, float)) and value > 0, key, value, "a number > 0")
-    return float(theta), float(local)
+    return float(theta), float(local), _linear_factor(c, scaling, where)
+
+
+def _linear_factor(c: ConfigReader, scaling, where: str) -> Optional[float]:
+    """The factor of a ``linear`` RoPE scaling (None: none): a power of two, so that our
+    positions / factor are bit for bit transformers' frequencies / factor."""
+    if scaling is None:
+        return None
+    c.require(isinstance(scaling, dict), where, scaling, "an object or null")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "default":
+        return None
+    factor = scaling.get("factor")
+    extra = set(scaling) - {"rope_type", "type", "factor", "rope_theta"}
+    c.require(
+        kind == "linear" and not extra,
+        where,
+        scaling,
+        "null or rope_type 'linear' with a factor (dynamic, yarn, ... are not supported)",
+    )
+    ok = isinstance(factor, (int, float)) and factor > 0 and math.frexp(factor)[0] == 0.5
+    c.require(ok, f"{where}.factor", factor, "a power of two (2, 4, 8, ...), for exactness")
+    return float(factor)
 
 
 def _query_pre_attn_scalar(scale: Optional[float], head_dim: int):
