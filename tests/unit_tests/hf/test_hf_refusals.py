@@ -50,11 +50,13 @@ BASE = {
     "gemma2": {**LLAMA, "model_type": "gemma2", "head_dim": 16, "sliding_window": 4,
                "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 16,
                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
-               "layer_types": ["sliding_attention", "full_attention"]},
+               "layer_types": ["sliding_attention", "full_attention"],
+               "cache_implementation": "hybrid", "hidden_act": "gelu_pytorch_tanh"},
     "gemma3_text": {**LLAMA, "model_type": "gemma3_text", "head_dim": 16, "sliding_window": 4,
                     "query_pre_attn_scalar": 16, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
                     "sliding_window_pattern": 2, "attn_logit_softcapping": None,
-                    "final_logit_softcapping": None},
+                    "final_logit_softcapping": None, "cache_implementation": "hybrid",
+                    "rope_scaling": None},
 }  # fmt: skip
 
 REFUSED = [

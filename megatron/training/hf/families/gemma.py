@@ -66,6 +66,7 @@ class Gemma2(LlamaShaped):
         )
         c.expect("hidden_act", activation, f"absent or {activation!r}", default=activation)
         refuse_attention_bias(c)
+        c.seen("cache_implementation")  # generation's cache kind ("hybrid"): not the weights
         c.expect(
             "use_bidirectional_attention",
             False,
