@@ -29,6 +29,9 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 class Gemma2(LlamaShaped):
+    """Gemma 2 (the module docstring); Llama's writing and weight table with Gemma's keys
+    and norms."""
+
     model_type = "gemma2"
     architecture = "Gemma2ForCausalLM"
     settings_hint = (
@@ -142,17 +145,14 @@ class Gemma2(LlamaShaped):
             "attn_logit_softcapping": arch.attn_logit_softcapping,
             "final_logit_softcapping": arch.final_logit_softcapping,
         }
-        config.pop("hidden_act", None)
         config.update(write_window(arch))
         return config
 
     def write(self, arch: HFArchitecture) -> Dict[str, Any]:
+        """Llama's keys without its ``hidden_act`` (Gemma's is ``hidden_activation``)."""
         config = super().write(arch)
         config.pop("hidden_act")
         return config
-
-    def global_sources(self, arch: HFArchitecture, prefix: Optional[str]) -> Dict[str, Source]:
-        return super().global_sources(arch, prefix)
 
     def layer_sources(
         self, arch: HFArchitecture, layer: int, prefix: Optional[str]
@@ -161,30 +161,22 @@ class Gemma2(LlamaShaped):
         p = f"{'model.' if prefix is None else prefix}layers.{layer}."
         ours = f"decoder.layers.{layer}."
         table = super().layer_sources(arch, layer, prefix)
-        table.update(
-            {
-                ours
-                + "post_self_attn_layernorm.weight": (
-                    Segment(f"{p}post_attention_layernorm.weight", 0, h),
-                ),
-                ours
-                + "pre_mlp_layernorm.weight": (
-                    Segment(f"{p}pre_feedforward_layernorm.weight", 0, h),
-                ),
-                ours
-                + "post_mlp_layernorm.weight": (
-                    Segment(f"{p}post_feedforward_layernorm.weight", 0, h),
-                ),
-            }
-        )
+        norms = {  # ours -> HuggingFace's; Llama's post_attention_layernorm is pre-MLP
+            "post_self_attn_layernorm": "post_attention_layernorm",
+            "pre_mlp_layernorm": "pre_feedforward_layernorm",
+            "post_mlp_layernorm": "post_feedforward_layernorm",
+        }
+        for name, theirs in norms.items():
+            table[f"{ours}{name}.weight"] = (Segment(f"{p}{theirs}.weight", 0, h),)
         if self.qk_norms:
             table.update(qk_norm_sources(arch, layer, prefix))
         return table
 
 
 class Gemma3(Gemma2):
-    """Gemma 3 text: Gemma 2's layer with q/k norms, a local RoPE base, full attention every
-    sixth layer by default, no soft-caps by default."""
+    """Gemma 3 text: Gemma 2's layer with q/k norms, a local RoPE base, the full layers'
+    linear RoPE scaling, full attention every sixth layer by default, no soft-caps by
+    default."""
 
     model_type = "gemma3_text"
     architecture = "Gemma3ForCausalLM"
