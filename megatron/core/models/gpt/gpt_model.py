@@ -268,11 +268,7 @@ class GPTModel(MegatronModule):
         """
         inference_context = inference_context if inference_context is not None else inference_params
         if decoder_input is None and self.pre_process:
-            decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
-            if self.config.embedding_scale_sqrt_hidden:
-                decoder_input = decoder_input * embedding_scale(
-                    self.config.hidden_size, decoder_input
-                )
+            decoder_input = self._embed(input_ids, position_ids)
         if not self.pre_process and self.decoder.input_tensor is None:
             raise RuntimeError(
                 "GPTModel.forward: this chunk has pre_process=False and no input tensor; call "
@@ -309,13 +305,17 @@ class GPTModel(MegatronModule):
             ),
             runtime_gather_output=runtime_gather_output,
         )
-        cap = self.config.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        logits = self.exclude_padded_vocab(logits)
+        logits = self.exclude_padded_vocab(softcapped(logits, self.config.final_logit_softcapping))
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)
+
+    def _embed(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+        """The embedding lookup, times sqrt(hidden) with ``embedding_scale_sqrt_hidden``."""
+        embedded = self.embedding(input_ids=input_ids, position_ids=position_ids)
+        if self.config.embedding_scale_sqrt_hidden:
+            embedded = embedded * embedding_scale(self.config.hidden_size, embedded)
+        return embedded
 
     def exclude_padded_vocab(self, logits: Tensor) -> Tensor:
         """``logits`` [..., V / TP] (this rank's block) or [..., V] (gathered) with the padded
@@ -556,6 +556,11 @@ class GPTModel(MegatronModule):
             whole = getattr(param, "grad_complete_over_tp", False)  # e.g. MLA's down projections
             if not getattr(param, "tensor_model_parallel", False) and not expert and not whole:
                 param.sequence_parallel = True
+
+
+def softcapped(logits: Tensor, cap: Optional[float]) -> Tensor:
+    """cap * tanh(logits / cap) (``final_logit_softcapping``; None: the logits as they are)."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def embedding_scale(hidden_size: int, like: Tensor) -> Tensor:
