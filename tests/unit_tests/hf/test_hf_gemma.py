@@ -246,3 +246,18 @@ def test_a_fresh_config_json_reads_back_as_the_same_model(gemma):
     assert architecture_from_config(dict(written, dtype=arch.dtype)) == arch
     config = transformers.AutoConfig.for_model(**written)
     assert list(config.layer_types) == written["layer_types"]
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_keys_left_out_mean_transformers_defaults(family):
+    """A config.json without a key means what transformers' class default means (Gemma's
+    defaults: head_dim 256, 4 key/value heads, the soft-caps of Gemma 2, tied, ...)."""
+    import transformers
+
+    from megatron.training.hf.config import architecture_from_config
+
+    full = getattr(transformers, CASES[family][1])().to_dict()
+    full = {
+        k: v for k, v in full.items() if not k.startswith("_") or k == "_sliding_window_pattern"
+    }
+    assert architecture_from_config({"model_type": family}) == architecture_from_config(full)

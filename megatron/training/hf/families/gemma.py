@@ -40,13 +40,15 @@ class Gemma2(LlamaShaped):
     )
     qk_norms = False
 
-    # transformers' defaults of the keys a config.json may leave out
+    # transformers' defaults of the keys a config.json may leave out (the soft-caps: absent
+    # is the default, null is off)
     defaults = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+    sizes = {"hidden_size": 2304, "vocab_size": 256000, "max_position_embeddings": 8192}
 
     def read(self, c: ConfigReader) -> HFArchitecture:
-        hidden = c.positive_int("hidden_size")
-        heads = c.positive_int("num_attention_heads")
-        groups = c.optional("num_key_value_heads", heads)
+        hidden = c.positive_int("hidden_size", default=self.sizes["hidden_size"])
+        heads = c.positive_int("num_attention_heads", default=8)
+        groups = c.optional("num_key_value_heads", 4)
         head_dim = c.optional("head_dim", 256)
         c.require(
             isinstance(groups, int) and groups >= 1 and heads % groups == 0,
@@ -84,20 +86,22 @@ class Gemma2(LlamaShaped):
         scalar = c.positive_float("query_pre_attn_scalar", default=256)
         return HFArchitecture(
             family=self.model_type,
-            num_layers=c.positive_int("num_hidden_layers"),
+            num_layers=c.positive_int("num_hidden_layers", default=26),
             hidden_size=hidden,
             num_attention_heads=heads,
             num_query_groups=groups,
             kv_channels=head_dim,
-            ffn_hidden_size=c.positive_int("intermediate_size"),
-            vocab_size=c.positive_int("vocab_size"),
+            ffn_hidden_size=c.positive_int("intermediate_size", default=9216),
+            vocab_size=c.positive_int("vocab_size", default=self.sizes["vocab_size"]),
             normalization="RMSNorm",
             norm_epsilon=c.positive_float("rms_norm_eps", default=1e-6),
             swiglu=False,
             geglu=True,
             activation="gelu_tanh",
             position_embedding_type="rope",
-            max_position_embeddings=c.positive_int("max_position_embeddings", default=8192),
+            max_position_embeddings=c.positive_int(
+                "max_position_embeddings", default=self.sizes["max_position_embeddings"]
+            ),
             rotary_base=full_base,
             rope_scaling_factor=None,
             add_bias_linear=False,
@@ -187,6 +191,7 @@ class Gemma3(Gemma2):
     qk_norms = True
 
     defaults: Dict[str, float] = {}
+    sizes = {"hidden_size": 2304, "vocab_size": 262208, "max_position_embeddings": 131072}
 
     def read_rope_bases(self, c: ConfigReader):
         return read_gemma3_rope(c)
@@ -207,7 +212,7 @@ class Gemma3(Gemma2):
 def read_window(c: ConfigReader, default_freq: int) -> Dict[str, Any]:
     """``window_size`` and ``window_attn_skip_freq`` from ``sliding_window`` and
     ``layer_types`` (or the pattern ``sliding_window_pattern``: every N-th layer full)."""
-    layers = c.raw.get("num_hidden_layers")
+    layers = c.positive_int("num_hidden_layers", default=26)
     window = c.optional("sliding_window", 4096)
     pattern = c.optional("sliding_window_pattern", c.optional("_sliding_window_pattern", None))
     pattern = default_freq if pattern is None else pattern
