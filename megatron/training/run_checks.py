@@ -190,6 +190,11 @@ def _check_gemma_features(c: Config) -> None:
         f"--local-rotary-base {c.local_rotary_base} needs --position-embedding-type rope",
     )
     _require(
+        not (c.apply_layernorm_1p and c.qk_layernorm_whole_projection),
+        "--apply-layernorm-1p and --qk-layernorm-whole-projection exclude each other (the "
+        "whole-projection q/k norm has no zero-centred weight)",
+    )
+    _require(
         c.attn_logit_softcapping is None or c.attention_backend in ("auto", "unfused", "local"),
         f"--attn-logit-softcapping {c.attn_logit_softcapping} is computed by the explicit "
         f"attention kernel only; expected --attention-backend auto, unfused or local, got "

@@ -252,6 +252,17 @@ class TransformerConfig(ModelParallelConfig):
         base = self.local_rotary_base
         if base is not None and not (isinstance(base, (int, float)) and base > 0):
             raise ValueError(f"local_rotary_base must be None or a number > 0, got {base!r}")
+        if base is not None and self.multi_latent_attention:
+            raise ValueError(
+                f"local_rotary_base={base!r} is not supported with multi_latent_attention=True "
+                "(multi-latent attention rotates with its own rope_type); expected None"
+            )
+        if self.layernorm_zero_centered_gamma and self.qk_layernorm_whole_projection:
+            raise ValueError(
+                "layernorm_zero_centered_gamma=True with qk_layernorm_whole_projection=True is "
+                "not supported (the whole-projection q/k norm has no zero-centred weight); "
+                "expected one of them False"
+            )
         if base is not None and config_rules.window_left(self.window_size) is None:
             raise ValueError(
                 f"local_rotary_base={base!r} is the RoPE base of the sliding-window layers, but "

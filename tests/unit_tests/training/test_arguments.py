@@ -360,6 +360,15 @@ def test_options_and_rules_load_without_torch():
         ),
         (dict(geglu=True, swiglu=True), r"--geglu and --swiglu exclude each other"),
         (
+            dict(
+                apply_layernorm_1p=True,
+                qk_layernorm=True,
+                normalization="RMSNorm",
+                qk_layernorm_whole_projection=True,
+            ),
+            r"--apply-layernorm-1p and --qk-layernorm-whole-projection exclude each other",
+        ),
+        (
             dict(rotary_seq_len_interpolation_factor=8.0),
             r"--rotary-seq-len-interpolation-factor 8.0 needs --position-embedding-type rope",
         ),

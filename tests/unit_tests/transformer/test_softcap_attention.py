@@ -78,6 +78,15 @@ def test_a_kernel_without_soft_capping_is_refused_by_name():
         (dict(window_size=(3, 0), window_attn_skip_freq=0), "window_attn_skip_freq"),
         (dict(window_size=(3, 0), window_attn_skip_freq=[1, 0, 1]), "window_attn_skip_freq"),
         (dict(local_rotary_base=1e4), "local_rotary_base"),
+        (
+            dict(
+                layernorm_zero_centered_gamma=True,
+                qk_layernorm=True,
+                normalization="RMSNorm",
+                qk_layernorm_whole_projection=True,
+            ),
+            "layernorm_zero_centered_gamma",
+        ),
     ],
 )
 def test_the_gemma_fields_are_checked_by_name(changes, named):
