@@ -154,6 +154,49 @@ def window_left(window_size: Optional[Sequence[int]]) -> Optional[int]:
     return window_size[0]
 
 
+def window_attn_skip_freq_valid(freq: object, num_layers: int) -> bool:
+    """``window_attn_skip_freq`` (megatron-core's field) is None (every layer has the
+    window), an int >= 1 (every freq-th layer, 1-based, has full attention) or one 0/1 per
+    layer (1: the window, 0: full attention)."""
+    if freq is None:
+        return True
+    if _is_int(freq):
+        return freq >= 1
+    return (
+        isinstance(freq, (list, tuple))
+        and len(freq) == num_layers
+        and all(_is_int(x) and x in (0, 1) for x in freq)
+    )
+
+
+def is_window_layer(window_size, freq, layer_number: int) -> bool:
+    """Whether global layer ``layer_number`` (1-based) has ``window_size``'s sliding window,
+    as megatron-core's ``is_layer_window_attention``: all layers when ``freq`` is None, all
+    but every freq-th for an int, entry layer_number - 1 of a list."""
+    if window_left(window_size) is None:
+        return False
+    if freq is None:
+        return True
+    if _is_int(freq):
+        return layer_number % freq != 0
+    return bool(freq[layer_number - 1])
+
+
+def layer_window_size(window_size, freq, layer_number: int) -> Optional[Tuple[int, int]]:
+    """The ``window_size`` of global layer ``layer_number``: None for a full-attention one."""
+    if not is_window_layer(window_size, freq, layer_number):
+        return None
+    return tuple(window_size)
+
+
+def softcap_valid(value: object) -> bool:
+    """A logit soft-cap (``attn_logit_softcapping``, ``final_logit_softcapping``): None (off)
+    or a finite number > 0."""
+    if value is None:
+        return True
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+
+
 def _is_int(value: object) -> bool:
     """An int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)

@@ -422,8 +422,67 @@ class TrainingConfig:
         False,
         "--swiglu",
         kind=MODEL,
-        library="gated_linear_unit",
+        library=Sets("gated_linear_unit", value=lambda c, _: c.swiglu or c.geglu),
         help="gated MLP silu(x W_gate) * (x W_up) instead of gelu(x W_1)",
+    )
+    geglu: bool = option(
+        False,
+        "--geglu",
+        kind=MODEL,
+        help="gated MLP gelu(x W_gate) * (x W_up) (GELU's tanh approximation with "
+        "--openai-gelu: Gemma's gelu_pytorch_tanh)",
+    )
+    apply_layernorm_1p: bool = option(
+        False,
+        "--apply-layernorm-1p",
+        kind=MODEL,
+        library="layernorm_zero_centered_gamma",
+        help="zero-centred norm weights: norm(x) * (1 + weight), the weights starting at 0 "
+        "(Gemma's RMSNorm)",
+    )
+    sandwich_layernorm: bool = option(
+        False,
+        "--sandwich-layernorm",
+        kind=MODEL,
+        library="sandwich_layernorm",
+        help="a norm after attention and after the MLP as well, before each residual add "
+        "(Gemma 2 / 3)",
+    )
+    embedding_scale_sqrt_hidden: bool = option(
+        False,
+        "--embedding-scale-sqrt-hidden",
+        kind=MODEL,
+        library="embedding_scale_sqrt_hidden",
+        help="multiply the word embeddings by sqrt(hidden size) (Gemma)",
+    )
+    softmax_scale: Optional[float] = option(
+        None,
+        "--softmax-scale",
+        kind=MODEL,
+        library="softmax_scale",
+        type=float,
+        check=positive_number,
+        help="attention scores' scale; default: 1 / sqrt(kv-channels) (Gemma: "
+        "query_pre_attn_scalar ** -0.5)",
+    )
+    attn_logit_softcapping: Optional[float] = option(
+        None,
+        "--attn-logit-softcapping",
+        kind=MODEL,
+        library="attn_logit_softcapping",
+        type=float,
+        check=positive_number,
+        help="cap the attention scores: c * tanh(s / c) (Gemma 2; the explicit attention "
+        "kernel: --attention-backend auto, unfused or local)",
+    )
+    final_logit_softcapping: Optional[float] = option(
+        None,
+        "--final-logit-softcapping",
+        kind=MODEL,
+        library="final_logit_softcapping",
+        type=float,
+        check=positive_number,
+        help="cap the output logits: c * tanh(z / c) (Gemma 2)",
     )
     position_embedding_type: str = option(
         "learned_absolute",
@@ -527,6 +586,16 @@ class TrainingConfig:
         check=Check("in (0, 1]", lambda v: is_number(v) and 0 < v <= 1),
         help="fraction of each head's channels the rotary embedding rotates (the first "
         "int(kv-channels x it); Phi-3's partial_rotary_factor); the rest pass unrotated",
+    )
+    rotary_seq_len_interpolation_factor: Optional[float] = option(
+        None,
+        "--rotary-seq-len-interpolation-factor",
+        kind=MODEL,
+        library=Sets("seq_len_interpolation_factor", GPT_MODEL),
+        type=float,
+        check=positive_number,
+        help="linear RoPE scaling: positions divided by this factor (with --local-rotary-base: "
+        "the full-attention layers' only, Gemma 3's rope_scaling); default: none",
     )
     add_qkv_bias: bool = option(
         False,
@@ -698,6 +767,26 @@ class TrainingConfig:
         ),
         help="sliding-window attention: a query sees LEFT earlier keys (RIGHT 0: causal); "
         "default: no window",
+    )
+    window_attn_skip_freq: Optional[int] = option(
+        None,
+        "--window-attn-skip-freq",
+        kind=MODEL,
+        library="window_attn_skip_freq",
+        type=int,
+        check=positive,
+        help="with --window-size: every N-th layer (1-based) has full attention, the others "
+        "the window (Gemma 2: 2, Gemma 3: 6); default: every layer has the window",
+    )
+    local_rotary_base: Optional[float] = option(
+        None,
+        "--local-rotary-base",
+        kind=MODEL,
+        library="local_rotary_base",
+        type=float,
+        check=positive_number,
+        help="RoPE base of the sliding-window layers (Gemma 3's rope_local_base_freq); "
+        "default: --rotary-base",
     )
     hf_model: Optional[str] = option(
         None,

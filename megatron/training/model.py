@@ -199,7 +199,8 @@ def keep_eager(layer: torch.nn.Module) -> None:
 
 
 def activation_of(config: TrainingConfig):
-    """silu (``--swiglu``, gated), OpenAI's tanh GELU (``--openai-gelu``) or exact GELU."""
+    """silu (``--swiglu``, gated), OpenAI's tanh GELU (``--openai-gelu``; gated with
+    ``--geglu``) or exact GELU."""
     return F.silu if config.swiglu else openai_gelu if config.openai_gelu else F.gelu
 
 

@@ -6,12 +6,14 @@ from typing import Optional
 
 import torch
 
+from megatron.core.config_rules import layer_window_size
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.cp_attention import (
     check_backend_window,
     check_window_size,
     context_parallel_attention,
     kernel_for_backend,
+    softcap_kernel,
 )
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -32,8 +34,10 @@ class DotProductAttention(MegatronModule):
     is re-initialized: ``parallel_groups.ResolvedGroup``). ``attention_dropout`` is not
     applied (the CP kernels have no dropout; a warning says so when it is > 0). The kernel is
     ``config.attention_backend``'s (``cp_attention.kernel_choice``); ``config.window_size``
-    gives sliding-window attention, refused here, at build time, where the CP setting or the
-    kernel cannot compute it.
+    gives sliding-window attention (on the layers ``config.window_attn_skip_freq`` gives it
+    to: ``self.window_size``), refused here, at build time, where the CP setting or the
+    kernel cannot compute it; ``config.attn_logit_softcapping`` caps the scores (the explicit
+    "math" kernel; another ``attention_backend`` is refused here).
     """
 
     def __init__(
@@ -68,10 +72,16 @@ class DotProductAttention(MegatronModule):
             softmax_scale = 1.0 / math.sqrt(config.kv_channels)
         self.softmax_scale = softmax_scale
         self.kernel = kernel_for_backend(config.attention_backend)
-        check_backend_window(config.attention_backend, config.window_size)
+        self.softcap = config.attn_logit_softcapping
+        if self.softcap is not None:
+            self.kernel = softcap_kernel(self.kernel, self.softcap)
+        self.window_size = layer_window_size(
+            config.window_size, config.window_attn_skip_freq, self.layer_number
+        )
+        check_backend_window(config.attention_backend, self.window_size)
         self._comm = self._comm_type()
         check_window_size(
-            config.window_size,
+            self.window_size,
             self._comm,
             0 if self._comm == "a2a+p2p" else config.context_parallel_size,
         )
@@ -103,7 +113,8 @@ class DotProductAttention(MegatronModule):
             softmax_scale=self.softmax_scale,
             packed_seq_params=packed_seq_params,
             kernel=self.kernel,
-            window_size=self.config.window_size,
+            window_size=self.window_size,
+            softcap=self.softcap,
         )
         return context.reshape(context.shape[0], context.shape[1], -1)
 

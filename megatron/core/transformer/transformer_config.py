@@ -64,11 +64,24 @@ class TransformerConfig(ModelParallelConfig):
     num_moe_experts: Optional[int] = None
     rotary_interleaved: bool = False
     window_size: Optional[tuple] = None
+    window_attn_skip_freq: Optional[Union[int, List[int]]] = None
     normalization: str = "LayerNorm"
     qk_layernorm: bool = False
     # An extra of this core: the q/k norms over all heads of each projection together
     # (OLMoE), not per head; needs qk_layernorm and RMSNorm (``WholeProjectionRMSNorm``).
     qk_layernorm_whole_projection: bool = False
+    # Extras of this core for Gemma 2 / 3 (megatron-core 0.16.1 has no such fields):
+    # ``sandwich_layernorm``: a norm after attention and after the MLP too, before each
+    # residual add (``post_self_attn_layernorm``, ``post_mlp_layernorm``);
+    # ``embedding_scale_sqrt_hidden``: the word embeddings times sqrt(hidden_size) (the
+    # factor rounded to the embeddings' dtype); ``attn_logit_softcapping``: attention scores
+    # c * tanh(s / c); ``final_logit_softcapping``: the output logits likewise;
+    # ``local_rotary_base``: the RoPE base of the sliding-window layers (None: the model's).
+    sandwich_layernorm: bool = False
+    embedding_scale_sqrt_hidden: bool = False
+    attn_logit_softcapping: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
+    local_rotary_base: Optional[float] = None
     test_mode: bool = False
     calculate_per_token_loss: bool = False
     multi_latent_attention: bool = False
@@ -198,6 +211,7 @@ class TransformerConfig(ModelParallelConfig):
         self._check_recompute()
         self.attention_backend = _attention_backend(self.attention_backend)
         _check_window_size(self.window_size)
+        self._check_gemma_fields()
         self._fill_init_methods()
         if not self.num_attention_heads:
             return
@@ -220,6 +234,40 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(
                 f"{name} ({value!r}) must be a positive multiple of tensor_model_parallel_size "
                 f"({tp})"
+            )
+
+    def _check_gemma_fields(self) -> None:
+        """The window pattern, the soft-caps and the local RoPE base (Gemma 2 / 3)."""
+        if not config_rules.window_attn_skip_freq_valid(
+            self.window_attn_skip_freq, self.num_layers
+        ):
+            raise ValueError(
+                "window_attn_skip_freq must be None, an int >= 1 or one 0/1 per layer "
+                f"(num_layers = {self.num_layers}), got {self.window_attn_skip_freq!r}"
+            )
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if not config_rules.softcap_valid(getattr(self, name)):
+                raise ValueError(
+                    f"{name} must be None or a finite number > 0, got {getattr(self, name)!r}"
+                )
+        base = self.local_rotary_base
+        if base is not None and not (isinstance(base, (int, float)) and base > 0):
+            raise ValueError(f"local_rotary_base must be None or a number > 0, got {base!r}")
+        if base is not None and self.multi_latent_attention:
+            raise ValueError(
+                f"local_rotary_base={base!r} is not supported with multi_latent_attention=True "
+                "(multi-latent attention rotates with its own rope_type); expected None"
+            )
+        if self.layernorm_zero_centered_gamma and self.qk_layernorm_whole_projection:
+            raise ValueError(
+                "layernorm_zero_centered_gamma=True with qk_layernorm_whole_projection=True is "
+                "not supported (the whole-projection q/k norm has no zero-centred weight); "
+                "expected one of them False"
+            )
+        if base is not None and config_rules.window_left(self.window_size) is None:
+            raise ValueError(
+                f"local_rotary_base={base!r} is the RoPE base of the sliding-window layers, but "
+                f"window_size={self.window_size!r} gives no layer a window"
             )
 
     def _check_recompute(self) -> None:

@@ -225,7 +225,7 @@ def model_meaning(settings: Dict[str, Any]) -> Dict[str, Any]:
     the rope factor without scaling, --openai-gelu under --swiglu, a q/k/v bias beside all
     biases, the whole-projection switch without q/k norms, MoE settings of a dense model,
     a shared-expert gate without a shared expert, the dense FFN size when every layer is a
-    MoE layer."""
+    MoE layer; the default attention scale written out (1 / sqrt(kv_channels))."""
     out = dict(settings)
     if out["position_embedding_type"] == "rope":
         out.pop("max_position_embeddings")
@@ -244,6 +244,9 @@ def model_meaning(settings: Dict[str, Any]) -> Dict[str, Any]:
     out["window_size"] = list(out["window_size"]) if out["window_size"] else None
     out["norm_epsilon"] = float(out["norm_epsilon"])
     _mla_meaning(out)
+    if "softmax_scale" in out and out["softmax_scale"] is None:  # the default, written out
+        kv = out.get("kv_channels") or out["hidden_size"] // out["num_attention_heads"]
+        out["softmax_scale"] = kv**-0.5
     out = {k: None if v is False else v for k, v in out.items()}  # off: False or absent
     if out["num_experts"] is None:
         return {k: v for k, v in out.items() if not k.startswith("moe_")}

@@ -105,6 +105,27 @@ class HFArchitecture:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    # Gemma 2 / 3 (named as the trainer's options): a gated GELU MLP (``activation``'s GELU),
+    # zero-centred norms (1 + w), norms after attention and the MLP too, embeddings times
+    # sqrt(hidden), the attention scale (None: 1 / sqrt(kv_channels)), logit soft-caps,
+    # full attention every ``window_attn_skip_freq``-th layer (None: every layer has
+    # ``window_size``), the sliding-window layers' RoPE base.
+    geglu: bool = False
+    apply_layernorm_1p: bool = False
+    sandwich_layernorm: bool = False
+    embedding_scale_sqrt_hidden: bool = False
+    softmax_scale: Optional[float] = None
+    attn_logit_softcapping: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
+    window_attn_skip_freq: Optional[int] = None
+    local_rotary_base: Optional[float] = None
+    # linear RoPE scaling (positions / factor) of the full-attention layers (Gemma 3)
+    rotary_seq_len_interpolation_factor: Optional[float] = None
+
+    @property
+    def gated(self) -> bool:
+        """Whether the MLP's fc1 is [gate; up] (SwiGLU or GeGLU)."""
+        return self.swiglu or self.geglu
 
     def qk_norm_sizes(self) -> Tuple[int, int]:
         """The q and k norm weights' sizes: ``kv_channels`` each (per head), or all heads of

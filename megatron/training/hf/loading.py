@@ -119,6 +119,7 @@ def gpt_model_kwargs(
         rotary_percent=arch.rotary_percent,
         rope_scaling=arch.rope_scaling_factor is not None,
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
+        seq_len_interpolation_factor=arch.rotary_seq_len_interpolation_factor,
         share_embeddings_and_output_weights=arch.tied,
     )
 

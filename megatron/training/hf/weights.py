@@ -114,8 +114,10 @@ def our_full_shapes(arch: HFArchitecture) -> Dict[str, tuple]:
                 p + "self_attention.k_layernorm.weight": (k_norm,),
                 p + "pre_mlp_layernorm.weight": (h,),
                 p + "pre_mlp_layernorm.bias": (h,),
-                p + "mlp.linear_fc1.weight": ((2 if arch.swiglu else 1) * ffn, h),
-                p + "mlp.linear_fc1.bias": ((2 if arch.swiglu else 1) * ffn,),
+                p + "post_self_attn_layernorm.weight": (h,),
+                p + "post_mlp_layernorm.weight": (h,),
+                p + "mlp.linear_fc1.weight": ((2 if arch.gated else 1) * ffn, h),
+                p + "mlp.linear_fc1.bias": ((2 if arch.gated else 1) * ffn,),
                 p + "mlp.linear_fc2.weight": (h, ffn),
                 p + "mlp.linear_fc2.bias": (h,),
             }

@@ -84,6 +84,16 @@ BASE = {
         "mlp_bias": False, "attention_bias": False, "tie_word_embeddings": False,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
     },
+    "gemma2": {**LLAMA, "model_type": "gemma2", "head_dim": 16, "sliding_window": 4,
+               "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 16,
+               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+               "layer_types": ["sliding_attention", "full_attention"],
+               "cache_implementation": "hybrid", "hidden_act": "gelu_pytorch_tanh"},
+    "gemma3_text": {**LLAMA, "model_type": "gemma3_text", "head_dim": 16, "sliding_window": 4,
+                    "query_pre_attn_scalar": 16, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                    "sliding_window_pattern": 2, "attn_logit_softcapping": None,
+                    "final_logit_softcapping": None, "cache_implementation": "hybrid",
+                    "rope_scaling": None},
 }  # fmt: skip
 LONGROPE = {"type": "longrope", "short_factor": [1.0] * 3, "long_factor": [2.0] * 3}
 
@@ -148,6 +158,33 @@ REFUSED = [
     ("phi3", {"attention_bias": True}, "attention_bias"),
     ("phi3", {"auto_map": {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}}, "auto_map"),
     ("phi3", {"qk_norm": True}, "qk_norm"),  # unknown to the converter
+    ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation"),
+    ("gemma2", {"attention_bias": True}, "attention_bias"),
+    ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ("gemma2", {"attn_logit_softcapping": -1.0}, "attn_logit_softcapping"),
+    ("gemma2", {"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, "rope_scaling"),
+    ("gemma3_text", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    (
+        "gemma3_text",
+        {"rope_scaling": {"rope_type": "linear", "factor": 3.0}},
+        "rope_scaling.factor",
+    ),  # not a power of two: not bit for bit
+    ("gemma3_text", {"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "rope_scaling"),
+    (
+        "gemma3_text",
+        {
+            "rope_parameters": {
+                "full_attention": {"rope_type": "yarn", "factor": 8.0},
+                "sliding_attention": {"rope_type": "default"},
+            }
+        },
+        "rope_parameters.full_attention",
+    ),
+    ("gemma3_text", {"rope_parameters": {"full_attention": {"rope_type": "default"},
+                                         "sliding_attention": {"rope_type": "linear",
+                                                               "factor": 2.0}}},
+     "rope_parameters.sliding_attention"),  # fmt: skip
+    ("gemma3_text", {"sliding_window": 0}, "sliding_window"),
 ]
 
 

@@ -25,7 +25,7 @@ transformers = pytest.importorskip(
 tokenizers = pytest.importorskip("tokenizers", reason="the tokenizers package is not installed")
 
 SPECIAL = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
-SPECIAL += ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+SPECIAL += ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<start_of_turn>", "<end_of_turn>"]
 
 # ChatML with {% generation %} around what the assistant writes (content + <|im_end|>).
 CHATML = (
@@ -53,6 +53,28 @@ LLAMA3_GEN = LLAMA3.replace("GEN_OPEN", "{% generation %}").replace(
     "GEN_CLOSE", "{% endgeneration %}"
 )
 LLAMA3_PLAIN = LLAMA3.replace("GEN_OPEN", "").replace("GEN_CLOSE", "")
+
+# Gemma style, written for this test: the system message folded into the first user turn, the
+# assistant's role written "model", "<end_of_turn>\n" after every turn, roles alternating.
+GEMMA = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'system' %}"
+    "{% set prefix = messages[0]['content'] | trim + '\n\n' %}{% set turns = messages[1:] %}"
+    "{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{% for m in turns %}"
+    "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' }}"
+    "{% if m['role'] == 'assistant' %}GEN_OPEN{{ m['content'] | trim + '<end_of_turn>\n' }}"
+    "GEN_CLOSE{% else %}{{ (prefix if loop.first else '') + m['content'] | trim }}"
+    "{{ '<end_of_turn>\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+GEMMA_GEN = GEMMA.replace("GEN_OPEN", "{% generation %}").replace(
+    "GEN_CLOSE", "{% endgeneration %}"
+)
+GEMMA_PLAIN = GEMMA.replace("GEN_OPEN", "").replace("GEN_CLOSE", "")
 
 CONVERSATIONS = [
     [
@@ -175,6 +197,25 @@ def test_phi3_template_trains_each_turn_without_the_closing_eos(tmp_path, conver
     assert mask == ref_mask and mask[-1] == 0
     chosen = ours.detokenize([i for i, m in zip(ids, mask) if m])
     expected = "".join(m["content"] + "<|end|>\n" for m in messages if m["role"] == "assistant")
+    assert chosen == expected
+
+
+@pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
+def test_gemma_style_template_equals_transformers_generation_mask(tmp_path, conversation):
+    """A Gemma-style template (system folded into the first user turn, role "model") by
+    incremental rendering: the assistant's tokens are its content and "<end_of_turn>\n",
+    as transformers' mask of the same template with generation tags around them."""
+    messages = CONVERSATIONS[conversation]
+    fast = _save(tmp_path / "ref", GEMMA_GEN, eos="<end_of_turn>")
+    _save(tmp_path / "plain", GEMMA_PLAIN, eos="<end_of_turn>")
+    ours = load_hf_tokenizer(str(tmp_path / "plain"))
+    ids, mask = tokenize_conversation(ours, messages)
+    ref_ids, ref_mask = _reference(fast, messages)
+    assert ids == ref_ids and mask == ref_mask
+    chosen = ours.detokenize([i for i, m in zip(ids, mask) if m])
+    expected = "".join(
+        m["content"].strip() + "<end_of_turn>\n" for m in messages if m["role"] == "assistant"
+    )
     assert chosen == expected
 
 

@@ -35,6 +35,7 @@ MODEL_OPTIONS_ELSEWHERE = {
     "seq_length": "the data; the default position table (max_position_embeddings)",
     "tokenizer": "the data",
     "openai_gelu": "activation_func (model.computed_fields, with --swiglu)",
+    "geglu": "gated_linear_unit (through --swiglu's declaration) and activation_func",
     "pretrained_checkpoint": "the weights loaded",
 }
 TARGET_FIELDS = {

@@ -26,6 +26,7 @@ from megatron.core.models.common.embeddings.language_model_embedding import (
 )
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.rope import LayerAngles
 from megatron.core.transformer.module import MegatronModule, leave_as_allocated
 from megatron.core.transformer.multi_token_prediction import (
     MultiTokenPredictionBlock,
@@ -183,6 +184,14 @@ class GPTModel(MegatronModule):
                 rope_scaling_factor=rope_scaling_factor,
                 use_cpu_initialization=config.use_cpu_initialization,
             )
+            if config.local_rotary_base is not None:  # the sliding-window layers' own base
+                self.local_rotary_pos_emb = RotaryEmbedding(
+                    kv_channels=config.kv_channels,
+                    rotary_percent=rotary_percent,
+                    rotary_interleaved=config.rotary_interleaved,
+                    rotary_base=config.local_rotary_base,
+                    use_cpu_initialization=config.use_cpu_initialization,
+                )
         self.decoder = TransformerBlock(
             config=config,
             spec=transformer_layer_spec,
@@ -285,7 +294,7 @@ class GPTModel(MegatronModule):
         """
         inference_context = inference_context if inference_context is not None else inference_params
         if decoder_input is None and self.pre_process:
-            decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
+            decoder_input = self._embed(input_ids, position_ids)
         if not self.pre_process and self.decoder.input_tensor is None:
             raise RuntimeError(
                 "GPTModel.forward: this chunk has pre_process=False and no input tensor; call "
@@ -299,10 +308,10 @@ class GPTModel(MegatronModule):
             extra_block_kwargs = block_kwargs
         rotary_pos_emb = None
         rope = self.position_embedding_type == "rope" and not self.config.multi_latent_attention
-        if rope and inference_context is not None:  # (MLA rotates inside its attention)
-            rotary_pos_emb = self._rotary_angles_from(inference_context, decoder_input)
-        elif rope:
-            rotary_pos_emb = self._rotary_angles(input_ids, decoder_input, packed_seq_params)
+        if rope:  # (MLA rotates inside its attention)
+            rotary_pos_emb = self._layer_angles(
+                input_ids, decoder_input, packed_seq_params, inference_context
+            )
         hidden_states = self.decoder(
             hidden_states=decoder_input,
             attention_mask=attention_mask,
@@ -334,10 +343,17 @@ class GPTModel(MegatronModule):
             ),
             runtime_gather_output=runtime_gather_output,
         )
-        logits = self.exclude_padded_vocab(logits)
+        logits = self.exclude_padded_vocab(softcapped(logits, self.config.final_logit_softcapping))
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)
+
+    def _embed(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+        """The embedding lookup, times sqrt(hidden) with ``embedding_scale_sqrt_hidden``."""
+        embedded = self.embedding(input_ids=input_ids, position_ids=position_ids)
+        if self.config.embedding_scale_sqrt_hidden:
+            embedded = embedded * embedding_scale(self.config.hidden_size, embedded)
+        return embedded
 
     def exclude_padded_vocab(self, logits: Tensor) -> Tensor:
         """``logits`` [..., V / TP] (this rank's block) or [..., V] (gathered) with the padded
@@ -451,7 +467,24 @@ class GPTModel(MegatronModule):
             return self.output_layer.weight
         return None
 
-    def _rotary_angles(self, input_ids, decoder_input, packed_seq_params) -> Tensor:
+    def _layer_angles(self, input_ids, decoder_input, packed_seq_params, inference_context):
+        """The RoPE angles of this forward: one tensor, or ``LayerAngles`` (full, local) with
+        ``config.local_rotary_base``."""
+        angles = []
+        for name in ("rotary_pos_emb", "local_rotary_pos_emb"):
+            if not hasattr(self, name):
+                continue
+            if inference_context is not None:
+                angles.append(self._rotary_angles_from(inference_context, decoder_input, name))
+            else:
+                angles.append(
+                    self._rotary_angles(input_ids, decoder_input, packed_seq_params, name)
+                )
+        return angles[0] if len(angles) == 1 else LayerAngles(*angles)
+
+    def _rotary_angles(
+        self, input_ids, decoder_input, packed_seq_params, name: str = "rotary_pos_emb"
+    ) -> Tensor:
         """RoPE angles [s_local, 1, 1, r] of this rank's positions, on the activations'
         device. Unpacked rows reuse the angles of the last call with the same length, CP
         rank and device (built on the host, copied to the device once instead of once per
@@ -460,27 +493,31 @@ class GPTModel(MegatronModule):
         total = self._global_seq_length(input_ids, decoder_input, cp_group)
         hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
         device = hidden.device
+        rotary = getattr(self, name)
         if packed_seq_params is not None:  # angles of the positions within each document
-            angles = self.rotary_pos_emb(total, packed_seq=True, cp_group=cp_group)
+            angles = rotary(total, packed_seq=True, cp_group=cp_group)
             positions = _positions_in_documents(packed_seq_params, total, cp_group)
             return angles[positions.to(angles.device)].to(device)
         key = (total, get_pg_size(cp_group), get_pg_rank(cp_group), device)
-        cached = getattr(self, "_rotary_cache", None)
+        cached = getattr(self, f"_{name}_cache", None)
         if cached is None or cached[0] != key:
-            angles = self.rotary_pos_emb(total, packed_seq=False, cp_group=cp_group)
-            self._rotary_cache = (key, angles.to(device))
-        return self._rotary_cache[1]
+            cached = (key, rotary(total, packed_seq=False, cp_group=cp_group).to(device))
+            setattr(self, f"_{name}_cache", cached)
+        return cached[1]
 
-    def _rotary_angles_from(self, inference_context, decoder_input) -> Tensor:
+    def _rotary_angles_from(
+        self, inference_context, decoder_input, name: str = "rotary_pos_emb"
+    ) -> Tensor:
         """RoPE angles of the positions [offset, offset + s) a cached forward runs (the
         table for the context's whole length is built once per device and kept); s is the
         whole sequence, TP times this rank's part under sequence parallelism."""
         hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
         key = (inference_context.max_sequence_length, hidden.device)
-        cached = getattr(self, "_inference_rotary", None)
+        cached = getattr(self, f"_inference_{name}", None)
         if cached is None or cached[0] != key:
-            table = self.rotary_pos_emb(key[0], packed_seq=False, cp_group=None)
-            self._inference_rotary = cached = (key, table.to(hidden.device))
+            table = getattr(self, name)(key[0], packed_seq=False, cp_group=None)
+            cached = (key, table.to(hidden.device))
+            setattr(self, f"_inference_{name}", cached)
         offset = inference_context.sequence_len_offset
         sp = get_pg_size(self.tp_group) if self.config.sequence_parallel else 1
         return cached[1][offset : offset + hidden.shape[0] * sp]
@@ -513,7 +550,7 @@ class GPTModel(MegatronModule):
                     continue
                 name = self._reference_name(f"{module_name}.{param_name}")
                 if isinstance(module, norms) and param_name == "weight":
-                    param.fill_(1.0)
+                    param.fill_(0.0 if getattr(module, "zero_centered_gamma", False) else 1.0)
                 elif param_name == "bias":
                     param.zero_()
                 else:
@@ -567,6 +604,18 @@ class GPTModel(MegatronModule):
             whole = getattr(param, "grad_complete_over_tp", False)  # e.g. MLA's down projections
             if not getattr(param, "tensor_model_parallel", False) and not expert and not whole:
                 param.sequence_parallel = True
+
+
+def softcapped(logits: Tensor, cap: Optional[float]) -> Tensor:
+    """cap * tanh(logits / cap) (``final_logit_softcapping``; None: the logits as they are)."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def embedding_scale(hidden_size: int, like: Tensor) -> Tensor:
+    """sqrt(hidden_size) as transformers' Gemma has it: a float32 scalar, then rounded to the
+    embeddings' dtype (``embedding_scale_sqrt_hidden``)."""
+    scale = torch.tensor(hidden_size**0.5, dtype=torch.float32, device=like.device)
+    return scale.to(like.dtype)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:

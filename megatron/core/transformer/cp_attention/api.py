@@ -27,6 +27,7 @@ def context_parallel_attention(
     kernel: Optional[str] = None,
     num_head_groups: Optional[int] = None,
     window_size: Optional[Tuple[int, int]] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Causal attention of this CP rank's queries over the whole sequence.
 
@@ -51,17 +52,38 @@ def context_parallel_attention(
     unless the gathered K/V would exceed 2 GiB; see ``all_gather.head_groups``).
     ``window_size`` (megatron-core's (left, right); right 0 or -1): sliding-window attention,
     query i sees keys i - left .. i (of its own document); at C = 1 and with a2a
-    (``check_window_size`` says which settings can have one).
+    (``check_window_size`` says which settings can have one). ``softcap`` (Gemma 2's
+    ``attn_logit_softcapping``): scores softcap * tanh(scale * Q K^T / softcap), on the
+    explicit "math" kernel (``kernel`` must be it, or None / "auto", which then picks it),
+    every strategy and packed sequences alike.
     """
     strategy = _check_arguments(query, key, value, cp_comm_type, cp_group, packed_seq_params)
     cp_size = 0 if strategy.group_pair else get_pg_size(cp_group)
     window = check_window_size(window_size, strategy.name, cp_size)
     strategy.validate(query, key, cp_group)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(query.shape[-1])
-    call = AttentionCall(Kernel(kernel, scale, window), packed_seq_params, num_head_groups)
+    if softcap is not None:
+        kernel = softcap_kernel(kernel, softcap)
+    call = AttentionCall(Kernel(kernel, scale, window, softcap), packed_seq_params, num_head_groups)
     if cp_size == 1:
         return local_attention(query, key, value, packed_seq_params, call.kernel)
     return strategy.run(query, key, value, cp_group, call)
+
+
+def softcap_kernel(kernel: Optional[str], softcap: float) -> str:
+    """The kernel that computes logit soft-capping: "math" (for ``kernel`` None, "auto" or
+    "math"); a ValueError naming the kernel and the cap otherwise."""
+    if not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(
+            f"context_parallel_attention: softcap must be a finite number > 0, got {softcap!r}"
+        )
+    if kernel not in (None, "auto", "math"):
+        raise ValueError(
+            f"attention kernel {kernel!r} has no logit soft-capping (attn_logit_softcapping="
+            f"{softcap}); only the explicit 'math' kernel has (attention_backend 'unfused', "
+            "'local' or 'auto')"
+        )
+    return "math"
 
 
 def check_window_size(window_size, cp_comm_type: Optional[str], cp_size: int) -> Optional[int]:

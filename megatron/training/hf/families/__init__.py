@@ -10,6 +10,7 @@ from typing import Dict
 
 from megatron.training.hf.families import (
     deepseek,
+    gemma,
     gpt2,
     llama,
     mistral,
@@ -38,6 +39,8 @@ REGISTRY: Dict[str, Family] = {
         phi3.FAMILY,
         deepseek.FAMILY_V3,
         deepseek.FAMILY_V2,
+        gemma.GEMMA2,
+        gemma.GEMMA3,
     )
 }
 
