@@ -114,24 +114,24 @@ class LoRAConfig:
 
 def apply_lora(model: torch.nn.Module, lora: LoRAConfig) -> List[str]:
     """Freeze every parameter of ``model`` and add an adapter to each target layer; the
-    targets' global names, in order. A target that is not a tensor-parallel linear layer (an
-    expert's linear, a Transformer Engine layer) is refused by name; so is a configuration
-    that matches no layer on any stage (checked by the caller, who sees every stage)."""
+    targets' global names, in order. The routed experts' fc1 / fc2 get one adapter per expert
+    (``moe.expert_lora``). A target that is not a tensor-parallel linear layer (a Transformer
+    Engine layer) is refused by name; so is a configuration that matches no layer on any
+    stage (checked by the caller, who sees every stage)."""
+    from megatron.core.transformer.moe.experts import _LocalExperts
+
     for param in model.parameters():
         param.requires_grad_(False)
     added = []
     for name, module in list(model.named_modules()):
         global_name = global_module_name(model, name)
+        if global_name is not None and isinstance(module, _LocalExperts):
+            added += _adapt_experts(module, lora, global_name)
+            continue
         if global_name is None or not lora.matches(global_name):
             continue
-        if ".experts." in global_name or getattr(module, "is_expert", False):
-            targets = lora.flags.get("target_modules", "target_modules")
-            excludes = lora.flags.get("exclude_modules", "exclude_modules")
-            raise ValueError(
-                f"LoRA target {global_name} is a routed expert's linear layer: adapters on "
-                f"experts are not supported; leave them out ({excludes} '*.experts.*') or "
-                f"name the layers to adapt ({targets} linear_qkv linear_proj)"
-            )
+        if ".experts." in global_name:  # a SequentialMLP expert's layer: adapted above
+            continue
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             raise ValueError(
                 f"LoRA target {global_name} is a {type(module).__name__}; adapters go on "
@@ -144,6 +144,49 @@ def apply_lora(model: torch.nn.Module, lora: LoRAConfig) -> List[str]:
         module.forward = _WithAdapter(module.forward, module.adapter)
         added.append(global_name)
     return added
+
+
+def _adapt_experts(experts: torch.nn.Module, lora: LoRAConfig, global_name: str) -> List[str]:
+    """Adapters on the routed experts ``experts`` (global name ``...mlp.experts``) for each
+    projection whose every expert ``...experts.local_experts.<g>.<proj>`` is a target; the
+    local experts' target names. Some experts of a layer only are refused by name."""
+    from megatron.core.transformer.moe.expert_lora import ExpertLoRAAdapter, WithExpertAdapters
+
+    total = experts.config.num_moe_experts
+    adapters = torch.nn.ModuleDict()
+    for proj in ("linear_fc1", "linear_fc2"):
+        names = [f"{global_name}.local_experts.{g}.{proj}" for g in range(total)]
+        chosen = [g for g, n in enumerate(names) if lora.matches(n)]
+        if chosen and len(chosen) < total:
+            raise ValueError(
+                f"{lora.flags.get('target_modules', 'target_modules')} (less "
+                f"{lora.flags.get('exclude_modules', 'exclude_modules')}) adapt experts "
+                f"{chosen} of {global_name}'s {proj} but not the others: adapters go on every "
+                "routed expert of a layer's projection or on none"
+            )
+        if not chosen:
+            continue
+        if getattr(experts, "fp8_experts", None) is not None:
+            excludes = lora.flags.get("exclude_modules", "exclude_modules")
+            raise ValueError(
+                f"LoRA target {names[0]}: adapters on routed experts do not run with FP8 "
+                f"expert GEMMs (--fp8); leave the experts out ({excludes} '*.experts.*')"
+            )
+        adapters[proj] = ExpertLoRAAdapter(
+            experts,
+            proj,
+            lora,
+            f"{global_name}.{proj}",
+            lambda g, p=proj: f"{global_name}.local_experts.{g}.{p}",
+        )
+        adapters[proj].stacked = _in_every_layer(lora, names[0], experts.config.num_layers)
+    if not adapters:
+        return []
+    experts.adapter = adapters
+    experts.forward = WithExpertAdapters(experts, experts.forward, adapters)
+    first = experts.first_expert
+    return [f"{global_name}.local_experts.{first + i}.{proj}"
+            for i in range(experts.num_local_experts) for proj in adapters]  # fmt: skip
 
 
 def separate_partial_adapters(
@@ -160,7 +203,7 @@ def separate_partial_adapters(
 
     layers = f"{prefix}decoder.layers."
     prefixes = tuple(
-        layers + name.split(".", 3)[3] + ".adapter."
+        layers + _storage_rest(name) + ".adapter."
         for name, adapter in lora_modules(model).items()
         if not getattr(adapter, "stacked", True)
     )
@@ -188,9 +231,22 @@ def separate_partial_adapters(
     dict_list_map_inplace(separate, sharded_state_dict)
 
 
-def lora_modules(model: torch.nn.Module) -> Dict[str, "LoRAAdapter"]:
-    """{global name of the base layer: its adapter} for the adapters in ``model``."""
-    return {m.global_name: m for m in model.modules() if isinstance(m, LoRAAdapter)}
+def _storage_rest(name: str) -> str:
+    """The checkpoint key of adapted layer ``name`` after ``decoder.layers.``: the routed
+    experts' (``...mlp.experts.<proj>``) under megatron-core's ``mlp.experts.experts.``."""
+    rest = name.split(".", 3)[3]
+    if rest.startswith("mlp.experts.linear_fc"):
+        rest = rest.replace("mlp.experts.", "mlp.experts.experts.", 1)
+    return rest
+
+
+def lora_modules(model: torch.nn.Module) -> Dict[str, torch.nn.Module]:
+    """{global name of the base layer: its adapter} for the adapters in ``model`` (a routed
+    experts' projection ``...mlp.experts.linear_fc1``: its ``ExpertLoRAAdapter``)."""
+    from megatron.core.transformer.moe.expert_lora import ExpertLoRAAdapter
+
+    kinds = (LoRAAdapter, ExpertLoRAAdapter)
+    return {m.global_name: m for m in model.modules() if isinstance(m, kinds)}
 
 
 def global_module_name(model: torch.nn.Module, local_name: str) -> Optional[str]:
