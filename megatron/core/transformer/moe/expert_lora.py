@@ -56,6 +56,7 @@ class ExpertLoRAAdapter(torch.nn.Module):
         from megatron.core.transformer.lora import _init_method, _seed_of
 
         self.global_name, self.proj = global_name, proj
+        self.first_expert = experts.first_expert  # global index of local expert 0
         self.scale = lora.scale
         self.dropout, self.dropout_position = lora.dropout, lora.dropout_position
         self.group = experts.tp_group
