@@ -253,6 +253,14 @@ PEFT_EXPERTS = {
 }
 
 
+def check_peft_form(arch: HFArchitecture, lora: LoRAConfig) -> None:
+    """Refuse (ValueError naming ``--merge-lora``) adapters on routed experts of a family
+    whose expert parameters have no PEFT form here; before a run that would export them."""
+    experts = [n for n in adapted_layers(arch, lora) if ".local_experts." in n]
+    if experts:
+        _expert_parameter(arch, experts[0].split(".local_experts.")[0], "linear_fc1")
+
+
 def _expert_parameter(arch: HFArchitecture, layer: str, proj: str) -> str:
     """The transformers parameter of our ``<layer>.mlp.experts`` projection ``proj``
     (``model.layers.3.mlp.experts.gate_up_proj``); a family without one is refused."""

@@ -28,7 +28,8 @@ from megatron.training.checkpointing import checkpoint_dir
 from megatron.training.errors import UsageError
 from megatron.training.hf import model_from_hf, read_hf_config
 from megatron.training.hf.__main__ import main as hf_cli
-from megatron.training.hf.peft import load_peft_adapter, read_peft_config
+from megatron.training.hf.peft import load_peft_adapter, lora_settings_of_peft, read_peft_config
+from megatron.training.hf_settings import resolve_hf_model
 from megatron.training.training import pretrain
 from tests.unit_tests.dist_utils import fresh_layout, rel_error
 from tests.unit_tests.hf.hf_models import (
@@ -197,6 +198,27 @@ def test_expert_adapters_export_as_a_peft_adapter_that_peft_loads(tmp_path, fami
     with torch.no_grad():
         back = model.eval()(ids, torch.arange(ids.shape[1]).expand_as(ids))
     assert rel_error(back, ours) <= 1e-6
+    # --hf-adapter without targets: the adapter's target_parameters name every expert
+    targets = lora_settings_of_peft(adapter, read_hf_config(base)[0])["lora_target_modules"]
+    assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2" in targets
+
+
+def test_expert_adapters_of_a_family_without_a_peft_form_are_refused_before_the_run(
+    tmp_path, monkeypatch
+):
+    """A family whose experts have no PEFT form here (none today: the table is emptied):
+    ``--export-hf`` of expert adapters is refused before the run, naming ``--merge-lora``;
+    with ``--merge-lora``, or with the experts left out, the run is accepted."""
+    from megatron.training.hf import peft
+
+    base = write_random_hf_model(tmp_path / "base", MOE_CONFIGS["mixtral"])
+    run = dict(hf_model=str(base), export_hf=str(tmp_path / "out"), **LORA, **RUN)
+    resolve_hf_model(TrainingConfig(**run))  # positive control: mixtral has the form
+    monkeypatch.setattr(peft, "PEFT_EXPERTS", {})
+    with pytest.raises(ValueError, match=r"mixtral model have no PEFT.*--merge-lora"):
+        resolve_hf_model(TrainingConfig(**run))
+    resolve_hf_model(TrainingConfig(**run, merge_lora=True))
+    resolve_hf_model(TrainingConfig(**run, **EXPERTS_OUT))
 
 
 def test_adapters_on_some_layers_save_resume_and_export(tmp_path):
