@@ -154,13 +154,15 @@ MOE_CONFIGS = {
                       num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True),
     "olmoe": dict(LLAMA_CONFIG, model_type="olmoe", num_experts=4, num_experts_per_tok=2,
                   norm_topk_prob=False),
+    "qwen2_moe": dict(QWEN2_MOE_CONFIG, mlp_only_layers=[]),  # with a gated shared expert
 }  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "family",
     ["mixtral", pytest.param("qwen3_moe", marks=pytest.mark.slow),
-     pytest.param("olmoe", marks=pytest.mark.slow)],
+     pytest.param("olmoe", marks=pytest.mark.slow),
+     pytest.param("qwen2_moe", marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_expert_adapters_export_as_a_peft_adapter_that_peft_loads(tmp_path, family):
     """The default targets adapt every routed expert's fc1 / fc2 (one A, B each): trained,
