@@ -530,6 +530,12 @@ def _check_lora_targets(c: Config) -> None:
             f"routed experts {picked} of {where} but not the others: expert adapters go on "
             "every expert of a layer's projection or on none",
         )
+        etp = c.expert_tensor_parallel_size or c.tensor_model_parallel_size
+        _require(
+            not picked or not where.endswith("linear_fc1") or c.lora_dim % etp == 0,
+            f"--lora-dim {c.lora_dim} is not divisible by the expert-tensor-parallel size "
+            f"{etp} (--etp; the adapters of {where} split their rank over it)",
+        )
         _require(
             not picked or c.fp8_format is None,
             f"--lora-target-modules {' '.join(c.lora_target_modules)} adapts the routed "

@@ -32,6 +32,7 @@ SMALL = dict(
     lr=1e-2,
 )
 LORA = dict(lora_dim=4, lora_alpha=8.0, lora_b_init_method="normal")
+MOE = dict(num_experts=4, moe_router_topk=2, disable_bias_linear=True, num_layers=2, lora_dim=4)
 
 
 def _run(**changes) -> List[float]:
@@ -216,12 +217,26 @@ def test_an_adapter_only_checkpoint_without_its_base_is_refused():
         (dict(lora_dim=3, tensor_model_parallel_size=2), "--lora-dim 3 is not divisible"),
         (dict(lora_dim=4, lora_target_modules=["qkv"]), "'qkv': expected one of"),
         (dict(lora_dim=4, save_trainable_params_only=True), "needs --save DIR"),
+        (
+            dict(
+                MOE,
+                lora_dim=3,
+                expert_model_parallel_size=2,
+                expert_tensor_parallel_size=2,
+                lora_target_modules=["*.experts.*"],
+            ),
+            r"--lora-dim 3 is not divisible by the expert-tensor-parallel size 2 \(--etp",
+        ),
     ],
-    ids=["alpha", "save-trainable", "targets", "dim-tp", "unknown-target", "no-save"],
+    ids=["alpha", "save-trainable", "targets", "dim-tp", "unknown-target", "no-save", "dim-etp"],
 )
 def test_lora_flags_are_refused_by_name(changes, message):
     config = TrainingConfig(**{**SMALL, **changes})
-    world = config.tensor_model_parallel_size
+    world = (
+        config.tensor_model_parallel_size
+        * (config.expert_tensor_parallel_size or 1)
+        * (config.expert_model_parallel_size)
+    )
     with pytest.raises(UsageError, match=message):
         validate_config(config, world)
 
@@ -242,9 +257,6 @@ def test_targets_that_leave_a_pipeline_stage_without_adapters_are_refused_on_eve
     # positive control: a target on both stages trains
     _run(lora_dim=4, lora_target_modules=["*.layers.0.*", "*.layers.3.*"], train_iters=1,
          pipeline_model_parallel_size=2)  # fmt: skip
-
-
-MOE = dict(num_experts=4, moe_router_topk=2, disable_bias_linear=True, num_layers=2, lora_dim=4)
 
 
 @pytest.mark.world(1)
