@@ -9,8 +9,9 @@ both start non-zero (``lora_B_init_method="xavier"``), so neither gradient is tr
 
 One process (``SequentialMLP`` and ``GroupedMLP``) runs in-process in the default run; EP 2,
 ETP 2 (TP 2 with SP) and EP 2 x ETP 2 go through the schedule, DDP and
-``finalize_model_grads`` (slow). The negative control drops the ETP sum of the fc2 adapter's
-rank-space activations: its B shards then see a partial input and the gradients differ.
+``finalize_model_grads`` (slow). Negative controls: the ETP sum of the fc2 adapter's
+rank-space activations dropped (its B shards see a partial input), and the expert adapters
+reduced over data parallelism instead of expert data parallelism; both are caught.
 """
 
 import functools
@@ -275,3 +276,21 @@ def test_negative_control_fc2_adapter_not_summed_over_etp(monkeypatch):
     monkeypatch.setattr(expert_lora, "all_reduce_with_summed_grad", lambda h, group: h)
     failures = gather_failures(_distributed_failures(case))
     assert any("linear_fc2.adapter" in f for f in failures), failures[:5]
+
+
+@pytest.mark.slow
+@pytest.mark.world(2)
+def test_negative_control_expert_adapters_reduced_over_data_parallel(monkeypatch):
+    """Expert adapters marked as dense parameters (``allreduce`` True): at EP 2 over DP 2
+    DDP averages each rank's experts' gradients with the other rank's (other experts)."""
+    case = C(ep=2, etp=1, dp=2, mask="uneven", losses="aux")
+    reference(case.with_(dp=1, mb=2).model_key())
+    init = expert_lora._Stacked.__init__
+
+    def dense(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.weight.allreduce = True
+
+    monkeypatch.setattr(expert_lora._Stacked, "__init__", dense)
+    failures = gather_failures(_distributed_failures(case))
+    assert any("local_experts" in f and ".adapter." in f for f in failures), failures[:5]
