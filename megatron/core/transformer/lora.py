@@ -39,7 +39,6 @@ Written here because no library does TP-sharded LoRA on megatron-core's layers (
 
 import dataclasses
 import math
-import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -51,6 +50,7 @@ from megatron.core.config_rules import LORA_INIT_METHODS as INIT_METHODS
 from megatron.core.config_rules import LORA_TARGETS, lora_is_pattern, lora_pattern_matches
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.lora_init import adapter_init_method, adapter_seed
 
 
 @dataclass
@@ -118,14 +118,14 @@ def apply_lora(model: torch.nn.Module, lora: LoRAConfig) -> List[str]:
     (``moe.expert_lora``). A target that is not a tensor-parallel linear layer (a Transformer
     Engine layer) is refused by name; so is a configuration that matches no layer on any
     stage (checked by the caller, who sees every stage)."""
-    from megatron.core.transformer.moe.experts import _LocalExperts
+    from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
 
     for param in model.parameters():
         param.requires_grad_(False)
     added = []
     for name, module in list(model.named_modules()):
         global_name = global_module_name(model, name)
-        if global_name is not None and isinstance(module, _LocalExperts):
+        if global_name is not None and isinstance(module, (SequentialMLP, GroupedMLP)):
             added += _adapt_experts(module, lora, global_name)
             continue
         if global_name is None or not lora.matches(global_name):
@@ -284,9 +284,9 @@ class LoRAAdapter(torch.nn.Module):
             use_cpu_initialization=base.config.use_cpu_initialization,
             gradient_accumulation_fusion=base.config.gradient_accumulation_fusion,
         )
-        generator = torch.Generator().manual_seed(_seed_of(lora.seed, global_name))
-        init_a = _init_method(lora.lora_A_init_method, generator)
-        init_b = _init_method(lora.lora_B_init_method, generator)
+        generator = torch.Generator().manual_seed(adapter_seed(lora.seed, global_name))
+        init_a = adapter_init_method(lora.lora_A_init_method, generator)
+        init_b = adapter_init_method(lora.lora_B_init_method, generator)
         stride = getattr(base.weight, "partition_stride", 1)
         # A [dim, in] is split like the base layer's input: row-parallel when the base is.
         linear_in = dict(config=config, init_method=init_a, bias=False, tp_group=base.tp_group)
@@ -365,23 +365,6 @@ class _WithAdapter:
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> tuple:
         out, bias = self.base_forward(x, *args, **kwargs)
         return out + self.adapter(x), bias
-
-
-def _init_method(name: str, generator: torch.Generator) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The init of a full [out, in] adapter weight from ``generator``: xavier (normal),
-    normal (std 0.02), kaiming (uniform, a = sqrt(5), torch.nn.Linear's), zero."""
-    init = torch.nn.init
-    return {
-        "xavier": lambda w: init.xavier_normal_(w, generator=generator),
-        "normal": lambda w: init.normal_(w, std=0.02, generator=generator),
-        "kaiming": lambda w: init.kaiming_uniform_(w, a=math.sqrt(5), generator=generator),
-        "zero": init.zeros_,
-    }[name]
-
-
-def _seed_of(seed: int, name: str) -> int:
-    """The adapter's generator seed: (seed, the layer's global name), layout-free."""
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
 def _in_every_layer(lora: LoRAConfig, global_name: str, num_layers: int) -> bool:

@@ -304,7 +304,7 @@ def _expert_keys(arch: HFArchitecture, layers: List[str]) -> Dict[Tuple[str, str
 
 def _load_expert_adapter(adapter, full: Dict[str, torch.Tensor]) -> None:
     """Copy this rank's experts' (and expert-TP shards') A and B out of ``full``."""
-    from megatron.core.transformer.moe.expert_lora import _shard
+    from megatron.core.transformer.moe.expert_lora import strided_shard
 
     group = adapter.group
     size, rank = (1, 0) if group is None else (group.size(), group.rank())
@@ -317,7 +317,7 @@ def _load_expert_adapter(adapter, full: Dict[str, torch.Tensor]) -> None:
                 name = f"{layer}.local_experts.{first + i}.{adapter.proj}"
                 value = full[f"{name}.adapter.{part}.weight"]
                 dim, stride = param.partition_dim - 1, param.partition_stride
-                param[i].copy_(_shard(value, dim, stride, size, rank))
+                param[i].copy_(strided_shard(value, dim, stride, size, rank))
 
 
 def _source(arch: HFArchitecture, name: str) -> Source:

@@ -31,6 +31,7 @@ from megatron.core.tensor_parallel.mappings import (
     all_gather_last_dim_from_tensor_parallel_region,
     all_reduce_with_summed_grad,
 )
+from megatron.core.transformer.lora_init import adapter_init_method, adapter_seed
 
 PROJECTIONS = ("linear_fc1", "linear_fc2")
 
@@ -53,8 +54,6 @@ class ExpertLoRAAdapter(torch.nn.Module):
 
     def __init__(self, experts, proj: str, lora, global_name: str, expert_name: Callable) -> None:
         super().__init__()
-        from megatron.core.transformer.lora import _init_method, _seed_of
-
         self.global_name, self.proj = global_name, proj
         self.first_expert = experts.first_expert  # global index of local expert 0
         self.scale = lora.scale
@@ -76,13 +75,13 @@ class ExpertLoRAAdapter(torch.nn.Module):
         a_parts, b_parts = [], []
         for i in range(experts.num_local_experts):
             name = expert_name(experts.first_expert + i)
-            generator = torch.Generator().manual_seed(_seed_of(lora.seed, name))
+            generator = torch.Generator().manual_seed(adapter_seed(lora.seed, name))
             a = torch.empty(lora.dim, in_full, dtype=torch.float32)
             b = torch.empty(out_full, lora.dim, dtype=torch.float32)
-            _init_method(lora.lora_A_init_method, generator)(a)
-            _init_method(lora.lora_B_init_method, generator)(b)
-            a_parts.append(_shard(a, a_split, 1, etp, rank))
-            b_parts.append(_shard(b, b_split[0], b_split[1], etp, rank))
+            adapter_init_method(lora.lora_A_init_method, generator)(a)
+            adapter_init_method(lora.lora_B_init_method, generator)(b)
+            a_parts.append(strided_shard(a, a_split, 1, etp, rank))
+            b_parts.append(strided_shard(b, b_split[0], b_split[1], etp, rank))
         kind = dict(device=local.device, dtype=lora.params_dtype)
         self.linear_in = _Stacked(torch.stack(a_parts).to(**kind), a_split + 1, 1)
         self.linear_out = _Stacked(torch.stack(b_parts).to(**kind), b_split[0] + 1, b_split[1])
@@ -147,7 +146,7 @@ def _grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     )
 
 
-def _shard(full: torch.Tensor, dim: int, stride: int, size: int, rank: int) -> torch.Tensor:
+def strided_shard(full: torch.Tensor, dim: int, stride: int, size: int, rank: int) -> torch.Tensor:
     """Blocks rank, rank + size, ... of ``size * stride`` blocks along ``dim``."""
     if size == 1:
         return full
