@@ -294,3 +294,36 @@ def test_negative_control_expert_adapters_reduced_over_data_parallel(monkeypatch
     monkeypatch.setattr(expert_lora._Stacked, "__init__", dense)
     failures = gather_failures(_distributed_failures(case))
     assert any("local_experts" in f and ".adapter." in f for f in failures), failures[:5]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(C(ep=2, etp=1, dp=2), marks=pytest.mark.world(2), id="ep2"),
+     pytest.param(C(ep=1, etp=2, tp=2), marks=pytest.mark.world(2), id="etp2")],
+)  # fmt: skip
+def test_full_expert_adapters_load_into_their_ep_and_etp_shards(case: MoECase):
+    """``--hf-adapter``'s loader (``peft._load_expert_adapter``) puts every global expert's
+    full A and B (here another seed's, so not the values already there) into the rank that
+    holds the expert, each ETP rank its shard."""
+    from megatron.training.hf import peft
+
+    parallel_state.destroy_model_parallel()
+    single = build_gpt(make_config(C()), C(), ProcessGroupCollection())
+    apply_lora(single, LoRAConfig(**dict(LORA, seed=99)))
+    full = {}
+    for name, param, i in adapter_params(single):
+        full[name] = param.detach() if i is None else param.detach()[i]
+    groups = use_moe_layout(case)
+    gpt = build_gpt(make_config(case), case, groups)
+    apply_lora(gpt, LoRAConfig(**LORA))
+    for module in gpt.modules():
+        if isinstance(module, expert_lora.ExpertLoRAAdapter):
+            peft._load_expert_adapter(module, full)
+    failures = []
+    for name, param, i in adapter_params(gpt):
+        if i is not None and not torch.equal(
+            param.detach()[i], expected_shard(full[name], name, param, groups)
+        ):
+            failures.append(f"{name}: not its shard of the full adapter")
+    assert_no_failures(gather_failures(failures))
