@@ -12,7 +12,7 @@ defaults (query groups, FFN size, head size) come from ``resolved_model``. No to
 
 import re
 from dataclasses import dataclass
-from typing import Any, Collection, List, Optional, Sequence, Tuple
+from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
 
 from megatron.core import config_rules
 from megatron.core.config_rules import CP_COMM_TYPES
@@ -571,7 +571,7 @@ def _check_lora_expert_bias(c: Config) -> None:
 
 def _check_lora_targets(c: Config) -> None:
     """Before any worker starts: every --lora-target-modules pattern names some linear layer
-    of the model, and none of the chosen layers is a routed expert's (not supported)."""
+    of the model, and a layer's routed experts are adapted all or none per projection."""
     names = _lora_names(c)
 
     def named(name: str, patterns) -> bool:
@@ -583,15 +583,32 @@ def _check_lora_targets(c: Config) -> None:
             f"--lora-target-modules {target!r} matches no layer of the model (its linear "
             f"layers are named like {names[0]}, {names[-1]})",
         )
+    experts: Dict[str, List[bool]] = {}  # "<layer>.mlp.experts.<proj>" -> chosen per expert
     for name in names:
+        if ".mlp.experts.local_experts." in name:
+            layer, rest = name.split(".mlp.experts.local_experts.")
+            chosen = named(name, c.lora_target_modules) and not named(name, c.lora_exclude_modules)
+            experts.setdefault(f"{layer}.mlp.experts.{rest.split('.')[1]}", []).append(chosen)
+    for where, chosen in experts.items():
+        picked = [g for g, yes in enumerate(chosen) if yes]
         _require(
-            ".experts." not in name
-            or not named(name, c.lora_target_modules)
-            or named(name, c.lora_exclude_modules),
-            f"--lora-target-modules {' '.join(c.lora_target_modules)}: LoRA target {name} is "
-            "a routed expert's linear layer: adapters on experts are not supported; leave them "
-            "out (--lora-exclude-modules '*.experts.*') or name the layers to adapt "
-            "(--lora-target-modules linear_qkv linear_proj)",
+            len(picked) in (0, len(chosen)),
+            f"--lora-target-modules {' '.join(c.lora_target_modules)} (less "
+            f"--lora-exclude-modules {' '.join(c.lora_exclude_modules) or '(none)'}) adapts "
+            f"routed experts {picked} of {where} but not the others: expert adapters go on "
+            "every expert of a layer's projection or on none",
+        )
+        etp = c.expert_tensor_parallel_size or c.tensor_model_parallel_size
+        _require(
+            not picked or not where.endswith("linear_fc1") or c.lora_dim % etp == 0,
+            f"--lora-dim {c.lora_dim} is not divisible by the expert-tensor-parallel size "
+            f"{etp} (--etp; the adapters of {where} split their rank over it)",
+        )
+        _require(
+            not picked or c.fp8_format is None,
+            f"--lora-target-modules {' '.join(c.lora_target_modules)} adapts the routed "
+            f"experts of {where}, which do not take adapters with --fp8-format {c.fp8_format} "
+            "(FP8 expert GEMMs); add --lora-exclude-modules '*.experts.*'",
         )
 
 
