@@ -546,6 +546,7 @@ def check_param_count(c: MLAShape, layers: int, mla: bool = True) -> Optional[st
     attention = mla_fields(c)
     if not mla:
         keep = ("hidden_size", "num_attention_heads", "kv_channels", "normalization")
+        keep += ("hidden_dropout", "attention_dropout")
         attention = {k: attention[k] for k in keep} | {"add_bias_linear": False}
     config = (MLATransformerConfig if mla else TransformerConfig)(
         num_layers=layers,
