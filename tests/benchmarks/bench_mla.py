@@ -34,8 +34,9 @@ layers of DeepSeek-V2-Lite's shape.
 Every variant starts from the same weights (each parameter drawn N(0, 0.02) from a generator
 seeded by its name, norms 1) and the same input, so ``out`` / ``dx`` (the output and the
 input gradient of the first step, each dotted with a fixed random probe) must agree across
-variants up to bf16 rounding: the table prints their relative difference to the first
-variant. Timing: ``--warmup`` steps, then the median of ``--steps`` (each bracketed by
+variants up to bf16 rounding: the table prints the difference of the dots to the first
+variant's over the norm of its tensor (about ||a - b|| / ||a||; bf16: ~3e-3, wrong maths:
+~1). Timing: ``--warmup`` steps, then the median of ``--steps`` (each bracketed by
 ``torch.cuda.synchronize``); peak = ``torch.cuda.max_memory_allocated`` over the timed steps.
 TFLOP/s = 3 x forward FLOPs / time, forward FLOPs = b (2 s P + s^2 n (d_qk + d_v)) with P the
 layer's projection weights, n heads, d_qk = 192, d_v = 128 (causal attention counted half;
@@ -243,10 +244,12 @@ def layer_flops(c: MLAShape, seq: int, batch: int) -> float:
     return 3 * batch * (2 * seq * weights + seq * seq * n * (dqk + dv))
 
 
-def _probe(t: torch.Tensor, seed: int) -> float:
-    """t dotted with a fixed N(0, 1) probe, over its size (the same in every process)."""
+def _probe(t: torch.Tensor, seed: int) -> tuple:
+    """(t dotted with a fixed N(0, 1) probe, ||t||), the same probe in every process: the
+    dots of two tensors a, b differ by about ||a - b||."""
+    t = t.detach().double().cpu()
     probe = torch.randn(t.shape, generator=torch.Generator().manual_seed(seed))
-    return float((t.detach().float().cpu() * probe).sum()) / t.numel()
+    return float((t * probe).sum()), float(t.norm())
 
 
 def time_layer(
@@ -274,7 +277,8 @@ def time_layer(
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
         if i == 0:
-            probes = {"out": _probe(out, 2), "dx": _probe(x.grad, 3)}
+            (out_dot, out_norm), (dx_dot, dx_norm) = _probe(out, 2), _probe(x.grad, 3)
+            probes = dict(out=out_dot, out_norm=out_norm, dx=dx_dot, dx_norm=dx_norm)
         x.grad = None
         del out
     median = statistics.median(times)
@@ -672,8 +676,8 @@ def print_layer_table(results: dict, c: MLAShape, args, dtype) -> None:
         if "error" in r:
             print(f"| {name} | FAILED: {r['error']} | | | | |")
             continue
-        d_out = abs(r["out"] - ref["out"]) / max(abs(ref["out"]), 1e-30)
-        d_dx = abs(r["dx"] - ref["dx"]) / max(abs(ref["dx"]), 1e-30)
+        d_out = abs(r["out"] - ref["out"]) / max(ref["out_norm"], 1e-30)
+        d_dx = abs(r["dx"] - ref["dx"]) / max(ref["dx_norm"], 1e-30)
         print(
             f"| {name} | {r['ms']:.2f} | {r['tflops']:.1f} | {r['peak_gib']:.2f} | "
             f"{d_out:.1e} | {d_dx:.1e} |"
