@@ -20,7 +20,10 @@ layers of DeepSeek-V2-Lite's shape.
   ``get_gpt_layer_local_spec(multi_latent_attention=True)``, run in a child process of the
   same launch by ``--mcore-python`` (default ``$MCORE_PYTHON``, else this interpreter) with
   ``PYTHONPATH`` = ``--mcore-path`` (default: none) and the working directory ``/``, so that
-  this repository is not imported. Without Transformer Engine 0.16.1's local MLA does not
+  this repository is not imported (where megatron-core is not installed, e.g. a lent GPU
+  machine with no registry: copy its package folder, ``site-packages/megatron``, 17 MB, pure
+  Python for this layer, numpy and packaging its only other needs, into a folder DIR that
+  travels, and pass ``--mcore-path DIR``). Without Transformer Engine 0.16.1's local MLA does not
   build as shipped; the child applies two shims (``mcore_worker``): its local
   ``DotProductAttention`` does not take the ``k_channels`` / ``v_channels`` that
   ``MLASelfAttention`` passes (TypeError; a subclass drops them: the local core attention
