@@ -160,41 +160,76 @@ SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 WINDOWED_CP_COMM_TYPES = ("a2a",)
 
 
+def window_attn_skip_freq_valid(freq: object, num_layers: int) -> bool:
+    """``window_attn_skip_freq`` (megatron-core's field) is None (every layer has the
+    window), an int >= 1 (every freq-th layer, 1-based, has full attention) or one 0/1 per
+    layer (1: the window, 0: full attention)."""
+    if freq is None:
+        return True
+    if _is_int(freq):
+        return freq >= 1
+    return (
+        isinstance(freq, (list, tuple))
+        and len(freq) == num_layers
+        and all(_is_int(x) and x in (0, 1) for x in freq)
+    )
+
+
+def window_attn_skip_freq_problems(freq: object, window_size: object, num_layers: int) -> List[str]:
+    """What is wrong with ``window_attn_skip_freq`` (its value, and the window it picks
+    layers for), each message naming the field, its value and what was expected."""
+    if freq is None:
+        return []
+    if not window_attn_skip_freq_valid(freq, num_layers):
+        return [
+            f"window_attn_skip_freq={freq!r}; expected None, an int >= 1 or a list of "
+            f"num_layers ({num_layers}) values 0 (full attention) or 1 (sliding window)"
+        ]
+    if window_left(window_size) is None:
+        return [
+            f"window_attn_skip_freq={freq!r} needs window_size (LEFT, 0) with LEFT >= 0 (it "
+            f"says which layers keep the sliding window), got window_size={window_size!r}"
+        ]
+    return []
+
+
+def is_window_layer(window_size, freq, layer_number: int) -> bool:
+    """Whether global layer ``layer_number`` (1-based) has ``window_size``'s sliding window,
+    as megatron-core's ``is_layer_window_attention``: all layers when ``freq`` is None, all
+    but every freq-th for an int, entry layer_number - 1 of a list."""
+    if window_left(window_size) is None:
+        return False
+    if freq is None:
+        return True
+    if _is_int(freq):
+        return layer_number % freq != 0
+    return bool(freq[layer_number - 1])
+
+
+def layer_window_size(window_size, freq, layer_number: int) -> Optional[Tuple[int, int]]:
+    """The ``window_size`` of global layer ``layer_number``: None for a full-attention one."""
+    if not is_window_layer(window_size, freq, layer_number):
+        return None
+    return tuple(window_size)
+
+
 def unwindowed_cp_layers(
     window_size, skip_freq, cp_comm_type, num_layers: int
 ) -> List[Tuple[int, Optional[str]]]:
     """(layer number, its cp_comm_type) of the layers with a sliding window whose
     cp_comm_type cannot compute it at CP > 1."""
-    if window_left(window_size) is None:
-        return []
     kinds = cp_comm_kinds(cp_comm_type)
     out = []
     for layer in range(1, num_layers + 1):
         kind = kinds[layer - 1] if len(kinds) == num_layers else kinds[0]
-        windowed = layer_window_size(window_size, skip_freq, layer) is not None
+        windowed = is_window_layer(window_size, skip_freq, layer)
         if windowed and (kind or "all_gather") not in WINDOWED_CP_COMM_TYPES:
             out.append((layer, kind))
     return out
 
 
-def layer_window_size(
-    window_size: Optional[Sequence[int]], skip_freq: object, layer_number: int
-) -> Optional[Sequence[int]]:
-    """The window of layer ``layer_number`` (1-based): ``window_size`` on the sliding layers,
-    None on the full ones. ``skip_freq`` (megatron-core's ``window_attn_skip_freq``): None,
-    every layer slides; an int N, every N-th layer is full; a list, 1 = slides, 0 = full."""
-    if window_size is None or skip_freq is None:
-        return window_size
-    if _is_int(skip_freq):
-        return window_size if layer_number % skip_freq else None
-    return window_size if skip_freq[layer_number - 1] else None
-
-
 def gpt_oss_problems(
     softmax_type: object,
-    skip_freq: object,
-    window_size: object,
-    num_layers: int,
     glu_linear_offset: object,
     clamp: object,
     gated: bool,
@@ -204,24 +239,6 @@ def gpt_oss_problems(
     out = []
     if softmax_type not in SOFTMAX_TYPES:
         out.append(f"softmax_type={softmax_type!r}; expected one of {SOFTMAX_TYPES}")
-    if skip_freq is not None:
-        if window_size is None:
-            out.append(
-                f"window_attn_skip_freq={skip_freq!r} needs window_size (it says which layers "
-                "keep the sliding window)"
-            )
-        elif _is_int(skip_freq):
-            if skip_freq < 1:
-                out.append(f"window_attn_skip_freq={skip_freq!r}; expected an int >= 1")
-        elif not (
-            isinstance(skip_freq, (list, tuple))
-            and len(skip_freq) == num_layers
-            and all(v in (0, 1) and not isinstance(v, float) for v in skip_freq)
-        ):
-            out.append(
-                f"window_attn_skip_freq={skip_freq!r}; expected an int >= 1 or a list of "
-                f"num_layers ({num_layers}) values 0 (full attention) or 1 (sliding window)"
-            )
     offset_set = glu_linear_offset not in (0, 0.0)
     if not isinstance(glu_linear_offset, (int, float)) or isinstance(glu_linear_offset, bool):
         out.append(f"glu_linear_offset={glu_linear_offset!r}; expected a number")
@@ -239,6 +256,14 @@ def gpt_oss_problems(
                 "clamps the gated unit's two halves)"
             )
     return out
+
+
+def softcap_valid(value: object) -> bool:
+    """A logit soft-cap (``attn_logit_softcapping``, ``final_logit_softcapping``): None (off)
+    or a finite number > 0."""
+    if value is None:
+        return True
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
 
 
 def _is_int(value: object) -> bool:
@@ -281,6 +306,26 @@ def moe_layer_pattern(moe_layer_freq, num_layers: int) -> Optional[List[int]]:
 # LoRA (megatron.core.transformer.lora; the trainer's --lora-* flags): the layers an adapter
 # can go on, the init methods of A and B, and where dropout acts (Megatron-Bridge's names).
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+# multi-latent attention's projections (Megatron-Bridge's names), adaptable by name too
+LORA_MLA_TARGETS = (
+    "linear_q_down_proj",
+    "linear_q_up_proj",
+    "linear_q_proj",
+    "linear_kv_down_proj",
+    "linear_kv_up_proj",
+)
+LORA_ALL_TARGETS = LORA_TARGETS + LORA_MLA_TARGETS
+
+
+def lora_attention_names(mla: bool = False, q_lora: bool = True) -> Tuple[str, ...]:
+    """An attention's adaptable linear layers, in order (``mla``: multi-latent attention's,
+    with a q down/up pair when ``q_lora``, else one ``linear_q_proj``)."""
+    if not mla:
+        return ("linear_qkv", "linear_proj")
+    q = ("linear_q_down_proj", "linear_q_up_proj") if q_lora else ("linear_q_proj",)
+    return q + ("linear_kv_down_proj", "linear_kv_up_proj", "linear_proj")
+
+
 LORA_INIT_METHODS = ("xavier", "normal", "kaiming", "zero")
 LORA_DROPOUT_POSITIONS = ("pre", "post")
 
@@ -290,16 +335,17 @@ def lora_module_names(
     moe_pattern: Optional[Sequence[int]] = None,
     num_experts: int = 0,
     shared_experts: bool = False,
+    attention: Sequence[str] = ("linear_qkv", "linear_proj"),
 ) -> List[str]:
     """The global names of a GPT's linear layers an adapter pattern can name, in order:
-    per layer its attention's ``linear_qkv`` / ``linear_proj``, then a dense layer's
-    ``mlp.linear_fc1`` / ``linear_fc2``, or a MoE layer's (``moe_pattern[i]`` 1) routed
+    per layer its attention's ``attention`` layers (``lora_attention_names``), then a dense
+    layer's ``mlp.linear_fc1`` / ``linear_fc2``, or a MoE layer's (``moe_pattern[i]`` 1) routed
     experts ``mlp.experts.local_experts.<g>.linear_fc1`` / ``fc2`` (global expert g) and,
     with ``shared_experts``, ``mlp.shared_experts.linear_fc1`` / ``fc2``."""
     names = []
     for i in range(num_layers):
         p = f"decoder.layers.{i}."
-        names += [p + "self_attention.linear_qkv", p + "self_attention.linear_proj"]
+        names += [p + "self_attention." + n for n in attention]
         if moe_pattern and moe_pattern[i]:
             names += [f"{p}mlp.experts.local_experts.{g}.linear_fc{n}"
                       for g in range(num_experts) for n in (1, 2)]  # fmt: skip

@@ -26,6 +26,13 @@ averages over the D * C ranks of dp_cp, so with G = D * M micro-batches the step
 
 S_g its chosen-token NLL sum, P and N_w counted from the whole global batch before the step
 (``PreferenceStep``). No count is taken per shard or per micro-batch.
+
+Packed micro-batches (``--pack-sequences``, THD with ``PackedSeqParams``): one row holds the
+micro-batch's sequences as documents, in the same interleaved order (document 2i pair i's
+chosen side, 2i + 1 its rejected side), and a per-token ``sequence_index`` (the document
+of each position, -1 on the row's tail) that the CP split shards like the tokens. The
+per-sequence sums are then segment sums over ``sequence_index`` before the sum over CP; the
+rest is unchanged.
 """
 
 from dataclasses import dataclass
@@ -81,8 +88,21 @@ class PreferenceStep:
     chosen_tokens: int
 
     @classmethod
-    def of_global_batch(cls, loss_mask: torch.Tensor, microbatches: int) -> "PreferenceStep":
-        """The counts of a global batch's interleaved [2P, s] loss mask (before any split)."""
+    def of_global_batch(
+        cls,
+        loss_mask: torch.Tensor,
+        microbatches: int,
+        sequence_index: Optional[torch.Tensor] = None,
+    ) -> "PreferenceStep":
+        """The counts of a global batch's interleaved [2P, s] loss mask (before any split);
+        packed: its [R, t] rows and their ``sequence_index`` (module docstring)."""
+        if sequence_index is not None:
+            chosen = (sequence_index >= 0) & (sequence_index % 2 == 0)
+            return cls(
+                pairs=int((sequence_index.max(dim=-1).values + 1).sum().item()) // 2,
+                microbatches=microbatches,
+                chosen_tokens=int(loss_mask[chosen].sum().item()),
+            )
         return cls(
             pairs=loss_mask.shape[0] // 2,
             microbatches=microbatches,
@@ -99,15 +119,35 @@ def sum_over_cp(value: torch.Tensor, cp_group: Optional[dist.ProcessGroup]) -> t
 
 
 def sequence_log_probs(
-    token_losses: torch.Tensor, loss_mask: torch.Tensor, cp_group: Optional[dist.ProcessGroup]
+    token_losses: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cp_group: Optional[dist.ProcessGroup],
+    sequence_index: Optional[torch.Tensor] = None,
+    num_sequences: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(logp [n], token counts [n]) of each whole sequence of [n, s_c] per-token NLLs of this
     CP shard: the masked sums of -NLL, summed over the CP group (one collective; the
-    counts carry no gradient)."""
+    counts carry no gradient). Packed: the ``num_sequences`` documents of this shard's
+    [1, t_c] positions, by ``sequence_index`` (-1: no sequence)."""
     mask = loss_mask.to(token_losses.dtype)
-    partial = torch.stack([-(token_losses * mask).sum(-1), mask.detach().sum(-1)])
+    values = torch.stack([-(token_losses * mask), mask.detach()])
+    if sequence_index is None:
+        partial = values.sum(-1)
+    else:
+        index = sequence_index.reshape(-1)
+        kept = index >= 0
+        partial = values.new_zeros(2, num_sequences).index_add(
+            1, index[kept], values.flatten(1)[:, kept]
+        )
     total = sum_over_cp(partial, cp_group)
     return total[0], total[1].detach()
+
+
+def packed_sequence_count(cu_seqlens_padded: torch.Tensor) -> int:
+    """The documents of a packed row: the non-empty spans of its ``cu_seqlens_padded`` (the
+    last offset repeated past the last document adds none)."""
+    offsets = cu_seqlens_padded.reshape(-1)
+    return int((offsets[1:] > offsets[:-1]).sum().item())
 
 
 def pair_losses(
@@ -157,14 +197,18 @@ def preference_loss(
     loss_mask: torch.Tensor,
     cp_group: Optional[dist.ProcessGroup],
     output_tensor: torch.Tensor,
+    sequence_index: Optional[torch.Tensor] = None,
 ):
-    """The loss function of one micro-batch (bind the first five arguments): the legacy
+    """The loss function of one micro-batch (bind the first five arguments, and for a
+    packed row ``sequence_index``): the legacy
     two values ``(loss_g, reported)`` of the module docstring. ``reference``: the
     micro-batch's per-sequence reference log-probs [2b] (zeros: reference-free).
     ``reported`` holds ``[sum, count]`` pairs: the pair losses over pairs, the chosen NLL
     over N_w, and ``METRIC_KEYS``; every CP rank reports the same whole-sequence values, so
     a ratio over dp x cp is the global batch's (``reduce_reported_losses``)."""
-    logps, counts = sequence_log_probs(output_tensor, loss_mask, cp_group)
+    logps, counts = sequence_log_probs(
+        output_tensor, loss_mask, cp_group, sequence_index, reference.numel()
+    )
     losses = pair_losses(objective, logps, reference, counts)
     chosen_nll = -logps[0::2].sum()
     g, p = step.microbatches, max(step.pairs, 1)
@@ -181,12 +225,19 @@ def preference_loss(
 
 
 def reference_log_probs_loss(
-    loss_mask: torch.Tensor, cp_group: Optional[dist.ProcessGroup], output_tensor: torch.Tensor
+    loss_mask: torch.Tensor,
+    cp_group: Optional[dist.ProcessGroup],
+    output_tensor: torch.Tensor,
+    sequence_index: Optional[torch.Tensor] = None,
+    num_sequences: Optional[int] = None,
 ):
-    """The loss function of the forward-only reference pass (bind the first two arguments):
-    a zero loss and ``{"reference_logps": [logps]}``, the whole sequences' log-probs (a
-    one-element list, so that loss reporting does not read it as a [sum, count] pair)."""
-    logps, _ = sequence_log_probs(output_tensor.detach(), loss_mask, cp_group)
+    """The loss function of the forward-only reference pass (bind the first two arguments;
+    packed, ``sequence_index`` and ``num_sequences`` too): a zero loss and
+    ``{"reference_logps": [logps]}``, the whole sequences' log-probs (a one-element list,
+    so that loss reporting does not read it as a [sum, count] pair)."""
+    logps, _ = sequence_log_probs(
+        output_tensor.detach(), loss_mask, cp_group, sequence_index, num_sequences
+    )
     return output_tensor.sum() * 0.0, {REFERENCE_KEY: [logps]}
 
 

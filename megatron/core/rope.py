@@ -4,13 +4,25 @@ layers that use it (``transformer.attention``, ``fusions.fused_rope``); megatron
 
 import functools
 import math
-from typing import Callable, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from megatron.core.jit import jit_fuser
+
+
+class LayerAngles(NamedTuple):
+    """The RoPE angles of a model whose sliding-window layers have a base of their own
+    (``TransformerConfig.local_rotary_base``, Gemma 3): ``full`` for the full-attention
+    layers, ``local`` for the windowed ones; each layer's attention takes its own."""
+
+    full: Tensor
+    local: Tensor
+
+    def of_layer(self, window_layer: bool) -> Tensor:
+        return self.local if window_layer else self.full
 
 
 def apply_rotary_pos_emb(

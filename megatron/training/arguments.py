@@ -61,6 +61,7 @@ from megatron.training.validation import Layout, validate_config
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn")
+ROPE_TYPES = ("rope", "yarn")
 DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
 OPTIMIZERS = ("adam", "sgd")
 
@@ -107,6 +108,49 @@ def _moe(field: str, value=None, from_layout: bool = False) -> Sets:
     return Sets(
         field, value=value, when=lambda c: c.num_experts is not None, from_layout=from_layout
     )
+
+
+def moe_freq_type(text: str) -> Union[int, List[int]]:
+    """A ``--moe-layer-freq`` entry: an int, or megatron's list expression ("([0]*1+[1]*3)",
+    "[0,1,1,1]": lists of ints, ``*`` by an int, ``+``), evaluated without ``eval``."""
+    import ast
+
+    def value(node):
+        if isinstance(node, ast.Constant) and is_int(node.value):
+            return node.value
+        if isinstance(node, ast.List):
+            items = [value(e) for e in node.elts]
+            if all(is_int(i) for i in items):
+                return items
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Add) and isinstance(left, list) == isinstance(right, list):
+                return left + right
+            if isinstance(node.op, ast.Mult) and isinstance(left, list) and is_int(right):
+                return left * right
+        raise ValueError(text)
+
+    try:
+        return value(ast.parse(text.strip().strip("'\""), mode="eval").body)
+    except (SyntaxError, ValueError, RecursionError):
+        raise argparse.ArgumentTypeError(
+            f"--moe-layer-freq {text!r}: expected an int N, 0/1 entries or a list expression "
+            'such as "([0]*1+[1]*3)"'
+        ) from None
+
+
+def _mla(field: str) -> Sets:
+    """An ``MLATransformerConfig`` field, set only with ``--multi-latent-attention``."""
+    return Sets(field, when=_mla_on)
+
+
+def _mla_on(c) -> bool:
+    return c.multi_latent_attention
+
+
+def _mla_yarn_factor(c, _layout) -> float:
+    """``--rotary-scaling-factor`` for multi-latent attention (megatron's default 1)."""
+    return 1.0 if c.rotary_scaling_factor is None else c.rotary_scaling_factor
 
 
 def _fusion(field: str) -> Sets:
@@ -335,7 +379,8 @@ class TrainingConfig:
         help="pack documents (generated pairs or --data-path records) into rows of "
         "--seq-length tokens (THD format: documents never attend to each other, each "
         "padded to a multiple of 16, padding "
-        "and prompts masked out of the loss); needs --micro-batch-size 1",
+        "and prompts masked out of the loss); needs --micro-batch-size 1; with --dpo whole "
+        "pairs in rows of 2 x --seq-length, --global-batch-size counting rows (docs/dpo.md)",
     )
     # Model.
     num_layers: int = option(
@@ -393,7 +438,7 @@ class TrainingConfig:
         False,
         "--swiglu",
         kind=MODEL,
-        library=Sets("gated_linear_unit", value=lambda c, _: c.swiglu or c.quick_geglu),
+        library=Sets("gated_linear_unit", value=lambda c, _: c.swiglu or c.geglu or c.quick_geglu),
         help="gated MLP silu(x W_gate) * (x W_up) instead of gelu(x W_1)",
     )
     quick_geglu: bool = option(
@@ -428,6 +473,65 @@ class TrainingConfig:
         check=one_of(config_rules.SOFTMAX_TYPES),
         help="attention softmax: vanilla; learnable: attention sinks, a learned logit per head "
         "in the denominator (GPT-OSS); off-by-one: a sink of 0",
+    )
+    geglu: bool = option(
+        False,
+        "--geglu",
+        kind=MODEL,
+        help="gated MLP gelu(x W_gate) * (x W_up) (GELU's tanh approximation with "
+        "--openai-gelu: Gemma's gelu_pytorch_tanh)",
+    )
+    apply_layernorm_1p: bool = option(
+        False,
+        "--apply-layernorm-1p",
+        kind=MODEL,
+        library="layernorm_zero_centered_gamma",
+        help="zero-centred norm weights: norm(x) * (1 + weight), the weights starting at 0 "
+        "(Gemma's RMSNorm)",
+    )
+    sandwich_layernorm: bool = option(
+        False,
+        "--sandwich-layernorm",
+        kind=MODEL,
+        library="sandwich_layernorm",
+        help="a norm after attention and after the MLP as well, before each residual add "
+        "(Gemma 2 / 3)",
+    )
+    embedding_scale_sqrt_hidden: bool = option(
+        False,
+        "--embedding-scale-sqrt-hidden",
+        kind=MODEL,
+        library="embedding_scale_sqrt_hidden",
+        help="multiply the word embeddings by sqrt(hidden size) (Gemma)",
+    )
+    softmax_scale: Optional[float] = option(
+        None,
+        "--softmax-scale",
+        kind=MODEL,
+        library="softmax_scale",
+        type=float,
+        check=positive_number,
+        help="attention scores' scale; default: 1 / sqrt(kv-channels) (Gemma: "
+        "query_pre_attn_scalar ** -0.5)",
+    )
+    attn_logit_softcapping: Optional[float] = option(
+        None,
+        "--attn-logit-softcapping",
+        kind=MODEL,
+        library="attn_logit_softcapping",
+        type=float,
+        check=positive_number,
+        help="cap the attention scores: c * tanh(s / c) (Gemma 2; the explicit attention "
+        "kernel: --attention-backend auto, unfused or local)",
+    )
+    final_logit_softcapping: Optional[float] = option(
+        None,
+        "--final-logit-softcapping",
+        kind=MODEL,
+        library="final_logit_softcapping",
+        type=float,
+        check=positive_number,
+        help="cap the output logits: c * tanh(z / c) (Gemma 2)",
     )
     position_embedding_type: str = option(
         "learned_absolute",
@@ -504,7 +608,7 @@ class TrainingConfig:
         10000.0,
         "--rotary-base",
         kind=MODEL,
-        library=Sets("rotary_base", GPT_MODEL),
+        library=(Sets("rotary_base", GPT_MODEL), _mla("rotary_base")),
         check=positive_number,
         help="RoPE base (rope_theta)",
     )
@@ -513,9 +617,13 @@ class TrainingConfig:
         "--rotary-scaling-factor",
         kind=MODEL,
         type=float,
-        library=Sets("yarn_rotary_scaling_factor", when=lambda c: _yarn(c)),
+        library=(
+            Sets("yarn_rotary_scaling_factor", when=lambda c: _yarn(c)),
+            Sets("rotary_scaling_factor", value=_mla_yarn_factor, when=_mla_on),
+        ),
         check=positive_number,
-        help="--position-embedding-type yarn: the YaRN scaling factor",
+        help="the YaRN scaling factor (the context extension factor): --position-embedding-type "
+        "yarn's (needed there), or multi-latent attention's --rope-type yarn (default 1)",
     )
     yarn_original_max_position_embeddings: Optional[int] = option(
         None,
@@ -570,6 +678,25 @@ class TrainingConfig:
         check=positive_number,
         help="--use-rope-scaling: the factor long wavelengths are divided by",
     )
+    rotary_percent: float = option(
+        1.0,
+        "--rotary-percent",
+        kind=MODEL,
+        library=Sets("rotary_percent", GPT_MODEL),
+        check=Check("in (0, 1]", lambda v: is_number(v) and 0 < v <= 1),
+        help="fraction of each head's channels the rotary embedding rotates (the first "
+        "int(kv-channels x it); Phi-3's partial_rotary_factor); the rest pass unrotated",
+    )
+    rotary_seq_len_interpolation_factor: Optional[float] = option(
+        None,
+        "--rotary-seq-len-interpolation-factor",
+        kind=MODEL,
+        library=Sets("seq_len_interpolation_factor", GPT_MODEL),
+        type=float,
+        check=positive_number,
+        help="linear RoPE scaling: positions divided by this factor (with --local-rotary-base: "
+        "the full-attention layers' only, Gemma 3's rope_scaling); default: none",
+    )
     add_qkv_bias: bool = option(
         False,
         "--add-qkv-bias",
@@ -592,6 +719,112 @@ class TrainingConfig:
         library="qk_layernorm_whole_projection",
         help="with --qk-layernorm and RMSNorm: one norm over all heads of the query and of "
         "the key projection (weights [heads x kv-channels]), not one per head (OLMoE)",
+    )
+    # Multi-latent attention (megatron's flags and defaults; docs/deepseek.md). Off unless
+    # --multi-latent-attention.
+    multi_latent_attention: bool = option(
+        False,
+        "--multi-latent-attention",
+        kind=MODEL,
+        library=_mla("multi_latent_attention"),
+        help="multi-latent attention (DeepSeek-V2/V3: low-rank q and kv projections, a rotary "
+        "part shared by all heads); needs --position-embedding-type rope",
+    )
+    q_lora_rank: Optional[int] = option(
+        None,
+        "--q-lora-rank",
+        kind=MODEL,
+        library=_mla("q_lora_rank"),
+        type=int,
+        check=positive,
+        help="rank of the query's down projection; default: none (one q projection, "
+        "DeepSeek-V2-Lite)",
+    )
+    kv_lora_rank: int = option(
+        32,
+        "--kv-lora-rank",
+        kind=MODEL,
+        library=_mla("kv_lora_rank"),
+        check=positive,
+        help="rank of the key/value down projection",
+    )
+    qk_head_dim: int = option(
+        128,
+        "--qk-head-dim",
+        kind=MODEL,
+        library=_mla("qk_head_dim"),
+        check=positive,
+        help="per-head query/key dim without rotary embedding",
+    )
+    qk_pos_emb_head_dim: int = option(
+        64,
+        "--qk-pos-emb-head-dim",
+        kind=MODEL,
+        library=_mla("qk_pos_emb_head_dim"),
+        check=Check("an even integer >= 2", lambda v: is_int(v) and v >= 2 and v % 2 == 0),
+        help="per-head query/key dim with rotary embedding (the key's part shared by all heads)",
+    )
+    v_head_dim: int = option(
+        128,
+        "--v-head-dim",
+        kind=MODEL,
+        library=_mla("v_head_dim"),
+        check=positive,
+        help="per-head value dim",
+    )
+    rope_type: Optional[str] = option(
+        None,
+        "--rope-type",
+        kind=MODEL,
+        library=Sets(
+            "rope_type", when=lambda c: c.multi_latent_attention and c.rope_type is not None
+        ),
+        type=str,
+        choices=ROPE_TYPES,
+        check=one_of(ROPE_TYPES),
+        help="multi-latent attention's rotary embedding: rope, or yarn (default, with "
+        "--rotary-scaling-factor, --original-max-position-embeddings, --beta-fast, "
+        "--beta-slow, --mscale, --mscale-all-dim)",
+    )
+    original_max_position_embeddings: int = option(
+        4096,
+        "--original-max-position-embeddings",
+        kind=MODEL,
+        library=_mla("original_max_position_embeddings"),
+        check=positive,
+        help="yarn: the context length the model was trained at before extension",
+    )
+    beta_fast: float = option(
+        32.0,
+        "--beta-fast",
+        kind=MODEL,
+        library=_mla("beta_fast"),
+        check=positive_number,
+        help="yarn: rotations above which frequencies are kept",
+    )
+    beta_slow: float = option(
+        1.0,
+        "--beta-slow",
+        kind=MODEL,
+        library=_mla("beta_slow"),
+        check=positive_number,
+        help="yarn: rotations below which frequencies are interpolated",
+    )
+    mscale: float = option(
+        1.0,
+        "--mscale",
+        kind=MODEL,
+        library=_mla("mscale"),
+        check=non_negative_number,
+        help="yarn: mscale of the cos/sin scale",
+    )
+    mscale_all_dim: float = option(
+        0.0,
+        "--mscale-all-dim",
+        kind=MODEL,
+        library=_mla("mscale_all_dim"),
+        check=non_negative_number,
+        help="yarn: mscale_all_dim of the cos/sin and softmax scales",
     )
     openai_gelu: bool = option(
         False,
@@ -636,8 +869,19 @@ class TrainingConfig:
         nargs="+",
         one_or_list=True,
         metavar="N",
-        help="with --window-size: N, every N-th layer has full attention (GPT-OSS: 2); or one "
-        "value per layer, 1 = sliding window, 0 = full attention",
+        help="with --window-size: N, every N-th layer (1-based) has full attention, the others "
+        "the window (GPT-OSS and Gemma 2: 2, Gemma 3: 6); or one value per layer, 1 = sliding "
+        "window, 0 = full attention; default: every layer has the window",
+    )
+    local_rotary_base: Optional[float] = option(
+        None,
+        "--local-rotary-base",
+        kind=MODEL,
+        library="local_rotary_base",
+        type=float,
+        check=positive_number,
+        help="RoPE base of the sliding-window layers (Gemma 3's rope_local_base_freq); "
+        "default: --rotary-base",
     )
     hf_model: Optional[str] = option(
         None,
@@ -650,6 +894,27 @@ class TrainingConfig:
         f"of {HF_FAMILIES}; docs/huggingface.md): its config.json sets the model options "
         "above (an explicit conflicting one is an error), its weights are loaded at any "
         "layout, and with --data-path its tokenizer is the default --tokenizer",
+    )
+    # Multi-token prediction (megatron's flags; docs/deepseek.md). Off unless --mtp-num-layers.
+    mtp_num_layers: Optional[int] = option(
+        None,
+        "--mtp-num-layers",
+        kind=MODEL,
+        library="mtp_num_layers",
+        type=int,
+        metavar="K",
+        check=positive,
+        help="multi-token prediction depths (DeepSeek-V3's MTP) on the last pipeline stage, "
+        "each predicting one token further; the log gains 'mtp_1 loss' ... 'mtp_K loss'; "
+        "default: none",
+    )
+    mtp_loss_scaling_factor: float = option(
+        0.1,
+        "--mtp-loss-scaling-factor",
+        kind=OPTIMIZER,
+        library=Sets("mtp_loss_scaling_factor", when=lambda c: c.mtp_num_layers is not None),
+        check=Check("a finite number", is_number),
+        help="weight of the MTP loss (the mean of the depths' losses) added to the LM loss",
     )
     # Mixture of experts (megatron's flags; docs/moe.md). Off unless --num-experts.
     num_experts: Optional[int] = option(
@@ -796,11 +1061,12 @@ class TrainingConfig:
         "--moe-layer-freq",
         kind=MODEL,
         library=_moe("moe_layer_freq"),
-        type=int,
+        type=moe_freq_type,
         nargs="+",
         one_or_list=True,
         metavar="N",
-        help="N: every N-th layer (0, N, 2N, ...) is a MoE layer; or one 0/1 per layer",
+        help="N: every N-th layer (0, N, 2N, ...) is a MoE layer; or one 0/1 per layer, as "
+        'entries (0 1 1 1) or megatron\'s list expression ("([0]*1+[1]*3)")',
     )
     moe_grouped_gemm: bool = option(
         False,
@@ -1207,8 +1473,10 @@ class TrainingConfig:
         type=str,
         nargs="+",
         metavar="MODULE",
-        help="with --lora-dim: linear_qkv, linear_proj, linear_fc1, linear_fc2, or wildcards "
-        "on the global module name (e.g. '*.layers.0.*.linear_qkv')",
+        help="with --lora-dim: linear_qkv, linear_proj, linear_fc1, linear_fc2 (with "
+        "--multi-latent-attention also linear_q_down_proj, linear_q_up_proj, linear_q_proj, "
+        "linear_kv_down_proj, linear_kv_up_proj), or wildcards on the global module name "
+        "(e.g. '*.layers.0.*.linear_qkv')",
     )
     lora_exclude_modules: Sequence[str] = option(
         (),

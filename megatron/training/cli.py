@@ -45,6 +45,7 @@ from megatron.training.hf_settings import resolve_hf_model
 from megatron.training.preflight import (
     adopt_checkpoint_settings,
     adoption_note,
+    check_dpo_reference,
     check_input_paths,
     check_output_paths,
 )
@@ -74,6 +75,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         config = resolve_hf_model(config, explicit)
         world_size = _world_size(config.nproc_per_node, under_torchrun)
         validate_config(config, world_size, explicit)
+        check_dpo_reference(config)
         check_output_paths(config)
     except Exception as exc:
         if debug or not is_usage_error(exc):

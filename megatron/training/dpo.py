@@ -34,12 +34,13 @@ from megatron.core.preference import (
     PreferenceObjective,
     PreferenceStep,
     objective_value,
+    packed_sequence_count,
     preference_loss,
     reference_log_probs_loss,
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe import moe_utils
-from megatron.training.arguments import Layout, TrainingConfig, flag_of, resolved_model
+from megatron.training.arguments import Layout, TrainingConfig
 from megatron.training.dpo_reference import FINETUNE, HF_MODEL, describe_source
 from megatron.training.evaluation import (
     WHOLE_SET,
@@ -48,9 +49,21 @@ from megatron.training.evaluation import (
     validation_enabled,
 )
 from megatron.training.model import build_model
-from megatron.training.preference_data import build_preference_dataset
+from megatron.training.preference_data import build_preference_dataset, packed_preference_dataset
+from megatron.training.preflight import check_reference_architecture
 
 ROWS_PER_PAIR = 2
+
+
+def rows_per_sample(config: TrainingConfig) -> int:
+    """Rows of one sample of the global batch: a pair's two rows, or one packed row
+    (``--pack-sequences``: ``preference_data.PackedPreferenceDataset``)."""
+    return 1 if config.pack_sequences else ROWS_PER_PAIR
+
+
+def row_length(config: TrainingConfig) -> int:
+    """Positions of a row: ``--seq-length``, a packed row twice that (one pair's room)."""
+    return 2 * config.seq_length if config.pack_sequences else config.seq_length
 
 
 class PreferenceTraining:
@@ -99,12 +112,18 @@ class PreferenceTraining:
             reference += f" ({describe_source(self.source)})"
         extras = f", label smoothing {o.label_smoothing}" if o.label_smoothing else ""
         extras += f", SFT weight {o.sft_weight}" if o.sft_weight else ""
-        return (
-            f"DPO: {o.loss_type} loss, beta {o.beta}{extras}; reference: {reference}; "
-            f"micro-batches of {self.config.micro_batch_size} pairs "
-            f"({self.config.micro_batch_size * ROWS_PER_PAIR} rows), global batch "
-            f"{self.config.global_batch_size} pairs"
-        )
+        if self.config.pack_sequences:
+            batches = (
+                f"whole pairs packed into rows of {row_length(self.config)} positions, "
+                f"global batch {self.config.global_batch_size} rows"
+            )
+        else:
+            batches = (
+                f"micro-batches of {self.config.micro_batch_size} pairs "
+                f"({self.config.micro_batch_size * ROWS_PER_PAIR} rows), global batch "
+                f"{self.config.global_batch_size} pairs"
+            )
+        return f"DPO: {o.loss_type} loss, beta {o.beta}{extras}; reference: {reference}; {batches}"
 
     def forward_step_func(self, global_batch: Dict[str, torch.Tensor], microbatches: List[dict]):
         """The policy's forward step for this global batch, after the reference pass has
@@ -112,13 +131,15 @@ class PreferenceTraining:
         for microbatch, logps in zip(microbatches, self._reference_log_probs(microbatches)):
             microbatch["reference_logps"] = logps
         step = PreferenceStep.of_global_batch(
-            global_batch["loss_mask"], self.layout.num_microbatches * self.layout.data_parallel_size
+            global_batch["loss_mask"],
+            self.layout.num_microbatches * self.layout.data_parallel_size,
+            sequence_index=global_batch.get("sequence_index"),
         )
         return functools.partial(policy_forward_step, self.objective, step, self.cp)
 
     def _reference_log_probs(self, microbatches: List[dict]) -> Iterator[torch.Tensor]:
         if self.reference is None:  # --dpo-reference-free
-            return (torch.zeros(m["tokens"].shape[0], device=comm_device()) for m in microbatches)
+            return (torch.zeros(_sequences(m), device=comm_device()) for m in microbatches)
         chunks = self.model if self.reference == "adapters off" else self.reference
         vpp = self.layout.virtual_pipeline_model_parallel_size
         with _preserved_rng_states(), _eval_mode(chunks), _adapters_off(chunks), torch.no_grad():
@@ -127,8 +148,8 @@ class PreferenceTraining:
                 data_iterator=[iter(microbatches) for _ in chunks] if vpp else iter(microbatches),
                 model=chunks if vpp else chunks[0],
                 num_microbatches=self.layout.num_microbatches,
-                seq_length=self.config.seq_length,
-                micro_batch_size=self.config.micro_batch_size * ROWS_PER_PAIR,
+                seq_length=row_length(self.config),
+                micro_batch_size=self.config.micro_batch_size * rows_per_sample(self.config),
                 pg_collection=self.pg,
                 forward_only=True,
             )
@@ -174,8 +195,8 @@ class PreferenceTraining:
                     ),
                     model=self.model if vpp else self.model[0],
                     num_microbatches=self.layout.num_microbatches,
-                    seq_length=self.config.seq_length,
-                    micro_batch_size=self.config.micro_batch_size * ROWS_PER_PAIR,
+                    seq_length=row_length(self.config),
+                    micro_batch_size=self.config.micro_batch_size * rows_per_sample(self.config),
                     pg_collection=self.pg,
                     forward_only=True,
                 )
@@ -221,19 +242,47 @@ def build_preference_validation(config: TrainingConfig) -> Optional[PreferenceVa
             "--eval-iters -1 needs a validation file (--valid-data-path or --split): the "
             "generated pairs are endless"
         )
-    whole = int(count) // gbs * gbs
+    left_out = None
+    if config.pack_sequences:
+        batches, whole, left_out = _packed_validation(dataset, available, config)
+    else:
+        whole = int(count) // gbs * gbs
+        rows = [side for i in range(whole) for side in dataset.pair_in_file_order(i)]
+        batches = [
+            {key: torch.stack([r[key] for r in rows[i : i + 2 * gbs]]) for key in rows[0]}
+            for i in range(0, len(rows), 2 * gbs)
+        ]
     if whole == 0:
+        unit = "rows of packed pairs" if config.pack_sequences else "pairs"
         raise ValueError(
             f"validation: {int(count)} pairs, fewer than one global batch (--global-batch-size "
-            f"{gbs}); give more validation pairs"
+            f"{gbs} {unit}); give more validation pairs"
         )
-    rows = [side for i in range(whole) for side in dataset.pair_in_file_order(i)]
-    batches = [
-        {key: torch.stack([r[key] for r in rows[i : i + 2 * gbs]]) for key in rows[0]}
-        for i in range(0, len(rows), 2 * gbs)
-    ]
     source = getattr(dataset, "name", "held-out generated pairs")
-    return PreferenceValidation(batches, whole, int(count) - whole, source, list(dataset.notes))
+    left_out = int(count) - whole if left_out is None else left_out
+    return PreferenceValidation(batches, whole, left_out, source, list(dataset.notes))
+
+
+def _packed_validation(dataset, available: float, config: TrainingConfig):
+    """(whole global batches of rows of packed pairs, in file order: at most ``--eval-iters``
+    of them; the pairs they hold; the pairs of a partial last batch)."""
+    gbs = config.global_batch_size
+    limit = math.inf if config.eval_iters == WHOLE_SET else config.eval_iters * gbs
+    count = None if available == math.inf else int(available)
+    packer = packed_preference_dataset(dataset, config.seq_length, count)
+    rows: List[dict] = []
+    while len(rows) < limit:
+        try:
+            rows.append(packer[len(rows)])
+        except IndexError:  # a finite set has ended
+            break
+    whole = len(rows) // gbs * gbs
+    pairs = [(int(r["sequence_index"].max()) + 1) // 2 for r in rows]
+    batches = [
+        {key: torch.stack([r[key] for r in rows[i : i + gbs]]) for key in rows[0]}
+        for i in range(0, whole, gbs)
+    ]
+    return batches, sum(pairs[:whole]), sum(pairs[whole:])
 
 
 def build_reference(config, layout, pg_collection, model, rebuild: Optional[dict] = None):
@@ -286,45 +335,37 @@ def _frozen(chunks: List[torch.nn.Module]) -> List[torch.nn.Module]:
     return chunks
 
 
-def check_reference_architecture(config: TrainingConfig) -> None:
-    """``--dpo-reference-hf-model DIR`` must build the policy's model: each model setting its
-    config.json gives equals the run's (else a ValueError naming both values)."""
-    from megatron.training.hf.config import read_hf_config, training_settings
-
-    source = config.dpo_reference_hf_model
-    try:
-        arch, _ = read_hf_config(source)
-    except (FileNotFoundError, NotADirectoryError, ValueError) as err:
-        raise type(err)(f"--dpo-reference-hf-model: {err}") from None
-    settings = training_settings(arch)
-    mine = resolved_model(config)
-    theirs = resolved_model({**mine, **settings})
-    differ = [
-        f"{flag_of(name)} {mine[name]} (its config.json gives {theirs[name]})"
-        for name in settings
-        if mine[name] != theirs[name]
-    ]
-    if differ:
-        raise ValueError(
-            f"--dpo-reference-hf-model {source} is not the policy's architecture: the run has "
-            f"{'; '.join(differ)}; the reference must have the policy's architecture and "
-            "tokenizer"
-        )
-
-
 def _model_call(batch: dict, model) -> torch.Tensor:
-    """The per-token NLLs of one micro-batch (the padding mask for MoE models)."""
+    """The per-token NLLs of one micro-batch (the padding mask for MoE models, the
+    ``packed_seq_params`` of a packed row)."""
     extra = {}
-    if batch.get("padding_mask") is not None:
-        extra["padding_mask"] = batch["padding_mask"]
+    for key in ("padding_mask", "packed_seq_params"):
+        if batch.get(key) is not None:
+            extra[key] = batch[key]
     return model(batch["tokens"], batch["position_ids"], labels=batch["labels"], **extra)
+
+
+def _sequences(batch: dict) -> int:
+    """The sequences of a micro-batch: its rows, or a packed row's documents."""
+    if "cu_seqlens_padded" in batch:
+        return packed_sequence_count(batch["cu_seqlens_padded"])
+    return batch["tokens"].shape[0]
+
+
+def _packing(batch: dict) -> dict:
+    """A packed row's ``sequence_index`` for the loss functions (none unpacked)."""
+    return {"sequence_index": batch["sequence_index"]} if "sequence_index" in batch else {}
 
 
 def reference_forward_step(cp_group, data_iterator, model):
     """The reference pass's forward step: per-sequence log-probs, reported."""
     batch = next(data_iterator)
     output = _model_call(batch, model)
-    return output, functools.partial(reference_log_probs_loss, batch["loss_mask"], cp_group)
+    packing = _packing(batch)
+    if packing:
+        packing["num_sequences"] = _sequences(batch)
+    loss_func = functools.partial(reference_log_probs_loss, batch["loss_mask"], cp_group, **packing)
+    return output, loss_func
 
 
 def policy_forward_step(objective, step, cp_group, data_iterator, model):
@@ -339,6 +380,7 @@ def policy_forward_step(objective, step, cp_group, data_iterator, model):
         batch.get("reference_logps"),
         batch["loss_mask"],
         cp_group,
+        **_packing(batch),
     )
     return output, loss_func
 

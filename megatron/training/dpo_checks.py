@@ -15,7 +15,6 @@ DPO_FIELDS = (
 )
 # (field, flag, why it cannot go with --dpo): a setting the preference objective would ignore
 _NOT_WITH_DPO = (
-    ("pack_sequences", "--pack-sequences", "pairs are not packed; leave it out"),
     (
         "calculate_per_token_loss",
         "--calculate-per-token-loss",

@@ -50,7 +50,13 @@ def resolve_hf_model(config, explicit=None):
     text = config.data_path or config.valid_data_path  # the tokenizer of either file
     if text is not None and config.tokenizer is None and tokenizer.is_file():
         changes["tokenizer"] = str(config.hf_model)
-    return replace(config, **changes)
+    resolved = replace(config, **changes)
+    if resolved.lora_dim is not None and resolved.export_hf and not resolved.merge_lora:
+        from megatron.training.hf.peft import check_peft_form
+        from megatron.training.lora_settings import lora_config
+
+        check_peft_form(arch, lora_config(resolved))  # before the run, not at its export
+    return resolved
 
 
 def _adapter_targets(config, arch, explicit, defaults) -> dict:

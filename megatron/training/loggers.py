@@ -25,6 +25,7 @@ before any worker starts).
 import importlib.util
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
@@ -60,6 +61,8 @@ VALIDATION_SCALAR_NAMES = {
 # moe_tokens_per_expert[l][e] -> this scalar (an extra of this core; megatron has none)
 TOKENS_PER_EXPERT_NAME = "moe/tokens_per_expert/layer_{layer}_expert_{expert}"
 EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb"}
+# metrics.jsonl keys of the multi-token prediction losses (scalar name "mtp_<k> loss")
+MTP_LOSS_KEY = re.compile(r"mtp_\d+_loss")
 
 
 @dataclass(frozen=True)
@@ -292,10 +295,22 @@ def scalars_of(record: Dict[str, Any], training: bool = True) -> Dict[str, float
         if record.get(key) is not None
     }
     if training:
+        scalars.update({mtp_scalar_name(k): float(v) for k, v in mtp_losses(record).items()})
         for layer, counts in enumerate(record.get("moe_tokens_per_expert") or []):
             for expert, count in enumerate(counts):
                 scalars[TOKENS_PER_EXPERT_NAME.format(layer=layer, expert=expert)] = float(count)
     return scalars
+
+
+def mtp_losses(record: Dict[str, Any]) -> Dict[str, float]:
+    """The record's multi-token prediction losses (``mtp_<k>_loss``), in depth order."""
+    keys = [key for key in record if MTP_LOSS_KEY.fullmatch(key) and record[key] is not None]
+    return {key: record[key] for key in sorted(keys, key=lambda k: int(k.split("_")[1]))}
+
+
+def mtp_scalar_name(key: str) -> str:
+    """megatron's name of ``mtp_<k>_loss``: "mtp_<k> loss" (``track_mtp_metrics``)."""
+    return key[: -len("_loss")] + " loss"
 
 
 def log_line(record: Dict[str, Any], train_iters: int) -> str:
@@ -310,6 +325,8 @@ def log_line(record: Dict[str, Any], train_iters: int) -> str:
     for key, name in SCALAR_NAMES.items():  # the router losses, megatron's names
         if key.startswith("moe_") and record.get(key) is not None:
             parts.append(f"{name}: {record[key]:.6E}")
+    for key, value in mtp_losses(record).items():  # megatron's "mtp_1 loss", ...
+        parts.append(f"{mtp_scalar_name(key)}: {value:.6E}")
     parts.append(f"elapsed time per iteration (ms): {1000 * record['iteration_time_s']:.1f}")
     parts.append(f"tokens per second: {record['tokens_per_s']:.0f}")
     return " | ".join(parts)

@@ -41,11 +41,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.loss_reporting import reduce_reported_losses
 from megatron.core.process_groups_config import ProcessGroupCollection, get_pg_rank, get_pg_size
 from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 from megatron.training.arguments import Layout, TrainingConfig
 from megatron.training.checkpoint_layout import checkpoint_dir, layout_record, settings_record
 from megatron.training.checkpoint_save import save_checkpoint
 from megatron.training.data import microbatches_for_rank
-from megatron.training.dpo import ROWS_PER_PAIR, dpo_line
+from megatron.training.dpo import dpo_line, row_length, rows_per_sample
 from megatron.training.dpo_reference import REFERENCE_SOURCE_KEY
 from megatron.training.errors import TrainingStopped
 from megatron.training.evaluation import Validation, ValidationSet, evaluate, evaluation_due
@@ -86,8 +87,14 @@ class Run:
 
     @property
     def rows(self) -> int:
-        """Rows of the data per sample: 2 for a preference pair (chosen, rejected), else 1."""
-        return ROWS_PER_PAIR if self.dpo is not None else 1
+        """Rows of the data per sample: 2 for a preference pair (chosen, rejected), else 1
+        (also a row of packed pairs)."""
+        return rows_per_sample(self.config) if self.dpo is not None else 1
+
+    @property
+    def row_length(self) -> int:
+        """Positions of a row: ``--seq-length``, a row of packed pairs twice that."""
+        return row_length(self.config) if self.dpo is not None else self.config.seq_length
 
     @property
     def scaled(self) -> bool:
@@ -152,6 +159,7 @@ def step(run: Run, iteration: int) -> Dict[str, Any]:
     global_batch, microbatches = run.upcoming
     for chunk in model:
         chunk.zero_grad_buffer()
+    MTPLossLoggingHelper.clean_loss_in_tracker()  # the step's MTP losses only
     per_shard = layout.context_parallel_size if config.per_shard_loss_normalization else None
     vpp = layout.virtual_pipeline_model_parallel_size
     forward_step_func = functools.partial(forward_step, per_shard_cp_size=per_shard)
@@ -162,7 +170,7 @@ def step(run: Run, iteration: int) -> Dict[str, Any]:
         data_iterator=[iter(microbatches) for _ in model] if vpp else iter(microbatches),
         model=model if vpp else model[0],
         num_microbatches=layout.num_microbatches,
-        seq_length=config.seq_length,
+        seq_length=run.row_length,
         micro_batch_size=config.micro_batch_size * run.rows,
         pg_collection=run.pg_collection,
         forward_only=False,
@@ -194,12 +202,13 @@ def step(run: Run, iteration: int) -> Dict[str, Any]:
         "tokens_per_s": data_tokens / seconds,
         "valid_tokens": int(global_batch["loss_mask"].sum().item()),
         "data_tokens": data_tokens,
-        "padding_tokens": config.global_batch_size * run.rows * config.seq_length - data_tokens,
+        "padding_tokens": config.global_batch_size * run.rows * run.row_length - data_tokens,
         "iteration_time_s": seconds,
         "skipped_iterations": run.skipped,
         "loss_scale": run.optimizer.get_loss_scale().item() if run.scaled else None,
         **_memory_record(),
         **_moe_record(config, layout, run.pg_collection),
+        **mtp_record(config, layout, run.pg_collection),
     }
 
 
@@ -334,7 +343,8 @@ def forward_step(data_iterator, model, per_shard_cp_size: Optional[int] = None):
 
     A microbatch with a ``padding_mask`` (this CP rank's shard, True = padding; the trainer
     keeps it for MoE models only) hands it to the model on every pipeline stage: MoE
-    layers leave padding out of their router losses and token counts.
+    layers leave padding out of their router losses and token counts. The chunk holding
+    multi-token prediction depths also gets the ``loss_mask`` (their rolled masks).
     ``per_shard_cp_size``: see ``loss_func`` (None: the exact objective).
     """
     batch = next(data_iterator)
@@ -344,8 +354,19 @@ def forward_step(data_iterator, model, per_shard_cp_size: Optional[int] = None):
         extra["packed_seq_params"] = packed
     if batch.get("padding_mask") is not None:
         extra["padding_mask"] = batch["padding_mask"]
+    if _has_mtp(model):  # multi-token prediction reads the loss mask
+        extra["loss_mask"] = batch["loss_mask"]
     output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], **extra)
     return output, functools.partial(loss_func, batch["loss_mask"], per_shard_cp_size)
+
+
+def _has_mtp(model) -> bool:
+    """Whether the chunk (through its wrappers) holds multi-token prediction depths."""
+    while model is not None:
+        if getattr(model, "mtp_process", False):
+            return True
+        model = getattr(model, "module", None)
+    return False
 
 
 def loss_func(
@@ -490,6 +511,24 @@ def _moe_record(
         elif values.numel():
             record[f"moe_{name}"] = float(values.double().mean())
     return record
+
+
+def mtp_record(
+    config: TrainingConfig, layout: Layout, pg_collection: Optional[ProcessGroupCollection]
+) -> Dict[str, float]:
+    """The step's multi-token prediction losses, ``mtp_<k>_loss`` (megatron's "mtp_k loss":
+    the mean over the microbatches and DP replicas of S_k / max(N_k, 1), N_k the whole
+    sequence's count), the same on every rank (collective: broadcast from the last pipeline
+    stage, which holds the MTP depths)."""
+    if not config.mtp_num_layers:
+        return {}
+    losses: Dict[str, float] = {}
+    MTPLossLoggingHelper.track_mtp_metrics(1.0 / layout.num_microbatches, 0, total_loss_dict=losses)
+    names = [f"mtp_{k} loss" for k in range(1, config.mtp_num_layers + 1)]
+    values = torch.tensor([losses.get(name, 0.0) for name in names], dtype=torch.float64)
+    values = values.to(comm_device())
+    broadcast_from_last_(values, None if pg_collection is None else pg_collection.pp)
+    return {name.replace(" ", "_"): value for name, value in zip(names, values.tolist())}
 
 
 def logged_router_losses(config: TrainingConfig) -> List[str]:

@@ -148,9 +148,8 @@ def transformer_config_from(config: TrainingConfig, layout: Layout) -> Transform
     """The TransformerConfig of a run: the fields its options declare (``option(...,
     library=...)`` in ``arguments.py``; a MoE field only with ``--num-experts``) and the few
     that no one option sets (``computed_fields``)."""
-    return TransformerConfig(
-        **library_values(config, layout, TRANSFORMER_CONFIG), **computed_fields(config)
-    )
+    values = library_values(config, layout, TRANSFORMER_CONFIG)
+    return chunk.transformer_config_class(values)(**values, **computed_fields(config))
 
 
 def computed_fields(config: TrainingConfig) -> dict:
@@ -187,19 +186,22 @@ def keep_eager(layer: torch.nn.Module) -> None:
     """Mark the modules of ``layer`` that ``torch.compile`` must not trace: the linear
     layers (hand-written autograd with ``gradient_accumulation_fusion``'s fp32 GEMMs; a LoRA
     adapter is part of its base layer's call, so it adds no graph break) and core attention
-    (the flash-class kernels with their own backward). The graph breaks around them."""
+    (the flash-class kernels with their own backward). The graph breaks around them. An FP8
+    linear (``fp8_gemm``) is traced: its casts then fuse into the layer's graph and it pays
+    no per-call Python cost (eager, its launches made a 4-layer step CPU-bound: 241 ms
+    against 147 ms in bf16 on an H200)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     eager = (ColumnParallelLinear, RowParallelLinear, DotProductAttention)
     for module in layer.modules():
-        if isinstance(module, eager):
+        if isinstance(module, eager) and getattr(module, "fp8_gemm", None) is None:
             module.forward = torch.compiler.disable(module.forward)
 
 
 def activation_of(config: TrainingConfig):
     """silu (``--swiglu``, gated), quick_gelu (``--quick-geglu``, gated), OpenAI's tanh GELU
-    (``--openai-gelu``) or exact GELU."""
+    (``--openai-gelu``; gated with ``--geglu``) or exact GELU."""
     if config.quick_geglu:
         return quick_gelu
     return F.silu if config.swiglu else openai_gelu if config.openai_gelu else F.gelu

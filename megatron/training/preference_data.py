@@ -24,6 +24,7 @@ Without ``--data-path``: generated pairs. Pair i (its own generator, from ``--se
 random length (1 .. len(p)) ``[EOS]``: the completions' lengths differ, as real pairs' do.
 """
 
+import math
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy
@@ -49,9 +50,17 @@ Pair = Tuple[Record, Record]
 
 def build_preference_dataset(config: Any, valid: bool = False):
     """The generated pairs without ``--data-path``, else the pairs of the JSONL file (the
-    training part of ``--split``). ``valid``: the validation pairs instead (the records of
-    ``--valid-data-path``, or the validation part of ``--split``, or a generated stream of
-    their own)."""
+    training part of ``--split``); packed into rows with ``--pack-sequences``
+    (``PackedPreferenceDataset``). ``valid``: the validation pairs instead, unpacked (the
+    records of ``--valid-data-path``, or the validation part of ``--split``, or a generated
+    stream of their own)."""
+    dataset = _pairs(config, valid)
+    if config.pack_sequences and not valid:
+        return packed_preference_dataset(dataset, config.seq_length)
+    return dataset
+
+
+def _pairs(config: Any, valid: bool):
     if not (config.data_path or (valid and config.valid_data_path)):
         stream = "dpo-valid" if valid else "dpo"
         return GeneratedPreferenceDataset(config.seq_length, config.vocab_size, config.seed, stream)
@@ -265,3 +274,109 @@ def _stack(dataset: Any, iteration: int, global_batch_size: int) -> Batch:
     start = iteration * global_batch_size
     rows = [s for i in range(start, start + global_batch_size) for s in dataset.pair(i)]
     return {key: torch.stack([r[key] for r in rows]) for key in rows[0]}
+
+
+class PackedPreferenceDataset:
+    """``--dpo --pack-sequences``: whole pairs packed into rows of ``2 x seq_length``
+    positions (megatron-core's THD format, one row per micro-batch), the room of one
+    unpacked pair at its longest, so any pair fits a row and the truncation rules stay those
+    of the unpacked pairs.
+
+    Pairs are taken in stream order (``pair_of(i)``, None past the end of a finite set) and
+    appended whole: its chosen side, then its rejected side, each a document up to its last
+    data position (the unpacked sample's tokens, labels and loss mask), padded to a multiple
+    of ``PACK_PAD_MULTIPLE``; a pair that does not fit starts the next row, and the rest of
+    a row is padding. ``dataset[i]`` has [2s] ``tokens``, ``labels``, ``loss_mask``,
+    ``position_ids`` (from 0 in every document), ``padding_mask`` (True outside the
+    documents' data), ``sequence_index`` (the document of each position: 2k and 2k + 1 for
+    the row's pair k, -1 on the rest of the row) and ``cu_seqlens`` / ``cu_seqlens_padded``
+    / ``max_seqlen`` as ``data.PackedSFTDataset``'s. ``--global-batch-size`` counts rows.
+    """
+
+    def __init__(self, pair_of, seq_length: int, vocab_size: int, notes=()) -> None:
+        from megatron.training.data import PACK_PAD_MULTIPLE
+
+        self.pair_of, self.seq_length, self.vocab_size = pair_of, seq_length, vocab_size
+        self.multiple = PACK_PAD_MULTIPLE
+        self.length = 2 * seq_length
+        self.notes: List[str] = list(notes)
+        self._rows: List[Batch] = []
+        self._next_pair = 0
+
+    def __getitem__(self, index: int) -> Batch:
+        while len(self._rows) <= index:
+            row = self._pack_row()
+            if row is None:
+                raise IndexError(f"PackedPreferenceDataset: no pairs left for row {index}")
+            self._rows.append(row)
+        return self._rows[index]
+
+    def all_rows(self) -> List[Batch]:
+        """Every row of a finite set of pairs, in order."""
+        while True:
+            row = self._pack_row()
+            if row is None:
+                return list(self._rows)
+            self._rows.append(row)
+
+    def global_batch(self, iteration: int, global_batch_size: int) -> Batch:
+        """Rows [i * GBS, (i + 1) * GBS) stacked to [GBS, ...] tensors."""
+        rows = [self[iteration * global_batch_size + i] for i in range(global_batch_size)]
+        return {key: torch.stack([r[key] for r in rows]) for key in rows[0]}
+
+    def data_tokens(self, iteration: int, global_batch_size: int) -> int:
+        """Positions of the global batch's rows that hold data, not padding."""
+        return int((~self.global_batch(iteration, global_batch_size)["padding_mask"]).sum())
+
+    def _pack_row(self) -> Optional[Batch]:
+        t = self.length
+        row = {
+            "tokens": torch.full((t,), PAD, dtype=torch.long),
+            "labels": torch.full((t,), PAD, dtype=torch.long),
+            "loss_mask": torch.zeros(t),
+            "position_ids": torch.zeros(t, dtype=torch.long),
+            "padding_mask": torch.ones(t, dtype=torch.bool),
+            "sequence_index": torch.full((t,), -1, dtype=torch.long),
+        }
+        real, padded = [0], [0]
+        while True:
+            pair = self.pair_of(self._next_pair)
+            if pair is None:
+                break
+            lengths = [max(int((~side["padding_mask"]).sum()), 1) for side in pair]
+            spans = [-(-n // self.multiple) * self.multiple for n in lengths]
+            if padded[-1] + sum(spans) > t:
+                break
+            for side, length, span in zip(pair, lengths, spans):
+                self._place(row, side, len(real) - 1, padded[-1], length, span)
+                real.append(real[-1] + length)
+                padded.append(padded[-1] + span)
+            self._next_pair += 1
+        if len(real) == 1:
+            return None
+        fill = t // self.multiple + 1 - len(real)
+        row["cu_seqlens"] = torch.tensor(real + real[-1:] * fill, dtype=torch.int32)
+        row["cu_seqlens_padded"] = torch.tensor(padded + padded[-1:] * fill, dtype=torch.int32)
+        longest = max(b - a for a, b in zip(padded[:-1], padded[1:]))
+        row["max_seqlen"] = torch.tensor([longest], dtype=torch.int32)
+        return row
+
+    @staticmethod
+    def _place(row: Batch, side: Batch, document: int, start: int, length: int, span: int):
+        for key in ("tokens", "labels", "loss_mask"):
+            row[key][start : start + length] = side[key][:length]
+        row["padding_mask"][start : start + length] = False
+        row["position_ids"][start : start + span] = torch.arange(span)
+        row["sequence_index"][start : start + span] = document
+
+
+def packed_preference_dataset(dataset: Any, seq_length: int, in_file_order=False):
+    """``dataset``'s pair stream packed (``PackedPreferenceDataset``). ``in_file_order``
+    (validation): its pairs in file order instead, the first ``in_file_order`` of them
+    (None: endless, the generated pairs)."""
+    if in_file_order is False:
+        pair_of = dataset.pair
+    else:
+        count = math.inf if in_file_order is None else in_file_order
+        pair_of = lambda i: dataset.pair_in_file_order(i) if i < count else None  # noqa: E731
+    return PackedPreferenceDataset(pair_of, seq_length, dataset.vocab_size, dataset.notes)

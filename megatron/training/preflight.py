@@ -2,7 +2,8 @@
 checkpoint recorded, every input path and every output path.
 
 ``adopt_checkpoint_settings``: ``--load`` of one of our checkpoints takes the model and data
-settings it recorded (the fields of ``kind=MODEL`` and ``kind=DATA``, and ``--hf-model``)
+settings it recorded (the fields of ``kind=MODEL`` and ``kind=DATA``, ``--hf-model``, and
+for a resumed DPO run ``--seed``)
 for every flag the command line leaves out (megatron's ``--use-checkpoint-args``, here the
 default), so resuming needs only ``--load``; a flag that contradicts the checkpoint is
 refused naming both values, one setting per line, as are optimizer settings the resume
@@ -11,7 +12,8 @@ would not honour (``checkpointing.compare_run_settings`` / ``compare_optimizer_s
 ``check_input_paths``: ``--data-path``, ``--valid-data-path``, ``--tokenizer``,
 ``--hf-model`` and ``--load`` exist and are what they must be (a file, a folder, an indexed
 prefix, a checkpoint; with ``--dpo``, the reference source a resumed checkpoint recorded),
-each error naming the flag, the path and what was expected.
+each error naming the flag, the path and what was expected; ``check_dpo_reference``:
+``--dpo-reference-hf-model``'s folder and architecture (once the settings are resolved).
 
 ``check_output_paths``: the output folders can be folders, ``--save`` overwrites no
 checkpoints the run does not resume, and an ``--export-hf`` model has a HuggingFace family,
@@ -46,6 +48,7 @@ def adopt_checkpoint_settings(
         compare_run_settings,
         resolve_checkpoint,
     )
+    from megatron.training.resume_rules import resumed_run_settings
 
     directory, _ = resolve_checkpoint(
         config.load, config.save, config.ckpt_step, config.exit_on_missing_checkpoint
@@ -56,9 +59,10 @@ def adopt_checkpoint_settings(
     saved: Dict[str, Any] = common.get("run_settings") or {}
     names = {f.name for f in fields(config)}
     tokenizer_vocab = saved.get("data_path") and not saved.get("hf_model")
+    adopted_names = ADOPTED + (() if config.finetune else resumed_run_settings(saved))
     changes = {
         name: _as_field(saved[name], getattr(config, name))
-        for name in ADOPTED
+        for name in adopted_names
         if name in saved
         and name in names
         and name not in explicit
@@ -125,6 +129,48 @@ def check_input_paths(config: TrainingConfig, adopted: Sequence[str] = ()) -> No
             from megatron.training.dpo_reference import reference_source
 
             reference_source(config)
+
+
+def check_dpo_reference(config: TrainingConfig) -> None:
+    """``--dpo-reference-hf-model DIR`` (with ``--dpo``; settings resolved, after
+    ``--hf-model``) is a HuggingFace model folder of the policy's architecture: an error
+    naming the flag and the folder before any worker starts."""
+    if config.dpo and config.dpo_reference_hf_model:
+        check_reference_architecture(config)
+
+
+def check_reference_architecture(config: Any) -> None:
+    """``--dpo-reference-hf-model DIR`` is a HuggingFace model folder that builds the
+    policy's model: each model setting its config.json gives equals the run's (resolved
+    settings: after ``--hf-model``). Else a ValueError / FileNotFoundError naming the flag,
+    the folder and what was expected. The command line checks it before any worker starts
+    (``preflight.check_dpo_reference``); the trainer again when it builds the reference."""
+    from megatron.training.arguments import flag_of
+    from megatron.training.hf.config import read_hf_config, training_settings
+    from megatron.training.model_settings import resolved_model
+
+    source = config.dpo_reference_hf_model
+    try:
+        arch, _ = read_hf_config(source)
+    except (FileNotFoundError, NotADirectoryError, ValueError) as err:
+        raise type(err)(
+            f"--dpo-reference-hf-model {source}: {err} (expected a HuggingFace model folder "
+            "with config.json + safetensors, of the policy's architecture)"
+        ) from None
+    settings = training_settings(arch)
+    mine = resolved_model(config)
+    theirs = resolved_model({**mine, **settings})
+    differ = [
+        f"{flag_of(name)} {mine[name]} (its config.json gives {theirs[name]})"
+        for name in settings
+        if mine[name] != theirs[name]
+    ]
+    if differ:
+        raise ValueError(
+            f"--dpo-reference-hf-model {source} is not the policy's architecture: the run has "
+            f"{'; '.join(differ)}; the reference must have the policy's architecture and "
+            "tokenizer"
+        )
 
 
 def _check_data_path(option: str, path: str) -> None:

@@ -22,7 +22,6 @@ error naming ``FILE:LINE``.
 import argparse
 import os
 import sys
-from types import SimpleNamespace
 from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy
@@ -62,14 +61,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[str]:
             f"--tokenizer-model {args.tokenizer_model!r}: no such file (--tokenizer-type "
             f"{args.tokenizer_type} needs a tokenizers JSON file)"
         )
-    tokenizer = build_tokenizer(
-        SimpleNamespace(
-            tokenizer_type=args.tokenizer_type,
-            tokenizer_model=args.tokenizer_model,
-            vocab_size=args.vocab_size,
-            eod_token=args.eod_token,
-        )
-    )
+    tokenizer = build_tokenizer(args)  # reads the four --tokenizer-type ... --eod-token flags
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     if args.chat:
         prefixes = [f"{args.output_prefix}_chat_document"]

@@ -52,7 +52,7 @@ def compare_run_settings(
     if not saved:
         return
     before, now = _effective_settings(saved), _effective_settings(current)
-    checked = MODEL_SETTINGS + (() if finetune else DATA_SETTINGS)
+    checked = MODEL_SETTINGS + (() if finetune else DATA_SETTINGS + resumed_run_settings(saved))
     if not before.get("lora_dim"):  # a base model for new LoRA adapters (load_checkpoint
         # asks for --finetune when it is loaded as a resume)
         checked = tuple(n for n in checked if n not in LORA_SETTINGS)
@@ -73,6 +73,13 @@ def compare_run_settings(
             "the saved value, or pass --no-load-optim to load the weights and start the "
             "optimizer afresh"
         )
+
+
+def resumed_run_settings(saved: Dict[str, Any]) -> tuple:
+    """The run settings (``kind=RUN``) a resume keeps as data settings: a DPO run's
+    ``--seed`` (its generated pairs and its per-epoch shuffle of the pairs come from it,
+    docs/dpo.md); ``--load`` adopts it, and another value is refused by name."""
+    return ("seed",) if saved.get("dpo") else ()
 
 
 # How a resume treats an optimizer setting (``kind=OPTIMIZER``) whose value differs from the

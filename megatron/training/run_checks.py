@@ -149,8 +149,9 @@ def _check_model_options(c: Config) -> None:
         f"(--max-position-embeddings {c.max_position_embeddings})",
     )
     _require(
-        c.position_embedding_type == "rope" or not c.use_rope_scaling,
-        "--use-rope-scaling needs --position-embedding-type rope",
+        c.position_embedding_type == "rope"
+        or not (c.use_rope_scaling or c.rotary_percent != _default(c, "rotary_percent")),
+        "--use-rope-scaling and --rotary-percent need --position-embedding-type rope",
     )
     _require(
         c.position_embedding_type in ("rope", "yarn")
@@ -162,10 +163,52 @@ def _check_model_options(c: Config) -> None:
         f"--rope-scaling-factor {c.rope_scaling_factor} needs --use-rope-scaling",
     )
     _require(not (c.openai_gelu and c.swiglu), "--openai-gelu and --swiglu exclude each other")
+    _require(not (c.geglu and c.swiglu), "--geglu and --swiglu exclude each other")
+    _require(
+        not (c.quick_geglu and (c.swiglu or c.geglu or c.openai_gelu)),
+        "--quick-geglu is its own gated activation; leave out --swiglu, --geglu and "
+        "--openai-gelu",
+    )
+    _check_gemma_features(c)
     _require(
         not c.qk_layernorm_whole_projection or (c.qk_layernorm and c.normalization == "RMSNorm"),
         "--qk-layernorm-whole-projection needs --qk-layernorm and --normalization RMSNorm "
         f"(got --qk-layernorm {c.qk_layernorm}, --normalization {c.normalization})",
+    )
+
+
+def _check_gemma_features(c: Config) -> None:
+    """The window pattern and local RoPE base need a window; soft-capped attention needs the
+    explicit attention kernel."""
+    windowed = c.window_size is not None and c.window_size[0] != -1
+    for flag, value in (
+        ("--window-attn-skip-freq", c.window_attn_skip_freq),
+        ("--local-rotary-base", c.local_rotary_base),
+    ):
+        _require(
+            value is None or windowed,
+            f"{flag} {value} needs --window-size LEFT 0 with LEFT >= 0 (got --window-size "
+            f"{c.window_size})",
+        )
+    factor = c.rotary_seq_len_interpolation_factor
+    _require(
+        factor is None or c.position_embedding_type == "rope",
+        f"--rotary-seq-len-interpolation-factor {factor} needs --position-embedding-type rope",
+    )
+    _require(
+        c.local_rotary_base is None or c.position_embedding_type == "rope",
+        f"--local-rotary-base {c.local_rotary_base} needs --position-embedding-type rope",
+    )
+    _require(
+        not (c.apply_layernorm_1p and c.qk_layernorm_whole_projection),
+        "--apply-layernorm-1p and --qk-layernorm-whole-projection exclude each other (the "
+        "whole-projection q/k norm has no zero-centred weight)",
+    )
+    _require(
+        c.attn_logit_softcapping is None or c.attention_backend in ("auto", "unfused", "local"),
+        f"--attn-logit-softcapping {c.attn_logit_softcapping} is computed by the explicit "
+        f"attention kernel only; expected --attention-backend auto, unfused or local, got "
+        f"{c.attention_backend}",
     )
 
 

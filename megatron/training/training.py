@@ -29,7 +29,7 @@ from megatron.training.checkpointing import base_weights, load_checkpoint
 from megatron.training.compare import Comparison
 from megatron.training.comparison import compare_with_single_process
 from megatron.training.datasets import build_sft_dataset, build_training_tokenizer
-from megatron.training.dpo import PreferenceTraining, build_preference_validation
+from megatron.training.dpo import PreferenceTraining, build_preference_validation, row_length
 from megatron.training.dpo_reference import reference_source
 from megatron.training.evaluation import build_validation_set
 from megatron.training.exits import ExitConditions
@@ -412,7 +412,8 @@ def _print_header(config: TrainingConfig, layout: Layout) -> None:
         f"{config.num_attention_heads} heads, vocab {_data_description(config)}; "
         f"layout {layout.name} on {_processes(layout.world_size)} "
         f"({backend}); {layout.num_microbatches} microbatch(es) of {config.micro_batch_size} "
-        f"x {config.seq_length} tokens per replica, global batch {config.global_batch_size}"
+        f"x {row_length(config) if config.dpo else config.seq_length} tokens per replica, "
+        f"global batch {config.global_batch_size}"
         f"{_model_description(config)}"
     )
     if comm_device().type == "cpu" and (config.bf16 or config.fp16):
@@ -420,12 +421,17 @@ def _print_header(config: TrainingConfig, layout: Layout) -> None:
 
 
 def _model_description(config: TrainingConfig) -> str:
-    """The header's experts and LoRA parts (empty for a dense model without adapters)."""
+    """The header's experts, multi-token prediction and LoRA parts (empty for a dense model
+    without them)."""
     parts = []
     if config.num_experts is not None:
         freq = config.moe_layer_freq
         where = "every layer" if freq == 1 else f"--moe-layer-freq {freq}"
         parts.append(f"MoE: {config.num_experts} experts, top-{config.moe_router_topk}, {where}")
+    if config.mtp_num_layers is not None:
+        parts.append(
+            f"MTP: {config.mtp_num_layers} depth(s), loss weight {config.mtp_loss_scaling_factor:g}"
+        )
     if config.lora_dim is not None:
         parts.append(
             f"LoRA: rank {config.lora_dim}, alpha {config.lora_alpha:g} on "

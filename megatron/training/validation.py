@@ -10,8 +10,9 @@ defaults (query groups, FFN size, head size) come from ``resolved_model``. No to
 (the launcher checks the command line before starting the workers).
 """
 
+import re
 from dataclasses import dataclass
-from typing import Any, Collection, List, Optional, Tuple
+from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
 
 from megatron.core import config_rules
 from megatron.core.config_rules import CP_COMM_TYPES
@@ -23,7 +24,9 @@ from megatron.training.flag_checks import default as _default
 from megatron.training.flag_checks import flag as _flag
 from megatron.training.flag_checks import require as _require
 from megatron.training.fp8_flags import check_fp8_flags
+from megatron.training.gpt_oss_flags import check_gpt_oss_flags
 from megatron.training.model_settings import resolved_model
+from megatron.training.mtp_flags import check_mtp_flags
 from megatron.training.options import check_fields, is_int
 from megatron.training.run_checks import check_run_options
 
@@ -138,8 +141,10 @@ def validate_config(
         _check_packing(c)
     check_run_options(c, given)
     _check_moe(c, world_size, given)
-    _check_gpt_oss_features(c, given)
+    check_gpt_oss_flags(c, given)
+    _check_mla(c, given)
     check_fp8_flags(c, given)
+    check_mtp_flags(c, given)
     _check_lora(c)
     _check_objective(c, given)
     hierarchical = c.hierarchical_context_parallel_sizes
@@ -276,46 +281,44 @@ def _check_moe(c: Config, world_size: int, given: _Given) -> None:
     )
 
 
-def _check_gpt_oss_features(c: Config, given: _Given) -> None:
-    """--quick-geglu, --glu-linear-offset, --activation-func-clamp-value, --softmax-type,
-    --window-attn-skip-freq and the YaRN flags: what each needs, named before any worker."""
-    if c.quick_geglu:
-        _require(
-            not c.swiglu and not c.openai_gelu,
-            "--quick-geglu is its own gated activation; leave out --swiglu and --openai-gelu",
-        )
-    gated = c.swiglu or c.quick_geglu
-    for name in ("glu_linear_offset", "activation_func_clamp_value"):
-        _require(
-            gated or not given(name),
-            f"{_flag(c, name)} {getattr(c, name)} shapes the gated MLP; it needs --swiglu or "
-            "--quick-geglu",
-        )
-    problems = config_rules.gpt_oss_problems(
-        c.softmax_type, c.window_attn_skip_freq, c.window_size, c.num_layers,
-        c.glu_linear_offset, c.activation_func_clamp_value, gated,
-    )  # fmt: skip
-    for problem in problems:  # the library's field names as the trainer's flags
-        for field, flag in (
-            ("window_attn_skip_freq=", "--window-attn-skip-freq "),
-            ("window_size", "--window-size"),
-            ("num_layers", "--num-layers"),
-        ):
-            problem = problem.replace(field, flag)
-        _require(False, problem)
-    yarn = ("rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
-            "yarn_beta_slow")  # fmt: skip
-    for name in yarn + ("no_yarn_correction_range_round_to_int",):
-        if c.position_embedding_type == "yarn" and name in yarn:
+_MLA_FLAGS = (
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+    "rope_type",
+    "rotary_scaling_factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+)
+_YARN_FLAGS = _MLA_FLAGS[6:]
+
+
+def _check_mla(c: Config, given: _Given) -> None:
+    """The multi-latent attention flags: each needs --multi-latent-attention, the yarn ones
+    need --rope-type yarn, and the rotary part lives in the attention (rope positions)."""
+    if not c.multi_latent_attention:
+        for name in _MLA_FLAGS[:6] + _YARN_FLAGS[1:]:  # --rotary-scaling-factor: yarn's too
             _require(
-                getattr(c, name) is not None,
-                f"--position-embedding-type yarn needs {_flag(c, name)}",
+                not given(name),
+                f"{_moe_flag(name)} {_shown(getattr(c, name))} needs --multi-latent-attention",
             )
-        else:
+        return
+    _require(
+        c.position_embedding_type == "rope",
+        f"--multi-latent-attention needs --position-embedding-type rope (its rotary part is "
+        f"inside the attention), got {c.position_embedding_type}",
+    )
+    if c.rope_type == "rope":
+        for name in _YARN_FLAGS:
             _require(
-                c.position_embedding_type == "yarn" or not given(name),
-                f"{_flag(c, name)} is a YaRN setting; it needs --position-embedding-type yarn "
-                f"(got {c.position_embedding_type})",
+                not given(name),
+                f"{_moe_flag(name)} {_shown(getattr(c, name))} is a yarn setting, but "
+                "--rope-type is rope; use --rope-type yarn or leave it out",
             )
 
 
@@ -462,6 +465,13 @@ def _check_tensor_parallel(c: Config) -> None:
             f"--position-embedding-type {c.position_embedding_type} needs an even head size, "
             f"got --hidden-size {c.hidden_size} / --num-attention-heads {heads} = {head_dim}",
         )
+        rotary = int(head_dim * c.rotary_percent)
+        _require(
+            rotary >= 2 and rotary % 2 == 0,
+            f"--rotary-percent {c.rotary_percent} rotates int({head_dim} x "
+            f"{c.rotary_percent}) = {rotary} channels of each head; expected an even number "
+            ">= 2 (rotary embeddings rotate pairs)",
+        )
     if c.sequence_parallel:
         _require(
             c.seq_length % (2 * cp * tp) == 0,
@@ -517,7 +527,7 @@ def _check_lora(c: Config) -> None:
                 f"{_flag(c, name)} {_shown(value)} needs --lora-dim R (LoRA is off without it)",
             )
         return
-    column = {"linear_qkv", "linear_fc1"}
+    column = {"linear_qkv", "linear_fc1", "linear_q_up_proj", "linear_q_proj", "linear_kv_up_proj"}
     column_targets = any(
         t in column or any(ch in t for ch in "*?[.") for t in c.lora_target_modules
     )
@@ -528,11 +538,12 @@ def _check_lora(c: Config) -> None:
     )
     for target in [*c.lora_target_modules, *c.lora_exclude_modules]:
         _require(
-            target in config_rules.LORA_TARGETS or any(ch in target for ch in "*?[."),
+            target in config_rules.LORA_ALL_TARGETS or any(ch in target for ch in "*?[."),
             f"--lora-target-modules / --lora-exclude-modules {target!r}: expected one of "
-            f"{', '.join(config_rules.LORA_TARGETS)} or a wildcard pattern",
+            f"{', '.join(config_rules.LORA_ALL_TARGETS)} or a wildcard pattern",
         )
     _check_lora_targets(c)
+    _check_lora_excludes(c)
     _require(
         not (c.pretrained_checkpoint and c.hf_model),
         f"--pretrained-checkpoint {c.pretrained_checkpoint} and --hf-model {c.hf_model} both "
@@ -543,6 +554,7 @@ def _check_lora(c: Config) -> None:
         "--save-trainable-params-only needs --save DIR",
     )
     _require(not c.merge_lora or c.export_hf, "--merge-lora needs --export-hf DIR")
+    _check_lora_expert_bias(c)
     _require(
         not c.hf_adapter or c.hf_model,
         f"--hf-adapter {c.hf_adapter} needs --hf-model (the base the adapter was trained on)",
@@ -554,16 +566,30 @@ def _check_lora(c: Config) -> None:
     )
 
 
+def _check_lora_expert_bias(c: Config) -> None:
+    """The expert bias (``--moe-router-enable-expert-bias``, set by a DeepSeek-V3
+    ``--hf-model``) moves during LoRA training though it is no adapter: what keeps only the
+    adapters would drop its trained value."""
+    if not (c.num_experts and c.moe_router_enable_expert_bias):
+        return
+    _require(
+        not (c.export_hf and not c.merge_lora),
+        f"--export-hf {c.export_hf} with --lora-dim writes a PEFT adapter, which cannot carry "
+        "the expert bias that --moe-router-enable-expert-bias moves during training; add "
+        "--merge-lora (the merged model, trained bias included)",
+    )
+    _require(
+        not c.save_trainable_params_only,
+        "--save-trainable-params-only keeps the LoRA adapters only, not the expert bias that "
+        "--moe-router-enable-expert-bias moves during training (a resume would restart it "
+        "from the base model's); save full checkpoints",
+    )
+
+
 def _check_lora_targets(c: Config) -> None:
     """Before any worker starts: every --lora-target-modules pattern names some linear layer
-    of the model, and none of the chosen layers is a routed expert's (not supported)."""
-    moe = c.num_experts is not None
-    names = config_rules.lora_module_names(
-        c.num_layers,
-        config_rules.moe_layer_pattern(c.moe_layer_freq, c.num_layers) if moe else None,
-        c.num_experts or 0,
-        moe and c.moe_shared_expert_intermediate_size is not None,
-    )
+    of the model, and a layer's routed experts are adapted all or none per projection."""
+    names = _lora_names(c)
 
     def named(name: str, patterns) -> bool:
         return any(config_rules.lora_pattern_matches(name, p) for p in patterns)
@@ -574,16 +600,70 @@ def _check_lora_targets(c: Config) -> None:
             f"--lora-target-modules {target!r} matches no layer of the model (its linear "
             f"layers are named like {names[0]}, {names[-1]})",
         )
+    experts: Dict[str, List[bool]] = {}  # "<layer>.mlp.experts.<proj>" -> chosen per expert
     for name in names:
+        if ".mlp.experts.local_experts." in name:
+            layer, rest = name.split(".mlp.experts.local_experts.")
+            chosen = named(name, c.lora_target_modules) and not named(name, c.lora_exclude_modules)
+            experts.setdefault(f"{layer}.mlp.experts.{rest.split('.')[1]}", []).append(chosen)
+    for where, chosen in experts.items():
+        picked = [g for g, yes in enumerate(chosen) if yes]
         _require(
-            ".experts." not in name
-            or not named(name, c.lora_target_modules)
-            or named(name, c.lora_exclude_modules),
-            f"--lora-target-modules {' '.join(c.lora_target_modules)}: LoRA target {name} is "
-            "a routed expert's linear layer: adapters on experts are not supported; leave them "
-            "out (--lora-exclude-modules '*.experts.*') or name the layers to adapt "
-            "(--lora-target-modules linear_qkv linear_proj)",
+            len(picked) in (0, len(chosen)),
+            f"--lora-target-modules {' '.join(c.lora_target_modules)} (less "
+            f"--lora-exclude-modules {' '.join(c.lora_exclude_modules) or '(none)'}) adapts "
+            f"routed experts {picked} of {where} but not the others: expert adapters go on "
+            "every expert of a layer's projection or on none",
         )
+        etp = c.expert_tensor_parallel_size or c.tensor_model_parallel_size
+        _require(
+            not picked or not where.endswith("linear_fc1") or c.lora_dim % etp == 0,
+            f"--lora-dim {c.lora_dim} is not divisible by the expert-tensor-parallel size "
+            f"{etp} (--etp; the adapters of {where} split their rank over it)",
+        )
+        _require(
+            not picked or c.fp8_format is None,
+            f"--lora-target-modules {' '.join(c.lora_target_modules)} adapts the routed "
+            f"experts of {where}, which do not take adapters with --fp8-format {c.fp8_format} "
+            "(FP8 expert GEMMs); add --lora-exclude-modules '*.experts.*'",
+        )
+
+
+def _lora_names(c: Config) -> List[str]:
+    """The global names of the model's linear layers a LoRA pattern can name."""
+    moe = c.num_experts is not None
+    return config_rules.lora_module_names(
+        c.num_layers,
+        config_rules.moe_layer_pattern(c.moe_layer_freq, c.num_layers) if moe else None,
+        c.num_experts or 0,
+        moe and c.moe_shared_expert_intermediate_size is not None,
+        config_rules.lora_attention_names(c.multi_latent_attention, c.q_lora_rank is not None),
+    )
+
+
+def _check_lora_excludes(c: Config) -> None:
+    """Every --lora-exclude-modules pattern names some adaptable layer of the model (a
+    pattern matching nothing is a typo, not an exclusion): else an error naming the pattern
+    and the layers there are."""
+    names = _lora_names(c)
+    for pattern in c.lora_exclude_modules:
+        _require(
+            any(config_rules.lora_pattern_matches(n, pattern) for n in names),
+            f"--lora-exclude-modules {pattern!r} matches no layer of the model; its adaptable "
+            f"layers are {_layer_summary(names, c.num_layers, c.num_experts)}",
+        )
+
+
+def _layer_summary(names: Sequence[str], num_layers: int, num_experts: Optional[int]) -> str:
+    """``names`` with the layer and expert indices folded: decoder.layers.<0..L-1>.{...}."""
+    kinds = []
+    for name in names:
+        kind = name.split(".", 3)[3]
+        if num_experts:
+            kind = re.sub(r"local_experts\.\d+\.", f"local_experts.<0..{num_experts - 1}>.", kind)
+        if kind not in kinds:
+            kinds.append(kind)
+    return f"decoder.layers.<0..{num_layers - 1}>.{{{', '.join(kinds)}}}"
 
 
 def _shown(value: Any) -> str:

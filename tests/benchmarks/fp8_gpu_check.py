@@ -6,7 +6,10 @@
    not multiples of 16 (the padded ``torch._scaled_mm`` path): the output and both gradients
    against the products of the dequantized operands (relative errors printed; expect ~1e-3
    in bf16 outputs, ~1e-6 in fp32).
-2. The trainer's loss curves, ``--bf16`` against ``--bf16 --fp8-format hybrid --fp8-recipe
+2. The compiled amax / cast / transpose kernels (``scaling``'s CUDA path) against the eager
+   functions: bitwise equal, for bf16 and fp32 tensors, e4m3 and e5m2, with values past the
+   format's range (the clamp) and a zero tensor.
+3. The trainer's loss curves, ``--bf16`` against ``--bf16 --fp8-format hybrid --fp8-recipe
    tensorwise`` (a 4-layer, hidden-256 model on the generated SFT data, ``--iters``
    iterations): the relative difference of the last 20 losses' means (issue 41: within 1-2%),
    and 5 iterations each of FP8 with ``--compile`` and of an FP8 MoE model (GroupedMLP).
@@ -58,6 +61,40 @@ def check_linear() -> None:
             )
 
 
+def check_fused_casts() -> None:
+    from megatron.core.fp8 import scaling
+
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        for fp8 in (E4M3, E5M2):
+            for shape in ((8192, 2048), (1000, 24)):
+                t = (torch.randn(shape, device="cuda") * 300).to(dtype)
+                amax = scaling.local_amax(t)
+                assert torch.equal(amax, t.abs().amax().float()), "amax differs"
+                scale = scaling.scale_from_amax(amax, fp8, 0) * 4  # some values clamp
+                q = scaling.quantize(t, scale, fp8)
+                ref = scaling._cast(t, scale, fp8)
+                assert torch.equal(q.view(torch.uint8), ref.view(torch.uint8)), "cast differs"
+                both = scaling.quantize_both(t, scale, fp8)
+                assert torch.equal(both[0].view(torch.uint8), ref.view(torch.uint8))
+                assert torch.equal(
+                    both[1].view(torch.uint8), ref.t().contiguous().view(torch.uint8)
+                )
+                assert torch.equal(
+                    scaling.transposed(ref).view(torch.uint8),
+                    ref.t().contiguous().view(torch.uint8),
+                )
+                amaxes = torch.stack([amax, amax * 3, torch.zeros_like(amax)])
+                other = t[:7, :5].contiguous()
+                got = scaling.operands((t, t * 2, other), amaxes, fp8, 1, (0, 2), (ref,))
+                want = scaling._operands((t, t * 2, other), amaxes, fp8, 1, (0, 2), (ref,))
+                for a, b in zip([*got[0], *got[1], got[2]], [*want[0], *want[1], want[2]]):
+                    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), "operands differ"
+    zero = torch.zeros(64, 64, device="cuda", dtype=torch.bfloat16)
+    assert float(scaling.local_amax(zero)) == 0.0
+    print("# compiled FP8 casts: bitwise the eager ones", flush=True)
+
+
 def curves(iters: int) -> dict:
     from megatron.training import TrainingConfig
     from megatron.training.training import pretrain
@@ -104,6 +141,7 @@ def main() -> None:
         raise SystemExit("fp8_gpu_check.py needs a CUDA GPU")
     print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     check_linear()
+    check_fused_casts()
     losses = curves(args.iters)
     if args.json:
         with open(args.json, "w") as handle:

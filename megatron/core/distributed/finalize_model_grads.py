@@ -148,13 +148,19 @@ def _has_tp_summed_params(model: List[torch.nn.Module]) -> bool:
 
 
 def _allreduce_word_embedding_grads(model: List[torch.nn.Module], groups) -> None:
-    """Sum the tied word-embedding/output-weight gradient over the first and last stage."""
+    """Sum the tied word-embedding/output-weight gradient over the first and last stage;
+    with multi-token prediction the last stage's copy of the word embeddings (which the MTP
+    depths embed with) is summed with the first stage's, tied or not."""
     embd, pp = groups.embd, groups.pp
     if embd is None or embd.size() == 1 or pp is None or embd.rank() < 0:
         return
     chunk = model[0] if pp.rank() == 0 else model[-1]
     owner = _find(chunk, "share_embeddings_and_output_weights")
-    if owner is None or not owner.share_embeddings_and_output_weights:
+    if owner is None:
+        return
+    if not (
+        owner.share_embeddings_and_output_weights or getattr(owner.config, "mtp_num_layers", None)
+    ):
         return
     weight = owner.shared_embedding_or_output_weight()
     if not weight.requires_grad:  # frozen (a LoRA base): no gradient to sum

@@ -101,11 +101,12 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         q_g = [scaling.quantize(g, s, grad_dtype) for g, s in zip(gs, s_g)]
         x_dtype, w_dtype = ctx.dtypes
         grad_x = torch.cat(
-            [_mm(g, w, sg, sw, x_dtype) for g, w, sg, sw in zip(q_g, q_w, s_g, scales[1])]
+            [_mm(g, _cols(w), sg, sw, x_dtype) for g, w, sg, sw in zip(q_g, q_w, s_g, scales[1])]
         )
         if experts.wgrad:
             grad_w = [
-                _mm(g.t(), xq, sg, sx, w_dtype) for g, xq, sg, sx in zip(q_g, q_x, s_g, scales[0])
+                _mm(_cols(g).t(), _cols(xq), sg, sx, w_dtype)
+                for g, xq, sg, sx in zip(q_g, q_x, s_g, scales[0])
             ]
         else:
             grad_w = [g.t().matmul(xh).to(w_dtype) for g, xh in zip(gs, high_x)]
@@ -117,3 +118,8 @@ def _mm(a, b, a_scale, b_scale, out_dtype) -> torch.Tensor:
     if a.shape[0] == 0 or a.shape[1] == 0:
         return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
     return scaling.scaled_mm(a, b, a_scale, b_scale, out_dtype)
+
+
+def _cols(q: torch.Tensor) -> torch.Tensor:
+    """A 2-D FP8 tensor as the column-major operand ``scaled_mm`` takes without a copy."""
+    return scaling.transposed(q).t() if q.numel() else q

@@ -25,7 +25,7 @@ from megatron.core.communication import (
     start_reduce_scatter_along_first_dim,
 )
 from megatron.core.fp8 import scaling
-from megatron.core.process_groups_config import get_pg_size, resolve_group
+from megatron.core.process_groups_config import resolve_group
 
 
 @dataclass(frozen=True)
@@ -56,18 +56,20 @@ def fp8_linear(
     input: torch.Tensor,
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
-    gradient_accumulation_fusion: bool,
-    allreduce_dgrad: bool,
-    sequence_parallel: bool,
+    flags: Tuple[bool, bool, bool],
     tp_group: Any,
     gemm: Fp8Gemm,
 ) -> torch.Tensor:
     """``linear_with_grad_accumulation_and_async_allreduce`` with FP8 GEMMs (module
-    docstring); the same arguments, ``tp_group`` resolved, ``gradient_accumulation_fusion``
-    only where ``weight.main_grad`` is to be written (the caller checked it exists)."""
-    if get_pg_size(tp_group) == 1:
-        allreduce_dgrad = sequence_parallel = False
-    flags = (gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel)
+    docstring): ``flags`` (gradient_accumulation_fusion, allreduce_dgrad,
+    sequence_parallel) as the high-precision linear runs them (``tensor_parallel.layers.
+    _linear_flags``: none of the communication on a group of one rank, the fusion only where
+    ``weight.main_grad`` is to be written), ``tp_group`` resolved. Traced by ``torch.compile``
+    (the trainer's ``--compile``), the backward returns the weight gradient for DDP's hook to
+    add into ``main_grad``, as without ``gradient_accumulation_fusion``: a traced
+    autograd.Function may not write a tensor from outside its graph."""
+    if flags[0] and torch.compiler.is_compiling():
+        flags = (False, *flags[1:])
     return Fp8LinearFunction.apply(input, weight, bias, flags, tp_group, gemm)
 
 
@@ -83,11 +85,10 @@ class Fp8LinearFunction(torch.autograd.Function):
         groups = gemm.activation_groups(tp_group)
         fwd_dtype, _ = scaling.fp8_dtypes(gemm.fmt)
         amax = torch.stack([scaling.local_amax(x2d), scaling.local_amax(weight)])
-        s_x, s_w = scaling.scale_from_amax(
-            scaling.reduce_amax(amax, groups), fwd_dtype, gemm.margin
-        ).unbind()
-        q_x, q_w = scaling.quantize(x2d, s_x, fwd_dtype), scaling.quantize(weight, s_w, fwd_dtype)
-        out = scaling.scaled_mm(q_x, q_w.t(), s_x, s_w, input.dtype)
+        amax = scaling.reduce_amax(amax, groups)
+        (q_x, q_w), _, scales = scaling.operands((x2d, weight), amax, fwd_dtype, gemm.margin)
+        s_x, s_w = scales.unbind()
+        out = scaling.scaled_mm(q_x, q_w.t(), s_x, s_w, input.dtype, fast_accum=True)
         if bias is not None:
             out = out + bias
         high_x = None if gemm.wgrad or not ctx.needs_input_grad[1] else x2d
@@ -107,9 +108,19 @@ class Fp8LinearFunction(torch.autograd.Function):
         amax = scaling.reduce_amax(
             scaling.local_amax(g2d).reshape(1), gemm.activation_groups(group)
         )
-        s_g = scaling.scale_from_amax(amax[0], grad_dtype, gemm.margin)
-        q_g = scaling.quantize(g2d, s_g, grad_dtype)
-        grad_input = scaling.scaled_mm(q_g, q_w, s_g, s_w, ctx.input_dtype)
+        fp8_wgrad = ctx.needs_input_grad[1] and high_x is None
+        (q_g,), transposes, s_g = scaling.operands(
+            (g2d,),
+            amax,
+            grad_dtype,
+            gemm.margin,
+            transposed_too=(0,) if fp8_wgrad else (),
+            fp8_to_transpose=(q_w, q_x) if fp8_wgrad else (q_w,),
+        )
+        s_g = s_g[0]
+        q_g_t, w_t, x_t = transposes if fp8_wgrad else (None, transposes[0], None)
+        w_cols = w_t.t()  # W as the column-major operand
+        grad_input = scaling.scaled_mm(q_g, w_cols, s_g, s_w, ctx.input_dtype)
         grad_input = grad_input.view(*grad_output.shape[:-1], q_w.shape[1])
         pending = None
         if allreduce_dgrad:
@@ -118,7 +129,7 @@ class Fp8LinearFunction(torch.autograd.Function):
             pending = start_reduce_scatter_along_first_dim(grad_input, group, overwrite_input=True)
         grad_weight = grad_bias = None
         if ctx.needs_input_grad[1]:
-            grad_weight = _weight_grad(q_g, s_g, g2d, q_x, s_x, high_x, weight, fusion)
+            grad_weight = _weight_grad(q_g_t, s_g, g2d, x_t, s_x, high_x, weight, fusion)
         if ctx.has_bias:
             grad_bias = g2d.sum(dim=0)
         if pending is not None:
@@ -126,12 +137,13 @@ class Fp8LinearFunction(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None
 
 
-def _weight_grad(q_g, s_g, g2d, q_x, s_x, high_x, weight, fusion) -> torch.Tensor:
-    """G^T X in FP8 (``high_x`` None) or in high precision; added into ``main_grad`` with
-    ``fusion`` (then the returned tensor only fires DDP's hook)."""
+def _weight_grad(q_g_t, s_g, g2d, x_t, s_x, high_x, weight, fusion) -> torch.Tensor:
+    """G^T X in FP8 (``high_x`` None; ``q_g_t``, ``x_t``: FP8 G^T and X^T, row-major) or in
+    high precision; added into ``main_grad`` with ``fusion`` (then the returned tensor only
+    fires DDP's hook)."""
     out_dtype = weight.main_grad.dtype if fusion else weight.dtype
     if high_x is None:
-        grad = scaling.scaled_mm(q_g.t(), q_x, s_g, s_x, out_dtype)
+        grad = scaling.scaled_mm(q_g_t, x_t.t(), s_g, s_x, out_dtype)
     else:
         grad = g2d.t().matmul(high_x).to(out_dtype)
     if not fusion:

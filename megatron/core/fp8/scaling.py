@@ -14,15 +14,28 @@ and inner and output sizes that are multiples of 16: other sizes are padded with
 change no sum. On the CPU, torch 2.13's ``_scaled_mm`` is correct but a reference loop
 (31 ms for 64 x 32 x 96, 24 s for 512 x 256 x 1024), so the same product is an fp32 matmul of
 the dequantized FP8 values (exact in fp32): 0.2 and 9 ms.
+
+The amax is one reduction kernel (the infinity norm; ``abs().amax()`` would write |t|
+first, and a compiled full reduction with dynamic sizes runs as one thread block: 22 ms for
+an 8k x 2k tensor on an H200). On CUDA the cast and the FP8 transposes are
+``torch.compile``d (``jit_fuser``):
+eagerly, a cast of a bf16 tensor is four kernels through fp32 copies (float, multiply,
+clamp, cast), which cost more than the FP8 GEMM saves; compiled, one pass that reads the
+tensor once (and, for an output gradient, writes both the row-major FP8 copy and the
+transposed one the weight-gradient GEMM needs). The compiled kernels compute the same
+float32 products and round-to-nearest-even casts, so their results are bitwise the eager
+ones (checked on a GPU by ``tests/benchmarks/fp8_gpu_check.py``). The CPU runs them
+eagerly: compiling costs seconds per shape.
 """
 
-from typing import Iterable, Optional, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch.distributed import ReduceOp
 
 from megatron.core.communication import all_reduce
+from megatron.core.jit import jit_fuser
 from megatron.core.process_groups_config import get_pg_size
 
 E4M3 = torch.float8_e4m3fn
@@ -43,7 +56,7 @@ def local_amax(tensor: torch.Tensor) -> torch.Tensor:
     """max |tensor| as a float32 scalar (0 for an empty tensor)."""
     if tensor.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=tensor.device)
-    return tensor.detach().abs().amax().float()
+    return torch.linalg.vector_norm(tensor.detach(), ord=float("inf")).float()
 
 
 def reduce_amax(amaxes: torch.Tensor, groups: Iterable[Optional[object]]) -> torch.Tensor:
@@ -61,10 +74,80 @@ def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, margin: int) -> torc
     return torch.where((amax > 0) & torch.isfinite(scale), scale, torch.ones_like(scale))
 
 
+def operands(
+    tensors: Sequence[torch.Tensor],
+    amax: torch.Tensor,
+    dtype: torch.dtype,
+    margin: int,
+    transposed_too: Sequence[int] = (),
+    fp8_to_transpose: Sequence[torch.Tensor] = (),
+) -> Tuple[List[torch.Tensor], List[torch.Tensor], torch.Tensor]:
+    """The FP8 GEMM operands of one autograd step, in one call (one compiled graph on CUDA,
+    so that a linear pays the Python cost of one call, not of ten small kernels): the scales
+    ``scale_from_amax(amax)`` (``amax`` the global amaxes, one per tensor), ``tensors`` cast
+    with them, the transposed FP8 copies of ``tensors[i]`` for i in ``transposed_too`` and of
+    the FP8 tensors ``fp8_to_transpose``. Returns (casts, transposes, scales)."""
+    if tensors and _compiled_here(tensors[0]):
+        return _fused_operands(
+            tensors, amax, dtype, margin, tuple(transposed_too), fp8_to_transpose
+        )
+    return _operands(tensors, amax, dtype, margin, tuple(transposed_too), fp8_to_transpose)
+
+
+def _operands(tensors, amax, dtype, margin, transposed_too, fp8_to_transpose):
+    scales = scale_from_amax(amax, dtype, margin)
+    casts = [_cast(t.detach(), scales[i], dtype) for i, t in enumerate(tensors)]
+    transposes = [casts[i].t().contiguous() for i in transposed_too]
+    transposes += [q.t().contiguous() for q in fp8_to_transpose]
+    return casts, transposes, scales
+
+
+_fused_operands = jit_fuser(_operands)
+
+
 def quantize(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """cast_fp8(clamp(tensor * scale)) (computed in float32, round to nearest even)."""
+    return (_fused_cast if _compiled_here(tensor) else _cast)(tensor.detach(), scale, dtype)
+
+
+def quantize_both(
+    tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``quantize`` of a 2-D ``tensor`` and its transpose as a contiguous tensor (the operand
+    of a GEMM that contracts over ``tensor``'s rows), from one read of ``tensor`` on CUDA."""
+    if _compiled_here(tensor):
+        return _fused_cast_both(tensor.detach(), scale, dtype)
+    q = _cast(tensor.detach(), scale, dtype)
+    return q, q.t().contiguous()
+
+
+def transposed(q: torch.Tensor) -> torch.Tensor:
+    """``q.t().contiguous()`` of a 2-D FP8 tensor (compiled on CUDA: a tiled transpose)."""
+    return _fused_transpose(q) if _compiled_here(q) else q.t().contiguous()
+
+
+def _compiled_here(tensor: torch.Tensor) -> bool:
+    """Run the ``jit_fuser`` version: on CUDA, outside a graph being compiled."""
+    return tensor.is_cuda and not torch.compiler.is_compiling()
+
+
+def _cast(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     bound = torch.finfo(dtype).max
-    return (tensor.detach().float() * scale).clamp_(-bound, bound).to(dtype)
+    return (tensor.float() * scale).clamp(-bound, bound).to(dtype)
+
+
+def _cast_both(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+    q = _cast(tensor, scale, dtype)
+    return q, q.t().contiguous()
+
+
+def _transpose(q: torch.Tensor) -> torch.Tensor:
+    return q.t().contiguous()
+
+
+_fused_cast = jit_fuser(_cast)
+_fused_cast_both = jit_fuser(_cast_both)
+_fused_transpose = jit_fuser(_transpose)
 
 
 def scaled_mm(
@@ -74,9 +157,13 @@ def scaled_mm(
     b_scale: torch.Tensor,
     out_dtype: torch.dtype,
     pad: Optional[bool] = None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """(a / a_scale) @ (b / b_scale) for FP8 ``a`` [m, k] and ``b`` [k, n], fp32 accumulation,
-    returned in ``out_dtype`` (``pad``: to CUDA's multiples of 16; default: on CUDA)."""
+    returned in ``out_dtype`` (``pad``: to CUDA's multiples of 16; default: on CUDA).
+    ``a`` row-major and ``b`` column-major are used as they are, other layouts are copied.
+    ``fast_accum``: Hopper's fast FP8 accumulation (partial sums promoted to fp32 less often;
+    Transformer Engine's and torchao's choice for the forward GEMM), CUDA only."""
     n = b.shape[1]
     if a.is_cuda if pad is None else pad:
         a = _pad(a, 1)
@@ -88,6 +175,7 @@ def scaled_mm(
             scale_a=a_scale.reciprocal(),
             scale_b=b_scale.reciprocal(),
             out_dtype=out_dtype,
+            use_fast_accum=fast_accum,
         )
     else:  # torch's CPU _scaled_mm is a reference loop: 24 s for 512 x 256 x 1024
         out = (a.float() @ b.float()).mul_(a_scale.reciprocal() * b_scale.reciprocal())

@@ -44,6 +44,7 @@ from megatron.core.process_groups_config import (
     resolve_pg_collection,
 )
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 Model = Union[torch.nn.Module, List[torch.nn.Module]]
@@ -426,7 +427,7 @@ def forward_step(
     """
     if config.timers is not None:
         config.timers("forward-compute", log_level=2).start()
-    if getattr(config, "num_moe_experts", None) is not None:
+    if getattr(config, "num_moe_experts", None) or getattr(config, "mtp_num_layers", None):
         set_router_loss_scale(config, _loss_cp_group(cp_group, cp_group_size), num_microbatches)
     unwrap = not isinstance(input_tensor, list)
     get_attr_wrapped_model(model, "set_input_tensor")(
@@ -535,8 +536,10 @@ def normalize_microbatch_loss(
 def set_router_loss_scale(
     config, cp_group: Optional[dist.ProcessGroup], num_microbatches: int
 ) -> None:
-    """The gradient MoE router losses receive (``MoEAuxLossAutoScaler``), the counterpart
-    of ``normalize_microbatch_loss`` for the losses a MoE layer adds to the objective:
+    """The gradient MoE router losses (``MoEAuxLossAutoScaler``) and the multi-token
+    prediction loss (``MTPLossAutoScaler``, normalized by the whole sequence's count)
+    receive, the counterpart of ``normalize_microbatch_loss`` for the losses a MoE layer or
+    the MTP block adds to the objective:
 
     averaged and legacy modes: g * C / M (each shard's part of aux_m + z_m; gradient
     averaging over dp_cp divides by D C): the step trains (1/(D M)) sum_m (aux_m + z_m);
@@ -551,6 +554,7 @@ def set_router_loss_scale(
     if not config.calculate_per_token_loss:
         scale = scale * get_pg_size(cp_group) / num_microbatches
     MoEAuxLossAutoScaler.set_loss_scale(scale)
+    MTPLossAutoScaler.set_loss_scale(scale)
 
 
 def reduce_loss_across_cp(

@@ -135,15 +135,28 @@ def linear_with_grad_accumulation_and_async_allreduce(
             "sequence_parallel cannot both be True"
         )
     group = resolve_group("tp", tp_group)
+    flags = _linear_flags(
+        weight, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, group
+    )
+    return LinearWithGradAccumulationAndAsyncCommunication.apply(input, weight, bias, *flags, group)
+
+
+def _linear_flags(
+    weight: torch.Tensor,
+    fusion: bool,
+    allreduce_dgrad: bool,
+    sequence_parallel: bool,
+    group: Optional[torch.distributed.ProcessGroup],
+) -> Tuple[bool, bool, bool]:
+    """(fusion, allreduce_dgrad, sequence_parallel) as a linear runs them, in high precision
+    or FP8: no communication on a group of one rank, and the weight gradient added into
+    ``weight.main_grad`` (checked to exist) only where a weight gradient is computed."""
     if get_pg_size(group) == 1:
         allreduce_dgrad = sequence_parallel = False
-    if gradient_accumulation_fusion and torch.is_grad_enabled() and weight.requires_grad:
+    fusion = bool(fusion and torch.is_grad_enabled() and weight.requires_grad)
+    if fusion:
         require_main_grad(weight)
-    else:
-        gradient_accumulation_fusion = False
-    return LinearWithGradAccumulationAndAsyncCommunication.apply(
-        input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, group
-    )
+    return fusion, allreduce_dgrad, sequence_parallel
 
 
 # megatron-core's public signature, the parameters of the function above (reordered): it
@@ -294,19 +307,14 @@ class _ParallelLinear(torch.nn.Module):
         """X W^T [+ b] with this layer's group and weight-gradient fusion (in FP8 with
         ``fp8_gemm``)."""
         if self.fp8_gemm is not None:
-            fusion = self.gradient_accumulation_fusion and torch.is_grad_enabled()
-            if fusion and weight.requires_grad:
-                require_main_grad(weight)
-            return fp8_linear(
-                input_,
+            flags = _linear_flags(
                 weight,
-                bias,
-                fusion and weight.requires_grad,
+                self.gradient_accumulation_fusion,
                 allreduce_dgrad,
                 sequence_parallel,
                 self.tp_group,
-                self.fp8_gemm,
             )
+            return fp8_linear(input_, weight, bias, flags, self.tp_group, self.fp8_gemm)
         return linear_with_grad_accumulation_and_async_allreduce(
             input_,
             weight,

@@ -20,7 +20,10 @@ a 0/1 mask over them, 1 on assistant tokens. How the assistant's tokens are foun
      assistant turn adds after its generation prompt (its content and the end-of-turn
      marker the template writes). This needs ``P`` to be a prefix of ``Q`` and ``Q`` of ``T``;
      a template that renders earlier turns differently once later turns exist is refused
-     with an error asking for ``{% generation %}`` blocks.
+     with an error asking for ``{% generation %}`` blocks. A closing the template writes only
+     at the end of a conversation instead of the generation prompt (Phi-3's ``eos_token``:
+     its rendering of no messages, when that does not begin its generation prompt) is not
+     part of a turn: it is cut off ``Q`` before the checks, for every turn.
 3. Token ``i`` is an assistant token iff its span overlaps an assistant span
    (``a < span_end`` and ``b > span_start``).
 
@@ -92,12 +95,15 @@ def render_with_assistant_spans(
     if _GENERATION_TAG.search(template):
         return _strip_sentinels(_render(compiled, messages, False, variables, keep_marks=True))
     full = _render(compiled, messages, False, variables)
+    closing = _closing(compiled, variables)
     spans = []
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         before = _render(compiled, messages[:k], True, variables)
         through = _render(compiled, messages[: k + 1], False, variables)
+        if closing and through.endswith(closing) and full.startswith(through[: -len(closing)]):
+            through = through[: -len(closing)]  # the conversation's end, not this turn's
         if not (through.startswith(before) and full.startswith(through)):
             raise ChatTemplateError(
                 f"the chat template renders message {k} (assistant) differently once later "
@@ -108,6 +114,19 @@ def render_with_assistant_spans(
         if len(through) > len(before):
             spans.append((len(before), len(through)))
     return full, spans
+
+
+def _closing(compiled: Any, variables: Dict[str, Any]) -> str:
+    """What the template writes at the end of a conversation only, in place of the
+    generation prompt (Phi-3's ``{% else %}{{ eos_token }}``): its rendering of no messages
+    when that is not the start of its rendering with the generation prompt; "" otherwise or
+    when the template cannot render no messages."""
+    try:
+        empty = _render(compiled, [], False, variables)
+        prompt = _render(compiled, [], True, variables)
+    except ChatTemplateError:
+        return ""
+    return "" if prompt.startswith(empty) else empty
 
 
 def _render(

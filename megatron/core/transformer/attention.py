@@ -12,8 +12,9 @@ from typing import Optional, Tuple, Union
 import torch
 
 from megatron.core import tensor_parallel
+from megatron.core.config_rules import is_window_layer
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.rope import apply_rotary_pos_emb, yarn_get_mscale
+from megatron.core.rope import LayerAngles, apply_rotary_pos_emb, yarn_get_mscale
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule, leave_as_allocated, output_projection
@@ -64,6 +65,9 @@ class Attention(MegatronModule):
         self.kv_projection_size = config.kv_channels * config.num_query_groups
         self.num_attention_heads_per_partition = config.num_attention_heads // tp
         self.num_query_groups_per_partition = config.num_query_groups // tp
+        self.window_layer = is_window_layer(
+            config.window_size, config.window_attn_skip_freq, layer_number
+        )
         if cp_comm_type is None:
             cp_comm_type = config.cp_comm_type
         if isinstance(cp_comm_type, (list, tuple)):
@@ -101,7 +105,8 @@ class Attention(MegatronModule):
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """[s, b, h] (sequence-sharded over TP under SP) -> (output [s, b, h], bias).
 
-        ``rotary_pos_emb`` [s_local, 1, 1, r] rotates queries and keys (RoPE).
+        ``rotary_pos_emb`` [s_local, 1, 1, r] rotates queries and keys (RoPE); a
+        ``LayerAngles`` gives this layer's (its ``local`` ones for a sliding-window layer).
         """
         inference_context = inference_context if inference_context is not None else inference_params
         for name, value in (
@@ -113,6 +118,8 @@ class Attention(MegatronModule):
             if value is not None:
                 raise NotImplementedError(f"{type(self).__name__}: {name} is not supported")
         query, key, value = self.get_query_key_value_tensors(hidden_states)
+        if isinstance(rotary_pos_emb, LayerAngles):
+            rotary_pos_emb = rotary_pos_emb.of_layer(self.window_layer)
         if rotary_pos_emb is not None:
             if isinstance(rotary_pos_emb, tuple):
                 q_emb, k_emb = rotary_pos_emb
@@ -169,9 +176,9 @@ class Attention(MegatronModule):
         if per_group > 1:  # grouped-query attention: each key/value head serves per_group
             k = k.repeat_interleave(per_group, dim=1)
             v = v.repeat_interleave(per_group, dim=1)
-        scale = self.core_attention.softmax_scale
-        if sinks is not None:
-            out = _attention_with_sinks(q, k, v, mask, causal, scale, sinks)
+        scale, softcap = self.core_attention.softmax_scale, self.config.attn_logit_softcapping
+        if sinks is not None or softcap is not None:
+            out = _explicit_attention(q, k, v, mask, causal, scale, softcap, sinks)
         else:
             out = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=causal, scale=scale
@@ -191,18 +198,23 @@ def yarn_cos_sin_scale(config: TransformerConfig) -> float:
     )
 
 
-def _attention_with_sinks(q, k, v, mask, causal: bool, scale: float, sinks) -> torch.Tensor:
-    """[b, n, s, d] attention whose softmax has one more column per head, the sink logit
-    (dropped after the softmax; float32 or wider)."""
+def _explicit_attention(q, k, v, mask, causal: bool, scale: float, softcap, sinks):
+    """softmax(c * tanh(scale * Q K^T / c) [masked]) V on [b, n, s, d] (a cached forward with
+    ``attn_logit_softcapping`` c; None: scale * Q K^T), the softmax with one more column per
+    head when ``sinks`` [n] are given (the sink logit, dropped after it); at least float32."""
     dtype = torch.promote_types(q.dtype, torch.float32)
-    scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale
+    scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if causal:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return (torch.softmax(scores, dim=-1) @ v.to(dtype)).to(q.dtype)
     column = sinks.to(dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
     probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
-    return torch.matmul(probs, v.to(dtype)).to(q.dtype)
+    return (probs @ v.to(dtype)).to(q.dtype)
 
 
 class SelfAttention(Attention):

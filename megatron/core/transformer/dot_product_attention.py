@@ -14,6 +14,7 @@ from megatron.core.transformer.cp_attention import (
     check_window_size,
     context_parallel_attention,
     kernel_for_backend,
+    softcap_kernel,
 )
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -34,11 +35,13 @@ class DotProductAttention(MegatronModule):
     is re-initialized: ``parallel_groups.ResolvedGroup``). ``attention_dropout`` is not
     applied (the CP kernels have no dropout; a warning says so when it is > 0). The kernel is
     ``config.attention_backend``'s (``cp_attention.kernel_choice``); ``config.window_size``
-    gives sliding-window attention (on the layers ``config.window_attn_skip_freq`` leaves
-    sliding: ``window_size`` here), refused here, at build time, where the CP setting or the
-    kernel cannot compute it. ``config.softmax_type`` "learnable": attention sinks, a
-    parameter ``softmax_offset`` [np / TP] (this TP rank's heads; zero at first) added to
-    every softmax denominator as exp(sink_h); "off-by-one": a fixed sink 0 (+1).
+    gives sliding-window attention (on the layers ``config.window_attn_skip_freq`` gives it
+    to: ``self.window_size``), refused here, at build time, where the CP setting or the
+    kernel cannot compute it; ``config.attn_logit_softcapping`` caps the scores (the explicit
+    "math" kernel; another ``attention_backend`` is refused here). ``config.softmax_type``
+    "learnable": attention sinks, a parameter ``softmax_offset`` [np / TP] (this TP rank's
+    heads; zero at first) added to every softmax denominator as exp(sink_h); "off-by-one": a
+    fixed sink 0 (+1); with soft-capped scores too.
     """
 
     def __init__(
@@ -73,6 +76,9 @@ class DotProductAttention(MegatronModule):
             softmax_scale = 1.0 / math.sqrt(config.kv_channels)
         self.softmax_scale = softmax_scale
         self.kernel = kernel_for_backend(config.attention_backend)
+        self.softcap = config.attn_logit_softcapping
+        if self.softcap is not None:
+            self.kernel = softcap_kernel(self.kernel, self.softcap)
         self.window_size = layer_window_size(
             config.window_size, config.window_attn_skip_freq, self.layer_number
         )
@@ -118,6 +124,7 @@ class DotProductAttention(MegatronModule):
             kernel=self.kernel,
             window_size=self.window_size,
             softmax_offset=self.softmax_offset,
+            softcap=self.softcap,
         )
         return context.reshape(context.shape[0], context.shape[1], -1)
 

@@ -39,18 +39,19 @@ Written here because no library does TP-sharded LoRA on megatron-core's layers (
 
 import dataclasses
 import math
-import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from megatron.core import config_rules
 from megatron.core.config_rules import LORA_DROPOUT_POSITIONS as DROPOUT_POSITIONS
 from megatron.core.config_rules import LORA_INIT_METHODS as INIT_METHODS
 from megatron.core.config_rules import LORA_TARGETS, lora_is_pattern, lora_pattern_matches
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.lora_init import adapter_init_method, adapter_seed
 
 
 @dataclass
@@ -84,8 +85,12 @@ class LoRAConfig:
         if not self.target_modules:
             raise bad("target_modules", list(self.target_modules), "at least one module")
         for pattern in self.target_modules:
-            if not lora_is_pattern(pattern) and pattern not in LORA_TARGETS:
-                raise bad("target_modules", pattern, f"one of {LORA_TARGETS} or a wildcard")
+            if not lora_is_pattern(pattern) and pattern not in config_rules.LORA_ALL_TARGETS:
+                raise bad(
+                    "target_modules",
+                    pattern,
+                    f"one of {config_rules.LORA_ALL_TARGETS} or a wildcard",
+                )
         if not isinstance(self.dim, int) or self.dim < 1:
             raise bad("dim", self.dim, "a positive integer")
         if not math.isfinite(self.alpha) or self.alpha <= 0:
@@ -105,37 +110,38 @@ class LoRAConfig:
 
     def matches(self, name: str) -> bool:
         """Whether the module with global name ``name`` is a target and not excluded: one
-        of the adaptable layers (``LORA_TARGETS``; a wildcard picks among them, so
-        ``*.layers.0.*`` means layer 0's four linear layers) that a pattern names."""
-        if name.rsplit(".", 1)[-1] not in LORA_TARGETS:
+        of the adaptable layers (``LORA_ALL_TARGETS``; a wildcard picks among them, so
+        ``*.layers.0.*`` means layer 0's linear layers) that a pattern names."""
+        if name.rsplit(".", 1)[-1] not in config_rules.LORA_ALL_TARGETS:
             return False
         return _matches(name, self.target_modules) and not _matches(name, self.exclude_modules)
 
 
 def apply_lora(model: torch.nn.Module, lora: LoRAConfig) -> List[str]:
     """Freeze every parameter of ``model`` and add an adapter to each target layer; the
-    targets' global names, in order. A target that is not a tensor-parallel linear layer (an
-    expert's linear, a Transformer Engine layer) is refused by name; so is a configuration
-    that matches no layer on any stage (checked by the caller, who sees every stage)."""
+    targets' global names, in order. The routed experts' fc1 / fc2 get one adapter per expert
+    (``moe.expert_lora``). A target that is not a tensor-parallel linear layer (a Transformer
+    Engine layer) is refused by name; so is a configuration that matches no layer on any
+    stage (checked by the caller, who sees every stage)."""
+    from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
+    from megatron.core.transformer.multi_latent_attention import ReplicatedLinear
+
     for param in model.parameters():
         param.requires_grad_(False)
     added = []
     for name, module in list(model.named_modules()):
         global_name = global_module_name(model, name)
+        if global_name is not None and isinstance(module, (SequentialMLP, GroupedMLP)):
+            added += _adapt_experts(module, lora, global_name)
+            continue
         if global_name is None or not lora.matches(global_name):
             continue
-        if ".experts." in global_name or getattr(module, "is_expert", False):
-            targets = lora.flags.get("target_modules", "target_modules")
-            excludes = lora.flags.get("exclude_modules", "exclude_modules")
-            raise ValueError(
-                f"LoRA target {global_name} is a routed expert's linear layer: adapters on "
-                f"experts are not supported; leave them out ({excludes} '*.experts.*') or "
-                f"name the layers to adapt ({targets} linear_qkv linear_proj)"
-            )
-        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        if ".experts." in global_name:  # a SequentialMLP expert's layer: adapted above
+            continue
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)):
             raise ValueError(
                 f"LoRA target {global_name} is a {type(module).__name__}; adapters go on "
-                "ColumnParallelLinear / RowParallelLinear layers only"
+                "ColumnParallelLinear / RowParallelLinear / ReplicatedLinear layers only"
             )
         if hasattr(module, "adapter"):
             raise ValueError(f"LoRA target {global_name} already has an adapter")
@@ -144,6 +150,49 @@ def apply_lora(model: torch.nn.Module, lora: LoRAConfig) -> List[str]:
         module.forward = _WithAdapter(module.forward, module.adapter)
         added.append(global_name)
     return added
+
+
+def _adapt_experts(experts: torch.nn.Module, lora: LoRAConfig, global_name: str) -> List[str]:
+    """Adapters on the routed experts ``experts`` (global name ``...mlp.experts``) for each
+    projection whose every expert ``...experts.local_experts.<g>.<proj>`` is a target; the
+    local experts' target names. Some experts of a layer only are refused by name."""
+    from megatron.core.transformer.moe.expert_lora import ExpertLoRAAdapter, WithExpertAdapters
+
+    total = experts.config.num_moe_experts
+    adapters = torch.nn.ModuleDict()
+    for proj in ("linear_fc1", "linear_fc2"):
+        names = [f"{global_name}.local_experts.{g}.{proj}" for g in range(total)]
+        chosen = [g for g, n in enumerate(names) if lora.matches(n)]
+        if chosen and len(chosen) < total:
+            raise ValueError(
+                f"{lora.flags.get('target_modules', 'target_modules')} (less "
+                f"{lora.flags.get('exclude_modules', 'exclude_modules')}) adapt experts "
+                f"{chosen} of {global_name}'s {proj} but not the others: adapters go on every "
+                "routed expert of a layer's projection or on none"
+            )
+        if not chosen:
+            continue
+        if getattr(experts, "fp8_experts", None) is not None:
+            excludes = lora.flags.get("exclude_modules", "exclude_modules")
+            raise ValueError(
+                f"LoRA target {names[0]}: adapters on routed experts do not run with FP8 "
+                f"expert GEMMs (--fp8); leave the experts out ({excludes} '*.experts.*')"
+            )
+        adapters[proj] = ExpertLoRAAdapter(
+            experts,
+            proj,
+            lora,
+            f"{global_name}.{proj}",
+            lambda g, p=proj: f"{global_name}.local_experts.{g}.{p}",
+        )
+        adapters[proj].stacked = _in_every_layer(lora, names[0], experts.config.num_layers)
+    if not adapters:
+        return []
+    experts.adapter = adapters
+    experts.forward = WithExpertAdapters(experts, experts.forward, adapters)
+    first = experts.first_expert
+    return [f"{global_name}.local_experts.{first + i}.{proj}"
+            for i in range(experts.num_local_experts) for proj in adapters]  # fmt: skip
 
 
 def separate_partial_adapters(
@@ -160,7 +209,7 @@ def separate_partial_adapters(
 
     layers = f"{prefix}decoder.layers."
     prefixes = tuple(
-        layers + name.split(".", 3)[3] + ".adapter."
+        layers + _storage_rest(name) + ".adapter."
         for name, adapter in lora_modules(model).items()
         if not getattr(adapter, "stacked", True)
     )
@@ -188,9 +237,22 @@ def separate_partial_adapters(
     dict_list_map_inplace(separate, sharded_state_dict)
 
 
-def lora_modules(model: torch.nn.Module) -> Dict[str, "LoRAAdapter"]:
-    """{global name of the base layer: its adapter} for the adapters in ``model``."""
-    return {m.global_name: m for m in model.modules() if isinstance(m, LoRAAdapter)}
+def _storage_rest(name: str) -> str:
+    """The checkpoint key of adapted layer ``name`` after ``decoder.layers.``: the routed
+    experts' (``...mlp.experts.<proj>``) under megatron-core's ``mlp.experts.experts.``."""
+    rest = name.split(".", 3)[3]
+    if rest.startswith("mlp.experts.linear_fc"):
+        rest = rest.replace("mlp.experts.", "mlp.experts.experts.", 1)
+    return rest
+
+
+def lora_modules(model: torch.nn.Module) -> Dict[str, torch.nn.Module]:
+    """{global name of the base layer: its adapter} for the adapters in ``model`` (a routed
+    experts' projection ``...mlp.experts.linear_fc1``: its ``ExpertLoRAAdapter``)."""
+    from megatron.core.transformer.moe.expert_lora import ExpertLoRAAdapter
+
+    kinds = (LoRAAdapter, ExpertLoRAAdapter)
+    return {m.global_name: m for m in model.modules() if isinstance(m, kinds)}
 
 
 def global_module_name(model: torch.nn.Module, local_name: str) -> Optional[str]:
@@ -219,22 +281,27 @@ class LoRAAdapter(torch.nn.Module):
         self.scale = lora.scale
         self.dropout, self.dropout_position = lora.dropout, lora.dropout_position
         self.row_parallel = isinstance(base, RowParallelLinear)
-        tp_size = base.tp_group.size() if base.tp_group is not None else 1
+        tp_group = getattr(base, "tp_group", None)  # a replicated base has none
+        tp_size = tp_group.size() if tp_group is not None else 1
+        # the base layer's own switch: MLA's up projections turn it off (whole input)
+        sequence_parallel = getattr(base, "sequence_parallel", base.config.sequence_parallel)
         config = ModelParallelConfig(
             tensor_model_parallel_size=tp_size,
-            sequence_parallel=base.config.sequence_parallel and tp_size > 1,
+            sequence_parallel=sequence_parallel and tp_size > 1,
             params_dtype=lora.params_dtype,
             perform_initialization=True,
             use_cpu_initialization=base.config.use_cpu_initialization,
             gradient_accumulation_fusion=base.config.gradient_accumulation_fusion,
         )
-        generator = torch.Generator().manual_seed(_seed_of(lora.seed, global_name))
-        init_a = _init_method(lora.lora_A_init_method, generator)
-        init_b = _init_method(lora.lora_B_init_method, generator)
+        generator = torch.Generator().manual_seed(adapter_seed(lora.seed, global_name))
+        init_a = adapter_init_method(lora.lora_A_init_method, generator)
+        init_b = adapter_init_method(lora.lora_B_init_method, generator)
         stride = getattr(base.weight, "partition_stride", 1)
         # A [dim, in] is split like the base layer's input: row-parallel when the base is.
-        linear_in = dict(config=config, init_method=init_a, bias=False, tp_group=base.tp_group)
-        if self.row_parallel:
+        linear_in = dict(config=config, init_method=init_a, bias=False, tp_group=tp_group)
+        if not isinstance(base, (ColumnParallelLinear, RowParallelLinear)):
+            self._replicated(base, lora, init_a, init_b)
+        elif self.row_parallel:
             self.linear_in = RowParallelLinear(
                 base.input_size, lora.dim, input_is_parallel=True, skip_bias_add=True, **linear_in
             )
@@ -262,8 +329,20 @@ class LoRAAdapter(torch.nn.Module):
                 bias=False,
                 gather_output=False,
                 stride=stride,
-                tp_group=base.tp_group,
+                tp_group=tp_group,
             )
+
+    def _replicated(self, base, lora: LoRAConfig, init_a, init_b) -> None:
+        """A and B whole on every TP rank for a replicated base (MLA's down projections:
+        whole input, complete output gradient, so complete adapter gradients)."""
+        weights = []
+        for shape, init in (((lora.dim, base.input_size), init_a), ((base.output_size, lora.dim),
+                                                                    init_b)):  # fmt: skip
+            weight = torch.empty(shape, dtype=torch.float32)
+            init(weight)
+            weights.append(weight.to(device=base.weight.device, dtype=lora.params_dtype))
+        self.linear_in = _ReplicatedLinear(weights[0], sequence_parallel=False)
+        self.linear_out = _ReplicatedLinear(weights[1], sequence_parallel=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """scale * B A dropout(x) (pre) or dropout(scale * B A x) (post), in the adapter's
@@ -309,23 +388,6 @@ class _WithAdapter:
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> tuple:
         out, bias = self.base_forward(x, *args, **kwargs)
         return out + self.adapter(x), bias
-
-
-def _init_method(name: str, generator: torch.Generator) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The init of a full [out, in] adapter weight from ``generator``: xavier (normal),
-    normal (std 0.02), kaiming (uniform, a = sqrt(5), torch.nn.Linear's), zero."""
-    init = torch.nn.init
-    return {
-        "xavier": lambda w: init.xavier_normal_(w, generator=generator),
-        "normal": lambda w: init.normal_(w, std=0.02, generator=generator),
-        "kaiming": lambda w: init.kaiming_uniform_(w, a=math.sqrt(5), generator=generator),
-        "zero": init.zeros_,
-    }[name]
-
-
-def _seed_of(seed: int, name: str) -> int:
-    """The adapter's generator seed: (seed, the layer's global name), layout-free."""
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
 def _in_every_layer(lora: LoRAConfig, global_name: str, num_layers: int) -> bool:

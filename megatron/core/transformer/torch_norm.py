@@ -20,7 +20,9 @@ class WrappedTorchNorm:
     module through one compiled function (``fusions.fused_layer_norm``). Under sequence
     parallelism the norm runs on the sequence-sharded activations; GPTModel marks its
     parameters ``sequence_parallel`` so their gradients are summed over the TP group
-    (megatron-core's local spec rejects SP here).
+    (megatron-core's local spec rejects SP here). With ``config.layernorm_zero_centered_gamma``
+    the weight is zero-centred: y = norm(x) * (1 + weight) (``ZeroCenteredRMSNorm`` /
+    ``ZeroCenteredLayerNorm``; Gemma's RMSNorm).
     """
 
     def __new__(
@@ -32,13 +34,10 @@ class WrappedTorchNorm:
         zero_centered_gamma: bool = False,
         normalization: str = "LayerNorm",
     ):
-        if getattr(config, "layernorm_zero_centered_gamma", False):
-            raise NotImplementedError(
-                "WrappedTorchNorm: config.layernorm_zero_centered_gamma=True is not supported "
-                "by torch norms"
-            )
         norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
-        if config.persist_layer_norm:
+        if getattr(config, "layernorm_zero_centered_gamma", False):
+            norms = {"LayerNorm": ZeroCenteredLayerNorm, "RMSNorm": ZeroCenteredRMSNorm}
+        elif config.persist_layer_norm:
             norms = {"LayerNorm": FusedLayerNorm, "RMSNorm": FusedRMSNorm}
         if config.normalization not in norms:
             raise ValueError(
@@ -47,6 +46,32 @@ class WrappedTorchNorm:
             )
         return norms[config.normalization](
             normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype
+        )
+
+
+class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
+    """RMSNorm with a zero-centred weight: y = x / sqrt(mean(x^2) + eps) * (1 + weight),
+    computed in at least float32 and rounded once to the input's dtype (Gemma's order).
+    The weight starts at zero (``GPTModel``'s initialization reads ``zero_centered_gamma``)."""
+
+    zero_centered_gamma = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        acc = x.to(torch.promote_types(x.dtype, torch.float32))
+        eps = torch.finfo(acc.dtype).eps if self.eps is None else self.eps
+        normed = acc * torch.rsqrt(acc.pow(2).mean(-1, keepdim=True) + eps)
+        return (normed * (1 + self.weight.to(acc.dtype))).to(x.dtype)
+
+
+class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
+    """LayerNorm with a zero-centred weight: (x - mean) / sqrt(var + eps) * (1 + weight) +
+    bias (megatron-core's ``layernorm_zero_centered_gamma``)."""
+
+    zero_centered_gamma = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.layer_norm(
+            x, self.normalized_shape, 1 + self.weight, self.bias, self.eps
         )
 
 

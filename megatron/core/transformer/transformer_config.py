@@ -1,5 +1,6 @@
 """Transformer shape, architecture and loss settings on top of the parallel configuration."""
 
+import math
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Union
 
@@ -43,6 +44,7 @@ class TransformerConfig(ModelParallelConfig):
     # megatron-core's fields, one declaration each: runs of them share a shape by design.
     num_layers: int = 0
     mtp_num_layers: Optional[int] = None
+    mtp_loss_scaling_factor: Optional[float] = 0.1
     hidden_size: int = 0
     num_attention_heads: int = 0
     softmax_scale: Optional[float] = None
@@ -83,6 +85,18 @@ class TransformerConfig(ModelParallelConfig):
     # An extra of this core: the q/k norms over all heads of each projection together
     # (OLMoE), not per head; needs qk_layernorm and RMSNorm (``WholeProjectionRMSNorm``).
     qk_layernorm_whole_projection: bool = False
+    # Extras of this core for Gemma 2 / 3 (megatron-core 0.16.1 has no such fields):
+    # ``sandwich_layernorm``: a norm after attention and after the MLP too, before each
+    # residual add (``post_self_attn_layernorm``, ``post_mlp_layernorm``);
+    # ``embedding_scale_sqrt_hidden``: the word embeddings times sqrt(hidden_size) (the
+    # factor rounded to the embeddings' dtype); ``attn_logit_softcapping``: attention scores
+    # c * tanh(s / c); ``final_logit_softcapping``: the output logits likewise;
+    # ``local_rotary_base``: the RoPE base of the sliding-window layers (None: the model's).
+    sandwich_layernorm: bool = False
+    embedding_scale_sqrt_hidden: bool = False
+    attn_logit_softcapping: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
+    local_rotary_base: Optional[float] = None
     test_mode: bool = False
     calculate_per_token_loss: bool = False
     multi_latent_attention: bool = False
@@ -183,8 +197,7 @@ class TransformerConfig(ModelParallelConfig):
                 f"TransformerConfig: fp16={self.fp16} and bf16={self.bf16}; expected at most one "
                 "of them True"
             )
-        if self.mtp_num_layers is not None:
-            raise NotImplementedError("mtp_num_layers is not supported by this core")
+        _check_mtp(self.mtp_num_layers, self.mtp_loss_scaling_factor)
         if self.multi_latent_attention and not isinstance(self, MLATransformerConfig):
             raise NotImplementedError(
                 "multi_latent_attention=True needs an MLATransformerConfig (its q/kv LoRA ranks "
@@ -214,6 +227,7 @@ class TransformerConfig(ModelParallelConfig):
         self.attention_backend = _attention_backend(self.attention_backend)
         _check_window_size(self.window_size)
         self._check_gpt_oss_fields()
+        self._check_gemma_fields()
         self._fill_init_methods()
         if not self.num_attention_heads:
             return
@@ -239,18 +253,46 @@ class TransformerConfig(ModelParallelConfig):
             )
 
     def _check_gpt_oss_fields(self) -> None:
-        """softmax_type, window_attn_skip_freq, glu_linear_offset and
-        activation_func_clamp_value (``config_rules``: shared with the trainer's flags)."""
+        """softmax_type, glu_linear_offset and activation_func_clamp_value
+        (``config_rules``: shared with the trainer's flags)."""
         for problem in config_rules.gpt_oss_problems(
             self.softmax_type,
-            self.window_attn_skip_freq,
-            self.window_size,
-            self.num_layers,
             self.glu_linear_offset,
             self.activation_func_clamp_value,
             self.gated_linear_unit,
         ):
             raise ValueError(problem)
+
+    def _check_gemma_fields(self) -> None:
+        """The window pattern, the soft-caps and the local RoPE base (Gemma 2 / 3)."""
+        for problem in config_rules.window_attn_skip_freq_problems(
+            self.window_attn_skip_freq, self.window_size, self.num_layers
+        ):
+            raise ValueError(problem)
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if not config_rules.softcap_valid(getattr(self, name)):
+                raise ValueError(
+                    f"{name} must be None or a finite number > 0, got {getattr(self, name)!r}"
+                )
+        base = self.local_rotary_base
+        if base is not None and not (isinstance(base, (int, float)) and base > 0):
+            raise ValueError(f"local_rotary_base must be None or a number > 0, got {base!r}")
+        if base is not None and self.multi_latent_attention:
+            raise ValueError(
+                f"local_rotary_base={base!r} is not supported with multi_latent_attention=True "
+                "(multi-latent attention rotates with its own rope_type); expected None"
+            )
+        if self.layernorm_zero_centered_gamma and self.qk_layernorm_whole_projection:
+            raise ValueError(
+                "layernorm_zero_centered_gamma=True with qk_layernorm_whole_projection=True is "
+                "not supported (the whole-projection q/k norm has no zero-centred weight); "
+                "expected one of them False"
+            )
+        if base is not None and config_rules.window_left(self.window_size) is None:
+            raise ValueError(
+                f"local_rotary_base={base!r} is the RoPE base of the sliding-window layers, but "
+                f"window_size={self.window_size!r} gives no layer a window"
+            )
 
     def _check_recompute(self) -> None:
         """megatron-core 0.16.1's recompute checks, with the fields named."""
@@ -323,6 +365,25 @@ def _check_cp_comm_type(cp_comm_type, num_layers: int) -> None:
         )
     for kind in config_rules.unknown_cp_comm_types(cp_comm_type):
         raise ValueError(f"cp_comm_type entries must be one of {CP_COMM_TYPES}, got {kind!r}")
+
+
+def _check_mtp(mtp_num_layers, mtp_loss_scaling_factor) -> None:
+    """Multi-token prediction: None or a positive number of depths, a finite loss weight."""
+    if mtp_num_layers is None:
+        return
+    if (
+        isinstance(mtp_num_layers, bool)
+        or not isinstance(mtp_num_layers, int)
+        or mtp_num_layers < 1
+    ):
+        raise ValueError(f"mtp_num_layers must be None or an int >= 1, got {mtp_num_layers!r}")
+    factor = mtp_loss_scaling_factor
+    number = isinstance(factor, (int, float)) and not isinstance(factor, bool)
+    if not number or not math.isfinite(factor):
+        raise ValueError(
+            f"mtp_loss_scaling_factor must be a finite number (the weight of the MTP loss), "
+            f"got {factor!r}"
+        )
 
 
 def _check_multiple(name: str, value: int, of_name: str, of_value: int) -> None:

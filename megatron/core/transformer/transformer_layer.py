@@ -39,6 +39,9 @@ class TransformerLayer(MegatronModule):
         out = bda(mlp(pre_mlp_layernorm(h1)), h1),  bda((y, b), r) = r + dropout(y + b)
 
     (with ``apply_residual_connection_post_layernorm`` the residual is the norm's output).
+    With ``config.sandwich_layernorm`` (Gemma 2 / 3) the attention's and the MLP's outputs
+    (their biases added) are normalized too before each residual add, by
+    ``post_self_attn_layernorm`` and ``post_mlp_layernorm`` (built as ``input_layernorm``).
     Selective recomputation (``recompute_granularity="selective"``, training with autograd
     on): "layernorm" in ``recompute_modules`` discards each norm's output once the next
     module has used it and recomputes it in the backward
@@ -81,6 +84,9 @@ class TransformerLayer(MegatronModule):
         self.cross_attention = build_module(submodules.cross_attention, config=config)
         self.cross_attn_bda = build_module(submodules.cross_attn_bda)
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, **norm)
+        if config.sandwich_layernorm:
+            self.post_self_attn_layernorm = build_module(submodules.input_layernorm, **norm)
+            self.post_mlp_layernorm = build_module(submodules.input_layernorm, **norm)
         self.is_moe_layer = _is_moe_spec(submodules.mlp)
         if self.is_moe_layer:
             self.mlp = build_module(
@@ -131,6 +137,8 @@ class TransformerLayer(MegatronModule):
         )
         if norm_ckpt is not None:
             norm_ckpt.discard_output_and_register_recompute(attention[0])
+        if self.config.sandwich_layernorm:
+            attention = _post_norm(self.post_self_attn_layernorm, attention)
         hidden_states = self.self_attn_bda(self.training, fused)(
             attention, residual, self.hidden_dropout
         )
@@ -144,6 +152,8 @@ class TransformerLayer(MegatronModule):
             mlp_output = self.mlp(normed)
         if norm_ckpt is not None:
             norm_ckpt.discard_output_and_register_recompute(mlp_output[0])
+        if self.config.sandwich_layernorm:
+            mlp_output = _post_norm(self.post_mlp_layernorm, mlp_output)
         hidden_states = self.mlp_bda(self.training, fused)(
             mlp_output, residual, self.hidden_dropout
         )
@@ -218,6 +228,14 @@ def layers_per_virtual_stage(config: TransformerConfig) -> int:
             f"({config.virtual_pipeline_model_parallel_size or 1}) = {stages}"
         )
     return config.num_layers // stages
+
+
+def _post_norm(norm: torch.nn.Module, output: tuple) -> tuple:
+    """A sublayer's (output, bias) normalized (the bias added first): (norm(y + b), None)."""
+    out, bias = output[0], output[1]
+    if bias is not None:
+        out = out + bias
+    return norm(out), None
 
 
 def _is_moe_spec(spec) -> bool:

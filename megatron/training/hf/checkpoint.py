@@ -152,6 +152,13 @@ def export_hf(
             "adapter (without --merge-lora), or merge from a full checkpoint"
         )
     adapter_only = lora is not None and not merge_lora
+    if adapter_only and arch.moe_router_enable_expert_bias:
+        raise ValueError(
+            f"export: checkpoint {directory} has LoRA adapters on a model whose routers have "
+            "an expert bias (moe_router_enable_expert_bias), which training moved; a PEFT "
+            "adapter cannot carry it: export with --merge-lora (the merged model, trained "
+            "bias included)"
+        )
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if not adapter_only:  # an adapter-only checkpoint holds no embedding (nor needs one)
@@ -314,16 +321,21 @@ def checkpoint_architecture(
     return architecture_from_model_settings(settings), None
 
 
-def storage_key(name: str, moe_layer: bool = False) -> "tuple[str, Optional[int]]":
+def storage_key(
+    name: str, moe_layer: bool = False, mla: bool = False
+) -> "tuple[str, Optional[int]]":
     """(dist_checkpointing key, layer index or None) of our one-chunk parameter ``name``:
     layers are stacked under ``decoder.layers.<name>``, norms renamed by the layer spec's
     ``sharded_state_dict_keys_map`` (megatron-core's storage names; ``moe_layer``: the MoE
-    layer spec's, which keeps the pre-MLP norm under its own name)."""
+    layer spec's, which keeps the pre-MLP norm under its own name; ``mla``: multi-latent
+    attention's, which keeps the input norm under its own name)."""
     parts = name.split(".")
     if parts[:2] != ["decoder", "layers"]:
         return name, None
     rest = ".".join(parts[3:])
-    spec = get_gpt_layer_local_spec(num_experts=1 if moe_layer else None)
+    spec = get_gpt_layer_local_spec(
+        num_experts=1 if moe_layer else None, multi_latent_attention=mla
+    )
     for old, new in spec.submodules.sharded_state_dict_keys_map.items():
         if rest.startswith(old):
             rest = new + rest[len(old) :]
@@ -350,7 +362,7 @@ def storage_location(
         key = "decoder.layers.mlp.experts.experts." + ".".join(parts[7:])
         leading, sizes = (layer, int(parts[6])), (arch.num_layers, arch.num_moe_experts)
     else:
-        key, _ = storage_key(name, moe_layer)
+        key, _ = storage_key(name, moe_layer, arch.multi_latent_attention)
         leading, sizes = (layer,), (arch.num_layers,)
     separate = key.replace("decoder.layers.", f"decoder.layers.{layer}.", 1)
     if separate in stored:

@@ -102,6 +102,15 @@ def hf_config_for_export(
     return config
 
 
+# Multi-latent attention's fields (HFArchitecture and trainer settings alike): settings only
+# of an MLA model.
+MLA_FIELDS = (
+    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+    "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "rotary_scaling_factor",
+    "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+)  # fmt: skip
+_YARN_FIELDS = MLA_FIELDS[7:]
+
 # HFArchitecture fields that are not the trainer setting of the same name -> the settings
 # they give; every other field that names a TrainingConfig option is that option's value.
 TRANSLATED: Dict[str, Callable[[HFArchitecture], Dict[str, Any]]] = {
@@ -113,7 +122,9 @@ TRANSLATED: Dict[str, Callable[[HFArchitecture], Dict[str, Any]]] = {
     },
     "window_attn_skip_freq": lambda a: {
         "window_attn_skip_freq": (
-            None if a.window_attn_skip_freq is None else list(a.window_attn_skip_freq)
+            list(a.window_attn_skip_freq)
+            if isinstance(a.window_attn_skip_freq, tuple)
+            else a.window_attn_skip_freq
         )
     },
     "max_position_embeddings": lambda a: {
@@ -152,7 +163,7 @@ def training_settings(arch: HFArchitecture) -> Dict[str, Any]:
             out.update(TRANSLATED[f.name](arch))
         elif f.name in options:
             out[f.name] = getattr(arch, f.name)
-    return {**out, **WRITTEN_ROUTING} if moe else out
+    return {**WRITTEN_ROUTING, **out} if moe else out
 
 
 def _option_names() -> set:
@@ -176,7 +187,14 @@ def hf_config_of_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
 def architecture_from_model_settings(settings: Dict[str, Any]) -> HFArchitecture:
     """The HuggingFace family and architecture of a model our trainer built (its saved run
     settings): the first family (registry order) whose ``config.json`` reads back as the
-    same model, ``read(write(x)) == x``; ValueError when none does."""
+    same model, ``read(write(x)) == x``; ValueError when none does (and for multi-token
+    prediction depths, which no family writes yet)."""
+    if settings.get("mtp_num_layers"):
+        raise ValueError(
+            f"export: this model has mtp_num_layers={settings['mtp_num_layers']} "
+            "(multi-token prediction depths), which no HuggingFace family we write carries "
+            "yet (hf/mtp_weights.py maps DeepSeek-V3's layout); expected a model without them"
+        )
     full = _with_defaults(settings)
     base = _architecture_of_settings(full)
     for name, family in REGISTRY.items():
@@ -217,18 +235,19 @@ def model_meaning(settings: Dict[str, Any]) -> Dict[str, Any]:
     the rope factor without scaling, --openai-gelu under --swiglu, a q/k/v bias beside all
     biases, the whole-projection switch without q/k norms, MoE settings of a dense model,
     a shared-expert gate without a shared expert, the dense FFN size when every layer is a
-    MoE layer."""
+    MoE layer; the default attention scale written out (1 / sqrt(kv_channels))."""
     out = dict(settings)
     if out["position_embedding_type"] in ("rope", "yarn"):
         out.pop("max_position_embeddings")
         out["rotary_base"] = float(out["rotary_base"])
+        out["rotary_percent"] = float(out["rotary_percent"])
     else:
-        for key in ("rotary_base", "use_rope_scaling", "rope_scaling_factor"):
+        for key in ("rotary_base", "use_rope_scaling", "rope_scaling_factor", "rotary_percent"):
             out.pop(key)
     if not out.get("use_rope_scaling"):
         out.pop("rope_scaling_factor", None)
     if out["position_embedding_type"] != "yarn":
-        for key in _YARN_SETTINGS:
+        for key in _YARN_SETTINGS[1:]:  # (rotary_scaling_factor: MLA's too, _mla_meaning)
             out.pop(key, None)
     out["window_attn_skip_freq"] = _skip_pattern(
         out.get("window_attn_skip_freq"), out["window_size"], out["num_layers"]
@@ -241,12 +260,18 @@ def model_meaning(settings: Dict[str, Any]) -> Dict[str, Any]:
     )
     out["window_size"] = list(out["window_size"]) if out["window_size"] else None
     out["norm_epsilon"] = float(out["norm_epsilon"])
+    _mla_meaning(out)
+    if "softmax_scale" in out and out["softmax_scale"] is None:  # the default, written out
+        kv = out.get("kv_channels") or out["hidden_size"] // out["num_attention_heads"]
+        out["softmax_scale"] = kv**-0.5
     out = {k: None if v is False else v for k, v in out.items()}  # off: False or absent
     if out["num_experts"] is None:
         return {k: v for k, v in out.items() if not k.startswith("moe_")}
     pattern = list(moe_layer_pattern(out["moe_layer_freq"], out["num_layers"]))
     out["moe_layer_freq"] = pattern
     out["moe_ffn_hidden_size"] = out["moe_ffn_hidden_size"] or out["ffn_hidden_size"]
+    if out.get("moe_router_topk_scaling_factor") in (None, 1, 1.0):  # x 1: no scaling
+        out["moe_router_topk_scaling_factor"] = None
     shared = out["moe_shared_expert_intermediate_size"] is not None
     out["moe_shared_expert_gate"] = bool(out["moe_shared_expert_gate"]) and shared or None
     if all(pattern):
@@ -275,6 +300,27 @@ def _skip_pattern(freq, window, layers: int) -> Optional[list]:
     return None if all(pattern) else pattern
 
 
+def _mla_meaning(out: Dict[str, Any]) -> None:
+    """Multi-latent attention's settings normalized in place: none without it; with it the
+    rope type resolved (MLATransformerConfig's default: yarn), the yarn settings dropped
+    under plain rope, the unused GQA head settings dropped."""
+    if not out.get("multi_latent_attention"):
+        for key in MLA_FIELDS:
+            if key != "rotary_scaling_factor" or out["position_embedding_type"] != "yarn":
+                out.pop(key, None)
+        return
+    out["rope_type"] = out.get("rope_type") or "yarn"
+    for key in ("kv_channels", "num_query_groups"):
+        out.pop(key, None)
+    if out["rope_type"] == "rope":
+        for key in _YARN_FIELDS:
+            out.pop(key, None)
+    else:
+        out["rotary_scaling_factor"] = out.get("rotary_scaling_factor") or 1.0  # the default
+        for key in ("rotary_scaling_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+            out[key] = float(out[key])
+
+
 def _with_defaults(settings: Dict[str, Any]) -> Dict[str, Any]:
     """Recorded settings with the options they lack (or hold as None) at their defaults,
     derived ones resolved (``resolved_model``)."""
@@ -294,10 +340,13 @@ def _activation_of_settings(settings: Dict[str, Any]) -> str:
 
 
 def _skip_tuple(settings: Dict[str, Any]):
-    pattern = _skip_pattern(
-        settings["window_attn_skip_freq"], settings["window_size"], settings["num_layers"]
-    )
-    return None if pattern is None else tuple(pattern)
+    """``window_attn_skip_freq`` for ``HFArchitecture``: None (every layer slides), the int
+    N as given, else one 0/1 per layer."""
+    freq = settings["window_attn_skip_freq"]
+    pattern = _skip_pattern(freq, settings["window_size"], settings["num_layers"])
+    if pattern is None:
+        return None
+    return freq if isinstance(freq, int) else tuple(pattern)
 
 
 def _architecture_of_settings(settings: Dict[str, Any]) -> HFArchitecture:

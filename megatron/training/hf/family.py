@@ -10,7 +10,9 @@ is the interface one family implements (one module under ``families/``, one line
 import json
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any, Dict, Iterable, Optional, Tuple, Union
+
+from megatron.core.config_rules import is_window_layer
 
 # Keys that do not change what the weights compute, for every family: bookkeeping,
 # generation defaults, token ids (the tokenizer's business), initialization and dropout
@@ -68,6 +70,8 @@ class HFArchitecture:
     tied: bool
     dtype: str = "float32"
     window_size: Optional[Tuple[int, int]] = None  # (left, 0): sliding-window attention
+    # the fraction of each head's channels RoPE rotates (Phi-3's partial_rotary_factor)
+    rotary_percent: float = 1.0
     qk_layernorm: bool = False  # per-head q/k norm (``normalization``) before rotary
     # with qk_layernorm: one RMSNorm over all heads of q and of k (OLMoE), not per head
     qk_layernorm_whole_projection: bool = False
@@ -82,19 +86,69 @@ class HFArchitecture:
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_gate: bool = False
     moe_layer_freq: Optional[Tuple[int, ...]] = None
-    # GPT-OSS (megatron-core's names, as the trainer's options): attention sinks; which layers
-    # keep ``window_size`` (one 1 = sliding / 0 = full per layer); the gated unit's offset and
-    # clamp (``activation`` "quick_gelu": x sigmoid(1.702 x)); YaRN rotary embeddings
-    # (``position_embedding_type`` "yarn")
+    # GPT-OSS (megatron-core's names, as the trainer's options): attention sinks; the gated
+    # unit's offset and clamp (``activation`` "quick_gelu": x sigmoid(1.702 x)); YaRN rotary
+    # embeddings (``position_embedding_type`` "yarn"; ``rotary_scaling_factor`` below)
     softmax_type: str = "vanilla"
-    window_attn_skip_freq: Optional[Tuple[int, ...]] = None
     glu_linear_offset: float = 0.0
     activation_func_clamp_value: Optional[float] = None
-    rotary_scaling_factor: Optional[float] = None
     yarn_original_max_position_embeddings: Optional[int] = None
     yarn_beta_fast: Optional[float] = None
     yarn_beta_slow: Optional[float] = None
     no_yarn_correction_range_round_to_int: bool = False
+    # DeepSeek routing (megatron's names; ``hf/families/deepseek.py``): sigmoid scores, an
+    # expert bias on the selection (a buffer), group-limited top-k, a routed scaling factor.
+    moe_router_score_function: str = "softmax"
+    moe_router_enable_expert_bias: bool = False
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    # Multi-latent attention (megatron's names and defaults; DeepSeek-V2/V3). With it the
+    # attention fields above (``num_query_groups``, ``kv_channels``) are unused.
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_type: Optional[str] = None
+    # the YaRN factor of multi-latent attention's rope_type yarn and of GPT-OSS's yarn
+    # positions (None: MLA's default 1)
+    rotary_scaling_factor: Optional[float] = None
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    # Gemma 2 / 3 (named as the trainer's options): a gated GELU MLP (``activation``'s GELU),
+    # zero-centred norms (1 + w), norms after attention and the MLP too, embeddings times
+    # sqrt(hidden), the attention scale (None: 1 / sqrt(kv_channels)), logit soft-caps,
+    # the sliding-window layers' RoPE base. Which layers keep ``window_size`` (Gemma's and
+    # GPT-OSS's, megatron-core's type): None, every layer; N, all but every N-th (1-based)
+    # layer; one 1 = sliding / 0 = full per layer (``config_rules.is_window_layer``).
+    geglu: bool = False
+    apply_layernorm_1p: bool = False
+    sandwich_layernorm: bool = False
+    embedding_scale_sqrt_hidden: bool = False
+    softmax_scale: Optional[float] = None
+    attn_logit_softcapping: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
+    window_attn_skip_freq: Union[None, int, Tuple[int, ...]] = None
+    local_rotary_base: Optional[float] = None
+    # linear RoPE scaling (positions / factor) of the full-attention layers (Gemma 3)
+    rotary_seq_len_interpolation_factor: Optional[float] = None
+
+    @property
+    def gated(self) -> bool:
+        """Whether the MLP's fc1 is [gate; up] (SwiGLU, GeGLU or GPT-OSS's quick GELU)."""
+        return self.swiglu or self.geglu or self.activation == "quick_gelu"
+
+    def sliding_layers(self) -> Tuple[bool, ...]:
+        """Whether each layer (in order) has ``window_size``'s sliding window."""
+        return tuple(
+            is_window_layer(self.window_size, self.window_attn_skip_freq, layer)
+            for layer in range(1, self.num_layers + 1)
+        )
 
     def qk_norm_sizes(self) -> Tuple[int, int]:
         """The q and k norm weights' sizes: ``kv_channels`` each (per head), or all heads of
@@ -178,6 +232,10 @@ class Family:
     def key_prefix(self, keys: Iterable[str]) -> Optional[str]:
         """The prefix of this checkpoint's tensor names when it is not the usual one."""
         return None
+
+    def check_keys(self, arch: HFArchitecture, keys: Iterable[str], where: str) -> None:
+        """Refuse, by name, tensors the family knows but we do not convert (before the
+        generic unused-tensor refusal)."""
 
 
 def _refusal(value: Any) -> str:

@@ -87,7 +87,7 @@ def transformer_config_from_hf(
     values = {"hidden_dropout": 0.0, "attention_dropout": 0.0, **fields, **sizes, **overrides}
     if values.get("pipeline_model_parallel_size", 1) > 1 and values.get("pipeline_dtype") is None:
         values["pipeline_dtype"] = values.get("params_dtype", torch.float32)
-    return TransformerConfig(**values)
+    return chunk.transformer_config_class(values)(**values)
 
 
 def architecture_fields(arch: HFArchitecture) -> Dict[str, Any]:
@@ -117,8 +117,10 @@ def gpt_model_kwargs(
         max_sequence_length=max_sequence_length or arch.max_position_embeddings,
         position_embedding_type=arch.position_embedding_type,
         rotary_base=arch.rotary_base,
+        rotary_percent=arch.rotary_percent,
         rope_scaling=arch.rope_scaling_factor is not None,
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
+        seq_len_interpolation_factor=arch.rotary_seq_len_interpolation_factor,
         share_embeddings_and_output_weights=arch.tied,
     )
 
@@ -195,6 +197,10 @@ def load_hf_weights(
                 f"rows give {list(value.shape)}"
             )
         param.copy_(value)
+    for name, buffer in model.named_buffers():  # the router's expert bias (replicated)
+        full_name = one_chunk_name(model, name)
+        if full_name in sources:
+            buffer.copy_(read_rows(reader, sources[full_name], [(0, buffer.shape[0])], None))
 
 
 def _load_experts(model: GPTModel, reader, sources, full_shapes, finite: bool) -> set:

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from megatron.core.config_rules import lora_module_names
+from megatron.core.config_rules import lora_attention_names, lora_module_names
 from megatron.core.transformer.lora import LoRAConfig
 from megatron.training.hf.family import HFArchitecture, Source
 from megatron.training.hf.weights import layer_sources, our_full_shapes
@@ -46,16 +46,17 @@ def lora_of_settings(settings: Dict[str, Any]) -> Optional[LoRAConfig]:
 
 def adapted_layers(arch: HFArchitecture, lora: LoRAConfig) -> List[str]:
     """Our one-chunk names of the layers with an adapter (``decoder.layers.3.mlp.linear_fc1``;
-    a MoE layer's shared expert ``...mlp.shared_experts.linear_fc1``; never a routed expert,
-    which the trainer refuses to adapt)."""
+    a MoE layer's shared expert ``...mlp.shared_experts.linear_fc1``; a routed expert's
+    ``...mlp.experts.local_experts.<g>.linear_fc1``)."""
     moe = arch.num_moe_experts is not None
     names = lora_module_names(
         arch.num_layers,
         [int(arch.is_moe_layer(i)) for i in range(arch.num_layers)] if moe else None,
         arch.num_moe_experts or 0,
         moe and arch.moe_shared_expert_intermediate_size is not None,
+        lora_attention_names(arch.multi_latent_attention, arch.q_lora_rank is not None),
     )
-    return [n for n in names if ".experts." not in n and lora.matches(n)]
+    return [n for n in names if lora.matches(n)]
 
 
 def adapter_shapes(arch: HFArchitecture, lora: LoRAConfig) -> Dict[str, Tuple[int, int]]:
@@ -75,7 +76,17 @@ def to_peft(
     """(PEFT's tensors, the HuggingFace module names adapted) from our full adapter tensors."""
     tensors: Dict[str, torch.Tensor] = {}
     modules: List[str] = []
-    for name in adapted_layers(arch, lora):
+    layers = adapted_layers(arch, lora)
+    for (layer, proj), key in _expert_keys(arch, layers).items():
+        names = [f"{layer}.local_experts.{g}.{proj}" for g in range(arch.num_moe_experts)]
+        a = torch.cat([adapters[f"{n}.adapter.linear_in.weight"] for n in names])
+        b = torch.stack([adapters[f"{n}.adapter.linear_out.weight"] for n in names], dim=-1)
+        tensors[f"{key}.lora_A.weight"] = a  # [E r, in]: expert e's A is rows e r .. e r + r
+        tensors[f"{key}.lora_B.weight"] = b.flatten(1)  # [out, r E]: column k E + e
+        modules.append(_expert_parameter(arch, layer, proj))
+    for name in layers:
+        if ".local_experts." in name:
+            continue
         a = adapters[f"{name}.adapter.linear_in.weight"]
         b = adapters[f"{name}.adapter.linear_out.weight"]
         offset = 0
@@ -99,7 +110,28 @@ def from_peft(
     fused layer must share their A (an adapter trained elsewhere with different A per q/k/v
     has rank 3r as one fused adapter: refused, naming the modules)."""
     out: Dict[str, torch.Tensor] = {}
-    for name in adapted_layers(arch, lora):
+    layers = adapted_layers(arch, lora)
+    for (layer, proj), key in _expert_keys(arch, layers).items():
+        experts, r = arch.num_moe_experts, lora.dim
+        for suffix in ("lora_A.weight", "lora_B.weight"):
+            if f"{key}.{suffix}" not in tensors:
+                raise ValueError(f"{where}: no tensor {key}.{suffix} (needed for {layer}.{proj})")
+        a, b = tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"]
+        out_rows, in_cols = our_full_shapes(arch)[f"{layer}.local_experts.0.{proj}.weight"]
+        if tuple(a.shape) != (experts * r, in_cols) or tuple(b.shape) != (out_rows, r * experts):
+            raise ValueError(
+                f"{where}: {key}.lora_A / lora_B have shapes {list(a.shape)} / "
+                f"{list(b.shape)}, expected [{experts * r}, {in_cols}] / [{out_rows}, "
+                f"{r * experts}] ({experts} experts, r = {r})"
+            )
+        b = b.reshape(out_rows, r, experts)
+        for g in range(experts):
+            name = f"{layer}.local_experts.{g}.{proj}"
+            out[f"{name}.adapter.linear_in.weight"] = a[g * r : (g + 1) * r]
+            out[f"{name}.adapter.linear_out.weight"] = b[..., g]
+    for name in layers:
+        if ".local_experts." in name:
+            continue
         a, parts = None, []
         for seg in _source(arch, name):
             key = f"{PEFT_PREFIX}{seg.key[: -len('.weight')]}"
@@ -130,15 +162,20 @@ def peft_config(
     arch: HFArchitecture, lora: LoRAConfig, modules: List[str], base: Optional[str]
 ) -> Dict[str, Any]:
     """``adapter_config.json``: exact module names as targets (a wildcard or exclusion that
-    adapts some layers only is kept exactly), GPT-2's Conv1D as ``fan_in_fan_out``."""
+    adapts some layers only is kept exactly), GPT-2's Conv1D as ``fan_in_fan_out``; routed
+    experts' 3-D parameters (``...mlp.experts.gate_up_proj``) as ``target_parameters``, with
+    ``lora_dropout`` 0 (peft's parameter wrapper takes no dropout; it acts in training only)."""
+    parameters = sorted(m for m in modules if _is_expert_parameter(arch, m))
+    modules = [m for m in modules if m not in parameters]
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base,
         "r": lora.dim,
         "lora_alpha": lora.alpha,
-        "lora_dropout": lora.dropout,
+        "lora_dropout": 0.0 if parameters else lora.dropout,
         "target_modules": sorted(modules),
+        "target_parameters": parameters or None,
         "fan_in_fan_out": arch.family == "gpt2",
         "bias": "none",
         "use_rslora": False,
@@ -207,6 +244,83 @@ def merge_adapters(
     return merged
 
 
+# The families whose transformers model holds the routed experts as 3-D parameters that
+# peft adapts by ``target_parameters`` (one A, B per expert): the experts module and our
+# projection -> its parameter, in the module's parameter order (peft nests one wrapper per
+# parameter in that order: the first is innermost, its keys ``experts.base_layer.lora_A``).
+PEFT_EXPERTS = {
+    family: ("mlp.experts", {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"})
+    for family in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+}
+
+
+def check_peft_form(arch: HFArchitecture, lora: LoRAConfig) -> None:
+    """Refuse (ValueError naming ``--merge-lora``) adapters on routed experts of a family
+    whose expert parameters have no PEFT form here; before a run that would export them."""
+    experts = [n for n in adapted_layers(arch, lora) if ".local_experts." in n]
+    if experts:
+        _expert_parameter(arch, experts[0].split(".local_experts.")[0], "linear_fc1")
+
+
+def _expert_parameter(arch: HFArchitecture, layer: str, proj: str) -> str:
+    """The transformers parameter of our ``<layer>.mlp.experts`` projection ``proj``
+    (``model.layers.3.mlp.experts.gate_up_proj``); a family without one is refused."""
+    if arch.family not in PEFT_EXPERTS:
+        raise ValueError(
+            f"LoRA adapters on the routed experts of a {arch.family} model have no PEFT "
+            "adapter form here (no expert parameter table for the family); export the merged "
+            "model instead (--export-hf DIR --merge-lora), or leave the experts out "
+            "(--lora-exclude-modules '*.experts.*')"
+        )
+    module, params = PEFT_EXPERTS[arch.family]
+    return f"model.layers.{layer.split('.')[2]}.{module}.{params[proj]}"
+
+
+def _is_expert_parameter(arch: HFArchitecture, name: str) -> bool:
+    if arch.family not in PEFT_EXPERTS:
+        return False
+    module, params = PEFT_EXPERTS[arch.family]
+    return any(name.endswith(f".{module}.{p}") for p in params.values())
+
+
+def _expert_keys(arch: HFArchitecture, layers: List[str]) -> Dict[Tuple[str, str], str]:
+    """{(our ``decoder.layers.L.mlp.experts``, projection): PEFT key prefix} of the adapted
+    routed experts among ``layers`` (every expert of a projection, as the trainer adapts)."""
+    chosen: Dict[str, List[str]] = {}
+    for name in layers:
+        if ".local_experts." in name:
+            layer, rest = name.split(".local_experts.")
+            projs = chosen.setdefault(layer, [])
+            if rest.split(".")[1] not in projs:
+                projs.append(rest.split(".")[1])
+    keys = {}
+    for layer, projs in chosen.items():
+        order = [p for p in ("linear_fc1", "linear_fc2") if p in projs]
+        for depth, proj in enumerate(order):
+            module = _expert_parameter(arch, layer, proj).rsplit(".", 1)[0]
+            nesting = "base_layer." * (len(order) - 1 - depth)
+            keys[(layer, proj)] = f"{PEFT_PREFIX}{module}.{nesting}".rstrip(".")
+    return keys
+
+
+def _load_expert_adapter(adapter, full: Dict[str, torch.Tensor]) -> None:
+    """Copy this rank's experts' (and expert-TP shards') A and B out of ``full``."""
+    from megatron.core.transformer.moe.expert_lora import strided_shard
+
+    group = adapter.group
+    size, rank = (1, 0) if group is None else (group.size(), group.rank())
+    layer = adapter.global_name.rsplit(".", 1)[0]
+    first = adapter.first_expert
+    with torch.no_grad():
+        for part in ("linear_in", "linear_out"):
+            param = getattr(adapter, part).weight
+            for i in range(param.shape[0]):
+                name = f"{layer}.local_experts.{first + i}.{adapter.proj}"
+                value = full[f"{name}.adapter.{part}.weight"]
+                dim, stride = param.partition_dim - 1, param.partition_stride
+                param[i].copy_(strided_shard(value, dim, stride, size, rank))
+
+
 def _source(arch: HFArchitecture, name: str) -> Source:
     layer = int(name.split(".")[2])
     return layer_sources(arch, layer)[f"{name}.weight"]
@@ -225,6 +339,7 @@ def load_peft_adapter(model: torch.nn.Module, directory, arch: HFArchitecture, l
     from safetensors.torch import load_file
 
     from megatron.core.transformer.lora import global_module_name, lora_modules
+    from megatron.core.transformer.moe.expert_lora import ExpertLoRAAdapter
 
     directory = Path(directory)
     raw = read_peft_config(directory)
@@ -239,8 +354,12 @@ def load_peft_adapter(model: torch.nn.Module, directory, arch: HFArchitecture, l
         raise FileNotFoundError(f"{directory}: no {ADAPTER_WEIGHTS}")
     tensors = load_file(str(path))
     full = from_peft(tensors, arch, lora, str(path))
-    used = set()
-    for name in adapted_layers(arch, lora):
+    layers = adapted_layers(arch, lora)
+    used = {f"{key}.{s}" for key in _expert_keys(arch, layers).values()
+            for s in ("lora_A.weight", "lora_B.weight")}  # fmt: skip
+    for name in layers:
+        if ".local_experts." in name:
+            continue
         for seg in _source(arch, name):
             key = f"{PEFT_PREFIX}{seg.key[: -len('.weight')]}"
             used.update({f"{key}.lora_A.weight", f"{key}.lora_B.weight"})
@@ -252,7 +371,9 @@ def load_peft_adapter(model: torch.nn.Module, directory, arch: HFArchitecture, l
         )
     local = {}
     for local_name, module in model.named_modules():
-        if module in lora_modules(model).values():
+        if isinstance(module, ExpertLoRAAdapter):
+            _load_expert_adapter(module, full)
+        elif module in lora_modules(model).values():
             local[global_module_name(model, local_name).rsplit(".adapter", 1)[0]] = module
     with torch.no_grad():
         for layer, adapter in local.items():
@@ -284,6 +405,10 @@ def lora_settings_of_peft(directory, arch: HFArchitecture) -> Dict[str, Any]:
     where = Path(directory) / ADAPTER_CONFIG
     targets = []
     for name in adapted_layers(arch, LoRAConfig(target_modules=("*",))):  # every candidate
+        if ".local_experts." in name:  # peft's target_parameters (3-D expert parameters)
+            if _peft_selects_parameter(raw, arch, name):
+                targets.append(name)
+            continue
         layer = int(name.split(".")[2])
         sources = layer_sources(arch, layer)
         if f"{name}.weight" not in sources:
@@ -309,6 +434,17 @@ def lora_settings_of_peft(directory, arch: HFArchitecture) -> Dict[str, Any]:
         lora_target_modules=tuple(targets),
         lora_exclude_modules=(),
     )
+
+
+def _peft_selects_parameter(raw: Dict[str, Any], arch: HFArchitecture, name: str) -> bool:
+    """Whether ``target_parameters`` (names or name suffixes, as peft matches them) names
+    the expert parameter of routed expert layer ``name``."""
+    wanted = raw.get("target_parameters") or ()
+    if not wanted or arch.family not in PEFT_EXPERTS:
+        return False
+    layer, rest = name.split(".local_experts.")
+    parameter = _expert_parameter(arch, layer, rest.split(".")[1])
+    return any(parameter == t or parameter.endswith("." + t) for t in wanted)
 
 
 def _peft_selects(raw: Dict[str, Any], module: str, layer: int) -> bool:

@@ -21,6 +21,7 @@ import torch
 
 from megatron.training.errors import missing_package
 from megatron.training.hf.families import REGISTRY
+from megatron.training.hf.families.deepseek import mla_full_shapes
 from megatron.training.hf.families.moe import moe_full_shapes
 from megatron.training.hf.family import HFArchitecture, Source
 from megatron.training.hf.target import INDEX_FILENAME, SINGLE_FILENAME
@@ -119,13 +120,17 @@ def our_full_shapes(arch: HFArchitecture) -> Dict[str, tuple]:
                 p + "self_attention.core_attention.softmax_offset": (arch.num_attention_heads,),
                 p + "pre_mlp_layernorm.weight": (h,),
                 p + "pre_mlp_layernorm.bias": (h,),
-                p + "mlp.linear_fc1.weight": ((2 if arch.swiglu else 1) * ffn, h),
-                p + "mlp.linear_fc1.bias": ((2 if arch.swiglu else 1) * ffn,),
+                p + "post_self_attn_layernorm.weight": (h,),
+                p + "post_mlp_layernorm.weight": (h,),
+                p + "mlp.linear_fc1.weight": ((2 if arch.gated else 1) * ffn, h),
+                p + "mlp.linear_fc1.bias": ((2 if arch.gated else 1) * ffn,),
                 p + "mlp.linear_fc2.weight": (h, ffn),
                 p + "mlp.linear_fc2.bias": (h,),
             }
         )
     shapes.update(moe_full_shapes(arch))
+    if arch.multi_latent_attention:
+        shapes.update(mla_full_shapes(arch))
     return shapes
 
 
@@ -230,6 +235,7 @@ def check_checkpoint_tensors(
     checkpoint holds no weight the architecture does not use (ValueError naming them)."""
     expected = hf_shapes(arch, sources, our_full_shapes(arch))
     present = set(reader.keys())
+    REGISTRY[arch.family].check_keys(arch, present, str(reader.directory))
     missing = sorted(set(expected) - present)
     if missing:
         raise ValueError(

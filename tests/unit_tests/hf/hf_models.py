@@ -27,6 +27,8 @@ COMMON = dict(vocab_size=VOCAB, initializer_range=0.1)
 ROPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 MOE = dict(num_experts_per_tok=2)
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+# families whose cases run in the slow step only (test_hf_gemma.py checks them in float64)
+SLOW_FAMILIES = ("gemma2", "gemma3_text")
 # Trainer settings of a Llama-shaped model without biases, and of a MoE model the HF
 # families write (the bases of the from-scratch runs)
 LLAMA_SHAPED_SETTINGS = dict(
@@ -140,6 +142,42 @@ FAMILIES = {
         dict(**ROPE, **MOE, num_key_value_heads=2, num_experts=4, norm_topk_prob=False),
         "12KB",
     ),
+    # Gemma 2: zero-centred sandwich norms, scaled embeddings, gated tanh-GELU, soft-caps that
+    # bite, a window of 4 keys on layer 1 (layer 2 full)
+    "gemma2": (
+        "Gemma2ForCausalLM",
+        "Gemma2Config",
+        dict(
+            **ROPE,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=4,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0,
+            query_pre_attn_scalar=24,
+            attn_implementation="eager",
+        ),
+        None,
+    ),
+    # Gemma 3 text: as Gemma 2 with q/k norms, a local RoPE base, the full layers' linear
+    # RoPE scaling, untied, saved sharded
+    "gemma3_text": (
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
+        dict(
+            **ROPE,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=5,
+            sliding_window_pattern=2,
+            rope_theta=1e4,
+            rope_local_base_freq=100.0,
+            rope_scaling=dict(rope_type="linear", factor=4.0),
+            tie_word_embeddings=False,
+            attn_implementation="eager",
+        ),
+        "12KB",
+    ),
     # GPT-2: learned positions, LayerNorm, biases, tied, Conv1D weights, gelu_new
     "gpt2": (
         "GPT2LMHeadModel",
@@ -150,12 +188,13 @@ FAMILIES = {
 }
 
 
-def _randomize_norms(model, std: float = 0.3) -> None:
-    """Every norm weight of ``model`` drawn around 1 (transformers initializes them to 1)."""
+def _randomize_norms(model, std: float = 0.3, mean: float = 1.0) -> None:
+    """Every norm weight of ``model`` drawn around ``mean`` (transformers initializes them
+    to 1, Gemma's zero-centred ones to 0)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
-                param.normal_(1.0, std)
+                param.normal_(mean, std)
 
 
 def _randomize_routers(model, std: float = 0.5) -> None:
@@ -184,6 +223,8 @@ def build_models(directory: Path) -> Dict[str, Path]:
         if family.startswith("qwen3") or family == "olmoe":  # norms start at 1: make a wrong
             # q/k norm visible
             _randomize_norms(model)
+        if family.startswith("gemma"):  # zero-centred norms start at 0: make (1 + w) visible
+            _randomize_norms(model, mean=0.0)
         if family in MOE_FAMILIES:  # routers with clear margins between the experts
             _randomize_routers(model)
         path = directory / family
@@ -285,3 +326,14 @@ QWEN2_MOE_CONFIG = dict(
     shared_expert_intermediate_size=40,
     mlp_only_layers=[0],
 )
+# Gemma 2: a window of 3 keys on layer 1 (shorter than the prompts), both soft-caps
+GEMMA2_CONFIG = dict(
+    LLAMA_CONFIG, model_type="gemma2", head_dim=16, sliding_window=3, query_pre_attn_scalar=24,
+    attn_logit_softcapping=5.0, final_logit_softcapping=10.0, rope_theta=10000.0,
+)  # fmt: skip
+# Gemma 3 text: q/k norms, the window on layer 1 with its own RoPE base, untied
+GEMMA3_CONFIG = dict(
+    LLAMA_CONFIG, model_type="gemma3_text", head_dim=16, sliding_window=3,
+    sliding_window_pattern=2, rope_theta=1e6, rope_local_base_freq=100.0,
+    tie_word_embeddings=False,
+)  # fmt: skip

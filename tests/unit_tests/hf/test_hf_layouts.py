@@ -24,6 +24,7 @@ from tests.unit_tests.dist_utils import (
 from tests.unit_tests.hf.hf_models import (
     FAMILIES,
     MOE_FAMILIES,
+    SLOW_FAMILIES,
     shared_hf_models,
     token_ids,
 )
@@ -65,7 +66,10 @@ SLOW = pytest.mark.slow
 def _cases():
     for family in FAMILIES:
         for layout in LAYOUTS:
-            if family not in MOE_FAMILIES:
+            if family in SLOW_FAMILIES:
+                if LAYOUTS[layout].ep == 1:
+                    yield pytest.param(family, layout, id=f"{layout}-{family}", marks=SLOW)
+            elif family not in MOE_FAMILIES:
                 if LAYOUTS[layout].ep == 1:
                     yield pytest.param(family, layout, id=f"{layout}-{family}")
             elif (family, layout) in MOE_DEFAULT:
@@ -81,8 +85,10 @@ def test_logits_at_a_layout_equal_transformers(hf_models, family, layout):
     explicit = layout == "pp2"  # the others use the parallel_state fallback
     groups = ProcessGroupCollection.use_mpu_process_groups() if explicit else None
     # a sliding window at C > 1 needs the a2a exchange (all_gather refuses it by name)
-    extra = {"cp_comm_type": "a2a"} if family.endswith("window") and layout == "cp2" else {}
-    if family in MOE_FAMILIES:  # MoE at TP > 1 needs sequence parallelism
+    windowed = family.endswith("window") or family in SLOW_FAMILIES
+    extra = {"cp_comm_type": "a2a"} if windowed and layout == "cp2" else {}
+    if family in MOE_FAMILIES or family in SLOW_FAMILIES:  # MoE at TP > 1 needs SP; Gemma's
+        # sandwich norms run on the sequence shards
         extra["sequence_parallel"] = tp > 1
         if layout == "ep2":
             extra["moe_token_dispatcher_type"] = "alltoall"

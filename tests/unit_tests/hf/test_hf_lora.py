@@ -25,6 +25,8 @@ from megatron.training.hf.__main__ import main as hf_cli
 from megatron.training.training import pretrain
 from tests.unit_tests.dist_utils import fresh_layout, rel_error
 from tests.unit_tests.hf.hf_models import (
+    GEMMA2_CONFIG,
+    GEMMA3_CONFIG,
     GPT2_CONFIG,
     HAVE_TRANSFORMERS,
     LLAMA_CONFIG,
@@ -80,6 +82,8 @@ def _peft_logits(base: Path, adapter: Path, ids: torch.Tensor) -> torch.Tensor:
         ("llama", LLAMA_CONFIG),
         pytest.param("qwen2", QWEN2_CONFIG, marks=pytest.mark.slow),
         ("gpt2", GPT2_CONFIG),
+        pytest.param("gemma2", GEMMA2_CONFIG, marks=pytest.mark.slow),
+        pytest.param("gemma3_text", GEMMA3_CONFIG, marks=pytest.mark.slow),
     ],
 )
 def test_the_peft_adapter_and_the_merged_export_give_our_logits(tmp_path, family, config):

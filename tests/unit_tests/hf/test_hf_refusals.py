@@ -53,7 +53,55 @@ BASE = {
                     rope_parameters=dict(rope_type="yarn", factor=32.0, beta_fast=32.0,
                                          beta_slow=1.0, truncate=False, rope_theta=150000.0,
                                          original_max_position_embeddings=4096)),
+    # Phi-3 as transformers 5 saves it: partial_rotary_factor also inside rope_parameters
+    "phi3": {**LLAMA, "model_type": "phi3", "sliding_window": 5, "partial_rotary_factor": 0.75,
+             "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default",
+                                 "partial_rotary_factor": 0.75},
+             "original_max_position_embeddings": 4096, "resid_pdrop": 0.0, "embd_pdrop": 0.0},
+    # DeepSeek-V3 as transformers writes it: q LoRA, yarn, one dense layer, grouped sigmoid
+    # routing with expert bias and shared experts (the MTP key without MTP layers)
+    "deepseek_v3": {
+        "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+        "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+        "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "n_shared_experts": 2, "n_routed_experts": 8,
+        "routed_scaling_factor": 2.5, "kv_lora_rank": 8, "q_lora_rank": 12,
+        "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "qk_head_dim": 12, "head_dim": 4,
+        "v_head_dim": 8, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4,
+        "first_k_dense_replace": 1, "norm_topk_prob": True, "hidden_act": "silu",
+        "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "pretraining_tp": 1,
+        "tie_word_embeddings": False, "rope_interleave": True, "attention_bias": False,
+        "num_nextn_predict_layers": 1, "output_router_logits": False,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                            "original_max_position_embeddings": 16, "beta_fast": 32,
+                            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    },
+    # DeepSeek-V2-Lite's shape: no q LoRA, greedy softmax routing, rope
+    "deepseek_v2": {
+        "model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"],
+        "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+        "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "n_shared_experts": 2, "n_routed_experts": 8,
+        "routed_scaling_factor": 1.0, "kv_lora_rank": 8, "q_lora_rank": None,
+        "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "qk_head_dim": 12, "head_dim": 4,
+        "v_head_dim": 8, "n_group": None, "topk_group": None, "num_experts_per_tok": 2,
+        "topk_method": "greedy", "first_k_dense_replace": 1, "norm_topk_prob": False,
+        "hidden_act": "silu", "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
+        "mlp_bias": False, "attention_bias": False, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    "gemma2": {**LLAMA, "model_type": "gemma2", "head_dim": 16, "sliding_window": 4,
+               "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 16,
+               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+               "layer_types": ["sliding_attention", "full_attention"],
+               "cache_implementation": "hybrid", "hidden_act": "gelu_pytorch_tanh"},
+    "gemma3_text": {**LLAMA, "model_type": "gemma3_text", "head_dim": 16, "sliding_window": 4,
+                    "query_pre_attn_scalar": 16, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                    "sliding_window_pattern": 2, "attn_logit_softcapping": None,
+                    "final_logit_softcapping": None, "cache_implementation": "hybrid",
+                    "rope_scaling": None},
 }  # fmt: skip
+LONGROPE = {"type": "longrope", "short_factor": [1.0] * 3, "long_factor": [2.0] * 3}
 GPT_OSS_YARN = BASE["gpt_oss"]["rope_parameters"]
 
 REFUSED = [
@@ -108,6 +156,51 @@ REFUSED = [
      "rope_parameters.rope_type"),  # fmt: skip
     ("gpt_oss", {"rope_parameters": {**GPT_OSS_YARN, "attention_factor": 2.0}}, "rope_parameters"),
     ("gpt_oss", {"num_experts_per_tok": 5}, "num_experts_per_tok"),
+    # Phi-3: LongRoPE (the 128k models, Phi-3.5, Phi-4-mini) in either spelling, or as "su"
+    ("phi3", {"rope_scaling": LONGROPE}, "rope_scaling.rope_type"),
+    ("phi3", {"rope_scaling": {**LONGROPE, "type": "su"}}, "rope_scaling.rope_type"),
+    ("phi3", {"rope_parameters": {**LONGROPE, "rope_type": "longrope"}},
+     "rope_parameters.rope_type"),  # fmt: skip
+    ("phi3", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+     "rope_scaling.rope_type"),  # fmt: skip
+    ("phi3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),  # != rope_parameters'
+    ("phi3", {"partial_rotary_factor": 0.1, "rope_parameters": None}, "partial_rotary_factor"),
+    ("phi3", {"partial_rotary_factor": 1.5, "rope_parameters": None}, "partial_rotary_factor"),
+    ("phi3", {"head_dim": 16}, "head_dim"),
+    ("phi3", {"sliding_window": 0}, "sliding_window"),
+    ("phi3", {"original_max_position_embeddings": 0}, "original_max_position_embeddings"),
+    ("phi3", {"hidden_act": "gelu"}, "hidden_act"),
+    ("phi3", {"attention_bias": True}, "attention_bias"),
+    ("phi3", {"auto_map": {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}}, "auto_map"),
+    ("phi3", {"qk_norm": True}, "qk_norm"),  # unknown to the converter
+    ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation"),
+    ("gemma2", {"attention_bias": True}, "attention_bias"),
+    ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ("gemma2", {"attn_logit_softcapping": -1.0}, "attn_logit_softcapping"),
+    ("gemma2", {"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, "rope_scaling"),
+    ("gemma3_text", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    (
+        "gemma3_text",
+        {"rope_scaling": {"rope_type": "linear", "factor": 3.0}},
+        "rope_scaling.factor",
+    ),  # not a power of two: not bit for bit
+    ("gemma3_text", {"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "rope_scaling"),
+    (
+        "gemma3_text",
+        {
+            "rope_parameters": {
+                "full_attention": {"rope_type": "yarn", "factor": 8.0},
+                "sliding_attention": {"rope_type": "default"},
+            }
+        },
+        "rope_parameters.full_attention",
+    ),
+    ("gemma3_text", {"rope_parameters": {"full_attention": {"rope_type": "default"},
+                                         "sliding_attention": {"rope_type": "linear",
+                                                               "factor": 2.0}}},
+     "rope_parameters.sliding_attention"),  # fmt: skip
+    ("gemma3_text", {"sliding_window": 0}, "sliding_window"),
 ]
 
 
@@ -149,8 +242,8 @@ def test_a_windowed_model_no_family_expresses_is_refused_on_export(change):
 
 
 def test_an_unsupported_model_type_is_refused():
-    with pytest.raises(ValueError, match="model_type='deepseek_v3' is not supported"):
-        architecture_from_config({**LLAMA, "model_type": "deepseek_v3"})
+    with pytest.raises(ValueError, match="model_type='mamba' is not supported"):
+        architecture_from_config({**LLAMA, "model_type": "mamba"})
 
 
 def test_olmoe_reads_as_whole_projection_qk_norms():

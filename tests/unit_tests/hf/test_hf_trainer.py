@@ -29,6 +29,8 @@ from megatron.training.hf.config import architecture_from_config, training_setti
 from megatron.training.training import pretrain
 from tests.unit_tests.dist_utils import assert_no_failures, fresh_layout, rel_error
 from tests.unit_tests.hf.hf_models import (
+    GEMMA2_CONFIG,
+    GEMMA3_CONFIG,
     GPT2_CONFIG,
     HAVE_TRANSFORMERS,
     LLAMA_CONFIG,
@@ -62,6 +64,8 @@ def _shared_dir() -> Path:
         pytest.param(LLAMA_CONFIG, id="llama"),
         pytest.param(GPT2_CONFIG, id="gpt2"),
         pytest.param(QWEN2_MOE_CONFIG, id="qwen2_moe", marks=pytest.mark.slow),  # ~10 s
+        pytest.param(GEMMA2_CONFIG, id="gemma2", marks=pytest.mark.slow),
+        pytest.param(GEMMA3_CONFIG, id="gemma3", marks=pytest.mark.slow),
     ],
 )
 def test_an_imported_checkpoint_loads_as_the_hf_model_does(tmp_path, config):

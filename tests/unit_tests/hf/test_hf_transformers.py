@@ -29,6 +29,7 @@ from tests.unit_tests.hf.hf_models import (
     MOE_FAMILIES,
     MOE_TRAINER_SETTINGS,
     SKIP_REASON,
+    SLOW_FAMILIES,
     shared_hf_models,
     token_ids,
     transformers_logits,
@@ -53,7 +54,12 @@ def _our_logits(model, ids: torch.Tensor) -> torch.Tensor:
         return model(ids, positions)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+def _some_slow(families, slow):
+    """``families`` as parameters, those in ``slow`` marked slow (default-suite time)."""
+    return [pytest.param(f, marks=pytest.mark.slow) if f in slow else f for f in families]
+
+
+@pytest.mark.parametrize("family", _some_slow(FAMILIES, SLOW_FAMILIES))
 def test_logits_equal_transformers(hf_models, family):
     model, config = model_from_hf(hf_models.paths[family])
     assert config.num_layers == 2 and config.params_dtype == torch.float32
@@ -106,11 +112,6 @@ def test_negative_control_per_head_qk_norms_are_caught(hf_models, monkeypatch):
     assert err > 1e-3, f"per-head q/k norms went unnoticed (relative error {err:.2e})"
 
 
-def _some_slow(families, slow):
-    """``families`` as parameters, those in ``slow`` marked slow (default-suite time)."""
-    return [pytest.param(f, marks=pytest.mark.slow) if f in slow else f for f in families]
-
-
 @pytest.mark.parametrize("family", _some_slow(MOE_FAMILIES, {"mixtral", "qwen3_moe", "olmoe"}))
 def test_moe_logits_with_grouped_experts_equal_transformers(hf_models, family):
     """The same weights in ``GroupedMLP``'s stacked, transposed layout."""
@@ -144,7 +145,7 @@ def test_negative_control_the_other_topk_normalization_is_caught(hf_models, fami
     assert err > 1e-3, f"{family}: the other top-k weights went unnoticed ({err:.2e})"
 
 
-@pytest.mark.parametrize("family", _some_slow(FAMILIES, {"qwen3_moe"}))
+@pytest.mark.parametrize("family", _some_slow(FAMILIES, {"qwen3_moe", *SLOW_FAMILIES}))
 def test_import_export_gives_back_the_original_tensors(hf_models, family, tmp_path, capsys):
     source = hf_models.paths[family]
     assert hf_cli(["import", "--hf", str(source), "--out", str(tmp_path / "ckpt")]) == 0
@@ -178,6 +179,26 @@ FROM_SCRATCH = {
     "qwen3": dict(LLAMA_SHAPED_SETTINGS, qk_layernorm=True, num_query_groups=2, kv_channels=16),
     "gpt2": dict(openai_gelu=True),
 }
+# Gemma 2 / 3: zero-centred sandwich norms, scaled embeddings, gated tanh-GELU, a window of 4
+# keys with full attention every other layer; Gemma 2 soft-caps, Gemma 3 q/k norms and a local
+# RoPE base
+GEMMA = dict(
+    normalization="RMSNorm", geglu=True, openai_gelu=True, position_embedding_type="rope",
+    disable_bias_linear=True, apply_layernorm_1p=True, sandwich_layernorm=True,
+    embedding_scale_sqrt_hidden=True, num_query_groups=2, kv_channels=16, window_size=[3, 0],
+    window_attn_skip_freq=2, attention_backend="unfused",
+)  # fmt: skip
+FROM_SCRATCH.update(
+    gemma2=dict(GEMMA, attn_logit_softcapping=20.0, final_logit_softcapping=10.0),
+    gemma3_text=dict(
+        GEMMA,
+        qk_layernorm=True,
+        rotary_base=1e6,
+        local_rotary_base=1e4,
+        softmax_scale=0.2,
+        rotary_seq_len_interpolation_factor=4.0,
+    ),
+)
 MOE = MOE_TRAINER_SETTINGS
 FROM_SCRATCH.update(
     mixtral=dict(MOE, untie_embeddings_and_output_weights=True, num_query_groups=2),
@@ -202,7 +223,9 @@ FROM_SCRATCH.update(
 )
 
 
-@pytest.mark.parametrize("family", _some_slow(FROM_SCRATCH, {"mixtral", "qwen3_moe", "olmoe"}))
+@pytest.mark.parametrize(
+    "family", _some_slow(FROM_SCRATCH, {"mixtral", "qwen3_moe", "olmoe", "gemma2", "gemma3_text"})
+)
 def test_a_model_trained_from_scratch_exports_to_transformers(family, tmp_path):
     """--export-hf of a run that did not start from HuggingFace: the config.json written
     from its options makes transformers compute what our model computes."""

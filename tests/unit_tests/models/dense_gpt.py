@@ -17,6 +17,15 @@ wide); query head j uses key/value group j // (h/g); causal softmax(q k^T / sqrt
 ``qk_norm_whole`` over all heads of the projection at once (weights [h d] and [g d], OLMoE).
 RoPE (``rope``): the first and second halves of q and k are rotated by angle
 p * base^(-2i/d). SwiGLU (``swiglu``): fc1's output is [gate | up], act = silu(gate) * up.
+
+Gemma's knobs: ``one_p`` norms y = norm(x) * (1 + w); ``sandwich`` norms the attention and
+MLP outputs too (``post_self_attn_layernorm``, ``post_mlp_layernorm``) before each residual
+add; ``embed_scale`` multiplies the embeddings by sqrt(hidden) rounded to float32;
+``softmax_scale`` replaces 1/sqrt(d); ``geglu``: act = gelu_tanh(gate) * up;
+``attn_softcap`` c: scores c tanh(s / c); ``final_softcap`` likewise on the logits;
+``window`` W: a query sees keys i - W .. i on the window layers (all, or all but every
+``skip_freq``-th, 1-based), which rotate by base ``local_base`` when given; the other
+layers' positions are divided by ``rope_factor`` (linear RoPE scaling).
 """
 
 import math
@@ -47,6 +56,23 @@ class Arch:
     label_smoothing: float = 0.0
     qk_norm: bool = False
     qk_norm_whole: bool = False
+    one_p: bool = False
+    sandwich: bool = False
+    embed_scale: bool = False
+    softmax_scale: Optional[float] = None
+    geglu: bool = False
+    attn_softcap: Optional[float] = None
+    final_softcap: Optional[float] = None
+    window: Optional[int] = None
+    skip_freq: Optional[int] = None
+    local_base: Optional[float] = None
+    rope_factor: float = 1.0  # linear scaling of the full-attention layers' positions
+
+    def window_layer(self, layer: int) -> bool:
+        """Whether 0-based ``layer`` has the sliding window."""
+        if self.window is None:
+            return False
+        return self.skip_freq is None or (layer + 1) % self.skip_freq != 0
 
 
 MLP = Callable[[int, torch.Tensor, Dict[str, torch.Tensor]], torch.Tensor]
@@ -67,6 +93,8 @@ def dense_gpt_losses(
     b, s = tokens.shape
     d = arch.hidden // arch.heads
     x = params["embedding.word_embeddings.weight"][tokens]
+    if arch.embed_scale:
+        x = x * float(torch.tensor(arch.hidden**0.5, dtype=torch.float32))
     if not arch.rope:
         x = x + params["embedding.position_embeddings.weight"][torch.arange(s)]
     for layer in range(arch.layers):
@@ -83,28 +111,51 @@ def dense_gpt_losses(
         elif arch.qk_norm:  # over each head's d channels
             q = _norm(q, p, "self_attention.q_layernorm", arch)
             k = _norm(k, p, "self_attention.k_layernorm", arch)
+        windowed = arch.window_layer(layer)
         if arch.rope:
-            q, k = _rope(q, d), _rope(k, d)
+            local = windowed and arch.local_base
+            base = arch.local_base if local else 10000.0
+            factor = 1.0 if local else arch.rope_factor
+            q, k = _rope(q, d, base, factor), _rope(k, d, base, factor)
         k = k.repeat_interleave(per_group, dim=2)
         v = v.repeat_interleave(per_group, dim=2)
-        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
-        causal = torch.ones(s, s, dtype=torch.bool).tril()
-        probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+        scale = arch.softmax_scale or 1 / math.sqrt(d)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+        if arch.attn_softcap is not None:
+            scores = torch.tanh(scores / arch.attn_softcap) * arch.attn_softcap
+        allowed = torch.ones(s, s, dtype=torch.bool).tril()
+        if windowed:
+            allowed &= torch.ones(s, s, dtype=torch.bool).triu(-arch.window)
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
         context = torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, arch.heads * d)
-        x = x + _linear(context, p, "self_attention.linear_proj")
+        out = _linear(context, p, "self_attention.linear_proj")
+        x = x + (_norm(out, p, "post_self_attn_layernorm", arch) if arch.sandwich else out)
         h = _norm(x, p, "pre_mlp_layernorm", arch)
-        x = x + (mlp(layer, h, p) if mlp is not None else dense_mlp(h, p, "mlp", arch.swiglu))
+        out = mlp(layer, h, p) if mlp is not None else dense_mlp(h, p, "mlp", arch.swiglu, arch)
+        x = x + (_norm(out, p, "post_mlp_layernorm", arch) if arch.sandwich else out)
     x = _norm(x, params, "decoder.final_layernorm", arch)
     out = params["embedding.word_embeddings.weight" if arch.tied else "output_layer.weight"]
     logits = x @ out.t()
+    if arch.final_softcap is not None:
+        logits = torch.tanh(logits / arch.final_softcap) * arch.final_softcap
     return _smoothed_cross_entropy(logits, labels, arch.label_smoothing)
 
 
-def dense_mlp(h: torch.Tensor, p: Dict[str, torch.Tensor], prefix: str, swiglu: bool):
+def dense_mlp(
+    h: torch.Tensor,
+    p: Dict[str, torch.Tensor],
+    prefix: str,
+    swiglu: bool,
+    arch: Optional[Arch] = None,
+):
     """fc2(act(fc1(h))) with the weights ``{prefix}.linear_fc1/2``; SwiGLU: fc1's output is
-    [gate | up], act = silu(gate) * up; else gelu."""
+    [gate | up], act = silu(gate) * up; GeGLU (``arch.geglu``): gelu_tanh(gate) * up; else
+    gelu."""
     u = _linear(h, p, f"{prefix}.linear_fc1")
-    if swiglu:
+    if arch is not None and arch.geglu:
+        gate, up = u.chunk(2, dim=-1)
+        u = F.gelu(gate, approximate="tanh") * up
+    elif swiglu:
         gate, up = u.chunk(2, dim=-1)
         u = F.silu(gate) * up
     else:
@@ -123,7 +174,7 @@ def _linear(x: torch.Tensor, p: Dict[str, torch.Tensor], name: str) -> torch.Ten
 
 
 def _norm(x: torch.Tensor, p: Dict[str, torch.Tensor], name: str, arch: Arch) -> torch.Tensor:
-    weight = p[f"{name}.weight"]
+    weight = p[f"{name}.weight"] + (1 if arch.one_p else 0)
     if arch.norm == "RMSNorm":
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + arch.eps) * weight
     mean = x.mean(-1, keepdim=True)
@@ -131,11 +182,13 @@ def _norm(x: torch.Tensor, p: Dict[str, torch.Tensor], name: str, arch: Arch) ->
     return (x - mean) * torch.rsqrt(var + arch.eps) * weight + p[f"{name}.bias"]
 
 
-def _rope(t: torch.Tensor, d: int, base: float = 10000.0) -> torch.Tensor:
-    """Rotate channel pairs (i, i + d/2) of t [b, s, n, d] by position * base^(-2i/d)."""
+def _rope(t: torch.Tensor, d: int, base: float = 10000.0, factor: float = 1.0) -> torch.Tensor:
+    """Rotate channel pairs (i, i + d/2) of t [b, s, n, d] by position / factor *
+    base^(-2i/d)."""
     s = t.shape[1]
     inv_freq = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-    angles = torch.arange(s, dtype=torch.float64)[:, None] * inv_freq[None, :]  # [s, d/2]
+    positions = torch.arange(s, dtype=torch.float64) / factor
+    angles = positions[:, None] * inv_freq[None, :]  # [s, d/2]
     cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
     first, second = t[..., : d // 2], t[..., d // 2 :]
     return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)

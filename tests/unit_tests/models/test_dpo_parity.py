@@ -15,6 +15,11 @@ each sequence's log-prob.
 
 Negative controls (each must fail the bucket): per-shard log-probs (no sum over CP), the SFT
 term pooled per micro-batch, a reference that moves with the policy.
+
+Packed (``packed_global_batch``): each micro-batch's sequences are the documents of one THD
+row (several pairs per row), compared with the same unpacked reference; controls: the
+documents attending to each other, the sequence index not split over CP with the tokens.
+The distributed optimizer (dp2 x cp2): compared through the parameters after its SGD steps.
 """
 
 import dataclasses
@@ -26,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import preference
-from megatron.core.context_parallel import get_batch_on_this_cp_rank
+from megatron.core.context_parallel import get_batch_on_this_cp_rank, get_thd_batch_on_this_cp_rank
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -34,6 +39,7 @@ from megatron.core.distributed import (
 )
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.loss_reporting import reduce_reported_totals
 from megatron.core.preference import PreferenceObjective, PreferenceStep
@@ -54,6 +60,10 @@ from tests.unit_tests.models.test_lora_parity import ADAPTED, LORA
 
 PAIRS_PER_MICROBATCH, MICROBATCHES = 2, 4  # b pairs (2b rows) per micro-batch, G = D * M
 ROWS = 2 * PAIRS_PER_MICROBATCH
+# packed: a micro-batch's 2b sequences in one row, each padded to a multiple of 8 (= 2C for
+# C <= 4); the row has room for every sequence at its longest
+PACK_MULTIPLE = 8
+PACKED_SEQ = ROWS * SEQ
 STEPS, LR = 2, 0.1
 POLICY_SEED, REFERENCE_SEED, DATA_SEED = 11, 23, 5
 TOLERANCE = 1e-5
@@ -113,6 +123,70 @@ def test_dpo_main_grads_equal_dense_reference(layout: Layout, objective: str, ar
     if set(reference[0][0]) - held:
         failures.append(f"no rank holds {sorted(set(reference[0][0]) - held)}")
     assert_no_failures(failures)
+
+
+@pytest.mark.world(4)
+@pytest.mark.slow
+@pytest.mark.parametrize("objective, arch", [("sigmoid-ls-sft", "llama"), ("ipo", "gpt2")])
+def test_dpo_with_the_distributed_optimizer_at_dp2_cp2(objective: str, arch: str):
+    """dp2 x cp2 with the distributed optimizer (each rank's SGD step on its shard, then the
+    parameters gathered): the parameters after every step, the objective and the metrics
+    match the float64 reference."""
+    layout = Layout(cp=2, dp=2)
+    reference = dense_reference(objective, arch)
+    groups = _groups(layout)
+    steps = distributed_training(layout, objective, arch, groups, distopt=True)
+    failures = compare(layout, steps, reference, groups)
+    names: List[Optional[List[str]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, sorted(steps[0][2]))
+    missing = set(reference[0][2]) - {n for rank_names in names for n in rank_names}
+    if missing:
+        failures.append(f"no rank holds {sorted(missing)}")
+    assert_no_failures(failures)
+
+
+PACKED_CASES = [
+    _case(Layout(), "sigmoid-ls-sft", slow=False),
+    _case(Layout(), "ipo", "llama"),
+    _case(Layout(cp=2), "sigmoid-ls-sft", "llama"),
+    _case(Layout(cp=2), "hinge"),
+    _case(Layout(pp=2), "ipo", "llama"),
+    _case(Layout(tp=2, sp=True), "sigmoid-ls-sft"),
+    _case(Layout(cp=2, pp=2, vpp=2), "sigmoid-ls-sft", "llama"),
+    _case(Layout(cp=2, dp=2), "ipo"),
+    _case(Layout(tp=2, sp=True, cp=2), "sigmoid-ls-sft", "llama+lora"),
+]
+
+
+@pytest.mark.parametrize("layout, objective, arch", PACKED_CASES)
+def test_packed_pairs_equal_the_unpacked_dense_reference(layout: Layout, objective: str, arch):
+    """Each micro-batch's pairs packed into one THD row (several pairs per row, the
+    sequences as documents): every main_grad, the objective and the metrics equal the
+    float64 reference on the unpacked pairs."""
+    reference = dense_reference(objective, arch)
+    groups = _groups(layout)
+    steps = distributed_training(layout, objective, arch, groups, packed=True)
+    tolerance = LORA_TOLERANCE if _arch(arch)[1] else TOLERANCE
+    assert_no_failures(compare(layout, steps, reference, groups, tolerance))
+
+
+@pytest.mark.parametrize(
+    "breaks, layout",
+    [
+        # the documents of a row attend to each other (no packed_seq_params)
+        pytest.param(
+            "no_thd", Layout(), marks=[pytest.mark.world(1), pytest.mark.slow], id="no-thd"
+        ),
+        # the sequence index not split over CP with the tokens
+        pytest.param("unsharded_index", Layout(cp=2), marks=pytest.mark.world(2), id="index"),
+    ],
+)
+def test_packed_negative_controls_fail_the_bucket(breaks: str, layout: Layout):
+    reference = dense_reference("sigmoid-ls-sft", "gpt2")
+    groups = _groups(layout)
+    steps = distributed_training(layout, "sigmoid-ls-sft", "gpt2", groups, breaks, packed=True)
+    flat = gather_failures(compare(layout, steps, reference, groups))
+    assert any("weight" in f for f in flat), "the bucket did not catch the bug"
 
 
 CONTROLS = {
@@ -246,10 +320,10 @@ def dense_reference(objective_name: str, arch_name: str):
             "logps_chosen": logps[0::2].mean().item(),
             "logps_rejected": logps[1::2].mean().item(),
         }
-        steps.append((grads, metrics))
         with torch.no_grad():
             for name, param in params.items():
                 param -= LR * grads[name]
+        steps.append((grads, metrics, {n: p.detach().clone() for n, p in params.items()}))
     return steps
 
 
@@ -278,11 +352,17 @@ def compare(layout, steps, reference, groups, tolerance: float = TOLERANCE) -> L
     failures = []
     tp = groups.tp if groups is not None else None
     tp_size, tp_rank = (tp.size(), tp.rank()) if tp is not None else (1, 0)
-    for step, ((grads, metrics), (ref_grads, ref_metrics)) in enumerate(zip(steps, reference)):
+    for step, ((grads, metrics, stepped), (ref_grads, ref_metrics, ref_stepped)) in enumerate(
+        zip(steps, reference)
+    ):
         for name, (grad, param) in grads.items() if step == 0 else ():
             error = rel_error(grad, shard_like(ref_grads[name], param, tp_size, tp_rank))
             if not error <= tolerance:
                 failures.append(f"{layout.id} step {step}: {name}: rel error {error:.2e}")
+        for name, (value, param) in stepped.items():
+            error = rel_error(value, shard_like(ref_stepped[name], param, tp_size, tp_rank))
+            if not error <= tolerance:
+                failures.append(f"{layout.id} step {step}: {name} after the step: {error:.2e}")
         for key, value in (metrics or {}).items():
             expected = ref_metrics[key]
             if abs(value - expected) > tolerance * max(1.0, abs(expected)):
@@ -320,11 +400,24 @@ def build(config, arch, groups, seed, pp_rank=None, stage=0, stages=1, vp_stage=
     )
 
 
-def distributed_training(layout: Layout, objective_name: str, arch_name: str, groups, breaks=""):
+def distributed_training(
+    layout: Layout,
+    objective_name: str,
+    arch_name: str,
+    groups,
+    breaks="",
+    distopt=False,
+    packed=False,
+):
     """STEPS plain-SGD steps: per step the reference model's forward-only pass, then the
     policy's forward-backward (schedule, DDP, finalize_model_grads). Returns per step
-    {reference name: (main_grad, parameter)} and the metrics (None off the last stage).
-    ``breaks``: a negative control (``sft_per_mb``, ``moving_ref``)."""
+    {reference name: (main_grad, parameter)}, the metrics (None off the last stage) and
+    {reference name: (value after the step, parameter)} (``distopt`` only: the distributed
+    optimizer's SGD step, whose main_grads only hold this rank's shard of the sum, so the
+    gradients are compared through the stepped parameters; without it, {}).
+    ``packed``: each micro-batch's sequences packed into one THD row (``packed_global_batch``).
+    ``breaks``: a negative control (``sft_per_mb``, ``moving_ref``, ``no_thd``,
+    ``unsharded_index``)."""
     objective, (arch, lora) = OBJECTIVES[objective_name], _arch(arch_name)
     config = make_config(layout, "averaged", arch)
     vpp = layout.vpp
@@ -340,29 +433,33 @@ def distributed_training(layout: Layout, objective_name: str, arch_name: str, gr
         seed = POLICY_SEED if lora else REFERENCE_SEED
         references.append(build(config, arch, groups, seed, None, stage, stages, vp))
         gpts.append(gpt)
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=distopt
+        )
         chunks.append(DistributedDataParallel(config, ddp_config, gpt, pg_collection=groups))
     if breaks == "moving_ref":
         references = gpts
     config.no_sync_func = [c.no_sync for c in chunks] if vpp else chunks[0].no_sync
     config.finalize_model_grads_func = finalize_model_grads
+    optimizer = _sgd(chunks, groups) if distopt else None
     cp = groups.cp if groups is not None else None
-    dp_rank = groups.dp.rank() if groups is not None else 0
     num_microbatches = MICROBATCHES // layout.dp
     batch = global_batch(arch.vocab)
-    step = PreferenceStep.of_global_batch(batch["loss_mask"].flatten(0, 1), MICROBATCHES)
-    microbatches = [
-        get_batch_on_this_cp_rank(
-            {k: v[dp_rank * num_microbatches + m] for k, v in batch.items()}, cp
+    if packed:
+        batch = packed_global_batch(batch)
+        index = batch["sequence_index"].flatten(0, 1)
+        step = PreferenceStep.of_global_batch(
+            batch["loss_mask"].flatten(0, 1), MICROBATCHES, sequence_index=index
         )
-        for m in range(num_microbatches)
-    ]
+    else:
+        step = PreferenceStep.of_global_batch(batch["loss_mask"].flatten(0, 1), MICROBATCHES)
+    microbatches = _microbatches(batch, layout, groups, packed, breaks)
     schedule = get_forward_backward_func(layout.pp, vpp)
     run = functools.partial(
         schedule,
         num_microbatches=num_microbatches,
-        seq_length=SEQ,
-        micro_batch_size=ROWS,
+        seq_length=PACKED_SEQ if packed else SEQ,
+        micro_batch_size=1 if packed else ROWS,
         pg_collection=groups,
     )
     steps = []
@@ -389,32 +486,128 @@ def distributed_training(layout: Layout, objective_name: str, arch_name: str, gr
                 key: s / n for key, (s, n) in totals.items() if key.startswith(("rew", "lo"))
             }
             metrics["loss"] = preference.objective_value(totals, objective)
-        grads = {}
-        for gpt in gpts:
-            for name, param in reference_names(gpt):
-                if param.requires_grad:
-                    grads[name] = (param.main_grad.detach().clone(), param)
-        steps.append((grads, metrics))
+        trained = [(n, p) for gpt in gpts for n, p in reference_names(gpt) if p.requires_grad]
+        if optimizer is not None:
+            assert optimizer.step()[0]
+            for chunk in chunks:
+                chunk.finish_param_sync()
+            stepped = {name: (param.detach().clone(), param) for name, param in trained}
+            steps.append(({}, metrics, stepped))
+            continue
+        grads = {name: (param.main_grad.detach().clone(), param) for name, param in trained}
+        steps.append((grads, metrics, {}))
         with torch.no_grad():
-            for gpt in gpts:
-                for param in gpt.parameters():
-                    if param.requires_grad:
-                        param -= LR * param.main_grad.to(param.dtype)
+            for _, param in trained:
+                param -= LR * param.main_grad.to(param.dtype)
     return steps
+
+
+def _microbatches(batch, layout: Layout, groups, packed: bool, breaks: str) -> List[dict]:
+    """This rank's micro-batches, CP-sharded (packed: THD rows with their
+    ``packed_seq_params``; ``unsharded_index``: the control whose ``sequence_index`` is not
+    split with the tokens)."""
+    cp = groups.cp if groups is not None else None
+    dp_rank = groups.dp.rank() if groups is not None else 0
+    num_microbatches = MICROBATCHES // layout.dp
+    mine = [
+        {k: v[dp_rank * num_microbatches + m] for k, v in batch.items()}
+        for m in range(num_microbatches)
+    ]
+    if not packed:
+        return [get_batch_on_this_cp_rank(microbatch, cp) for microbatch in mine]
+    cp_size, cp_rank = (cp.size(), cp.rank()) if cp is not None else (1, 0)
+    out = []
+    for row in mine:
+        shard, params = get_thd_batch_on_this_cp_rank(
+            row, row["cu_seqlens"][0], row["cu_seqlens_padded"][0], row["max_seqlen"][0],
+            cp_size=cp_size, cp_rank=cp_rank,
+        )  # fmt: skip
+        if breaks == "unsharded_index":
+            shard["sequence_index"] = row["sequence_index"][:, : shard["tokens"].shape[1]]
+        shard["packed_seq_params"] = None if breaks == "no_thd" else params
+        out.append(shard)
+    return out
+
+
+def packed_global_batch(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """``global_batch`` packed: micro-batch g's 2b sequences as the documents of one [1, T]
+    row in their order (each up to its last completion label, padded to a multiple of
+    PACK_MULTIPLE, positions from 0), the rest of the row padding; ``sequence_index`` the
+    document of each position (-1 on the tail) and the THD offsets."""
+    rows = []
+    for g in range(MICROBATCHES):
+        row = {
+            "tokens": torch.zeros(1, PACKED_SEQ, dtype=torch.long),
+            "labels": torch.zeros(1, PACKED_SEQ, dtype=torch.long),
+            "loss_mask": torch.zeros(1, PACKED_SEQ),
+            "position_ids": torch.zeros(1, PACKED_SEQ, dtype=torch.long),
+            "sequence_index": torch.full((1, PACKED_SEQ), -1, dtype=torch.long),
+        }
+        real, padded = [0], [0]
+        for r in range(ROWS):
+            length = int(batch["loss_mask"][g, r].nonzero().max()) + 1
+            span = -(-length // PACK_MULTIPLE) * PACK_MULTIPLE
+            start = padded[-1]
+            for key in ("tokens", "labels", "loss_mask"):
+                row[key][0, start : start + length] = batch[key][g, r, :length]
+            row["position_ids"][0, start : start + span] = torch.arange(span)
+            row["sequence_index"][0, start : start + span] = r
+            real.append(real[-1] + length)
+            padded.append(start + span)
+        row["cu_seqlens"] = torch.tensor([real], dtype=torch.int32)
+        row["cu_seqlens_padded"] = torch.tensor([padded], dtype=torch.int32)
+        longest = max(b - a for a, b in zip(padded[:-1], padded[1:]))
+        row["max_seqlen"] = torch.tensor([[longest]], dtype=torch.int32)
+        rows.append(row)
+    return {key: torch.stack([r[key] for r in rows]) for key in rows[0]}
+
+
+def _sgd(chunks, groups):
+    """The distributed optimizer's plain SGD at LR (no momentum, decay or clipping)."""
+    config = OptimizerConfig(
+        optimizer="sgd",
+        lr=LR,
+        sgd_momentum=0.0,
+        weight_decay=0.0,
+        clip_grad=1e9,  # never clips
+        use_distributed_optimizer=True,
+    )
+    return get_megatron_optimizer(config, chunks, pg_collection=groups)
+
+
+def _forward(batch, model) -> torch.Tensor:
+    """The per-token NLLs of a micro-batch (a packed row with its ``packed_seq_params``)."""
+    extra = {}
+    if batch.get("packed_seq_params") is not None:
+        extra["packed_seq_params"] = batch["packed_seq_params"]
+    return model(batch["tokens"], batch["position_ids"], labels=batch["labels"], **extra)
+
+
+def _packing(batch) -> dict:
+    """The loss functions' packed-row arguments (none for unpacked rows)."""
+    if "sequence_index" not in batch:
+        return {}
+    return {"sequence_index": batch["sequence_index"]}
 
 
 def reference_step(cp, data_iterator, model):
     """The reference pass's forward step: per-sequence log-probs, no gradient."""
     batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
-    return output, functools.partial(preference.reference_log_probs_loss, batch["loss_mask"], cp)
+    output = _forward(batch, model)
+    packing = _packing(batch)
+    if packing:
+        packing["num_sequences"] = preference.packed_sequence_count(batch["cu_seqlens_padded"])
+    loss_func = functools.partial(
+        preference.reference_log_probs_loss, batch["loss_mask"], cp, **packing
+    )
+    return output, loss_func
 
 
 def policy_step(objective, step, cp, breaks, data_iterator, model):
     """The policy pass's forward step (``sft_per_mb``: the control pooling the SFT term per
     micro-batch, a count of G times the micro-batch's own chosen tokens)."""
     batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+    output = _forward(batch, model)
     if breaks == "sft_per_mb":
         own = int(sum_cp(batch["loss_mask"][0::2].sum(), cp).item())
         step = dataclasses.replace(step, chosen_tokens=step.microbatches * own)
@@ -425,6 +618,7 @@ def policy_step(objective, step, cp, breaks, data_iterator, model):
         batch.get("reference_logps"),  # on the last stage only
         batch["loss_mask"],
         cp,
+        **_packing(batch),
     )
     return output, loss_func
 

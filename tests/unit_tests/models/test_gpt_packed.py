@@ -79,20 +79,39 @@ def params_of(row) -> PackedSeqParams:
     )
 
 
+# Gemma's features (the layer spec's LayerNorm, zero-centred): sandwich norms, scaled
+# embeddings, both soft-caps, a window of 3 keys on layers 1 and 3 with their own RoPE base,
+# the other layers' positions / 2
+GEMMA = dict(
+    layernorm_zero_centered_gamma=True, sandwich_layernorm=True,
+    embedding_scale_sqrt_hidden=True, attn_logit_softcapping=1.0, final_logit_softcapping=2.0,
+    window_size=(3, 0), window_attn_skip_freq=2, local_rotary_base=100.0,
+)  # fmt: skip
+
+
 def build(
     cp_size: int = 1,
     pg_collection: Optional[ProcessGroupCollection] = None,
     cp_comm_type: Union[str, List[str]] = "all_gather",
     position_embedding_type: str = "learned_absolute",
+    gemma: bool = False,
 ) -> GPTModel:
-    """A float64 GPT (same weights for every layout) with room for TOTAL positions."""
-    config = make_config(context_parallel_size=cp_size, cp_comm_type=cp_comm_type)
+    """A float64 GPT (same weights for every layout) with room for TOTAL positions
+    (``gemma``: with the ``GEMMA`` features, rope)."""
+    extra = dict(GEMMA) if gemma else {}
+    config = make_config(context_parallel_size=cp_size, cp_comm_type=cp_comm_type, **extra)
     if pg_collection is None and cp_size == 1:
         pg_collection = ProcessGroupCollection()
     model = GPTModel(
         config, SPEC, VOCAB, TOTAL, pg_collection=pg_collection,
         position_embedding_type=position_embedding_type,
+        seq_len_interpolation_factor=2.0 if gemma else None,
     )  # fmt: skip
+    if gemma:  # zero-centred norms start at 0: draw them so that the offset matters
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "layernorm" in name and name.endswith("weight"):
+                    param.copy_(torch.linspace(-0.5, 0.5, param.numel()).view_as(param))
     return model.double()
 
 
@@ -106,6 +125,33 @@ def run(model: GPTModel, row, packed: Optional[PackedSeqParams]):
     losses = model(row["tokens"], row["position_ids"], labels=row["labels"], **kwargs)
     (losses * row["loss_mask"].double()).sum().backward()
     return losses.detach(), global_grads([model])
+
+
+@pytest.mark.world(1)
+def test_packed_gemma_row_equals_documents_run_alone():
+    """Gemma's windows, soft-caps and per-layer RoPE in a packed row: the losses and the
+    gradient of each document run alone (float64), the windows and RoPE restarting in
+    every document; without packing the documents see each other (negative control)."""
+    row = packed_row()
+    model = build(position_embedding_type="rope", gemma=True)
+    packed_losses, packed_grads = run(model, row, params_of(row))
+    expected_losses = torch.zeros(1, TOTAL, dtype=torch.float64, device=comm_device())
+    expected_grads: Dict[str, torch.Tensor] = {}
+    start = 0
+    for real, padded in zip(REAL, PADDED):
+        if real:
+            doc = {k: row[k][:, start : start + real] for k in ("tokens", "labels", "loss_mask")}
+            doc["position_ids"] = torch.arange(real, device=comm_device()).unsqueeze(0)
+            losses, grads = run(model, doc, None)
+            expected_losses[:, start : start + real] = losses
+            for k, g in grads.items():
+                expected_grads[k] = expected_grads.get(k, 0) + g
+        start += padded
+    real_rows = row["loss_mask"] > 0
+    assert relative_error(packed_losses[real_rows], expected_losses[real_rows]) <= 1e-12
+    assert max(relative_error(packed_grads[k], g) for k, g in expected_grads.items()) <= 1e-12
+    mixed_losses, _ = run(model, row, None)
+    assert relative_error(mixed_losses[real_rows], expected_losses[real_rows]) > 1e-3
 
 
 @pytest.mark.world(1)
@@ -204,6 +250,30 @@ def test_packed_cp_matches_one_process(
     worst = max(errors, key=errors.get)
     assert errors[worst] <= 1e-10, f"worst: {worst} {errors[worst]:.3e}"
     assert torch.equal(local["tokens"], row["tokens"][:, positions])
+
+
+@pytest.mark.world(2)
+@pytest.mark.slow
+def test_packed_gemma_cp2_matches_one_process(model_parallel):
+    """Gemma's features on uneven packed documents at CP = 2 (a2a: the windows): each
+    rank's shard gives the one-process losses on its positions, the gradients summed over
+    CP the one-process gradients (float64)."""
+    model_parallel(context_parallel_size=2)
+    group = parallel_state.get_context_parallel_group()
+    row = packed_row()
+    ref_losses, ref_grads = run(build(position_embedding_type="rope", gemma=True), row,
+                                params_of(row))  # fmt: skip
+    local, packed = get_thd_batch_on_this_cp_rank(
+        row, row["cu_seqlens"], row["cu_seqlens_padded"], row["max_seqlen"]
+    )
+    model = build(2, ProcessGroupCollection(cp=group), "a2a", "rope", gemma=True)
+    losses, grads = run(model, local, packed)
+    grads = all_reduce_sum(grads, group)
+    positions = thd_partitioned_indices(row["cu_seqlens_padded"], TOTAL, 2, group.rank())
+    errors: Dict[str, float] = {"losses": relative_error(losses, ref_losses[:, positions])}
+    errors.update({k: relative_error(grads[k], ref_grads[k]) for k in ref_grads})
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= 1e-10, f"worst: {worst} {errors[worst]:.3e}"
 
 
 @pytest.mark.world(1)

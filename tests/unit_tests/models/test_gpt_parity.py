@@ -70,6 +70,14 @@ LLAMA = Arch(
     "llama", layers=4, hidden=32, heads=8, groups=4, ffn=32, vocab=32, norm="RMSNorm",
     swiglu=True, rope=True, bias=False, tied=False,
 )  # fmt: skip
+# Gemma 2 / 3 in one: zero-centred sandwich norms and q/k norms, scaled embeddings, GeGLU,
+# an attention scale, both soft-caps, a window of 3 keys on layers 1 and 3 with a local RoPE
+# base (layers 2 and 4 full, the default base with positions / 4)
+GEMMA = dataclasses.replace(
+    LLAMA, name="gemma", swiglu=False, tied=True, qk_norm=True, one_p=True, sandwich=True,
+    embed_scale=True, softmax_scale=0.4, geglu=True, attn_softcap=1.0, final_softcap=2.0,
+    window=3, skip_freq=2, local_base=100.0, rope_factor=4.0,
+)  # fmt: skip
 ARCHS = {
     a.name: a
     for a in (
@@ -78,6 +86,8 @@ ARCHS = {
         dataclasses.replace(GPT2, name="gpt2-untied", tied=False),
         dataclasses.replace(LLAMA, name="llama-qknorm", qk_norm=True),
         dataclasses.replace(LLAMA, name="llama-qknorm-whole", qk_norm=True, qk_norm_whole=True),
+        GEMMA,
+        dataclasses.replace(GEMMA, name="gemma-full", window=None, skip_freq=None, local_base=None),
     )
 }
 
@@ -122,6 +132,12 @@ CASES = [
     _case(Layout(tp=4), "per-token", "llama-qknorm-whole", slow=True),
     _case(Layout(tp=2, cp=2, pp=2), "per-token", "llama-qknorm-whole", slow=True),
     _case(Layout(tp=2, sp=True, dp=2, pp=2), "averaged", "gpt2-untied"),
+    # Gemma: TP with SP, CP (a2a: the windows; prompt masks fall unevenly on the shards), PP
+    _case(Layout(tp=2, sp=True), "averaged", "gemma", slow=True),
+    _case(Layout(cp=2), "per-token", "gemma", slow=True),
+    _case(Layout(pp=2), "averaged", "gemma", slow=True),
+    _case(Layout(tp=2, sp=True, cp=2, pp=2), "per-token", "gemma", slow=True),
+    _case(Layout(cp=2), "averaged", "gemma-full", slow=True),  # soft-caps through all_gather
 ]
 # the full tensor-parallel matrix (slow): TP in {2, 4} x SP on/off x both architectures
 for _tp, _sp, _arch in [
@@ -391,8 +407,18 @@ def make_config(layout: Layout, mode: str, arch: Arch) -> TransformerConfig:
         num_query_groups=arch.groups,
         ffn_hidden_size=arch.ffn,
         normalization=arch.norm,
-        gated_linear_unit=arch.swiglu,
-        activation_func=F.silu if arch.swiglu else F.gelu,
+        gated_linear_unit=arch.swiglu or arch.geglu,
+        activation_func=F.silu if arch.swiglu else _gelu_tanh if arch.geglu else F.gelu,
+        layernorm_zero_centered_gamma=arch.one_p,
+        sandwich_layernorm=arch.sandwich,
+        embedding_scale_sqrt_hidden=arch.embed_scale,
+        softmax_scale=arch.softmax_scale,
+        attn_logit_softcapping=arch.attn_softcap,
+        final_logit_softcapping=arch.final_softcap,
+        window_size=None if arch.window is None else (arch.window, 0),
+        window_attn_skip_freq=arch.skip_freq,
+        local_rotary_base=arch.local_base,
+        cp_comm_type="a2a" if arch.window is not None and layout.cp > 1 else None,
         add_bias_linear=arch.bias,
         layernorm_epsilon=arch.eps,
         qk_layernorm=arch.qk_norm,
@@ -411,6 +437,10 @@ def make_config(layout: Layout, mode: str, arch: Arch) -> TransformerConfig:
     )
 
 
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
 def build_gpt(config, arch, groups, pp_rank, stage=0, stages=1, vp_stage=None) -> GPTModel:
     """Virtual stage ``stage`` of ``stages`` of the test GPT."""
     return GPTModel(
@@ -422,6 +452,7 @@ def build_gpt(config, arch, groups, pp_rank, stage=0, stages=1, vp_stage=None) -
         post_process=stage == stages - 1,
         share_embeddings_and_output_weights=arch.tied,
         position_embedding_type="rope" if arch.rope else "learned_absolute",
+        seq_len_interpolation_factor=None if arch.rope_factor == 1.0 else arch.rope_factor,
         vp_stage=vp_stage,
         pg_collection=groups,
         seed=SEED,

@@ -253,3 +253,38 @@ def test_negative_control_one_logit_nudged_across_the_margin():
     _caught(
         CONTROL.with_(losses="aux"), lambda p: p.setattr(TopKRouter, "gating", nudged), "routing"
     )
+
+
+def _bias_counts_over(group_of):
+    """``finalize_model_grads``' expert-bias update with its counts summed over
+    ``group_of()`` (parallel_state's groups of the step) instead of tp x dp x cp."""
+    import importlib
+
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    original = finalize.get_updated_expert_bias
+
+    def update(counts, bias, rate, group=None):
+        return original(counts, bias, rate, group=group_of())
+
+    return lambda p: p.setattr(finalize, "get_updated_expert_bias", update)
+
+
+BIAS_CONTROL = C(ep=2, etp=1, cp=2, dp=2, mask="uneven", losses="none", router="sigmoid-bias")
+
+
+@pytest.mark.slow
+@pytest.mark.world(4)
+def test_negative_control_expert_bias_counts_not_reduced():
+    """The expert-bias update from this rank's counts only (no all-reduce)."""
+    _caught(BIAS_CONTROL, _bias_counts_over(lambda: None), "after the step")
+
+
+@pytest.mark.slow
+@pytest.mark.world(4)
+def test_negative_control_expert_bias_counts_reduced_over_dp_only():
+    """The counts summed over DP but not CP (a group short of tp x dp x cp)."""
+    _caught(
+        BIAS_CONTROL,
+        _bias_counts_over(lambda: parallel_state.get_data_parallel_group()),
+        "after the step",
+    )

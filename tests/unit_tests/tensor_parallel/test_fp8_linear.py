@@ -75,6 +75,25 @@ def test_gradient_accumulation_fusion_adds_into_main_grad():
     torch.testing.assert_close(layer.weight.main_grad, 1 + plain.weight.grad)
 
 
+@pytest.mark.parametrize("fp8", ["hybrid", None])
+def test_fusion_needs_main_grad_only_where_a_weight_gradient_is_computed(fp8):
+    """One rule for the FP8 and the high-precision linear (``layers._linear_flags``): with
+    gradient_accumulation_fusion a trainable weight without ``main_grad`` is refused; a
+    frozen weight, or no autograd, needs none."""
+    config = _config(fp8=fp8, gradient_accumulation_fusion=True)
+    layer = RowParallelLinear(16, 24, config=config, init_method=torch.nn.init.normal_, **_ROW)
+    x = torch.randn(5, 3, 16)
+    with pytest.raises(ValueError, match="has none: wrap the model in DistributedDataParallel"):
+        layer(x)
+    with torch.no_grad():
+        layer(x)
+    layer.weight.requires_grad_(False)
+    x.requires_grad_(True)
+    y, _ = layer(x)
+    y.sum().backward()
+    assert x.grad is not None and layer.weight.grad is None
+
+
 @pytest.mark.parametrize(
     "layer_cls, kwargs", [(ColumnParallelLinear, {}), (RowParallelLinear, _ROW)]
 )

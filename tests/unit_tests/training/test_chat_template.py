@@ -25,7 +25,7 @@ transformers = pytest.importorskip(
 tokenizers = pytest.importorskip("tokenizers", reason="the tokenizers package is not installed")
 
 SPECIAL = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
-SPECIAL += ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+SPECIAL += ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<start_of_turn>", "<end_of_turn>"]
 
 # ChatML with {% generation %} around what the assistant writes (content + <|im_end|>).
 CHATML = (
@@ -54,6 +54,28 @@ LLAMA3_GEN = LLAMA3.replace("GEN_OPEN", "{% generation %}").replace(
 )
 LLAMA3_PLAIN = LLAMA3.replace("GEN_OPEN", "").replace("GEN_CLOSE", "")
 
+# Gemma style, written for this test: the system message folded into the first user turn, the
+# assistant's role written "model", "<end_of_turn>\n" after every turn, roles alternating.
+GEMMA = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'system' %}"
+    "{% set prefix = messages[0]['content'] | trim + '\n\n' %}{% set turns = messages[1:] %}"
+    "{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{% for m in turns %}"
+    "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' }}"
+    "{% if m['role'] == 'assistant' %}GEN_OPEN{{ m['content'] | trim + '<end_of_turn>\n' }}"
+    "GEN_CLOSE{% else %}{{ (prefix if loop.first else '') + m['content'] | trim }}"
+    "{{ '<end_of_turn>\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+GEMMA_GEN = GEMMA.replace("GEN_OPEN", "{% generation %}").replace(
+    "GEN_CLOSE", "{% endgeneration %}"
+)
+GEMMA_PLAIN = GEMMA.replace("GEN_OPEN", "").replace("GEN_CLOSE", "")
+
 CONVERSATIONS = [
     [
         {"role": "system", "content": "You are brief."},
@@ -74,7 +96,7 @@ TEXT = [
 ] * 10
 
 
-def _tokenizer_object():
+def _tokenizer_object(special=tuple(SPECIAL)):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -82,17 +104,17 @@ def _tokenizer_object():
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=320,
-        special_tokens=SPECIAL,
+        special_tokens=list(special),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(TEXT, trainer)
     return tok
 
 
-def _save(directory, template, eos="<|eot_id|>"):
+def _save(directory, template, eos="<|eot_id|>", special=tuple(SPECIAL), bos="<|begin_of_text|>"):
     fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=_tokenizer_object(),
-        bos_token="<|begin_of_text|>",
+        tokenizer_object=_tokenizer_object(special),
+        bos_token=bos,
         eos_token=eos,
         pad_token="<|endoftext|>",
     )
@@ -137,6 +159,64 @@ def test_incremental_rendering_equals_transformers_generation_mask(tmp_path, con
     ref_ids, ref_mask = _reference(fast, messages)
     assert ids == ref_ids and ids[0] == ours.vocab["<|begin_of_text|>"]
     assert mask == ref_mask
+
+
+# Phi-3 / Phi-3.5 (microsoft/Phi-3-mini-4k-instruct's tokenizer_config.json): no generation
+# blocks, and the end of a conversation is eos_token where a generation prompt would be.
+PHI3 = (
+    "{% for message in messages %}{% if message['role'] == 'system' and message['content'] %}"
+    "{{'<|system|>\n' + message['content'] + '<|end|>\n'}}{% elif message['role'] == 'user' %}"
+    "{{'<|user|>\n' + message['content'] + '<|end|>\n'}}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+PHI3_GEN = PHI3.replace(
+    "{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}",
+    "{{'<|assistant|>\n'}}{% generation %}{{ message['content'] + '<|end|>\n' }}"
+    "{% endgeneration %}",
+)
+PHI3_SPECIAL = ("<s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+
+
+@pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
+def test_phi3_template_trains_each_turn_without_the_closing_eos(tmp_path, conversation):
+    """Phi-3's template writes eos_token after the last message only (instead of the
+    generation prompt): an earlier turn renders with it on its own, so it is the
+    conversation's closing, not part of a turn (it refused multi-turn conversations). Ids
+    are transformers'; the mask is transformers' for the same template with generation
+    blocks around each answer and its <|end|>\n (the final eos not trained)."""
+    messages = CONVERSATIONS[conversation]
+    kwargs = dict(eos="<|endoftext|>", special=PHI3_SPECIAL, bos="<s>")
+    fast = _save(tmp_path / "ref", PHI3_GEN, **kwargs)
+    _save(tmp_path / "plain", PHI3, **kwargs)
+    ours = load_hf_tokenizer(str(tmp_path / "plain"))
+    ids, mask = tokenize_conversation(ours, messages)
+    ref_ids, ref_mask = _reference(fast, messages)
+    assert ids == ref_ids and ids[-1] == ours.vocab["<|endoftext|>"]
+    assert mask == ref_mask and mask[-1] == 0
+    chosen = ours.detokenize([i for i, m in zip(ids, mask) if m])
+    expected = "".join(m["content"] + "<|end|>\n" for m in messages if m["role"] == "assistant")
+    assert chosen == expected
+
+
+@pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
+def test_gemma_style_template_equals_transformers_generation_mask(tmp_path, conversation):
+    """A Gemma-style template (system folded into the first user turn, role "model") by
+    incremental rendering: the assistant's tokens are its content and "<end_of_turn>\n",
+    as transformers' mask of the same template with generation tags around them."""
+    messages = CONVERSATIONS[conversation]
+    fast = _save(tmp_path / "ref", GEMMA_GEN, eos="<end_of_turn>")
+    _save(tmp_path / "plain", GEMMA_PLAIN, eos="<end_of_turn>")
+    ours = load_hf_tokenizer(str(tmp_path / "plain"))
+    ids, mask = tokenize_conversation(ours, messages)
+    ref_ids, ref_mask = _reference(fast, messages)
+    assert ids == ref_ids and mask == ref_mask
+    chosen = ours.detokenize([i for i, m in zip(ids, mask) if m])
+    expected = "".join(
+        m["content"].strip() + "<end_of_turn>\n" for m in messages if m["role"] == "assistant"
+    )
+    assert chosen == expected
 
 
 def test_template_that_rewrites_earlier_turns_is_refused(tmp_path):

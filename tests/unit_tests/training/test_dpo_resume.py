@@ -174,3 +174,37 @@ def test_a_dpo_run_resumed_at_another_layout_follows_the_uninterrupted_run():
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.world(1)
+def test_a_resume_keeps_the_seed_of_its_generated_pairs(tmp_path, monkeypatch, capsys):
+    """The generated pairs (and a file's per-epoch shuffle) come from --seed: the command
+    line's --load adopts the recorded one, another --seed is refused naming both values (the
+    command line, exit 2, and the trainer); --finetune starts new data, any seed."""
+    from megatron.training import cli
+    from megatron.training.resume_rules import compare_run_settings
+
+    _run(train_iters=1, save=str(tmp_path), seed=7, **NO_VALIDATION)
+    reached = []
+    monkeypatch.setattr(cli, "_run", lambda config: reached.append(config) or 0)
+    assert cli.main(["--load", str(tmp_path), "--train-iters", "2", "--lr", "0.01"]) == 0
+    assert reached[0].seed == 7 and reached[0].dpo
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["--load", str(tmp_path), "--train-iters", "2", "--lr", "0.01", "--seed", "8"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "--seed 7 when saved, 8 now" in err, err
+    with pytest.raises(ValueError, match="--seed 7 when saved, 1234 now"):
+        _run(train_iters=2, load=str(tmp_path), **NO_VALIDATION)
+    compare_run_settings({"dpo": True, "seed": 7}, {"dpo": True, "seed": 8}, tmp_path, True)
+    compare_run_settings({"dpo": False, "seed": 7}, {"dpo": False, "seed": 8}, tmp_path)
+
+
+@pytest.mark.world(1)
+@pytest.mark.slow  # the default run's budget
+def test_a_packed_dpo_run_resumes_bit_for_bit(tmp_path):
+    """--pack-sequences: the resumed run packs the same rows (the pair stream from its
+    start) and equals the uninterrupted one."""
+    from tests.unit_tests.training.test_trainer_dpo import PACKED
+
+    straight, interrupted = _resumes_exactly(tmp_path, **PACKED)
+    assert interrupted == straight and straight[2]["rewards_margins"] != 0.0

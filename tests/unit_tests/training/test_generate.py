@@ -21,6 +21,8 @@ from megatron.training.generate import Sampling, _choose, generate, main
 from megatron.training.hf import model_from_hf
 from tests.unit_tests.dist_utils import fresh_layout, rel_error, reset_layout
 from tests.unit_tests.hf.hf_models import (
+    GEMMA2_CONFIG,
+    GEMMA3_CONFIG,
     GPT2_CONFIG,
     HAVE_TRANSFORMERS,
     LLAMA_CONFIG,
@@ -32,10 +34,13 @@ PROMPT = [3, 17, 42, 5, 99, 8]
 NEW = 8
 # std 0.5: logits spread enough that greedy choices are far from ties
 STD = 0.5
+# the families, and Gemma's windows, soft-caps and local RoPE base through the cache
+CONFIGS = [LLAMA_CONFIG, GPT2_CONFIG, GEMMA2_CONFIG, GEMMA3_CONFIG]
+IDS = ["llama", "gpt2", "gemma2", "gemma3"]
 
 
 @pytest.mark.world(1)
-@pytest.mark.parametrize("config", [LLAMA_CONFIG, GPT2_CONFIG], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
 def test_the_cached_forward_equals_the_full_forward(tmp_path, config):
     path = write_random_hf_model(tmp_path / "m", config, std=STD)
     model, _ = model_from_hf(path)
@@ -57,7 +62,7 @@ def test_the_cached_forward_equals_the_full_forward(tmp_path, config):
 
 @pytest.mark.world(1)
 @pytest.mark.skipif(not HAVE_TRANSFORMERS, reason=SKIP_REASON)
-@pytest.mark.parametrize("config", [LLAMA_CONFIG, GPT2_CONFIG], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
 def test_greedy_tokens_equal_transformers_generate(tmp_path, config):
     import transformers
 
@@ -65,7 +70,9 @@ def test_greedy_tokens_equal_transformers_generate(tmp_path, config):
     model, _ = model_from_hf(path)
     model.eval()
     ours = generate([model], PROMPT, NEW, vocab_size=128)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    )
     with torch.no_grad():
         out = reference.generate(
             torch.tensor([PROMPT]),

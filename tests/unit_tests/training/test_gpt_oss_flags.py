@@ -65,3 +65,40 @@ def test_windowed_layers_at_cp2_take_a2a_and_the_full_layers_anything():
         cp_comm_type=["a2a", "all_gather"],
     )  # fmt: skip
     validate_config(config, 2)
+
+
+MLA = dict(multi_latent_attention=True, position_embedding_type="rope", rope_type="yarn")
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(quick_geglu=True, geglu=True), "--quick-geglu is its own gated activation"),
+        (dict(rotary_scaling_factor=4.0), "--rotary-scaling-factor is a YaRN setting"),
+        (
+            {**YARN, "rotary_percent": 0.5},
+            "--use-rope-scaling and --rotary-percent need --position-embedding-type rope",
+        ),
+        (
+            dict(window_size=[4, 0], window_attn_skip_freq=[1, 2]),
+            "--window-attn-skip-freq [1, 2]; expected None, an int >= 1 or a list",
+        ),
+    ],
+)
+def test_the_gpt_oss_flags_beside_gemmas_and_mlas_are_refused_by_name(flags, message):
+    """Flags both GPT-OSS and Gemma / multi-latent attention read: --quick-geglu is a third
+    gated activation, --rotary-scaling-factor serves yarn positions or MLA's yarn only, yarn
+    rotates whole heads, the window pattern is one rule."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        validate_config(TrainingConfig(**BASE, **flags), 1)
+
+
+def test_one_rotary_scaling_factor_serves_yarn_positions_and_multi_latent_attention():
+    """--rotary-scaling-factor sets yarn_rotary_scaling_factor with --position-embedding-type
+    yarn and MLA's rotary_scaling_factor (default 1) with --multi-latent-attention."""
+    yarn = TrainingConfig(**BASE, **YARN)
+    assert transformer_config_from(yarn, validate_config(yarn, 1)).yarn_rotary_scaling_factor == 32
+    for factor, expected in ((None, 1.0), (4.0, 4.0)):
+        mla = TrainingConfig(**BASE, **MLA, rotary_scaling_factor=factor)
+        built = transformer_config_from(mla, validate_config(mla, 1))
+        assert (built.rotary_scaling_factor, built.yarn_rotary_scaling_factor) == (expected, None)

@@ -13,6 +13,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.lora import LoRAConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.training import TrainingConfig
 from megatron.training.arguments import validate_config
 from megatron.training.config_errors import LIBRARY_NAMES, name_the_flags
@@ -37,10 +38,12 @@ MODEL_OPTIONS_ELSEWHERE = {
     "openai_gelu": "activation_func (model.computed_fields, with --swiglu)",
     "quick_geglu": "activation_func (model.computed_fields) and gated_linear_unit (--swiglu's "
     "declaration)",
+    "geglu": "gated_linear_unit (through --swiglu's declaration) and activation_func",
     "pretrained_checkpoint": "the weights loaded",
 }
 TARGET_FIELDS = {
-    TRANSFORMER_CONFIG: {f.name for f in dataclasses.fields(TransformerConfig)},
+    # the target is TransformerConfig or, with --multi-latent-attention, its MLA subclass
+    TRANSFORMER_CONFIG: {f.name for f in dataclasses.fields(MLATransformerConfig)},
     GPT_MODEL: set(inspect.signature(GPTModel.__init__).parameters),
     LORA_CONFIG: {f.name for f in dataclasses.fields(LoRAConfig)},
     DDP_CONFIG: {f.name for f in dataclasses.fields(DistributedDataParallelConfig)},

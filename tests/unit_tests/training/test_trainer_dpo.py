@@ -211,7 +211,7 @@ def test_a_jsonl_file_of_pairs_trains_and_validates_on_its_split(tmp_path):
     "changes, message",
     [
         (dict(dpo=False, dpo_beta=0.5), "--dpo-beta 0.5 needs --dpo"),
-        (dict(pack_sequences=True, micro_batch_size=1), "--pack-sequences with --dpo"),
+        (dict(pack_sequences=True), "--micro-batch-size must be 1, got 2"),
         (dict(calculate_per_token_loss=True), "--calculate-per-token-loss with --dpo"),
         (dict(label_smoothing=0.1), "--label-smoothing 0.1 with --dpo"),
         (dict(skip_train=True, load="c", finetune=True), "--skip-train with --dpo"),
@@ -246,6 +246,71 @@ def test_a_pair_without_its_keys_names_the_file_and_line(tmp_path):
         build_preference_dataset(config)
 
 
+@pytest.mark.world(1)
+@pytest.mark.slow  # three runs, ~4 s
+def test_recompute_and_bf16_train_the_same_objective():
+    """Full activation recomputation gives the same iterations (the reference pass has no
+    graph to recompute, the policy's backward recomputes); bf16 follows the fp32 run at bf16's
+    precision (the log-probs summed in fp32)."""
+    keys = ("loss", "grad_norm", "rewards_margins", "logps_chosen")
+    plain = _run(train_iters=2)
+    recompute = dict(
+        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+    )
+    again = _run(train_iters=2, **recompute)
+    for mine, reference in zip(again, plain):
+        for key in keys:
+            assert abs(mine[key] - reference[key]) <= 1e-6 * max(1.0, abs(reference[key])), key
+    half = _run(train_iters=2, bf16=True)
+    for mine, reference in zip(half, plain):
+        for key in keys:
+            assert abs(mine[key] - reference[key]) <= 3e-2 * max(1.0, abs(reference[key])), key
+
+
+PACKED = dict(seq_length=48, micro_batch_size=1, dpo_sft_weight=0.5, pack_sequences=True)
+
+
+@pytest.mark.world(1)
+@pytest.mark.parametrize(
+    "loss_type", ["sigmoid", pytest.param("ipo", marks=pytest.mark.slow)]  # ipo: per-token means
+)
+def test_packed_pairs_train_the_unpacked_objective(loss_type):
+    """--pack-sequences: whole pairs packed into rows (several in a row), a global batch of
+    rows; iteration 1's objective, TRL's metrics and gradient norm equal the unpacked run's on
+    the same pairs (the reference's packed sums equal the policy's: rewards 0)."""
+    packed = TrainingConfig(**{**SMALL, **PACKED, "dpo_loss_type": loss_type})
+    batch = build_preference_dataset(packed).global_batch(0, packed.global_batch_size)
+    per_row = [(int(row.max()) + 1) // 2 for row in batch["sequence_index"]]
+    assert max(per_row) >= 2 and batch["tokens"].shape == (packed.global_batch_size, 96)
+    (mine,) = _run(train_iters=1, **PACKED, dpo_loss_type=loss_type)
+    (unpacked,) = _run(
+        train_iters=1,
+        **{**PACKED, "pack_sequences": False, "global_batch_size": sum(per_row)},
+        dpo_loss_type=loss_type,
+    )
+    for key in ("loss", "grad_norm", "logps_chosen", "logps_rejected", "rewards_margins"):
+        assert abs(mine[key] - unpacked[key]) <= 1e-5 * max(1.0, abs(unpacked[key])), key
+    assert mine["rewards_chosen"] == 0.0 and mine["padding_tokens"] < unpacked["padding_tokens"]
+
+
+@pytest.mark.world(1)
+def test_packed_validation_holds_whole_batches_of_rows(tmp_path):
+    """The validation pairs packed as the training pairs, in file order: whole global
+    batches of rows, the pairs of a partial last batch left out and counted."""
+    path = tmp_path / "prefs.jsonl"
+    words = ["a b", "c d e f g h", "i", "j k l m n o p q r s t", "u v"]
+    lines = [dict(prompt=w, chosen=" yes " + w, rejected=" no") for w in words * 3]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    files = dict(data_path=str(path), valid_data_path=str(path), eval_interval=1)
+    config = TrainingConfig(**{**SMALL, **PACKED, **files})
+    validation = build_preference_validation(config)
+    rows = [row for batch in validation.batches for row in batch["sequence_index"]]
+    assert len(rows) % config.global_batch_size == 0 and len(rows) >= config.global_batch_size
+    assert validation.num_pairs == sum((int(r.max()) + 1) // 2 for r in rows)
+    assert validation.num_pairs + validation.left_out == len(lines)
+    # (the packed validation pass itself: the packed layouts' --compare-single-process below)
+
+
 # --------------------------------------------------------------- layouts (torchrun, slow)
 
 LAYOUTS = [
@@ -268,6 +333,20 @@ LAYOUTS = [
         dict(num_experts=4, moe_router_topk=2, expert_model_parallel_size=2,
              moe_aux_loss_coeff=0.01, disable_bias_linear=True, dpo_loss_type="hinge"),
         marks=[pytest.mark.world(2), pytest.mark.slow], id="ep2-moe-hinge",
+    ),
+    pytest.param(
+        dict(PACKED, context_parallel_size=2), marks=[pytest.mark.world(2), pytest.mark.slow],
+        id="cp2-packed",
+    ),
+    pytest.param(
+        dict(PACKED, tensor_model_parallel_size=2, sequence_parallel=True,
+             pipeline_model_parallel_size=2, dpo_loss_type="ipo"),
+        marks=[pytest.mark.world(4), pytest.mark.slow], id="tp2-sp-pp2-packed-ipo",
+    ),
+    pytest.param(
+        dict(PACKED, context_parallel_size=2, use_distributed_optimizer=True,
+             dpo_loss_type="hinge"),
+        marks=[pytest.mark.world(4), pytest.mark.slow], id="dp2-cp2-distopt-packed-hinge",
     ),
 ]  # fmt: skip
 
@@ -322,6 +401,69 @@ def test_a_reference_hf_model_gives_the_reference_log_probs(tmp_path):
     assert abs(record["rewards_chosen"] - expected) < 1e-5 * max(1.0, abs(expected))
     with pytest.raises(ValueError, match="is not the policy's architecture"):
         _run_with(changes, dpo_reference_hf_model=str(other), **run)
+
+
+@pytest.mark.world(1)
+@pytest.mark.slow  # writes two HuggingFace models, imports transformers
+def test_the_dpo_step_equals_transformers_float64_gradient(tmp_path):
+    """One plain-SGD step (lr 1, no clipping, decay or momentum) from an --hf-model policy
+    against an --dpo-reference-hf-model reference: the exported weights' update equals -lr x
+    the gradient transformers gives (float64) for the issue's objective on the same pairs
+    (sigmoid + the pooled SFT term), every tensor by its HuggingFace name; the loss and the
+    gradient norm too. Control: the per-token MEAN log-probs (not the sums) give another
+    gradient."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from tests.unit_tests.dist_utils import rel_error
+    from tests.unit_tests.hf.hf_models import LLAMA_CONFIG, write_random_hf_model
+
+    policy = write_random_hf_model(tmp_path / "policy", LLAMA_CONFIG, seed=0)
+    reference = write_random_hf_model(tmp_path / "reference", LLAMA_CONFIG, seed=1)
+    beta, weight = 0.5, 0.7
+    changes = {k: v for k, v in SMALL.items() if k not in ("num_layers", "hidden_size")}
+    changes.pop("num_attention_heads")
+    changes.update(
+        hf_model=str(policy), dpo_reference_hf_model=str(reference), seq_length=16,
+        dpo_beta=beta, dpo_sft_weight=weight, optimizer="sgd", sgd_momentum=0.0, lr=1.0,
+        clip_grad=0.0, weight_decay=0.0, export_hf=str(tmp_path / "out"),
+    )  # fmt: skip
+    (record,) = _run_with(changes, train_iters=1)
+    config = TrainingConfig(**changes)
+    batch = build_preference_dataset(config).global_batch(0, config.global_batch_size)
+    mask = batch["loss_mask"].double()
+
+    def logps(model, mean=False):
+        logits = model(batch["tokens"], position_ids=batch["position_ids"]).logits
+        logp = logits.log_softmax(-1).gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)
+        summed = (logp * mask).sum(-1)
+        return summed / mask.sum(-1) if mean else summed
+
+    def gradient(mean=False):
+        load = transformers.AutoModelForCausalLM.from_pretrained
+        model = load(str(policy), dtype=torch.float64)
+        with torch.no_grad():
+            ref = logps(load(str(reference), dtype=torch.float64), mean)
+        mine = logps(model, mean)
+        h = (mine[0::2] - ref[0::2]) - (mine[1::2] - ref[1::2])
+        sft = -logps(model)[0::2].sum() / mask[0::2].sum()
+        objective = -torch.nn.functional.logsigmoid(beta * h).mean() + weight * sft
+        objective.backward()
+        return objective.item(), {n: p.grad for n, p in model.named_parameters()}
+
+    loss, grads = gradient()
+    norm = math.sqrt(sum(float((g * g).sum()) for g in grads.values()))
+    assert (
+        abs(record["loss"] - loss) < 1e-6 * loss and abs(record["grad_norm"] - norm) < 1e-5 * norm
+    )
+    start = load_file(str(policy / "model.safetensors"))
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(exported) == set(grads)
+    update = {n: exported[n].double() - start[n].double() for n in grads}
+    errors = {n: rel_error(update[n], -grads[n]) for n in grads}
+    assert max(errors.values()) < 1e-5, errors
+    _, mean_grads = gradient(mean=True)
+    assert min(rel_error(update[n], -mean_grads[n]) for n in grads) > 1e-2
 
 
 def _run_with(base: dict, **changes):

@@ -4,6 +4,7 @@ flags refused without ``--lora-dim``. (The adapters' gradients against an indepe
 reference: ``tests/unit_tests/models/test_lora_parity.py``.)"""
 
 import dataclasses
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -32,6 +33,7 @@ SMALL = dict(
     lr=1e-2,
 )
 LORA = dict(lora_dim=4, lora_alpha=8.0, lora_b_init_method="normal")
+MOE = dict(num_experts=4, moe_router_topk=2, disable_bias_linear=True, num_layers=2, lora_dim=4)
 
 
 def _run(**changes) -> List[float]:
@@ -216,14 +218,52 @@ def test_an_adapter_only_checkpoint_without_its_base_is_refused():
         (dict(lora_dim=3, tensor_model_parallel_size=2), "--lora-dim 3 is not divisible"),
         (dict(lora_dim=4, lora_target_modules=["qkv"]), "'qkv': expected one of"),
         (dict(lora_dim=4, save_trainable_params_only=True), "needs --save DIR"),
+        (
+            dict(
+                MOE,
+                lora_dim=3,
+                expert_model_parallel_size=2,
+                expert_tensor_parallel_size=2,
+                lora_target_modules=["*.experts.*"],
+            ),
+            r"--lora-dim 3 is not divisible by the expert-tensor-parallel size 2 \(--etp",
+        ),
     ],
-    ids=["alpha", "save-trainable", "targets", "dim-tp", "unknown-target", "no-save"],
+    ids=["alpha", "save-trainable", "targets", "dim-tp", "unknown-target", "no-save", "dim-etp"],
 )
 def test_lora_flags_are_refused_by_name(changes, message):
     config = TrainingConfig(**{**SMALL, **changes})
-    world = config.tensor_model_parallel_size
+    world = (
+        config.tensor_model_parallel_size
+        * (config.expert_tensor_parallel_size or 1)
+        * (config.expert_model_parallel_size)
+    )
     with pytest.raises(UsageError, match=message):
         validate_config(config, world)
+
+
+@pytest.mark.world(1)
+@pytest.mark.parametrize(
+    "changes, shown",
+    [
+        (dict(lora_exclude_modules=["*.layers.9.*"]), "'*.layers.9.*'"),
+        (dict(lora_exclude_modules=["linear_qkv", "*.mlp.linear_fc3"]), "'*.mlp.linear_fc3'"),
+        (dict(lora_exclude_modules=["*.experts.*"]), "'*.experts.*'"),  # a dense model
+    ],
+    ids=["layer-9-of-2", "fc3", "experts-of-a-dense-model"],
+)
+def test_exclusions_that_match_no_layer_are_refused_naming_the_layers(changes, shown):
+    """A --lora-exclude-modules pattern matching nothing (a typo) is refused before the run,
+    naming the pattern and the model's adaptable layers."""
+    config = TrainingConfig(**{**SMALL, "lora_dim": 4, **changes})
+    layers = (  # SMALL: 4 layers
+        "decoder.layers.<0..3>.{self_attention.linear_qkv, self_attention.linear_proj, "
+        "mlp.linear_fc1, mlp.linear_fc2}"
+    )
+    message = f"--lora-exclude-modules {shown} matches no layer of the model; its adaptable "
+    with pytest.raises(UsageError, match=re.escape(f"{message}layers are {layers}")):
+        validate_config(config, 1)
+    validate_config(dataclasses.replace(config, lora_exclude_modules=["*.layers.1.*"]), 1)
 
 
 @pytest.mark.world(1)
@@ -245,17 +285,46 @@ def test_targets_that_leave_a_pipeline_stage_without_adapters_are_refused_on_eve
 
 
 @pytest.mark.world(1)
-def test_lora_on_a_moe_model_refuses_the_experts_by_name_and_trains_without_them():
-    """The default targets name linear_fc1/linear_fc2, which routed experts also have:
-    refused with the two ways out; excluding the experts trains the attention adapters (and
-    a shared expert's, which is a dense MLP)."""
-    moe = dict(num_experts=4, moe_router_topk=2, disable_bias_linear=True, train_iters=2,
-               num_layers=2, lora_dim=4)  # fmt: skip
-    with pytest.raises(ValueError, match=r"routed expert's linear layer.*'\*\.experts\.\*'"):
-        _run(**moe)
-    losses = _run(**moe, lora_exclude_modules=["*.experts.*"],
-                  moe_shared_expert_intermediate_size=16)  # fmt: skip
+def test_lora_on_a_moe_model_adapts_every_routed_expert_and_refuses_some_experts_by_name():
+    """The default targets name linear_fc1/linear_fc2, which routed experts also have: every
+    expert gets its own adapters and the run trains (before: refused, issue 42); adapting
+    some experts of a layer only is refused by name before the run. (Excluding the experts,
+    the attention and a shared expert train: ``test_hf_lora_paths``.)"""
+    with pytest.raises(ValueError, match=r"routed experts \[1, 2, 3\] of decoder\.layers\.0"):
+        _run(**MOE, train_iters=2, lora_exclude_modules=["*.local_experts.0.*"])
+    losses = _run(**MOE, train_iters=2, moe_shared_expert_intermediate_size=16)
     assert len(losses) == 2
+
+
+@pytest.mark.world(2)
+@pytest.mark.slow
+def test_expert_adapters_resume_at_another_expert_layout():
+    """Expert adapters saved adapter-only at EP 2 with SequentialMLP resume at TP 2 x ETP 2
+    with GroupedMLP (--moe-grouped-gemm): the losses continue the uninterrupted run's, and
+    the checkpoint stores them with the global expert axis."""
+    root = Path(_shared_dir())
+    try:
+        _run(**dict(MOE, lora_dim=None), train_iters=2, save=str(root / "base"))
+        lora = dict(MOE, lora_alpha=8.0, lora_b_init_method="normal", train_iters=4,
+                    pretrained_checkpoint=str(root / "base"))  # fmt: skip
+        straight = _run(**lora)
+        first = _run(**dict(lora, train_iters=2), expert_model_parallel_size=2,
+                     save=str(root / "lora"), save_trainable_params_only=True)  # fmt: skip
+        resumed = _run(**lora, tensor_model_parallel_size=2, sequence_parallel=True,
+                       expert_tensor_parallel_size=2, moe_grouped_gemm=True,
+                       load=str(root / "lora"), save=str(root / "lora"),
+                       save_trainable_params_only=True)  # fmt: skip
+        assert first == pytest.approx(straight[:2], rel=1e-6)
+        assert resumed == pytest.approx(straight[2:], rel=1e-6)
+        stored = dist_checkpointing.load_tensors_metadata(
+            str(checkpoint_dir(str(root / "lora"), 4))
+        )
+        key = "decoder.layers.mlp.experts.experts.linear_fc1.adapter.linear_out.weight"
+        assert tuple(stored[key].global_shape)[:2] == (2, 4), sorted(stored)
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.world(2)

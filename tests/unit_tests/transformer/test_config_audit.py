@@ -71,7 +71,6 @@ NON_DEFAULT = {
     "fp32_residual_connection": True,
     "apply_residual_connection_post_layernorm": True,
     "layernorm_epsilon": 0.5,
-    "layernorm_zero_centered_gamma": True,
     "add_bias_linear": False,
     "add_qkv_bias": With(True, add_bias_linear=False),
     "gated_linear_unit": True,
@@ -91,6 +90,11 @@ NON_DEFAULT = {
     "yarn_beta_slow": 2.0,
     "yarn_mscale": 0.5,
     "yarn_mscale_all_dim": 0.5,
+    "sandwich_layernorm": True,
+    "embedding_scale_sqrt_hidden": True,
+    "attn_logit_softcapping": 1.0,
+    "final_logit_softcapping": 1.0,
+    "local_rotary_base": With(100.0, window_size=(2, 0)),
     "normalization": "RMSNorm",
     "qk_layernorm": True,
     "qk_layernorm_whole_projection": With(True, qk_layernorm=True, normalization="RMSNorm"),
@@ -208,6 +212,11 @@ SPEED_VALUES = {
 OWNED_ELSEWHERE = {
     "yarn_correction_range_round_to_int": "read by GPTModel(position_embedding_type='yarn') "
     "only (tests/unit_tests/hf/test_hf_gpt_oss.py: HuggingFace's truncate false)",
+    # (1 + w) with w starting at 0 computes what w starting at 1 does: a fresh model cannot
+    # tell; tests/unit_tests/hf/test_hf_gemma.py's negative control (w read without the 1)
+    # checks that the norms honour it
+    "layernorm_zero_centered_gamma": "the norms (torch_norm.ZeroCenteredRMSNorm; "
+    "test_hf_gemma.py)",
     # layout: tests/unit_tests/models/test_gpt_parity.py checks they leave gradients unchanged
     "tensor_model_parallel_size": "layout (TP parity tests)",
     "pipeline_model_parallel_size": "layout (PP parity tests)",
@@ -223,6 +232,8 @@ OWNED_ELSEWHERE = {
     "moe_router_bias_update_rate": "the expert-bias update in finalize_model_grads "
     "(test_moe_layer.py)",
     "moe_per_layer_logging": "track_moe_metrics' per-layer scalars (logging only)",
+    "mtp_loss_scaling_factor": "the MTP loss weight, read with mtp_num_layers and an MTP "
+    "block spec (tests/unit_tests/models/test_multi_token_prediction.py)",
     # schedules and DDP: tests/unit_tests/pipeline_parallel, tests/unit_tests/distributed
     "calculate_per_token_loss": "the schedules' loss normalization (test_cp_loss_normalization)",
     "timers": "schedules (callbacks)",

@@ -1,6 +1,6 @@
 """Layer specs of the GPT: which module builds each part of a transformer layer."""
 
-from typing import List, Optional
+from typing import List, Optional, Union
 
 from megatron.core import config_rules, tensor_parallel
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -16,6 +16,11 @@ from megatron.core.transformer.multi_latent_attention import (
     MLASelfAttention,
     MLASelfAttentionSubmodules,
     ReplicatedLinear,
+)
+from megatron.core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlockSubmodules,
+    get_mtp_layer_spec,
+    get_mtp_num_layers_to_build,
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -222,3 +227,29 @@ def get_gpt_decoder_block_spec(
     return TransformerBlockSubmodules(
         layer_specs=specs[offset : offset + count], layer_norm=WrappedTorchNorm
     )
+
+
+def get_gpt_mtp_block_spec(
+    config: TransformerConfig,
+    spec: Union[TransformerBlockSubmodules, ModuleSpec],
+    use_transformer_engine: bool,
+    vp_stage: Optional[int] = None,
+    pp_rank: Optional[int] = None,
+) -> Optional[MultiTokenPredictionBlockSubmodules]:
+    """The MTP block spec (megatron-core 0.16.1): ``config.mtp_num_layers`` depths around
+    the decoder's last layer spec (``spec``: a block spec, or a layer spec), on the last
+    pipeline stage (chunk ``vp_stage`` of ``pp_rank``; None: ``parallel_state``'s rank);
+    None elsewhere and without MTP."""
+    if get_mtp_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank) == 0:
+        return None
+    if isinstance(spec, TransformerBlockSubmodules):
+        layer_spec = spec.layer_specs[-1]
+    elif isinstance(spec, ModuleSpec) and spec.module is TransformerLayer:
+        layer_spec = spec
+    else:
+        raise ValueError(
+            f"get_gpt_mtp_block_spec: spec must be a TransformerBlockSubmodules or a "
+            f"TransformerLayer ModuleSpec, got {type(spec).__name__}"
+        )
+    depth = get_mtp_layer_spec(layer_spec, use_transformer_engine)
+    return MultiTokenPredictionBlockSubmodules(layer_specs=[depth] * config.mtp_num_layers)

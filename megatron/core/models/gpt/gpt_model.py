@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 
 from megatron.core import tensor_parallel
-from megatron.core.context_parallel import thd_document_positions, thd_partitioned_indices
 from megatron.core.device import comm_device
 from megatron.core.enums import ModelType
 from megatron.core.fp8.linear import bind_cp_group
@@ -25,8 +24,21 @@ from megatron.core.models.common.embeddings.language_model_embedding import (
     LanguageModelEmbedding,
 )
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.gpt.gpt_embeddings_utils import (
+    RotaryAngles,
+    check_yarn_fields,
+    embedding_scale,
+    local_rotary_embedding,
+    softcapped,
+    yarn_embedding,
+)
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule, leave_as_allocated
+from megatron.core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlock,
+    attach_mtp_loss,
+    check_mtp_placement,
+)
 from megatron.core.transformer.parallel_groups import ResolvedGroup, cp_group_of, tp_group_of
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
@@ -34,7 +46,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 
-class GPTModel(MegatronModule):
+class GPTModel(RotaryAngles, MegatronModule):
     """Decoder-only language model chunk (megatron-core 0.16.1's constructor).
 
     Groups (explicit first): TP from ``pg_collection.tp``, CP from ``pg_collection.cp``
@@ -61,6 +73,11 @@ class GPTModel(MegatronModule):
     their embedding and output rows start at zero and get zero gradient, and the true rows
     are drawn exactly as the unpadded model's, so loss and gradients equal the unpadded
     model's at any padding and TP. ``model.true_vocab_size`` (= ``vocab_size`` unpadded).
+
+    Multi-token prediction (``mtp_block_spec``, from ``get_gpt_mtp_block_spec``; the last
+    stage only): the depths ``mtp.layers.<k>`` and the last stage's copy of the word
+    embeddings (its gradient summed with the first stage's by ``finalize_model_grads``);
+    see ``megatron.core.transformer.multi_token_prediction``.
 
     Sequence parallelism: activations between the TP regions are sharded along s over TP;
     every parameter of the decoder that is not TP-split gets ``param.sequence_parallel =
@@ -101,10 +118,9 @@ class GPTModel(MegatronModule):
         true_vocab_size: Optional[int] = None,
     ) -> None:
         super().__init__(config)
-        if mtp_block_spec is not None:
-            raise NotImplementedError(
-                "GPTModel: mtp_block_spec (multi-token prediction) is not supported"
-            )
+        check_mtp_placement(
+            config, mtp_block_spec, pre_process, post_process, position_embedding_type
+        )
         if config.fp32_residual_connection:
             raise NotImplementedError(
                 "GPTModel: config.fp32_residual_connection=True is not supported"
@@ -114,7 +130,7 @@ class GPTModel(MegatronModule):
                 f"GPTModel: position_embedding_type={position_embedding_type!r} is not "
                 "supported; expected 'learned_absolute', 'rope', 'yarn' or 'none'"
             )
-        _check_yarn_fields(config, position_embedding_type)
+        check_yarn_fields(config, position_embedding_type)
         self.tp_group = tp_group_of(pg_collection, config)
         # resolved once; a mismatched CP group fails here, not mid-step
         self._cp_group = ResolvedGroup(cp_group_of, pg_collection, config)
@@ -150,10 +166,12 @@ class GPTModel(MegatronModule):
         self.position_embedding_type = position_embedding_type
         self.vp_stage = vp_stage
         self.pg_collection = pg_collection
+        self.mtp_block_spec = mtp_block_spec
+        self.mtp_process = mtp_block_spec is not None
 
         # The parts are built with megatron-core's keywords, one per line, like the layer
         # specs and the output projection: alike in shape, each names its own arguments.
-        if pre_process:
+        if pre_process or self.mtp_process:  # MTP embeds the tokens ahead
             self.embedding = LanguageModelEmbedding(
                 config=config,
                 vocab_size=vocab_size,
@@ -174,7 +192,9 @@ class GPTModel(MegatronModule):
                 use_cpu_initialization=config.use_cpu_initialization,
             )
         if position_embedding_type == "yarn":
-            self.rotary_pos_emb = _yarn_embedding(config, rotary_percent, rotary_base)
+            self.rotary_pos_emb = yarn_embedding(config, rotary_percent, rotary_base)
+        if config.local_rotary_base is not None and hasattr(self, "rotary_pos_emb"):
+            self.local_rotary_pos_emb = local_rotary_embedding(config, rotary_percent)
         self.decoder = TransformerBlock(
             config=config,
             spec=transformer_layer_spec,
@@ -185,6 +205,12 @@ class GPTModel(MegatronModule):
             pp_rank=pp_rank,
         )
         bind_cp_group(self.decoder, cp_group_of(pg_collection, config))
+        if self.mtp_process:
+            self.mtp = MultiTokenPredictionBlock(
+                config, mtp_block_spec, vp_stage, pg_collection, pp_rank=pp_rank
+            )
+            bind_cp_group(self.mtp, cp_group_of(pg_collection, config))
+        holds_embedding = pre_process or self.mtp_process
         if post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size,
@@ -194,13 +220,14 @@ class GPTModel(MegatronModule):
                 bias=False,
                 skip_bias_add=False,
                 gather_output=not parallel_output,
-                skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+                skip_weight_param_allocation=holds_embedding
+                and share_embeddings_and_output_weights,
                 embedding_activation_buffer=None,
                 grad_output_buffer=None,
                 tp_group=self.tp_group,
             )
             self.output_layer.fp8_gemm = None  # the output layer stays in high precision
-            if pre_process and share_embeddings_and_output_weights:
+            if holds_embedding and share_embeddings_and_output_weights:
                 # The tied weight also gets the embedding lookup's gradient through autograd;
                 # adding the projection's into main_grad would make DDP skip that one.
                 self.output_layer.gradient_accumulation_fusion = False
@@ -215,7 +242,12 @@ class GPTModel(MegatronModule):
         if post_process and not pre_process and share_embeddings_and_output_weights:
             # The last stage's copy of the tied weight: counted once (on the first stage)
             # by gradient-norm and weight-decay bookkeeping, as megatron-core marks it.
-            self.output_layer.weight.shared = True
+            self.shared_embedding_or_output_weight().shared = True
+        if self.mtp_process and not pre_process:
+            # the MTP stage's copy of the word embeddings: its gradient is summed with the
+            # first stage's (embedding group, finalize_model_grads), counted once
+            self.embedding.word_embeddings.weight.shared = True
+            self.embedding.word_embeddings.weight.shared_embedding = True
 
     def set_input_tensor(self, input_tensor: Union[Tensor, List[Tensor], None]) -> None:
         """Hidden states [s_local, b, h] from the previous stage (a tensor or a list of one)."""
@@ -254,15 +286,18 @@ class GPTModel(MegatronModule):
         [b, s_local, vocab / TP] (all of the vocabulary with ``parallel_output=False`` or
         ``runtime_gather_output=True``) without; on other stages the hidden states
         [s_local, b, h] ([s_local / TP, b, h] under sequence parallelism).
-        ``packed_seq_params`` is handed to core attention. ``loss_mask`` is ignored (the
-        loss callback masks). ``padding_mask`` [b, s_local] (True = padding; this CP rank's
-        shard, like ``input_ids``) is given on every pipeline stage; MoE layers leave padding
-        out of their router losses and counts. It is sharded like the hidden states
-        (``shard_per_token_tensor``: over the model's TP group under sequence parallelism).
+        ``packed_seq_params`` is handed to core attention. ``loss_mask`` [b, s_local] is read
+        by multi-token prediction only (the returned main loss is unmasked: the loss callback
+        masks); with ``mtp_block_spec`` and ``labels`` the MTP loss is attached to the
+        returned loss's graph (``multi_token_prediction``). ``padding_mask`` [b, s_local]
+        (True = padding; this CP rank's shard, like ``input_ids``) is given on every
+        pipeline stage; MoE layers leave padding out of their router losses and counts. It
+        is sharded like the hidden states (``shard_per_token_tensor``: over the model's TP
+        group under sequence parallelism).
         """
         inference_context = inference_context if inference_context is not None else inference_params
         if decoder_input is None and self.pre_process:
-            decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
+            decoder_input = self._embed(input_ids, position_ids)
         if not self.pre_process and self.decoder.input_tensor is None:
             raise RuntimeError(
                 "GPTModel.forward: this chunk has pre_process=False and no input tensor; call "
@@ -276,11 +311,10 @@ class GPTModel(MegatronModule):
             extra_block_kwargs = block_kwargs
         rotary_pos_emb = None
         rope = self.position_embedding_type in ("rope", "yarn")
-        rope = rope and not self.config.multi_latent_attention
-        if rope and inference_context is not None:  # (MLA rotates inside its attention)
-            rotary_pos_emb = self._rotary_angles_from(inference_context, decoder_input)
-        elif rope:
-            rotary_pos_emb = self._rotary_angles(input_ids, decoder_input, packed_seq_params)
+        if rope and not self.config.multi_latent_attention:  # (MLA rotates inside its attention)
+            rotary_pos_emb = self._layer_angles(
+                input_ids, decoder_input, packed_seq_params, inference_context
+            )
         hidden_states = self.decoder(
             hidden_states=decoder_input,
             attention_mask=attention_mask,
@@ -291,6 +325,18 @@ class GPTModel(MegatronModule):
         )
         if not self.post_process:
             return hidden_states
+        if self.mtp_process and labels is not None and inference_context is None:
+            hidden_states = attach_mtp_loss(
+                self,
+                hidden_states,
+                (input_ids, position_ids, labels, loss_mask, padding_mask),
+                dict(
+                    attention_mask=attention_mask,
+                    rotary_pos_emb=rotary_pos_emb,
+                    packed_seq_params=packed_seq_params,
+                ),
+                runtime_gather_output,
+            )
         logits, _ = self.output_layer(
             hidden_states,
             weight=(
@@ -300,10 +346,17 @@ class GPTModel(MegatronModule):
             ),
             runtime_gather_output=runtime_gather_output,
         )
-        logits = self.exclude_padded_vocab(logits)
+        logits = self.exclude_padded_vocab(softcapped(logits, self.config.final_logit_softcapping))
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)
+
+    def _embed(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+        """The embedding lookup, times sqrt(hidden) with ``embedding_scale_sqrt_hidden``."""
+        embedded = self.embedding(input_ids=input_ids, position_ids=position_ids)
+        if self.config.embedding_scale_sqrt_hidden:
+            embedded = embedded * embedding_scale(self.config.hidden_size, embedded)
+        return embedded
 
     def exclude_padded_vocab(self, logits: Tensor) -> Tensor:
         """``logits`` [..., V / TP] (this rank's block) or [..., V] (gathered) with the padded
@@ -369,6 +422,8 @@ class GPTModel(MegatronModule):
         - a tied output weight on a later stage than the embedding is stored as
           ``embedding.word_embeddings.weight`` with replica id (1, ...): never written
           twice, loaded from the embedding.
+        - the MTP stage's copy of the word embeddings (``mtp.layers.<k>.*`` are whole on
+          the last stage) likewise, with replica id (1, ...)
 
         Groups: TP is the model's; DP x CP from ``metadata["dp_cp_group"]``, else
         ``pg_collection.dp_cp``, else ``parallel_state``'s (MPU fallback), else one rank.
@@ -389,7 +444,13 @@ class GPTModel(MegatronModule):
                     key=f"{prefix}embedding.word_embeddings.weight",
                     replica_id=(1,) + tuple(tied.replica_id)[1:],
                 )
-        for key in (f"{prefix}embedding.word_embeddings.weight", output_key):
+        embedding_key = f"{prefix}embedding.word_embeddings.weight"
+        if self.mtp_process and not self.pre_process and embedding_key in sharded:
+            copy = sharded[embedding_key]  # the MTP stage's copy: loaded, never written
+            sharded[embedding_key] = dataclasses.replace(
+                copy, replica_id=(1,) + tuple(copy.replica_id)[1:]
+            )
+        for key in (embedding_key, output_key):
             piece = sharded.get(key)
             if piece is not None and hasattr(piece, "allow_shape_mismatch"):
                 # the vocabulary's padding depends on TP: another padding loads the overlap
@@ -401,61 +462,13 @@ class GPTModel(MegatronModule):
         return sharded
 
     def shared_embedding_or_output_weight(self) -> Optional[Tensor]:
-        """The tied weight this chunk holds: word embeddings (first stage), output (last)."""
-        if self.pre_process:
+        """The tied weight this chunk holds: word embeddings (first stage, and the MTP stage,
+        which embeds too), output (last)."""
+        if self.pre_process or self.mtp_process:
             return self.embedding.word_embeddings.weight
         if self.post_process:
             return self.output_layer.weight
         return None
-
-    def _rotary_angles(self, input_ids, decoder_input, packed_seq_params) -> Tensor:
-        """RoPE angles [s_local, 1, 1, r] of this rank's positions, on the activations'
-        device. Unpacked rows reuse the angles of the last call with the same length, CP
-        rank and device (built on the host, copied to the device once instead of once per
-        layer and microbatch); packed rows take each document's own positions."""
-        cp_group = self._cp_group.get()
-        total = self._global_seq_length(input_ids, decoder_input, cp_group)
-        hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
-        device = hidden.device
-        if packed_seq_params is not None:  # angles of the positions within each document
-            angles = self._angles(total, packed_seq=True, cp_group=cp_group)
-            positions = _positions_in_documents(packed_seq_params, total, cp_group)
-            return angles[positions.to(angles.device)].to(device)
-        key = (total, get_pg_size(cp_group), get_pg_rank(cp_group), device)
-        cached = getattr(self, "_rotary_cache", None)
-        if cached is None or cached[0] != key:
-            angles = self._angles(total, packed_seq=False, cp_group=cp_group)
-            self._rotary_cache = (key, angles.to(device))
-        return self._rotary_cache[1]
-
-    def _angles(self, total: int, **kwargs) -> Tensor:
-        """The rotary embedding's angles (YaRN's come with their cos/sin scale, which the
-        attention applies: ``Attention`` reads it from the config)."""
-        angles = self.rotary_pos_emb(total, **kwargs)
-        return angles[0] if isinstance(angles, tuple) else angles
-
-    def _rotary_angles_from(self, inference_context, decoder_input) -> Tensor:
-        """RoPE angles of the positions [offset, offset + s) a cached forward runs (the
-        table for the context's whole length is built once per device and kept); s is the
-        whole sequence, TP times this rank's part under sequence parallelism."""
-        hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
-        key = (inference_context.max_sequence_length, hidden.device)
-        cached = getattr(self, "_inference_rotary", None)
-        if cached is None or cached[0] != key:
-            table = self._angles(key[0], packed_seq=False, cp_group=None)
-            self._inference_rotary = cached = (key, table.to(hidden.device))
-        offset = inference_context.sequence_len_offset
-        sp = get_pg_size(self.tp_group) if self.config.sequence_parallel else 1
-        return cached[1][offset : offset + hidden.shape[0] * sp]
-
-    def _global_seq_length(self, input_ids, decoder_input, cp_group) -> int:
-        """The whole sequence's length s from this rank's inputs (for RoPE)."""
-        cp = get_pg_size(cp_group)
-        if input_ids is not None:
-            return input_ids.shape[1] * cp
-        hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
-        sp = get_pg_size(self.tp_group) if self.config.sequence_parallel else 1
-        return hidden.shape[0] * sp * cp
 
     @torch.no_grad()
     def _initialize_parameters(self, seed: int) -> None:
@@ -476,7 +489,7 @@ class GPTModel(MegatronModule):
                     continue
                 name = self._reference_name(f"{module_name}.{param_name}")
                 if isinstance(module, norms) and param_name == "weight":
-                    param.fill_(1.0)
+                    param.fill_(0.0 if getattr(module, "zero_centered_gamma", False) else 1.0)
                 elif param_name in ("bias", "softmax_offset"):  # attention sinks start at 0
                     param.zero_()
                 else:
@@ -524,59 +537,12 @@ class GPTModel(MegatronModule):
         ``finalize_model_grads`` sums it over the TP group."""
         if not self.config.sequence_parallel or get_pg_size(self.tp_group) == 1:
             return
-        for param in self.decoder.parameters():
+        parts = [self.decoder] + ([self.mtp] if self.mtp_process else [])
+        for param in (p for part in parts for p in part.parameters()):
             expert = not getattr(param, "allreduce", True)  # reduced over expert DP instead
             whole = getattr(param, "grad_complete_over_tp", False)  # e.g. MLA's down projections
             if not getattr(param, "tensor_model_parallel", False) and not expert and not whole:
                 param.sequence_parallel = True
-
-
-YARN_FIELDS = (
-    "yarn_rotary_scaling_factor",
-    "yarn_original_max_position_embeddings",
-    "yarn_beta_fast",
-    "yarn_beta_slow",
-)
-
-
-def _check_yarn_fields(config: TransformerConfig, position_embedding_type: str) -> None:
-    """position_embedding_type "yarn" needs the four YaRN fields; other types none of them."""
-    given = [n for n in YARN_FIELDS if getattr(config, n) is not None]
-    if position_embedding_type == "yarn" and len(given) != len(YARN_FIELDS):
-        missing = [n for n in YARN_FIELDS if n not in given]
-        raise ValueError(
-            f"GPTModel: position_embedding_type='yarn' needs config.{', config.'.join(missing)}"
-        )
-    extra = given + [n for n in ("yarn_mscale", "yarn_mscale_all_dim") if getattr(config, n)]
-    if position_embedding_type != "yarn" and extra:
-        raise ValueError(
-            f"GPTModel: config.{extra[0]}={getattr(config, extra[0])!r} is set but "
-            f"position_embedding_type={position_embedding_type!r}; expected 'yarn'"
-        )
-
-
-def _yarn_embedding(config: TransformerConfig, rotary_percent: float, rotary_base) -> Any:
-    """The YaRN rotary embedding of the config's yarn_* fields (megatron-core's names)."""
-    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
-        YarnRotaryEmbedding,
-    )
-
-    if rotary_percent < 1.0:
-        raise NotImplementedError(
-            "GPTModel: position_embedding_type='yarn' with rotary_percent < 1"
-        )
-    return YarnRotaryEmbedding(
-        config.kv_channels,
-        rotary_interleaved=config.rotary_interleaved,
-        rotary_base=rotary_base,
-        scaling_factor=config.yarn_rotary_scaling_factor,
-        original_max_position_embeddings=config.yarn_original_max_position_embeddings,
-        beta_fast=config.yarn_beta_fast,
-        beta_slow=config.yarn_beta_slow,
-        mscale=config.yarn_mscale if config.yarn_mscale is not None else 1.0,
-        mscale_all_dim=config.yarn_mscale_all_dim or 0.0,
-        correction_range_round_to_int=config.yarn_correction_range_round_to_int,
-    )
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
@@ -676,15 +642,3 @@ def _full_shape(param: Tensor, tp_size: int) -> List[int]:
     if getattr(param, "tensor_model_parallel", False):
         shape[param.partition_dim] *= tp_size
     return shape
-
-
-def _positions_in_documents(packed_seq_params, total: int, cp_group) -> torch.Tensor:
-    """Each local token's position within its document of a packed (THD) row of ``total``
-    tokens: RoPE restarts in every document (as megatron-core's THD rotary path does). The
-    local tokens are this CP rank's load-balanced share of every padded document; tokens
-    past the last document count as one more document."""
-    padded = packed_seq_params.cu_seqlens_q_padded
-    if padded is None:
-        padded = packed_seq_params.cu_seqlens_q
-    local = thd_partitioned_indices(padded, total, get_pg_size(cp_group), get_pg_rank(cp_group))
-    return thd_document_positions(local, padded, total)[1]

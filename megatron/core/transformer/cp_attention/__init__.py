@@ -39,6 +39,7 @@ override), ``kernels`` (the attention kernels with their log-sum-exp).
 from megatron.core.transformer.cp_attention.api import (
     check_window_size,
     context_parallel_attention,
+    softcap_kernel,
 )
 from megatron.core.transformer.cp_attention.kernel_choice import (
     check_backend_window,
@@ -48,6 +49,7 @@ from megatron.core.transformer.cp_attention.kernel_choice import (
 __all__ = [
     "context_parallel_attention",
     "check_window_size",
+    "softcap_kernel",
     "check_backend_window",
     "kernel_for_backend",
 ]

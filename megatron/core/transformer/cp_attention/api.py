@@ -28,6 +28,7 @@ def context_parallel_attention(
     num_head_groups: Optional[int] = None,
     window_size: Optional[Tuple[int, int]] = None,
     softmax_offset: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Causal attention of this CP rank's queries over the whole sequence.
 
@@ -55,6 +56,10 @@ def context_parallel_attention(
     (``check_window_size`` says which settings can have one). ``softmax_offset`` [np]
     (megatron-core's name): attention sinks, one logit per query head added to the softmax
     denominator, exp(sink_h) + sum_j exp(s_ij) (``sinks``; differentiable), in every mode.
+    ``softcap`` (Gemma 2's ``attn_logit_softcapping``): scores softcap * tanh(scale * Q K^T
+    / softcap), on the explicit "math" kernel (``kernel`` must be it, or None / "auto", which
+    then picks it), every strategy and packed sequences alike; with sinks too (the sink joins
+    the soft-capped scores' log-sum-exp).
     """
     strategy = _check_arguments(query, key, value, cp_comm_type, cp_group, packed_seq_params)
     cp_size = 0 if strategy.group_pair else get_pg_size(cp_group)
@@ -62,12 +67,30 @@ def context_parallel_attention(
     strategy.validate(query, key, cp_group)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(query.shape[-1])
     _check_sink(softmax_offset, query)
+    if softcap is not None:
+        kernel = softcap_kernel(kernel, softcap)
     call = AttentionCall(
-        Kernel(kernel, scale, window), packed_seq_params, num_head_groups, softmax_offset
+        Kernel(kernel, scale, window, softcap), packed_seq_params, num_head_groups, softmax_offset
     )
     if cp_size == 1:
         return local_attention(query, key, value, packed_seq_params, call.kernel, call.sink)
     return strategy.run(query, key, value, cp_group, call)
+
+
+def softcap_kernel(kernel: Optional[str], softcap: float) -> str:
+    """The kernel that computes logit soft-capping: "math" (for ``kernel`` None, "auto" or
+    "math"); a ValueError naming the kernel and the cap otherwise."""
+    if not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(
+            f"context_parallel_attention: softcap must be a finite number > 0, got {softcap!r}"
+        )
+    if kernel not in (None, "auto", "math"):
+        raise ValueError(
+            f"attention kernel {kernel!r} has no logit soft-capping (attn_logit_softcapping="
+            f"{softcap}); only the explicit 'math' kernel has (attention_backend 'unfused', "
+            "'local' or 'auto')"
+        )
+    return "math"
 
 
 def check_window_size(window_size, cp_comm_type: Optional[str], cp_size: int) -> Optional[int]:

@@ -27,11 +27,13 @@ from megatron.core.transformer.cp_attention.sinks import sink_forward, sink_grad
 class Kernel:
     """How every block of a call is computed: the kernel (``kernels``' names; None or
     "auto": the default for the tensors), the softmax scale and the sliding window (how many
-    earlier keys a query sees; None: all)."""
+    earlier keys a query sees; None: all) and the logit soft-cap (None: none; the "math"
+    kernel only)."""
 
     name: Optional[str]
     scale: float
     window: Optional[int] = None
+    softcap: Optional[float] = None
 
 
 @dataclass
@@ -114,11 +116,12 @@ def attend(part: Part, q, k, v, kernel: Kernel) -> Tuple[torch.Tensor, torch.Ten
     """Kernel forward on [rows, b, n, d] tensors -> (out [rows, b, n, d], lse [b, n, rows])."""
     if part.cu_q is None:
         return fk.attention_forward(
-            q, k, v, part.causal, kernel.scale, kernel.name, layout="sbnd", window=kernel.window
-        )
+            q, k, v, part.causal, kernel.scale, kernel.name, layout="sbnd", window=kernel.window,
+            softcap=kernel.softcap,
+        )  # fmt: skip
     out, lse = varlen.varlen_forward(
         q[:, 0], k[:, 0], v[:, 0], part.cu_q, part.cu_k, part.max_q, part.max_k, part.causal,
-        kernel.scale, kernel.name, kernel.window,
+        kernel.scale, kernel.name, kernel.window, kernel.softcap,
     )  # fmt: skip
     return out.unsqueeze(1), lse.unsqueeze(0)
 
@@ -128,11 +131,12 @@ def attend_backward(part: Part, dout, q, k, v, out, lse, kernel: Kernel):
     if part.cu_q is None:
         return fk.attention_backward(
             dout, q, k, v, out, lse, part.causal, kernel.scale, kernel.name, layout="sbnd",
-            window=kernel.window,
+            window=kernel.window, softcap=kernel.softcap,
         )  # fmt: skip
     grads = varlen.varlen_backward(
         dout[:, 0], q[:, 0], k[:, 0], v[:, 0], out[:, 0], lse[0], part.cu_q, part.cu_k,
         part.max_q, part.max_k, part.causal, kernel.scale, kernel.name, kernel.window,
+        kernel.softcap,
     )  # fmt: skip
     return tuple(g.unsqueeze(1) for g in grads)
 

@@ -53,6 +53,7 @@ def attention_forward(
     kernel: Optional[str] = None,
     layout: str = "bsnd",
     window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """softmax(scale * Q K^T [+ causal mask]) V and its LSE, for [b, s, n, d] inputs.
 
@@ -61,9 +62,11 @@ def attention_forward(
     get out = 0 and lse = -inf. ``layout``: inputs and ``out`` are [s, b, n, d] for "sbnd"
     (megatron's), [b, n, s, d] for "bnsd" (the kernels' own); the LSE is [b, n, s] always.
     ``window`` (causal only): a sliding window, query i (at key position p = i + s_k - s_q)
-    sees keys p - window .. p.
+    sees keys p - window .. p. ``softcap`` (Gemma 2's attention logit soft-capping): the
+    scores are softcap * tanh(scale * Q K^T / softcap); the "math" kernel only.
     """
     spec = kernel_spec(resolve_kernel(kernel, query, window is not None))
+    _check_softcap(spec, softcap)
     q, k, v = (_heads_first(x, layout) for x in (query, key, value))
     b, n_q, s_q, d = q.shape
     s_k = k.shape[2]
@@ -79,7 +82,9 @@ def attention_forward(
         return query.new_zeros(query.shape), lse
     route = _route(spec, causal, window, s_q, s_k, query.device)
     k, v = expand_kv(k, v, n_q)
-    if route == "window":
+    if softcap is not None:
+        out, lse = _math_forward(q, k, v, causal, scale, window, softcap)
+    elif route == "window":
         out, lse = spec.window_forward(q, k, v, scale, window)
     elif route == "split":
         out, lse = _split_forward(q, k, v, scale, spec)
@@ -102,6 +107,7 @@ def attention_backward(
     kernel: Optional[str] = None,
     layout: str = "bsnd",
     window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of the block (query, key, value) given the final ``out`` and ``lse``.
 
@@ -110,9 +116,10 @@ def attention_backward(
     attention they are float32 sums over the query heads of each group. ``layout`` as in
     ``attention_forward``. Every row has a key here (s_k > 0, and a causal block is
     bottom-right), so ``lse`` is finite and goes to the kernel as it is. ``window`` as in
-    ``attention_forward``.
+    ``attention_forward``; ``softcap`` too.
     """
     spec = kernel_spec(resolve_kernel(kernel, query, window is not None))
+    _check_softcap(spec, softcap)
     if query.numel() == 0 or key.numel() == 0:
         return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
     tensors = (grad_out, query, key, value, out)
@@ -120,7 +127,9 @@ def attention_backward(
     n_q, n_kv = q.shape[1], k.shape[1]
     route = _route(spec, causal, window, q.shape[2], k.shape[2], query.device)
     k_exp, v_exp = expand_kv(k, v, n_q)
-    if route == "window":
+    if softcap is not None:
+        dq, dk, dv = _math_backward(do, q, k_exp, v_exp, o, lse, causal, scale, window, softcap)
+    elif route == "window":
         dq, dk, dv = spec.window_backward(do, q, k_exp, v_exp, o, lse, scale, window)
     elif route == "split":
         dq, dk, dv = _split_backward(do, q, k_exp, v_exp, o, lse, scale, spec)
@@ -245,6 +254,15 @@ def _check_window(spec: KernelSpec, causal: bool, window: int) -> None:
             f"attention kernel {spec.name!r} has no sliding window (window_size); the flash "
             "kernel (CUDA fp16/bf16), the CPU kernel and 'math' have one (attention_backend "
             "'flash', 'unfused' or 'auto')"
+        )
+
+
+def _check_softcap(spec: KernelSpec, softcap: Optional[float]) -> None:
+    if softcap is not None and spec.name != "math":
+        raise ValueError(
+            f"attention kernel {spec.name!r} has no logit soft-capping (attn_logit_softcapping="
+            f"{softcap}); only the explicit 'math' kernel has (attention_backend 'unfused', "
+            "'local' or 'auto')"
         )
 
 
@@ -402,36 +420,44 @@ def _cpu_backward(dout, q, k, v, out, lse, causal, scale):
     )
 
 
-def _math_forward(q, k, v, causal, scale, window=None):
-    """Explicit block: lse = logsumexp(scale * Q K^T [+ bottom-right mask]), out = P V."""
+def _math_forward(q, k, v, causal, scale, window=None, softcap=None):
+    """Explicit block: lse = logsumexp(S [+ bottom-right mask]), out = P V, with
+    S = scale * Q K^T (or softcap * tanh(scale * Q K^T / softcap))."""
     qh, kh, vh = (x.to(acc_dtype(q.dtype)) for x in (q, k, v))
-    probs, lse = _math_probs(qh, kh, None, causal, scale, window)
+    probs, lse, _ = _math_probs(qh, kh, None, causal, scale, window, softcap)
     return (probs @ vh).to(q.dtype), lse
 
 
-def _math_backward(dout, q, k, v, out, lse, causal, scale, window=None):
-    """With P = exp(S - lse) and D = rowsum(dO * O): dS = P (dO V^T - D), dQ = scale dS K,
-    dK = scale dS^T Q, dV = P^T dO (``out``/``lse`` may be a merge of several blocks)."""
+def _math_backward(dout, q, k, v, out, lse, causal, scale, window=None, softcap=None):
+    """With P = exp(S - lse) and D = rowsum(dO * O): dS = P (dO V^T - D) (times
+    1 - tanh^2 under ``softcap``), dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO
+    (``out``/``lse`` may be a merge of several blocks)."""
     dtype = acc_dtype(q.dtype)
     qh, kh, vh, do, oh = (x.to(dtype) for x in (q, k, v, dout, out))
-    probs, _ = _math_probs(qh, kh, lse.to(dtype), causal, scale, window)
+    probs, _, tanh = _math_probs(qh, kh, lse.to(dtype), causal, scale, window, softcap)
     dscores = probs * (do @ vh.transpose(-1, -2) - (do * oh).sum(-1, keepdim=True))
+    if tanh is not None:
+        dscores = dscores * (1 - tanh * tanh)
     dq = (dscores @ kh) * scale
     dk = (dscores.transpose(-1, -2) @ qh) * scale
     dv = probs.transpose(-1, -2) @ do
     return tuple(g.to(q.dtype) for g in (dq, dk, dv))
 
 
-def _math_probs(qh, kh, lse, causal, scale, window=None):
-    """P = exp(S - lse) on [b, n, s_q, s_k] (lse computed here when None) and the lse."""
-    scores = (qh @ kh.transpose(-1, -2)) * scale
+def _math_probs(qh, kh, lse, causal, scale, window=None, softcap=None):
+    """P = exp(S - lse) on [b, n, s_q, s_k] (lse computed here when None), the lse, and
+    tanh(scale * Q K^T / softcap) under ``softcap`` (else None)."""
+    scores, tanh = (qh @ kh.transpose(-1, -2)) * scale, None
+    if softcap is not None:
+        tanh = torch.tanh(scores / softcap)
+        scores = tanh * softcap
     if causal:
         s_q, s_k = scores.shape[-2:]
         allowed = _window_allowed(s_q, s_k, window, scores.device)
         scores = scores.masked_fill(~allowed, -math.inf)
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)
-    return torch.exp(scores - lse.unsqueeze(-1)), lse
+    return torch.exp(scores - lse.unsqueeze(-1)), lse, tanh
 
 
 # An undefined tensor for the backward ops' unused cumulative-length arguments (dense mode),

@@ -40,17 +40,19 @@ def varlen_forward(
     scale: float,
     kernel: Optional[str] = None,
     window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention of packed sequences: query rows cu_q[i]:cu_q[i+1] see key rows
     cu_k[i]:cu_k[i+1] only (bottom-right causal within each sequence when ``causal``; with
-    ``window``, as in ``attention_forward``, within each sequence).
+    ``window``, as in ``attention_forward``, within each sequence; ``softcap`` as there:
+    sequence by sequence on the "math" kernel).
 
     ``query`` [t_q, n_q, d], ``key``/``value`` [t_k, n_kv, d]; returns ``out`` [t_q, n_q, d]
     and float32 ``lse`` [n_q, t_q]. Rows outside every sequence get out = 0, lse = -inf.
     """
     name = resolve_kernel(kernel, query, window is not None)
     lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    if _use_varlen(query, cu_seqlens_q):
+    if softcap is None and _use_varlen(query, cu_seqlens_q):
         result = _guarded_varlen(
             _flash_varlen_forward, query, key, value, *lengths, causal, scale, window
         )
@@ -74,6 +76,7 @@ def varlen_forward(
             scale,
             name,
             window=window,
+            softcap=softcap,
         )
         out[q0:q1], lse[:, q0:q1] = o[0], lse_blk[0]
     return out, lse
@@ -96,11 +99,12 @@ def varlen_backward(
     scale: float,
     kernel: Optional[str] = None,
     window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of ``varlen_forward``; dk/dv float32 where summed over sequences or groups."""
     name = resolve_kernel(kernel, query, window is not None)
     lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    if _use_varlen(query, cu_seqlens_q):
+    if softcap is None and _use_varlen(query, cu_seqlens_q):
         grads = _guarded_varlen(
             _flash_varlen_backward, grad_out, query, key, value, out, lse, *lengths, causal,
             scale, window,
@@ -124,6 +128,7 @@ def varlen_backward(
             scale,
             name,
             window=window,
+            softcap=softcap,
         )
         dq[q0:q1] = g[0][0]
         dk[k0:k1] += g[1][0].to(dk.dtype)

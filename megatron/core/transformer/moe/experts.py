@@ -20,7 +20,7 @@ and ``weight2.view(E_local, F, h)[i]`` (= W2_g^T); on a CUDA device with bf16 we
 grouped GEMM (``torch._grouped_mm``) per projection, else one product per expert.
 """
 
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -138,6 +138,25 @@ class _LocalExperts(MegatronModule):
         """Local expert ``i``'s ``proj`` ("linear_fc1" | "linear_fc2") weight shard [out, in]:
         the tensor or a view of it (writing it writes the parameter)."""
         raise NotImplementedError
+
+    def project(self, proj: str, x: torch.Tensor, sizes: List[int]) -> torch.Tensor:
+        """``proj`` of every local expert on its rows of ``x`` (``sizes[i]`` rows each)."""
+        parts = [F.linear(xi, self.local_expert_weight(i, proj))
+                 for i, xi in enumerate(torch.split(x, sizes))]  # fmt: skip
+        return torch.cat(parts, dim=0)
+
+    def adapted_forward(self, x, tokens_per_expert, probs, adapters) -> Tuple[torch.Tensor, None]:
+        """The forward with LoRA adapters ({proj: ``ExpertLoRAAdapter``}, ``moe.expert_lora``)
+        added to the outputs of fc1 and fc2, each expert's rows through its own adapter."""
+        sizes = [int(n) for n in tokens_per_expert.tolist()]
+        hidden = self.project("linear_fc1", x, sizes)
+        if "linear_fc1" in adapters:
+            hidden = hidden + adapters["linear_fc1"](x, sizes)
+        hidden = _activate(self.config, hidden, probs)
+        out = self.project("linear_fc2", hidden, sizes)
+        if "linear_fc2" in adapters:
+            out = out + adapters["linear_fc2"](hidden, sizes)
+        return out, None
 
     @torch.no_grad()
     def initialize_experts(self, full_weight: FullWeight) -> None:
@@ -280,6 +299,15 @@ class GroupedMLP(_LocalExperts):
         if not outputs:
             return x, None
         return torch.cat(outputs, dim=0), None
+
+    def project(self, proj: str, x: torch.Tensor, sizes: List[int]) -> torch.Tensor:
+        """``proj`` of every local expert on its rows: one grouped GEMM where ``forward``
+        uses one, else one product per expert."""
+        stacked = self.expert_w1() if proj == "linear_fc1" else self.expert_w2()
+        if _use_grouped_mm(x, stacked):
+            offsets = torch.tensor(sizes, device=x.device).cumsum(0).to(torch.int32)
+            return torch._grouped_mm(x, stacked, offs=offsets)
+        return super().project(proj, x, sizes)
 
     def local_expert_weight(self, i: int, proj: str) -> torch.Tensor:
         """Local expert ``i``'s ``proj`` weight [out, in]: a transposed view of its block of

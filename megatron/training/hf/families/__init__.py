@@ -9,12 +9,15 @@ whose ``config.json`` reads back as the same model writes it (``read(write(x)) =
 from typing import Dict
 
 from megatron.training.hf.families import (
+    deepseek,
+    gemma,
     gpt2,
     gpt_oss,
     llama,
     mistral,
     mixtral,
     olmoe,
+    phi3,
     qwen2,
     qwen2_moe,
     qwen3,
@@ -35,6 +38,11 @@ REGISTRY: Dict[str, Family] = {
         qwen3_moe.FAMILY,
         olmoe.FAMILY,
         gpt_oss.FAMILY,
+        phi3.FAMILY,
+        deepseek.FAMILY_V3,
+        deepseek.FAMILY_V2,
+        gemma.GEMMA2,
+        gemma.GEMMA3,
     )
 }
 

@@ -92,7 +92,6 @@ class GptOss(LlamaShaped):
         )
 
     def write(self, arch: HFArchitecture) -> Dict[str, Any]:
-        pattern = arch.window_attn_skip_freq or (1 if arch.window_size else 0,) * arch.num_layers
         return {
             "architectures": [self.architecture],
             "model_type": self.model_type,
@@ -112,7 +111,10 @@ class GptOss(LlamaShaped):
             "swiglu_alpha": ALPHA,
             "swiglu_limit": arch.activation_func_clamp_value,
             "sliding_window": arch.window_size[0] + 1 if arch.window_size else None,
-            "layer_types": ["sliding_attention" if flag else "full_attention" for flag in pattern],
+            "layer_types": [
+                "sliding_attention" if sliding else "full_attention"
+                for sliding in arch.sliding_layers()
+            ],
             "rope_parameters": {
                 "rope_type": "yarn",
                 "rope_theta": arch.rotary_base,

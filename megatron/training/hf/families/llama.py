@@ -44,10 +44,7 @@ class LlamaShaped(Family):
         )
         c.expect("hidden_act", "silu", "silu (SwiGLU)", default="silu")
         c.expect("pretraining_tp", 1, "1", default=1, allow=lambda v: isinstance(v, int) and v >= 1)
-        c.expect(
-            "partial_rotary_factor", 1.0, "1.0 (rotary embeddings on the whole head)", default=1.0
-        )
-        rotary_base, scaling = read_rope(c)
+        rotary_base, scaling, rotary_percent = self.read_rotary(c)
         extra = self.read_extra(c)
         return HFArchitecture(
             family=self.model_type,
@@ -66,10 +63,18 @@ class LlamaShaped(Family):
             max_position_embeddings=c.positive_int("max_position_embeddings", default=2048),
             rotary_base=rotary_base,
             rope_scaling_factor=scaling,
+            rotary_percent=rotary_percent,
             tied=bool(c.optional("tie_word_embeddings", False)),
             dtype=c.dtype(),
             **{"add_bias_linear": False, "add_qkv_bias": False, **extra},
         )
+
+    def read_rotary(self, c: ConfigReader) -> Tuple[float, Optional[float], float]:
+        """(rope_theta, Llama 3 scaling factor or None, the rotated fraction of a head)."""
+        c.expect(
+            "partial_rotary_factor", 1.0, "1.0 (rotary embeddings on the whole head)", default=1.0
+        )
+        return (*read_rope(c), 1.0)
 
     def read_extra(self, c: ConfigReader) -> Dict[str, Any]:
         """The family's own keys: the HFArchitecture fields (``add_bias_linear``,

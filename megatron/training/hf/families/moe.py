@@ -31,7 +31,8 @@ from megatron.core.config_rules import moe_layer_pattern
 from megatron.training.hf.family import ConfigReader, HFArchitecture, Segment, Source
 
 # The routing these families compute, in megatron's names (TransformerConfig and trainer
-# settings alike): set on import, required of a trained model's settings on export.
+# settings alike): set on import, required of a trained model's settings on export (the
+# HFArchitecture defaults; DeepSeek's families set other values).
 WRITTEN_ROUTING: Dict[str, Any] = {
     "moe_router_score_function": "softmax",
     "moe_router_enable_expert_bias": False,
@@ -165,6 +166,8 @@ def moe_full_shapes(arch: HFArchitecture) -> Dict[str, tuple]:
             shapes[p + "shared_experts.linear_fc1.weight"] = (2 * fs, h)
             shapes[p + "shared_experts.linear_fc2.weight"] = (h, fs)
             shapes[p + "shared_experts.gate_weight"] = (1, h)
+        if arch.moe_router_enable_expert_bias:
+            shapes[p + "router.expert_bias"] = (arch.num_moe_experts,)
     return shapes
 
 
@@ -181,4 +184,5 @@ def moe_architecture_fields(settings: Dict[str, Any]) -> Dict[str, Any]:
         moe_shared_expert_intermediate_size=settings.get("moe_shared_expert_intermediate_size"),
         moe_shared_expert_gate=bool(settings.get("moe_shared_expert_gate", False)),
         moe_layer_freq=tuple(pattern),
+        **{key: settings.get(key, default) for key, default in WRITTEN_ROUTING.items()},
     )

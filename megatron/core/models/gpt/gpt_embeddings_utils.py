@@ -1,0 +1,178 @@
+"""GPTModel's position and embedding helpers: the rotary angles of a forward (RoPE, YaRN,
+and the local base of Gemma 3's sliding-window layers), the YaRN fields' checks, the
+embedding scale and the final logit soft-cap."""
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from megatron.core.context_parallel import thd_document_positions, thd_partitioned_indices
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.rope import LayerAngles
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_pg_rank, get_pg_size
+
+YARN_FIELDS = (
+    "yarn_rotary_scaling_factor",
+    "yarn_original_max_position_embeddings",
+    "yarn_beta_fast",
+    "yarn_beta_slow",
+)
+
+
+def check_yarn_fields(config: TransformerConfig, position_embedding_type: str) -> None:
+    """position_embedding_type "yarn" needs the four YaRN fields; other types none of them."""
+    given = [n for n in YARN_FIELDS if getattr(config, n) is not None]
+    if position_embedding_type == "yarn" and len(given) != len(YARN_FIELDS):
+        missing = [n for n in YARN_FIELDS if n not in given]
+        raise ValueError(
+            f"GPTModel: position_embedding_type='yarn' needs config.{', config.'.join(missing)}"
+        )
+    extra = given + [n for n in ("yarn_mscale", "yarn_mscale_all_dim") if getattr(config, n)]
+    if position_embedding_type != "yarn" and extra:
+        raise ValueError(
+            f"GPTModel: config.{extra[0]}={getattr(config, extra[0])!r} is set but "
+            f"position_embedding_type={position_embedding_type!r}; expected 'yarn'"
+        )
+    if position_embedding_type == "yarn" and config.local_rotary_base is not None:
+        raise NotImplementedError(
+            f"GPTModel: config.local_rotary_base={config.local_rotary_base!r} with "
+            "position_embedding_type='yarn' is not supported (the local base is plain RoPE's); "
+            "expected local_rotary_base=None or position_embedding_type='rope'"
+        )
+
+
+def yarn_embedding(config: TransformerConfig, rotary_percent: float, rotary_base) -> Any:
+    """The YaRN rotary embedding of the config's yarn_* fields (megatron-core's names)."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        YarnRotaryEmbedding,
+    )
+
+    if rotary_percent < 1.0:
+        raise NotImplementedError(
+            "GPTModel: position_embedding_type='yarn' with rotary_percent < 1"
+        )
+    return YarnRotaryEmbedding(
+        config.kv_channels,
+        rotary_interleaved=config.rotary_interleaved,
+        rotary_base=rotary_base,
+        scaling_factor=config.yarn_rotary_scaling_factor,
+        original_max_position_embeddings=config.yarn_original_max_position_embeddings,
+        beta_fast=config.yarn_beta_fast,
+        beta_slow=config.yarn_beta_slow,
+        mscale=config.yarn_mscale if config.yarn_mscale is not None else 1.0,
+        mscale_all_dim=config.yarn_mscale_all_dim or 0.0,
+        correction_range_round_to_int=config.yarn_correction_range_round_to_int,
+    )
+
+
+def local_rotary_embedding(config: TransformerConfig, rotary_percent: float) -> RotaryEmbedding:
+    """The RoPE of the sliding-window layers, base ``config.local_rotary_base``."""
+    return RotaryEmbedding(
+        kv_channels=config.kv_channels,
+        rotary_percent=rotary_percent,
+        rotary_interleaved=config.rotary_interleaved,
+        rotary_base=config.local_rotary_base,
+        use_cpu_initialization=config.use_cpu_initialization,
+    )
+
+
+def softcapped(logits: Tensor, cap: Optional[float]) -> Tensor:
+    """cap * tanh(logits / cap) (``final_logit_softcapping``; None: the logits as they are)."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def embedding_scale(hidden_size: int, like: Tensor) -> Tensor:
+    """sqrt(hidden_size) as transformers' Gemma has it: a float32 scalar, then rounded to the
+    embeddings' dtype (``embedding_scale_sqrt_hidden``)."""
+    scale = torch.tensor(hidden_size**0.5, dtype=torch.float32, device=like.device)
+    return scale.to(like.dtype)
+
+
+class RotaryAngles:
+    """GPTModel's rotary angles of a forward (a mixin: reads the model's ``config``,
+    ``tp_group``, ``_cp_group``, ``decoder`` and its ``rotary_pos_emb`` /
+    ``local_rotary_pos_emb``)."""
+
+    def _layer_angles(self, input_ids, decoder_input, packed_seq_params, inference_context):
+        """The RoPE angles of this forward: one tensor, or ``LayerAngles`` (full, local) with
+        ``config.local_rotary_base``."""
+        angles = []
+        for name in ("rotary_pos_emb", "local_rotary_pos_emb"):
+            if not hasattr(self, name):
+                continue
+            if inference_context is not None:
+                angles.append(self._rotary_angles_from(inference_context, decoder_input, name))
+            else:
+                angles.append(
+                    self._rotary_angles(input_ids, decoder_input, packed_seq_params, name)
+                )
+        return angles[0] if len(angles) == 1 else LayerAngles(*angles)
+
+    def _rotary_angles(
+        self, input_ids, decoder_input, packed_seq_params, name: str = "rotary_pos_emb"
+    ) -> Tensor:
+        """RoPE angles [s_local, 1, 1, r] of this rank's positions, on the activations'
+        device. Unpacked rows reuse the angles of the last call with the same length, CP
+        rank and device (built on the host, copied to the device once instead of once per
+        layer and microbatch); packed rows take each document's own positions."""
+        cp_group = self._cp_group.get()
+        total = self._global_seq_length(input_ids, decoder_input, cp_group)
+        hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
+        device = hidden.device
+        if packed_seq_params is not None:  # angles of the positions within each document
+            angles = self._angles(name, total, packed_seq=True, cp_group=cp_group)
+            positions = positions_in_documents(packed_seq_params, total, cp_group)
+            return angles[positions.to(angles.device)].to(device)
+        key = (total, get_pg_size(cp_group), get_pg_rank(cp_group), device)
+        cached = getattr(self, f"_{name}_cache", None)
+        if cached is None or cached[0] != key:
+            angles = self._angles(name, total, packed_seq=False, cp_group=cp_group)
+            cached = (key, angles.to(device))
+            setattr(self, f"_{name}_cache", cached)
+        return cached[1]
+
+    def _angles(self, name: str, total: int, **kwargs) -> Tensor:
+        """The angles of rotary embedding ``name`` (YaRN's come with their cos/sin scale,
+        which the attention applies: ``Attention`` reads it from the config)."""
+        angles = getattr(self, name)(total, **kwargs)
+        return angles[0] if isinstance(angles, tuple) else angles
+
+    def _rotary_angles_from(
+        self, inference_context, decoder_input, name: str = "rotary_pos_emb"
+    ) -> Tensor:
+        """RoPE angles of the positions [offset, offset + s) a cached forward runs (the
+        table for the context's whole length is built once per device and kept); s is the
+        whole sequence, TP times this rank's part under sequence parallelism."""
+        hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
+        key = (inference_context.max_sequence_length, hidden.device)
+        cached = getattr(self, f"_inference_{name}", None)
+        if cached is None or cached[0] != key:
+            table = self._angles(name, key[0], packed_seq=False, cp_group=None)
+            cached = (key, table.to(hidden.device))
+            setattr(self, f"_inference_{name}", cached)
+        offset = inference_context.sequence_len_offset
+        sp = get_pg_size(self.tp_group) if self.config.sequence_parallel else 1
+        return cached[1][offset : offset + hidden.shape[0] * sp]
+
+    def _global_seq_length(self, input_ids, decoder_input, cp_group) -> int:
+        """The whole sequence's length s from this rank's inputs (for RoPE)."""
+        cp = get_pg_size(cp_group)
+        if input_ids is not None:
+            return input_ids.shape[1] * cp
+        hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
+        sp = get_pg_size(self.tp_group) if self.config.sequence_parallel else 1
+        return hidden.shape[0] * sp * cp
+
+
+def positions_in_documents(packed_seq_params, total: int, cp_group) -> torch.Tensor:
+    """Each local token's position within its document of a packed (THD) row of ``total``
+    tokens: RoPE restarts in every document (as megatron-core's THD rotary path does). The
+    local tokens are this CP rank's load-balanced share of every padded document; tokens
+    past the last document count as one more document."""
+    padded = packed_seq_params.cu_seqlens_q_padded
+    if padded is None:
+        padded = packed_seq_params.cu_seqlens_q
+    local = thd_partitioned_indices(padded, total, get_pg_size(cp_group), get_pg_rank(cp_group))
+    return thd_document_positions(local, padded, total)[1]
