@@ -112,6 +112,7 @@ OPTIMIZER_RESUME_RULES = {
     "moe_z_loss_coeff": APPLIED,
     "moe_router_load_balancing_type": APPLIED,
     "moe_router_bias_update_rate": APPLIED,
+    "mtp_loss_scaling_factor": APPLIED,  # the MTP loss's weight, read at every step
 }
 
 

@@ -160,3 +160,30 @@ def test_the_cpu_product_is_scaled_mm_s_without_its_reference_loop(monkeypatch):
     monkeypatch.setattr(torch, "_scaled_mm", refuse)
     got = scaling.scaled_mm(a, b, s_a, s_b, torch.float32)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow  # torch.compile on the CPU: ~10 s
+def test_a_compiled_fp8_linear_hands_its_weight_gradient_to_the_hook():
+    """Traced by ``torch.compile`` (the trainer's ``--compile`` traces FP8 linears), the FP8
+    linear with gradient-accumulation fusion returns the weight gradient (DDP's hook adds it
+    into ``main_grad``: a traced backward may not write it) and leaves ``main_grad`` alone;
+    the gradients equal the eager FP8 linear's."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    eager, x_eager, _, _ = _run(RowParallelLinear, _config(), **_ROW)
+    torch.manual_seed(0)
+    layer = RowParallelLinear(
+        16, 24, config=_config(gradient_accumulation_fusion=True),
+        init_method=torch.nn.init.normal_, **_ROW,
+    )  # fmt: skip
+    layer.weight.main_grad = torch.zeros_like(layer.weight)
+    x = torch.randn(5, 3, 16, requires_grad=True)
+    g = torch.randn(5, 3, 24)  # as _run draws it
+    explain = torch._dynamo.explain(lambda t: layer(t)[0])(x)
+    assert explain.graph_break_count == 0, explain.break_reasons
+    y = torch.compile(lambda t: layer(t)[0])(x)
+    y.backward(g)
+    assert torch.equal(layer.weight.main_grad, torch.zeros_like(layer.weight))
+    torch.testing.assert_close(layer.weight.grad, eager.weight.grad, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, x_eager.grad, rtol=0, atol=0)
