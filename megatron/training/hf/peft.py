@@ -81,6 +81,7 @@ def to_peft(
         names = [f"{layer}.local_experts.{g}.{proj}" for g in range(arch.num_moe_experts)]
         a = torch.cat([adapters[f"{n}.adapter.linear_in.weight"] for n in names])
         b = torch.stack([adapters[f"{n}.adapter.linear_out.weight"] for n in names], dim=-1)
+        b = torch.empty_like(b).index_copy_(0, _expert_output_order(arch, layer, proj), b)
         tensors[f"{key}.lora_A.weight"] = a  # [E r, in]: expert e's A is rows e r .. e r + r
         tensors[f"{key}.lora_B.weight"] = b.flatten(1)  # [out, r E]: column k E + e
         modules.append(_expert_parameter(arch, layer, proj))
@@ -124,7 +125,7 @@ def from_peft(
                 f"{list(b.shape)}, expected [{experts * r}, {in_cols}] / [{out_rows}, "
                 f"{r * experts}] ({experts} experts, r = {r})"
             )
-        b = b.reshape(out_rows, r, experts)
+        b = b.reshape(out_rows, r, experts)[_expert_output_order(arch, layer, proj)]
         for g in range(experts):
             name = f"{layer}.local_experts.{g}.{proj}"
             out[f"{name}.adapter.linear_in.weight"] = a[g * r : (g + 1) * r]
@@ -248,9 +249,11 @@ def merge_adapters(
 # peft adapts by ``target_parameters`` (one A, B per expert): the experts module and our
 # projection -> its parameter, in the module's parameter order (peft nests one wrapper per
 # parameter in that order: the first is innermost, its keys ``experts.base_layer.lora_A``).
+# GPT-OSS's [E, in, out] parameters are peft's ``is_transposed`` form (transformers marks
+# its experts so); their output axis is reordered by ``_expert_output_order``.
 PEFT_EXPERTS = {
     family: ("mlp.experts", {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"})
-    for family in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+    for family in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
 }
 
 
@@ -274,6 +277,21 @@ def _expert_parameter(arch: HFArchitecture, layer: str, proj: str) -> str:
         )
     module, params = PEFT_EXPERTS[arch.family]
     return f"model.layers.{layer.split('.')[2]}.{module}.{params[proj]}"
+
+
+def _expert_output_order(arch: HFArchitecture, layer: str, proj: str) -> torch.Tensor:
+    """The index on the expert parameter's output axis (which B's rows follow) of each
+    output row of our expert projection ``proj`` of ``layer``, from the family's table: the
+    tensors of separate per-expert modules (Mixtral's w1, w3) one after the other, as
+    transformers fuses them; GPT-OSS's fused fc1: our [gate; up] rows are its interleaved
+    columns 0, 2, ... and 1, 3, ..."""
+    table = layer_sources(arch, int(layer.split(".")[2]))
+    order, end, offsets = [], 0, {}
+    for seg in table[f"{layer}.local_experts.0.{proj}.weight"]:
+        offset = offsets.setdefault(seg.key, end)
+        order += [offset + i for i in range(seg.start, seg.stop, seg.step)]
+        end = max(end, offset + seg.stop)
+    return torch.tensor(order)
 
 
 def _is_expert_parameter(arch: HFArchitecture, name: str) -> bool:

@@ -155,6 +155,14 @@ MOE_CONFIGS = {
     "olmoe": dict(LLAMA_CONFIG, model_type="olmoe", num_experts=4, num_experts_per_tok=2,
                   norm_topk_prob=False),
     "qwen2_moe": dict(QWEN2_MOE_CONFIG, mlp_only_layers=[]),  # with a gated shared expert
+    # [E, in, out] experts with biases, fc1's gate / up columns interleaved; sinks, yarn
+    "gpt_oss": dict(model_type="gpt_oss", hidden_size=32, intermediate_size=24,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=8, vocab_size=LLAMA_CONFIG["vocab_size"], num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=5, swiglu_limit=0.4,
+                    rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=32.0,
+                                         beta_slow=1.0, truncate=False, rope_theta=150000.0,
+                                         original_max_position_embeddings=16)),
 }  # fmt: skip
 
 
@@ -162,7 +170,8 @@ MOE_CONFIGS = {
     "family",
     ["mixtral", pytest.param("qwen3_moe", marks=pytest.mark.slow),
      pytest.param("olmoe", marks=pytest.mark.slow),
-     pytest.param("qwen2_moe", marks=pytest.mark.slow)],
+     pytest.param("qwen2_moe", marks=pytest.mark.slow),
+     pytest.param("gpt_oss", marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_expert_adapters_export_as_a_peft_adapter_that_peft_loads(tmp_path, family):
     """The default targets adapt every routed expert's fc1 / fc2 (one A, B each): trained,

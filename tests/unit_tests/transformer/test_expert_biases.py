@@ -66,3 +66,26 @@ def test_expert_biases_and_the_clamped_unit_match_the_formula(kind, monkeypatch)
          enumerate(COUNTS)]
     )  # fmt: skip
     assert ((out.double() - without).norm() / expected.norm()).item() > 0.05  # b2 matters
+
+
+@pytest.mark.parametrize("kind", ["sequential", "grouped-loop"])
+def test_the_lora_adapted_forward_keeps_the_expert_biases(kind):
+    """The forward of experts with LoRA adapters (``adapted_forward``, expert LoRA) adds the
+    expert biases too: with adapters contributing zero it equals the formula (it dropped
+    b1 and b2 when expert LoRA met GPT-OSS's biased experts)."""
+    config = _config(torch.float64)
+    module = (
+        experts.SequentialMLP(4, config) if kind == "sequential" else experts.GroupedMLP(4, config)
+    )
+    _filled(module)
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(sum(COUNTS), 16, generator=generator, dtype=torch.float64)
+    probs = torch.rand(sum(COUNTS), generator=generator, dtype=torch.float64)
+    adapters = {
+        "linear_fc1": lambda rows, sizes: rows.new_zeros(rows.shape[0], 32),
+        "linear_fc2": lambda rows, sizes: rows.new_zeros(rows.shape[0], 16),
+    }
+    expected = _reference(module, x, probs)
+    for chosen in ({}, adapters):
+        out, _ = module.adapted_forward(x, torch.tensor(COUNTS), probs, chosen)
+        assert ((out - expected).norm() / expected.norm()).item() <= 1e-12

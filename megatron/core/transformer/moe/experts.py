@@ -147,16 +147,25 @@ class _LocalExperts(MegatronModule):
 
     def adapted_forward(self, x, tokens_per_expert, probs, adapters) -> Tuple[torch.Tensor, None]:
         """The forward with LoRA adapters ({proj: ``ExpertLoRAAdapter``}, ``moe.expert_lora``)
-        added to the outputs of fc1 and fc2, each expert's rows through its own adapter."""
+        added to the outputs of fc1 and fc2, each expert's rows through its own adapter; the
+        expert biases (``add_bias_linear``) as in ``forward``."""
         sizes = [int(n) for n in tokens_per_expert.tolist()]
+        counts = torch.tensor(sizes, device=x.device, dtype=torch.long)
         hidden = self.project("linear_fc1", x, sizes)
         if "linear_fc1" in adapters:
             hidden = hidden + adapters["linear_fc1"](x, sizes)
+        hidden = _add_bias(hidden, self._stacked_bias("linear_fc1"), counts)
         hidden = _activate(self.config, hidden, probs)
         out = self.project("linear_fc2", hidden, sizes)
         if "linear_fc2" in adapters:
             out = out + adapters["linear_fc2"](hidden, sizes)
-        return out, None
+        bias = self._stacked_bias("linear_fc2")
+        return _add_bias(out, bias, counts, probs, self.adds_fc2_bias), None
+
+    def _stacked_bias(self, proj: str) -> Optional[torch.Tensor]:
+        """The local experts' ``proj`` biases [E_local, out] (None without biases)."""
+        rows = [self.local_expert_bias(i, proj) for i in range(self.num_local_experts)]
+        return None if not rows or rows[0] is None else torch.stack(rows)
 
     @torch.no_grad()
     def initialize_experts(self, full_weight: FullWeight) -> None:
