@@ -163,7 +163,7 @@ ONE = C(mask="uneven", losses="none")
 
 @pytest.mark.world(1)
 def test_adapters_take_the_grouped_gemm_where_the_experts_do_with_aligned_rows(monkeypatch):
-    """The adapters' grouped-GEMM rule is the experts' (``experts.use_grouped_mm``) and rows
+    """The adapters' grouped-GEMM rule is the experts' (``grouped_gemm.use_grouped_mm``) and rows
     of a multiple of 8 elements (a rank of 4 falls back to the per-expert loop)."""
     x = torch.zeros(3, 16)
     monkeypatch.setattr(expert_lora, "use_grouped_mm", lambda x, w: True)

@@ -32,7 +32,7 @@ from megatron.core.tensor_parallel.mappings import (
     all_reduce_with_summed_grad,
 )
 from megatron.core.transformer.lora_init import adapter_init_method, adapter_seed
-from megatron.core.transformer.moe.experts import use_grouped_mm
+from megatron.core.transformer.moe.grouped_gemm import use_grouped_mm
 
 PROJECTIONS = ("linear_fc1", "linear_fc2")
 

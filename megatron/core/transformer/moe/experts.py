@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from megatron.core.fp8.grouped import Fp8Experts, fp8_grouped_linear
 from megatron.core.process_groups_config import ProcessGroupCollection, get_pg_rank, get_pg_size
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.grouped_gemm import use_grouped_mm
 from megatron.core.transformer.moe.parallel import moe_groups_of
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -280,16 +281,6 @@ def _fp8_experts(experts: _LocalExperts, x, sizes, probs, weights) -> Tuple[torc
     hidden = fp8_grouped_linear(x, sizes, [w for w, _ in weights], experts.fp8_experts)
     hidden = _activate(experts.config, hidden, probs)
     return fp8_grouped_linear(hidden, sizes, [w for _, w in weights], experts.fp8_experts), None
-
-
-def use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """One grouped GEMM on CUDA for bf16 (``torch._grouped_mm``), else a loop."""
-    return (
-        x.is_cuda
-        and x.dtype == torch.bfloat16
-        and w.dtype == torch.bfloat16
-        and hasattr(torch, "_grouped_mm")
-    )
 
 
 def _mark_expert(param: torch.nn.Parameter, partition_dim: int, stride: int) -> None:
