@@ -123,7 +123,65 @@ def _sample_seed(seed: int, index: int, stream: str = "sft") -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-class PackedSFTDataset:
+class PackedRows:
+    """Rows packed on demand by ``_pack_row`` (None once the stream has ended) and kept:
+    ``dataset[i]``, ``all_rows`` of a finite stream, ``global_batch``; ``items`` names what
+    is packed in the error past the end."""
+
+    items = "documents"
+    _rows: List[Batch]
+
+    def _pack_row(self) -> Optional[Batch]:
+        raise NotImplementedError
+
+    def __getitem__(self, index: int) -> Batch:
+        while len(self._rows) <= index:
+            row = self._pack_row()
+            if row is None:
+                raise IndexError(f"{type(self).__name__}: no {self.items} left for row {index}")
+            self._rows.append(row)
+        return self._rows[index]
+
+    def all_rows(self) -> List[Batch]:
+        """Every row of a finite stream (one whose source returns None past its end), in
+        order."""
+        while True:
+            row = self._pack_row()
+            if row is None:
+                return list(self._rows)
+            self._rows.append(row)
+
+    def global_batch(self, iteration: int, global_batch_size: int) -> Batch:
+        """Rows [i * GBS, (i + 1) * GBS) stacked to [GBS, ...] tensors."""
+        start = iteration * global_batch_size
+        rows = [self[start + i] for i in range(global_batch_size)]
+        return {key: torch.stack([r[key] for r in rows]) for key in rows[0]}
+
+
+def padding_row(length: int, pad: int = PAD) -> Batch:
+    """A row of ``length`` padding positions (``padding_mask`` True, loss mask 0, positions
+    0) that packing fills."""
+    return {
+        "tokens": torch.full((length,), pad, dtype=torch.long),
+        "labels": torch.full((length,), pad, dtype=torch.long),
+        "loss_mask": torch.zeros(length),
+        "position_ids": torch.zeros(length, dtype=torch.long),
+        "padding_mask": torch.ones(length, dtype=torch.bool),
+    }
+
+
+def set_document_bounds(row: Batch, real: List[int], padded: List[int], slots: int) -> Batch:
+    """``row``'s ``cu_seqlens`` / ``cu_seqlens_padded`` from the documents' cumulative real /
+    padded lengths, the last repeated up to ``slots + 1`` entries, and ``max_seqlen``."""
+    fill = slots + 1 - len(real)
+    row["cu_seqlens"] = torch.tensor(real + real[-1:] * fill, dtype=torch.int32)
+    row["cu_seqlens_padded"] = torch.tensor(padded + padded[-1:] * fill, dtype=torch.int32)
+    longest = max(b - a for a, b in zip(padded[:-1], padded[1:]))
+    row["max_seqlen"] = torch.tensor([longest], dtype=torch.int32)
+    return row
+
+
+class PackedSFTDataset(PackedRows):
     """``--pack-sequences``: SFT documents packed into rows of ``seq_length`` tokens
     (megatron-core's THD format, one row per microbatch).
 
@@ -163,44 +221,15 @@ class PackedSFTDataset:
         self._rows: List[Batch] = []
         self._next_document = 0
 
-    def __getitem__(self, index: int) -> Batch:
-        while len(self._rows) <= index:
-            row = self._pack_row()
-            if row is None:
-                raise IndexError(f"PackedSFTDataset: no documents left for row {index}")
-            self._rows.append(row)
-        return self._rows[index]
-
     def data_tokens(self, iteration: int, global_batch_size: int) -> int:
         """Positions of the rows of the ``iteration``-th global batch that hold document
         tokens (the documents' real lengths), not padding."""
         start = iteration * global_batch_size
         return sum(int(self[i]["cu_seqlens"][-1]) for i in range(start, start + global_batch_size))
 
-    def all_rows(self) -> List[Batch]:
-        """Every row of a finite set of documents (one whose ``document(j)`` returns None
-        past its end), in order."""
-        while True:
-            row = self._pack_row()
-            if row is None:
-                return list(self._rows)
-            self._rows.append(row)
-
-    def global_batch(self, iteration: int, global_batch_size: int) -> Batch:
-        """Rows [i * GBS, (i + 1) * GBS) stacked to [GBS, ...] tensors."""
-        start = iteration * global_batch_size
-        rows = [self[start + i] for i in range(global_batch_size)]
-        return {key: torch.stack([r[key] for r in rows]) for key in rows[0]}
-
-    def _pack_row(self) -> Batch:
+    def _pack_row(self) -> Optional[Batch]:
         s = self.seq_length
-        row = {
-            "tokens": torch.full((s,), PAD, dtype=torch.long),
-            "labels": torch.full((s,), PAD, dtype=torch.long),
-            "loss_mask": torch.zeros(s),
-            "position_ids": torch.zeros(s, dtype=torch.long),
-            "padding_mask": torch.ones(s, dtype=torch.bool),
-        }
+        row = padding_row(s)
         real, padded = [0], [0]
         while True:
             document = self.documents.document(self._next_document)
@@ -228,25 +257,15 @@ class PackedSFTDataset:
             self._next_document += 1
         if len(real) == 1:
             return None
-        fill = self.max_documents + 1 - len(real)
-        row["cu_seqlens"] = torch.tensor(real + real[-1:] * fill, dtype=torch.int32)
-        row["cu_seqlens_padded"] = torch.tensor(padded + padded[-1:] * fill, dtype=torch.int32)
-        longest = max(b - a for a, b in zip(padded[:-1], padded[1:]))
-        row["max_seqlen"] = torch.tensor([longest], dtype=torch.int32)
-        return row
+        return set_document_bounds(row, real, padded, self.max_documents)
 
 
 def empty_sample(seq_length: int, packed: bool, pad: int = PAD) -> Batch:
     """A sample with no trained token (fills a last, partial validation batch): padding
     (``padding_mask`` all True), loss mask 0; packed, it is one document of ``seq_length``
     padding positions."""
-    sample = {
-        "tokens": torch.full((seq_length,), pad, dtype=torch.long),
-        "labels": torch.full((seq_length,), pad, dtype=torch.long),
-        "loss_mask": torch.zeros(seq_length),
-        "position_ids": torch.arange(seq_length),
-        "padding_mask": torch.ones(seq_length, dtype=torch.bool),
-    }
+    sample = padding_row(seq_length, pad)
+    sample["position_ids"] = torch.arange(seq_length)
     if packed:
         bounds = [0] + [seq_length] * (seq_length // PACK_PAD_MULTIPLE)
         sample["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32)

@@ -30,7 +30,16 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy
 import torch
 
-from megatron.training.data import EOS, PAD, Batch, SFTDataset
+from megatron.training.data import (
+    EOS,
+    PACK_PAD_MULTIPLE,
+    PAD,
+    Batch,
+    PackedRows,
+    SFTDataset,
+    padding_row,
+    set_document_bounds,
+)
 from megatron.training.datasets import (
     MAX_TRUNCATED,
     Record,
@@ -276,7 +285,7 @@ def _stack(dataset: Any, iteration: int, global_batch_size: int) -> Batch:
     return {key: torch.stack([r[key] for r in rows]) for key in rows[0]}
 
 
-class PackedPreferenceDataset:
+class PackedPreferenceDataset(PackedRows):
     """``--dpo --pack-sequences``: whole pairs packed into rows of ``2 x seq_length``
     positions (megatron-core's THD format, one row per micro-batch), the room of one
     unpacked pair at its longest, so any pair fits a row and the truncation rules stay those
@@ -293,9 +302,9 @@ class PackedPreferenceDataset:
     / ``max_seqlen`` as ``data.PackedSFTDataset``'s. ``--global-batch-size`` counts rows.
     """
 
-    def __init__(self, pair_of, seq_length: int, vocab_size: int, notes=()) -> None:
-        from megatron.training.data import PACK_PAD_MULTIPLE
+    items = "pairs"
 
+    def __init__(self, pair_of, seq_length: int, vocab_size: int, notes=()) -> None:
         self.pair_of, self.seq_length, self.vocab_size = pair_of, seq_length, vocab_size
         self.multiple = PACK_PAD_MULTIPLE
         self.length = 2 * seq_length
@@ -303,41 +312,13 @@ class PackedPreferenceDataset:
         self._rows: List[Batch] = []
         self._next_pair = 0
 
-    def __getitem__(self, index: int) -> Batch:
-        while len(self._rows) <= index:
-            row = self._pack_row()
-            if row is None:
-                raise IndexError(f"PackedPreferenceDataset: no pairs left for row {index}")
-            self._rows.append(row)
-        return self._rows[index]
-
-    def all_rows(self) -> List[Batch]:
-        """Every row of a finite set of pairs, in order."""
-        while True:
-            row = self._pack_row()
-            if row is None:
-                return list(self._rows)
-            self._rows.append(row)
-
-    def global_batch(self, iteration: int, global_batch_size: int) -> Batch:
-        """Rows [i * GBS, (i + 1) * GBS) stacked to [GBS, ...] tensors."""
-        rows = [self[iteration * global_batch_size + i] for i in range(global_batch_size)]
-        return {key: torch.stack([r[key] for r in rows]) for key in rows[0]}
-
     def data_tokens(self, iteration: int, global_batch_size: int) -> int:
         """Positions of the global batch's rows that hold data, not padding."""
         return int((~self.global_batch(iteration, global_batch_size)["padding_mask"]).sum())
 
     def _pack_row(self) -> Optional[Batch]:
         t = self.length
-        row = {
-            "tokens": torch.full((t,), PAD, dtype=torch.long),
-            "labels": torch.full((t,), PAD, dtype=torch.long),
-            "loss_mask": torch.zeros(t),
-            "position_ids": torch.zeros(t, dtype=torch.long),
-            "padding_mask": torch.ones(t, dtype=torch.bool),
-            "sequence_index": torch.full((t,), -1, dtype=torch.long),
-        }
+        row = {**padding_row(t), "sequence_index": torch.full((t,), -1, dtype=torch.long)}
         real, padded = [0], [0]
         while True:
             pair = self.pair_of(self._next_pair)
@@ -354,12 +335,7 @@ class PackedPreferenceDataset:
             self._next_pair += 1
         if len(real) == 1:
             return None
-        fill = t // self.multiple + 1 - len(real)
-        row["cu_seqlens"] = torch.tensor(real + real[-1:] * fill, dtype=torch.int32)
-        row["cu_seqlens_padded"] = torch.tensor(padded + padded[-1:] * fill, dtype=torch.int32)
-        longest = max(b - a for a, b in zip(padded[:-1], padded[1:]))
-        row["max_seqlen"] = torch.tensor([longest], dtype=torch.int32)
-        return row
+        return set_document_bounds(row, real, padded, t // self.multiple)
 
     @staticmethod
     def _place(row: Batch, side: Batch, document: int, start: int, length: int, span: int):

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_geglu import gated_unit
 from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
 from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
-from megatron.core.transformer.module import MegatronModule, leave_as_allocated, output_projection
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.module import MegatronModule, output_projection, parallel_linear
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -65,18 +65,16 @@ class MLP(MegatronModule):
                     "MLP: bias_activation_fusion=True fuses the plain SwiGLU; got "
                     f"glu_linear_offset={offset}, activation_func_clamp_value={clamp}"
                 )
-        self.linear_fc1 = build_module(
+        self.linear_fc1 = parallel_linear(
             submodules.linear_fc1,
             self.input_size,
             2 * ffn if config.gated_linear_unit else ffn,
-            config=config,
-            init_method=leave_as_allocated,
+            config,
+            tp_group,
             gather_output=False,
             bias=config.add_bias_linear,
             skip_bias_add=True,
-            is_expert=False,
             tp_comm_buffer_name="fc1",
-            tp_group=tp_group,
             stride=2 if config.gated_linear_unit else 1,
         )
         self.linear_fc2 = output_projection(submodules.linear_fc2, ffn, config, "fc2", tp_group)

@@ -49,6 +49,23 @@ def leave_as_allocated(weight: torch.Tensor) -> None:
     every parameter afterwards from its own seeded generator (layout-independent)."""
 
 
+def parallel_linear(
+    spec: Union[ModuleSpec, type],
+    input_size: int,
+    output_size: int,
+    config: TransformerConfig,
+    tp_group: Optional[dist.ProcessGroup],
+    **kwargs: Any,
+) -> torch.nn.Module:
+    """A tensor-parallel linear layer of the GPT (``spec``: column or row parallel) with its
+    weight left as allocated (``init_method`` in ``kwargs`` overrides), not an expert's;
+    ``kwargs``: the layer's own keywords (bias, gather_output, input_is_parallel, ...)."""
+    kwargs.setdefault("init_method", leave_as_allocated)
+    return build_module(
+        spec, input_size, output_size, config=config, is_expert=False, tp_group=tp_group, **kwargs
+    )
+
+
 def output_projection(
     spec: Union[ModuleSpec, type],
     input_size: int,
@@ -60,18 +77,16 @@ def output_projection(
     (``linear_proj``) and the MLP (``linear_fc2``): a row-parallel layer (``spec``) whose
     input is already split over ``tp_group``, with bias ``config.add_bias_linear`` returned
     unadded (it is added with the residual), its weight left as allocated."""
-    return build_module(
+    return parallel_linear(
         spec,
         input_size,
         config.hidden_size,
-        config=config,
-        init_method=leave_as_allocated,
+        config,
+        tp_group,
         bias=config.add_bias_linear,
         input_is_parallel=True,
         skip_bias_add=True,
-        is_expert=False,
         tp_comm_buffer_name=tp_comm_buffer_name,
-        tp_group=tp_group,
     )
 
 

@@ -33,7 +33,7 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.attention import attend
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.module import MegatronModule, leave_as_allocated, output_projection
+from megatron.core.transformer.module import MegatronModule, output_projection, parallel_linear
 from megatron.core.transformer.parallel_groups import ResolvedGroup, cp_group_of, tp_group_of
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import MLATransformerConfig
@@ -177,17 +177,15 @@ class MLASelfAttention(MegatronModule):
         """A column-parallel projection to ``heads`` x ``per_head`` (default: the q head dim)
         whose input is already whole on every rank: no sequence gather, its input gradient
         summed over TP."""
-        module = build_module(
+        module = parallel_linear(
             spec,
             input_size,
             heads * (per_head or self.q_head_dim),
-            config=self.config,
-            init_method=leave_as_allocated,
+            self.config,
+            self.tp_group,
             gather_output=False,
             bias=False,
             skip_bias_add=False,
-            is_expert=False,
-            tp_group=self.tp_group,
         )
         module.sequence_parallel = False
         module.allreduce_dgrad = get_pg_size(self.tp_group) > 1

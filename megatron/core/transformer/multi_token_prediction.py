@@ -37,6 +37,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.parallel_groups import cp_group_of, pp_rank_of, tp_group_of
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import build_layers
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.utils import get_pg_rank, get_pg_size
@@ -398,17 +399,7 @@ class MultiTokenPredictionBlock(MegatronModule):
                 "layers on the last pipeline stage: get_gpt_mtp_block_spec)"
             )
         self.mtp_loss_scaling_factor = config.mtp_loss_scaling_factor
-        self.layers = torch.nn.ModuleList(
-            build_module(
-                layer_spec,
-                config=config,
-                layer_number=index + 1,
-                vp_stage=vp_stage,
-                pg_collection=pg_collection,
-                pp_rank=pp_rank,
-            )
-            for index, layer_spec in enumerate(specs)
-        )
+        self.layers = build_layers(specs, config, pg_collection, vp_stage, pp_rank)
 
     # megatron-core 0.16.1's signature, passed on to every layer.
     def forward(

@@ -27,6 +27,28 @@ class TransformerBlockSubmodules:
     layer_norm: Optional[Union[ModuleSpec, torch.nn.Module]] = None
 
 
+def build_layers(
+    specs: List[ModuleSpec],
+    config: TransformerConfig,
+    pg_collection: Optional[ProcessGroupCollection],
+    vp_stage: Optional[int],
+    pp_rank: Optional[int],
+) -> torch.nn.ModuleList:
+    """One module per spec, ``layer_number`` 1, 2, ... (``pp_rank`` handed on when given)."""
+    extra = {} if pp_rank is None else {"pp_rank": pp_rank}
+    return torch.nn.ModuleList(
+        build_module(
+            spec,
+            config=config,
+            layer_number=i + 1,
+            pg_collection=pg_collection,
+            vp_stage=vp_stage,
+            **extra,
+        )
+        for i, spec in enumerate(specs)
+    )
+
+
 class TransformerBlock(MegatronModule):
     """Layers [offset, offset + L / (PP * V)) of the model on [s, b, h]; ``final_layernorm``
     when ``post_process and post_layer_norm``. ``spec`` is a layer spec (repeated for every
@@ -61,17 +83,7 @@ class TransformerBlock(MegatronModule):
         self.post_layer_norm = post_layer_norm
         self.vp_stage = vp_stage
         self.input_tensor: Optional[torch.Tensor] = None
-        self.layers = torch.nn.ModuleList(
-            build_module(
-                layer_spec,
-                config=config,
-                layer_number=i + 1,
-                pg_collection=pg_collection,
-                vp_stage=vp_stage,
-                **({} if pp_rank is None else {"pp_rank": pp_rank}),
-            )
-            for i, layer_spec in enumerate(submodules.layer_specs)
-        )
+        self.layers = build_layers(submodules.layer_specs, config, pg_collection, vp_stage, pp_rank)
         self.final_layernorm = None
         if post_process and post_layer_norm:
             self.final_layernorm = build_module(

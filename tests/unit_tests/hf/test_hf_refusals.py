@@ -408,3 +408,20 @@ def test_an_override_contradicting_config_json_is_refused(tmp_path):
         model_from_hf(tmp_path / "m", num_layers=4)
     model, config = model_from_hf(tmp_path / "m", params_dtype=torch.bfloat16)
     assert model.embedding.word_embeddings.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("family", ["olmoe", "phi3"])
+def test_a_head_dim_beside_hidden_over_heads_is_refused_with_both_sizes(family):
+    """OLMoE and Phi-3 share one check: the refusal names hidden_size and the head count."""
+    config = {**BASE[family], "head_dim": 16}
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    with pytest.raises(ValueError, match=rf"head_dim=16 .*absent or .*\({hidden} / {heads}\)"):
+        architecture_from_config(config)
+
+
+@pytest.mark.parametrize("family", ["mistral", "phi3"])
+def test_the_sliding_window_reads_and_writes_alike(family):
+    """Mistral and Phi-3 share one reading of sliding_window (W: itself and W - 1 keys)."""
+    arch = architecture_from_config({**BASE[family], "sliding_window": 5})
+    assert arch.window_size == (4, 0)
+    assert REGISTRY[family].write(arch)["sliding_window"] == 5

@@ -162,6 +162,18 @@ ONE = C(mask="uneven", losses="none")
 
 
 @pytest.mark.world(1)
+def test_adapters_take_the_grouped_gemm_where_the_experts_do_with_aligned_rows(monkeypatch):
+    """The adapters' grouped-GEMM rule is the experts' (``grouped_gemm.use_grouped_mm``) and rows
+    of a multiple of 8 elements (a rank of 4 falls back to the per-expert loop)."""
+    x = torch.zeros(3, 16)
+    monkeypatch.setattr(expert_lora, "use_grouped_mm", lambda x, w: True)
+    assert expert_lora._grouped_mm_applies(x, torch.zeros(2, 8, 16))
+    assert not expert_lora._grouped_mm_applies(x, torch.zeros(2, 4, 16))
+    monkeypatch.setattr(expert_lora, "use_grouped_mm", lambda x, w: False)
+    assert not expert_lora._grouped_mm_applies(x, torch.zeros(2, 8, 16))
+
+
+@pytest.mark.world(1)
 @pytest.mark.parametrize("grouped", [False, True], ids=["sequential", "grouped"])
 def test_one_process_expert_adapter_grads_equal_reference(grouped: bool):
     case = ONE.with_(grouped=grouped)

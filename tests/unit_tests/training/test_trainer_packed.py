@@ -98,6 +98,33 @@ def test_packed_rows_hold_whole_padded_documents():
 
 
 @pytest.mark.world(1)
+def test_sft_and_preference_packing_share_the_row_bounds_and_name_what_ran_out():
+    """One row builder (``padding_row``, ``set_document_bounds``, ``PackedRows``) for the SFT
+    and the preference packers: the bounds repeat the last one up to the row's slots, and a
+    row past a finite stream names the dataset and what it packs."""
+    from megatron.training.data import PackedRows, padding_row, set_document_bounds
+    from megatron.training.preference_data import PackedPreferenceDataset
+
+    row = set_document_bounds(padding_row(64), [0, 5, 12], [0, 16, 32], 4)
+    assert row["cu_seqlens"].tolist() == [0, 5, 12, 12, 12]
+    assert row["cu_seqlens_padded"].tolist() == [0, 16, 32, 32, 32]
+    assert row["max_seqlen"].tolist() == [16] and bool(row["padding_mask"].all())
+
+    class NoDocuments:
+        def document(self, index):
+            return None
+
+    sft = PackedSFTDataset(32, 64, 0, documents=NoDocuments())
+    pairs = PackedPreferenceDataset(lambda index: None, 16, 64)
+    assert isinstance(sft, PackedRows) and isinstance(pairs, PackedRows)
+    with pytest.raises(IndexError, match="PackedSFTDataset: no documents left for row 0"):
+        sft[0]
+    with pytest.raises(IndexError, match="PackedPreferenceDataset: no pairs left for row 0"):
+        pairs[0]
+    assert sft.all_rows() == [] and pairs.all_rows() == []
+
+
+@pytest.mark.world(1)
 @pytest.mark.parametrize(
     "changes, message",
     [

@@ -23,6 +23,28 @@ def test_registry_holds_exactly_the_configurable_comm_types():
 
 
 @pytest.mark.world(1)
+def test_a_registry_that_differs_from_the_comm_types_fails_at_import(monkeypatch):
+    """Negative control: an accepted cp_comm_type without a strategy stops the import with an
+    ImportError naming the option (the registry check the MoE dispatchers use, not an assert
+    that ``python -O`` drops), and a name registered twice is refused."""
+    import importlib
+
+    from megatron.core import config_rules
+    from megatron.core.transformer.cp_attention import registry, ring
+    from megatron.core.transformer.registry import by_name
+
+    monkeypatch.setattr(config_rules, "CP_COMM_TYPES", CP_COMM_TYPES + ("flex",))
+    try:
+        with pytest.raises(ImportError, match=r"cp_comm_type: .*'flex'"):
+            importlib.reload(registry)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(registry)
+    with pytest.raises(ValueError, match="name 'p2p' is registered twice"):
+        by_name((ring.STRATEGY, ring.STRATEGY), "name")
+
+
+@pytest.mark.world(1)
 @pytest.mark.parametrize(
     "backend, cuda, expected",
     [

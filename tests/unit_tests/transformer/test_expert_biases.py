@@ -53,7 +53,7 @@ def test_expert_biases_and_the_clamped_unit_match_the_formula(kind, monkeypatch)
     )
     _filled(module)
     if kind == "grouped-gemm":  # torch._grouped_mm runs on the CPU for these shapes
-        monkeypatch.setattr(experts, "_use_grouped_mm", lambda x, w: True)
+        monkeypatch.setattr(experts, "use_grouped_mm", lambda x, w: True)
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(sum(COUNTS), 16, generator=generator).to(dtype)
     probs = torch.rand(sum(COUNTS), generator=generator)

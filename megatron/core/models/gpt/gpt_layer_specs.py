@@ -102,37 +102,44 @@ def get_gpt_layer_local_spec(
     )
 
 
-def _self_attention_spec(qk_norm: type) -> ModuleSpec:
-    """Self-attention with the fused QKV projection."""
+def _attention_spec(module: type, submodules: type, **projections: type) -> ModuleSpec:
+    """A causal self-attention ``module`` whose ``submodules`` are its ``projections`` and
+    norms, with the core attention and output projection every attention has."""
     return ModuleSpec(
-        module=SelfAttention,
+        module=module,
         params={"attn_mask_type": AttnMaskType.causal},
-        submodules=SelfAttentionSubmodules(
-            linear_qkv=tensor_parallel.ColumnParallelLinear,
+        submodules=submodules(
             core_attention=DotProductAttention,
             linear_proj=tensor_parallel.RowParallelLinear,
-            q_layernorm=qk_norm,
-            k_layernorm=qk_norm,
+            **projections,
         ),
+    )
+
+
+def _self_attention_spec(qk_norm: type) -> ModuleSpec:
+    """Self-attention with the fused QKV projection."""
+    return _attention_spec(
+        SelfAttention,
+        SelfAttentionSubmodules,
+        linear_qkv=tensor_parallel.ColumnParallelLinear,
+        q_layernorm=qk_norm,
+        k_layernorm=qk_norm,
     )
 
 
 def _mla_spec(qk_norm: type) -> ModuleSpec:
     """Multi-latent attention: replicated down projections, head-split up projections."""
-    return ModuleSpec(
-        module=MLASelfAttention,
-        params={"attn_mask_type": AttnMaskType.causal},
-        submodules=MLASelfAttentionSubmodules(
-            linear_q_proj=tensor_parallel.ColumnParallelLinear,
-            linear_q_down_proj=ReplicatedLinear,
-            linear_q_up_proj=tensor_parallel.ColumnParallelLinear,
-            linear_kv_down_proj=ReplicatedLinear,
-            linear_kv_up_proj=tensor_parallel.ColumnParallelLinear,
-            core_attention=DotProductAttention,
-            linear_proj=tensor_parallel.RowParallelLinear,
-            q_layernorm=qk_norm,
-            kv_layernorm=qk_norm,
-        ),
+    column = tensor_parallel.ColumnParallelLinear
+    return _attention_spec(
+        MLASelfAttention,
+        MLASelfAttentionSubmodules,
+        linear_q_proj=column,
+        linear_q_down_proj=ReplicatedLinear,
+        linear_q_up_proj=column,
+        linear_kv_down_proj=ReplicatedLinear,
+        linear_kv_up_proj=column,
+        q_layernorm=qk_norm,
+        kv_layernorm=qk_norm,
     )
 
 

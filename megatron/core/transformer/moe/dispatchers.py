@@ -7,7 +7,7 @@ check against; checked equal here, at import) and its tests (docs/architecture.m
 token dispatcher").
 """
 
-from typing import Dict, Mapping, Sequence, Type
+from typing import Dict, Type
 
 from megatron.core.config_rules import MOE_TOKEN_DISPATCHERS
 from megatron.core.transformer.moe.token_dispatcher import (
@@ -15,21 +15,12 @@ from megatron.core.transformer.moe.token_dispatcher import (
     MoEAlltoAllTokenDispatcher,
     MoETokenDispatcher,
 )
+from megatron.core.transformer.registry import check_registry
 
 DISPATCHERS: Dict[str, Type[MoETokenDispatcher]] = {
     "allgather": MoEAllGatherTokenDispatcher,
     "alltoall": MoEAlltoAllTokenDispatcher,
 }
-
-
-def check_registry(registry: Mapping[str, object], choices: Sequence[str], option: str) -> None:
-    """Raise ``ImportError`` unless ``registry`` holds exactly ``choices``, in their order
-    (an accepted ``option`` value without an implementation, or the reverse)."""
-    if tuple(registry) != tuple(choices):
-        raise ImportError(
-            f"{option}: the registry holds {tuple(registry)} but the accepted values are "
-            f"{tuple(choices)}; register each accepted value once (and only those)"
-        )
 
 
 check_registry(DISPATCHERS, MOE_TOKEN_DISPATCHERS, "moe_token_dispatcher_type")

@@ -32,6 +32,7 @@ from megatron.core.tensor_parallel.mappings import (
     all_reduce_with_summed_grad,
 )
 from megatron.core.transformer.lora_init import adapter_init_method, adapter_seed
+from megatron.core.transformer.moe.grouped_gemm import use_grouped_mm
 
 PROJECTIONS = ("linear_fc1", "linear_fc2")
 
@@ -137,13 +138,8 @@ def per_expert_linear(x: torch.Tensor, weights: torch.Tensor, sizes: List[int]) 
 
 
 def _grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    return (
-        x.is_cuda
-        and x.dtype == torch.bfloat16
-        and w.dtype == torch.bfloat16
-        and hasattr(torch, "_grouped_mm")
-        and all(n % 8 == 0 for n in w.shape[1:])  # 16-byte aligned rows
-    )
+    """The experts' rule, and 16-byte aligned rows (an adapter's rank need not be)."""
+    return use_grouped_mm(x, w) and all(n % 8 == 0 for n in w.shape[1:])
 
 
 def strided_shard(full: torch.Tensor, dim: int, stride: int, size: int, rank: int) -> torch.Tensor:

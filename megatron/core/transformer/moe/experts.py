@@ -29,6 +29,7 @@ from megatron.core.fp8.grouped import Fp8Experts, fp8_grouped_linear
 from megatron.core.fusions.fused_bias_geglu import gated_unit
 from megatron.core.process_groups_config import ProcessGroupCollection, get_pg_rank, get_pg_size
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.grouped_gemm import use_grouped_mm
 from megatron.core.transformer.moe.parallel import moe_groups_of
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -287,7 +288,7 @@ class GroupedMLP(_LocalExperts):
             sizes = [int(n) for n in tokens_per_expert.tolist()]
             weights = [(a.t(), b.t()) for a, b in zip(w1, w2)]
             return _fp8_experts(self, x, sizes, permuted_probs, weights)
-        if _use_grouped_mm(x, w1):
+        if use_grouped_mm(x, w1):
             counts = tokens_per_expert.to(x.device)
             offsets = torch.cumsum(counts, 0).to(torch.int32)
             hidden = _add_bias(torch._grouped_mm(x, w1, offs=offsets), self.bias1, counts)
@@ -313,7 +314,7 @@ class GroupedMLP(_LocalExperts):
         """``proj`` of every local expert on its rows: one grouped GEMM where ``forward``
         uses one, else one product per expert."""
         stacked = self.expert_w1() if proj == "linear_fc1" else self.expert_w2()
-        if _use_grouped_mm(x, stacked):
+        if use_grouped_mm(x, stacked):
             offsets = torch.tensor(sizes, device=x.device).cumsum(0).to(torch.int32)
             return torch._grouped_mm(x, stacked, offs=offsets)
         return super().project(proj, x, sizes)
@@ -383,16 +384,6 @@ def _fp8_experts(experts: _LocalExperts, x, sizes, probs, weights) -> Tuple[torc
     hidden = fp8_grouped_linear(x, sizes, [w for w, _ in weights], experts.fp8_experts)
     hidden = _activate(experts.config, hidden, probs)
     return fp8_grouped_linear(hidden, sizes, [w for _, w in weights], experts.fp8_experts), None
-
-
-def _use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """One grouped GEMM on CUDA for bf16 (``torch._grouped_mm``), else a loop."""
-    return (
-        x.is_cuda
-        and x.dtype == torch.bfloat16
-        and w.dtype == torch.bfloat16
-        and hasattr(torch, "_grouped_mm")
-    )
 
 
 def _mark_expert(

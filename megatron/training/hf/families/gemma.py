@@ -21,7 +21,7 @@ transformers' dividing the frequencies), another activation.
 import math
 from typing import Any, Dict, List, Optional
 
-from megatron.training.hf.families.llama import LlamaShaped, read_rope
+from megatron.training.hf.families.llama import LlamaShaped, check_heads, read_rope
 from megatron.training.hf.families.qwen3 import qk_norm_sources, refuse_attention_bias
 from megatron.training.hf.family import ConfigReader, HFArchitecture, Segment, Source
 
@@ -50,18 +50,7 @@ class Gemma2(LlamaShaped):
         heads = c.positive_int("num_attention_heads", default=8)
         groups = c.optional("num_key_value_heads", 4)
         head_dim = c.optional("head_dim", 256)
-        c.require(
-            isinstance(groups, int) and groups >= 1 and heads % groups == 0,
-            "num_key_value_heads",
-            groups,
-            f"a positive divisor of num_attention_heads ({heads})",
-        )
-        c.require(
-            isinstance(head_dim, int) and head_dim >= 2 and head_dim % 2 == 0,
-            "head_dim",
-            head_dim,
-            "an even positive integer (rotary embeddings rotate pairs)",
-        )
+        check_heads(c, heads, groups, head_dim)
         activation = c.optional("hidden_activation", "gelu_pytorch_tanh")
         c.require(
             activation == "gelu_pytorch_tanh",

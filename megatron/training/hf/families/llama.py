@@ -30,18 +30,7 @@ class LlamaShaped(Family):
         head_dim = c.optional("head_dim", None)
         if head_dim is None:
             head_dim = hidden // heads
-        c.require(
-            isinstance(groups, int) and groups >= 1 and heads % groups == 0,
-            "num_key_value_heads",
-            groups,
-            f"a positive divisor of num_attention_heads ({heads})",
-        )
-        c.require(
-            isinstance(head_dim, int) and head_dim >= 2 and head_dim % 2 == 0,
-            "head_dim",
-            head_dim,
-            "an even positive integer (rotary embeddings rotate pairs)",
-        )
+        check_heads(c, heads, groups, head_dim)
         c.expect("hidden_act", "silu", "silu (SwiGLU)", default="silu")
         c.expect("pretraining_tp", 1, "1", default=1, allow=lambda v: isinstance(v, int) and v >= 1)
         rotary_base, scaling, rotary_percent = self.read_rotary(c)
@@ -178,6 +167,33 @@ class Llama(LlamaShaped):
 
 
 FAMILY = Llama()
+
+
+def check_heads(c: ConfigReader, heads: int, groups: Any, head_dim: Any) -> None:
+    """``num_key_value_heads`` divides ``num_attention_heads``; ``head_dim`` is even."""
+    c.require(
+        isinstance(groups, int) and groups >= 1 and heads % groups == 0,
+        "num_key_value_heads",
+        groups,
+        f"a positive divisor of num_attention_heads ({heads})",
+    )
+    c.require(
+        isinstance(head_dim, int) and head_dim >= 2 and head_dim % 2 == 0,
+        "head_dim",
+        head_dim,
+        "an even positive integer (rotary embeddings rotate pairs)",
+    )
+
+
+def require_implied_head_dim(c: ConfigReader, hidden: Any, heads: Any, why: str) -> None:
+    """``head_dim`` absent or hidden_size / num_attention_heads (``why``: what needs it)."""
+    head_dim = c.optional("head_dim", None)
+    c.require(
+        head_dim is None or head_dim * heads == hidden,
+        "head_dim",
+        head_dim,
+        f"absent or hidden_size / num_attention_heads ({hidden} / {heads}): {why}",
+    )
 
 
 def grouped_qkv(arch: HFArchitecture, attn: str, kind: str) -> Source:

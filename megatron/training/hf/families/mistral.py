@@ -13,18 +13,29 @@ class Mistral(LlamaShaped):
     architecture = "MistralForCausalLM"
 
     def read_extra(self, c: ConfigReader) -> Dict[str, Any]:
-        window = c.optional("sliding_window", None)
-        c.require(
-            window is None or (isinstance(window, int) and window >= 1),
-            "sliding_window",
-            window,
-            "null or a positive integer",
-        )
-        return {"window_size": None if window is None else (window - 1, 0)}
+        return read_sliding_window(c)
 
     def write_extra(self, arch: HFArchitecture) -> Dict[str, Any]:
-        window = arch.window_size
-        return {"sliding_window": None if window is None else window[0] + 1}
+        return write_sliding_window(arch)
 
 
 FAMILY = Mistral()
+
+
+def read_sliding_window(c: ConfigReader) -> Dict[str, Any]:
+    """``window_size`` from ``sliding_window`` W (null: none): the query and W - 1 keys
+    before it."""
+    window = c.optional("sliding_window", None)
+    c.require(
+        window is None or (isinstance(window, int) and window >= 1),
+        "sliding_window",
+        window,
+        "null or a positive integer",
+    )
+    return {"window_size": None if window is None else (window - 1, 0)}
+
+
+def write_sliding_window(arch: HFArchitecture) -> Dict[str, Any]:
+    """``sliding_window`` of ``arch.window_size`` (null without a window)."""
+    window = arch.window_size
+    return {"sliding_window": None if window is None else window[0] + 1}

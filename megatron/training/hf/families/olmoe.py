@@ -17,7 +17,7 @@ false); ``intermediate_size`` is each expert's FFN size. Weights: the Qwen-MoE k
 
 from typing import Any, Dict, Optional
 
-from megatron.training.hf.families.llama import LlamaShaped
+from megatron.training.hf.families.llama import LlamaShaped, require_implied_head_dim
 from megatron.training.hf.families.moe import (
     read_norm_topk_prob,
     read_routing,
@@ -45,13 +45,8 @@ class Olmoe(LlamaShaped):
             default=None,
         )
         hidden, heads = c.positive_int("hidden_size"), c.positive_int("num_attention_heads")
-        head_dim = c.optional("head_dim", None)
-        c.require(
-            head_dim is None or head_dim * heads == hidden,
-            "head_dim",
-            head_dim,
-            f"hidden_size / num_attention_heads ({hidden // heads}): transformers sizes "
-            "OLMoE's q_norm by hidden_size",
+        require_implied_head_dim(
+            c, hidden, heads, "transformers sizes OLMoE's q_norm by hidden_size"
         )
         experts = read_experts(c)
         c.require(experts >= 1, "num_experts", experts, "at least 1 (OLMoE is a MoE model)")

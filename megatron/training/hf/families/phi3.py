@@ -12,7 +12,8 @@ models, Phi-3.5, Phi-4-mini) is refused by name.
 
 from typing import Any, Dict, Optional, Tuple
 
-from megatron.training.hf.families.llama import LlamaShaped, read_rope
+from megatron.training.hf.families.llama import LlamaShaped, read_rope, require_implied_head_dim
+from megatron.training.hf.families.mistral import read_sliding_window, write_sliding_window
 from megatron.training.hf.family import ConfigReader, HFArchitecture, Segment, Source
 
 LONG_ROPE = ("longrope", "su", "yarn")  # transformers reads "su" and "yarn" as "longrope"
@@ -92,13 +93,8 @@ class Phi3(LlamaShaped):
             "is another model)",
         )
         hidden, heads = c.raw.get("hidden_size"), c.raw.get("num_attention_heads")
-        head_dim = c.optional("head_dim", None)
-        c.require(
-            head_dim is None or head_dim * heads == hidden,
-            "head_dim",
-            head_dim,
-            f"absent or hidden_size / num_attention_heads ({hidden} / {heads}): transformers' "
-            "Phi-3 sizes its rotary factors by the latter",
+        require_implied_head_dim(
+            c, hidden, heads, "transformers' Phi-3 sizes its rotary factors by the latter"
         )
         original = c.optional("original_max_position_embeddings", None)
         c.require(
@@ -107,19 +103,11 @@ class Phi3(LlamaShaped):
             original,
             "a positive integer (used by LongRoPE only)",
         )
-        window = c.optional("sliding_window", None)
-        c.require(
-            window is None or (isinstance(window, int) and window >= 1),
-            "sliding_window",
-            window,
-            "null or a positive integer",
-        )
-        return {"window_size": None if window is None else (window - 1, 0)}
+        return read_sliding_window(c)
 
     def write_extra(self, arch: HFArchitecture) -> Dict[str, Any]:
-        window = arch.window_size
         return {
-            "sliding_window": None if window is None else window[0] + 1,
+            **write_sliding_window(arch),
             "partial_rotary_factor": arch.rotary_percent,
             "original_max_position_embeddings": arch.max_position_embeddings,
             # transformers' default 32000 would be an embedding row with no gradient (and
