@@ -63,8 +63,28 @@ def check_dpo(c: Any) -> None:
         "policy with its adapters off) would add its routing counts to the expert-bias update; "
         "pass --dpo-reference-hf-model DIR or --dpo-reference-free",
     )
+    if c.pack_sequences:
+        check_packed_pairs(c)
     # --load without --finetune (a resume): the reference's recorded source is checked when
     # the checkpoint is read (dpo_reference.reference_source, preflight and the trainer)
+
+
+def check_packed_pairs(c: Any) -> None:
+    """--dpo --pack-sequences: each micro-batch's pairs in one row of its own length, which
+    travels between pipeline stages with variable_seq_lengths."""
+    pp = c.pipeline_model_parallel_size
+    _require(
+        not (pp > 1 and c.num_experts is not None and c.moe_token_dispatcher_type == "allgather"),
+        f"--moe-token-dispatcher-type allgather with --dpo --pack-sequences and --pp {pp}: rows "
+        "of packed pairs differ in length between pipeline stages (variable_seq_lengths), "
+        "which the allgather dispatcher does not support; pass --moe-token-dispatcher-type "
+        "alltoall",
+    )
+
+
+def variable_seq_lengths(c: Any) -> bool:
+    """Whether pipeline messages carry their shape: rows of packed pairs over PP > 1."""
+    return bool(c.dpo and c.pack_sequences and c.pipeline_model_parallel_size > 1)
 
 
 def _flag(name: str) -> str:
