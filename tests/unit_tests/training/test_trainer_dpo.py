@@ -383,6 +383,11 @@ LAYOUTS = [
              dpo_loss_type="hinge"),
         marks=[pytest.mark.world(4), pytest.mark.slow], id="dp2-cp2-distopt-packed-hinge",
     ),
+    pytest.param(
+        dict(PACKED, context_parallel_size=2, pipeline_model_parallel_size=2,
+             virtual_pipeline_model_parallel_size=2, num_layers=4, global_batch_size=8),
+        marks=[pytest.mark.world(4), pytest.mark.slow], id="cp2-pp2-vpp2-packed",
+    ),
 ]  # fmt: skip
 
 
