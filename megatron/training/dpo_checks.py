@@ -70,15 +70,26 @@ def check_dpo(c: Any) -> None:
 
 
 def check_packed_pairs(c: Any) -> None:
-    """--dpo --pack-sequences: each micro-batch's pairs in one row of its own length, which
-    travels between pipeline stages with variable_seq_lengths."""
-    pp = c.pipeline_model_parallel_size
+    """--dpo --pack-sequences: each micro-batch's pairs in one row of its own length, so the
+    data-parallel ranks (and the micro-batches between pipeline stages) hold rows of
+    different lengths; an expert layer's dispatcher must take unequal token counts."""
+    if c.num_experts is None:
+        return
+    pp, ep = c.pipeline_model_parallel_size, c.expert_model_parallel_size
+    tp, etp = c.tensor_model_parallel_size, c.expert_tensor_parallel_size or 1
+    if c.moe_token_dispatcher_type == "allgather":
+        _require(
+            pp == 1 and ep == 1,
+            f"--moe-token-dispatcher-type allgather with --dpo --pack-sequences and --pp {pp} "
+            f"--expert-model-parallel-size {ep}: rows of packed pairs differ in length between "
+            "data-parallel ranks and pipeline micro-batches, and the allgather dispatcher needs "
+            "equal token counts; pass --moe-token-dispatcher-type alltoall",
+        )
     _require(
-        not (pp > 1 and c.num_experts is not None and c.moe_token_dispatcher_type == "allgather"),
-        f"--moe-token-dispatcher-type allgather with --dpo --pack-sequences and --pp {pp}: rows "
-        "of packed pairs differ in length between pipeline stages (variable_seq_lengths), "
-        "which the allgather dispatcher does not support; pass --moe-token-dispatcher-type "
-        "alltoall",
+        c.expert_tensor_parallel_size is None or etp <= tp,
+        f"--expert-tensor-parallel-size {etp} > --tp {tp} with --dpo --pack-sequences: the "
+        "expert tensor-parallel group would gather rows of different lengths from "
+        f"data-parallel ranks; pass --expert-tensor-parallel-size {tp} or less",
     )
 
 

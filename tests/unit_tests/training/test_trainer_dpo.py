@@ -319,12 +319,27 @@ def test_packed_rows_are_their_pairs_padded_for_the_layout():
 
 
 @pytest.mark.world(1)
-def test_packed_pairs_refuse_the_allgather_dispatcher_across_stages():
-    moe = dict(num_experts=4, disable_bias_linear=True, pipeline_model_parallel_size=2)
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(pipeline_model_parallel_size=2), "allgather with --dpo --pack-sequences and --pp 2"),
+        (dict(expert_model_parallel_size=2), "allgather .* --expert-model-parallel-size 2"),
+        (
+            dict(expert_tensor_parallel_size=2, moe_token_dispatcher_type="alltoall"),
+            "--expert-tensor-parallel-size 2 > --tp 1 with --dpo --pack-sequences",
+        ),
+    ],
+)
+def test_packed_pairs_refuse_expert_groups_of_unequal_rows(changes, message):
+    """Rows of packed pairs differ in length between data-parallel ranks and micro-batches:
+    the dispatchers that need equal token counts are refused by name (alltoall over
+    --expert-model-parallel-size follows the one-process run)."""
+    moe = dict(num_experts=4, disable_bias_linear=True, **changes)
     config = TrainingConfig(**{**SMALL, **PACKED, **moe})
-    with pytest.raises(UsageError, match="--moe-token-dispatcher-type allgather with --dpo"):
+    with pytest.raises(UsageError, match=message):
         validate_config(config, 2)
-    validate_config(dataclasses.replace(config, moe_token_dispatcher_type="alltoall"), 2)
+    if "expert_tensor_parallel_size" not in changes:
+        validate_config(dataclasses.replace(config, moe_token_dispatcher_type="alltoall"), 2)
 
 
 @pytest.mark.world(1)
@@ -382,6 +397,12 @@ LAYOUTS = [
         dict(PACKED, context_parallel_size=2, use_distributed_optimizer=True,
              dpo_loss_type="hinge"),
         marks=[pytest.mark.world(4), pytest.mark.slow], id="dp2-cp2-distopt-packed-hinge",
+    ),
+    pytest.param(
+        dict(PACKED, num_experts=4, moe_router_topk=2, expert_model_parallel_size=2,
+             moe_aux_loss_coeff=0.01, disable_bias_linear=True,
+             moe_token_dispatcher_type="alltoall"),
+        marks=[pytest.mark.world(2), pytest.mark.slow], id="ep2-moe-alltoall-packed",
     ),
     pytest.param(
         dict(PACKED, context_parallel_size=2, pipeline_model_parallel_size=2,
