@@ -281,16 +281,16 @@ def test_packed_pairs_train_the_unpacked_objective(loss_type):
     """--pack-sequences: the batch sizes count pairs as unpacked, a micro-batch's 2 pairs in
     one row as long as their data; iteration 1's objective, TRL's metrics and gradient norm
     equal the unpacked run's on the same pairs (the reference's packed sums equal the
-    policy's: rewards 0), with less padding."""
+    policy's: rewards 0), with less padding; and so do the validation pass's."""
     packed = TrainingConfig(**{**SMALL, **PACKED, "dpo_loss_type": loss_type})
     batch = build_preference_dataset(packed).global_batch(0, packed.global_batch_size)
     assert batch["tokens"].shape[0] == packed.global_batch_size // packed.micro_batch_size
     assert [int(row.max()) + 1 for row in batch["sequence_index"]] == [4, 4]  # 2 pairs a row
-    (mine,) = _run(train_iters=1, **PACKED, dpo_loss_type=loss_type)
-    (unpacked,) = _run(
-        train_iters=1, **{**PACKED, "pack_sequences": False}, dpo_loss_type=loss_type
-    )
-    for key in ("loss", "grad_norm", "logps_chosen", "logps_rejected", "rewards_margins"):
+    evaluate = dict(eval_interval=1, eval_iters=2, dpo_loss_type=loss_type)
+    (mine,) = _run(train_iters=1, **PACKED, **evaluate)
+    (unpacked,) = _run(train_iters=1, **{**PACKED, "pack_sequences": False}, **evaluate)
+    keys = ("loss", "grad_norm", "logps_chosen", "logps_rejected", "rewards_margins")
+    for key in keys + ("valid_loss", "valid_rewards_margins", "valid_logps_rejected"):
         assert abs(mine[key] - unpacked[key]) <= 1e-5 * max(1.0, abs(unpacked[key])), key
     assert mine["rewards_chosen"] == 0.0 and mine["data_tokens"] == unpacked["data_tokens"]
     assert mine["padding_tokens"] == 0 < unpacked["padding_tokens"]  # one process: no padding
