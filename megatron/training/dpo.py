@@ -49,21 +49,38 @@ from megatron.training.evaluation import (
     validation_enabled,
 )
 from megatron.training.model import build_model
-from megatron.training.preference_data import build_preference_dataset, packed_preference_dataset
+from megatron.training.preference_data import (
+    build_preference_dataset,
+    packed_preference_dataset,
+    packing_multiples,
+    stack_rows,
+)
 from megatron.training.preflight import check_reference_architecture
 
 ROWS_PER_PAIR = 2
 
 
-def rows_per_sample(config: TrainingConfig) -> int:
-    """Rows of one sample of the global batch: a pair's two rows, or one packed row
+def microbatch_rows(config: TrainingConfig) -> int:
+    """Rows of a micro-batch: its pairs' two rows each, or one row of its packed pairs
     (``--pack-sequences``: ``preference_data.PackedPreferenceDataset``)."""
-    return 1 if config.pack_sequences else ROWS_PER_PAIR
+    return 1 if config.pack_sequences else ROWS_PER_PAIR * config.micro_batch_size
 
 
 def row_length(config: TrainingConfig) -> int:
-    """Positions of a row: ``--seq-length``, a packed row twice that (one pair's room)."""
-    return 2 * config.seq_length if config.pack_sequences else config.seq_length
+    """Positions of a row: ``--seq-length``; packed, the longest a row can be (a pipeline
+    message's nominal length: packed rows travel with ``variable_seq_lengths``)."""
+    if not config.pack_sequences:
+        return config.seq_length
+    document, row = packing_multiples(config)
+    longest = ROWS_PER_PAIR * config.micro_batch_size * -(-config.seq_length // document) * document
+    return longest + -longest % row
+
+
+def batch_positions(config: TrainingConfig, global_batch: Dict[str, torch.Tensor]) -> int:
+    """The positions of a global batch's rows (packed: each row's own length)."""
+    if config.pack_sequences:
+        return int(global_batch["cu_seqlens_padded"][:, -1].sum())
+    return int(global_batch["tokens"].numel())
 
 
 class PreferenceTraining:
@@ -112,17 +129,12 @@ class PreferenceTraining:
             reference += f" ({describe_source(self.source)})"
         extras = f", label smoothing {o.label_smoothing}" if o.label_smoothing else ""
         extras += f", SFT weight {o.sft_weight}" if o.sft_weight else ""
-        if self.config.pack_sequences:
-            batches = (
-                f"whole pairs packed into rows of {row_length(self.config)} positions, "
-                f"global batch {self.config.global_batch_size} rows"
-            )
-        else:
-            batches = (
-                f"micro-batches of {self.config.micro_batch_size} pairs "
-                f"({self.config.micro_batch_size * ROWS_PER_PAIR} rows), global batch "
-                f"{self.config.global_batch_size} pairs"
-            )
+        m = self.config.micro_batch_size
+        batches = (
+            f"micro-batches of {m} pairs ({microbatch_rows(self.config)} row(s)"
+            f"{', packed' if self.config.pack_sequences else ''}), global batch "
+            f"{self.config.global_batch_size} pairs"
+        )
         return f"DPO: {o.loss_type} loss, beta {o.beta}{extras}; reference: {reference}; {batches}"
 
     def forward_step_func(self, global_batch: Dict[str, torch.Tensor], microbatches: List[dict]):
@@ -149,7 +161,7 @@ class PreferenceTraining:
                 model=chunks if vpp else chunks[0],
                 num_microbatches=self.layout.num_microbatches,
                 seq_length=row_length(self.config),
-                micro_batch_size=self.config.micro_batch_size * rows_per_sample(self.config),
+                micro_batch_size=microbatch_rows(self.config),
                 pg_collection=self.pg,
                 forward_only=True,
             )
@@ -196,7 +208,7 @@ class PreferenceTraining:
                     model=self.model if vpp else self.model[0],
                     num_microbatches=self.layout.num_microbatches,
                     seq_length=row_length(self.config),
-                    micro_batch_size=self.config.micro_batch_size * rows_per_sample(self.config),
+                    micro_batch_size=microbatch_rows(self.config),
                     pg_collection=self.pg,
                     forward_only=True,
                 )
@@ -242,47 +254,25 @@ def build_preference_validation(config: TrainingConfig) -> Optional[PreferenceVa
             "--eval-iters -1 needs a validation file (--valid-data-path or --split): the "
             "generated pairs are endless"
         )
-    left_out = None
-    if config.pack_sequences:
-        batches, whole, left_out = _packed_validation(dataset, available, config)
+    whole = int(count) // gbs * gbs
+    if whole == 0:
+        raise ValueError(
+            f"validation: {int(count)} pairs, fewer than one global batch (--global-batch-size "
+            f"{gbs} pairs); give more validation pairs"
+        )
+    if config.pack_sequences:  # --micro-batch-size pairs a row, as in training
+        packer = packed_preference_dataset(dataset, config, whole)
+        rows = [packer[i] for i in range(whole // config.micro_batch_size)]
+        per_batch = gbs // config.micro_batch_size
+        batches = [stack_rows(rows[i : i + per_batch]) for i in range(0, len(rows), per_batch)]
     else:
-        whole = int(count) // gbs * gbs
         rows = [side for i in range(whole) for side in dataset.pair_in_file_order(i)]
         batches = [
             {key: torch.stack([r[key] for r in rows[i : i + 2 * gbs]]) for key in rows[0]}
             for i in range(0, len(rows), 2 * gbs)
         ]
-    if whole == 0:
-        unit = "rows of packed pairs" if config.pack_sequences else "pairs"
-        raise ValueError(
-            f"validation: {int(count)} pairs, fewer than one global batch (--global-batch-size "
-            f"{gbs} {unit}); give more validation pairs"
-        )
     source = getattr(dataset, "name", "held-out generated pairs")
-    left_out = int(count) - whole if left_out is None else left_out
-    return PreferenceValidation(batches, whole, left_out, source, list(dataset.notes))
-
-
-def _packed_validation(dataset, available: float, config: TrainingConfig):
-    """(whole global batches of rows of packed pairs, in file order: at most ``--eval-iters``
-    of them; the pairs they hold; the pairs of a partial last batch)."""
-    gbs = config.global_batch_size
-    limit = math.inf if config.eval_iters == WHOLE_SET else config.eval_iters * gbs
-    count = None if available == math.inf else int(available)
-    packer = packed_preference_dataset(dataset, config.seq_length, count)
-    rows: List[dict] = []
-    while len(rows) < limit:
-        try:
-            rows.append(packer[len(rows)])
-        except IndexError:  # a finite set has ended
-            break
-    whole = len(rows) // gbs * gbs
-    pairs = [(int(r["sequence_index"].max()) + 1) // 2 for r in rows]
-    batches = [
-        {key: torch.stack([r[key] for r in rows[i : i + gbs]]) for key in rows[0]}
-        for i in range(0, whole, gbs)
-    ]
-    return batches, sum(pairs[:whole]), sum(pairs[whole:])
+    return PreferenceValidation(batches, whole, int(count) - whole, source, list(dataset.notes))
 
 
 def build_reference(config, layout, pg_collection, model, rebuild: Optional[dict] = None):

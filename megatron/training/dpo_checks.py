@@ -63,8 +63,39 @@ def check_dpo(c: Any) -> None:
         "policy with its adapters off) would add its routing counts to the expert-bias update; "
         "pass --dpo-reference-hf-model DIR or --dpo-reference-free",
     )
+    if c.pack_sequences:
+        check_packed_pairs(c)
     # --load without --finetune (a resume): the reference's recorded source is checked when
     # the checkpoint is read (dpo_reference.reference_source, preflight and the trainer)
+
+
+def check_packed_pairs(c: Any) -> None:
+    """--dpo --pack-sequences: each micro-batch's pairs in one row of its own length, so the
+    data-parallel ranks (and the micro-batches between pipeline stages) hold rows of
+    different lengths; an expert layer's dispatcher must take unequal token counts."""
+    if c.num_experts is None:
+        return
+    pp, ep = c.pipeline_model_parallel_size, c.expert_model_parallel_size
+    tp, etp = c.tensor_model_parallel_size, c.expert_tensor_parallel_size or 1
+    if c.moe_token_dispatcher_type == "allgather":
+        _require(
+            pp == 1 and ep == 1,
+            f"--moe-token-dispatcher-type allgather with --dpo --pack-sequences and --pp {pp} "
+            f"--expert-model-parallel-size {ep}: rows of packed pairs differ in length between "
+            "data-parallel ranks and pipeline micro-batches, and the allgather dispatcher needs "
+            "equal token counts; pass --moe-token-dispatcher-type alltoall",
+        )
+    _require(
+        c.expert_tensor_parallel_size is None or etp <= tp,
+        f"--expert-tensor-parallel-size {etp} > --tp {tp} with --dpo --pack-sequences: the "
+        "expert tensor-parallel group would gather rows of different lengths from "
+        f"data-parallel ranks; pass --expert-tensor-parallel-size {tp} or less",
+    )
+
+
+def variable_seq_lengths(c: Any) -> bool:
+    """Whether pipeline messages carry their shape: rows of packed pairs over PP > 1."""
+    return bool(c.dpo and c.pack_sequences and c.pipeline_model_parallel_size > 1)
 
 
 def _flag(name: str) -> str:

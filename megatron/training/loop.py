@@ -46,7 +46,7 @@ from megatron.training.arguments import Layout, TrainingConfig
 from megatron.training.checkpoint_layout import checkpoint_dir, layout_record, settings_record
 from megatron.training.checkpoint_save import save_checkpoint
 from megatron.training.data import microbatches_for_rank
-from megatron.training.dpo import dpo_line, row_length, rows_per_sample
+from megatron.training.dpo import batch_positions, dpo_line, microbatch_rows, row_length
 from megatron.training.dpo_reference import REFERENCE_SOURCE_KEY
 from megatron.training.errors import TrainingStopped
 from megatron.training.evaluation import Validation, ValidationSet, evaluate, evaluation_due
@@ -54,6 +54,7 @@ from megatron.training.exits import ExitConditions, exit_message
 from megatron.training.hf.checkpoint import export_hf
 from megatron.training.initialize import is_rank_zero, print_rank_0
 from megatron.training.loggers import MetricSinks
+from megatron.training.preference_data import packed_row
 
 LOSS_KEY = "lm loss"
 
@@ -86,14 +87,16 @@ class Run:
     dpo: Any = None  # --dpo: dpo.PreferenceTraining (the reference pass, objective, metrics)
 
     @property
-    def rows(self) -> int:
-        """Rows of the data per sample: 2 for a preference pair (chosen, rejected), else 1
-        (also a row of packed pairs)."""
-        return rows_per_sample(self.config) if self.dpo is not None else 1
+    def microbatch_rows(self) -> int:
+        """Rows of a micro-batch: --micro-batch-size, twice that for preference pairs
+        (chosen, rejected), one row of packed pairs."""
+        if self.dpo is not None:
+            return microbatch_rows(self.config)
+        return self.config.micro_batch_size
 
     @property
     def row_length(self) -> int:
-        """Positions of a row: ``--seq-length``, a row of packed pairs twice that."""
+        """Positions of a row: ``--seq-length``; a row of packed pairs, its longest."""
         return row_length(self.config) if self.dpo is not None else self.config.seq_length
 
     @property
@@ -171,7 +174,7 @@ def step(run: Run, iteration: int) -> Dict[str, Any]:
         model=model if vpp else model[0],
         num_microbatches=layout.num_microbatches,
         seq_length=run.row_length,
-        micro_batch_size=config.micro_batch_size * run.rows,
+        micro_batch_size=run.microbatch_rows,
         pg_collection=run.pg_collection,
         forward_only=False,
     )
@@ -202,7 +205,7 @@ def step(run: Run, iteration: int) -> Dict[str, Any]:
         "tokens_per_s": data_tokens / seconds,
         "valid_tokens": int(global_batch["loss_mask"].sum().item()),
         "data_tokens": data_tokens,
-        "padding_tokens": config.global_batch_size * run.rows * run.row_length - data_tokens,
+        "padding_tokens": _positions(run, global_batch) - data_tokens,
         "iteration_time_s": seconds,
         "skipped_iterations": run.skipped,
         "loss_scale": run.optimizer.get_loss_scale().item() if run.scaled else None,
@@ -280,12 +283,19 @@ def microbatches_of(run: Run, global_batch: Dict[str, torch.Tensor]) -> List[Dic
     if config.num_experts is None:
         global_batch = without_padding_mask(global_batch)
     dp_rank = 0 if groups is None else groups.dp.rank()
-    return [
-        _on_this_cp_rank(microbatch, groups)
-        for microbatch in microbatches_for_rank(
-            global_batch, config.micro_batch_size * run.rows, run.layout.num_microbatches, dp_rank
-        )
-    ]
+    microbatches = microbatches_for_rank(
+        global_batch, run.microbatch_rows, run.layout.num_microbatches, dp_rank
+    )
+    if run.dpo is not None and config.pack_sequences:  # each row at its own length
+        microbatches = [packed_row(microbatch) for microbatch in microbatches]
+    return [_on_this_cp_rank(microbatch, groups) for microbatch in microbatches]
+
+
+def _positions(run: Run, global_batch: Dict[str, torch.Tensor]) -> int:
+    """The positions of the global batch's rows (``padding_tokens`` = these - data)."""
+    if run.dpo is not None:
+        return batch_positions(run.config, global_batch)
+    return run.config.global_batch_size * run.config.seq_length
 
 
 def batch_of(run: Run, iteration: int) -> Tuple[Dict[str, torch.Tensor], List[Dict[str, Any]]]:

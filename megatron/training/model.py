@@ -26,6 +26,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.utils import openai_gelu
 from megatron.training import chunk
 from megatron.training.arguments import Layout, TrainingConfig
+from megatron.training.dpo_checks import variable_seq_lengths
 from megatron.training.lora_settings import lora_config
 from megatron.training.options import (
     DDP_CONFIG,
@@ -155,7 +156,8 @@ def transformer_config_from(config: TrainingConfig, layout: Layout) -> Transform
 def computed_fields(config: TrainingConfig) -> dict:
     """The TransformerConfig fields no single option sets: the activation (``--swiglu``: silu,
     gated; ``--openai-gelu``), the weights' dtype (``params_dtype`` and ``pipeline_dtype``, as
-    megatron's arguments set them), no dropout, pipeline outputs deallocated."""
+    megatron's arguments set them), no dropout, pipeline outputs deallocated, the pipeline
+    messages' shapes sent ahead for rows of packed pairs (``dpo_checks``)."""
     dtype = precision_dtype(config)
     return dict(
         activation_func=activation_of(config),
@@ -164,6 +166,7 @@ def computed_fields(config: TrainingConfig) -> dict:
         hidden_dropout=0.0,
         attention_dropout=0.0,
         deallocate_pipeline_outputs=True,
+        variable_seq_lengths=variable_seq_lengths(config),
     )
 
 

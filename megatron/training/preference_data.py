@@ -32,10 +32,8 @@ import torch
 
 from megatron.training.data import (
     EOS,
-    PACK_PAD_MULTIPLE,
     PAD,
     Batch,
-    PackedRows,
     SFTDataset,
     padding_row,
     set_document_bounds,
@@ -65,7 +63,7 @@ def build_preference_dataset(config: Any, valid: bool = False):
     stream of their own)."""
     dataset = _pairs(config, valid)
     if config.pack_sequences and not valid:
-        return packed_preference_dataset(dataset, config.seq_length)
+        return packed_preference_dataset(dataset, config)
     return dataset
 
 
@@ -285,74 +283,138 @@ def _stack(dataset: Any, iteration: int, global_batch_size: int) -> Batch:
     return {key: torch.stack([r[key] for r in rows]) for key in rows[0]}
 
 
-class PackedPreferenceDataset(PackedRows):
-    """``--dpo --pack-sequences``: whole pairs packed into rows of ``2 x seq_length``
-    positions (megatron-core's THD format, one row per micro-batch), the room of one
-    unpacked pair at its longest, so any pair fits a row and the truncation rules stay those
-    of the unpacked pairs.
+class PackedPreferenceDataset:
+    """``--dpo --pack-sequences``: each micro-batch's ``pairs_per_row`` pairs (M, batch sizes
+    counting pairs as unpacked) packed into ONE row (megatron-core's THD format) whose length
+    is the sum of their real lengths, padded as the layout needs: row r holds pairs
+    [r M, (r + 1) M) of the stream (``pair_of(i)``, None past the end of a finite set), each
+    pair's chosen side then its rejected side, each a document of its data positions (the
+    unpacked sample's tokens, labels and loss mask) padded to a multiple of ``multiple``
+    (2C under context parallelism: the zig-zag split of every document), the last one
+    further so that the row is a multiple of ``row_multiple`` (x TP under sequence
+    parallelism). Rows differ in length (``variable_seq_lengths`` between pipeline stages).
+    Positions run from 0 in every document, capped at ``seq_length - 1`` (learned position
+    embeddings): a last document lengthened for the row's multiple only pads further.
 
-    Pairs are taken in stream order (``pair_of(i)``, None past the end of a finite set) and
-    appended whole: its chosen side, then its rejected side, each a document up to its last
-    data position (the unpacked sample's tokens, labels and loss mask), padded to a multiple
-    of ``PACK_PAD_MULTIPLE``; a pair that does not fit starts the next row, and the rest of
-    a row is padding. ``dataset[i]`` has [2s] ``tokens``, ``labels``, ``loss_mask``,
-    ``position_ids`` (from 0 in every document), ``padding_mask`` (True outside the
-    documents' data), ``sequence_index`` (the document of each position: 2k and 2k + 1 for
-    the row's pair k, -1 on the rest of the row) and ``cu_seqlens`` / ``cu_seqlens_padded``
-    / ``max_seqlen`` as ``data.PackedSFTDataset``'s. ``--global-batch-size`` counts rows.
+    A row has [t] ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` (from 0 in every
+    document), ``padding_mask`` (True outside the documents' data), ``sequence_index`` (the
+    document of each position: 2k and 2k + 1 for the row's pair k) and ``cu_seqlens`` /
+    ``cu_seqlens_padded`` [2M + 1] / ``max_seqlen`` [1]. ``global_batch`` stacks a global
+    batch's rows padded on the right to its longest (``sequence_index`` -1 there);
+    ``packed_row`` cuts a micro-batch back to its own length.
     """
 
-    items = "pairs"
-
-    def __init__(self, pair_of, seq_length: int, vocab_size: int, notes=()) -> None:
-        self.pair_of, self.seq_length, self.vocab_size = pair_of, seq_length, vocab_size
-        self.multiple = PACK_PAD_MULTIPLE
-        self.length = 2 * seq_length
+    def __init__(
+        self,
+        pair_of,
+        pairs_per_row: int,
+        seq_length: int,
+        vocab_size: int,
+        multiple: int = 1,
+        row_multiple: int = 1,
+        notes=(),
+    ) -> None:
+        self.pair_of, self.pairs_per_row, self.vocab_size = pair_of, pairs_per_row, vocab_size
+        self.multiple, self.row_multiple, self.seq_length = multiple, row_multiple, seq_length
         self.notes: List[str] = list(notes)
-        self._rows: List[Batch] = []
-        self._next_pair = 0
+        self._rows: Dict[int, Batch] = {}
+
+    def __getitem__(self, index: int) -> Batch:
+        if index not in self._rows:
+            row = self._pack_row(index)
+            if row is None:
+                raise IndexError(f"PackedPreferenceDataset: no pairs left for row {index}")
+            self._rows[index] = row
+        return self._rows[index]
+
+    def global_batch(self, iteration: int, global_batch_size: int) -> Batch:
+        """Pairs [i GBS, (i + 1) GBS) as GBS / M rows, stacked to [GBS / M, t] tensors (t the
+        longest row; the others padded on the right)."""
+        count = global_batch_size // self.pairs_per_row
+        return stack_rows([self[iteration * count + i] for i in range(count)])
 
     def data_tokens(self, iteration: int, global_batch_size: int) -> int:
         """Positions of the global batch's rows that hold data, not padding."""
         return int((~self.global_batch(iteration, global_batch_size)["padding_mask"]).sum())
 
-    def _pack_row(self) -> Optional[Batch]:
-        t = self.length
-        row = {**padding_row(t), "sequence_index": torch.full((t,), -1, dtype=torch.long)}
-        real, padded = [0], [0]
-        while True:
-            pair = self.pair_of(self._next_pair)
+    def _pack_row(self, index: int) -> Optional[Batch]:
+        sides, first = [], index * self.pairs_per_row
+        for i in range(first, first + self.pairs_per_row):
+            pair = self.pair_of(i)
             if pair is None:
-                break
-            lengths = [max(int((~side["padding_mask"]).sum()), 1) for side in pair]
-            spans = [-(-n // self.multiple) * self.multiple for n in lengths]
-            if padded[-1] + sum(spans) > t:
-                break
-            for side, length, span in zip(pair, lengths, spans):
-                self._place(row, side, len(real) - 1, padded[-1], length, span)
-                real.append(real[-1] + length)
-                padded.append(padded[-1] + span)
-            self._next_pair += 1
-        if len(real) == 1:
-            return None
-        return set_document_bounds(row, real, padded, t // self.multiple)
-
-    @staticmethod
-    def _place(row: Batch, side: Batch, document: int, start: int, length: int, span: int):
-        for key in ("tokens", "labels", "loss_mask"):
-            row[key][start : start + length] = side[key][:length]
-        row["padding_mask"][start : start + length] = False
-        row["position_ids"][start : start + span] = torch.arange(span)
-        row["sequence_index"][start : start + span] = document
+                return None
+            sides += list(pair)
+        lengths = [max(int((~side["padding_mask"]).sum()), 1) for side in sides]
+        spans = [-(-n // self.multiple) * self.multiple for n in lengths]
+        spans[-1] += -sum(spans) % self.row_multiple
+        t = sum(spans)
+        row = {**padding_row(t), "sequence_index": torch.full((t,), -1, dtype=torch.long)}
+        start = 0
+        for document, (side, length, span) in enumerate(zip(sides, lengths, spans)):
+            for key in ("tokens", "labels", "loss_mask"):
+                row[key][start : start + length] = side[key][:length]
+            row["padding_mask"][start : start + length] = False
+            positions = torch.arange(span).clamp(max=self.seq_length - 1)
+            row["position_ids"][start : start + span] = positions
+            row["sequence_index"][start : start + span] = document
+            start += span
+        real = [0, *numpy.cumsum(lengths).tolist()]
+        return set_document_bounds(row, real, [0, *numpy.cumsum(spans).tolist()], len(sides))
 
 
-def packed_preference_dataset(dataset: Any, seq_length: int, in_file_order=False):
-    """``dataset``'s pair stream packed (``PackedPreferenceDataset``). ``in_file_order``
-    (validation): its pairs in file order instead, the first ``in_file_order`` of them
-    (None: endless, the generated pairs)."""
+_PER_ROW = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen")
+_FILL = {"tokens": PAD, "labels": PAD, "padding_mask": True, "sequence_index": -1}
+
+
+def stack_rows(rows: List[Batch]) -> Batch:
+    """Packed rows of different lengths stacked, each padded on the right to the longest
+    (``_FILL``; 0 elsewhere)."""
+    t = max(int(row["tokens"].shape[0]) for row in rows)
+    out = {}
+    for key in rows[0]:
+        if key in _PER_ROW:
+            out[key] = torch.stack([row[key] for row in rows])
+            continue
+        out[key] = torch.full((len(rows), t), _FILL.get(key, 0), dtype=rows[0][key].dtype)
+        for i, row in enumerate(rows):
+            out[key][i, : row[key].shape[0]] = row[key]
+    return out
+
+
+def packed_row(microbatch: Batch) -> Batch:
+    """A micro-batch of one packed row (``[1, t]`` of a stacked global batch) cut back to its
+    own length, the end of its last document."""
+    length = int(microbatch["cu_seqlens_padded"].reshape(-1)[-1])
+    return {
+        key: value if key in _PER_ROW else value[:, :length] for key, value in microbatch.items()
+    }
+
+
+def packing_multiples(config: Any) -> Tuple[int, int]:
+    """(each document's, each row's) length multiple for packed pairs at the run's layout:
+    2C for the zig-zag split of every document over C > 1 context-parallel ranks (1
+    without), the row x TP under sequence parallelism (each CP rank's share split over TP)."""
+    cp, tp = config.context_parallel_size, config.tensor_model_parallel_size
+    document = 2 * cp if cp > 1 else 1
+    return document, document * (tp if config.sequence_parallel else 1)
+
+
+def packed_preference_dataset(dataset: Any, config: Any, in_file_order=False):
+    """``dataset``'s pair stream packed (``PackedPreferenceDataset``: ``--micro-batch-size``
+    pairs a row, the layout's multiples). ``in_file_order`` (validation): its pairs in file
+    order instead, the first ``in_file_order`` of them (None: endless, the generated pairs)."""
     if in_file_order is False:
         pair_of = dataset.pair
     else:
         count = math.inf if in_file_order is None else in_file_order
         pair_of = lambda i: dataset.pair_in_file_order(i) if i < count else None  # noqa: E731
-    return PackedPreferenceDataset(pair_of, seq_length, dataset.vocab_size, dataset.notes)
+    document, row = packing_multiples(config)
+    return PackedPreferenceDataset(
+        pair_of,
+        config.micro_batch_size,
+        config.seq_length,
+        dataset.vocab_size,
+        document,
+        row,
+        dataset.notes,
+    )

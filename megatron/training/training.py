@@ -29,7 +29,7 @@ from megatron.training.checkpointing import base_weights, load_checkpoint
 from megatron.training.compare import Comparison
 from megatron.training.comparison import compare_with_single_process
 from megatron.training.datasets import build_sft_dataset, build_training_tokenizer
-from megatron.training.dpo import PreferenceTraining, build_preference_validation, row_length
+from megatron.training.dpo import PreferenceTraining, build_preference_validation
 from megatron.training.dpo_reference import reference_source
 from megatron.training.evaluation import build_validation_set
 from megatron.training.exits import ExitConditions
@@ -412,7 +412,7 @@ def _print_header(config: TrainingConfig, layout: Layout) -> None:
         f"{config.num_attention_heads} heads, vocab {_data_description(config)}; "
         f"layout {layout.name} on {_processes(layout.world_size)} "
         f"({backend}); {layout.num_microbatches} microbatch(es) of {config.micro_batch_size} "
-        f"x {row_length(config) if config.dpo else config.seq_length} tokens per replica, "
+        f"x {config.seq_length} tokens per replica, "
         f"global batch {config.global_batch_size}"
         f"{_model_description(config)}"
     )

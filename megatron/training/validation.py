@@ -344,10 +344,13 @@ def _moe_flag(name: str) -> str:
 
 def _check_packing(c: Config) -> None:
     """--pack-sequences: one packed row per microbatch, documents padded to a multiple of
-    PACK_PAD_MULTIPLE that the 2C context-parallel chunks divide."""
+    PACK_PAD_MULTIPLE that the 2C context-parallel chunks divide (SFT; with --dpo a row of
+    --micro-batch-size pairs at its own length, padded as the layout needs)."""
     # Imported here: the self-launching process checks layouts without importing torch.
     from megatron.training.data import PACK_PAD_MULTIPLE
 
+    if c.dpo:  # whole pairs: --micro-batch-size pairs a row (dpo_checks.check_packed_pairs)
+        return
     cp = c.context_parallel_size
     _require(
         c.micro_batch_size == 1,

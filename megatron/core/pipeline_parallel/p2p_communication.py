@@ -187,7 +187,7 @@ class P2PCommunicator:
         Operations are posted sends first (next, then prev), then receives (from prev, then
         from next): forward messages before backward ones, each with its own tag.
         """
-        if self.config.variable_seq_lengths and (recv_prev or recv_next):
+        if self.config.variable_seq_lengths:  # also a bare send: its receiver waits for the shape
             shape_prev, shape_next = self._communicate_shapes(
                 tensor_send_next, tensor_send_prev, recv_prev, recv_next
             )

@@ -17,7 +17,8 @@ Negative controls (each must fail the bucket): per-shard log-probs (no sum over 
 term pooled per micro-batch, a reference that moves with the policy.
 
 Packed (``packed_global_batch``): each micro-batch's sequences are the documents of one THD
-row (several pairs per row), compared with the same unpacked reference; controls: the
+row (several pairs per row) as long as their data (rows of different lengths, the pipeline
+with ``variable_seq_lengths``), compared with the same unpacked reference; controls: the
 documents attending to each other, the sequence index not split over CP with the tokens.
 The distributed optimizer (dp2 x cp2): compared through the parameters after its SGD steps.
 """
@@ -60,10 +61,13 @@ from tests.unit_tests.models.test_lora_parity import ADAPTED, LORA
 
 PAIRS_PER_MICROBATCH, MICROBATCHES = 2, 4  # b pairs (2b rows) per micro-batch, G = D * M
 ROWS = 2 * PAIRS_PER_MICROBATCH
-# packed: a micro-batch's 2b sequences in one row, each padded to a multiple of 8 (= 2C for
-# C <= 4); the row has room for every sequence at its longest
+# packed: a micro-batch's 2b sequences in one row as long as their data, each padded to a
+# multiple of 8 (a multiple of 2C for C <= 4: the zig-zag split), the row to 8 x TP under
+# sequence parallelism (``pack_multiples``); rows differ in length (``variable_seq_lengths``
+# over PP); PACKED_SEQ bounds them. (Unpadded documents train the same objective, within
+# fp32: step 2's rewards_margins of llama-ipo is then 1.2e-5 from float64, 7e-6 unpacked.)
 PACK_MULTIPLE = 8
-PACKED_SEQ = ROWS * SEQ
+PACKED_SEQ = ROWS * SEQ + 16
 STEPS, LR = 2, 0.1
 POLICY_SEED, REFERENCE_SEED, DATA_SEED = 11, 23, 5
 TOLERANCE = 1e-5
@@ -420,6 +424,7 @@ def distributed_training(
     ``unsharded_index``)."""
     objective, (arch, lora) = OBJECTIVES[objective_name], _arch(arch_name)
     config = make_config(layout, "averaged", arch)
+    config.variable_seq_lengths = packed and layout.pp > 1
     vpp = layout.vpp
     pp_rank = groups.pp.rank() if groups is not None else 0
     stages = layout.pp * (vpp or 1)
@@ -446,10 +451,10 @@ def distributed_training(
     num_microbatches = MICROBATCHES // layout.dp
     batch = global_batch(arch.vocab)
     if packed:
-        batch = packed_global_batch(batch)
-        index = batch["sequence_index"].flatten(0, 1)
+        batch = packed_global_batch(batch, *pack_multiples(layout))
+        stacked = _stacked(batch)
         step = PreferenceStep.of_global_batch(
-            batch["loss_mask"].flatten(0, 1), MICROBATCHES, sequence_index=index
+            stacked["loss_mask"], MICROBATCHES, sequence_index=stacked["sequence_index"]
         )
     else:
         step = PreferenceStep.of_global_batch(batch["loss_mask"].flatten(0, 1), MICROBATCHES)
@@ -509,12 +514,13 @@ def _microbatches(batch, layout: Layout, groups, packed: bool, breaks: str) -> L
     cp = groups.cp if groups is not None else None
     dp_rank = groups.dp.rank() if groups is not None else 0
     num_microbatches = MICROBATCHES // layout.dp
-    mine = [
-        {k: v[dp_rank * num_microbatches + m] for k, v in batch.items()}
-        for m in range(num_microbatches)
-    ]
     if not packed:
+        mine = [
+            {k: v[dp_rank * num_microbatches + m] for k, v in batch.items()}
+            for m in range(num_microbatches)
+        ]
         return [get_batch_on_this_cp_rank(microbatch, cp) for microbatch in mine]
+    mine = batch[dp_rank * num_microbatches : (dp_rank + 1) * num_microbatches]
     cp_size, cp_rank = (cp.size(), cp.rank()) if cp is not None else (1, 0)
     out = []
     for row in mine:
@@ -529,37 +535,58 @@ def _microbatches(batch, layout: Layout, groups, packed: bool, breaks: str) -> L
     return out
 
 
-def packed_global_batch(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """``global_batch`` packed: micro-batch g's 2b sequences as the documents of one [1, T]
+def pack_multiples(layout: Layout) -> Tuple[int, int]:
+    """(each document's, each row's) length multiple: PACK_MULTIPLE (2C divides it), the
+    row x TP under sequence parallelism."""
+    return PACK_MULTIPLE, PACK_MULTIPLE * (layout.tp if layout.sp else 1)
+
+
+def packed_global_batch(
+    batch: Dict[str, torch.Tensor], multiple: int, row_multiple: int
+) -> List[Dict[str, torch.Tensor]]:
+    """``global_batch`` packed: micro-batch g's 2b sequences as the documents of one [1, T_g]
     row in their order (each up to its last completion label, padded to a multiple of
-    PACK_MULTIPLE, positions from 0), the rest of the row padding; ``sequence_index`` the
-    document of each position (-1 on the tail) and the THD offsets."""
+    ``multiple``, the last one further to make T_g a multiple of ``row_multiple``; positions
+    from 0, at most SEQ - 1); ``sequence_index`` the document of each position and the THD
+    offsets."""
     rows = []
     for g in range(MICROBATCHES):
+        lengths = [int(batch["loss_mask"][g, r].nonzero().max()) + 1 for r in range(ROWS)]
+        spans = [-(-n // multiple) * multiple for n in lengths]
+        spans[-1] += -sum(spans) % row_multiple
+        t = sum(spans)
         row = {
-            "tokens": torch.zeros(1, PACKED_SEQ, dtype=torch.long),
-            "labels": torch.zeros(1, PACKED_SEQ, dtype=torch.long),
-            "loss_mask": torch.zeros(1, PACKED_SEQ),
-            "position_ids": torch.zeros(1, PACKED_SEQ, dtype=torch.long),
-            "sequence_index": torch.full((1, PACKED_SEQ), -1, dtype=torch.long),
+            "tokens": torch.zeros(1, t, dtype=torch.long),
+            "labels": torch.zeros(1, t, dtype=torch.long),
+            "loss_mask": torch.zeros(1, t),
+            "position_ids": torch.zeros(1, t, dtype=torch.long),
+            "sequence_index": torch.full((1, t), -1, dtype=torch.long),
         }
         real, padded = [0], [0]
-        for r in range(ROWS):
-            length = int(batch["loss_mask"][g, r].nonzero().max()) + 1
-            span = -(-length // PACK_MULTIPLE) * PACK_MULTIPLE
+        for r, (length, span) in enumerate(zip(lengths, spans)):
             start = padded[-1]
             for key in ("tokens", "labels", "loss_mask"):
                 row[key][0, start : start + length] = batch[key][g, r, :length]
-            row["position_ids"][0, start : start + span] = torch.arange(span)
+            row["position_ids"][0, start : start + span] = torch.arange(span).clamp(max=SEQ - 1)
             row["sequence_index"][0, start : start + span] = r
             real.append(real[-1] + length)
             padded.append(start + span)
         row["cu_seqlens"] = torch.tensor([real], dtype=torch.int32)
         row["cu_seqlens_padded"] = torch.tensor([padded], dtype=torch.int32)
-        longest = max(b - a for a, b in zip(padded[:-1], padded[1:]))
-        row["max_seqlen"] = torch.tensor([[longest]], dtype=torch.int32)
+        row["max_seqlen"] = torch.tensor([[max(spans)]], dtype=torch.int32)
         rows.append(row)
-    return {key: torch.stack([r[key] for r in rows]) for key in rows[0]}
+    return rows
+
+
+def _stacked(rows: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    """The rows' ``loss_mask`` and ``sequence_index`` as [G, PACKED_SEQ] (-1 / 0 after each
+    row's end) for the global batch's counts."""
+    out = {}
+    for key, fill in (("loss_mask", 0), ("sequence_index", -1)):
+        out[key] = torch.full((len(rows), PACKED_SEQ), fill, dtype=rows[0][key].dtype)
+        for g, row in enumerate(rows):
+            out[key][g, : row[key].shape[1]] = row[key][0]
+    return out
 
 
 def _sgd(chunks, groups):

@@ -120,6 +120,25 @@ def test_variable_seq_lengths_exchange_shapes_first(batch):
 
 
 @pytest.mark.world(4, 8)
+def test_variable_seq_lengths_bare_send_and_receive():
+    """A send that receives nothing still sends its shape: the next stage's receive waits
+    for it (1F1B's warm-up ``send_forward`` / ``recv_forward``)."""
+    p2p = _p2p(2, variable=True)
+    stage = p2p.pp_rank
+    shape = [7, 1, 4]
+    got = p2p.recv_forward(None, stage == 0)
+    p2p.send_forward(_tag(stage, 1, shape), stage == 1)
+    grad = p2p.recv_backward(None, stage == 1)
+    p2p.send_backward(_tag(stage, 2, [5, 1, 4]), stage == 0)
+    failures = []
+    if stage == 1 and list(got.shape) != shape:
+        failures.append(f"recv_forward got shape {list(got.shape)}, want {shape}")
+    if stage == 0 and list(grad.shape) != [5, 1, 4]:
+        failures.append(f"recv_backward got shape {list(grad.shape)}, want [5, 1, 4]")
+    assert_no_failures(failures)
+
+
+@pytest.mark.world(4, 8)
 def test_list_of_shapes_gives_list_of_tensors():
     p2p = _p2p(2)
     stage = p2p.pp_rank

@@ -23,7 +23,11 @@ from megatron.training.arguments import validate_config
 from megatron.training.dpo import build_preference_validation
 from megatron.training.errors import UsageError
 from megatron.training.model import build_model
-from megatron.training.preference_data import build_preference_dataset, tokenize_pair
+from megatron.training.preference_data import (
+    build_preference_dataset,
+    packed_row,
+    tokenize_pair,
+)
 from megatron.training.training import pretrain
 from tests.unit_tests.dist_utils import fresh_layout
 
@@ -211,7 +215,6 @@ def test_a_jsonl_file_of_pairs_trains_and_validates_on_its_split(tmp_path):
     "changes, message",
     [
         (dict(dpo=False, dpo_beta=0.5), "--dpo-beta 0.5 needs --dpo"),
-        (dict(pack_sequences=True), "--micro-batch-size must be 1, got 2"),
         (dict(calculate_per_token_loss=True), "--calculate-per-token-loss with --dpo"),
         (dict(label_smoothing=0.1), "--label-smoothing 0.1 with --dpo"),
         (dict(skip_train=True, load="c", finetune=True), "--skip-train with --dpo"),
@@ -267,7 +270,7 @@ def test_recompute_and_bf16_train_the_same_objective():
             assert abs(mine[key] - reference[key]) <= 3e-2 * max(1.0, abs(reference[key])), key
 
 
-PACKED = dict(seq_length=48, micro_batch_size=1, dpo_sft_weight=0.5, pack_sequences=True)
+PACKED = dict(seq_length=48, micro_batch_size=2, dpo_sft_weight=0.5, pack_sequences=True)
 
 
 @pytest.mark.world(1)
@@ -275,28 +278,75 @@ PACKED = dict(seq_length=48, micro_batch_size=1, dpo_sft_weight=0.5, pack_sequen
     "loss_type", ["sigmoid", pytest.param("ipo", marks=pytest.mark.slow)]  # ipo: per-token means
 )
 def test_packed_pairs_train_the_unpacked_objective(loss_type):
-    """--pack-sequences: whole pairs packed into rows (several in a row), a global batch of
-    rows; iteration 1's objective, TRL's metrics and gradient norm equal the unpacked run's on
-    the same pairs (the reference's packed sums equal the policy's: rewards 0)."""
+    """--pack-sequences: the batch sizes count pairs as unpacked, a micro-batch's 2 pairs in
+    one row as long as their data; iteration 1's objective, TRL's metrics and gradient norm
+    equal the unpacked run's on the same pairs (the reference's packed sums equal the
+    policy's: rewards 0), with less padding; and so do the validation pass's."""
     packed = TrainingConfig(**{**SMALL, **PACKED, "dpo_loss_type": loss_type})
     batch = build_preference_dataset(packed).global_batch(0, packed.global_batch_size)
-    per_row = [(int(row.max()) + 1) // 2 for row in batch["sequence_index"]]
-    assert max(per_row) >= 2 and batch["tokens"].shape == (packed.global_batch_size, 96)
-    (mine,) = _run(train_iters=1, **PACKED, dpo_loss_type=loss_type)
-    (unpacked,) = _run(
-        train_iters=1,
-        **{**PACKED, "pack_sequences": False, "global_batch_size": sum(per_row)},
-        dpo_loss_type=loss_type,
-    )
-    for key in ("loss", "grad_norm", "logps_chosen", "logps_rejected", "rewards_margins"):
+    assert batch["tokens"].shape[0] == packed.global_batch_size // packed.micro_batch_size
+    assert [int(row.max()) + 1 for row in batch["sequence_index"]] == [4, 4]  # 2 pairs a row
+    evaluate = dict(eval_interval=1, eval_iters=2, dpo_loss_type=loss_type)
+    (mine,) = _run(train_iters=1, **PACKED, **evaluate)
+    (unpacked,) = _run(train_iters=1, **{**PACKED, "pack_sequences": False}, **evaluate)
+    keys = ("loss", "grad_norm", "logps_chosen", "logps_rejected", "rewards_margins")
+    for key in keys + ("valid_loss", "valid_rewards_margins", "valid_logps_rejected"):
         assert abs(mine[key] - unpacked[key]) <= 1e-5 * max(1.0, abs(unpacked[key])), key
-    assert mine["rewards_chosen"] == 0.0 and mine["padding_tokens"] < unpacked["padding_tokens"]
+    assert mine["rewards_chosen"] == 0.0 and mine["data_tokens"] == unpacked["data_tokens"]
+    assert mine["padding_tokens"] == 0 < unpacked["padding_tokens"]  # one process: no padding
+
+
+@pytest.mark.world(1)
+def test_packed_rows_are_their_pairs_padded_for_the_layout():
+    """A row holds --micro-batch-size pairs as documents of their own data length, each
+    padded to 2 x --cp, the row to 2 x --cp x --tp under sequence parallelism (the last
+    document longer); ``packed_row`` cuts a micro-batch back to its row."""
+    layout = dict(context_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True)
+    config = TrainingConfig(**{**SMALL, **PACKED, **layout, "micro_batch_size": 1})
+    unpacked = build_preference_dataset(dataclasses.replace(config, pack_sequences=False))
+    pairs = unpacked.global_batch(0, config.global_batch_size)
+    batch = build_preference_dataset(config).global_batch(0, config.global_batch_size)
+    real = (~pairs["padding_mask"]).sum(-1).reshape(-1, 2)  # [row, side]
+    for r in range(config.global_batch_size):
+        row = packed_row({k: v[r : r + 1] for k, v in batch.items()})
+        spans = row["cu_seqlens_padded"][0].diff()
+        assert row["cu_seqlens"][0].diff().tolist() == real[r].tolist()
+        assert all(s % 4 == 0 for s in spans) and int(spans.sum()) % 8 == 0
+        fitted = sum(-(-int(n) // 4) * 4 for n in real[r])
+        assert int(spans.sum()) == -(-fitted // 8) * 8  # no more padding than needed
+        assert row["tokens"].shape[1] == int(spans.sum()) and int(row["sequence_index"].min()) == 0
+        assert torch.equal(row["loss_mask"][0].sum(), pairs["loss_mask"][2 * r : 2 * r + 2].sum())
+
+
+@pytest.mark.world(1)
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(pipeline_model_parallel_size=2), "allgather with --dpo --pack-sequences and --pp 2"),
+        (dict(expert_model_parallel_size=2), "allgather .* --expert-model-parallel-size 2"),
+        (
+            dict(expert_tensor_parallel_size=2, moe_token_dispatcher_type="alltoall"),
+            "--expert-tensor-parallel-size 2 > --tp 1 with --dpo --pack-sequences",
+        ),
+    ],
+)
+def test_packed_pairs_refuse_expert_groups_of_unequal_rows(changes, message):
+    """Rows of packed pairs differ in length between data-parallel ranks and micro-batches:
+    the dispatchers that need equal token counts are refused by name (alltoall over
+    --expert-model-parallel-size follows the one-process run)."""
+    moe = dict(num_experts=4, disable_bias_linear=True, **changes)
+    config = TrainingConfig(**{**SMALL, **PACKED, **moe})
+    with pytest.raises(UsageError, match=message):
+        validate_config(config, 2)
+    if "expert_tensor_parallel_size" not in changes:
+        validate_config(dataclasses.replace(config, moe_token_dispatcher_type="alltoall"), 2)
 
 
 @pytest.mark.world(1)
 def test_packed_validation_holds_whole_batches_of_rows(tmp_path):
     """The validation pairs packed as the training pairs, in file order: whole global
-    batches of rows, the pairs of a partial last batch left out and counted."""
+    batches of pairs (--micro-batch-size pairs a row), the pairs of a partial last batch
+    left out and counted."""
     path = tmp_path / "prefs.jsonl"
     words = ["a b", "c d e f g h", "i", "j k l m n o p q r s t", "u v"]
     lines = [dict(prompt=w, chosen=" yes " + w, rejected=" no") for w in words * 3]
@@ -305,8 +355,8 @@ def test_packed_validation_holds_whole_batches_of_rows(tmp_path):
     config = TrainingConfig(**{**SMALL, **PACKED, **files})
     validation = build_preference_validation(config)
     rows = [row for batch in validation.batches for row in batch["sequence_index"]]
-    assert len(rows) % config.global_batch_size == 0 and len(rows) >= config.global_batch_size
-    assert validation.num_pairs == sum((int(r.max()) + 1) // 2 for r in rows)
+    assert [(int(r.max()) + 1) // 2 for r in rows] == [config.micro_batch_size] * len(rows)
+    assert validation.num_pairs == 12 == config.micro_batch_size * len(rows)
     assert validation.num_pairs + validation.left_out == len(lines)
     # (the packed validation pass itself: the packed layouts' --compare-single-process below)
 
@@ -347,6 +397,17 @@ LAYOUTS = [
         dict(PACKED, context_parallel_size=2, use_distributed_optimizer=True,
              dpo_loss_type="hinge"),
         marks=[pytest.mark.world(4), pytest.mark.slow], id="dp2-cp2-distopt-packed-hinge",
+    ),
+    pytest.param(
+        dict(PACKED, num_experts=4, moe_router_topk=2, expert_model_parallel_size=2,
+             moe_aux_loss_coeff=0.01, disable_bias_linear=True,
+             moe_token_dispatcher_type="alltoall"),
+        marks=[pytest.mark.world(2), pytest.mark.slow], id="ep2-moe-alltoall-packed",
+    ),
+    pytest.param(
+        dict(PACKED, context_parallel_size=2, pipeline_model_parallel_size=2,
+             virtual_pipeline_model_parallel_size=2, num_layers=4, global_batch_size=8),
+        marks=[pytest.mark.world(4), pytest.mark.slow], id="cp2-pp2-vpp2-packed",
     ),
 ]  # fmt: skip
 

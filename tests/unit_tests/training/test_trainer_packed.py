@@ -99,9 +99,10 @@ def test_packed_rows_hold_whole_padded_documents():
 
 @pytest.mark.world(1)
 def test_sft_and_preference_packing_share_the_row_bounds_and_name_what_ran_out():
-    """One row builder (``padding_row``, ``set_document_bounds``, ``PackedRows``) for the SFT
-    and the preference packers: the bounds repeat the last one up to the row's slots, and a
-    row past a finite stream names the dataset and what it packs."""
+    """One row builder (``padding_row``, ``set_document_bounds``) for the SFT and the
+    preference packers (the SFT rows fill a stream in order, ``PackedRows``; a preference row
+    is micro-batch r's pairs, built on demand): the bounds repeat the last one up to the row's
+    slots, and a row past a finite stream names the dataset and what it packs."""
     from megatron.training.data import PackedRows, padding_row, set_document_bounds
     from megatron.training.preference_data import PackedPreferenceDataset
 
@@ -115,13 +116,13 @@ def test_sft_and_preference_packing_share_the_row_bounds_and_name_what_ran_out()
             return None
 
     sft = PackedSFTDataset(32, 64, 0, documents=NoDocuments())
-    pairs = PackedPreferenceDataset(lambda index: None, 16, 64)
-    assert isinstance(sft, PackedRows) and isinstance(pairs, PackedRows)
+    pairs = PackedPreferenceDataset(lambda index: None, 1, 16, 64)
+    assert isinstance(sft, PackedRows)
     with pytest.raises(IndexError, match="PackedSFTDataset: no documents left for row 0"):
         sft[0]
     with pytest.raises(IndexError, match="PackedPreferenceDataset: no pairs left for row 0"):
         pairs[0]
-    assert sft.all_rows() == [] and pairs.all_rows() == []
+    assert sft.all_rows() == []
 
 
 @pytest.mark.world(1)
