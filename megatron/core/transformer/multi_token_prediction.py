@@ -299,11 +299,9 @@ class MultiTokenPredictionLayer(MegatronModule):
             vp_stage=vp_stage,
             pp_rank=pp_rank,
         )
-        if getattr(self.transformer_layer, "is_moe_layer", False):
-            # Its router losses enter the objective and its counts the expert-bias update;
-            # the logged router metrics are the decoder's layers' (megatron-core files the
-            # MTP layers' after them).
-            self.transformer_layer.mlp.set_layer_number(None)
+        # A MoE depth's router losses enter the objective and its counts the expert-bias
+        # update; the tracker files its metrics as layer num_layers + k + 1 (megatron-core's
+        # ``track_moe_metrics(mtp_num_layers=...)``).
         self.final_layernorm = build_module(submodules.layer_norm, **norm)
 
     # megatron-core 0.16.1's signature (``context`` and the fused-rope arguments unused).

@@ -54,12 +54,13 @@ def test_mtp_losses_are_logged_and_weighted():
 @pytest.mark.world(1)
 def test_no_mtp_logs_no_mtp_loss_and_moe_mtp_trains():
     """Without --mtp-num-layers the record has no mtp key; a MoE model's MTP depths are MoE
-    layers too (DeepSeek-V3's) and train, the router metrics those of the decoder's layers."""
+    layers too (DeepSeek-V3's) and train; the router metrics are the decoder's layers' then
+    the depths' (megatron-core's ``track_moe_metrics(mtp_num_layers=...)``)."""
     record = _records(mtp_num_layers=None, train_iters=1)[0]
     assert not [key for key in record if key.startswith("mtp")], record
     moe = _records(train_iters=1, num_experts=4, disable_bias_linear=True)[0]
     assert abs(moe["mtp_1_loss"] - math.log(64)) < 0.5, moe
-    assert len(moe["moe_tokens_per_expert"]) == 2, moe  # the decoder's two MoE layers
+    assert len(moe["moe_tokens_per_expert"]) == 4, moe  # 2 decoder MoE layers + 2 depths
 
 
 @pytest.mark.world(1)

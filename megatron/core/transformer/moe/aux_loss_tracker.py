@@ -118,22 +118,27 @@ def reduced_moe_metrics(
     moe_layer_freq=None,
     pg_collection: Optional[ProcessGroupCollection] = None,
     track_names: Optional[List[str]] = None,
+    mtp_num_layers: Optional[int] = None,
 ) -> Dict[str, torch.Tensor]:
     """The step's tracked values reduced over ranks (``reduce_aux_losses_tracker_across_
     ranks``), losses times ``loss_scale`` (1/M): name -> per-layer values of the MoE layers
-    ([L_moe], [L_moe, E] for "tokens_per_expert"). The same on every rank and layout."""
+    ([L_moe], [L_moe, E] for "tokens_per_expert"), then of the ``mtp_num_layers`` MTP depths
+    (filed after the decoder's layers; megatron-core counts each depth as a MoE layer). The
+    same on every rank and layout."""
     reduce_aux_losses_tracker_across_ranks(track_names, pg_collection)
     from megatron.core.config_rules import moe_layer_pattern
 
+    mtp = mtp_num_layers or 0
     out = {}
     for name in track_names if track_names is not None else list(_TRACKER):
         entry = _TRACKER.get(name)
         if entry is None or entry.get("values") is None:
             continue
         values = entry["values"]
-        layers = values.shape[0] if num_layers is None else num_layers
+        layers = values.shape[0] - mtp if num_layers is None else num_layers
         pattern = moe_layer_pattern(moe_layer_freq if moe_layer_freq is not None else 1, layers)
-        keep = [i for i, flag in enumerate(pattern or [1] * layers) if flag and i < len(values)]
+        pattern = list(pattern or [1] * layers) + [1] * mtp
+        keep = [i for i, flag in enumerate(pattern) if flag and i < len(values)]
         values = values[keep]
         out[name] = values if name == "tokens_per_expert" else values * loss_scale
     return out
@@ -156,14 +161,14 @@ def track_moe_metrics(
     """Reduce the tracked router losses over ranks, add each loss's mean over the MoE
     layers (times ``loss_scale``) to ``total_loss_dict``, write them (and, with
     ``per_layer_logging``, each layer's) to ``writer`` / ``wandb_writer``, and clear the
-    tracker. The values are the same on every layout (see the module docstring)."""
-    if mtp_num_layers:
-        raise NotImplementedError("track_moe_metrics: mtp_num_layers is not supported")
+    tracker. The values are the same on every layout (see the module docstring). With
+    ``mtp_num_layers`` the MTP depths' routers count as MoE layers after the decoder's (as
+    megatron-core 0.16.1: the mean is over the MoE layers and the depths)."""
     if force_initialize and track_names:
         for name in track_names:
             _TRACKER.setdefault(name, {}).setdefault("values", None)
     metrics = reduced_moe_metrics(
-        loss_scale, num_layers, moe_layer_freq, pg_collection, track_names
+        loss_scale, num_layers, moe_layer_freq, pg_collection, track_names, mtp_num_layers
     )
     for name, values in metrics.items():
         if name == "tokens_per_expert" or values.numel() == 0:

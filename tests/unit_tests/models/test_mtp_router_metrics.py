@@ -1,0 +1,64 @@
+"""The router metrics of MoE multi-token prediction depths, as megatron-core 0.16.1 logs
+them: each depth's router files its losses and counts as layer num_layers + k + 1, and
+``track_moe_metrics(..., mtp_num_layers=K)`` averages over the decoder's MoE layers and the
+K depths."""
+
+import pytest
+
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.moe import moe_utils
+from tests.unit_tests.models.test_multi_token_prediction import (
+    DEPTHS,
+    LAYERS,
+    MOE,
+    _config,
+    _model,
+    batch,
+)
+
+pytestmark = pytest.mark.world(1)
+
+
+def _forward() -> int:
+    """One forward of the MoE MTP model with the load-balancing loss on; the routed tokens."""
+    moe_utils.reset_aux_losses_tracker()
+    config = _config(**MOE, moe_aux_loss_coeff=0.01, moe_router_load_balancing_type="aux_loss")
+    model = _model(config, ProcessGroupCollection())
+    rows = batch()
+    model(rows["tokens"], None, labels=rows["labels"], loss_mask=rows["loss_mask"])
+    return rows["tokens"].numel()
+
+
+def test_mtp_depths_routers_are_tracked_after_the_decoders():
+    tokens = _forward()
+    metrics = moe_utils.reduced_moe_metrics(1.0, LAYERS, None, mtp_num_layers=DEPTHS)
+    counts = metrics["tokens_per_expert"]
+    assert counts.shape == (LAYERS + DEPTHS, MOE["num_moe_experts"])
+    # every router, the depths' included, routed each token to top-k experts
+    assert counts.sum(dim=1).tolist() == [tokens * MOE["moe_router_topk"]] * (LAYERS + DEPTHS)
+    losses = metrics["load_balancing_loss"]
+    assert losses.shape == (LAYERS + DEPTHS,) and bool((losses[LAYERS:] > 0).all())
+
+
+def test_track_moe_metrics_averages_over_decoder_and_mtp_layers():
+    _forward()
+    per_layer = moe_utils.reduced_moe_metrics(0.5, LAYERS, None, mtp_num_layers=DEPTHS)
+    moe_utils.clear_aux_losses_tracker()
+    _forward()
+    record = {}
+    moe_utils.track_moe_metrics(
+        0.5, 1, total_loss_dict=record, num_layers=LAYERS, mtp_num_layers=DEPTHS
+    )
+    values = per_layer["load_balancing_loss"]
+    # megatron-core: the sum over the tracked layers / (MoE layers + mtp_num_layers)
+    assert float(record["load_balancing_loss"]) == pytest.approx(
+        float(values.sum()) / (LAYERS + DEPTHS), rel=1e-12
+    )
+    assert float(values.sum()) > float(values[:LAYERS].sum())
+
+
+def test_dense_first_layer_keeps_depths_rows():
+    """With ``moe_layer_freq`` [0, 1] the dense layer's row is dropped, the depths' kept."""
+    _forward()
+    metrics = moe_utils.reduced_moe_metrics(1.0, LAYERS, [0, 1], mtp_num_layers=DEPTHS)
+    assert metrics["tokens_per_expert"].shape[0] == 1 + DEPTHS
