@@ -74,10 +74,6 @@ def test_no_mtp_logs_no_mtp_loss_and_moe_mtp_trains():
             r"--mtp-loss-scaling-factor must be a finite number, got nan",
         ),
         (
-            dict(mtp_num_layers=1, export_hf="out"),
-            r"--mtp-num-layers 1 with --export-hf: the HuggingFace export does not write MTP",
-        ),
-        (
             dict(mtp_num_layers=1, pipeline_model_parallel_size=2),
             r"--mtp-num-layers 1 with --position-embedding-type learned_absolute and --pp 2",
         ),
@@ -188,6 +184,19 @@ def test_resume_restores_the_mtp_depths(tmp_path):
     _records(train_iters=2, save=str(tmp_path))
     resumed = [[r[k] for k in keys] for r in _records(train_iters=4, load=str(tmp_path))]
     assert resumed == straight[2:], (resumed, straight)
+
+
+@pytest.mark.world(1)
+def test_export_hf_of_mtp_depths_needs_a_family_that_carries_them():
+    """--export-hf of a flags-built model with MTP depths is refused up front unless it is
+    a DeepSeek-V3 model (the only family whose HuggingFace format carries them)."""
+    from megatron.training.preflight import check_export_family
+
+    llama = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope")
+    config = TrainingConfig(mtp_num_layers=1, export_hf="out", disable_bias_linear=True, **llama)
+    with pytest.raises(UsageError, match=r"mtp_num_layers=1 .*llama.*expected a deepseek_v3"):
+        check_export_family(config)
+    check_export_family(TrainingConfig(export_hf="out", disable_bias_linear=True, **llama))
 
 
 @pytest.mark.world(1)
