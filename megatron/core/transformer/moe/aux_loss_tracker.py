@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import communication
+from megatron.core.device import comm_device
 from megatron.core.process_groups_config import (
     ProcessGroupCollection,
     get_pg_size,
@@ -94,22 +95,47 @@ def reduce_aux_losses_tracker_across_ranks(
     track_names: Optional[List[str]] = None,
     pg_collection: Optional[ProcessGroupCollection] = None,
 ) -> None:
-    """In place: sum every entry over the pipeline group (each layer lives on one stage) and
-    its ``reduce_group``; average it over ``avg_group`` (sum counts over ``sum_group``).
+    """In place: sum every entry over its ``reduce_group``, average it over ``avg_group``
+    (sum counts over ``sum_group``), then sum it over the pipeline group (each layer lives on
+    one stage). A stage without the entry (no MoE layer there, e.g. DeepSeek's first dense
+    layers) joins with zeros: the stages agree on the entries first.
     Groups: ``pg_collection.pp``, else ``parallel_state``'s (MPU fallback), else none."""
     groups = resolve_pg_collection(pg_collection)
     pp = None if groups is None else groups.pp
-    for name in track_names if track_names is not None else list(_TRACKER):
+    names = track_names if track_names is not None else list(_TRACKER)
+    if pp is not None and get_pg_size(pp) > 1:
+        names = _agree_over_pipeline(names, pp)
+    for name in names:
         entry = _TRACKER.get(name)
         if entry is None or entry.get("values") is None:
             continue
         values = entry["values"]
-        for group in (pp, entry.get("reduce_group"), entry.get("sum_group")):
+        for group in (entry.get("reduce_group"), entry.get("sum_group")):
             values = communication.all_reduce(values, group)
         avg_group = entry.get("avg_group")
         if avg_group is not None and get_pg_size(avg_group) > 1:
             values = communication.all_reduce(values, avg_group) / get_pg_size(avg_group)
+        values = communication.all_reduce(values, pp)
         entry["values"] = values.to(entry["values"].dtype)
+
+
+def _agree_over_pipeline(names: List[str], pp: dist.ProcessGroup) -> List[str]:
+    """The entries of ``names`` any stage holds, in one order on every stage; an entry this
+    stage lacks is added as zeros of the others' shape and dtype (no group of its own)."""
+    mine = {
+        name: (tuple(entry["values"].shape), str(entry["values"].dtype).split(".")[-1])
+        for name in names
+        if (entry := _TRACKER.get(name)) is not None and entry.get("values") is not None
+    }
+    held: Dict[str, tuple] = {}
+    for other in communication.all_gather_object(mine, pp):
+        held.update(other)
+    for name, (shape, dtype) in held.items():
+        entry = _TRACKER.setdefault(name, {})
+        if entry.get("values") is None:
+            zeros = torch.zeros(shape, dtype=getattr(torch, dtype), device=comm_device())
+            entry.update(values=zeros, reduce_group=None, avg_group=None, sum_group=None)
+    return sorted(held)
 
 
 def reduced_moe_metrics(
