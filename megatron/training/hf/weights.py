@@ -24,6 +24,8 @@ from megatron.training.hf.families import REGISTRY
 from megatron.training.hf.families.deepseek import mla_full_shapes
 from megatron.training.hf.families.moe import moe_full_shapes
 from megatron.training.hf.family import HFArchitecture, Source
+from megatron.training.hf.mtp_weights import mtp_copies, mtp_sources
+from megatron.training.hf.scatter import scatter_to_hf  # noqa: F401 (its home before)
 from megatron.training.hf.target import INDEX_FILENAME, SINGLE_FILENAME
 
 # Tensors some checkpoints carry that hold no weights (buffers recomputed by the model).
@@ -60,8 +62,6 @@ def mtp_parameter_sources(arch: HFArchitecture, prefix: Optional[str] = None):
     """{our ``mtp.layers.*`` name: its segments} of the MTP depths (none without)."""
     if not arch.mtp_num_layers:
         return {}
-    from megatron.training.hf.mtp_weights import mtp_sources  # it imports this module
-
     return mtp_sources(
         arch,
         arch.mtp_num_layers,
@@ -300,8 +300,6 @@ def mtp_copy_keys(arch: HFArchitecture, sources: Dict[str, Source]) -> Dict[str,
     """{HuggingFace key of an MTP layer's copy of a shared tensor: the key it copies}."""
     if not arch.mtp_num_layers:
         return {}
-    from megatron.training.hf.mtp_weights import mtp_copies  # it imports this module
-
     prefix = sources["embedding.word_embeddings.weight"][0].key.split("embed_tokens")[0]
     copies = mtp_copies(arch, arch.mtp_num_layers, prefix)
     return {key: sources[name][0].key for key, name in copies.items()}
@@ -369,27 +367,6 @@ def read_rows(
                     )
             offset += seg.length
     return torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0].contiguous()
-
-
-def scatter_to_hf(
-    ours: Dict[str, torch.Tensor], sources: Dict[str, Source], shapes: Dict[str, tuple]
-) -> Dict[str, torch.Tensor]:
-    """The HuggingFace tensors made from our full tensors ``ours`` (each segment's rows
-    copied back; the exact inverse of ``read_rows``)."""
-    out: Dict[str, torch.Tensor] = {}
-    for name, tensor in ours.items():
-        offset = 0
-        for seg in sources[name]:
-            part = tensor[offset : offset + seg.length]
-            target = out.get(seg.key)
-            if target is None:
-                target = out[seg.key] = torch.empty(shapes[seg.key], dtype=tensor.dtype)
-            if seg.transposed:
-                target[:, seg.start : seg.stop] = part.t()
-            else:
-                target[seg.start : seg.stop] = part
-            offset += seg.length
-    return out
 
 
 def keys_of(sources: Iterable[Source]) -> List[str]:
