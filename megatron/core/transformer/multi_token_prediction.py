@@ -408,6 +408,20 @@ class MultiTokenPredictionBlock(MegatronModule):
             for index, layer_spec in enumerate(specs)
         )
 
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None
+    ) -> dict:
+        """Each depth through its own ``sharded_state_dict`` (``mtp.layers.<k>.``): its layer's
+        norms under the spec's keys map and a MoE layer's routed experts on the global expert
+        axis (a bare ``ModuleList`` would store them flat by local index: at EP > 1 another
+        EP rank's experts would be saved as replicas of this one's)."""
+        sharded = {}
+        for k, layer in enumerate(self.layers):
+            sharded.update(
+                layer.sharded_state_dict(f"{prefix}layers.{k}.", sharded_offsets, metadata)
+            )
+        return sharded
+
     # megatron-core 0.16.1's signature, passed on to every layer.
     def forward(
         self,

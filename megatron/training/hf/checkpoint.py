@@ -393,6 +393,8 @@ def storage_location(
     ``decoder.layers.<L>.`` without the layer axis: that key is used when ``stored`` (the
     checkpoint's keys) has it."""
     parts = name.split(".")
+    if parts[:2] == ["mtp", "layers"] and parts[3:4] == ["transformer_layer"]:
+        return _mtp_storage_location(parts, arch)
     if parts[:2] != ["decoder", "layers"]:
         return name, (), ()
     layer = int(parts[2])
@@ -407,6 +409,20 @@ def storage_location(
     if separate in stored:
         return separate, leading[1:], sizes[1:]
     return key, leading, sizes
+
+
+def _mtp_storage_location(parts: List[str], arch: HFArchitecture) -> "tuple[str, tuple, tuple]":
+    """``storage_location`` of an MTP depth's layer parameter: the layer's own keys (its
+    spec's keys map), a routed expert's weight on the global expert axis."""
+    head, rest = ".".join(parts[:4]), parts[4:]
+    if rest[:3] == ["mlp", "experts", "local_experts"]:
+        key = f"{head}.mlp.experts.experts.{'.'.join(rest[4:])}"
+        return key, (int(rest[3]),), (arch.num_moe_experts,)
+    moe_layer = arch.is_moe_layer(arch.num_layers)  # the depths repeat the last layer's kind
+    key, _ = storage_key(
+        "decoder.layers.0." + ".".join(rest), moe_layer, arch.multi_latent_attention
+    )
+    return f"{head}.{key[len('decoder.layers.'):]}", (), ()
 
 
 def _read_our_tensors(directory, sources, stored, full_shapes, arch, requesting: bool):
