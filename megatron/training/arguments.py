@@ -900,19 +900,19 @@ class TrainingConfig:
         None,
         "--mtp-num-layers",
         kind=MODEL,
-        library="mtp_num_layers",
+        library=Sets("mtp_num_layers", value=lambda c, _: c.mtp_num_layers or None),
         type=int,
         metavar="K",
-        check=positive,
+        check=non_negative,
         help="multi-token prediction depths (DeepSeek-V3's MTP) on the last pipeline stage, "
         "each predicting one token further; the log gains 'mtp_1 loss' ... 'mtp_K loss'; "
-        "default: none",
+        "default: none (a --hf-model checkpoint's own; 0 drops them)",
     )
     mtp_loss_scaling_factor: float = option(
         0.1,
         "--mtp-loss-scaling-factor",
         kind=OPTIMIZER,
-        library=Sets("mtp_loss_scaling_factor", when=lambda c: c.mtp_num_layers is not None),
+        library=Sets("mtp_loss_scaling_factor", when=lambda c: bool(c.mtp_num_layers)),
         check=Check("a finite number", is_number),
         help="weight of the MTP loss (the mean of the depths' losses) added to the LM loss",
     )

@@ -33,8 +33,8 @@ def resolve_hf_model(config, explicit=None):
     changes, conflicts = {}, []
     for name, value in training_settings(arch).items():
         current = getattr(config, name)
-        if current == value:
-            continue
+        if current == value or (name == "mtp_num_layers" and current == 0):
+            continue  # --mtp-num-layers 0: the checkpoint's MTP layers dropped
         given = name in explicit if explicit is not None else current != defaults[name]
         if not given:
             changes[name] = value

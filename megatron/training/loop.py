@@ -511,7 +511,11 @@ def _moe_record(
     if config.num_experts is None:
         return {}
     metrics = moe_utils.reduced_moe_metrics(
-        1.0 / layout.num_microbatches, config.num_layers, config.moe_layer_freq, pg_collection
+        1.0 / layout.num_microbatches,
+        config.num_layers,
+        config.moe_layer_freq,
+        pg_collection,
+        mtp_num_layers=config.mtp_num_layers,
     )
     moe_utils.clear_aux_losses_tracker()
     record = {f"moe_{name}": 0.0 for name in logged_router_losses(config)}

@@ -428,7 +428,7 @@ def _model_description(config: TrainingConfig) -> str:
         freq = config.moe_layer_freq
         where = "every layer" if freq == 1 else f"--moe-layer-freq {freq}"
         parts.append(f"MoE: {config.num_experts} experts, top-{config.moe_router_topk}, {where}")
-    if config.mtp_num_layers is not None:
+    if config.mtp_num_layers:
         parts.append(
             f"MTP: {config.mtp_num_layers} depth(s), loss weight {config.mtp_loss_scaling_factor:g}"
         )

@@ -209,8 +209,7 @@ def load(
     apply_factories(sharded_state_dict)
     nonpersistent = _nonpersistent_values(sharded_state_dict)
     sharded, _ = _split_sharded(_drop_nonpersistent(sharded_state_dict))
-    pieces = [v for v in nested_values(sharded) if isinstance(v, ShardedBase)]
-
+    pieces = _read_aliases(nested_values(sharded), stored_shapes)
     unexpected = {
         _storage_key(p)
         for p in pieces
@@ -435,6 +434,29 @@ def _drop_skipped(x: Any) -> Any:
     if isinstance(x, list):
         return [_drop_skipped(v) for v in x if v is not _SKIPPED]
     return x
+
+
+# Transformer Engine's fused names (megatron-core's TE layer spec fuses the MLA q / kv
+# down-projection norms into the up projections) of tensors stored here under their own.
+LOAD_ALIASES = (
+    ("self_attention.q_layernorm.weight", "self_attention.linear_q_up_proj.layer_norm_weight"),
+    ("self_attention.kv_layernorm.weight", "self_attention.linear_kv_up_proj.layer_norm_weight"),
+)
+
+
+def _read_aliases(values, stored_shapes: Dict[str, Any]) -> List[ShardedBase]:
+    """The sharded pieces among ``values``; a requested tensor the checkpoint lacks under its
+    key is read from its Transformer Engine alias (``LOAD_ALIASES``, any prefix) when the
+    checkpoint has that one."""
+    pieces = [v for v in values if isinstance(v, ShardedBase)]
+    for piece in pieces:
+        if not isinstance(piece, ShardedTensor) or piece.key in stored_shapes:
+            continue
+        for ours, theirs in LOAD_ALIASES:
+            alias = piece.key[: -len(ours)] + theirs
+            if piece.key.endswith(ours) and alias in stored_shapes:
+                piece.key = alias
+    return pieces
 
 
 def _storage_key(piece: ShardedBase) -> str:

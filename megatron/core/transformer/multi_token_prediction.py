@@ -300,11 +300,9 @@ class MultiTokenPredictionLayer(MegatronModule):
             vp_stage=vp_stage,
             pp_rank=pp_rank,
         )
-        if getattr(self.transformer_layer, "is_moe_layer", False):
-            # Its router losses enter the objective and its counts the expert-bias update;
-            # the logged router metrics are the decoder's layers' (megatron-core files the
-            # MTP layers' after them).
-            self.transformer_layer.mlp.set_layer_number(None)
+        # A MoE depth's router losses enter the objective and its counts the expert-bias
+        # update; the tracker files its metrics as layer num_layers + k + 1 (megatron-core's
+        # ``track_moe_metrics(mtp_num_layers=...)``).
         self.final_layernorm = build_module(submodules.layer_norm, **norm)
 
     # megatron-core 0.16.1's signature (``context`` and the fused-rope arguments unused).
@@ -400,6 +398,20 @@ class MultiTokenPredictionBlock(MegatronModule):
             )
         self.mtp_loss_scaling_factor = config.mtp_loss_scaling_factor
         self.layers = build_layers(specs, config, pg_collection, vp_stage, pp_rank)
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None
+    ) -> dict:
+        """Each depth through its own ``sharded_state_dict`` (``mtp.layers.<k>.``): its layer's
+        norms under the spec's keys map and a MoE layer's routed experts on the global expert
+        axis (a bare ``ModuleList`` would store them flat by local index: at EP > 1 another
+        EP rank's experts would be saved as replicas of this one's)."""
+        sharded = {}
+        for k, layer in enumerate(self.layers):
+            sharded.update(
+                layer.sharded_state_dict(f"{prefix}layers.{k}.", sharded_offsets, metadata)
+            )
+        return sharded
 
     # megatron-core 0.16.1's signature, passed on to every layer.
     def forward(

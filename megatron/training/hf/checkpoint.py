@@ -17,6 +17,7 @@ all of them are complete, so a failed export leaves the target as it was.
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Collection, Dict, List, Optional
 
@@ -37,6 +38,8 @@ from megatron.training.hf.config import (
     read_hf_config,
     training_settings,
 )
+from megatron.training.hf.families import REGISTRY
+from megatron.training.hf.mtp_weights import mtp_copies
 from megatron.training.hf.peft import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -58,6 +61,7 @@ from megatron.training.hf.weights import (
     global_sources,
     hf_shapes,
     layer_sources,
+    mtp_parameter_sources,
     our_full_shapes,
     safetensors_module,
     scatter_to_hf,
@@ -230,6 +234,7 @@ def _export_into(
     embeddings = {k: v for k, v in outer.items() if k.startswith("embedding.")}
     head = {k: v for k, v in outer.items() if k not in embeddings}
     units = [embeddings] + [layer_sources(arch, i) for i in range(arch.num_layers)] + [head]
+    units += mtp_units(arch)
     full_shapes = our_full_shapes(arch)
     adapter_full = {} if lora is None else adapter_shapes(arch, lora)
     for sources in units:  # HuggingFace's order: embeddings, layers, final norm, head
@@ -244,6 +249,13 @@ def _export_into(
             shapes = hf_shapes(arch, sources, full_shapes)
             for key, tensor in scatter_to_hf(ours, sources, shapes).items():
                 writer.add(key, tensor.to(DTYPES[dtype]))
+        copies = _mtp_copies_of(arch, sources)
+        if copies:  # the depth's copies of the embeddings and the output head
+            shared = dict.fromkeys(set(copies.values()))
+            ours = _read_our_tensors(directory, shared, stored, full_shapes, arch, writing)
+            for key, name in copies.items():
+                if writing:
+                    writer.add(key, ours[name].to(DTYPES[dtype]))
     if writing:
         writer.finish()
         config = hf_config_for_export(arch, original, dtype)
@@ -254,6 +266,26 @@ def _export_into(
             sidecars = _sidecar_files(Path(source))  # a run started from --hf-model
         for name, text in (sidecars or {}).items():
             (staging / name).write_text(text)
+
+
+def mtp_units(arch: HFArchitecture) -> List[Dict[str, Any]]:
+    """The export's units of the MTP depths: one {our name: segments} per depth."""
+    sources = mtp_parameter_sources(arch)
+    return [
+        {n: s for n, s in sources.items() if n.startswith(f"mtp.layers.{depth}.")}
+        for depth in range(arch.mtp_num_layers or 0)
+    ]
+
+
+def _mtp_copies_of(arch: HFArchitecture, unit: Dict[str, Any]) -> Dict[str, str]:
+    """{HuggingFace key: our shared parameter} of the copies MTP unit ``unit`` writes."""
+    names = [n for n in unit if n.startswith("mtp.layers.")]
+    if not names:
+        return {}
+    depth = int(names[0].split(".")[2])
+    layer = f"model.layers.{arch.num_layers + depth}."
+    copies = mtp_copies(arch, arch.mtp_num_layers)
+    return {key: name for key, name in copies.items() if key.startswith(layer)}
 
 
 def _export_adapter_into(staging, directory, common, arch, stored, dtype=None) -> None:
@@ -312,7 +344,14 @@ def checkpoint_architecture(
     raw = common.get(HF_CONFIG_KEY) or settings.get("hf_config")
     if raw:
         original = json.loads(raw)
-        return architecture_from_config(original, f"{where} (its recorded config.json)"), original
+        arch = architecture_from_config(original, f"{where} (its recorded config.json)")
+        mtp = settings.get("mtp_num_layers") or None  # the run's depths (0: dropped)
+        if mtp and not REGISTRY[arch.family].carries_mtp:
+            raise ValueError(
+                f"{where}: mtp_num_layers={mtp} (multi-token prediction depths) cannot be "
+                f"written in the {arch.family} HuggingFace format; expected a model without them"
+            )
+        return replace(arch, mtp_num_layers=mtp), original
     if not settings:
         raise ValueError(
             f"{where}: the checkpoint records neither a HuggingFace config.json nor the "
@@ -354,6 +393,8 @@ def storage_location(
     ``decoder.layers.<L>.`` without the layer axis: that key is used when ``stored`` (the
     checkpoint's keys) has it."""
     parts = name.split(".")
+    if parts[:2] == ["mtp", "layers"] and parts[3:4] == ["transformer_layer"]:
+        return _mtp_storage_location(parts, arch)
     if parts[:2] != ["decoder", "layers"]:
         return name, (), ()
     layer = int(parts[2])
@@ -368,6 +409,20 @@ def storage_location(
     if separate in stored:
         return separate, leading[1:], sizes[1:]
     return key, leading, sizes
+
+
+def _mtp_storage_location(parts: List[str], arch: HFArchitecture) -> "tuple[str, tuple, tuple]":
+    """``storage_location`` of an MTP depth's layer parameter: the layer's own keys (its
+    spec's keys map), a routed expert's weight on the global expert axis."""
+    head, rest = ".".join(parts[:4]), parts[4:]
+    if rest[:3] == ["mlp", "experts", "local_experts"]:
+        key = f"{head}.mlp.experts.experts.{'.'.join(rest[4:])}"
+        return key, (int(rest[3]),), (arch.num_moe_experts,)
+    moe_layer = arch.is_moe_layer(arch.num_layers)  # the depths repeat the last layer's kind
+    key, _ = storage_key(
+        "decoder.layers.0." + ".".join(rest), moe_layer, arch.multi_latent_attention
+    )
+    return f"{head}.{key[len('decoder.layers.'):]}", (), ()
 
 
 def _read_our_tensors(directory, sources, stored, full_shapes, arch, requesting: bool):

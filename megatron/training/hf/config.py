@@ -29,6 +29,7 @@ from megatron.training.hf.families.moe import (
     written_moe_layer_freq,
 )
 from megatron.training.hf.family import ConfigReader, HFArchitecture
+from megatron.training.hf.target import tensor_names
 from megatron.training.model_settings import resolved_model
 
 FAMILIES = tuple(REGISTRY)
@@ -64,11 +65,17 @@ def read_hf_config(directory) -> "tuple[HFArchitecture, Dict[str, Any]]":
         raise ValueError(f"{path}: line {err.lineno}: not valid JSON ({err.msg})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
-    return architecture_from_config(raw, str(path)), raw
+    arch = architecture_from_config(raw, str(path))
+    keys = tensor_names(directory)
+    if keys is not None:  # the multi-token prediction layers the checkpoint holds
+        mtp = REGISTRY[arch.family].mtp_layers(arch, raw, keys, str(directory))
+        arch = replace(arch, mtp_num_layers=mtp)
+    return arch, raw
 
 
 def architecture_from_config(raw: Dict[str, Any], where: str = "config.json") -> HFArchitecture:
-    """The architecture of a ``config.json`` dict; ValueError naming what we cannot express."""
+    """The architecture of a ``config.json`` dict; ValueError naming what we cannot express.
+    Without the tensors, no multi-token prediction depths (``read_hf_config`` counts them)."""
     model_type = raw.get("model_type")
     if model_type not in REGISTRY:
         raise ValueError(
@@ -187,20 +194,16 @@ def hf_config_of_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
 def architecture_from_model_settings(settings: Dict[str, Any]) -> HFArchitecture:
     """The HuggingFace family and architecture of a model our trainer built (its saved run
     settings): the first family (registry order) whose ``config.json`` reads back as the
-    same model, ``read(write(x)) == x``; ValueError when none does (and for multi-token
-    prediction depths, which no family writes yet)."""
-    if settings.get("mtp_num_layers"):
-        raise ValueError(
-            f"export: this model has mtp_num_layers={settings['mtp_num_layers']} "
-            "(multi-token prediction depths), which no HuggingFace family we write carries "
-            "yet (hf/mtp_weights.py maps DeepSeek-V3's layout); expected a model without them"
-        )
+    same model, ``read(write(x)) == x``; ValueError when none does (multi-token prediction
+    depths: only a family that carries them, DeepSeek-V3)."""
     full = _with_defaults(settings)
     base = _architecture_of_settings(full)
     for name, family in REGISTRY.items():
         arch = replace(base, family=name)
         if _round_trips(family, arch, full):
             return arch
+    if base.mtp_num_layers:
+        _refuse_mtp_family(base, full)
     hints = [f.settings_hint for f in REGISTRY.values() if f.settings_hint]
     raise ValueError(
         "export: this model (normalization={!r}, swiglu={}, position_embedding_type={!r}, "
@@ -216,11 +219,31 @@ def architecture_from_model_settings(settings: Dict[str, Any]) -> HFArchitecture
     )
 
 
+def _refuse_mtp_family(base: HFArchitecture, settings: Dict[str, Any]) -> None:
+    """ValueError naming ``mtp_num_layers`` when the model without its MTP depths has a
+    family, but none that writes the depths."""
+    plain = replace(base, mtp_num_layers=None)
+    for name, family in REGISTRY.items():
+        if _round_trips(family, replace(plain, family=name), dict(settings, mtp_num_layers=None)):
+            carriers = [n for n, f in REGISTRY.items() if f.carries_mtp]
+            raise ValueError(
+                f"export: this model has mtp_num_layers={base.mtp_num_layers} (multi-token "
+                f"prediction depths), which the {name} HuggingFace format cannot carry; "
+                f"expected a {' or '.join(carriers)} model ("
+                + "; ".join(REGISTRY[n].settings_hint or n for n in carriers)
+                + "), or one without --mtp-num-layers"
+            )
+
+
 def _round_trips(family, arch: HFArchitecture, settings: Dict[str, Any]) -> bool:
     """Whether ``family`` writes ``arch`` as a ``config.json`` that reads back (with the
-    family's refusals) as the model ``settings`` describe."""
+    family's refusals) as the model ``settings`` describe (the MTP depths: those the written
+    config declares, the tensors being written with it)."""
     try:  # a family writes only what it has keys for (GPT-2: no silu; a MoE one: no dense)
-        back = training_settings(architecture_from_config(family.write(arch)))
+        written = family.write(arch)
+        read = architecture_from_config(written)
+        read = replace(read, mtp_num_layers=family.declared_mtp_layers(written))
+        back = training_settings(read)
     except (KeyError, TypeError, ValueError):
         return False
     keys = set(back) | set(training_settings(arch))  # the MoE ones of either side
@@ -260,6 +283,7 @@ def model_meaning(settings: Dict[str, Any]) -> Dict[str, Any]:
     )
     out["window_size"] = list(out["window_size"]) if out["window_size"] else None
     out["norm_epsilon"] = float(out["norm_epsilon"])
+    out["mtp_num_layers"] = out.get("mtp_num_layers") or None  # 0: none
     _mla_meaning(out)
     if "softmax_scale" in out and out["softmax_scale"] is None:  # the default, written out
         kv = out.get("kv_channels") or out["hidden_size"] // out["num_attention_heads"]
@@ -376,5 +400,6 @@ def _architecture_of_settings(settings: Dict[str, Any]) -> HFArchitecture:
         tied=not settings["untie_embeddings_and_output_weights"],
         window_size=tuple(settings["window_size"]) if settings["window_size"] else None,
         window_attn_skip_freq=_skip_tuple(settings),
+        mtp_num_layers=settings["mtp_num_layers"] or None,  # 0 (dropped): none
     )
     return HFArchitecture(**{**same, **translated}, **moe_architecture_fields(settings))

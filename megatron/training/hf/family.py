@@ -137,6 +137,9 @@ class HFArchitecture:
     local_rotary_base: Optional[float] = None
     # linear RoPE scaling (positions / factor) of the full-attention layers (Gemma 3)
     rotary_seq_len_interpolation_factor: Optional[float] = None
+    # Multi-token prediction depths (DeepSeek-V3's layers after ``num_layers``; None: none).
+    # Set from the checkpoint's tensors (``Family.mtp_layers``), not from config.json alone.
+    mtp_num_layers: Optional[int] = None
 
     @property
     def gated(self) -> bool:
@@ -159,8 +162,11 @@ class HFArchitecture:
         return d, d
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether global layer ``layer`` (0-based) is a MoE layer."""
-        return self.num_moe_experts is not None and bool(self.moe_layer_freq[layer])
+        """Whether global layer ``layer`` (0-based) is a MoE layer; an MTP depth's layer
+        (``layer >= num_layers``) is of the last layer's kind (megatron-core's MTP spec)."""
+        if self.num_moe_experts is None:
+            return False
+        return bool(self.moe_layer_freq[min(layer, self.num_layers - 1)])
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain values (kept in checkpoints)."""
@@ -236,6 +242,20 @@ class Family:
     def check_keys(self, arch: HFArchitecture, keys: Iterable[str], where: str) -> None:
         """Refuse, by name, tensors the family knows but we do not convert (before the
         generic unused-tensor refusal)."""
+
+    # Whether the family's checkpoints carry multi-token prediction layers (DeepSeek-V3).
+    carries_mtp: bool = False
+
+    def mtp_layers(
+        self, arch: HFArchitecture, raw: Dict[str, Any], keys: Iterable[str], where: str
+    ) -> Optional[int]:
+        """The MTP depths the checkpoint holds (``keys``: its tensor names; None: none),
+        checked against ``config.json`` (ValueError naming the key otherwise)."""
+        return None
+
+    def declared_mtp_layers(self, raw: Dict[str, Any]) -> Optional[int]:
+        """The MTP depths a ``config.json`` this family wrote declares (None: none)."""
+        return None
 
 
 def _refusal(value: Any) -> str:

@@ -18,7 +18,7 @@ from typing import Callable, Dict
 import torch
 
 from megatron.training.hf.family import HFArchitecture, Segment, Source
-from megatron.training.hf.weights import scatter_to_hf
+from megatron.training.hf.scatter import scatter_to_hf
 
 # (HuggingFace name under model.layers.<L>., our name under mtp.layers.<k>.)
 _OWN = (

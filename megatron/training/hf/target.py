@@ -10,7 +10,7 @@ import json
 import re
 import struct
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 INDEX_FILENAME = "model.safetensors.index.json"
 SINGLE_FILENAME = "model.safetensors"
@@ -77,16 +77,37 @@ def foreign_entries(folder: Path) -> List[str]:
     return foreign
 
 
-def _is_our_export(path: Path) -> bool:
-    """Whether the safetensors file ``path`` carries our export's metadata (read from its
-    header: 8 bytes of little-endian length, then that many bytes of JSON)."""
+def tensor_names(directory) -> Optional[List[str]]:
+    """The tensor names of the HuggingFace checkpoint in ``directory`` (the index's weight
+    map, else ``model.safetensors``'s header), without torch; None when neither is there or
+    readable (the weight loader names that problem)."""
+    folder = Path(directory)
+    try:
+        if (folder / INDEX_FILENAME).is_file():
+            return list(json.loads((folder / INDEX_FILENAME).read_text())["weight_map"])
+        header = _header(folder / SINGLE_FILENAME)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return None if header is None else [k for k in header if k != "__metadata__"]
+
+
+def _header(path: Path) -> Optional[dict]:
+    """A safetensors file's JSON header (8 bytes of little-endian length, then the JSON);
+    None when it is not one."""
     try:
         with open(path, "rb") as handle:
             length = struct.unpack("<Q", handle.read(8))[0]
             if length > _HEADER_LIMIT:
-                return False
+                return None
             header = json.loads(handle.read(length))
     except (OSError, struct.error, ValueError):  # not a safetensors file at all
-        return False
-    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+        return None
+    return header if isinstance(header, dict) else None
+
+
+def _is_our_export(path: Path) -> bool:
+    """Whether the safetensors file ``path`` carries our export's metadata (read from its
+    header: 8 bytes of little-endian length, then that many bytes of JSON)."""
+    header = _header(path)
+    metadata = header.get("__metadata__") if header is not None else None
     return isinstance(metadata, dict) and metadata.get("exported_by") == EXPORTED_BY

@@ -24,6 +24,8 @@ from megatron.training.hf.families import REGISTRY
 from megatron.training.hf.families.deepseek import mla_full_shapes
 from megatron.training.hf.families.moe import moe_full_shapes
 from megatron.training.hf.family import HFArchitecture, Source
+from megatron.training.hf.mtp_weights import mtp_copies, mtp_sources
+from megatron.training.hf.scatter import scatter_to_hf  # noqa: F401 (its home before)
 from megatron.training.hf.target import INDEX_FILENAME, SINGLE_FILENAME
 
 # Tensors some checkpoints carry that hold no weights (buffers recomputed by the model).
@@ -52,7 +54,20 @@ def parameter_sources(arch: HFArchitecture, prefix: Optional[str] = None) -> Dic
     sources = dict(global_sources(arch, prefix))
     for layer in range(arch.num_layers):
         sources.update(layer_sources(arch, layer, prefix))
+    sources.update(mtp_parameter_sources(arch, prefix))
     return sources
+
+
+def mtp_parameter_sources(arch: HFArchitecture, prefix: Optional[str] = None):
+    """{our ``mtp.layers.*`` name: its segments} of the MTP depths (none without)."""
+    if not arch.mtp_num_layers:
+        return {}
+    return mtp_sources(
+        arch,
+        arch.mtp_num_layers,
+        lambda layer: layer_sources(arch, layer, prefix),
+        "model." if prefix is None else prefix,
+    )
 
 
 def global_sources(arch: HFArchitecture, prefix: Optional[str] = None) -> Dict[str, Source]:
@@ -131,6 +146,15 @@ def our_full_shapes(arch: HFArchitecture) -> Dict[str, tuple]:
     shapes.update(moe_full_shapes(arch))
     if arch.multi_latent_attention:
         shapes.update(mla_full_shapes(arch))
+    last = f"decoder.layers.{arch.num_layers - 1}."
+    for depth in range(arch.mtp_num_layers or 0):  # depths repeat the last layer's shapes
+        ours = f"mtp.layers.{depth}."
+        shapes.update({ours + n: (h,) for n in ("enorm.weight", "hnorm.weight")})
+        shapes[ours + "final_layernorm.weight"] = (h,)
+        shapes[ours + "eh_proj.weight"] = (h, 2 * h)
+        for name, shape in list(shapes.items()):
+            if name.startswith(last):
+                shapes[ours + "transformer_layer." + name[len(last) :]] = shape
     return shapes
 
 
@@ -250,6 +274,8 @@ def check_checkpoint_tensors(
                 f"architecture needs {list(shape)}"
             )
     ignorable = {"lm_head.weight"} if arch.tied else set()
+    copies = mtp_copy_keys(arch, sources)
+    ignorable.update(copies)
     unused = sorted(k for k in present - set(expected) - ignorable if not is_buffer_key(k))
     if unused:
         raise ValueError(
@@ -267,6 +293,33 @@ def check_checkpoint_tensors(
     if arch.tied and "lm_head.weight" in present:
         embedding = sources["embedding.word_embeddings.weight"][0].key
         check_tied_head(reader, embedding, "lm_head.weight")
+    for copy, original in copies.items():
+        if copy in present and not same_tensor(reader, copy, original):
+            raise ValueError(
+                f"{reader.directory}: multi-token prediction tensor {copy!r} differs from "
+                f"{original!r}; expected a copy (our MTP depths share the embeddings and the "
+                "output head)"
+            )
+
+
+def mtp_copy_keys(arch: HFArchitecture, sources: Dict[str, Source]) -> Dict[str, str]:
+    """{HuggingFace key of an MTP layer's copy of a shared tensor: the key it copies}."""
+    if not arch.mtp_num_layers:
+        return {}
+    prefix = sources["embedding.word_embeddings.weight"][0].key.split("embed_tokens")[0]
+    copies = mtp_copies(arch, arch.mtp_num_layers, prefix)
+    return {key: sources[name][0].key for key, name in copies.items()}
+
+
+def same_tensor(reader: "SafetensorsReader", a: str, b: str) -> bool:
+    """Whether tensors ``a`` and ``b`` are equal (compared ``_COMPARE_ROWS`` rows at a time)."""
+    if reader.shape(a) != reader.shape(b):
+        return False
+    for start in range(0, reader.shape(a)[0], _COMPARE_ROWS):
+        index = (slice(start, min(reader.shape(a)[0], start + _COMPARE_ROWS)),)
+        if not torch.equal(reader.read(a, index), reader.read(b, index)):
+            return False
+    return True
 
 
 def check_tied_head(reader: "SafetensorsReader", embedding: str, head: str) -> None:
@@ -331,30 +384,6 @@ def _read_segment(reader, seg, first: int, last: int, columns) -> torch.Tensor:
         part = reader.read(seg.key, lead + index)
         part = (part[0] if lead else part)[:: seg.step]
     return part.contiguous() if seg.step > 1 or lead else part
-
-
-def scatter_to_hf(
-    ours: Dict[str, torch.Tensor], sources: Dict[str, Source], shapes: Dict[str, tuple]
-) -> Dict[str, torch.Tensor]:
-    """The HuggingFace tensors made from our full tensors ``ours`` (each segment's rows
-    copied back; the exact inverse of ``read_rows``)."""
-    out: Dict[str, torch.Tensor] = {}
-    for name, tensor in ours.items():
-        offset = 0
-        for seg in sources[name]:
-            part = tensor[offset : offset + seg.length]
-            target = out.get(seg.key)
-            if target is None:
-                target = out[seg.key] = torch.empty(shapes[seg.key], dtype=tensor.dtype)
-            if seg.index is not None:
-                target = target[seg.index]
-            rows = seg.hf_rows(0, seg.length)
-            if seg.transposed:
-                target[:, rows] = part.t()
-            else:
-                target[rows] = part
-            offset += seg.length
-    return out
 
 
 def keys_of(sources: Iterable[Source]) -> List[str]:

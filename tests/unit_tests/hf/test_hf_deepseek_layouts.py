@@ -1,10 +1,10 @@
-"""DeepSeek-V3 / V2-Lite from HuggingFace at 2- and 4-rank layouts against transformers,
+"""DeepSeek-V3 / V2-Lite from HuggingFace at 2-, 4- and 8-rank layouts against transformers,
 float64: one step through DDP, the schedule and ``finalize_model_grads`` (per-token loss over
 an uneven mask, a CP shard without valid tokens) gives every ``main_grad`` of transformers'
 model (this rank's TP / expert shard) and, for V3, the expert bias transformers' routing
 counts give (each pipeline stage updates its own layers). Slow: a torchrun launch.
 
-Launch: ``torchrun --nproc-per-node 2 (or 4) -m pytest
+Launch: ``torchrun --nproc-per-node 2 (or 4, 8) -m pytest
 tests/unit_tests/hf/test_hf_deepseek_layouts.py -m slow``.
 """
 
@@ -49,6 +49,8 @@ LAYOUTS = [
         Layout(tp=2, sp=True, pp=2),
         Layout(cp=2, pp=2),
         Layout(tp=2, sp=True, dp=2, ep=2),
+        Layout(tp=2, sp=True, cp=2, pp=2),  # 8 ranks
+        Layout(tp=2, sp=True, cp=2, dp=2, ep=2),  # 8 ranks: experts over ETP 2 x EP 2
     )
 ]
 

@@ -54,12 +54,13 @@ def test_mtp_losses_are_logged_and_weighted():
 @pytest.mark.world(1)
 def test_no_mtp_logs_no_mtp_loss_and_moe_mtp_trains():
     """Without --mtp-num-layers the record has no mtp key; a MoE model's MTP depths are MoE
-    layers too (DeepSeek-V3's) and train, the router metrics those of the decoder's layers."""
+    layers too (DeepSeek-V3's) and train; the router metrics are the decoder's layers' then
+    the depths' (megatron-core's ``track_moe_metrics(mtp_num_layers=...)``)."""
     record = _records(mtp_num_layers=None, train_iters=1)[0]
     assert not [key for key in record if key.startswith("mtp")], record
     moe = _records(train_iters=1, num_experts=4, disable_bias_linear=True)[0]
     assert abs(moe["mtp_1_loss"] - math.log(64)) < 0.5, moe
-    assert len(moe["moe_tokens_per_expert"]) == 2, moe  # the decoder's two MoE layers
+    assert len(moe["moe_tokens_per_expert"]) == 4, moe  # 2 decoder MoE layers + 2 depths
 
 
 @pytest.mark.world(1)
@@ -71,10 +72,6 @@ def test_no_mtp_logs_no_mtp_loss_and_moe_mtp_trains():
         (
             dict(mtp_num_layers=1, mtp_loss_scaling_factor=float("nan")),
             r"--mtp-loss-scaling-factor must be a finite number, got nan",
-        ),
-        (
-            dict(mtp_num_layers=1, export_hf="out"),
-            r"--mtp-num-layers 1 with --export-hf: the HuggingFace export does not write MTP",
         ),
         (
             dict(mtp_num_layers=1, pipeline_model_parallel_size=2),
@@ -187,6 +184,19 @@ def test_resume_restores_the_mtp_depths(tmp_path):
     _records(train_iters=2, save=str(tmp_path))
     resumed = [[r[k] for k in keys] for r in _records(train_iters=4, load=str(tmp_path))]
     assert resumed == straight[2:], (resumed, straight)
+
+
+@pytest.mark.world(1)
+def test_export_hf_of_mtp_depths_needs_a_family_that_carries_them():
+    """--export-hf of a flags-built model with MTP depths is refused up front unless it is
+    a DeepSeek-V3 model (the only family whose HuggingFace format carries them)."""
+    from megatron.training.preflight import check_export_family
+
+    llama = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope")
+    config = TrainingConfig(mtp_num_layers=1, export_hf="out", disable_bias_linear=True, **llama)
+    with pytest.raises(UsageError, match=r"mtp_num_layers=1 .*llama.*expected a deepseek_v3"):
+        check_export_family(config)
+    check_export_family(TrainingConfig(export_hf="out", disable_bias_linear=True, **llama))
 
 
 @pytest.mark.world(1)

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import communication
+from megatron.core.device import comm_device
 from megatron.core.process_groups_config import (
     ProcessGroupCollection,
     get_pg_size,
@@ -94,22 +95,47 @@ def reduce_aux_losses_tracker_across_ranks(
     track_names: Optional[List[str]] = None,
     pg_collection: Optional[ProcessGroupCollection] = None,
 ) -> None:
-    """In place: sum every entry over the pipeline group (each layer lives on one stage) and
-    its ``reduce_group``; average it over ``avg_group`` (sum counts over ``sum_group``).
+    """In place: sum every entry over its ``reduce_group``, average it over ``avg_group``
+    (sum counts over ``sum_group``), then sum it over the pipeline group (each layer lives on
+    one stage). A stage without the entry (no MoE layer there, e.g. DeepSeek's first dense
+    layers) joins with zeros: the stages agree on the entries first.
     Groups: ``pg_collection.pp``, else ``parallel_state``'s (MPU fallback), else none."""
     groups = resolve_pg_collection(pg_collection)
     pp = None if groups is None else groups.pp
-    for name in track_names if track_names is not None else list(_TRACKER):
+    names = track_names if track_names is not None else list(_TRACKER)
+    if pp is not None and get_pg_size(pp) > 1:
+        names = _agree_over_pipeline(names, pp)
+    for name in names:
         entry = _TRACKER.get(name)
         if entry is None or entry.get("values") is None:
             continue
         values = entry["values"]
-        for group in (pp, entry.get("reduce_group"), entry.get("sum_group")):
+        for group in (entry.get("reduce_group"), entry.get("sum_group")):
             values = communication.all_reduce(values, group)
         avg_group = entry.get("avg_group")
         if avg_group is not None and get_pg_size(avg_group) > 1:
             values = communication.all_reduce(values, avg_group) / get_pg_size(avg_group)
+        values = communication.all_reduce(values, pp)
         entry["values"] = values.to(entry["values"].dtype)
+
+
+def _agree_over_pipeline(names: List[str], pp: dist.ProcessGroup) -> List[str]:
+    """The entries of ``names`` any stage holds, in one order on every stage; an entry this
+    stage lacks is added as zeros of the others' shape and dtype (no group of its own)."""
+    mine = {
+        name: (tuple(entry["values"].shape), str(entry["values"].dtype).split(".")[-1])
+        for name in names
+        if (entry := _TRACKER.get(name)) is not None and entry.get("values") is not None
+    }
+    held: Dict[str, tuple] = {}
+    for other in communication.all_gather_object(mine, pp):
+        held.update(other)
+    for name, (shape, dtype) in held.items():
+        entry = _TRACKER.setdefault(name, {})
+        if entry.get("values") is None:
+            zeros = torch.zeros(shape, dtype=getattr(torch, dtype), device=comm_device())
+            entry.update(values=zeros, reduce_group=None, avg_group=None, sum_group=None)
+    return sorted(held)
 
 
 def reduced_moe_metrics(
@@ -118,22 +144,27 @@ def reduced_moe_metrics(
     moe_layer_freq=None,
     pg_collection: Optional[ProcessGroupCollection] = None,
     track_names: Optional[List[str]] = None,
+    mtp_num_layers: Optional[int] = None,
 ) -> Dict[str, torch.Tensor]:
     """The step's tracked values reduced over ranks (``reduce_aux_losses_tracker_across_
     ranks``), losses times ``loss_scale`` (1/M): name -> per-layer values of the MoE layers
-    ([L_moe], [L_moe, E] for "tokens_per_expert"). The same on every rank and layout."""
+    ([L_moe], [L_moe, E] for "tokens_per_expert"), then of the ``mtp_num_layers`` MTP depths
+    (filed after the decoder's layers; megatron-core counts each depth as a MoE layer). The
+    same on every rank and layout."""
     reduce_aux_losses_tracker_across_ranks(track_names, pg_collection)
     from megatron.core.config_rules import moe_layer_pattern
 
+    mtp = mtp_num_layers or 0
     out = {}
     for name in track_names if track_names is not None else list(_TRACKER):
         entry = _TRACKER.get(name)
         if entry is None or entry.get("values") is None:
             continue
         values = entry["values"]
-        layers = values.shape[0] if num_layers is None else num_layers
+        layers = values.shape[0] - mtp if num_layers is None else num_layers
         pattern = moe_layer_pattern(moe_layer_freq if moe_layer_freq is not None else 1, layers)
-        keep = [i for i, flag in enumerate(pattern or [1] * layers) if flag and i < len(values)]
+        pattern = list(pattern or [1] * layers) + [1] * mtp
+        keep = [i for i, flag in enumerate(pattern) if flag and i < len(values)]
         values = values[keep]
         out[name] = values if name == "tokens_per_expert" else values * loss_scale
     return out
@@ -156,14 +187,14 @@ def track_moe_metrics(
     """Reduce the tracked router losses over ranks, add each loss's mean over the MoE
     layers (times ``loss_scale``) to ``total_loss_dict``, write them (and, with
     ``per_layer_logging``, each layer's) to ``writer`` / ``wandb_writer``, and clear the
-    tracker. The values are the same on every layout (see the module docstring)."""
-    if mtp_num_layers:
-        raise NotImplementedError("track_moe_metrics: mtp_num_layers is not supported")
+    tracker. The values are the same on every layout (see the module docstring). With
+    ``mtp_num_layers`` the MTP depths' routers count as MoE layers after the decoder's (as
+    megatron-core 0.16.1: the mean is over the MoE layers and the depths)."""
     if force_initialize and track_names:
         for name in track_names:
             _TRACKER.setdefault(name, {}).setdefault("values", None)
     metrics = reduced_moe_metrics(
-        loss_scale, num_layers, moe_layer_freq, pg_collection, track_names
+        loss_scale, num_layers, moe_layer_freq, pg_collection, track_names, mtp_num_layers
     )
     for name, values in metrics.items():
         if name == "tokens_per_expert" or values.numel() == 0:

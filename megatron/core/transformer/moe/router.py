@@ -258,7 +258,7 @@ class TopKRouter(Router):
             with torch.no_grad():
                 self.local_tokens_per_expert += counts.to(self.local_tokens_per_expert.device)
         moe_utils.save_tokens_per_expert(
-            counts, self.layer_number, self.config.num_layers, self.groups.tp_cp, self.groups.dp
+            counts, self.layer_number, self._tracked_layers(), self.groups.tp_cp, self.groups.dp
         )
 
     def _track(self, name: str, loss: torch.Tensor, coeff: float) -> None:
@@ -268,10 +268,15 @@ class TopKRouter(Router):
             name,
             loss / coeff,
             self.layer_number,
-            self.config.num_layers,
+            self._tracked_layers(),
             reduce_group=self.groups.tp_cp,
             avg_group=self.groups.dp,
         )
+
+    def _tracked_layers(self) -> int:
+        """The tracker's layer count: the decoder's layers, then the MTP depths' (as
+        megatron-core's router)."""
+        return self.config.num_layers + (self.config.mtp_num_layers or 0)
 
     def _apply_expert_bias(self, routing_map: torch.Tensor, padding_mask=None) -> None:
         """Add the dispatch map's valid-token counts to ``local_tokens_per_expert``."""

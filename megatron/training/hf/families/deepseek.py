@@ -19,11 +19,13 @@ top k, not renormalized, times ``routed_scaling_factor``; ``group_limited_greedy
 ``topk_group`` groups of highest max score (ours: the sum of the best k / group_topk, so k must
 equal ``topk_group``). What cannot be expressed is refused by name.
 
-Multi-token prediction layers (V3's layers after ``num_hidden_layers``) are refused by name
-when the checkpoint carries them (``check_keys``): not converted yet.
+Multi-token prediction (V3): depth k is layer ``num_hidden_layers + k``
+(``hf/mtp_weights.py``); the checkpoint's tensors say whether it has them
+(``num_nextn_predict_layers``, which transformers writes as 1 without them, must count them
+when they are there). V2 has none: its layers after ``num_hidden_layers`` are refused by name.
 """
 
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 from megatron.training.hf.families.llama import LlamaShaped
 from megatron.training.hf.families.moe import moe_mlp_sources, read_routing
@@ -396,20 +398,32 @@ class DeepSeek(Family):
         return table
 
     def check_keys(self, arch: HFArchitecture, keys: Iterable[str], where: str) -> None:
-        extra = sorted(
-            k
-            for k in keys
-            if k.startswith("model.layers.")
-            and k.split(".")[2].isdigit()
-            and int(k.split(".")[2]) >= arch.num_layers
-        )
+        last = arch.num_layers + (arch.mtp_num_layers or 0)
+        extra = sorted(k for k in keys if (_layer_of(k) or 0) >= last)
         if extra:
+            expected = (
+                f"{arch.mtp_num_layers or 0} multi-token prediction layer(s) after them (as "
+                "many as num_nextn_predict_layers declares, each with all its tensors)"
+                if self.carries_mtp
+                else "none (DeepSeek-V2 has no multi-token prediction layers)"
+            )
             raise ValueError(
                 f"{where}: tensors {extra[:3]}{' ...' if len(extra) > 3 else ''} are layers "
-                f"after num_hidden_layers ({arch.num_layers}): DeepSeek's multi-token "
-                "prediction layers, which the converter does not read yet; remove them (the "
-                "model without multi-token prediction) or convert them with a later version"
+                f"after num_hidden_layers ({arch.num_layers}); expected {expected}"
             )
+
+
+def _layer_of(key: str) -> Optional[int]:
+    """The layer index of a ``model.layers.<L>.`` tensor name (None: another tensor)."""
+    parts = key.split(".")
+    if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdigit():
+        return int(parts[2])
+    return None
+
+
+def mtp_layers_in(keys: Iterable[str], num_layers: int) -> List[int]:
+    """The layers after ``num_layers`` that a checkpoint's tensor names hold, sorted."""
+    return sorted({layer for layer in map(_layer_of, keys) if (layer or 0) >= num_layers})
 
 
 class DeepseekV3(DeepSeek):
@@ -444,11 +458,42 @@ class DeepseekV3(DeepSeek):
             moe_router_group_topk=group_topk,
         )
 
+    carries_mtp = True
+
     def read_mtp(self, c: ConfigReader) -> None:
         # transformers writes num_nextn_predict_layers (1 by default) whether or not the
-        # checkpoint has the layers; the layers themselves are refused in check_keys.
+        # checkpoint has the layers: the tensors decide (``mtp_layers``).
         for key in ("num_nextn_predict_layers", "num_mtp_layers"):
-            c.expect(key, 0, "an integer >= 0", default=0, allow=lambda v: isinstance(v, int))
+            c.expect(
+                key, 0, "an integer >= 0", default=0, allow=lambda v: type(v) is int and v >= 0
+            )
+
+    def mtp_layers(
+        self, arch: HFArchitecture, raw: Dict[str, Any], keys: Iterable[str], where: str
+    ) -> Optional[int]:
+        found = mtp_layers_in(keys, arch.num_layers)
+        if not found:
+            return None
+        declared = raw.get("num_nextn_predict_layers") or 0
+        expected = list(range(arch.num_layers, arch.num_layers + declared))
+        if found != expected:
+            raise ValueError(
+                f"{where}: num_nextn_predict_layers={declared} is not supported with the "
+                f"checkpoint's layers {found} after num_hidden_layers ({arch.num_layers}); "
+                f"expected num_nextn_predict_layers={len(found)} with layers "
+                f"{arch.num_layers}..{arch.num_layers + len(found) - 1} (DeepSeek-V3's "
+                "multi-token prediction layers)"
+            )
+        if arch.num_moe_experts is None:
+            raise ValueError(
+                f"{where}: first_k_dense_replace={arch.num_layers} (every layer dense) is not "
+                "supported with multi-token prediction layers (DeepSeek-V3's would be MoE "
+                "layers, ours repeat the last layer's kind); expected a MoE last layer"
+            )
+        return declared
+
+    def declared_mtp_layers(self, raw: Dict[str, Any]) -> Optional[int]:
+        return raw.get("num_nextn_predict_layers") or None
 
     def write_routing(self, arch: HFArchitecture) -> Dict[str, Any]:
         if arch.moe_router_score_function != "sigmoid" or not arch.moe_router_enable_expert_bias:
@@ -458,7 +503,7 @@ class DeepseekV3(DeepSeek):
             "topk_group": arch.moe_router_group_topk or 1,
             "norm_topk_prob": arch.moe_router_topk > 1,
             "rope_interleave": True,
-            "num_nextn_predict_layers": 0,
+            "num_nextn_predict_layers": arch.mtp_num_layers or 0,
         }
 
 
