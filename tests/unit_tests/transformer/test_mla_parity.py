@@ -280,9 +280,13 @@ def test_mla_matches_deepseek_v3(rope_type, q_lora_rank):
     assert not bad, bad
 
 
-def _distributed_step(layout: Layout, rope_type: str, q_lora_rank, reference, **extra) -> list:
+def _distributed_step(
+    layout: Layout, rope_type: str, q_lora_rank, reference, per_shard: bool = False, **extra
+) -> list:
     """One step through DDP, the schedule and finalize_model_grads (per-token loss: the
-    masked sum over the whole batch divided by its valid tokens); gradient mismatches."""
+    masked sum over the whole batch divided by its valid tokens; ``per_shard``: each CP
+    shard's own masked mean, then averaged, megatron-core's normalization the seed reports);
+    gradient mismatches."""
     use_layout(layout)
     groups = ProcessGroupCollection.use_mpu_process_groups()
     config = _config(rope_type, q_lora_rank, layout, calculate_per_token_loss=True, **extra)
@@ -311,7 +315,10 @@ def _distributed_step(layout: Layout, rope_type: str, q_lora_rank, reference, **
 
         def loss_func(output_tensor):
             loss_sum = (output_tensor * batch["loss_mask"]).sum()
-            return loss_sum, batch["loss_mask"].sum().to(torch.int), {}
+            count = batch["loss_mask"].sum()
+            if per_shard:
+                return loss_sum / count.clamp(min=1), torch.tensor(1, dtype=torch.int), {}
+            return loss_sum, count.to(torch.int), {}
 
         return output, loss_func
 
@@ -393,6 +400,16 @@ def test_negative_control_rope_key_grad_not_summed_over_tp(monkeypatch):
     monkeypatch.setattr(MLASelfAttention, "_shared_rope_key", lambda self, k_pe: k_pe)
     bad = _distributed_step(Layout(tp=2), "rope", 8, reference)
     assert any("linear_kv_down_proj" in entry for entry in bad), bad
+
+
+@pytest.mark.world(2)
+def test_negative_control_per_shard_loss_normalization_at_cp2():
+    """Each CP shard normalizing by its own valid tokens (megatron-core 0.16.1 without
+    per-token loss; #7452 finding 9, the seed) moves the MLA model's gradient at cp2 with the
+    uneven mask: the check catches it."""
+    reference = _own_reference("yarn", 8)
+    bad = _distributed_step(Layout(cp=2), "yarn", 8, reference, per_shard=True)
+    assert gather_failures(bad), "per-shard normalization went unnoticed"
 
 
 @pytest.mark.world(1)
