@@ -34,7 +34,8 @@ a 0/1 mask over them, 1 on assistant tokens. How the assistant's tokens are foun
    (``a < span_end`` and ``b > span_start``).
 
 Rendering uses jinja2's immutable sandbox with ``trim_blocks`` and ``lstrip_blocks`` (as
-HuggingFace renders templates), the ``tojson`` filter, and ``raise_exception`` /
+HuggingFace renders templates), ``{% break %}`` / ``{% continue %}``, the ``tojson`` filter,
+and ``raise_exception`` /
 ``strftime_now`` globals; ``strftime_now`` reads the clock once per conversation, so every
 rendering of it has the same date.
 """
@@ -335,7 +336,7 @@ def _compile(template: str) -> Any:
         return datetime.datetime.now().strftime(fmt)
 
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation]
+        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, "jinja2.ext.loopcontrols"]
     )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception

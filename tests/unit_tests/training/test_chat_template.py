@@ -411,3 +411,24 @@ def test_harmony_date_is_the_same_in_every_render_of_a_conversation(tmp_path, mo
     ids, mask = tokenize_conversation(tok, CONVERSATIONS[1])
     assert "Current date: 2026-02-01\n" in tok.detokenize(ids)
     assert _trained(tok, ids, mask) == "<|channel|>final<|message|>the lazy dog<|return|>"
+
+
+def test_loop_controls_render_as_in_transformers(tmp_path):
+    """{% break %} / {% continue %} (jinja2's loopcontrols, which transformers' renderer
+    enables and chat templates use) render here too (before: "not valid Jinja"); the mask
+    by incremental rendering equals transformers' of the generation-tagged variant."""
+    template = LLAMA3.replace(
+        "{% for m in messages %}",
+        "{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}",
+    ).replace("{% endfor %}", "{% if loop.index > 8 %}{% break %}{% endif %}{% endfor %}")
+    fast = _save(
+        tmp_path / "ref",
+        template.replace("GEN_OPEN", "{% generation %}").replace(
+            "GEN_CLOSE", "{% endgeneration %}"
+        ),
+    )
+    _save(tmp_path / "plain", template.replace("GEN_OPEN", "").replace("GEN_CLOSE", ""))
+    ours = load_hf_tokenizer(str(tmp_path / "plain"))
+    ids, mask = tokenize_conversation(ours, CONVERSATIONS[0])
+    ref_ids, ref_mask = _reference(fast, CONVERSATIONS[0])
+    assert (ids, mask) == (ref_ids, ref_mask) and "system" not in ours.detokenize(ids)
