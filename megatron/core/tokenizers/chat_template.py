@@ -44,7 +44,7 @@ import datetime
 import json
 import re
 from functools import lru_cache
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy
 
@@ -100,7 +100,7 @@ def render_with_assistant_spans(
     """The rendered conversation and the assistant's ``(start, end)`` character spans in it
     (module docstring, step 2)."""
     compiled = _compile(template)
-    variables = {"strftime_now": _clock(), **variables}  # one date for every render
+    variables = {"strftime_now": frozen_strftime_now(), **variables}  # one date for all
     if _GENERATION_TAG.search(template):
         return _strip_sentinels(_render(compiled, messages, False, variables, keep_marks=True))
     full = _render(compiled, messages, False, variables)
@@ -127,8 +127,10 @@ def render_with_assistant_spans(
     return full, spans
 
 
-def _clock() -> Any:
-    """``strftime_now`` (transformers' template global) on one instant, read now."""
+def frozen_strftime_now() -> Callable[[str], str]:
+    """``strftime_now`` (the template global transformers provides) on one instant, read
+    now: passed as a variable to every rendering of one conversation, they agree on the
+    date (GPT-OSS's ``Current date:``) even across midnight."""
     now = datetime.datetime.now()
     return lambda fmt: now.strftime(fmt)
 

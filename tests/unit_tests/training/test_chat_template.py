@@ -432,3 +432,33 @@ def test_loop_controls_render_as_in_transformers(tmp_path):
     ids, mask = tokenize_conversation(ours, CONVERSATIONS[0])
     ref_ids, ref_mask = _reference(fast, CONVERSATIONS[0])
     assert (ids, mask) == (ref_ids, ref_mask) and "system" not in ours.detokenize(ids)
+
+
+def test_dpo_conversational_pair_with_harmony_reads_one_date(tmp_path, monkeypatch):
+    """DPO's conversational pairs render the prompt and prompt + completion separately and
+    train from where they differ: a clock that moves between the two renders (midnight)
+    trained the whole conversation from the date on; now both have one date."""
+    import datetime as real
+
+    from megatron.core.tokenizers import chat_template
+    from megatron.training.preference_data import tokenize_pair
+
+    _save(tmp_path, HARMONY_PLAIN, eos="<|return|>", special=HARMONY_SPECIAL)
+    tok = load_hf_tokenizer(str(tmp_path))
+    days = iter(range(1, 28))
+
+    class _Ticking(real.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return real.datetime(2026, 2, next(days), 23, 59)
+
+    monkeypatch.setattr(chat_template.datetime, "datetime", _Ticking)
+    record = {
+        "prompt": CONVERSATIONS[1][:1],
+        "chosen": [{"role": "assistant", "content": "the lazy dog"}],
+        "rejected": [{"role": "assistant", "content": "a fox"}],
+    }
+    for (ids, mask), side in zip(tokenize_pair(record, tok, "x:1"), ("the lazy dog", "a fox")):
+        assert tok.detokenize(ids[mask == 1].tolist()) == (
+            f"<|channel|>final<|message|>{side}<|return|>"
+        )
