@@ -28,8 +28,9 @@ a 0/1 mask over them, 1 on assistant tokens. How the assistant's tokens are foun
      gives an earlier turn ``Q`` that ``T`` does not begin with; that turn is then taken as
      rendered when the conversation goes on: ``render(messages[:k + 1],
      add_generation_prompt=True)`` less the generation prompt (what ``P`` adds to
-     ``render(messages[:k])``), under the same checks. A message field that this rendering
-     drops and ``Q`` writes (an earlier turn's ``thinking``) is refused by name.
+     ``render(messages[:k])``), under the same checks. A message field that ``Q`` writes
+     and this rendering drops (leaving it out changes ``Q`` and not this rendering: an
+     earlier turn's ``thinking``) is refused by name: it would not be trained.
 3. Token ``i`` is an assistant token iff its span overlaps an assistant span
    (``a < span_end`` and ``b > span_start``).
 
@@ -159,23 +160,48 @@ def _continued_turn(
     continued = continued[: len(continued) - len(prompt)]
     if not (continued.startswith(before) and full.startswith(continued)):
         return last
-    _check_dropped_fields(messages[k], k, last[len(before) :], continued[len(before) :])
+    for key in _dropped_fields(messages[k], last[len(before) :], continued[len(before) :]):
+        if _writes_only_last(compiled, messages, k, key, variables):
+            raise ChatTemplateError(
+                f"messages[{k}] (assistant): the chat template writes its {key!r} only when "
+                "it is the last message and drops it once later turns follow, so it would not "
+                f"be trained; remove {key!r} from that message or split the conversation so "
+                "that it ends there"
+            )
     return continued
 
 
-def _check_dropped_fields(message: Message, k: int, last: str, continued: str) -> None:
-    """A field of assistant message ``k`` that its rendering as the last message writes and
-    its continued rendering drops (an earlier turn's ``thinking``) would not be trained:
-    refused by name."""
-    for key, value in message.items():
-        if key != "role" and isinstance(value, str) and value:
-            if value in last and value not in continued:
-                raise ChatTemplateError(
-                    f"messages[{k}] (assistant): the chat template writes its {key!r} only "
-                    "when it is the last message and drops it once later turns follow, so it "
-                    f"would not be trained; remove {key!r} from that message or split the "
-                    "conversation so that it ends there"
+def _dropped_fields(message: Message, last: str, continued: str) -> List[str]:
+    """The fields of ``message`` (a string value) found in ``last`` and not in
+    ``continued``: candidates for ``_writes_only_last``."""
+    return [
+        key
+        for key, value in message.items()
+        if key != "role" and isinstance(value, str) and value in last and value not in continued
+    ]
+
+
+def _writes_only_last(
+    compiled: Any, messages: Sequence[Message], k: int, key: str, variables: Dict[str, Any]
+) -> bool:
+    """Whether leaving ``key`` out of message ``k`` changes its rendering as the last message
+    and not its rendering with the generation prompt (the continued turn): the template
+    writes the field only on the last turn (GPT-OSS's ``thinking``)."""
+    without = [dict(messages[k])]
+    del without[0][key]
+    texts = []
+    for prompt in (False, True):
+        try:
+            texts.append(
+                (
+                    _render(compiled, messages[: k + 1], prompt, variables),
+                    _render(compiled, list(messages[:k]) + without, prompt, variables),
                 )
+            )
+        except ChatTemplateError:  # the template needs the field: not one it drops
+            return False
+    (last, last_without), (continued, continued_without) = texts
+    return last != last_without and continued == continued_without
 
 
 def _closing(compiled: Any, variables: Dict[str, Any]) -> str:

@@ -391,6 +391,16 @@ def test_harmony_thinking_on_an_earlier_turn_is_refused_by_name(tmp_path):
         tokenize_conversation(load_hf_tokenizer(str(tmp_path)), messages)
 
 
+def test_harmony_field_the_template_never_writes_is_not_refused(tmp_path):
+    """Only a field the template writes on the last turn and drops on earlier ones is
+    refused: an unrendered field whose text happens to occur in the last turn's closing
+    ("return" in <|return|>) is accepted, with transformers' ids and mask."""
+    messages = [dict(m) for m in CONVERSATIONS[0]]
+    messages[2]["finish"] = "return"
+    ours, ids, mask, (ref_ids, ref_mask) = _harmony(tmp_path, messages)
+    assert ids == ref_ids and mask == ref_mask
+
+
 def test_harmony_date_is_the_same_in_every_render_of_a_conversation(tmp_path, monkeypatch):
     """strftime_now is read once per conversation: a clock that moves between the renders
     (midnight during a run) gives the first date everywhere, not a refusal or a wrong mask."""
