@@ -36,9 +36,8 @@ a 0/1 mask over them, 1 on assistant tokens. How the assistant's tokens are foun
 
 Rendering uses jinja2's immutable sandbox with ``trim_blocks`` and ``lstrip_blocks`` (as
 HuggingFace renders templates), ``{% break %}`` / ``{% continue %}``, the ``tojson`` filter,
-and ``raise_exception`` /
-``strftime_now`` globals; ``strftime_now`` reads the clock once per conversation, so every
-rendering of it has the same date.
+and ``raise_exception`` / ``strftime_now`` globals; ``strftime_now`` reads the clock once per
+conversation, so every rendering of it has the same date.
 """
 
 import datetime
@@ -172,12 +171,15 @@ def _continued_turn(
 
 
 def _dropped_fields(message: Message, last: str, continued: str) -> List[str]:
-    """The fields of ``message`` (a string value) found in ``last`` and not in
+    """The fields of ``message`` (a string value) found more often in ``last`` than in
     ``continued``: candidates for ``_writes_only_last``."""
     return [
         key
         for key, value in message.items()
-        if key != "role" and isinstance(value, str) and value in last and value not in continued
+        if key != "role"
+        and isinstance(value, str)
+        and value
+        and last.count(value) > continued.count(value)
     ]
 
 

@@ -384,11 +384,13 @@ def test_harmony_thinking_on_an_earlier_turn_is_refused_by_name(tmp_path):
     """The template drops an earlier turn's thinking once later turns follow: training that
     turn would silently lose it, so the conversation is refused, naming the message and
     the field."""
-    messages = [dict(m) for m in CONVERSATIONS[0]]
-    messages[2]["thinking"] = "a fox, quick and brown"
     _save(tmp_path, HARMONY_PLAIN, eos="<|return|>", special=HARMONY_SPECIAL)
-    with pytest.raises(ChatTemplateError, match=r"messages\[2\].*'thinking'.*last"):
-        tokenize_conversation(load_hf_tokenizer(str(tmp_path)), messages)
+    tok = load_hf_tokenizer(str(tmp_path))
+    for thinking in ("a fox, quick and brown", "fox"):  # the second also in the content
+        messages = [dict(m) for m in CONVERSATIONS[0]]
+        messages[2]["thinking"] = thinking
+        with pytest.raises(ChatTemplateError, match=r"messages\[2\].*'thinking'.*last"):
+            tokenize_conversation(tok, messages)
 
 
 def test_harmony_field_the_template_never_writes_is_not_refused(tmp_path):
