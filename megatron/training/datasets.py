@@ -5,11 +5,12 @@ megatron's indexed format.
 
 - a JSONL file, one record per line, tokenized when the job starts:
 
-  - ``{"messages": [{"role": ..., "content": ...}, ...]}``: a conversation (system, user,
-    assistant, tool turns; several rounds) rendered with the tokenizer's chat template; only
-    the assistant's tokens are trained (``megatron.core.tokenizers.chat_template``: exact
-    assistant spans from ``{% generation %}`` blocks or incremental rendering). Nothing is
-    appended: the template writes its own end-of-turn tokens.
+  - ``{"messages": [{"role": ..., "content": ...}, ...]}``: a conversation (system,
+    developer, user, assistant, tool turns; several rounds) rendered with the tokenizer's chat
+    template; only the assistant's tokens are trained
+    (``megatron.core.tokenizers.chat_template``: exact assistant spans from
+    ``{% generation %}`` blocks or incremental rendering). Nothing is appended: the template
+    writes its own end-of-turn tokens.
   - ``{"prompt": [messages], "completion": [messages]}``: the same, the conversation being
     prompt + completion (TRL's conversational prompt/completion form).
   - ``{"prompt": str, "completion": str}`` or ``{"prompt": str, "response": str}``: plain text,

@@ -122,7 +122,11 @@ def tokenize_pair(record: Any, tokenizer: Any, where: str) -> Pair:
 def _conversational(prompt: list, completion: list, tokenizer: Any, where: str) -> Record:
     """TRL's rule: the tokens of template(prompt + completion) after template(prompt, with
     the generation prompt)."""
-    from megatron.core.tokenizers.chat_template import ChatTemplateError, render_chat
+    from megatron.core.tokenizers.chat_template import (
+        ChatTemplateError,
+        frozen_strftime_now,
+        render_chat,
+    )
 
     template = getattr(tokenizer, "chat_template", None)
     if not template:
@@ -131,6 +135,7 @@ def _conversational(prompt: list, completion: list, tokenizer: Any, where: str) 
             "--tokenizer with a HuggingFace tokenizer folder holding chat_template"
         )
     variables = dict(getattr(tokenizer, "special_tokens", {}))
+    variables.setdefault("strftime_now", frozen_strftime_now())  # one date for both
     try:
         before = render_chat(template, prompt, variables, add_generation_prompt=True)
         full = render_chat(template, list(prompt) + list(completion), variables)

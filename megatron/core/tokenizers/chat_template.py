@@ -23,25 +23,33 @@ a 0/1 mask over them, 1 on assistant tokens. How the assistant's tokens are foun
      with an error asking for ``{% generation %}`` blocks. A closing the template writes only
      at the end of a conversation instead of the generation prompt (Phi-3's ``eos_token``:
      its rendering of no messages, when that does not begin its generation prompt) is not
-     part of a turn: it is cut off ``Q`` before the checks, for every turn.
+     part of a turn: it is cut off ``Q`` before the checks, for every turn. A template that
+     closes the last turn differently (GPT-OSS's ``<|return|>``, ``<|end|>`` on earlier turns)
+     gives an earlier turn ``Q`` that ``T`` does not begin with; that turn is then taken as
+     rendered when the conversation goes on: ``render(messages[:k + 1],
+     add_generation_prompt=True)`` less the generation prompt (what ``P`` adds to
+     ``render(messages[:k])``), under the same checks. A message field that ``Q`` writes
+     and this rendering drops (leaving it out changes ``Q`` and not this rendering: an
+     earlier turn's ``thinking``) is refused by name: it would not be trained.
 3. Token ``i`` is an assistant token iff its span overlaps an assistant span
    (``a < span_end`` and ``b > span_start``).
 
 Rendering uses jinja2's immutable sandbox with ``trim_blocks`` and ``lstrip_blocks`` (as
-HuggingFace renders templates), the ``tojson`` filter, and ``raise_exception`` /
-``strftime_now`` globals.
+HuggingFace renders templates), ``{% break %}`` / ``{% continue %}``, the ``tojson`` filter,
+and ``raise_exception`` / ``strftime_now`` globals; ``strftime_now`` reads the clock once per
+conversation, so every rendering of it has the same date.
 """
 
 import datetime
 import json
 import re
 from functools import lru_cache
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy
 
 _OPEN, _CLOSE = "\ue000", "\ue001"  # sentinels around {% generation %} output
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 _GENERATION_TAG = re.compile(r"{%[-+]?\s*generation\s*[-+]?%}")
 
 Message = Dict[str, Any]
@@ -92,6 +100,7 @@ def render_with_assistant_spans(
     """The rendered conversation and the assistant's ``(start, end)`` character spans in it
     (module docstring, step 2)."""
     compiled = _compile(template)
+    variables = {"strftime_now": frozen_strftime_now(), **variables}  # one date for all
     if _GENERATION_TAG.search(template):
         return _strip_sentinels(_render(compiled, messages, False, variables, keep_marks=True))
     full = _render(compiled, messages, False, variables)
@@ -104,6 +113,8 @@ def render_with_assistant_spans(
         through = _render(compiled, messages[: k + 1], False, variables)
         if closing and through.endswith(closing) and full.startswith(through[: -len(closing)]):
             through = through[: -len(closing)]  # the conversation's end, not this turn's
+        if k + 1 < len(messages) and not full.startswith(through):
+            through = _continued_turn(compiled, messages, k, (before, through, full), variables)
         if not (through.startswith(before) and full.startswith(through)):
             raise ChatTemplateError(
                 f"the chat template renders message {k} (assistant) differently once later "
@@ -114,6 +125,85 @@ def render_with_assistant_spans(
         if len(through) > len(before):
             spans.append((len(before), len(through)))
     return full, spans
+
+
+def frozen_strftime_now() -> Callable[[str], str]:
+    """``strftime_now`` (the template global transformers provides) on one instant, read
+    now: passed as a variable to every rendering of one conversation, they agree on the
+    date (GPT-OSS's ``Current date:``) even across midnight."""
+    now = datetime.datetime.now()
+    return lambda fmt: now.strftime(fmt)
+
+
+def _continued_turn(
+    compiled: Any,
+    messages: Sequence[Message],
+    k: int,
+    texts: Tuple[str, str, str],
+    variables: Dict[str, Any],
+) -> str:
+    """Assistant turn ``k`` (not the last message) as the template renders it when the
+    conversation goes on, for templates that close the last turn differently (GPT-OSS's
+    ``<|return|>`` instead of ``<|end|>``): ``render(messages[:k + 1],
+    add_generation_prompt=True)`` less the generation prompt (what ``before`` adds to
+    ``render(messages[:k])``). ``texts``: ``(before, last, full)``, ``last`` the turn rendered
+    as the last message, returned when the continued turn does not fit ``full`` either."""
+    before, last, full = texts
+    head = _render(compiled, messages[:k], False, variables)
+    if not before.startswith(head):
+        return last
+    prompt = before[len(head) :]
+    continued = _render(compiled, messages[: k + 1], True, variables)
+    if not continued.endswith(prompt):
+        return last
+    continued = continued[: len(continued) - len(prompt)]
+    if not (continued.startswith(before) and full.startswith(continued)):
+        return last
+    for key in _dropped_fields(messages[k], last[len(before) :], continued[len(before) :]):
+        if _writes_only_last(compiled, messages, k, key, variables):
+            raise ChatTemplateError(
+                f"messages[{k}] (assistant): the chat template writes its {key!r} only when "
+                "it is the last message and drops it once later turns follow, so it would not "
+                f"be trained; remove {key!r} from that message or split the conversation so "
+                "that it ends there"
+            )
+    return continued
+
+
+def _dropped_fields(message: Message, last: str, continued: str) -> List[str]:
+    """The fields of ``message`` (a string value) found more often in ``last`` than in
+    ``continued``: candidates for ``_writes_only_last``."""
+    return [
+        key
+        for key, value in message.items()
+        if key != "role"
+        and isinstance(value, str)
+        and value
+        and last.count(value) > continued.count(value)
+    ]
+
+
+def _writes_only_last(
+    compiled: Any, messages: Sequence[Message], k: int, key: str, variables: Dict[str, Any]
+) -> bool:
+    """Whether leaving ``key`` out of message ``k`` changes its rendering as the last message
+    and not its rendering with the generation prompt (the continued turn): the template
+    writes the field only on the last turn (GPT-OSS's ``thinking``)."""
+    without = [dict(messages[k])]
+    del without[0][key]
+    texts = []
+    for prompt in (False, True):
+        try:
+            texts.append(
+                (
+                    _render(compiled, messages[: k + 1], prompt, variables),
+                    _render(compiled, list(messages[:k]) + without, prompt, variables),
+                )
+            )
+        except ChatTemplateError:  # the template needs the field: not one it drops
+            return False
+    (last, last_without), (continued, continued_without) = texts
+    return last != last_without and continued == continued_without
 
 
 def _closing(compiled: Any, variables: Dict[str, Any]) -> str:
@@ -276,7 +366,7 @@ def _compile(template: str) -> Any:
         return datetime.datetime.now().strftime(fmt)
 
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation]
+        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, "jinja2.ext.loopcontrols"]
     )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception

@@ -343,7 +343,8 @@ def test_preprocess_chat_errors_are_one_line(tmp_path_factory, capsys):
     base = ["--chat", "--output-prefix", str(folder / "out"), "--input"]
     cases = [
         (base + [str(bad)] + hf + [tokenizer_dir],
-         f"{bad}:2: messages[1]: role 'robot'; expected one of system, user, assistant, tool"),
+         f"{bad}:2: messages[1]: role 'robot'; expected one of system, developer, user, "
+         "assistant, tool"),
         (base + [str(bad)],
          f"{bad}:1: a chat record needs a tokenizer with a chat template: pass "
          "--tokenizer-type HuggingFaceTokenizer --tokenizer-model with a HuggingFace "

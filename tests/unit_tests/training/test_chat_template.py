@@ -294,3 +294,183 @@ def test_megatron_tokenizer_apply_chat_template_matches_transformers(tmp_path):
     bare = MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=8)
     with pytest.raises(ValueError, match="no chat template"):
         bare.apply_chat_template(CONVERSATIONS[1])
+
+
+# GPT-OSS's "harmony" format, written for this test from its published properties: a system
+# block with today's date (strftime_now), a developer block from a leading system/developer
+# message, the last assistant turn closed by <|return|> (with its "thinking" as an analysis
+# message before it) and earlier ones by <|end|> (their thinking dropped); the generation
+# prompt is <|start|>assistant. GEN_OPEN/GEN_CLOSE: around what the model writes after it.
+HARMONY = (
+    "{{ '<|start|>system<|message|>You are a test model.\nCurrent date: ' }}"
+    "{{ strftime_now('%Y-%m-%d') + '\n\nReasoning: medium<|end|>' }}"
+    "{% set turns = messages %}"
+    "{% if messages and messages[0]['role'] in ['system', 'developer'] %}"
+    "{{ '<|start|>developer<|message|># Instructions\n\n' + messages[0]['content'] }}"
+    "{{ '\n\n<|end|>' }}{% set turns = messages[1:] %}{% endif %}"
+    "{% for m in turns %}"
+    "{% if m['role'] != 'assistant' %}"
+    "{{ '<|start|>' + m['role'] + '<|message|>' + m['content'] + '<|end|>' }}"
+    "{% elif loop.last and not add_generation_prompt %}{{ '<|start|>assistant' }}GEN_OPEN"
+    "{% if m['thinking'] %}"
+    "{{ '<|channel|>analysis<|message|>' + m['thinking'] + '<|end|><|start|>assistant' }}"
+    "{% endif %}{{ '<|channel|>final<|message|>' + m['content'] + '<|return|>' }}GEN_CLOSE"
+    "{% else %}{{ '<|start|>assistant' }}GEN_OPEN"
+    "{{ '<|channel|>final<|message|>' + m['content'] + '<|end|>' }}GEN_CLOSE{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}"
+)
+HARMONY_GEN = HARMONY.replace("GEN_OPEN", "{% generation %}").replace(
+    "GEN_CLOSE", "{% endgeneration %}"
+)
+HARMONY_PLAIN = HARMONY.replace("GEN_OPEN", "").replace("GEN_CLOSE", "")
+HARMONY_SPECIAL = ("<|startoftext|>", "<|endoftext|>", "<|start|>", "<|message|>")
+HARMONY_SPECIAL += ("<|channel|>", "<|end|>", "<|return|>")
+
+
+def _harmony(tmp_path, messages):
+    """Our ids and mask (plain template) and transformers' (generation-tagged template)."""
+    kwargs = dict(eos="<|return|>", special=HARMONY_SPECIAL, bos="<|startoftext|>")
+    fast = _save(tmp_path / "ref", HARMONY_GEN, **kwargs)
+    _save(tmp_path / "plain", HARMONY_PLAIN, **kwargs)
+    ours = load_hf_tokenizer(str(tmp_path / "plain"))
+    ids, mask = tokenize_conversation(ours, messages)
+    return ours, ids, mask, _reference(fast, messages)
+
+
+def _trained(tok, ids, mask):
+    return tok.detokenize([i for i, m in zip(ids, mask) if m])
+
+
+@pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
+def test_harmony_trains_earlier_turns_to_end_and_the_last_to_return(tmp_path, conversation):
+    """The last assistant turn closes with <|return|>, earlier ones (as rendered once later
+    turns follow) with <|end|>: each turn is trained as the conversation renders it, from
+    after the generation prompt <|start|>assistant through its own closing token; equal to
+    transformers' mask of the generation-tagged template. The leading system message is the
+    developer block, never trained (it refused multi-turn conversations)."""
+    messages = CONVERSATIONS[conversation]
+    ours, ids, mask, (ref_ids, ref_mask) = _harmony(tmp_path, messages)
+    assert ids == ref_ids and mask == ref_mask
+    assert ids[-1] == ours.vocab["<|return|>"] and mask[-1] == 1
+    answers = [m["content"] for m in messages if m["role"] == "assistant"]
+    expected = "".join(f"<|channel|>final<|message|>{a}<|end|>" for a in answers[:-1])
+    assert _trained(ours, ids, mask) == expected + (
+        f"<|channel|>final<|message|>{answers[-1]}<|return|>"
+    )
+    text = ours.detokenize(ids)
+    if messages[0]["role"] == "system":
+        assert f"<|start|>developer<|message|># Instructions\n\n{messages[0]['content']}" in text
+
+
+def test_harmony_last_turn_trains_its_thinking_and_developer_role_is_accepted(tmp_path):
+    """The last turn's "thinking" (an analysis message before the final one) is trained with
+    the <|start|>assistant between them, which the model writes too; a leading "developer"
+    message (harmony's name for the system prompt) is accepted and rendered as the
+    developer block."""
+    messages = [{"role": "developer", "content": "You are brief."}] + CONVERSATIONS[0][1:-1]
+    messages.append({"role": "assistant", "thinking": "the dog is lazy", "content": "lazy."})
+    ours, ids, mask, (ref_ids, ref_mask) = _harmony(tmp_path, messages)
+    assert ids == ref_ids and mask == ref_mask
+    trained = _trained(ours, ids, mask)
+    assert trained.endswith(
+        "<|channel|>analysis<|message|>the dog is lazy<|end|><|start|>assistant"
+        "<|channel|>final<|message|>lazy.<|return|>"
+    )
+    assert "<|start|>developer<|message|># Instructions\n\nYou are brief." in ours.detokenize(ids)
+
+
+def test_harmony_thinking_on_an_earlier_turn_is_refused_by_name(tmp_path):
+    """The template drops an earlier turn's thinking once later turns follow: training that
+    turn would silently lose it, so the conversation is refused, naming the message and
+    the field."""
+    _save(tmp_path, HARMONY_PLAIN, eos="<|return|>", special=HARMONY_SPECIAL)
+    tok = load_hf_tokenizer(str(tmp_path))
+    for thinking in ("a fox, quick and brown", "fox"):  # the second also in the content
+        messages = [dict(m) for m in CONVERSATIONS[0]]
+        messages[2]["thinking"] = thinking
+        with pytest.raises(ChatTemplateError, match=r"messages\[2\].*'thinking'.*last"):
+            tokenize_conversation(tok, messages)
+
+
+def test_harmony_field_the_template_never_writes_is_not_refused(tmp_path):
+    """Only a field the template writes on the last turn and drops on earlier ones is
+    refused: an unrendered field whose text happens to occur in the last turn's closing
+    ("return" in <|return|>) is accepted, with transformers' ids and mask."""
+    messages = [dict(m) for m in CONVERSATIONS[0]]
+    messages[2]["finish"] = "return"
+    ours, ids, mask, (ref_ids, ref_mask) = _harmony(tmp_path, messages)
+    assert ids == ref_ids and mask == ref_mask
+
+
+def test_harmony_date_is_the_same_in_every_render_of_a_conversation(tmp_path, monkeypatch):
+    """strftime_now is read once per conversation: a clock that moves between the renders
+    (midnight during a run) gives the first date everywhere, not a refusal or a wrong mask."""
+    import datetime as real
+
+    from megatron.core.tokenizers import chat_template
+
+    _save(tmp_path, HARMONY_PLAIN, eos="<|return|>", special=HARMONY_SPECIAL)
+    tok = load_hf_tokenizer(str(tmp_path))
+    days = iter(range(1, 28))
+
+    class _Ticking(real.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return real.datetime(2026, 2, next(days), 23, 59)
+
+    monkeypatch.setattr(chat_template.datetime, "datetime", _Ticking)
+    ids, mask = tokenize_conversation(tok, CONVERSATIONS[1])
+    assert "Current date: 2026-02-01\n" in tok.detokenize(ids)
+    assert _trained(tok, ids, mask) == "<|channel|>final<|message|>the lazy dog<|return|>"
+
+
+def test_loop_controls_render_as_in_transformers(tmp_path):
+    """{% break %} / {% continue %} (jinja2's loopcontrols, which transformers' renderer
+    enables and chat templates use) render here too (before: "not valid Jinja"); the mask
+    by incremental rendering equals transformers' of the generation-tagged variant."""
+    template = LLAMA3.replace(
+        "{% for m in messages %}",
+        "{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}",
+    ).replace("{% endfor %}", "{% if loop.index > 8 %}{% break %}{% endif %}{% endfor %}")
+    fast = _save(
+        tmp_path / "ref",
+        template.replace("GEN_OPEN", "{% generation %}").replace(
+            "GEN_CLOSE", "{% endgeneration %}"
+        ),
+    )
+    _save(tmp_path / "plain", template.replace("GEN_OPEN", "").replace("GEN_CLOSE", ""))
+    ours = load_hf_tokenizer(str(tmp_path / "plain"))
+    ids, mask = tokenize_conversation(ours, CONVERSATIONS[0])
+    ref_ids, ref_mask = _reference(fast, CONVERSATIONS[0])
+    assert (ids, mask) == (ref_ids, ref_mask) and "system" not in ours.detokenize(ids)
+
+
+def test_dpo_conversational_pair_with_harmony_reads_one_date(tmp_path, monkeypatch):
+    """DPO's conversational pairs render the prompt and prompt + completion separately and
+    train from where they differ: a clock that moves between the two renders (midnight)
+    trained the whole conversation from the date on; now both have one date."""
+    import datetime as real
+
+    from megatron.core.tokenizers import chat_template
+    from megatron.training.preference_data import tokenize_pair
+
+    _save(tmp_path, HARMONY_PLAIN, eos="<|return|>", special=HARMONY_SPECIAL)
+    tok = load_hf_tokenizer(str(tmp_path))
+    days = iter(range(1, 28))
+
+    class _Ticking(real.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return real.datetime(2026, 2, next(days), 23, 59)
+
+    monkeypatch.setattr(chat_template.datetime, "datetime", _Ticking)
+    record = {
+        "prompt": CONVERSATIONS[1][:1],
+        "chosen": [{"role": "assistant", "content": "the lazy dog"}],
+        "rejected": [{"role": "assistant", "content": "a fox"}],
+    }
+    for (ids, mask), side in zip(tokenize_pair(record, tok, "x:1"), ("the lazy dog", "a fox")):
+        assert tok.detokenize(ids[mask == 1].tolist()) == (
+            f"<|channel|>final<|message|>{side}<|return|>"
+        )
