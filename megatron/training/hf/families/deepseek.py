@@ -27,7 +27,7 @@ when they are there). V2 has none: its layers after ``num_hidden_layers`` are re
 
 from typing import Any, Dict, Iterable, List, Optional
 
-from megatron.training.hf.families.llama import LlamaShaped
+from megatron.training.hf.families.llama import LlamaShaped, rmsnorm_decoder
 from megatron.training.hf.families.moe import moe_mlp_sources, read_routing
 from megatron.training.hf.family import ConfigReader, Family, HFArchitecture, Segment, Source
 
@@ -256,26 +256,21 @@ class DeepSeek(Family):
         if moe is not None:
             moe.update(self.read_routing(c, moe["num_moe_experts"]))
         self.read_mtp(c)
-        return HFArchitecture(
-            family=self.model_type,
+        return rmsnorm_decoder(
+            c,
+            self.model_type,
+            {"rms_norm_eps": DOWN_NORM_EPS, "max_position_embeddings": 4096},
             num_layers=layers,
             hidden_size=hidden,
             num_attention_heads=heads,
             num_query_groups=heads,
             kv_channels=hidden // heads,
-            ffn_hidden_size=c.positive_int("intermediate_size"),
-            vocab_size=c.positive_int("vocab_size"),
-            normalization="RMSNorm",
-            norm_epsilon=eps,
             swiglu=True,
             activation="silu",
             position_embedding_type="rope",
-            max_position_embeddings=c.positive_int("max_position_embeddings", default=4096),
             rope_scaling_factor=None,
             add_bias_linear=False,
             add_qkv_bias=False,
-            tied=bool(c.optional("tie_word_embeddings", False)),
-            dtype=c.dtype(),
             **mla,
             **(moe or {}),
         )

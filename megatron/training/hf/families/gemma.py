@@ -21,7 +21,12 @@ transformers' dividing the frequencies), another activation.
 import math
 from typing import Any, Dict, List, Optional
 
-from megatron.training.hf.families.llama import LlamaShaped, check_heads, read_rope
+from megatron.training.hf.families.llama import (
+    LlamaShaped,
+    check_heads,
+    read_rope,
+    rmsnorm_decoder,
+)
 from megatron.training.hf.families.qwen3 import qk_norm_sources, refuse_attention_bias
 from megatron.training.hf.family import ConfigReader, HFArchitecture, Segment, Source
 
@@ -73,30 +78,26 @@ class Gemma2(LlamaShaped):
         own = local_base != full_base or factor is not None  # the window layers' own rope
         local = local_base if window["window_size"] is not None and own else None
         scalar = c.positive_float("query_pre_attn_scalar", default=256)
-        return HFArchitecture(
-            family=self.model_type,
+        defaults = dict(
+            self.sizes, intermediate_size=9216, rms_norm_eps=1e-6, tie_word_embeddings=True
+        )
+        return rmsnorm_decoder(
+            c,
+            self.model_type,
+            defaults,
             num_layers=c.positive_int("num_hidden_layers", default=26),
             hidden_size=hidden,
             num_attention_heads=heads,
             num_query_groups=groups,
             kv_channels=head_dim,
-            ffn_hidden_size=c.positive_int("intermediate_size", default=9216),
-            vocab_size=c.positive_int("vocab_size", default=self.sizes["vocab_size"]),
-            normalization="RMSNorm",
-            norm_epsilon=c.positive_float("rms_norm_eps", default=1e-6),
             swiglu=False,
             geglu=True,
             activation="gelu_tanh",
             position_embedding_type="rope",
-            max_position_embeddings=c.positive_int(
-                "max_position_embeddings", default=self.sizes["max_position_embeddings"]
-            ),
             rotary_base=full_base,
             rope_scaling_factor=None,
             add_bias_linear=False,
             add_qkv_bias=False,
-            tied=bool(c.optional("tie_word_embeddings", True)),
-            dtype=c.dtype(),
             qk_layernorm=self.qk_norms,
             apply_layernorm_1p=True,
             sandwich_layernorm=True,

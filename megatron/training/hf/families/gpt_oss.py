@@ -28,7 +28,7 @@ True)``, then ``save_pretrained``).
 
 from typing import Any, Dict, Optional
 
-from megatron.training.hf.families.llama import LlamaShaped
+from megatron.training.hf.families.llama import LlamaShaped, rmsnorm_decoder
 from megatron.training.hf.families.moe import read_routing, replace_mlp
 from megatron.training.hf.family import ConfigReader, HFArchitecture, Segment, Source
 
@@ -60,27 +60,22 @@ class GptOss(LlamaShaped):
         limit = c.positive_float("swiglu_limit", default=7.0)
         theta, yarn = read_yarn(c)
         read_release_keys(c)
-        return HFArchitecture(
-            family=self.model_type,
+        return rmsnorm_decoder(
+            c,
+            self.model_type,
+            {"rms_norm_eps": 1e-5, "max_position_embeddings": 131072},
             num_layers=layers,
             hidden_size=hidden,
             num_attention_heads=heads,
             num_query_groups=groups,
             kv_channels=head_dim,
-            ffn_hidden_size=c.positive_int("intermediate_size"),
-            vocab_size=c.positive_int("vocab_size"),
-            normalization="RMSNorm",
-            norm_epsilon=c.positive_float("rms_norm_eps", default=1e-5),
             swiglu=False,
             activation="quick_gelu",
             position_embedding_type="yarn",
-            max_position_embeddings=c.positive_int("max_position_embeddings", default=131072),
             rotary_base=theta,
             rope_scaling_factor=None,
             add_bias_linear=True,
             add_qkv_bias=False,
-            tied=bool(c.optional("tie_word_embeddings", False)),
-            dtype=c.dtype(),
             **read_windows(c, layers),
             **read_routing(c, experts, norm_topk_prob=True),
             moe_ffn_hidden_size=c.positive_int("intermediate_size"),

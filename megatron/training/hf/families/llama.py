@@ -35,26 +35,21 @@ class LlamaShaped(Family):
         c.expect("pretraining_tp", 1, "1", default=1, allow=lambda v: isinstance(v, int) and v >= 1)
         rotary_base, scaling, rotary_percent = self.read_rotary(c)
         extra = self.read_extra(c)
-        return HFArchitecture(
-            family=self.model_type,
+        return rmsnorm_decoder(
+            c,
+            self.model_type,
+            {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
             num_layers=c.positive_int("num_hidden_layers"),
             hidden_size=hidden,
             num_attention_heads=heads,
             num_query_groups=groups,
             kv_channels=head_dim,
-            ffn_hidden_size=c.positive_int("intermediate_size"),
-            vocab_size=c.positive_int("vocab_size"),
-            normalization="RMSNorm",
-            norm_epsilon=c.positive_float("rms_norm_eps", default=1e-6),
             swiglu=True,
             activation="silu",
             position_embedding_type="rope",
-            max_position_embeddings=c.positive_int("max_position_embeddings", default=2048),
             rotary_base=rotary_base,
             rope_scaling_factor=scaling,
             rotary_percent=rotary_percent,
-            tied=bool(c.optional("tie_word_embeddings", False)),
-            dtype=c.dtype(),
             **{"add_bias_linear": False, "add_qkv_bias": False, **extra},
         )
 
@@ -182,6 +177,28 @@ def check_heads(c: ConfigReader, heads: int, groups: Any, head_dim: Any) -> None
         "head_dim",
         head_dim,
         "an even positive integer (rotary embeddings rotate pairs)",
+    )
+
+
+def rmsnorm_decoder(
+    c: ConfigReader, family: str, defaults: Dict[str, Any], **fields: Any
+) -> HFArchitecture:
+    """The HFArchitecture of a RMSNorm decoder: the keys its config.json shares with Llama's
+    (``intermediate_size``, ``vocab_size``, ``rms_norm_eps``, ``max_position_embeddings``,
+    ``tie_word_embeddings``, the dtype) read with the family's ``defaults`` (by key; none:
+    required), and ``fields``, the family's own."""
+    return HFArchitecture(
+        family=family,
+        ffn_hidden_size=c.positive_int("intermediate_size", defaults.get("intermediate_size")),
+        vocab_size=c.positive_int("vocab_size", defaults.get("vocab_size")),
+        normalization="RMSNorm",
+        norm_epsilon=c.positive_float("rms_norm_eps", defaults.get("rms_norm_eps")),
+        max_position_embeddings=c.positive_int(
+            "max_position_embeddings", defaults.get("max_position_embeddings")
+        ),
+        tied=bool(c.optional("tie_word_embeddings", defaults.get("tie_word_embeddings", False))),
+        dtype=c.dtype(),
+        **fields,
     )
 
 
