@@ -27,7 +27,7 @@ when they are there). V2 has none: its layers after ``num_hidden_layers`` are re
 
 from typing import Any, Dict, Iterable, List, Optional
 
-from megatron.training.hf.families.llama import LlamaShaped, rmsnorm_decoder
+from megatron.training.hf.families.llama import LlamaShaped, layer_prefix, rmsnorm_decoder
 from megatron.training.hf.families.moe import moe_mlp_sources, read_routing
 from megatron.training.hf.family import ConfigReader, Family, HFArchitecture, Segment, Source
 
@@ -332,7 +332,7 @@ class DeepSeek(Family):
     ) -> Dict[str, Source]:
         h, heads = arch.hidden_size, arch.num_attention_heads
         qk, pos = arch.qk_head_dim, arch.qk_pos_emb_head_dim
-        p = f"{'model.' if prefix is None else prefix}layers.{layer}."
+        p = layer_prefix(prefix, layer)
         attn, mlp, ours = f"{p}self_attn.", f"{p}mlp.", f"decoder.layers.{layer}."
 
         def rows(key: str, count: int) -> Source:

@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional
 from megatron.training.hf.families.llama import (
     LlamaShaped,
     check_heads,
+    layer_prefix,
     read_rope,
     rmsnorm_decoder,
 )
@@ -152,7 +153,7 @@ class Gemma2(LlamaShaped):
         self, arch: HFArchitecture, layer: int, prefix: Optional[str]
     ) -> Dict[str, Source]:
         h = arch.hidden_size
-        p = f"{'model.' if prefix is None else prefix}layers.{layer}."
+        p = layer_prefix(prefix, layer)
         ours = f"decoder.layers.{layer}."
         table = super().layer_sources(arch, layer, prefix)
         norms = {  # ours -> HuggingFace's; Llama's post_attention_layernorm is pre-MLP

@@ -28,7 +28,7 @@ True)``, then ``save_pretrained``).
 
 from typing import Any, Dict, Optional
 
-from megatron.training.hf.families.llama import LlamaShaped, rmsnorm_decoder
+from megatron.training.hf.families.llama import LlamaShaped, layer_prefix, rmsnorm_decoder
 from megatron.training.hf.families.moe import read_routing, replace_mlp
 from megatron.training.hf.family import ConfigReader, HFArchitecture, Segment, Source
 
@@ -126,7 +126,7 @@ class GptOss(LlamaShaped):
         self, arch: HFArchitecture, layer: int, prefix: Optional[str]
     ) -> Dict[str, Source]:
         table = super().layer_sources(arch, layer, prefix)
-        p = f"{'model.' if prefix is None else prefix}layers.{layer}."
+        p = layer_prefix(prefix, layer)
         ours = f"decoder.layers.{layer}."
         table[ours + "self_attention.core_attention.softmax_offset"] = (
             Segment(f"{p}self_attn.sinks", 0, arch.num_attention_heads),

@@ -112,7 +112,7 @@ class LlamaShaped(Family):
         self, arch: HFArchitecture, layer: int, prefix: Optional[str]
     ) -> Dict[str, Source]:
         h, ffn = arch.hidden_size, arch.ffn_hidden_size
-        p = f"{'model.' if prefix is None else prefix}layers.{layer}."
+        p = layer_prefix(prefix, layer)
         attn, mlp = f"{p}self_attn.", f"{p}mlp."
         table = {
             "input_layernorm.weight": (Segment(f"{p}input_layernorm.weight", 0, h),),
@@ -178,6 +178,12 @@ def check_heads(c: ConfigReader, heads: int, groups: Any, head_dim: Any) -> None
         head_dim,
         "an even positive integer (rotary embeddings rotate pairs)",
     )
+
+
+def layer_prefix(prefix: Optional[str], layer: int) -> str:
+    """HuggingFace's name prefix of decoder layer ``layer`` (``prefix``: the model's, None:
+    ``model.``)."""
+    return f"{'model.' if prefix is None else prefix}layers.{layer}."
 
 
 def rmsnorm_decoder(

@@ -11,6 +11,7 @@ expert's FFN size. Weights: ``block_sparse_moe.gate`` is our router; expert g's 
 
 from typing import Any, Dict, Optional
 
+from megatron.training.hf.families.llama import layer_prefix
 from megatron.training.hf.families.mistral import Mistral
 from megatron.training.hf.families.moe import (
     moe_mlp_sources,
@@ -59,7 +60,7 @@ class Mixtral(Mistral):
         self, arch: HFArchitecture, layer: int, prefix: Optional[str]
     ) -> Dict[str, Source]:
         table = super().layer_sources(arch, layer, prefix)
-        moe = f"{'model.' if prefix is None else prefix}layers.{layer}.block_sparse_moe."
+        moe = layer_prefix(prefix, layer) + "block_sparse_moe."
         replace_mlp(
             table,
             layer,

@@ -12,7 +12,12 @@ models, Phi-3.5, Phi-4-mini) is refused by name.
 
 from typing import Any, Dict, Optional, Tuple
 
-from megatron.training.hf.families.llama import LlamaShaped, read_rope, require_implied_head_dim
+from megatron.training.hf.families.llama import (
+    LlamaShaped,
+    layer_prefix,
+    read_rope,
+    require_implied_head_dim,
+)
 from megatron.training.hf.families.mistral import read_sliding_window, write_sliding_window
 from megatron.training.hf.family import ConfigReader, HFArchitecture, Segment, Source
 
@@ -120,8 +125,8 @@ class Phi3(LlamaShaped):
     ) -> Dict[str, Source]:
         table = super().layer_sources(arch, layer, prefix)
         p = f"decoder.layers.{layer}."
-        attn = f"{'model.' if prefix is None else prefix}layers.{layer}.self_attn."
-        mlp = f"{'model.' if prefix is None else prefix}layers.{layer}.mlp."
+        attn = layer_prefix(prefix, layer) + "self_attn."
+        mlp = layer_prefix(prefix, layer) + "mlp."
         ffn = arch.ffn_hidden_size
         table[f"{p}self_attention.linear_qkv.weight"] = fused_qkv(arch, f"{attn}qkv_proj.weight")
         table[f"{p}mlp.linear_fc1.weight"] = (

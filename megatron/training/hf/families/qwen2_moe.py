@@ -13,7 +13,7 @@ windows are refused.
 
 from typing import Any, Dict, Optional
 
-from megatron.training.hf.families.llama import LlamaShaped
+from megatron.training.hf.families.llama import LlamaShaped, layer_prefix
 from megatron.training.hf.families.moe import (
     moe_mlp_sources,
     read_norm_topk_prob,
@@ -89,7 +89,7 @@ def qwen_moe_layer_sources(
     ``mlp.experts.g.{gate,up,down}_proj`` expert g, ``mlp.shared_expert`` and
     ``mlp.shared_expert_gate`` the shared expert and its gate."""
     if arch.is_moe_layer(layer):
-        mlp = f"{'model.' if prefix is None else prefix}layers.{layer}.mlp."
+        mlp = layer_prefix(prefix, layer) + "mlp."
         sources = moe_mlp_sources(
             arch,
             layer,

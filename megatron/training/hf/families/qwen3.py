@@ -10,7 +10,7 @@ are not expressible with a norm-free MLP and are refused; sliding windows are re
 
 from typing import Any, Dict, Optional
 
-from megatron.training.hf.families.llama import LlamaShaped
+from megatron.training.hf.families.llama import LlamaShaped, layer_prefix
 from megatron.training.hf.families.qwen2 import refuse_sliding_windows
 from megatron.training.hf.family import ConfigReader, HFArchitecture, Segment, Source
 
@@ -44,7 +44,7 @@ def qk_norm_sources(arch: HFArchitecture, layer: int, prefix: Optional[str]) -> 
     """``self_attn.q_norm`` / ``k_norm`` as our ``q_layernorm`` / ``k_layernorm`` weights:
     [head_dim] each (per head, Qwen3), or [heads * head_dim] and [groups * head_dim] with
     ``qk_layernorm_whole_projection`` (OLMoE)."""
-    attn = f"{'model.' if prefix is None else prefix}layers.{layer}.self_attn."
+    attn = layer_prefix(prefix, layer) + "self_attn."
     ours = f"decoder.layers.{layer}.self_attention."
     q, k = arch.qk_norm_sizes()
     return {
