@@ -33,6 +33,10 @@ from megatron.training.hf.family import ConfigReader, Family, HFArchitecture, Se
 
 # The only epsilon transformers' DeepSeek q/kv down-projection norms use.
 DOWN_NORM_EPS = 1e-6
+HINT = (  # the start of both versions' settings_hint
+    "RMSNorm + swiglu + rope + --multi-latent-attention (q/kv norms, --norm-epsilon 1e-6) + MoE "
+    "layers after the dense ones with "
+)
 _YARN_KEYS = {
     "rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
     "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate",
@@ -424,11 +428,7 @@ def mtp_layers_in(keys: Iterable[str], num_layers: int) -> List[int]:
 class DeepseekV3(DeepSeek):
     model_type = "deepseek_v3"
     architecture = "DeepseekV3ForCausalLM"
-    settings_hint = (
-        "RMSNorm + swiglu + rope + --multi-latent-attention (q/kv norms, --norm-epsilon 1e-6) "
-        "+ MoE layers after the dense ones with sigmoid routing, expert bias and a shared "
-        "expert (DeepSeek-V3)"
-    )
+    settings_hint = HINT + "sigmoid routing, expert bias and a shared expert (DeepSeek-V3)"
 
     def read_routing(self, c: ConfigReader, experts: int) -> Dict[str, Any]:
         c.expect("topk_method", "noaux_tc", "noaux_tc (DeepSeek-V3's)", default="noaux_tc")
@@ -506,9 +506,8 @@ class DeepseekV2(DeepSeek):
     model_type = "deepseek_v2"
     architecture = "DeepseekV2ForCausalLM"
     settings_hint = (
-        "RMSNorm + swiglu + rope + --multi-latent-attention (q/kv norms, --norm-epsilon 1e-6) "
-        "+ MoE layers after the dense ones with softmax routing (--moe-router-pre-softmax) and "
-        "a shared expert (DeepSeek-V2 / V2-Lite)"
+        HINT + "softmax routing (--moe-router-pre-softmax) and a shared expert (DeepSeek-V2 / "
+        "V2-Lite)"
     )
 
     def read_routing(self, c: ConfigReader, experts: int) -> Dict[str, Any]:
