@@ -18,11 +18,12 @@ the dequantized FP8 values (exact in fp32): 0.2 and 9 ms.
 The amax is one reduction kernel (the infinity norm; ``abs().amax()`` would write |t|
 first, and a compiled full reduction with dynamic sizes runs as one thread block: 22 ms for
 an 8k x 2k tensor on an H200). On CUDA the cast and the FP8 transposes are
-``torch.compile``d (``jit_fuser``):
+``torch.compile``d (``jit_fuser``; inside a graph being compiled they are traced into it):
 eagerly, a cast of a bf16 tensor is four kernels through fp32 copies (float, multiply,
 clamp, cast), which cost more than the FP8 GEMM saves; compiled, one pass that reads the
-tensor once (and, for an output gradient, writes both the row-major FP8 copy and the
-transposed one the weight-gradient GEMM needs). The compiled kernels compute the same
+tensor once; ``operands`` makes the scales, casts and transposes of one autograd step one
+graph (for an output gradient, the row-major FP8 copy and the transposed one the
+weight-gradient GEMM needs). The compiled kernels compute the same
 float32 products and round-to-nearest-even casts, so their results are bitwise the eager
 ones (checked on a GPU by ``tests/benchmarks/fp8_gpu_check.py``). The CPU runs them
 eagerly: compiling costs seconds per shape.
@@ -110,17 +111,6 @@ def quantize(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
     return (_fused_cast if _compiled_here(tensor) else _cast)(tensor.detach(), scale, dtype)
 
 
-def quantize_both(
-    tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``quantize`` of a 2-D ``tensor`` and its transpose as a contiguous tensor (the operand
-    of a GEMM that contracts over ``tensor``'s rows), from one read of ``tensor`` on CUDA."""
-    if _compiled_here(tensor):
-        return _fused_cast_both(tensor.detach(), scale, dtype)
-    q = _cast(tensor.detach(), scale, dtype)
-    return q, q.t().contiguous()
-
-
 def transposed(q: torch.Tensor) -> torch.Tensor:
     """``q.t().contiguous()`` of a 2-D FP8 tensor (compiled on CUDA: a tiled transpose)."""
     return _fused_transpose(q) if _compiled_here(q) else q.t().contiguous()
@@ -136,17 +126,11 @@ def _cast(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     return (tensor.float() * scale).clamp(-bound, bound).to(dtype)
 
 
-def _cast_both(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
-    q = _cast(tensor, scale, dtype)
-    return q, q.t().contiguous()
-
-
 def _transpose(q: torch.Tensor) -> torch.Tensor:
     return q.t().contiguous()
 
 
 _fused_cast = jit_fuser(_cast)
-_fused_cast_both = jit_fuser(_cast_both)
 _fused_transpose = jit_fuser(_transpose)
 
 
