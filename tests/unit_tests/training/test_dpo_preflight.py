@@ -8,8 +8,12 @@ import json
 import pytest
 
 from megatron.training import cli
+from tests.unit_tests.training import test_bad_command_lines as command_lines
 
 pytestmark = pytest.mark.world(1)
+# the command-line tests' fixture (``main`` reaching ``_run`` only records it) and refusal
+no_training = command_lines.no_training
+_refused = command_lines._refused
 POLICY = dict(
     model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, vocab_size=64, rms_norm_eps=1e-5,
@@ -20,24 +24,6 @@ LLAMA = [
     "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
     "--disable-bias-linear", "--untie-embeddings-and-output-weights",
 ]  # fmt: skip
-
-
-@pytest.fixture
-def no_training(monkeypatch):
-    """``main`` refuses or reaches ``_run``, which here only records that it was reached."""
-    reached = []
-    monkeypatch.setattr(cli, "_run", lambda config: reached.append(config) or 0)
-    return reached
-
-
-def _refused(capsys, *argv: str) -> str:
-    """The one line ``main(argv)`` is refused with (exit 2, before training)."""
-    with pytest.raises(SystemExit) as stopped:
-        cli.main(list(argv))
-    err = capsys.readouterr().err
-    assert stopped.value.code == 2, err
-    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
-    return err
 
 
 def _hf_folder(path, **changes):
