@@ -25,7 +25,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from megatron.training.arguments import TrainingConfig
+from megatron.training.arguments import TrainingConfig, flag_of
 from megatron.training.errors import UsageError
 from megatron.training.options import DATA, MODEL, fields_of_kind
 
@@ -145,7 +145,6 @@ def check_reference_architecture(config: Any) -> None:
     settings: after ``--hf-model``). Else a ValueError / FileNotFoundError naming the flag,
     the folder and what was expected. The command line checks it before any worker starts
     (``preflight.check_dpo_reference``); the trainer again when it builds the reference."""
-    from megatron.training.arguments import flag_of
     from megatron.training.hf.config import read_hf_config, training_settings
     from megatron.training.model_settings import resolved_model
 
@@ -212,7 +211,6 @@ def adoption_note(adopted: Sequence[str], load: Optional[str]) -> Optional[str]:
     """One line saying which settings ``--load`` took from the checkpoint, or None."""
     if not adopted:
         return None
-    from megatron.training.arguments import flag_of
 
     shown = ", ".join(flag_of(name) for name in adopted[:8])
     more = f" and {len(adopted) - 8} more" if len(adopted) > 8 else ""
@@ -238,7 +236,6 @@ def check_output_paths(config: TrainingConfig) -> None:
     overwrite checkpoints this run does not resume (``check_save_target``); an
     ``--export-hf`` model has a HuggingFace family (``check_export_family``). Errors name
     the flag, the path and what would have been written there."""
-    from megatron.training.arguments import flag_of
 
     for name, what in _OUTPUT_FOLDERS:
         path = getattr(config, name)
