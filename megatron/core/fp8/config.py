@@ -11,9 +11,11 @@ None: it is read only with FP8, and megatron's scripts pass its default "delayed
 
 from typing import Any, List, Tuple
 
+from megatron.core.enums import Fp4Recipe, Fp8Recipe
+
 FP8_FORMATS = ("e4m3", "hybrid")
-FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise", "custom")
-FP4_RECIPES = ("nvfp4", "custom")
+FP8_RECIPES = tuple(recipe.value for recipe in Fp8Recipe)
+FP4_RECIPES = tuple(recipe.value for recipe in Fp4Recipe)
 FP8_AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 
 _DELAYED = (

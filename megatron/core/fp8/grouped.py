@@ -84,7 +84,8 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         outs = [
             _mm(a, b.t(), sa, sb, x.dtype) for a, b, sa, sb in zip(q_x, q_w, scales[0], scales[1])
         ]
-        ctx.save_for_backward(scales, *q_x, *q_w, *(() if experts.wgrad else xs))
+        saved_x = q_x if experts.wgrad else xs  # the FP8 or the high-precision X, not both
+        ctx.save_for_backward(scales, *saved_x, *q_w)
         ctx.sizes, ctx.experts, ctx.dtypes = sizes, experts, (x.dtype, weights[0].dtype)
         return torch.cat(outs) if outs else x.new_zeros(0, 0)
 
@@ -93,7 +94,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         """dL/dx_i = G_i W_i, dL/dW_i = G_i^T x_i."""
         experts, n = ctx.experts, len(ctx.sizes)
         scales, *saved = ctx.saved_tensors
-        q_x, q_w, high_x = saved[:n], saved[n : 2 * n], saved[2 * n :]
+        saved_x, q_w = saved[:n], saved[n:]  # the FP8 X with ``wgrad``, else the high one
         _, grad_dtype = scaling.fp8_dtypes(experts.fmt)
         gs = torch.split(grad_output, ctx.sizes)
         amax = torch.stack([scaling.local_amax(g) for g in gs]).reshape(1, n)
@@ -106,10 +107,10 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         if experts.wgrad:
             grad_w = [
                 _mm(_cols(g).t(), _cols(xq), sg, sx, w_dtype)
-                for g, xq, sg, sx in zip(q_g, q_x, s_g, scales[0])
+                for g, xq, sg, sx in zip(q_g, saved_x, s_g, scales[0])
             ]
         else:
-            grad_w = [g.t().matmul(xh).to(w_dtype) for g, xh in zip(gs, high_x)]
+            grad_w = [g.t().matmul(xh).to(w_dtype) for g, xh in zip(gs, saved_x)]
         return (grad_x, None, None, *grad_w)
 
 

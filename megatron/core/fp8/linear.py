@@ -92,7 +92,8 @@ class Fp8LinearFunction(torch.autograd.Function):
         if bias is not None:
             out = out + bias
         high_x = None if gemm.wgrad or not ctx.needs_input_grad[1] else x2d
-        ctx.save_for_backward(q_x, q_w, s_x, s_w, high_x, weight)
+        fp8_wgrad = gemm.wgrad and ctx.needs_input_grad[1]  # else the FP8 X is not needed
+        ctx.save_for_backward(q_x if fp8_wgrad else None, q_w, s_x, s_w, high_x, weight)
         ctx.flags, ctx.tp_group, ctx.gemm, ctx.has_bias = flags, tp_group, gemm, bias is not None
         ctx.input_dtype = input.dtype
         return out.view(*total.shape[:-1], weight.shape[0])

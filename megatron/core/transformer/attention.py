@@ -68,6 +68,7 @@ class Attention(MegatronModule):
         self.window_layer = is_window_layer(
             config.window_size, config.window_attn_skip_freq, layer_number
         )
+        self.mscale = yarn_cos_sin_scale(config)  # YaRN's cos/sin scale (1 without)
         if cp_comm_type is None:
             cp_comm_type = config.cp_comm_type
         if isinstance(cp_comm_type, (list, tuple)):
@@ -125,9 +126,8 @@ class Attention(MegatronModule):
                 q_emb, k_emb = rotary_pos_emb
             else:
                 q_emb = k_emb = rotary_pos_emb
-            mscale = yarn_cos_sin_scale(self.config)
-            query = apply_rotary_pos_emb(query, q_emb, config=self.config, mscale=mscale)
-            key = apply_rotary_pos_emb(key, k_emb, config=self.config, mscale=mscale)
+            query = apply_rotary_pos_emb(query, q_emb, config=self.config, mscale=self.mscale)
+            key = apply_rotary_pos_emb(key, k_emb, config=self.config, mscale=self.mscale)
         if inference_context is not None:
             return self.linear_proj(self._cached_attention(query, key, value, inference_context))
 
