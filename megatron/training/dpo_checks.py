@@ -3,7 +3,8 @@ torch here): each refusal names the flag, its value and what was expected."""
 
 from typing import Any
 
-from megatron.training.errors import UsageError
+from megatron.training import flag_checks
+from megatron.training.flag_checks import require
 
 DPO_FIELDS = (
     "dpo_beta",
@@ -36,28 +37,31 @@ _NOT_WITH_DPO = (
 
 def check_dpo(c: Any) -> None:
     """The ``--dpo-*`` flags need ``--dpo``; with it, the combinations it refuses."""
-    defaults = {name: _default(c, name) for name in DPO_FIELDS}
+    defaults = {name: flag_checks.default(c, name) for name in DPO_FIELDS}
     if not c.dpo:
         for name, default in defaults.items():
             value = getattr(c, name)
-            _require(value == default, f"{_flag(name)} {value} needs --dpo (SFT without it)")
+            require(
+                value == default,
+                f"{flag_checks.flag(c, name)} {value} needs --dpo (SFT without it)",
+            )
         return
     for name, flag, why in _NOT_WITH_DPO:
         value = getattr(c, name)
         shown = flag if value is True else f"{flag} {value}"
-        _require(value in (None, False, 0, 0.0), f"{shown} with --dpo: {why}")
-    _require(
+        require(value in (None, False, 0, 0.0), f"{shown} with --dpo: {why}")
+    require(
         c.dpo_label_smoothing == 0 or c.dpo_loss_type == "sigmoid",
         f"--dpo-label-smoothing {c.dpo_label_smoothing} with --dpo-loss-type "
         f"{c.dpo_loss_type}: label smoothing is defined for the sigmoid loss only",
     )
-    _require(
+    require(
         not (c.dpo_reference_free and c.dpo_reference_hf_model),
         f"--dpo-reference-free and --dpo-reference-hf-model {c.dpo_reference_hf_model}: "
         "pass one (reference-free means no reference model)",
     )
     adapters_off = c.lora_dim is not None and not (c.dpo_reference_free or c.dpo_reference_hf_model)
-    _require(
+    require(
         not (adapters_off and c.moe_router_enable_expert_bias),
         "--moe-router-enable-expert-bias with --dpo and --lora-dim: the reference pass (the "
         "policy with its adapters off) would add its routing counts to the expert-bias update; "
@@ -78,14 +82,14 @@ def check_packed_pairs(c: Any) -> None:
     pp, ep = c.pipeline_model_parallel_size, c.expert_model_parallel_size
     tp, etp = c.tensor_model_parallel_size, c.expert_tensor_parallel_size or 1
     if c.moe_token_dispatcher_type == "allgather":
-        _require(
+        require(
             pp == 1 and ep == 1,
             f"--moe-token-dispatcher-type allgather with --dpo --pack-sequences and --pp {pp} "
             f"--expert-model-parallel-size {ep}: rows of packed pairs differ in length between "
             "data-parallel ranks and pipeline micro-batches, and the allgather dispatcher needs "
             "equal token counts; pass --moe-token-dispatcher-type alltoall",
         )
-    _require(
+    require(
         c.expert_tensor_parallel_size is None or etp <= tp,
         f"--expert-tensor-parallel-size {etp} > --tp {tp} with --dpo --pack-sequences: the "
         "expert tensor-parallel group would gather rows of different lengths from "
@@ -96,16 +100,3 @@ def check_packed_pairs(c: Any) -> None:
 def variable_seq_lengths(c: Any) -> bool:
     """Whether pipeline messages carry their shape: rows of packed pairs over PP > 1."""
     return bool(c.dpo and c.pack_sequences and c.pipeline_model_parallel_size > 1)
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _default(c: Any, name: str) -> Any:
-    return next(f.default for f in c.__dataclass_fields__.values() if f.name == name)
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise UsageError(message)
