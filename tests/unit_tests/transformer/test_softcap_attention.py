@@ -16,8 +16,9 @@ pytestmark = pytest.mark.world(1)
 S, B, NQ, NKV, D, CAP = 10, 1, 4, 2, 8, 1.5
 
 
-def _reference(q, k, v, window, documents):
-    """[s, b, n, d] float64 autograd reference."""
+def _reference(q, k, v, window, documents, sinks=None):
+    """[s, b, n, d] float64 autograd reference (``sinks``: one more score column per head,
+    the sink logit, dropped after the softmax)."""
     qh, kh, vh = (x.permute(1, 2, 0, 3) for x in (q, k, v))
     kh, vh = (x.repeat_interleave(NQ // NKV, dim=1) for x in (kh, vh))
     scores = torch.tanh((qh @ kh.transpose(-1, -2)) / math.sqrt(D) / CAP) * CAP
@@ -26,7 +27,11 @@ def _reference(q, k, v, window, documents):
     if window is not None:
         allowed &= j >= i - window
     scores = scores.masked_fill(~allowed, -math.inf)
-    return (torch.softmax(scores, -1) @ vh).permute(2, 0, 1, 3)
+    if sinks is None:
+        return (torch.softmax(scores, -1) @ vh).permute(2, 0, 1, 3)
+    column = sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, column], -1), -1)[..., :-1]
+    return (probs @ vh).permute(2, 0, 1, 3)
 
 
 def _inputs(seed: int = 0):
@@ -112,22 +117,6 @@ def test_a_softcap_with_a_kernel_that_has_none_is_refused_at_build_time():
 SINKS = torch.tensor([-1.0, 0.5, 2.0, -0.25], dtype=torch.float64)
 
 
-def _reference_with_sinks(q, k, v, sinks, window, documents):
-    """``_reference`` with one more score column per head, the sink logit (dropped after the
-    softmax)."""
-    qh, kh, vh = (x.permute(1, 2, 0, 3) for x in (q, k, v))
-    kh, vh = (x.repeat_interleave(NQ // NKV, dim=1) for x in (kh, vh))
-    scores = torch.tanh((qh @ kh.transpose(-1, -2)) / math.sqrt(D) / CAP) * CAP
-    i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
-    allowed = (j <= i) & (documents[:, None] == documents[None, :])
-    if window is not None:
-        allowed &= j >= i - window
-    scores = scores.masked_fill(~allowed, -math.inf)
-    column = sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-    probs = torch.softmax(torch.cat([scores, column], -1), -1)[..., :-1]
-    return (probs @ vh).permute(2, 0, 1, 3)
-
-
 @pytest.mark.parametrize("window, packed", [(None, False), (3, True)])
 def test_softcapped_attention_with_sinks_equals_the_autograd_reference(window, packed):
     """GPT-OSS's sinks on Gemma's capped scores (``softmax_offset`` and ``softcap``
@@ -150,7 +139,7 @@ def test_softcapped_attention_with_sinks_equals_the_autograd_reference(window, p
     )  # fmt: skip
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(4), dtype=out.dtype)
     ours = torch.autograd.grad(out, (q, k, v, sinks), grad)
-    expected = _reference_with_sinks(q, k, v, sinks, window, documents)
+    expected = _reference(q, k, v, window, documents, sinks)
     theirs = torch.autograd.grad(expected, (q, k, v, sinks), grad)
     assert torch.allclose(out, expected, rtol=1e-12, atol=1e-12)
     for name, a, b in zip(("q", "k", "v", "sinks"), ours, theirs):
