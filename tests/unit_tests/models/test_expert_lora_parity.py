@@ -87,11 +87,28 @@ def adapter_params(gpt) -> List[Tuple[str, torch.nn.Parameter, Optional[int]]]:
     return out
 
 
+# How each expert adapter's [out, in] matrix is split over expert TP, written out here (not
+# read from the parameter under test): fc1 (column-parallel, gated [gate; up] halves strided):
+# A split on its rank rows, B on its output rows with the gated stride; fc2 (row-parallel): A
+# on its input columns, B on its output rows.
+EXPERT_ADAPTER_SPLITS = {
+    ("linear_fc1", "linear_in"): (0, 1),
+    ("linear_fc1", "linear_out"): (0, 2),  # the cases' experts are gated (SwiGLU)
+    ("linear_fc2", "linear_in"): (1, 1),
+    ("linear_fc2", "linear_out"): (0, 1),
+}
+
+
 def expected_shard(full: torch.Tensor, name: str, param, groups) -> torch.Tensor:
     """The slice of a reference gradient this rank's (per-expert view of a) parameter holds."""
     expert = ".local_experts." in name
     group = getattr(groups, "expt_tp" if expert else "tp", None)
     size, rank = (1, 0) if group is None else (group.size(), group.rank())
+    if expert and ".adapter." in name:
+        proj = "linear_fc1" if ".linear_fc1." in name else "linear_fc2"
+        part = "linear_in" if ".linear_in." in name else "linear_out"
+        dim, stride = EXPERT_ADAPTER_SPLITS[(proj, part)]
+        return moe_parity.shard(full, dim, stride, size, rank)
     if not getattr(param, "tensor_model_parallel", False):
         return full
     dim = param.partition_dim - (1 if expert else 0)  # a stacked tensor's expert axis removed
