@@ -194,7 +194,7 @@ def step(run: Run, iteration: int) -> Dict[str, Any]:
     if config.check_for_nan_in_loss_and_grad:
         check_step(iteration, loss, grad_norm)
     seconds = time.perf_counter() - start
-    data_tokens = run.dataset.data_tokens(iteration - 1, config.global_batch_size)
+    data_tokens = _data_tokens(run, global_batch, iteration)
     return {
         "iteration": iteration,
         "loss": loss,
@@ -289,6 +289,14 @@ def microbatches_of(run: Run, global_batch: Dict[str, torch.Tensor]) -> List[Dic
     if run.dpo is not None and config.pack_sequences:  # each row at its own length
         microbatches = [packed_row(microbatch) for microbatch in microbatches]
     return [_on_this_cp_rank(microbatch, groups) for microbatch in microbatches]
+
+
+def _data_tokens(run: Run, global_batch: Dict[str, torch.Tensor], iteration: int) -> int:
+    """The global batch's positions that hold data: counted from the batch in hand when it
+    carries its padding mask (a preference set would otherwise build the batch again)."""
+    if "padding_mask" in global_batch:
+        return int((~global_batch["padding_mask"]).sum())
+    return run.dataset.data_tokens(iteration - 1, run.config.global_batch_size)
 
 
 def _positions(run: Run, global_batch: Dict[str, torch.Tensor]) -> int:
