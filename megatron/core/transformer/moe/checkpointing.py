@@ -31,7 +31,7 @@ def expert_sharded_state_dict(experts, prefix: str, sharded_offsets: tuple, meta
         offsets=tuple(sharded_offsets),
     )
     fc1_stride = 2 if config.gated_linear_unit else 1
-    out = _adapter_entries(experts, prefix, info, fc1_stride)
+    out = _adapter_entries(experts, prefix, info)
     if hasattr(experts, "local_experts"):
         for i, expert in enumerate(experts.local_experts):
             for proj, dim, stride in (("linear_fc1", 0, fc1_stride), ("linear_fc2", 1, 1)):
@@ -95,20 +95,21 @@ def _whole(info: "_Info") -> "_Info":
     return _Info(**dict(info.__dict__, etp=1, etp_rank=0, replica=replica))
 
 
-def _adapter_entries(experts, prefix: str, info, fc1_stride: int) -> Dict:
+def _adapter_entries(experts, prefix: str, info) -> Dict:
     """The LoRA adapters of the experts (``moe.expert_lora``), if any: expert g's A and B
     under ``{prefix}experts.<proj>.adapter.linear_in.weight`` / ``linear_out.weight``
     [layers, E, out, in], split over ETP as they are held (A of fc1 on its rank dimension,
-    A of fc2 on its input, both B on their output, fc1's with the gated stride)."""
+    A of fc2 on its input, both B on their output, fc1's with the gated stride: the split
+    each marks on its weight)."""
     from megatron.core.transformer.moe.expert_lora import expert_adapters_of
 
     adapters = expert_adapters_of(experts)
     out: Dict = {}
     for proj, adapter in (adapters or {}).items():
-        splits = {"linear_in": (0 if proj == "linear_fc1" else 1, 1)}
-        splits["linear_out"] = (0, fc1_stride if proj == "linear_fc1" else 1)
-        for part, (dim, stride) in splits.items():
+        for part in ("linear_in", "linear_out"):
             param = getattr(adapter, part).weight
+            # the split the adapter marks on its stacked [E, out, in] weight, per expert
+            dim, stride = param.partition_dim - 1, param.partition_stride
             takes = [(i, lambda t, i=i: t[i]) for i in range(param.shape[0])]
             out[f"{prefix}adapter.{proj}.{part}.weight"] = _factory(
                 f"{prefix}experts.{proj}.adapter.{part}.weight",
