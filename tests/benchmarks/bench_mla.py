@@ -367,16 +367,22 @@ def mcore_child(args, names: List[str]) -> Dict[str, dict]:
     cmd += ["--seq", str(args.seq), "--batch", str(args.batch)]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     cmd += ["--cpu"] * args.cpu + ["--tiny"] * args.tiny
+    cmd += ["--mcore-timeout", str(args.mcore_timeout)]
     try:
         done = subprocess.run(
             cmd, env=env, capture_output=True, text=True, cwd="/", timeout=args.mcore_timeout
         )
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as late:  # the child dumps its stacks before this
+        for stream in (late.stdout, late.stderr):
+            text = stream.decode(errors="replace") if isinstance(stream, bytes) else stream
+            sys.stdout.write("".join(f"#   child: {line}\n" for line in (text or "").splitlines()))
         return {n: {"error": f"timed out after {args.mcore_timeout} s"} for n in names}
     sys.stdout.write("".join(f"#   child: {line}\n" for line in done.stdout.splitlines()))
     for line in done.stdout.splitlines():
         if line.startswith("MCORE_RESULT "):
             return json.loads(line[len("MCORE_RESULT ") :])
+    tail = (done.stderr or "").splitlines()[-60:]
+    sys.stdout.write("".join(f"#   child (stderr): {line}\n" for line in tail))
     why = " | ".join((done.stderr or done.stdout).strip().splitlines()[-4:])
     return {n: {"error": f"{python}: {why}"[:400]} for n in names}
 
@@ -437,7 +443,11 @@ def build_mcore(c: MLAShape, device, dtype, rope_fusion: bool = False) -> torch.
 
 
 def mcore_worker(args) -> None:
-    """The child: time megatron-core's layer variants, print ``MCORE_RESULT {json}``."""
+    """The child: time megatron-core's layer variants, print ``MCORE_RESULT {json}``; a child
+    still running shortly before the parent's timeout prints every thread's stack and exits."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(max(args.mcore_timeout - 20, 5), exit=True)
     try:
         from megatron.core import package_info
     except ImportError as error:
@@ -726,7 +736,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         layers = run_layer_variants(own, c, args, device, dtype)
         wanted = [n for n in names if n.startswith("mcore")]
         if wanted and not args.no_mcore:
-            layers.update(mcore_child(args, wanted))
+            for name in wanted:  # one child each: a hang costs one variant
+                layers.update(mcore_child(args, [name]))
         record["layer"] = layers
         print_layer_table(layers, c, args, dtype)
     if args.part in ("trainer", "all"):
