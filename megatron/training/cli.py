@@ -71,7 +71,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parsed = parse_args(argv, tuple(REGISTRY))  # first: --help shows the defaults
         explicit = explicit_options(argv)
         config, adopted = adopt_checkpoint_settings(parsed, explicit)
-        check_input_paths(config, adopted)
+        dpo_source = check_input_paths(config, adopted)
         config = resolve_hf_model(config, explicit)
         world_size = _world_size(config.nproc_per_node, under_torchrun)
         validate_config(config, world_size, explicit)
@@ -92,7 +92,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not under_torchrun and world_size > 1:
         return launch(argv, world_size, debug=debug)
     try:
-        return _run(config)
+        return _run(config, dpo_source)
     except KeyboardInterrupt:
         if debug:
             raise
@@ -209,11 +209,12 @@ def launch_command(argv: Sequence[str], nproc: int) -> List[str]:
     ]
 
 
-def _run(config) -> int:
-    """Train here; the exit status (the verdict goes to the launcher when self-launched)."""
+def _run(config, dpo_source: Optional[dict] = None) -> int:
+    """Train here (``dpo_source``: the DPO reference's source the command line checked); the
+    exit status (the verdict goes to the launcher when self-launched)."""
     from megatron.training.training import pretrain  # torch and the model: only when running
 
-    result = pretrain(config)
+    result = pretrain(config, dpo_source=dpo_source)
     passed = result.passed
     verdict_file = os.environ.get(VERDICT_FILE_VARIABLE)
     if verdict_file:  # self-launched: the launcher turns the verdict into its status

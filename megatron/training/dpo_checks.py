@@ -70,7 +70,8 @@ def check_dpo(c: Any) -> None:
     if c.pack_sequences:
         check_packed_pairs(c)
     # --load without --finetune (a resume): the reference's recorded source is checked when
-    # the checkpoint is read (dpo_reference.reference_source, preflight and the trainer)
+    # the checkpoint is read (dpo_reference.reference_source: once a process, by the
+    # command line's preflight or by pretrain)
 
 
 def check_packed_pairs(c: Any) -> None:

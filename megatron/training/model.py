@@ -32,7 +32,6 @@ from megatron.training.options import (
     DDP_CONFIG,
     GPT_MODEL,
     TRANSFORMER_CONFIG,
-    library_table,
     library_values,
 )
 
@@ -109,14 +108,6 @@ def build_model(
         transformer_config.grad_sync_func = one_or_list([c.start_grad_sync for c in chunks])
     transformer_config.finalize_model_grads_func = finalize_model_grads
     return chunks
-
-
-def moe_fields(config: TrainingConfig, layout: Layout) -> dict:
-    """TransformerConfig's mixture-of-experts fields from the flags (none without
-    ``--num-experts``)."""
-    values = library_values(config, layout, TRANSFORMER_CONFIG)
-    moe = [s.field for _, s in library_table(TrainingConfig, TRANSFORMER_CONFIG) if s.when]
-    return {name: values[name] for name in moe if name in values}
 
 
 def _check_some_layer_adapted(config: TrainingConfig, chunks, pg_collection) -> None:

@@ -87,10 +87,13 @@ def adopt_checkpoint_settings(
     return adopted, sorted(changes)
 
 
-def check_input_paths(config: TrainingConfig, adopted: Sequence[str] = ()) -> None:
+def check_input_paths(
+    config: TrainingConfig, adopted: Sequence[str] = ()
+) -> Optional[Dict[str, Any]]:
     """Each input path of ``config`` exists and has the expected form; a
     ``FileNotFoundError`` / ``ValueError`` naming the flag (and "recorded in the
-    checkpoint" for a path ``--load`` adopted)."""
+    checkpoint" for a path ``--load`` adopted). Returns the reference source of a resumed
+    DPO run, checked (``dpo_reference.reference_source``, for ``pretrain``), else None."""
 
     def flag(name: str, option: str) -> str:
         return f"{option} (recorded in the --load checkpoint)" if name in adopted else option
@@ -128,7 +131,8 @@ def check_input_paths(config: TrainingConfig, adopted: Sequence[str] = ()) -> No
         if config.dpo:  # a resumed DPO run's reference source still exists
             from megatron.training.dpo_reference import reference_source
 
-            reference_source(config)
+            return reference_source(config)
+    return None
 
 
 def check_dpo_reference(config: TrainingConfig) -> None:

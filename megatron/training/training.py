@@ -75,7 +75,7 @@ class TrainingResult:
     stopped: Optional[str] = None  # why the run stopped early (exits.ExitConditions)
 
 
-def pretrain(config: TrainingConfig) -> TrainingResult:
+def pretrain(config: TrainingConfig, dpo_source: Optional[dict] = None) -> TrainingResult:
     """Run the job on this process: one process without torchrun, else this rank's part.
 
     Validates the layout before any collective, starts torch.distributed when launched by
@@ -83,7 +83,8 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
     group when the backend means the GPU (``initialize_single_gpu``), trains, compares
     with the one-process run when asked (``--compare-single-process``), writes metrics on
     rank 0, and tears down the model-parallel state (and the default group if it created
-    it).
+    it). ``dpo_source``: the DPO reference's source the command line checked already
+    (``dpo_reference.reference_source``; None: ``train`` finds it).
     """
     world_size = launched_world_size()
     config = resolve_hf_model(config)
@@ -100,7 +101,7 @@ def pretrain(config: TrainingConfig) -> TrainingResult:
         started = time.perf_counter()
         with ExitConditions(config) as exits:
             records = _as_the_last_rank_measured(
-                train(config, layout, groups, desc=label, exits=exits)
+                train(config, layout, groups, desc=label, exits=exits, dpo_source=dpo_source)
             )
         result = TrainingResult(layout, records, stopped=exits.stopped)
         print_rank_0(_summary(records, layout, time.perf_counter() - started))
@@ -141,6 +142,7 @@ def train(
     desc: str = "train",
     perturbation: float = 0.0,
     exits: Optional[ExitConditions] = None,
+    dpo_source: Optional[dict] = None,
 ) -> List[dict]:
     """``config.train_iters`` iterations on this rank's chunks; returns one record per
     iteration: ``iteration, loss, grad_norm, lr, tokens_per_s`` (tokens of the data, not
@@ -157,10 +159,12 @@ def train(
     stops the run (``loop.check_step``).
     ``perturbation`` > 0 scales every initial weight by ``1 + perturbation * u``, u uniform
     in [-1, 1] from a fixed generator (the comparison's sensitivity run).
+    ``dpo_source``: the DPO reference's source (None: ``dpo_reference.reference_source``).
     """
     sinks = MetricSinks(config, Ranks(first=is_rank_zero(), last=_is_last_rank()))
     try:
-        run = _build_run(config, layout, pg_collection, perturbation, sinks)
+        reference = dpo_source or reference_source(config)
+        run = _build_run(config, layout, pg_collection, perturbation, sinks, reference)
         run.desc, run.exits = desc, exits
         return run_loop(run)
     finally:
@@ -173,11 +177,11 @@ def _build_run(
     pg_collection: Optional[ProcessGroupCollection],
     perturbation: float,
     sinks: MetricSinks,
+    reference: Optional[dict],
 ) -> Run:
     """The run's data, validation set, model, optimizer and schedule, resumed from
-    ``--pretrained-checkpoint`` / ``--load`` when given."""
-    # --dpo: where the reference comes from (a resume's recorded source, checked up front)
-    reference = reference_source(config)
+    ``--pretrained-checkpoint`` / ``--load`` when given; ``reference``: where a DPO run's
+    reference comes from (``dpo_reference.reference_source``)."""
     dataset, config = _training_data(config)
     build_validation = build_preference_validation if config.dpo else build_validation_set
     validation_set = build_validation(config)

@@ -372,17 +372,18 @@ def _complete_checkpoint(checkpoint_dir: Union[str, Path], what: str) -> Path:
     return path
 
 
+def _without(x: Any, dropped: Callable[[Any], bool]) -> Any:
+    """A copy of the nesting without the values for which ``dropped`` holds."""
+    if isinstance(x, dict):
+        return {k: _without(v, dropped) for k, v in x.items() if not dropped(v)}
+    if isinstance(x, list):
+        return [_without(v, dropped) for v in x if not dropped(v)]
+    return x
+
+
 def _drop_nonpersistent(x: Any) -> Any:
     """A copy of the nesting without LocalNonpersistentObjects."""
-    if isinstance(x, dict):
-        return {
-            k: _drop_nonpersistent(v)
-            for k, v in x.items()
-            if not isinstance(v, LocalNonpersistentObject)
-        }
-    if isinstance(x, list):
-        return [_drop_nonpersistent(v) for v in x if not isinstance(v, LocalNonpersistentObject)]
-    return x
+    return _without(x, lambda v: isinstance(v, LocalNonpersistentObject))
 
 
 def _nonpersistent_values(x: Any) -> Any:
@@ -429,11 +430,8 @@ def _split_sharded(x: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
 
 
 def _drop_skipped(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {k: _drop_skipped(v) for k, v in x.items() if v is not _SKIPPED}
-    if isinstance(x, list):
-        return [_drop_skipped(v) for v in x if v is not _SKIPPED]
-    return x
+    """A copy of the nesting without the entries no storage piece was read into."""
+    return _without(x, lambda v: v is _SKIPPED)
 
 
 # Transformer Engine's fused names (megatron-core's TE layer spec fuses the MLA q / kv

@@ -32,7 +32,7 @@ from megatron.training.hf.weights import (
     parameter_sources,
     read_rows,
 )
-from megatron.training.options import TRANSFORMER_CONFIG, library_values
+from megatron.training.options import GPT_MODEL, TRANSFORMER_CONFIG, library_values
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": openai_gelu, "quick_gelu": quick_gelu}
 # Our parameters whose rows are the vocabulary (padded in the model to a multiple of TP).
@@ -94,17 +94,18 @@ def architecture_fields(arch: HFArchitecture) -> Dict[str, Any]:
     """The TransformerConfig fields ``arch`` fixes: the trainer's options' ``library=``
     declarations applied to the settings ``arch`` gives (``training_settings``; a MoE field
     only for a MoE model), with its activation."""
-    settings = training_settings(arch)
-    config = TrainingConfig(**settings)
-    fields = library_values(config, None, TRANSFORMER_CONFIG, only=settings)
-    return dict(fields, activation_func=ACTIVATIONS[arch.activation])
+    return dict(
+        _library_values(arch, TRANSFORMER_CONFIG), activation_func=ACTIVATIONS[arch.activation]
+    )
 
 
 def gpt_model_kwargs(
     arch: HFArchitecture, max_sequence_length: Optional[int], tp_size: int = 1
 ) -> Dict[str, Any]:
-    """GPTModel's constructor arguments that ``arch`` fixes; the vocabulary padded to a
-    multiple of ``tp_size`` (the padded ids excluded from the softmax)."""
+    """GPTModel's constructor arguments that ``arch`` fixes (the options' ``library=``
+    declarations of GPTModel, as for ``architecture_fields``); the vocabulary padded to a
+    multiple of ``tp_size`` (the padded ids excluded from the softmax); the position table
+    ``max_sequence_length`` (default: config.json's ``max_position_embeddings``)."""
     learned = arch.position_embedding_type == "learned_absolute"
     if learned and max_sequence_length not in (None, arch.max_position_embeddings):
         raise ValueError(
@@ -114,15 +115,18 @@ def gpt_model_kwargs(
     return dict(
         vocab_size=padded_vocab_size(arch.vocab_size, 1, tp_size),
         true_vocab_size=arch.vocab_size,
-        max_sequence_length=max_sequence_length or arch.max_position_embeddings,
-        position_embedding_type=arch.position_embedding_type,
-        rotary_base=arch.rotary_base,
-        rotary_percent=arch.rotary_percent,
-        rope_scaling=arch.rope_scaling_factor is not None,
-        rope_scaling_factor=arch.rope_scaling_factor or 8.0,
-        seq_len_interpolation_factor=arch.rotary_seq_len_interpolation_factor,
-        share_embeddings_and_output_weights=arch.tied,
+        **_library_values(
+            arch, GPT_MODEL, seq_length=max_sequence_length or arch.max_position_embeddings
+        ),
     )
+
+
+def _library_values(arch: HFArchitecture, target: str, **run_settings: Any) -> Dict[str, Any]:
+    """The keywords of ``target`` that the options ``arch`` settles set (``run_settings``:
+    other fields of the trainer's config they read)."""
+    settings = training_settings(arch)
+    config = TrainingConfig(**{**settings, **run_settings})
+    return library_values(config, None, target, only=settings)
 
 
 def build_gpt_chunk(

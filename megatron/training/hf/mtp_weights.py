@@ -11,14 +11,15 @@ under ``model.layers.<L>.`` (ours under ``mtp.layers.<k>.``, megatron-core 0.16.
   ``transformer_layer.*`` (the family's table of decoder layer L);
 - ``embed_tokens.weight``, ``shared_head.head.weight``: copies of the word embeddings and
   the output layer (written on export, checked equal on import).
+
+The export and the import use these tables through the model's whole table
+(``weights.parameter_sources``, ``weights.check_checkpoint_tensors``,
+``checkpoint._export_into``).
 """
 
 from typing import Callable, Dict
 
-import torch
-
 from megatron.training.hf.family import HFArchitecture, Segment, Source
-from megatron.training.hf.scatter import scatter_to_hf
 
 # (HuggingFace name under model.layers.<L>., our name under mtp.layers.<k>.)
 _OWN = (
@@ -68,66 +69,3 @@ def mtp_copies(arch: HFArchitecture, mtp_num_layers: int, prefix: str = "model."
         copies[hf + "embed_tokens.weight"] = "embedding.word_embeddings.weight"
         copies[hf + "shared_head.head.weight"] = head
     return copies
-
-
-def export_mtp(
-    ours: Dict[str, torch.Tensor],
-    arch: HFArchitecture,
-    mtp_num_layers: int,
-    layer_sources: Callable[[int], Dict[str, Source]],
-    prefix: str = "model.",
-) -> Dict[str, torch.Tensor]:
-    """The HuggingFace tensors of the MTP depths (with their copies of the shared tensors)
-    from our full one-chunk tensors ``ours`` (every ``mtp.layers.*`` parameter and the
-    shared ones)."""
-    sources = mtp_sources(arch, mtp_num_layers, layer_sources, prefix)
-    missing = sorted(set(sources) - set(ours))
-    if missing:
-        raise ValueError(f"export_mtp: no tensor for {missing[:3]} ({len(missing)} missing)")
-    shapes: Dict[str, list] = {}
-    for name, source in sources.items():
-        rest = tuple(ours[name].shape[1:])
-        for seg in source:
-            rows = max(shapes.get(seg.key, (0,))[0], seg.stop)
-            shapes[seg.key] = (rows,) + rest
-    out = scatter_to_hf({name: ours[name] for name in sources}, sources, shapes)
-    for key, name in mtp_copies(arch, mtp_num_layers, prefix).items():
-        out[key] = ours[name].clone()
-    return out
-
-
-def import_mtp(
-    tensors: Dict[str, torch.Tensor],
-    ours_shared: Dict[str, torch.Tensor],
-    arch: HFArchitecture,
-    mtp_num_layers: int,
-    layer_sources: Callable[[int], Dict[str, Source]],
-    prefix: str = "model.",
-) -> Dict[str, torch.Tensor]:
-    """Our full ``mtp.layers.*`` tensors from HuggingFace ``tensors``; each copy of a shared
-    tensor must equal ours (``ours_shared``: our word embeddings and output weight), else
-    a ValueError naming the key (MTP layers trained with a head of their own are not
-    expressible)."""
-    for key, name in mtp_copies(arch, mtp_num_layers, prefix).items():
-        copy = tensors.get(key)
-        if copy is not None and not torch.equal(
-            copy.to(ours_shared[name].dtype), ours_shared[name]
-        ):
-            raise ValueError(
-                f"import_mtp: {key} differs from the model's {name}; the MTP layers must share "
-                "the embeddings and the output head"
-            )
-    out = {}
-    for name, source in mtp_sources(arch, mtp_num_layers, layer_sources, prefix).items():
-        pieces = []
-        for seg in source:
-            if seg.key not in tensors:
-                raise ValueError(f"import_mtp: the checkpoint has no {seg.key} (for {name})")
-            tensor = tensors[seg.key]
-            pieces.append(
-                tensor[:, seg.start : seg.stop].t()
-                if seg.transposed
-                else tensor[seg.start : seg.stop]
-            )
-        out[name] = torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
-    return out

@@ -1,16 +1,24 @@
-"""MTP weights in DeepSeek-V3's HuggingFace layout (``megatron/training/hf/mtp_weights.py``,
-for the DeepSeek family): depth k is decoder layer num_hidden_layers + k with ``enorm``,
-``hnorm``, ``eh_proj``, ``shared_head.norm``, copies of ``embed_tokens`` and
-``shared_head.head``, and the family's decoder-layer tensors; export then import gives every
-``mtp.layers.*`` parameter back; a head copy that differs is refused by name."""
+"""MTP weights in DeepSeek-V3's HuggingFace layout (``megatron/training/hf/mtp_weights.py``'s
+tables, for the DeepSeek family), through the export's and the import's own functions: depth
+k is decoder layer num_hidden_layers + k with ``enorm``, ``hnorm``, ``eh_proj``,
+``shared_head.norm``, copies of ``embed_tokens`` and ``shared_head.head``, and the family's
+decoder-layer tensors; what the export writes reads back as every ``mtp.layers.*``
+parameter. (A head copy that differs is refused by the checkpoint check:
+test_hf_deepseek_mtp.py.)"""
 
 import pytest
 import torch
 
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.training.hf.families import REGISTRY
+from megatron.training.hf.checkpoint import _mtp_copies_of, mtp_units
 from megatron.training.hf.family import HFArchitecture
-from megatron.training.hf.mtp_weights import export_mtp, import_mtp, mtp_sources
+from megatron.training.hf.scatter import scatter_to_hf
+from megatron.training.hf.weights import (
+    hf_shapes,
+    mtp_parameter_sources,
+    our_full_shapes,
+    read_rows,
+)
 from tests.unit_tests.models.naming import reference_names
 from tests.unit_tests.models.test_multi_token_prediction import (
     HEADS,
@@ -43,11 +51,8 @@ ARCH = HFArchitecture(
     add_bias_linear=False,
     add_qkv_bias=False,
     tied=False,
+    mtp_num_layers=2,
 )
-
-
-def _layer_sources(layer: int):
-    return REGISTRY["llama"].layer_sources(ARCH, layer, None)
 
 
 def _ours():
@@ -55,11 +60,38 @@ def _ours():
     return {name: param.detach().clone() for name, param in reference_names(model)}
 
 
+class _Tensors:
+    """The reader interface ``read_rows`` takes, over tensors in memory."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def shape(self, key):
+        return tuple(self.tensors[key].shape)
+
+    def read(self, key, index):
+        return self.tensors[key][index].clone()
+
+    def file_of(self, key):
+        return "memory"
+
+
+def _exported(ours):
+    """The HuggingFace tensors the export writes for the MTP depths (``_export_into``'s
+    steps for each MTP unit: its tensors scattered, then its copies of the shared ones)."""
+    hf = {}
+    for unit in mtp_units(ARCH):
+        shapes = hf_shapes(ARCH, unit, our_full_shapes(ARCH))
+        hf.update(scatter_to_hf({name: ours[name] for name in unit}, unit, shapes))
+        hf.update({key: ours[name].clone() for key, name in _mtp_copies_of(ARCH, unit).items()})
+    return hf
+
+
 def test_mtp_export_has_deepseek_v3_names_and_imports_back():
     """Every key of depths 0 and 1 (layers 2 and 3), eh_proj's [e; h] columns as ours, the
-    copies equal to the shared tensors, and the round trip exact."""
+    copies equal to the shared tensors, and what the import reads back exact."""
     ours = _ours()
-    hf = export_mtp(ours, ARCH, 2, _layer_sources)
+    hf = _exported(ours)
     per_layer = [
         "enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
         "embed_tokens.weight", "shared_head.head.weight", "input_layernorm.weight",
@@ -77,21 +109,10 @@ def test_mtp_export_has_deepseek_v3_names_and_imports_back():
     assert torch.equal(
         hf["model.layers.3.embed_tokens.weight"], ours["embedding.word_embeddings.weight"]
     )
-    back = import_mtp(hf, ours, ARCH, 2, _layer_sources)
+    sources = mtp_parameter_sources(ARCH)
     mtp = {name for name in ours if name.startswith("mtp.")}
-    assert set(back) == mtp == set(mtp_sources(ARCH, 2, _layer_sources))
+    assert set(sources) == mtp
+    reader = _Tensors(hf)
     for name in mtp:
-        assert torch.equal(back[name], ours[name]), name
-
-
-def test_mtp_import_refuses_a_head_of_its_own():
-    """A shared_head.head that is not the model's output layer is refused by name."""
-    ours = _ours()
-    hf = export_mtp(ours, ARCH, 1, _layer_sources)
-    hf["model.layers.2.shared_head.head.weight"] += 1.0
-    with pytest.raises(ValueError, match=r"model.layers.2.shared_head.head.weight differs"):
-        import_mtp(hf, ours, ARCH, 1, _layer_sources)
-    del hf["model.layers.2.enorm.weight"]
-    hf["model.layers.2.shared_head.head.weight"] -= 1.0
-    with pytest.raises(ValueError, match=r"no model.layers.2.enorm.weight"):
-        import_mtp(hf, ours, ARCH, 1, _layer_sources)
+        back = read_rows(reader, sources[name], [(0, ours[name].shape[0])], None)
+        assert torch.equal(back, ours[name]), name

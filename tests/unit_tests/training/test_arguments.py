@@ -570,10 +570,10 @@ def test_resolved_model_derives_the_defaults_once():
 def test_moe_router_dtype_reaches_the_transformer_config():
     """--moe-router-dtype fp32 is megatron's router precision flag: it reaches the
     TransformerConfig; another value, or the flag without --num-experts, is refused."""
-    from megatron.training.model import moe_fields
+    from megatron.training.model import transformer_config_from
 
     config = TrainingConfig(num_experts=4, disable_bias_linear=True, moe_router_dtype="fp32")
-    assert moe_fields(config, validate_config(config, 1))["moe_router_dtype"] == "fp32"
+    assert transformer_config_from(config, validate_config(config, 1)).moe_router_dtype == "fp32"
     with pytest.raises(ValueError, match="--moe-router-dtype must be fp32 or fp64, got .bf16."):
         validate_config(
             TrainingConfig(num_experts=4, disable_bias_linear=True, moe_router_dtype="bf16"), 1

@@ -34,7 +34,7 @@ LLAMA_MOE = [
 def no_training(monkeypatch):
     """``main`` refuses or reaches ``_run``, which here only records that it was reached."""
     reached = []
-    monkeypatch.setattr(cli, "_run", lambda config: reached.append(config) or 0)
+    monkeypatch.setattr(cli, "_run", lambda config, _source=None: reached.append(config) or 0)
     return reached
 
 
@@ -252,7 +252,7 @@ def test_an_exit_signal_no_handler_can_catch_is_refused_with_the_choices(name):
 
 
 def test_ctrl_c_in_a_rank_ends_it_with_one_line_and_status_130(tmp_path, capsys, monkeypatch):
-    def interrupted(config):
+    def interrupted(config, _source=None):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(cli, "_run", interrupted)

@@ -186,7 +186,7 @@ def test_a_resume_keeps_the_seed_of_its_generated_pairs(tmp_path, monkeypatch, c
 
     _run(train_iters=1, save=str(tmp_path), seed=7, **NO_VALIDATION)
     reached = []
-    monkeypatch.setattr(cli, "_run", lambda config: reached.append(config) or 0)
+    monkeypatch.setattr(cli, "_run", lambda config, _source=None: reached.append(config) or 0)
     assert cli.main(["--load", str(tmp_path), "--train-iters", "2", "--lr", "0.01"]) == 0
     assert reached[0].seed == 7 and reached[0].dpo
     with pytest.raises(SystemExit) as refused:
@@ -208,3 +208,26 @@ def test_a_packed_dpo_run_resumes_bit_for_bit(tmp_path):
 
     straight, interrupted = _resumes_exactly(tmp_path, **PACKED)
     assert interrupted == straight and straight[2]["rewards_margins"] != 0.0
+
+
+@pytest.mark.world(1)
+@pytest.mark.slow  # three short runs
+def test_the_command_line_fingerprints_a_resumed_source_once(tmp_path, monkeypatch):
+    """A resumed DPO run's recorded source is checked by the command line before training
+    and handed to ``pretrain``: its files are fingerprinted once in the process, not again
+    by the trainer."""
+    from megatron.training import cli, lora_base
+    from megatron.training.options import command_line
+
+    sft, run = tmp_path / "sft", tmp_path / "run"
+    _run(train_iters=1, save=str(sft), dpo=False, dpo_beta=0.1, **NO_VALIDATION)
+    _run(train_iters=1, save=str(run), load=str(sft), finetune=True, **NO_VALIDATION)
+    fingerprinted = []
+    original = lora_base.base_fingerprint
+    monkeypatch.setattr(
+        lora_base, "base_fingerprint", lambda path: fingerprinted.append(path) or original(path)
+    )
+    resume = TrainingConfig(**{**SMALL, **NO_VALIDATION, "train_iters": 2, "load": str(run)})
+    with fresh_layout():
+        assert cli.main(command_line(resume)) == 0
+    assert fingerprinted == [str((sft / "iter_0000001").resolve())]

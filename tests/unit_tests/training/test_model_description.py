@@ -185,3 +185,32 @@ def test_the_hf_loader_takes_its_transformer_config_fields_from_the_options():
     for name, value in architecture_fields(arch).items():
         if name != "activation_func":
             assert getattr(trainer, name) == value, name
+
+
+def test_the_hf_loader_takes_its_gpt_model_keywords_from_the_options(monkeypatch):
+    """``gpt_model_kwargs``: the padded vocabulary and the GPTModel keywords the trainer's
+    table sets from the same settings (the run's seed aside); a GPTModel keyword declared
+    in the table reaches it with no second list to edit."""
+    from megatron.core.models.gpt.gpt_model import padded_vocab_size
+    from megatron.training import options
+    from megatron.training.hf.config import architecture_from_config, training_settings
+    from megatron.training.hf.loading import gpt_model_kwargs
+    from tests.unit_tests.hf.test_hf_refusals import BASE
+
+    arch = architecture_from_config(BASE["olmoe"])
+    settings = dict(training_settings(arch), seq_length=arch.max_position_embeddings)
+    trainer = options.library_values(TrainingConfig(**settings), None, GPT_MODEL)
+    trainer.pop("seed")
+    vocab = dict(
+        vocab_size=padded_vocab_size(arch.vocab_size, 1, 2), true_vocab_size=arch.vocab_size
+    )
+    assert gpt_model_kwargs(arch, None, tp_size=2) == dict(trainer, **vocab)
+    table = options.library_table
+    doubled = options.Sets("new_keyword", GPT_MODEL, lambda c, _: 2 * c.rotary_base)
+
+    def with_new_keyword(config_class, target):
+        extra = [("rotary_base", doubled)] if target == GPT_MODEL else []
+        return table(config_class, target) + extra
+
+    monkeypatch.setattr(options, "library_table", with_new_keyword)
+    assert gpt_model_kwargs(arch, None)["new_keyword"] == 2 * arch.rotary_base

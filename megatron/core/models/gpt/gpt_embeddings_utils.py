@@ -67,14 +67,19 @@ def yarn_embedding(config: TransformerConfig, rotary_percent: float, rotary_base
     )
 
 
-def local_rotary_embedding(config: TransformerConfig, rotary_percent: float) -> RotaryEmbedding:
-    """The RoPE of the sliding-window layers, base ``config.local_rotary_base``."""
+def rope_embedding(
+    config: TransformerConfig, rotary_percent: float, rotary_base: float, **scaling: Any
+) -> RotaryEmbedding:
+    """The RoPE of the config's heads at base ``rotary_base`` (GPTModel's, and the
+    sliding-window layers' at ``config.local_rotary_base``); ``scaling``: RotaryEmbedding's
+    ``seq_len_interpolation_factor``, ``rope_scaling``, ``rope_scaling_factor``."""
     return RotaryEmbedding(
         kv_channels=config.kv_channels,
         rotary_percent=rotary_percent,
         rotary_interleaved=config.rotary_interleaved,
-        rotary_base=config.local_rotary_base,
+        rotary_base=rotary_base,
         use_cpu_initialization=config.use_cpu_initialization,
+        **scaling,
     )
 
 

@@ -23,12 +23,11 @@ from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross
 from megatron.core.models.common.embeddings.language_model_embedding import (
     LanguageModelEmbedding,
 )
-from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt.gpt_embeddings_utils import (
     RotaryAngles,
     check_yarn_fields,
     embedding_scale,
-    local_rotary_embedding,
+    rope_embedding,
     softcapped,
     yarn_embedding,
 )
@@ -181,20 +180,20 @@ class GPTModel(RotaryAngles, MegatronModule):
                 tp_group=self.tp_group,
             )
         if position_embedding_type == "rope" and not config.multi_latent_attention:
-            self.rotary_pos_emb = RotaryEmbedding(
-                kv_channels=config.kv_channels,
-                rotary_percent=rotary_percent,
-                rotary_interleaved=config.rotary_interleaved,
+            self.rotary_pos_emb = rope_embedding(
+                config,
+                rotary_percent,
+                rotary_base,
                 seq_len_interpolation_factor=seq_len_interpolation_factor,
-                rotary_base=rotary_base,
                 rope_scaling=rope_scaling,
                 rope_scaling_factor=rope_scaling_factor,
-                use_cpu_initialization=config.use_cpu_initialization,
             )
         if position_embedding_type == "yarn":
             self.rotary_pos_emb = yarn_embedding(config, rotary_percent, rotary_base)
         if config.local_rotary_base is not None and hasattr(self, "rotary_pos_emb"):
-            self.local_rotary_pos_emb = local_rotary_embedding(config, rotary_percent)
+            self.local_rotary_pos_emb = rope_embedding(
+                config, rotary_percent, config.local_rotary_base
+            )
         self.decoder = TransformerBlock(
             config=config,
             spec=transformer_layer_spec,
