@@ -23,7 +23,7 @@ by the main loss's token count, as megatron-core does. It reaches the gradient t
 """
 
 import dataclasses
-from typing import Callable, List, Optional, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -203,11 +203,15 @@ class MTPLossLoggingHelper:
 class SequenceRoll:
     """Shift per-token tensors [b, s_local] of this CP rank towards the start of the
     sequence in the GLOBAL order: ``roll(x, k)[p] = x[p + k]`` when p + k is in p's
-    document (the whole row, or one document of a packed row), else 0. Each call gathers
-    ``x`` over the CP group (small integer tensors: ids, labels, masks)."""
+    document (the whole row, or one document of a packed row), else 0. Each tensor is
+    gathered over the CP group once (small integer tensors: ids, labels, masks): a roll of
+    a roll is taken from the first one's gathered source, ``roll(roll(x, j), k) =
+    roll(x, j + k)`` (both zero once p + j + k leaves p's document). Build one per forward:
+    it keeps what it gathered and returned until it is dropped."""
 
     def __init__(self, local_length: int, cp_group, packed_seq_params=None) -> None:
         self.cp_group = cp_group
+        self._sources: dict = {}  # id(tensor) -> (tensor, [b, s] source in global order, shift)
         cp, rank = get_pg_size(cp_group), get_pg_rank(cp_group)
         total = local_length * cp
         self.total = total
@@ -238,11 +242,23 @@ class SequenceRoll:
     def __call__(self, tensor: Optional[Tensor], shift: int) -> Optional[Tensor]:
         if tensor is None:
             return None
-        whole = self._whole(tensor)
+        whole, shift = self._source(tensor, shift)
         target = self.positions + shift
         valid = (target < self.ends).to(tensor.device)
         taken = whole[:, target.clamp(max=self.total - 1).to(tensor.device)]
-        return torch.where(valid, taken, torch.zeros_like(taken))
+        rolled = torch.where(valid, taken, torch.zeros_like(taken))
+        self._sources[id(rolled)] = (rolled, whole, shift)
+        return rolled
+
+    def _source(self, tensor: Tensor, shift: int) -> Tuple[Tensor, int]:
+        """(the gathered source of ``tensor``, the shift from it): ``tensor`` itself gathered
+        (once), or, for this roll's own output, what it was rolled from."""
+        known = self._sources.get(id(tensor))
+        if known is not None and known[0] is tensor:
+            return known[1], known[2] + shift
+        whole = self._whole(tensor)
+        self._sources[id(tensor)] = (tensor, whole, 0)
+        return whole, shift
 
     def _whole(self, tensor: Tensor) -> Tensor:
         """[b, s] in global order from every rank's [b, s_local]."""
@@ -489,11 +505,12 @@ def mtp_loss_terms(
     ``per_token_losses[k]`` is depth k+1's cross-entropy and ``labels_mask[k]`` its rolled
     mask. In training, each depth's S_k / max(N_k, 1) is tracked for logging."""
     weight = config.mtp_loss_scaling_factor / config.mtp_num_layers
+    local_counts = [mask.detach().to(torch.float64).sum() for mask in labels_mask]
+    counts = all_reduce(torch.stack(local_counts), cp_group)  # every depth's N_k at once
     terms = []
     for depth, (loss, mask) in enumerate(zip(per_token_losses, labels_mask)):
         masked = loss * mask.to(loss.dtype)
-        count = all_reduce(mask.detach().to(torch.float64).sum().reshape(1), cp_group)
-        denominator = count.reshape(()).clamp(min=1).to(device=loss.device, dtype=loss.dtype)
+        denominator = counts[depth].clamp(min=1).to(device=loss.device, dtype=loss.dtype)
         if training:
             MTPLossLoggingHelper.save_loss_to_tracker(
                 masked.detach().sum() / denominator,

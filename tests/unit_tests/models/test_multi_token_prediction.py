@@ -577,3 +577,36 @@ def test_mtp_all_masked_microbatch_gives_zero_not_nan():
         assert torch.isfinite(param.grad).all(), name
         if name.startswith("mtp."):
             assert not param.grad.any(), name
+
+
+@pytest.mark.world(1)
+def test_mtp_forward_gathers_each_tensor_once_over_cp(monkeypatch):
+    """One forward with K = 2 depths under a (simulated) CP group of 2: the roll gathers each
+    per-token tensor it shifts (ids, padding mask, labels, loss mask) once, whatever K, and
+    the depths' counts N_k take one all-reduce (not one gather per depth and use, and one
+    all-reduce per depth)."""
+    calls = {"gather": 0, "reduce": 0}
+
+    def gather(tensor, group):
+        calls["gather"] += 1
+        return torch.cat([tensor, tensor])  # the other shard: values do not matter here
+
+    def reduce(tensor, group):
+        calls["reduce"] += 1
+        return tensor
+
+    monkeypatch.setattr(mtp_module, "get_pg_size", lambda group: 2)
+    monkeypatch.setattr(mtp_module, "get_pg_rank", lambda group: 0)
+    monkeypatch.setattr(mtp_module, "all_gather_along_first_dim", gather)
+    monkeypatch.setattr(mtp_module, "all_reduce", reduce)
+    model = _model(_config(), ProcessGroupCollection())
+    rows = batch()
+    padding = torch.zeros_like(rows["loss_mask"], dtype=torch.bool)
+    model(
+        rows["tokens"],
+        None,
+        labels=rows["labels"],
+        loss_mask=rows["loss_mask"],
+        padding_mask=padding,
+    )
+    assert calls == {"gather": 4, "reduce": 1}
