@@ -40,7 +40,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import build_layers
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-from megatron.core.utils import get_pg_rank, get_pg_size
+from megatron.core.utils import get_pg_rank, get_pg_size, shard_per_token_tensor
 
 
 @dataclasses.dataclass
@@ -462,7 +462,9 @@ class MultiTokenPredictionBlock(MegatronModule):
         for depth, layer in enumerate(self.layers, start=1):
             mask = None
             if padding_mask is not None:
-                mask = _sequence_shard(roll(padding_mask, depth), layer)
+                mask = shard_per_token_tensor(
+                    roll(padding_mask, depth), layer.tp_group, self.config.sequence_parallel
+                )
             hidden_states, input_ids, position_ids = layer(
                 input_ids,
                 position_ids,
@@ -481,15 +483,6 @@ class MultiTokenPredictionBlock(MegatronModule):
             )
             outputs.append(hidden_states)
         return torch.cat(outputs, dim=0)
-
-
-def _sequence_shard(tensor: Tensor, layer: MultiTokenPredictionLayer) -> Tensor:
-    """A per-token tensor [b, s_local] sharded like the hidden states: this rank's block of
-    s over TP under sequence parallelism."""
-    size = get_pg_size(layer.tp_group)
-    if not layer.config.sequence_parallel or size == 1:
-        return tensor
-    return tensor.chunk(size, dim=1)[get_pg_rank(layer.tp_group)].contiguous()
 
 
 def mtp_loss_terms(

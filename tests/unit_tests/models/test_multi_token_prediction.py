@@ -610,3 +610,26 @@ def test_mtp_forward_gathers_each_tensor_once_over_cp(monkeypatch):
         padding_mask=padding,
     )
     assert calls == {"gather": 4, "reduce": 1}
+
+
+@pytest.mark.world(1)
+def test_mtp_padding_mask_sharded_by_the_models_helper(monkeypatch):
+    """Each depth's rolled padding mask is sharded like the hidden states by the one helper
+    GPTModel uses (``shard_per_token_tensor``, megatron.core.utils; still importable from
+    gpt_model), with the depth's TP group and the config's sequence parallelism."""
+    from megatron.core import utils
+    from megatron.core.models.gpt import gpt_model
+
+    assert gpt_model.shard_per_token_tensor is utils.shard_per_token_tensor
+    seen = []
+
+    def spy(tensor, tp_group, sequence_parallel):
+        seen.append((tp_group, sequence_parallel))
+        return utils.shard_per_token_tensor(tensor, tp_group, sequence_parallel)
+
+    monkeypatch.setattr(mtp_module, "shard_per_token_tensor", spy)
+    model = _model(_config(), ProcessGroupCollection())
+    rows = batch()
+    padding = torch.zeros_like(rows["loss_mask"], dtype=torch.bool)
+    model(rows["tokens"], None, labels=rows["labels"], padding_mask=padding)
+    assert seen == [(layer.tp_group, False) for layer in model.mtp.layers]
