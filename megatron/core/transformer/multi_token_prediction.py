@@ -33,6 +33,7 @@ from megatron.core import tensor_parallel
 from megatron.core.communication import all_gather_along_first_dim, all_reduce
 from megatron.core.context_parallel import cp_gathered_positions, thd_partitioned_indices
 from megatron.core.process_groups_config import resolve_group
+from megatron.core.transformer.loss_auto_scaler import LossAutoScaler
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.parallel_groups import cp_group_of, pp_rank_of, tp_group_of
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -98,34 +99,12 @@ def get_mtp_num_layers_to_build(
     return config.mtp_num_layers if last_rank and last_chunk else 0
 
 
-class MTPLossAutoScaler(torch.autograd.Function):
-    """Attach the MTP loss to an activation: the forward returns the activation; the backward
-    gives the loss the gradient ``main_loss_backward_scale`` (set by the schedules each step:
-    the gradient scale times C / M in the averaged and legacy loss modes, the gradient scale
-    in per-token mode; 1 when unset)."""
+class MTPLossAutoScaler(LossAutoScaler):
+    """Attach the MTP loss to an activation (``LossAutoScaler``, a scale of its own): the
+    schedules set it each step, the gradient scale times C / M in the averaged and legacy
+    loss modes, the gradient scale in per-token mode."""
 
     main_loss_backward_scale: Optional[Tensor] = None
-
-    @staticmethod
-    def forward(ctx, output: Tensor, mtp_loss: Tensor) -> Tensor:
-        """The activation, unchanged; remembers the loss."""
-        ctx.save_for_backward(mtp_loss)
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_output: Tensor):
-        """dJ/d(activation) passes through; d(scale * loss)/d(loss) = scale."""
-        (mtp_loss,) = ctx.saved_tensors
-        scale = MTPLossAutoScaler.main_loss_backward_scale
-        if scale is None:
-            return grad_output, torch.ones_like(mtp_loss)
-        scale = scale.detach().to(device=mtp_loss.device, dtype=mtp_loss.dtype)
-        return grad_output, scale.expand_as(mtp_loss).clone()
-
-    @staticmethod
-    def set_loss_scale(scale: Tensor) -> None:
-        """The gradient the MTP loss receives in the backward (a one-element tensor)."""
-        MTPLossAutoScaler.main_loss_backward_scale = scale.detach().clone().reshape(())
 
 
 class MTPLossLoggingHelper:
