@@ -69,19 +69,13 @@ class Attention(MegatronModule):
             config.window_size, config.window_attn_skip_freq, layer_number
         )
         self.mscale = yarn_cos_sin_scale(config)  # YaRN's cos/sin scale (1 without)
-        if cp_comm_type is None:
-            cp_comm_type = config.cp_comm_type
-        if isinstance(cp_comm_type, (list, tuple)):
-            # One entry per layer: entry n - 1 for global layer number n (megatron-core
-            # 0.16.1 reads entry n, one past the end at the last layer; docs/compatibility.md).
-            cp_comm_type = cp_comm_type[layer_number - 1]
         self.core_attention = build_module(
             submodules.core_attention,
             config=config,
             layer_number=layer_number,
             attn_mask_type=attn_mask_type,
             attention_type=attention_type,
-            cp_comm_type=cp_comm_type,
+            cp_comm_type=layer_cp_comm_type(cp_comm_type, config, layer_number),
             pg_collection=pg_collection,
         )
         self.linear_proj = output_projection(
@@ -184,6 +178,17 @@ class Attention(MegatronModule):
                 q, k, v, attn_mask=mask, is_causal=causal, scale=scale
             )
         return out.permute(2, 0, 1, 3).reshape(s, out.shape[0], -1)
+
+
+def layer_cp_comm_type(cp_comm_type, config: TransformerConfig, layer_number: int):
+    """The ``cp_comm_type`` of global layer ``layer_number``: the argument, else the
+    config's; a list holds one per layer, entry n - 1 for layer n (megatron-core 0.16.1
+    reads entry n, one past the end at the last layer; docs/compatibility.md)."""
+    if cp_comm_type is None:
+        cp_comm_type = config.cp_comm_type
+    if isinstance(cp_comm_type, (list, tuple)):
+        return cp_comm_type[layer_number - 1]
+    return cp_comm_type
 
 
 def yarn_cos_sin_scale(config: TransformerConfig) -> float:

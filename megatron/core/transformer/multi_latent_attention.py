@@ -29,7 +29,7 @@ from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
-from megatron.core.transformer.attention import attend
+from megatron.core.transformer.attention import attend, layer_cp_comm_type
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule, output_projection, parallel_linear
@@ -107,10 +107,6 @@ class MLASelfAttention(MegatronModule):
         self.heads = config.num_attention_heads // tp
         self.q_head_dim = config.qk_head_dim + config.qk_pos_emb_head_dim
         self._cp_group = ResolvedGroup(cp_group_of, pg_collection, config)
-        if cp_comm_type is None:
-            cp_comm_type = config.cp_comm_type
-        if isinstance(cp_comm_type, (list, tuple)):  # one per layer, as in Attention
-            cp_comm_type = cp_comm_type[layer_number - 1]
         self._build_projections(config, submodules)
         self.core_attention = build_module(
             submodules.core_attention,
@@ -119,7 +115,7 @@ class MLASelfAttention(MegatronModule):
             attn_mask_type=attn_mask_type,
             attention_type="self",
             softmax_scale=self._softmax_scale(config),
-            cp_comm_type=cp_comm_type,
+            cp_comm_type=layer_cp_comm_type(cp_comm_type, config, layer_number),
             pg_collection=pg_collection,
         )
         self.linear_proj = output_projection(

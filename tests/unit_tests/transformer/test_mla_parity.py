@@ -478,3 +478,14 @@ def test_mla_rotates_with_megatron_cores_rotary_embedding(rope_type):
     angles, mscale = attention._angles(SEQ, torch.device("cpu"))
     assert torch.equal(angles, expected[0]) and mscale == expected[1]
     assert (mscale != 1.0) == (rope_type == "yarn")
+
+
+@pytest.mark.world(1)
+def test_mla_per_layer_cp_comm_type_follows_global_layer_numbers():
+    """A ``cp_comm_type`` list gives MLA layer n entry n - 1, the rule ``Attention`` follows
+    (one ``layer_cp_comm_type`` for both)."""
+    config = _config("rope", 8, cp_comm_type=["a2a", "p2p"])
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True)
+    model = GPTModel(config, spec, VOCAB, 32, position_embedding_type="rope")
+    got = [layer.self_attention.core_attention.cp_comm_type for layer in model.decoder.layers]
+    assert got == ["a2a", "p2p"]
