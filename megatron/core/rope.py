@@ -135,9 +135,7 @@ class YarnRotaryEmbedding(RotaryEmbedding):
             beta_slow,
             correction_range_round_to_int,
         )
-        self.mscale = yarn_get_mscale(scaling_factor, mscale) / yarn_get_mscale(
-            scaling_factor, mscale_all_dim
-        )
+        self.mscale = yarn_cos_sin_scale(scaling_factor, mscale, mscale_all_dim)
 
 
 def llama3_scaled_inv_freq(
@@ -265,3 +263,8 @@ def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
     if scale <= 1:
         return 1.0
     return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_cos_sin_scale(scale: float, mscale: float, mscale_all_dim: float) -> float:
+    """YaRN's cos/sin scale: mscale(scale, mscale) / mscale(scale, mscale_all_dim)."""
+    return yarn_get_mscale(scale, mscale) / yarn_get_mscale(scale, mscale_all_dim)

@@ -11,10 +11,10 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from megatron.core import tensor_parallel
+from megatron.core import rope, tensor_parallel
 from megatron.core.config_rules import is_window_layer
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.rope import LayerAngles, apply_rotary_pos_emb, yarn_get_mscale
+from megatron.core.rope import LayerAngles, apply_rotary_pos_emb
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule, leave_as_allocated, output_projection
@@ -198,9 +198,7 @@ def yarn_cos_sin_scale(config: TransformerConfig) -> float:
     if factor is None:
         return 1.0
     mscale = config.yarn_mscale if config.yarn_mscale is not None else 1.0
-    return yarn_get_mscale(factor, mscale) / yarn_get_mscale(
-        factor, config.yarn_mscale_all_dim or 0.0
-    )
+    return rope.yarn_cos_sin_scale(factor, mscale, config.yarn_mscale_all_dim or 0.0)
 
 
 def _explicit_attention(q, k, v, mask, causal: bool, scale: float, softcap, sinks):
