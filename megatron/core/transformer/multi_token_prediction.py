@@ -33,7 +33,7 @@ from megatron.core import tensor_parallel
 from megatron.core.communication import all_gather_along_first_dim, all_reduce
 from megatron.core.context_parallel import cp_gathered_positions, thd_partitioned_indices
 from megatron.core.process_groups_config import resolve_group
-from megatron.core.transformer.loss_auto_scaler import LossAutoScaler
+from megatron.core.transformer.loss_auto_scaler import loss_auto_scaler
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.parallel_groups import cp_group_of, pp_rank_of, tp_group_of
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -99,12 +99,13 @@ def get_mtp_num_layers_to_build(
     return config.mtp_num_layers if last_rank and last_chunk else 0
 
 
-class MTPLossAutoScaler(LossAutoScaler):
-    """Attach the MTP loss to an activation (``LossAutoScaler``, a scale of its own): the
+MTPLossAutoScaler = loss_auto_scaler(
+    "MTPLossAutoScaler",
+    """Attach the MTP loss to an activation (``loss_auto_scaler``, a scale of its own): the
     schedules set it each step, the gradient scale times C / M in the averaged and legacy
-    loss modes, the gradient scale in per-token mode."""
-
-    main_loss_backward_scale: Optional[Tensor] = None
+    loss modes, the gradient scale in per-token mode.""",
+    __name__,
+)
 
 
 class MTPLossLoggingHelper:

@@ -21,15 +21,15 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import communication
-from megatron.core.transformer.loss_auto_scaler import LossAutoScaler
+from megatron.core.transformer.loss_auto_scaler import loss_auto_scaler
 
-
-class MoEAuxLossAutoScaler(LossAutoScaler):
-    """Attach a router loss to an activation (``LossAutoScaler``): the schedules set its
+MoEAuxLossAutoScaler = loss_auto_scaler(
+    "MoEAuxLossAutoScaler",
+    """Attach a router loss to an activation (``loss_auto_scaler``): the schedules set its
     scale each step, the gradient scale times C / M in the averaged and legacy loss modes,
-    the gradient scale alone in per-token mode."""
-
-    main_loss_backward_scale: Optional[torch.Tensor] = None
+    the gradient scale alone in per-token mode.""",
+    __name__,
+)
 
 
 class TokenCounts(NamedTuple):
