@@ -187,7 +187,8 @@ class SequenceRoll:
     gathered over the CP group once (small integer tensors: ids, labels, masks): a roll of
     a roll is taken from the first one's gathered source, ``roll(roll(x, j), k) =
     roll(x, j + k)`` (both zero once p + j + k leaves p's document). Build one per forward:
-    it keeps what it gathered and returned until it is dropped."""
+    it keeps what it gathered and returned until it is dropped (so none of those tensors
+    may be changed in place meanwhile)."""
 
     def __init__(self, local_length: int, cp_group, packed_seq_params=None) -> None:
         self.cp_group = cp_group
