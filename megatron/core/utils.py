@@ -1,6 +1,7 @@
 """megatron-core's ``megatron.core.utils`` names: reaching through model wrappers (DDP,
 Float16Module, ...), version checks, and re-exports of the names megatron-core keeps here
-(group sizes and ranks: ``process_groups_config``; CP batch slicing: ``context_parallel``).
+(group sizes and ranks: ``process_groups_config``; CP batch slicing: ``context_parallel``),
+and a per-token tensor sharded like the hidden states (``shard_per_token_tensor``).
 """
 
 import math
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch.distributed as dist
+from torch import Tensor
 
 from megatron.core import parallel_state
 from megatron.core.context_parallel import (  # noqa: F401  (megatron-core's names here)
@@ -101,6 +103,24 @@ def get_tensor_model_parallel_group_if_none(
     if is_expert:
         return parallel_state.get_expert_tensor_parallel_group(check_initialized=check_initialized)
     return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)
+
+
+def shard_per_token_tensor(
+    tensor: Tensor, tp_group: Optional[dist.ProcessGroup], sequence_parallel: bool
+) -> Tensor:
+    """A per-token tensor [b, s_local] (e.g. the padding mask) sharded like the hidden
+    states: under sequence parallelism, this rank's block of s over the model's TP group
+    (``tp_group``), else unchanged. (The CP split already happened with the inputs.)"""
+    if not sequence_parallel or get_pg_size(tp_group) == 1:
+        return tensor
+    size, rank = get_pg_size(tp_group), get_pg_rank(tp_group)
+    if tensor.shape[1] % size != 0:
+        raise ValueError(
+            f"padding_mask has {tensor.shape[1]} positions per row (shape "
+            f"{tuple(tensor.shape)}), not divisible by the tensor-parallel size {size} "
+            "(sequence parallelism splits the sequence over TP)"
+        )
+    return tensor.chunk(size, dim=1)[rank].contiguous()
 
 
 def init_method_normal(sigma: float) -> "NormalInit":

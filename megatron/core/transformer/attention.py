@@ -11,10 +11,10 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from megatron.core import tensor_parallel
+from megatron.core import rope, tensor_parallel
 from megatron.core.config_rules import is_window_layer
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.rope import LayerAngles, apply_rotary_pos_emb, yarn_get_mscale
+from megatron.core.rope import LayerAngles, apply_rotary_pos_emb
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule, leave_as_allocated, output_projection
@@ -69,19 +69,13 @@ class Attention(MegatronModule):
             config.window_size, config.window_attn_skip_freq, layer_number
         )
         self.mscale = yarn_cos_sin_scale(config)  # YaRN's cos/sin scale (1 without)
-        if cp_comm_type is None:
-            cp_comm_type = config.cp_comm_type
-        if isinstance(cp_comm_type, (list, tuple)):
-            # One entry per layer: entry n - 1 for global layer number n (megatron-core
-            # 0.16.1 reads entry n, one past the end at the last layer; docs/compatibility.md).
-            cp_comm_type = cp_comm_type[layer_number - 1]
         self.core_attention = build_module(
             submodules.core_attention,
             config=config,
             layer_number=layer_number,
             attn_mask_type=attn_mask_type,
             attention_type=attention_type,
-            cp_comm_type=cp_comm_type,
+            cp_comm_type=layer_cp_comm_type(cp_comm_type, config, layer_number),
             pg_collection=pg_collection,
         )
         self.linear_proj = output_projection(
@@ -186,6 +180,17 @@ class Attention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(s, out.shape[0], -1)
 
 
+def layer_cp_comm_type(cp_comm_type, config: TransformerConfig, layer_number: int):
+    """The ``cp_comm_type`` of global layer ``layer_number``: the argument, else the
+    config's; a list holds one per layer, entry n - 1 for layer n (megatron-core 0.16.1
+    reads entry n, one past the end at the last layer; docs/compatibility.md)."""
+    if cp_comm_type is None:
+        cp_comm_type = config.cp_comm_type
+    if isinstance(cp_comm_type, (list, tuple)):
+        return cp_comm_type[layer_number - 1]
+    return cp_comm_type
+
+
 def yarn_cos_sin_scale(config: TransformerConfig) -> float:
     """YaRN's cos/sin scale mscale(factor, yarn_mscale) / mscale(factor, yarn_mscale_all_dim)
     when the config has YaRN fields (``GPTModel(position_embedding_type="yarn")``), else 1."""
@@ -193,9 +198,7 @@ def yarn_cos_sin_scale(config: TransformerConfig) -> float:
     if factor is None:
         return 1.0
     mscale = config.yarn_mscale if config.yarn_mscale is not None else 1.0
-    return yarn_get_mscale(factor, mscale) / yarn_get_mscale(
-        factor, config.yarn_mscale_all_dim or 0.0
-    )
+    return rope.yarn_cos_sin_scale(factor, mscale, config.yarn_mscale_all_dim or 0.0)
 
 
 def _explicit_attention(q, k, v, mask, causal: bool, scale: float, softcap, sinks):

@@ -22,15 +22,14 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from megatron.core.context_parallel import cp_shard_positions
 from megatron.core.device import comm_device
 from megatron.core.process_groups_config import ProcessGroupCollection, get_pg_rank
-from megatron.core.rope import rotate, yarn_get_mscale, yarn_inv_freq
+from megatron.core.rope import RotaryEmbedding, YarnRotaryEmbedding, rotate, yarn_get_mscale
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
-from megatron.core.transformer.attention import attend
+from megatron.core.transformer.attention import attend, layer_cp_comm_type
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule, output_projection, parallel_linear
@@ -108,10 +107,6 @@ class MLASelfAttention(MegatronModule):
         self.heads = config.num_attention_heads // tp
         self.q_head_dim = config.qk_head_dim + config.qk_pos_emb_head_dim
         self._cp_group = ResolvedGroup(cp_group_of, pg_collection, config)
-        if cp_comm_type is None:
-            cp_comm_type = config.cp_comm_type
-        if isinstance(cp_comm_type, (list, tuple)):  # one per layer, as in Attention
-            cp_comm_type = cp_comm_type[layer_number - 1]
         self._build_projections(config, submodules)
         self.core_attention = build_module(
             submodules.core_attention,
@@ -120,7 +115,7 @@ class MLASelfAttention(MegatronModule):
             attn_mask_type=attn_mask_type,
             attention_type="self",
             softmax_scale=self._softmax_scale(config),
-            cp_comm_type=cp_comm_type,
+            cp_comm_type=layer_cp_comm_type(cp_comm_type, config, layer_number),
             pg_collection=pg_collection,
         )
         self.linear_proj = output_projection(
@@ -199,47 +194,44 @@ class MLASelfAttention(MegatronModule):
         return scale
 
     def _set_rope(self, config: MLATransformerConfig) -> None:
-        """Frequencies (float32) and the cos/sin scale of ``config.rope_type``."""
+        """``rotary_pos_emb`` (megatron-core's attribute): the ``RotaryEmbedding`` or
+        ``YarnRotaryEmbedding`` of ``config.rope_type`` over the rope head dim (each forward
+        passes its CP group)."""
         dim = config.qk_pos_emb_head_dim
-        self._rope_mscale = 1.0
         if config.rope_type == "yarn":
-            factor = config.rotary_scaling_factor
-            self._inv_freq = yarn_inv_freq(
+            self.rotary_pos_emb = YarnRotaryEmbedding(
                 dim,
-                config.rotary_base,
-                factor,
-                config.original_max_position_embeddings,
-                config.beta_fast,
-                config.beta_slow,
-            )
-            self._rope_mscale = yarn_get_mscale(factor, config.mscale) / yarn_get_mscale(
-                factor, config.mscale_all_dim
+                rotary_base=config.rotary_base,
+                scaling_factor=config.rotary_scaling_factor,
+                original_max_position_embeddings=config.original_max_position_embeddings,
+                beta_fast=config.beta_fast,
+                beta_slow=config.beta_slow,
+                mscale=config.mscale,
+                mscale_all_dim=config.mscale_all_dim,
             )
         else:
-            exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
-            self._inv_freq = 1.0 / (config.rotary_base**exponents)
+            self.rotary_pos_emb = RotaryEmbedding(
+                dim, config.rotary_percent, rotary_base=config.rotary_base
+            )
 
-    def _angles(self, seq_local: int, device: torch.device) -> torch.Tensor:
-        """Angles [s_local, 1, 1, dim] of this CP rank's positions (float32, on ``device``;
-        the last length's kept, so they are copied to the device once)."""
+    def _angles(self, seq_local: int, device: torch.device) -> Tuple[torch.Tensor, float]:
+        """(angles [s_local, 1, 1, dim] of this CP rank's positions on ``device``, cos/sin
+        scale), the last length's kept, so the angles are copied to the device once."""
         cp_group = self._cp_group.get()
-        cp, rank = get_pg_size(cp_group), get_pg_rank(cp_group)
-        key = (seq_local, cp, rank, device)
+        cp = get_pg_size(cp_group)
+        key = (seq_local, cp, get_pg_rank(cp_group), device)
         cached = getattr(self, "_angles_cache", None)
         if cached is None or cached[0] != key:
-            if cp == 1:
-                positions = torch.arange(seq_local)
-            else:
-                positions = cp_shard_positions(seq_local * cp, cp, rank)
-            freqs = torch.outer(positions.to(torch.float32), self._inv_freq)
-            angles = torch.cat((freqs, freqs), dim=-1)[:, None, None, :].to(device)
-            self._angles_cache = cached = (key, angles)
+            angles = self.rotary_pos_emb(seq_local * cp, cp_group=cp_group)
+            angles, mscale = angles if isinstance(angles, tuple) else (angles, 1.0)
+            self._angles_cache = cached = (key, (angles.to(device), mscale))
         return cached[1]
 
-    def _rope(self, t: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _rope(t: torch.Tensor, angles: torch.Tensor, mscale: float) -> torch.Tensor:
         """De-interleave the pairs (x0, x1), (x2, x3), .. into halves, then rotate."""
         t = torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
-        return rotate(t, angles, False, self._rope_mscale)
+        return rotate(t, angles, False, mscale)
 
     def _shared_rope_key(self, k_pe: torch.Tensor) -> torch.Tensor:
         """k_pe feeds this rank's heads only: its gradient is summed over TP."""
@@ -269,9 +261,9 @@ class MLASelfAttention(MegatronModule):
         kv, _ = self.linear_kv_up_proj(self.kv_layernorm(kv_c))
         kv = kv.view(s, b, self.heads, config.qk_head_dim + config.v_head_dim)
         k_nope, value = kv.split([config.qk_head_dim, config.v_head_dim], dim=-1)
-        angles = self._angles(s, q.device)
-        q_pe = self._rope(q_pe, angles)
-        k_pe = self._rope(self._shared_rope_key(k_pe).unsqueeze(2), angles)
+        angles, mscale = self._angles(s, q.device)
+        q_pe = self._rope(q_pe, angles, mscale)
+        k_pe = self._rope(self._shared_rope_key(k_pe).unsqueeze(2), angles, mscale)
         query = torch.cat((q_nope, q_pe), dim=-1)
         key = torch.cat((k_nope, k_pe.expand(-1, -1, self.heads, -1)), dim=-1)
         return query, key, value

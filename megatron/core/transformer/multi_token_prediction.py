@@ -23,7 +23,7 @@ by the main loss's token count, as megatron-core does. It reaches the gradient t
 """
 
 import dataclasses
-from typing import Callable, List, Optional, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from megatron.core import tensor_parallel
 from megatron.core.communication import all_gather_along_first_dim, all_reduce
 from megatron.core.context_parallel import cp_gathered_positions, thd_partitioned_indices
 from megatron.core.process_groups_config import resolve_group
+from megatron.core.transformer.loss_auto_scaler import loss_auto_scaler
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.parallel_groups import cp_group_of, pp_rank_of, tp_group_of
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -40,7 +41,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import build_layers
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-from megatron.core.utils import get_pg_rank, get_pg_size
+from megatron.core.utils import get_pg_rank, get_pg_size, shard_per_token_tensor
 
 
 @dataclasses.dataclass
@@ -98,34 +99,13 @@ def get_mtp_num_layers_to_build(
     return config.mtp_num_layers if last_rank and last_chunk else 0
 
 
-class MTPLossAutoScaler(torch.autograd.Function):
-    """Attach the MTP loss to an activation: the forward returns the activation; the backward
-    gives the loss the gradient ``main_loss_backward_scale`` (set by the schedules each step:
-    the gradient scale times C / M in the averaged and legacy loss modes, the gradient scale
-    in per-token mode; 1 when unset)."""
-
-    main_loss_backward_scale: Optional[Tensor] = None
-
-    @staticmethod
-    def forward(ctx, output: Tensor, mtp_loss: Tensor) -> Tensor:
-        """The activation, unchanged; remembers the loss."""
-        ctx.save_for_backward(mtp_loss)
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_output: Tensor):
-        """dJ/d(activation) passes through; d(scale * loss)/d(loss) = scale."""
-        (mtp_loss,) = ctx.saved_tensors
-        scale = MTPLossAutoScaler.main_loss_backward_scale
-        if scale is None:
-            return grad_output, torch.ones_like(mtp_loss)
-        scale = scale.detach().to(device=mtp_loss.device, dtype=mtp_loss.dtype)
-        return grad_output, scale.expand_as(mtp_loss).clone()
-
-    @staticmethod
-    def set_loss_scale(scale: Tensor) -> None:
-        """The gradient the MTP loss receives in the backward (a one-element tensor)."""
-        MTPLossAutoScaler.main_loss_backward_scale = scale.detach().clone().reshape(())
+MTPLossAutoScaler = loss_auto_scaler(
+    "MTPLossAutoScaler",
+    """Attach the MTP loss to an activation (``loss_auto_scaler``, a scale of its own): the
+    schedules set it each step, the gradient scale times C / M in the averaged and legacy
+    loss modes, the gradient scale in per-token mode.""",
+    __name__,
+)
 
 
 class MTPLossLoggingHelper:
@@ -203,11 +183,16 @@ class MTPLossLoggingHelper:
 class SequenceRoll:
     """Shift per-token tensors [b, s_local] of this CP rank towards the start of the
     sequence in the GLOBAL order: ``roll(x, k)[p] = x[p + k]`` when p + k is in p's
-    document (the whole row, or one document of a packed row), else 0. Each call gathers
-    ``x`` over the CP group (small integer tensors: ids, labels, masks)."""
+    document (the whole row, or one document of a packed row), else 0. Each tensor is
+    gathered over the CP group once (small integer tensors: ids, labels, masks): a roll of
+    a roll is taken from the first one's gathered source, ``roll(roll(x, j), k) =
+    roll(x, j + k)`` (both zero once p + j + k leaves p's document). Build one per forward:
+    it keeps what it gathered and returned until it is dropped (so none of those tensors
+    may be changed in place meanwhile)."""
 
     def __init__(self, local_length: int, cp_group, packed_seq_params=None) -> None:
         self.cp_group = cp_group
+        self._sources: dict = {}  # id(tensor) -> (tensor, [b, s] source in global order, shift)
         cp, rank = get_pg_size(cp_group), get_pg_rank(cp_group)
         total = local_length * cp
         self.total = total
@@ -238,11 +223,23 @@ class SequenceRoll:
     def __call__(self, tensor: Optional[Tensor], shift: int) -> Optional[Tensor]:
         if tensor is None:
             return None
-        whole = self._whole(tensor)
+        whole, shift = self._source(tensor, shift)
         target = self.positions + shift
         valid = (target < self.ends).to(tensor.device)
         taken = whole[:, target.clamp(max=self.total - 1).to(tensor.device)]
-        return torch.where(valid, taken, torch.zeros_like(taken))
+        rolled = torch.where(valid, taken, torch.zeros_like(taken))
+        self._sources[id(rolled)] = (rolled, whole, shift)
+        return rolled
+
+    def _source(self, tensor: Tensor, shift: int) -> Tuple[Tensor, int]:
+        """(the gathered source of ``tensor``, the shift from it): ``tensor`` itself gathered
+        (once), or, for this roll's own output, what it was rolled from."""
+        known = self._sources.get(id(tensor))
+        if known is not None and known[0] is tensor:
+            return known[1], known[2] + shift
+        whole = self._whole(tensor)
+        self._sources[id(tensor)] = (tensor, whole, 0)
+        return whole, shift
 
     def _whole(self, tensor: Tensor) -> Tensor:
         """[b, s] in global order from every rank's [b, s_local]."""
@@ -446,7 +443,9 @@ class MultiTokenPredictionBlock(MegatronModule):
         for depth, layer in enumerate(self.layers, start=1):
             mask = None
             if padding_mask is not None:
-                mask = _sequence_shard(roll(padding_mask, depth), layer)
+                mask = shard_per_token_tensor(
+                    roll(padding_mask, depth), layer.tp_group, self.config.sequence_parallel
+                )
             hidden_states, input_ids, position_ids = layer(
                 input_ids,
                 position_ids,
@@ -467,15 +466,6 @@ class MultiTokenPredictionBlock(MegatronModule):
         return torch.cat(outputs, dim=0)
 
 
-def _sequence_shard(tensor: Tensor, layer: MultiTokenPredictionLayer) -> Tensor:
-    """A per-token tensor [b, s_local] sharded like the hidden states: this rank's block of
-    s over TP under sequence parallelism."""
-    size = get_pg_size(layer.tp_group)
-    if not layer.config.sequence_parallel or size == 1:
-        return tensor
-    return tensor.chunk(size, dim=1)[get_pg_rank(layer.tp_group)].contiguous()
-
-
 def mtp_loss_terms(
     per_token_losses: List[Tensor],
     labels_mask: List[Tensor],
@@ -489,11 +479,12 @@ def mtp_loss_terms(
     ``per_token_losses[k]`` is depth k+1's cross-entropy and ``labels_mask[k]`` its rolled
     mask. In training, each depth's S_k / max(N_k, 1) is tracked for logging."""
     weight = config.mtp_loss_scaling_factor / config.mtp_num_layers
+    local_counts = [mask.detach().to(torch.float64).sum() for mask in labels_mask]
+    counts = all_reduce(torch.stack(local_counts), cp_group)  # every depth's N_k at once
     terms = []
     for depth, (loss, mask) in enumerate(zip(per_token_losses, labels_mask)):
         masked = loss * mask.to(loss.dtype)
-        count = all_reduce(mask.detach().to(torch.float64).sum().reshape(1), cp_group)
-        denominator = count.reshape(()).clamp(min=1).to(device=loss.device, dtype=loss.dtype)
+        denominator = counts[depth].clamp(min=1).to(device=loss.device, dtype=loss.dtype)
         if training:
             MTPLossLoggingHelper.save_loss_to_tracker(
                 masked.detach().sum() / denominator,

@@ -577,3 +577,59 @@ def test_mtp_all_masked_microbatch_gives_zero_not_nan():
         assert torch.isfinite(param.grad).all(), name
         if name.startswith("mtp."):
             assert not param.grad.any(), name
+
+
+@pytest.mark.world(1)
+def test_mtp_forward_gathers_each_tensor_once_over_cp(monkeypatch):
+    """One forward with K = 2 depths under a (simulated) CP group of 2: the roll gathers each
+    per-token tensor it shifts (ids, padding mask, labels, loss mask) once, whatever K, and
+    the depths' counts N_k take one all-reduce (not one gather per depth and use, and one
+    all-reduce per depth)."""
+    calls = {"gather": 0, "reduce": 0}
+
+    def gather(tensor, group):
+        calls["gather"] += 1
+        return torch.cat([tensor, tensor])  # the other shard: values do not matter here
+
+    def reduce(tensor, group):
+        calls["reduce"] += 1
+        return tensor
+
+    monkeypatch.setattr(mtp_module, "get_pg_size", lambda group: 2)
+    monkeypatch.setattr(mtp_module, "get_pg_rank", lambda group: 0)
+    monkeypatch.setattr(mtp_module, "all_gather_along_first_dim", gather)
+    monkeypatch.setattr(mtp_module, "all_reduce", reduce)
+    model = _model(_config(), ProcessGroupCollection())
+    rows = batch()
+    padding = torch.zeros_like(rows["loss_mask"], dtype=torch.bool)
+    model(
+        rows["tokens"],
+        None,
+        labels=rows["labels"],
+        loss_mask=rows["loss_mask"],
+        padding_mask=padding,
+    )
+    assert calls == {"gather": 4, "reduce": 1}
+
+
+@pytest.mark.world(1)
+def test_mtp_padding_mask_sharded_by_the_models_helper(monkeypatch):
+    """Each depth's rolled padding mask is sharded like the hidden states by the one helper
+    GPTModel uses (``shard_per_token_tensor``, megatron.core.utils; still importable from
+    gpt_model), with the depth's TP group and the config's sequence parallelism."""
+    from megatron.core import utils
+    from megatron.core.models.gpt import gpt_model
+
+    assert gpt_model.shard_per_token_tensor is utils.shard_per_token_tensor
+    seen = []
+
+    def spy(tensor, tp_group, sequence_parallel):
+        seen.append((tp_group, sequence_parallel))
+        return utils.shard_per_token_tensor(tensor, tp_group, sequence_parallel)
+
+    monkeypatch.setattr(mtp_module, "shard_per_token_tensor", spy)
+    model = _model(_config(), ProcessGroupCollection())
+    rows = batch()
+    padding = torch.zeros_like(rows["loss_mask"], dtype=torch.bool)
+    model(rows["tokens"], None, labels=rows["labels"], padding_mask=padding)
+    assert seen == [(layer.tp_group, False) for layer in model.mtp.layers]

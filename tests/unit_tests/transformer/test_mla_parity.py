@@ -454,3 +454,38 @@ def test_yarn_rotary_embedding_matches_transformers():
     assert mscale == pytest.approx(attention_factor, rel=1e-15) and mscale != 1.0
     expected = torch.outer(torch.arange(6, dtype=torch.float32), inv_freq.float())
     assert torch.equal(angles[:, 0, 0], torch.cat((expected, expected), dim=-1))
+
+
+@pytest.mark.world(1)
+@pytest.mark.parametrize("rope_type", ["rope", "yarn"])
+def test_mla_rotates_with_megatron_cores_rotary_embedding(rope_type):
+    """MLASelfAttention holds megatron-core's ``rotary_pos_emb`` (``RotaryEmbedding``, or
+    ``YarnRotaryEmbedding`` with its cos/sin scale) and rotates with its angles: one
+    implementation of the rope tables."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        YarnRotaryEmbedding,
+    )
+
+    config = _config(rope_type, 8)
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True)
+    model = GPTModel(config, spec, VOCAB, 32, position_embedding_type="rope")
+    attention = model.decoder.layers[0].self_attention
+    held = attention.rotary_pos_emb
+    assert type(held) is {"rope": RotaryEmbedding, "yarn": YarnRotaryEmbedding}[rope_type]
+    expected = held(SEQ)
+    expected = expected if rope_type == "yarn" else (expected, 1.0)
+    angles, mscale = attention._angles(SEQ, torch.device("cpu"))
+    assert torch.equal(angles, expected[0]) and mscale == expected[1]
+    assert (mscale != 1.0) == (rope_type == "yarn")
+
+
+@pytest.mark.world(1)
+def test_mla_per_layer_cp_comm_type_follows_global_layer_numbers():
+    """A ``cp_comm_type`` list gives MLA layer n entry n - 1, the rule ``Attention`` follows
+    (one ``layer_cp_comm_type`` for both)."""
+    config = _config("rope", 8, cp_comm_type=["a2a", "p2p"])
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True)
+    model = GPTModel(config, spec, VOCAB, 32, position_embedding_type="rope")
+    got = [layer.self_attention.core_attention.cp_comm_type for layer in model.decoder.layers]
+    assert got == ["a2a", "p2p"]

@@ -42,7 +42,11 @@ from megatron.core.transformer.parallel_groups import ResolvedGroup, cp_group_of
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import get_pg_rank, get_pg_size
+from megatron.core.utils import (  # shard_per_token_tensor: also importable from here
+    get_pg_rank,
+    get_pg_size,
+    shard_per_token_tensor,
+)
 
 
 class GPTModel(RotaryAngles, MegatronModule):
@@ -605,24 +609,6 @@ def expert_weight_name(experts_name: str, projection: str, global_expert: int) -
     GLOBAL expert index (``decoder.layers.<l>.mlp.experts.local_experts.<g>.<projection>
     .weight``), whatever the expert-parallel layout or expert module."""
     return f"{experts_name}.local_experts.{global_expert}.{projection}.weight"
-
-
-def shard_per_token_tensor(
-    tensor: Tensor, tp_group: Optional[torch.distributed.ProcessGroup], sequence_parallel: bool
-) -> Tensor:
-    """A per-token tensor [b, s_local] (e.g. the padding mask) sharded like the hidden
-    states: under sequence parallelism, this rank's block of s over the model's TP group
-    (``tp_group``), else unchanged. (The CP split already happened with the inputs.)"""
-    if not sequence_parallel or get_pg_size(tp_group) == 1:
-        return tensor
-    size, rank = get_pg_size(tp_group), get_pg_rank(tp_group)
-    if tensor.shape[1] % size != 0:
-        raise ValueError(
-            f"padding_mask has {tensor.shape[1]} positions per row (shape "
-            f"{tuple(tensor.shape)}), not divisible by the tensor-parallel size {size} "
-            "(sequence parallelism splits the sequence over TP)"
-        )
-    return tensor.chunk(size, dim=1)[rank].contiguous()
 
 
 def tp_shard(full: Tensor, param: Tensor, tp_size: int, tp_rank: int) -> Tensor:

@@ -21,39 +21,15 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import communication
+from megatron.core.transformer.loss_auto_scaler import loss_auto_scaler
 
-
-class MoEAuxLossAutoScaler(torch.autograd.Function):
-    """Attach a router loss to an activation: the forward returns the activation, the
-    backward gives the loss the gradient ``main_loss_backward_scale`` (set by the schedules
-    for each step: the gradient scale times C / M in the averaged and legacy loss modes,
-    the gradient scale alone in per-token mode, see ``set_loss_scale``)."""
-
-    main_loss_backward_scale: Optional[torch.Tensor] = None
-
-    @staticmethod
-    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
-        """The activation, unchanged; remembers the loss."""
-        ctx.save_for_backward(aux_loss)
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        """dJ/d(activation) passes through; d(scale * loss)/d(loss) = scale."""
-        (aux_loss,) = ctx.saved_tensors
-        scale = MoEAuxLossAutoScaler.main_loss_backward_scale
-        if scale is None:
-            grad = torch.ones_like(aux_loss)
-        else:
-            grad = (
-                scale.detach().to(device=aux_loss.device, dtype=aux_loss.dtype).expand_as(aux_loss)
-            )
-        return grad_output, grad.clone()
-
-    @staticmethod
-    def set_loss_scale(scale: torch.Tensor) -> None:
-        """The gradient the attached losses receive in the backward (a one-element tensor)."""
-        MoEAuxLossAutoScaler.main_loss_backward_scale = scale.detach().clone().reshape(())
+MoEAuxLossAutoScaler = loss_auto_scaler(
+    "MoEAuxLossAutoScaler",
+    """Attach a router loss to an activation (``loss_auto_scaler``): the schedules set its
+    scale each step, the gradient scale times C / M in the averaged and legacy loss modes,
+    the gradient scale alone in per-token mode.""",
+    __name__,
+)
 
 
 class TokenCounts(NamedTuple):
