@@ -116,6 +116,18 @@ def test_default_decided_once_and_logged_once(caplog, monkeypatch):
 
 
 @pytest.mark.world(1)
+def test_default_kernel_choice_does_not_break_a_compiled_graph(monkeypatch):
+    """Under ``torch.compile`` the first choice (logged) is taken as a constant: the attention
+    traces as one graph (the logger call inside the choice used to split it)."""
+    monkeypatch.delenv(kernel_choice.ENV_OVERRIDE, raising=False)
+    kernel_choice._default_for.cache_clear()
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(8, 1, 2, 16) for _ in range(3))
+    explained = torch._dynamo.explain(lambda *t: context_parallel_attention(*t) * 2)(q, k, v)
+    assert explained.graph_break_count == 0, [str(r.reason)[:200] for r in explained.break_reasons]
+
+
+@pytest.mark.world(1)
 def test_attention_backend_names_the_kernel(monkeypatch):
     """Each AttnBackend maps to one kernel; DotProductAttention passes it explicitly; a bad
     value is refused by name."""

@@ -145,6 +145,7 @@ HALF_ONLY_KERNELS = ("flash", "cudnn")
 
 
 @functools.lru_cache(maxsize=None)
+@torch.compiler.assume_constant_result  # traced code takes the answer, not the logging
 def _default_for(
     device: torch.device, dtype: torch.dtype, head_dim: int, sliding_window: bool = False
 ) -> str:
