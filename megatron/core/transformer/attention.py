@@ -6,16 +6,17 @@ groups one after another: megatron-core's layout, so a TP rank's slice of the fu
 whole query groups.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
 import torch
 
 from megatron.core import tensor_parallel
-from megatron.core.config_rules import is_window_layer, window_left
+from megatron.core.config_rules import is_window_layer
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.rope import LayerAngles, apply_rotary_pos_emb, yarn_get_mscale
-from megatron.core.transformer.cp_attention.kernels import attention_forward
+from megatron.core.transformer.cp_attention.kernels import Kernel, attention_forward
 from megatron.core.transformer.cp_attention.sinks import sink_forward
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -161,9 +162,9 @@ class Attention(MegatronModule):
         s, total = query.shape[0], keys.shape[0]
         window = self.core_attention.window_size
         sinks = self.core_attention.softmax_offset
-        scale, softcap = self.core_attention.softmax_scale, self.config.attn_logit_softcapping
-        if sinks is not None or softcap is not None:
-            return _explicit_attention(query, keys, values, window, scale, softcap, sinks)
+        kernel = self.core_attention.attention_kernel
+        if sinks is not None or kernel.softcap is not None:
+            return _explicit_attention(query, keys, values, kernel, sinks)
         windowed = window is not None and window[0] >= 0 and total > window[0] + 1
         mask, causal = None, False
         if windowed or (s > 1 and total > s):  # a chunk after cached tokens, or a window
@@ -182,7 +183,7 @@ class Attention(MegatronModule):
             k = k.repeat_interleave(per_group, dim=1)
             v = v.repeat_interleave(per_group, dim=1)
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, scale=scale
+            q, k, v, attn_mask=mask, is_causal=causal, scale=kernel.scale
         )
         return out.permute(2, 0, 1, 3).reshape(s, out.shape[0], -1)
 
@@ -199,16 +200,15 @@ def yarn_cos_sin_scale(config: TransformerConfig) -> float:
     )
 
 
-def _explicit_attention(query, keys, values, window, scale: float, softcap, sinks):
-    """The cached forward with soft-capped scores (``attn_logit_softcapping``) or attention
-    sinks, on the core attention's own maths: the "math" kernel's bottom-right causal block
-    (query i of s at position total - s + i), within ``window`` (megatron's (left, right)),
+def _explicit_attention(query, keys, values, kernel: Kernel, sinks) -> torch.Tensor:
+    """The cached forward with soft-capped scores or attention sinks, on the core attention's
+    own maths: the "math" kernel with the core attention's options (``kernel``: scale,
+    window, soft-cap), a bottom-right causal block (query i of s at position total - s + i),
     then the sinks joined to its output and LSE (``cp_attention.sinks``). Q [s, b, np, d],
     K/V [total, b, ng, d] -> [s, b, np * d]."""
-    out, lse = attention_forward(
-        query, keys, values, True, scale, "math", layout="sbnd", window=window_left(window),
-        softcap=softcap,
-    )  # fmt: skip
+    if kernel.name != "math":
+        kernel = dataclasses.replace(kernel, name="math")
+    out, lse = attention_forward(query, keys, values, True, kernel, layout="sbnd")
     if sinks is not None:
         out = sink_forward(out, lse, sinks)[0].to(query.dtype)
     return out.reshape(*out.shape[:2], -1)

@@ -17,7 +17,6 @@ import torch
 from megatron.core.process_groups_config import get_pg_rank, get_pg_size
 from megatron.core.transformer.cp_attention.blocks import (
     Accumulator,
-    Kernel,
     KeyValues,
     add_scaled,
     backward_block,
@@ -31,6 +30,7 @@ from megatron.core.transformer.cp_attention.collectives import (
     start_gather,
     start_reduce_scatter,
 )
+from megatron.core.transformer.cp_attention.kernels import Kernel
 from megatron.core.transformer.cp_attention.plans import BlockPlan, block_plan
 from megatron.core.transformer.cp_attention.rescale import Rescale
 from megatron.core.transformer.cp_attention.strategy import AttentionCall, Strategy

@@ -11,7 +11,6 @@ import torch
 from megatron.core.process_groups_config import get_pg_rank, get_pg_size
 from megatron.core.transformer.cp_attention.blocks import (
     Accumulator,
-    Kernel,
     KeyValues,
     add_rows,
     block_grads,
@@ -20,6 +19,7 @@ from megatron.core.transformer.cp_attention.blocks import (
     save_merged,
 )
 from megatron.core.transformer.cp_attention.collectives import ring_exchange
+from megatron.core.transformer.cp_attention.kernels import Kernel
 from megatron.core.transformer.cp_attention.local import local_attention
 from megatron.core.transformer.cp_attention.plans import BlockPlan, block_plan
 from megatron.core.transformer.cp_attention.rescale import Rescale
