@@ -8,14 +8,15 @@ it adds into.
 """
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
+from megatron.core.process_groups_config import get_pg_rank, get_pg_size
 from megatron.core.transformer.cp_attention import kernels as fk
 from megatron.core.transformer.cp_attention import varlen
 from megatron.core.transformer.cp_attention.kernels import Kernel
-from megatron.core.transformer.cp_attention.plans import Part, Rows
+from megatron.core.transformer.cp_attention.plans import BlockPlan, Part, Rows
 from megatron.core.transformer.cp_attention.rescale import (
     Factor,
     GradFactors,
@@ -87,17 +88,51 @@ def save_merged(
     return out
 
 
-def query_side(ctx, grad_out, q, k, out, lse) -> Tuple[QuerySide, GradFactors]:
+@dataclass
+class Saved:
+    """What ``save_merged`` kept, as a backward reads it: Q as the kernels take it, this
+    rank's [K | V] (``own``: as ``KeyValues``), the merged output and LSE, the sinks (None:
+    none), the group, the plan, the kernel and the inputs' dtype."""
+
+    q: torch.Tensor
+    kv: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    sink: Optional[torch.Tensor]
+    group: object
+    plan: BlockPlan
+    kernel: Kernel
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, ctx) -> "Saved":
+        q, kv, out, lse, sink = ctx.saved_tensors
+        sink = sink if ctx.has_sink else None
+        return cls(q, kv, out, lse, sink, ctx.group, ctx.plan, ctx.kernel, ctx.dtype)
+
+    @property
+    def own(self) -> KeyValues:
+        return KeyValues(*self.kv.chunk(2, dim=2))
+
+    @property
+    def world(self) -> int:
+        return get_pg_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return get_pg_rank(self.group)
+
+
+def query_side(ctx, grad_out, saved: Saved) -> Tuple[QuerySide, GradFactors]:
     """Start of the matching backward: the ``QuerySide`` (dO, O as the kernels take them, a
-    zero float32 dq) and the factors that undo the rescaling; ``k`` is this rank's keys.
-    The sinks' gradient (None without sinks) is left on ``ctx.sink_grad``."""
-    sink = ctx.saved_tensors[4] if ctx.has_sink else None
-    valid = ctx.plan.valid
-    ctx.sink_grad = sink_grad(grad_out if valid is None else grad_out * valid, out, lse, sink)
+    zero float32 dq) and the factors that undo the rescaling. The sinks' gradient (None
+    without sinks) is left on ``ctx.sink_grad``."""
+    q, out, lse, valid = saved.q, saved.out, saved.lse, saved.plan.valid
+    ctx.sink_grad = sink_grad(grad_out if valid is None else grad_out * valid, out, lse, saved.sink)
     do, o, factors = kernel_grad_inputs(
-        grad_out, out, q, k, ctx.plan.valid, ctx.kernel.scale, ctx.rescale
+        grad_out, out, q, saved.own.k, valid, saved.kernel.scale, ctx.rescale
     )
-    dq = torch.zeros(q.shape, device=q.device, dtype=fk.acc_dtype(ctx.dtype))
+    dq = torch.zeros(q.shape, device=q.device, dtype=fk.acc_dtype(saved.dtype))
     return QuerySide(do, q, o, lse, dq), factors
 
 
