@@ -29,7 +29,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 class DotProductAttention(MegatronModule):
     """Causal attention of this CP rank's queries over the whole sequence (megatron-core
-    0.16.1's constructor), through ``cp_attention.context_parallel_attention``.
+    0.16.1's constructor), through ``cp_attention.context_parallel_attention`` with the kernel
+    options (``attention_kernel``: the kernel, ``softmax_scale``, the window, the soft-cap)
+    built and checked once, here (``attention_with_kernel``).
 
     The CP group of a step is ``pg_collection.cp``, else ``parallel_state``'s (MPU fallback),
     else none; resolved and checked once at build time (again only after ``parallel_state``

@@ -81,6 +81,8 @@ def varlen_forward(
     return out, lse
 
 
+# The dense backward's arguments (``kernels.attention_backward``) with the sequences' lengths
+# instead of a layout: the two signatures repeat by design.
 def varlen_backward(
     grad_out: torch.Tensor,
     query: torch.Tensor,
