@@ -579,8 +579,8 @@ def kernel_error(kernel: str, s_q: int, s_k: int, n_q: int, n_kv: int) -> str:
     k, v = (torch.randn(2, s_k, n_kv, 64, device="cuda", generator=gen).bfloat16() for _ in "kv")
     dout = torch.randn(2, s_q, n_q, 64, device="cuda", generator=gen).bfloat16()
     scale = 0.125
-    out, lse = fk.attention_forward(q, k, v, True, scale, kernel)
-    grads = fk.attention_backward(dout, q, k, v, out, lse, True, scale, kernel)
+    out, lse = fk.attention_forward(q, k, v, True, fk.Kernel(kernel, scale))
+    grads = fk.attention_backward(dout, q, k, v, out, lse, True, fk.Kernel(kernel, scale))
     qr, kr, vr = (x.double().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
     kr2, vr2 = (x.repeat_interleave(n_q // n_kv, dim=1) for x in (kr, vr))
     allowed = torch.ones(s_q, s_k, dtype=torch.bool, device="cuda").tril(s_k - s_q)
@@ -603,22 +603,19 @@ def varlen_error() -> str:
     cu_k = torch.tensor([0] + lens_k, device="cuda").cumsum(0).int()
     q = torch.randn(sum(lens_q), 4, 64, device="cuda", generator=gen).bfloat16()
     k, v = (torch.randn(sum(lens_k), 4, 64, device="cuda", generator=gen).bfloat16() for _ in "kv")
-    out, lse = fv.varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), True, 0.125)
+    lengths, kernel = fv.SeqLens(cu_q, cu_k, max(lens_q), max(lens_k)), fk.Kernel(None, 0.125)
+    out, lse = fv.varlen_forward(q, k, v, lengths, True, kernel)
     dout = torch.randn_like(out)
-    grads = fv.varlen_backward(
-        dout, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k), True, 0.125
-    )
+    grads = fv.varlen_backward(dout, q, k, v, out, lse, lengths, True, kernel)
     # reference: the loop over sequences with the dense kernel
-    name = "efficient"
+    name = fk.Kernel("efficient", 0.125)
     ref_out = torch.zeros_like(out)
     ref_grads = [torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)]
     for i in range(len(lens_q)):
         q0, q1, k0, k1 = cu_q[i].item(), cu_q[i + 1].item(), cu_k[i].item(), cu_k[i + 1].item()
         if q1 == q0:
             continue
-        o, l_ = fk.attention_forward(
-            q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], True, 0.125, name
-        )
+        o, l_ = fk.attention_forward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], True, name)
         ref_out[q0:q1] = o[0]
         g = fk.attention_backward(
             dout[None, q0:q1],
@@ -628,7 +625,6 @@ def varlen_error() -> str:
             o,
             l_,
             True,
-            0.125,
             name,
         )
         ref_grads[0][q0:q1] = g[0][0]
@@ -652,8 +648,8 @@ def kernel_speed(kernel: str, length: int) -> str:
     )
 
     def ours():
-        out, lse = fk.attention_forward(q, k, v, True, dim**-0.5, kernel)
-        fk.attention_backward(dout, q, k, v, out, lse, True, dim**-0.5, kernel)
+        out, lse = fk.attention_forward(q, k, v, True, fk.Kernel(kernel, dim**-0.5))
+        fk.attention_backward(dout, q, k, v, out, lse, True, fk.Kernel(kernel, dim**-0.5))
 
     qs, ks, vs = (x.transpose(1, 2).detach().requires_grad_(True) for x in (q, k, v))
 

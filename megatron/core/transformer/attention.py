@@ -6,6 +6,7 @@ groups one after another: megatron-core's layout, so a TP rank's slice of the fu
 whole query groups.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
@@ -15,6 +16,8 @@ from megatron.core import rope, tensor_parallel
 from megatron.core.config_rules import is_window_layer
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.rope import LayerAngles, apply_rotary_pos_emb
+from megatron.core.transformer.cp_attention.kernels import Kernel, attention_forward
+from megatron.core.transformer.cp_attention.sinks import sink_forward
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule, leave_as_allocated, output_projection
@@ -153,6 +156,9 @@ class Attention(MegatronModule):
         s, total = query.shape[0], keys.shape[0]
         window = self.core_attention.window_size
         sinks = self.core_attention.softmax_offset
+        kernel = self.core_attention.attention_kernel
+        if sinks is not None or kernel.softcap is not None:
+            return _explicit_attention(query, keys, values, kernel, sinks)
         windowed = window is not None and window[0] >= 0 and total > window[0] + 1
         mask, causal = None, False
         if windowed or (s > 1 and total > s):  # a chunk after cached tokens, or a window
@@ -170,13 +176,9 @@ class Attention(MegatronModule):
         if per_group > 1:  # grouped-query attention: each key/value head serves per_group
             k = k.repeat_interleave(per_group, dim=1)
             v = v.repeat_interleave(per_group, dim=1)
-        scale, softcap = self.core_attention.softmax_scale, self.config.attn_logit_softcapping
-        if sinks is not None or softcap is not None:
-            out = _explicit_attention(q, k, v, mask, causal, scale, softcap, sinks)
-        else:
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=causal, scale=scale
-            )
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=kernel.scale
+        )
         return out.permute(2, 0, 1, 3).reshape(s, out.shape[0], -1)
 
 
@@ -201,23 +203,18 @@ def yarn_cos_sin_scale(config: TransformerConfig) -> float:
     return rope.yarn_cos_sin_scale(factor, mscale, config.yarn_mscale_all_dim or 0.0)
 
 
-def _explicit_attention(q, k, v, mask, causal: bool, scale: float, softcap, sinks):
-    """softmax(c * tanh(scale * Q K^T / c) [masked]) V on [b, n, s, d] (a cached forward with
-    ``attn_logit_softcapping`` c; None: scale * Q K^T), the softmax with one more column per
-    head when ``sinks`` [n] are given (the sink logit, dropped after it); at least float32."""
-    dtype = torch.promote_types(q.dtype, torch.float32)
-    scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if causal:
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    if sinks is None:
-        return (torch.softmax(scores, dim=-1) @ v.to(dtype)).to(q.dtype)
-    column = sinks.to(dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-    probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
-    return (probs @ v.to(dtype)).to(q.dtype)
+def _explicit_attention(query, keys, values, kernel: Kernel, sinks) -> torch.Tensor:
+    """The cached forward with soft-capped scores or attention sinks, on the core attention's
+    own maths: the "math" kernel with the core attention's options (``kernel``: scale,
+    window, soft-cap), a bottom-right causal block (query i of s at position total - s + i),
+    then the sinks joined to its output and LSE (``cp_attention.sinks``). Q [s, b, np, d],
+    K/V [total, b, ng, d] -> [s, b, np * d]."""
+    if kernel.name != "math":
+        kernel = dataclasses.replace(kernel, name="math")
+    out, lse = attention_forward(query, keys, values, True, kernel, layout="sbnd")
+    if sinks is not None:
+        out = sink_forward(out, lse, sinks)[0].to(query.dtype)
+    return out.reshape(*out.shape[:2], -1)
 
 
 class SelfAttention(Attention):

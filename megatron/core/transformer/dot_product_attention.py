@@ -1,5 +1,6 @@
 """Core attention: softmax(scale * Q K^T + causal mask) V, exact under context parallelism."""
 
+import dataclasses
 import math
 import warnings
 from typing import Optional
@@ -10,11 +11,11 @@ from megatron.core.config_rules import layer_window_size
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.cp_attention import (
+    Kernel,
+    attention_with_kernel,
     check_backend_window,
     check_window_size,
-    context_parallel_attention,
     kernel_for_backend,
-    softcap_kernel,
 )
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -28,7 +29,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 class DotProductAttention(MegatronModule):
     """Causal attention of this CP rank's queries over the whole sequence (megatron-core
-    0.16.1's constructor), through ``cp_attention.context_parallel_attention``.
+    0.16.1's constructor), through ``cp_attention.context_parallel_attention`` with the kernel
+    options (``attention_kernel``: the kernel, ``softmax_scale``, the window, the soft-cap)
+    built and checked once, here (``attention_with_kernel``).
 
     The CP group of a step is ``pg_collection.cp``, else ``parallel_state``'s (MPU fallback),
     else none; resolved and checked once at build time (again only after ``parallel_state``
@@ -75,10 +78,6 @@ class DotProductAttention(MegatronModule):
         if softmax_scale is None:
             softmax_scale = 1.0 / math.sqrt(config.kv_channels)
         self.softmax_scale = softmax_scale
-        self.kernel = kernel_for_backend(config.attention_backend)
-        self.softcap = config.attn_logit_softcapping
-        if self.softcap is not None:
-            self.kernel = softcap_kernel(self.kernel, self.softcap)
         self.window_size = layer_window_size(
             config.window_size, config.window_attn_skip_freq, self.layer_number
         )
@@ -89,10 +88,15 @@ class DotProductAttention(MegatronModule):
             self.softmax_offset = sinks
         else:
             self.register_buffer("softmax_offset", sinks, persistent=False)
-        check_window_size(
+        self._window = check_window_size(
             self.window_size,
             self._comm,
             0 if self._comm == "a2a+p2p" else config.context_parallel_size,
+        )
+        kernel = kernel_for_backend(config.attention_backend)
+        # the kernel options of every call, the soft-cap checked here, once
+        self.attention_kernel = Kernel(
+            kernel, softmax_scale, self._window, config.attn_logit_softcapping
         )
         resolve = hierarchical_cp_groups_of if self._comm == "a2a+p2p" else cp_group_of
         self._cp_groups = ResolvedGroup(resolve, pg_collection, config)  # fails here if mismatched
@@ -113,20 +117,32 @@ class DotProductAttention(MegatronModule):
         """
         if attention_bias is not None:
             raise NotImplementedError("DotProductAttention: attention_bias is not supported")
-        context = context_parallel_attention(
+        context = attention_with_kernel(
             query,
             key,
             value,
+            self.attention_kernel,
             cp_group=self._cp_groups.get(),
             cp_comm_type=self._comm,
-            softmax_scale=self.softmax_scale,
             packed_seq_params=packed_seq_params,
-            kernel=self.kernel,
-            window_size=self.window_size,
             softmax_offset=self.softmax_offset,
-            softcap=self.softcap,
         )
         return context.reshape(context.shape[0], context.shape[1], -1)
+
+    @property
+    def kernel(self) -> str:
+        """The attention kernel's name (``kernels``'; "auto": by the tensors)."""
+        return self.attention_kernel.name
+
+    @property
+    def softcap(self) -> Optional[float]:
+        """The logit soft-cap (``config.attn_logit_softcapping``; None: none); setting it
+        rebuilds (and checks) the kernel options."""
+        return self.attention_kernel.softcap
+
+    @softcap.setter
+    def softcap(self, value: Optional[float]) -> None:
+        self.attention_kernel = dataclasses.replace(self.attention_kernel, softcap=value)
 
     def _comm_type(self) -> str:
         """``cp_comm_type`` (None: all_gather); a2a+p2p at CP = 1 is plain attention."""

@@ -191,6 +191,45 @@ def test_adapters_take_the_grouped_gemm_where_the_experts_do_with_aligned_rows(m
 
 
 @pytest.mark.world(1)
+def test_one_adapted_forward_builds_the_grouped_gemm_offsets_once(monkeypatch):
+    """The adapted forward of ``GroupedMLP`` is its forward with the adapters' terms: its six
+    grouped GEMMs (fc1, fc2 and each adapter's A and B) share one offsets tensor (it was
+    rebuilt on the device for each of them), and without adapters fc1 and fc2 share it too."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.moe import experts
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=16, num_attention_heads=2, num_moe_experts=2,
+        moe_ffn_hidden_size=16, params_dtype=torch.bfloat16,
+    )  # fmt: skip
+    module = experts.GroupedMLP(2, config)
+    torch.nn.init.normal_(module.weight1, generator=torch.Generator().manual_seed(0))
+    torch.nn.init.normal_(module.weight2, generator=torch.Generator().manual_seed(1))
+    lora = LoRAConfig(dim=8, lora_B_init_method="normal", params_dtype=torch.bfloat16)
+    adapters = {
+        proj: expert_lora.ExpertLoRAAdapter(module, proj, lora, proj, lambda g: f"e{g}")
+        for proj in ("linear_fc1", "linear_fc2")
+    }
+    for target in (experts, expert_lora):  # torch._grouped_mm runs on the CPU for these shapes
+        monkeypatch.setattr(target, "use_grouped_mm", lambda x, w: True)
+    offsets, grouped_mm = [], torch._grouped_mm
+
+    def recording(x, w, offs):
+        offsets.append(offs)
+        return grouped_mm(x, w, offs=offs)
+
+    monkeypatch.setattr(torch, "_grouped_mm", recording)
+    x = torch.randn(5, 16).to(torch.bfloat16)
+    probs, counts = torch.rand(5), torch.tensor([2, 3])
+    out, _ = module.adapted_forward(x, counts, probs, adapters)
+    assert len(offsets) == 6 and all(o is offsets[0] for o in offsets)
+    assert offsets[0].tolist() == [2, 5]
+    plain, _ = module(x, counts, probs)
+    assert len(offsets) == 8 and offsets[7] is offsets[6]
+    assert not torch.equal(out, plain)  # the adapters' terms are there
+
+
+@pytest.mark.world(1)
 @pytest.mark.parametrize("grouped", [False, True], ids=["sequential", "grouped"])
 def test_one_process_expert_adapter_grads_equal_reference(grouped: bool):
     case = ONE.with_(grouped=grouped)

@@ -144,11 +144,11 @@ def test_attention_backend_names_the_kernel(monkeypatch):
         )
     seen = []
 
-    def spy(*args, **kwargs):
-        seen.append(kwargs)
+    def spy(*args, **kwargs):  # attention_with_kernel(q, k, v, kernel options, ...)
+        seen.append(dict(kwargs, kernel=args[3].name))
         return args[0]
 
-    monkeypatch.setattr(dpa, "context_parallel_attention", spy)
+    monkeypatch.setattr(dpa, "attention_with_kernel", spy)
     for backend, kernel in [("unfused", "math"), (AttnBackend.flash, "flash"), ("auto", "auto")]:
         attention = _attention(attention_backend=backend)
         q = torch.zeros(4, 1, 2, 4)

@@ -366,14 +366,14 @@ def test_kernel_causal_is_bottom_right(s_q, s_k, kernel):
     k, v, dout = (
         torch.randn(2, n, 3, 8, generator=gen, dtype=torch.float64) for n in (s_k, s_k, s_q)
     )
-    out, lse = fk.attention_forward(q, k, v, True, 0.3, kernel=kernel)
+    out, lse = fk.attention_forward(q, k, v, True, fk.Kernel(kernel, 0.3))
     allowed = torch.ones(s_q, s_k, dtype=torch.bool).tril(s_k - s_q)
     qr, kr, vr = (x.transpose(1, 2).requires_grad_(True) for x in (q, k, v))
     scores = (qr @ kr.transpose(-1, -2) * 0.3).masked_fill(~allowed, -math.inf)
     expected = (torch.softmax(scores, -1) @ vr).transpose(1, 2)
     assert torch.allclose(out, expected, atol=1e-12)
     assert torch.allclose(lse, torch.logsumexp(scores, -1), atol=1e-12)
-    grads = fk.attention_backward(dout, q, k, v, out, lse, True, 0.3, kernel=kernel)
+    grads = fk.attention_backward(dout, q, k, v, out, lse, True, fk.Kernel(kernel, 0.3))
     ref_grads = torch.autograd.grad((expected * dout).sum(), (qr, kr, vr))
     for g, r in zip(grads, ref_grads):
         assert torch.allclose(g, r.transpose(1, 2), atol=1e-12)
@@ -571,10 +571,10 @@ def test_varlen_falls_back_to_the_loop_when_the_op_fails(monkeypatch):
     q, k, v = (torch.randn(12, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3))
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
     with pytest.warns(UserWarning, match="flash varlen attention failed"):
-        out, lse = fv.varlen_forward(q, k, v, cu, cu, 7, 7, True, 0.5)
+        out, lse = fv.varlen_forward(q, k, v, fv.SeqLens(cu, cu, 7, 7), True, fk.Kernel(None, 0.5))
     assert fv._VARLEN_FAILED and not fv._use_varlen(q, cu)
     monkeypatch.setattr(fv, "_VARLEN_FAILED", ["off"])
-    expected, _ = fv.varlen_forward(q, k, v, cu, cu, 7, 7, True, 0.5)
+    expected, _ = fv.varlen_forward(q, k, v, fv.SeqLens(cu, cu, 7, 7), True, fk.Kernel(None, 0.5))
     assert torch.equal(out, expected)
 
     def oom(*args):
@@ -603,14 +603,16 @@ def test_varlen_rows_past_the_last_sequence_are_empty():
     cu = torch.tensor([0, 9, 30], dtype=torch.int32, device="cuda")
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out, lse = fv.varlen_forward(q, k, v, cu, cu, 21, 21, True, 0.125)
+        out, lse = fv.varlen_forward(
+            q, k, v, fv.SeqLens(cu, cu, 21, 21), True, fk.Kernel(None, 0.125)
+        )
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert not fv._VARLEN_FAILED
     assert torch.equal(out[30:], torch.zeros_like(out[30:]))
     assert torch.equal(lse[:, 30:], torch.full_like(lse[:, 30:], -math.inf))
     loop_out, loop_lse = fv.varlen_forward(
-        q.double(), k.double(), v.double(), cu, cu, 21, 21, True, 0.125
+        q.double(), k.double(), v.double(), fv.SeqLens(cu, cu, 21, 21), True, fk.Kernel(None, 0.125)
     )
     torch.testing.assert_close(out[:30].double(), loop_out[:30], rtol=0, atol=2e-2)
     torch.testing.assert_close(lse[:, :30].double(), loop_lse[:, :30], rtol=0, atol=1e-2)

@@ -197,6 +197,38 @@ def test_the_cached_forward_with_sinks_and_soft_caps_equals_the_full_forward():
         assert (other - full).abs().max() > 1e-3, left_out
 
 
+@pytest.mark.parametrize("features", [
+    dict(softmax_type="learnable", attn_logit_softcapping=0.5, window_size=(2, 0)),
+    dict(attn_logit_softcapping=0.5), dict(softmax_type="learnable"),
+], ids=["both-window", "softcap", "sinks"])  # fmt: skip
+def test_the_cached_attention_with_sinks_or_soft_caps_is_the_core_attentions_maths(features):
+    """One implementation: the cached forward of a prompt with sinks or a soft-cap computes
+    what the core attention (the "math" kernel, the sinks joined to its output and LSE) does,
+    to the bit in float32, not a second formula that agrees up to rounding."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=16, num_attention_heads=4, num_query_groups=2,
+        attention_backend="unfused", attention_dropout=0.0, **features,
+    )  # fmt: skip
+    spec = get_gpt_layer_local_spec().submodules.self_attention
+    attention = SelfAttention(config, spec.submodules, 1, AttnMaskType.causal)
+    torch.manual_seed(0)
+    for param in attention.parameters():
+        torch.nn.init.normal_(param, std=0.5)
+    assert isinstance(attention.core_attention, DotProductAttention)
+    x = torch.randn(7, 1, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full, _ = attention(x, None)
+        cached, _ = attention(x, None, inference_context=StaticInferenceContext(1, 7))
+    assert torch.equal(cached, full)
+
+
 @pytest.mark.parametrize(
     "changes, message",
     [
@@ -228,3 +260,31 @@ def test_a_local_rotary_base_with_yarn_positions_is_refused_by_name():
     )  # fmt: skip
     with pytest.raises(NotImplementedError, match="local_rotary_base=100.0 with position_emb"):
         GPTModel(config, get_gpt_layer_local_spec(), 32, 8, position_embedding_type="yarn")
+
+
+def test_the_softcap_is_checked_once_when_the_layer_is_built_not_per_call(monkeypatch):
+    """``DotProductAttention`` builds its kernel options (``Kernel``) once, the soft-cap
+    checked there; its forward and backward check it no more (they did per call, and the
+    kernels per block)."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.cp_attention import api, kernels
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=16, num_attention_heads=4, num_query_groups=2,
+        kv_channels=D, attn_logit_softcapping=CAP, attention_dropout=0.0,
+    )  # fmt: skip
+    attention = DotProductAttention(config, 1, AttnMaskType.causal, "self")
+    checks = []
+    for module, name in [(api, "softcap_kernel"), (kernels, "softcap_kernel"),
+                         (kernels, "_check_softcap")]:  # fmt: skip
+        if hasattr(module, name):
+            check = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda *a, _c=check: checks.append(a) or _c(*a))
+    q, k, v = _inputs()
+    for _ in range(2):
+        attention(q, k, v, None).sum().backward()
+    assert not checks and q.grad is not None
+    expected = _reference(q, k, v, None, torch.zeros(S))
+    assert torch.allclose(attention(q, k, v, None).view_as(expected), expected, atol=1e-12)

@@ -37,17 +37,20 @@ override), ``kernels`` (the attention kernels with their log-sum-exp).
 """
 
 from megatron.core.transformer.cp_attention.api import (
+    attention_with_kernel,
     check_window_size,
     context_parallel_attention,
-    softcap_kernel,
 )
 from megatron.core.transformer.cp_attention.kernel_choice import (
     check_backend_window,
     kernel_for_backend,
 )
+from megatron.core.transformer.cp_attention.kernels import Kernel, softcap_kernel
 
 __all__ = [
     "context_parallel_attention",
+    "attention_with_kernel",
+    "Kernel",
     "check_window_size",
     "softcap_kernel",
     "check_backend_window",

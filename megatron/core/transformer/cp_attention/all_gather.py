@@ -17,8 +17,8 @@ import torch
 from megatron.core.process_groups_config import get_pg_rank, get_pg_size
 from megatron.core.transformer.cp_attention.blocks import (
     Accumulator,
-    Kernel,
     KeyValues,
+    Saved,
     add_scaled,
     backward_block,
     block_grads,
@@ -31,6 +31,7 @@ from megatron.core.transformer.cp_attention.collectives import (
     start_gather,
     start_reduce_scatter,
 )
+from megatron.core.transformer.cp_attention.kernels import Kernel
 from megatron.core.transformer.cp_attention.plans import BlockPlan, block_plan
 from megatron.core.transformer.cp_attention.rescale import Rescale
 from megatron.core.transformer.cp_attention.strategy import AttentionCall, Strategy
@@ -108,13 +109,12 @@ class AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, kv_local, out, lse, _ = ctx.saved_tensors
-        group, plan, kernel, dtype = ctx.group, ctx.plan, ctx.kernel, ctx.dtype
-        world, rank = get_pg_size(group), get_pg_rank(group)
+        saved = Saved.of(ctx)
+        kv_local, group, plan, kernel = saved.kv, saved.group, saved.plan, saved.kernel
+        world, rank, own, dtype = saved.world, saved.rank, saved.own, saved.dtype
         pending = start_gather(kv_local, ctx.head_groups[0], group)
-        own = KeyValues(*kv_local.chunk(2, dim=2))
-        side, factors = query_side(ctx, grad_out, q, own.k, out, lse)
-        s_local, rep = q.shape[0], q.shape[2] // own.k.shape[2]
+        side, factors = query_side(ctx, grad_out, saved)
+        s_local, rep = saved.q.shape[0], saved.q.shape[2] // own.k.shape[2]
         dk, dv = (torch.empty(x.shape, device=x.device, dtype=dtype) for x in (own.k, own.v))
         local_grads, reductions = [], []
         last = len(ctx.head_groups) - 1

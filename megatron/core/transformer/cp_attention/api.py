@@ -9,7 +9,7 @@ import torch.distributed as dist
 from megatron.core import config_rules
 from megatron.core.config_rules import CP_COMM_TYPES
 from megatron.core.process_groups_config import get_pg_size
-from megatron.core.transformer.cp_attention.blocks import Kernel
+from megatron.core.transformer.cp_attention.kernels import Kernel
 from megatron.core.transformer.cp_attention.local import local_attention
 from megatron.core.transformer.cp_attention.registry import STRATEGIES
 from megatron.core.transformer.cp_attention.strategy import AttentionCall, Strategy
@@ -64,33 +64,40 @@ def context_parallel_attention(
     strategy = _check_arguments(query, key, value, cp_comm_type, cp_group, packed_seq_params)
     cp_size = 0 if strategy.group_pair else get_pg_size(cp_group)
     window = check_window_size(window_size, strategy.name, cp_size)
-    strategy.validate(query, key, cp_group)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(query.shape[-1])
-    _check_sink(softmax_offset, query)
-    if softcap is not None:
-        kernel = softcap_kernel(kernel, softcap)
-    call = AttentionCall(
-        Kernel(kernel, scale, window, softcap), packed_seq_params, num_head_groups, softmax_offset
-    )
-    if cp_size == 1:
-        return local_attention(query, key, value, packed_seq_params, call.kernel, call.sink)
+    kernel = Kernel(kernel, scale, window, softcap)  # checks the soft-cap
+    call = AttentionCall(kernel, packed_seq_params, num_head_groups, softmax_offset)
+    return _run(query, key, value, cp_group, strategy, call)
+
+
+def attention_with_kernel(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kernel: Kernel,
+    *,
+    cp_group: Union[None, dist.ProcessGroup, Sequence[dist.ProcessGroup]] = None,
+    cp_comm_type: Optional[str] = "all_gather",
+    packed_seq_params=None,
+    softmax_offset: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``context_parallel_attention`` with its kernel options built and checked beforehand,
+    once, where a layer is built: ``kernel`` (its window one that ``check_window_size``
+    allows for ``cp_comm_type`` at this group's size). The tensors, the group and the sinks
+    are checked per call."""
+    strategy = _check_arguments(query, key, value, cp_comm_type, cp_group, packed_seq_params)
+    call = AttentionCall(kernel, packed_seq_params, None, softmax_offset)
+    return _run(query, key, value, cp_group, strategy, call)
+
+
+def _run(query, key, value, cp_group, strategy: Strategy, call: AttentionCall) -> torch.Tensor:
+    """The strategy's and the sinks' checks of this call, then the strategy (or local
+    attention at C = 1)."""
+    strategy.validate(query, key, cp_group)
+    _check_sink(call.sink, query)
+    if not strategy.group_pair and get_pg_size(cp_group) == 1:
+        return local_attention(query, key, value, call.packed, call.kernel, call.sink)
     return strategy.run(query, key, value, cp_group, call)
-
-
-def softcap_kernel(kernel: Optional[str], softcap: float) -> str:
-    """The kernel that computes logit soft-capping: "math" (for ``kernel`` None, "auto" or
-    "math"); a ValueError naming the kernel and the cap otherwise."""
-    if not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
-        raise ValueError(
-            f"context_parallel_attention: softcap must be a finite number > 0, got {softcap!r}"
-        )
-    if kernel not in (None, "auto", "math"):
-        raise ValueError(
-            f"attention kernel {kernel!r} has no logit soft-capping (attn_logit_softcapping="
-            f"{softcap}); only the explicit 'math' kernel has (attention_backend 'unfused', "
-            "'local' or 'auto')"
-        )
-    return "math"
 
 
 def check_window_size(window_size, cp_comm_type: Optional[str], cp_size: int) -> Optional[int]:

@@ -1,9 +1,10 @@
 """Kernel calls on plan parts: forward blocks merged by log-sum-exp, backward blocks summed.
 
 Tensors are [rows, b, n, d] (megatron's layout); LSEs [b, n, rows]. A part's rows are a
-slice (dense) or an index tensor (packed). ``Kernel`` says how each block is computed;
-``Accumulator`` holds the float32 running output and LSE of a forward; ``QuerySide`` the
-query-side tensors a backward block reads and the float32 query gradient it adds into.
+slice (dense) or an index tensor (packed). ``Kernel`` (``kernels``') says how each block is
+computed; ``Accumulator`` holds the float32 running output and LSE of a forward;
+``QuerySide`` the query-side tensors a backward block reads and the float32 query gradient
+it adds into.
 """
 
 from dataclasses import dataclass
@@ -11,9 +12,11 @@ from typing import Optional, Tuple
 
 import torch
 
+from megatron.core.process_groups_config import get_pg_rank, get_pg_size
 from megatron.core.transformer.cp_attention import kernels as fk
 from megatron.core.transformer.cp_attention import varlen
-from megatron.core.transformer.cp_attention.plans import Part, Rows
+from megatron.core.transformer.cp_attention.kernels import Kernel
+from megatron.core.transformer.cp_attention.plans import BlockPlan, Part, Rows
 from megatron.core.transformer.cp_attention.rescale import (
     Factor,
     GradFactors,
@@ -21,19 +24,6 @@ from megatron.core.transformer.cp_attention.rescale import (
     kernel_grad_inputs,
 )
 from megatron.core.transformer.cp_attention.sinks import sink_forward, sink_grad
-
-
-@dataclass(frozen=True)
-class Kernel:
-    """How every block of a call is computed: the kernel (``kernels``' names; None or
-    "auto": the default for the tensors), the softmax scale and the sliding window (how many
-    earlier keys a query sees; None: all) and the logit soft-cap (None: none; the "math"
-    kernel only)."""
-
-    name: Optional[str]
-    scale: float
-    window: Optional[int] = None
-    softcap: Optional[float] = None
 
 
 @dataclass
@@ -98,47 +88,74 @@ def save_merged(
     return out
 
 
-def query_side(ctx, grad_out, q, k, out, lse) -> Tuple[QuerySide, GradFactors]:
+@dataclass
+class Saved:
+    """What ``save_merged`` kept, as a backward reads it: Q as the kernels take it, this
+    rank's [K | V] (``own``: as ``KeyValues``), the merged output and LSE, the sinks (None:
+    none), the group, the plan, the kernel and the inputs' dtype."""
+
+    q: torch.Tensor
+    kv: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    sink: Optional[torch.Tensor]
+    group: object
+    plan: BlockPlan
+    kernel: Kernel
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, ctx) -> "Saved":
+        q, kv, out, lse, sink = ctx.saved_tensors
+        sink = sink if ctx.has_sink else None
+        return cls(q, kv, out, lse, sink, ctx.group, ctx.plan, ctx.kernel, ctx.dtype)
+
+    @property
+    def own(self) -> KeyValues:
+        return KeyValues(*self.kv.chunk(2, dim=2))
+
+    @property
+    def world(self) -> int:
+        return get_pg_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return get_pg_rank(self.group)
+
+
+def query_side(ctx, grad_out, saved: Saved) -> Tuple[QuerySide, GradFactors]:
     """Start of the matching backward: the ``QuerySide`` (dO, O as the kernels take them, a
-    zero float32 dq) and the factors that undo the rescaling; ``k`` is this rank's keys.
-    The sinks' gradient (None without sinks) is left on ``ctx.sink_grad``."""
-    sink = ctx.saved_tensors[4] if ctx.has_sink else None
-    valid = ctx.plan.valid
-    ctx.sink_grad = sink_grad(grad_out if valid is None else grad_out * valid, out, lse, sink)
+    zero float32 dq) and the factors that undo the rescaling. The sinks' gradient (None
+    without sinks) is left on ``ctx.sink_grad``."""
+    q, out, lse, valid = saved.q, saved.out, saved.lse, saved.plan.valid
+    ctx.sink_grad = sink_grad(grad_out if valid is None else grad_out * valid, out, lse, saved.sink)
     do, o, factors = kernel_grad_inputs(
-        grad_out, out, q, k, ctx.plan.valid, ctx.kernel.scale, ctx.rescale
+        grad_out, out, q, saved.own.k, valid, saved.kernel.scale, ctx.rescale
     )
-    dq = torch.zeros(q.shape, device=q.device, dtype=fk.acc_dtype(ctx.dtype))
+    dq = torch.zeros(q.shape, device=q.device, dtype=fk.acc_dtype(saved.dtype))
     return QuerySide(do, q, o, lse, dq), factors
 
 
 def attend(part: Part, q, k, v, kernel: Kernel) -> Tuple[torch.Tensor, torch.Tensor]:
     """Kernel forward on [rows, b, n, d] tensors -> (out [rows, b, n, d], lse [b, n, rows])."""
     if part.cu_q is None:
-        return fk.attention_forward(
-            q, k, v, part.causal, kernel.scale, kernel.name, layout="sbnd", window=kernel.window,
-            softcap=kernel.softcap,
-        )  # fmt: skip
-    out, lse = varlen.varlen_forward(
-        q[:, 0], k[:, 0], v[:, 0], part.cu_q, part.cu_k, part.max_q, part.max_k, part.causal,
-        kernel.scale, kernel.name, kernel.window, kernel.softcap,
-    )  # fmt: skip
+        return fk.attention_forward(q, k, v, part.causal, kernel, layout="sbnd")
+    packed = (x[:, 0] for x in (q, k, v))
+    out, lse = varlen.varlen_forward(*packed, _lengths(part), part.causal, kernel)
     return out.unsqueeze(1), lse.unsqueeze(0)
 
 
 def attend_backward(part: Part, dout, q, k, v, out, lse, kernel: Kernel):
     """Kernel backward on [rows, b, n, d] tensors -> (dq, dk, dv) in the same layout."""
     if part.cu_q is None:
-        return fk.attention_backward(
-            dout, q, k, v, out, lse, part.causal, kernel.scale, kernel.name, layout="sbnd",
-            window=kernel.window, softcap=kernel.softcap,
-        )  # fmt: skip
-    grads = varlen.varlen_backward(
-        dout[:, 0], q[:, 0], k[:, 0], v[:, 0], out[:, 0], lse[0], part.cu_q, part.cu_k,
-        part.max_q, part.max_k, part.causal, kernel.scale, kernel.name, kernel.window,
-        kernel.softcap,
-    )  # fmt: skip
+        return fk.attention_backward(dout, q, k, v, out, lse, part.causal, kernel, layout="sbnd")
+    packed = [x[:, 0] for x in (dout, q, k, v, out)] + [lse[0]]
+    grads = varlen.varlen_backward(*packed, _lengths(part), part.causal, kernel)
     return tuple(g.unsqueeze(1) for g in grads)
+
+
+def _lengths(part: Part) -> varlen.SeqLens:
+    return varlen.SeqLens(part.cu_q, part.cu_k, part.max_q, part.max_k)
 
 
 def forward_block(

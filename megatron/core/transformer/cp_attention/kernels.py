@@ -5,10 +5,12 @@ needs each kernel's log-sum-exp (LSE) and its backward op, which PyTorch exposes
 ops (``F.scaled_dot_product_attention`` returns neither, and the LSE is not differentiable).
 This module wraps those ops behind one calling convention:
 
-- ``attention_forward(q, k, v, causal, scale)`` -> ``(out, lse)`` on [b, s, n, d] tensors
+- ``Kernel``: what every block of a call is computed with (the kernel, the softmax scale,
+  the sliding window, the logit soft-cap), built and checked once;
+- ``attention_forward(q, k, v, causal, kernel)`` -> ``(out, lse)`` on [b, s, n, d] tensors
   (or [s, b, n, d], [b, n, s, d] by ``layout=``: one view to the kernels' layout),
   ``lse`` float32 [b, n, s_q] with lse_i = log sum_j exp(scale * q_i . k_j) over allowed j;
-- ``attention_backward(dout, q, k, v, out, lse, causal, scale)`` -> ``(dq, dk, dv)``, where
+- ``attention_backward(dout, q, k, v, out, lse, causal, kernel)`` -> ``(dq, dk, dv)``, where
   ``out`` and ``lse`` may be the *merged* results of several blocks: the kernels rebuild
   P = exp(scale * Q K^T - lse) and D = rowsum(dout * out) from them, so each block then gets
   exactly its share of the gradient of the merged attention;
@@ -44,16 +46,47 @@ import torch
 from megatron.core.transformer.cp_attention.kernel_choice import resolve_kernel
 
 
+@dataclass(frozen=True)
+class Kernel:
+    """How every block of a call is computed: the kernel (``name``: ``kernel_choice``'s names;
+    None or "auto": the default for the tensors), the softmax ``scale``, the sliding
+    ``window`` (how many earlier keys a query sees; None: all) and the logit ``softcap``
+    (None: none). The soft-cap is checked here, once, where the call or the layer is built:
+    only the "math" kernel computes it, so ``name`` becomes "math" (``softcap_kernel``)."""
+
+    name: Optional[str]
+    scale: float
+    window: Optional[int] = None
+    softcap: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if self.softcap is not None:
+            object.__setattr__(self, "name", softcap_kernel(self.name, self.softcap))
+
+
+def softcap_kernel(kernel: Optional[str], softcap: float) -> str:
+    """The kernel that computes logit soft-capping: "math" (for ``kernel`` None, "auto" or
+    "math"); a ValueError naming the kernel and the cap otherwise."""
+    if not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(
+            f"context_parallel_attention: softcap must be a finite number > 0, got {softcap!r}"
+        )
+    if kernel not in (None, "auto", "math"):
+        raise ValueError(
+            f"attention kernel {kernel!r} has no logit soft-capping (attn_logit_softcapping="
+            f"{softcap}); only the explicit 'math' kernel has (attention_backend 'unfused', "
+            "'local' or 'auto')"
+        )
+    return "math"
+
+
 def attention_forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     causal: bool,
-    scale: float,
-    kernel: Optional[str] = None,
+    kernel: Kernel,
     layout: str = "bsnd",
-    window: Optional[int] = None,
-    softcap: Optional[float] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """softmax(scale * Q K^T [+ causal mask]) V and its LSE, for [b, s, n, d] inputs.
 
@@ -61,12 +94,11 @@ def attention_forward(
     A causal block needs s_q <= s_k (bottom-right alignment). Rows without keys (s_k = 0)
     get out = 0 and lse = -inf. ``layout``: inputs and ``out`` are [s, b, n, d] for "sbnd"
     (megatron's), [b, n, s, d] for "bnsd" (the kernels' own); the LSE is [b, n, s] always.
-    ``window`` (causal only): a sliding window, query i (at key position p = i + s_k - s_q)
-    sees keys p - window .. p. ``softcap`` (Gemma 2's attention logit soft-capping): the
-    scores are softcap * tanh(scale * Q K^T / softcap); the "math" kernel only.
+    ``kernel.window`` (causal only): a sliding window, query i (at key position
+    p = i + s_k - s_q) sees keys p - window .. p. ``kernel.softcap`` (Gemma 2's attention
+    logit soft-capping): the scores are softcap * tanh(scale * Q K^T / softcap).
     """
-    spec = kernel_spec(resolve_kernel(kernel, query, window is not None))
-    _check_softcap(spec, softcap)
+    spec = kernel_spec(resolve_kernel(kernel.name, query, kernel.window is not None))
     q, k, v = (_heads_first(x, layout) for x in (query, key, value))
     b, n_q, s_q, d = q.shape
     s_k = k.shape[2]
@@ -80,10 +112,11 @@ def attention_forward(
             (b, n_q, s_q), -math.inf, device=query.device, dtype=acc_dtype(query.dtype)
         )
         return query.new_zeros(query.shape), lse
-    route = _route(spec, causal, window, s_q, s_k, query.device)
+    route = _route(spec, causal, kernel, s_q, s_k, query.device)
     k, v = expand_kv(k, v, n_q)
-    if softcap is not None:
-        out, lse = _math_forward(q, k, v, causal, scale, window, softcap)
+    scale, window = kernel.scale, kernel.window
+    if route == "softcap":
+        out, lse = _math_forward(q, k, v, causal, scale, window, kernel.softcap)
     elif route == "window":
         out, lse = spec.window_forward(q, k, v, scale, window)
     elif route == "split":
@@ -93,8 +126,6 @@ def attention_forward(
     return _from_heads_first(out, layout), lse
 
 
-# attention_backward takes attention_forward's arguments plus (grad_out, out, lse): the two
-# signatures (and varlen's) repeat by design.
 def attention_backward(
     grad_out: torch.Tensor,
     query: torch.Tensor,
@@ -103,50 +134,51 @@ def attention_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     causal: bool,
-    scale: float,
-    kernel: Optional[str] = None,
+    kernel: Kernel,
     layout: str = "bsnd",
-    window: Optional[int] = None,
-    softcap: Optional[float] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of the block (query, key, value) given the final ``out`` and ``lse``.
 
     ``out`` [b, s_q, n_q, d] and ``lse`` [b, n_q, s_q] are those of the whole (merged)
     attention these queries take part in. dk, dv have key's head count; with grouped-query
-    attention they are float32 sums over the query heads of each group. ``layout`` as in
-    ``attention_forward``. Every row has a key here (s_k > 0, and a causal block is
-    bottom-right), so ``lse`` is finite and goes to the kernel as it is. ``window`` as in
-    ``attention_forward``; ``softcap`` too.
+    attention they are float32 sums over the query heads of each group. ``layout`` and
+    ``kernel`` as in ``attention_forward``. Every row has a key here (s_k > 0, and a causal
+    block is bottom-right), so ``lse`` is finite and goes to the kernel as it is.
     """
-    spec = kernel_spec(resolve_kernel(kernel, query, window is not None))
-    _check_softcap(spec, softcap)
+    spec = kernel_spec(resolve_kernel(kernel.name, query, kernel.window is not None))
     if query.numel() == 0 or key.numel() == 0:
         return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
     tensors = (grad_out, query, key, value, out)
     do, q, k, v, o = (_heads_first(x, layout) for x in tensors)
     n_q, n_kv = q.shape[1], k.shape[1]
-    route = _route(spec, causal, window, q.shape[2], k.shape[2], query.device)
+    route = _route(spec, causal, kernel, q.shape[2], k.shape[2], query.device)
     k_exp, v_exp = expand_kv(k, v, n_q)
-    if softcap is not None:
-        dq, dk, dv = _math_backward(do, q, k_exp, v_exp, o, lse, causal, scale, window, softcap)
+    scale, window = kernel.scale, kernel.window
+    if route == "softcap":
+        grads = _math_backward(do, q, k_exp, v_exp, o, lse, causal, scale, window, kernel.softcap)
     elif route == "window":
-        dq, dk, dv = spec.window_backward(do, q, k_exp, v_exp, o, lse, scale, window)
+        grads = spec.window_backward(do, q, k_exp, v_exp, o, lse, scale, window)
     elif route == "split":
-        dq, dk, dv = _split_backward(do, q, k_exp, v_exp, o, lse, scale, spec)
+        grads = _split_backward(do, q, k_exp, v_exp, o, lse, scale, spec)
     else:
-        dq, dk, dv = spec.backward(do, q, k_exp, v_exp, o, lse, causal, scale)
+        grads = spec.backward(do, q, k_exp, v_exp, o, lse, causal, scale)
+    dq, dk, dv = grads
     if k_exp.shape[1] != n_kv:
         dk, dv = (sum_groups(x, n_kv) for x in (dk, dv))
     return tuple(_from_heads_first(x, layout) for x in (dq, dk, dv))
 
 
-def _route(spec, causal: bool, window: Optional[int], s_q: int, s_k: int, device) -> str:
+def _route(spec, causal: bool, kernel: Kernel, s_q: int, s_k: int, device) -> str:
     """How a non-empty block runs, decided once for its forward and its backward:
+    ``"softcap"`` (soft-capped scores: the explicit maths, the kernel being "math"),
     ``"window"`` (the kernel's sliding-window op), ``"split"`` (causal with s_q < s_k on a
     kernel whose own causal mask is top-left: a mask-free prefix plus a square causal block,
     merged by LSE) or ``"plain"`` (the kernel's own op)."""
-    if window is not None:
-        _check_window(spec, causal, window)
+    if kernel.window is not None:
+        _check_window(spec, causal, kernel.window)
+    if kernel.softcap is not None:
+        return "softcap"
+    if kernel.window is not None:
         return "window"
     if causal and s_q < s_k and not bottom_right_causal(spec, device):
         return "split"
@@ -254,15 +286,6 @@ def _check_window(spec: KernelSpec, causal: bool, window: int) -> None:
             f"attention kernel {spec.name!r} has no sliding window (window_size); the flash "
             "kernel (CUDA fp16/bf16), the CPU kernel and 'math' have one (attention_backend "
             "'flash', 'unfused' or 'auto')"
-        )
-
-
-def _check_softcap(spec: KernelSpec, softcap: Optional[float]) -> None:
-    if softcap is not None and spec.name != "math":
-        raise ValueError(
-            f"attention kernel {spec.name!r} has no logit soft-capping (attn_logit_softcapping="
-            f"{softcap}); only the explicit 'math' kernel has (attention_backend 'unfused', "
-            "'local' or 'auto')"
         )
 
 

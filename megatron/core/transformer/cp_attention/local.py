@@ -4,7 +4,6 @@ import torch
 
 from megatron.core.transformer.cp_attention import kernels as fk
 from megatron.core.transformer.cp_attention.blocks import (
-    Kernel,
     attend,
     attend_backward,
     lse_rows_of,
@@ -12,6 +11,7 @@ from megatron.core.transformer.cp_attention.blocks import (
     put_rows,
     rows_of,
 )
+from megatron.core.transformer.cp_attention.kernels import Kernel
 from megatron.core.transformer.cp_attention.plans import Plan, local_plan
 from megatron.core.transformer.cp_attention.sinks import sink_forward, sink_grad
 

@@ -11,8 +11,8 @@ import torch
 from megatron.core.process_groups_config import get_pg_rank, get_pg_size
 from megatron.core.transformer.cp_attention.blocks import (
     Accumulator,
-    Kernel,
     KeyValues,
+    Saved,
     add_rows,
     block_grads,
     forward_block,
@@ -20,6 +20,7 @@ from megatron.core.transformer.cp_attention.blocks import (
     save_merged,
 )
 from megatron.core.transformer.cp_attention.collectives import ring_exchange
+from megatron.core.transformer.cp_attention.kernels import Kernel
 from megatron.core.transformer.cp_attention.local import local_attention
 from megatron.core.transformer.cp_attention.plans import BlockPlan, block_plan
 from megatron.core.transformer.cp_attention.rescale import Rescale
@@ -64,29 +65,26 @@ class RingAttention(torch.autograd.Function):
                 kv = exchange.wait()
         return save_merged(ctx, query, q, kv_local, acc, group, plan, kernel, rescale, sink)
 
-    # Same frame as AllGatherAttention's (the end of the forward, unpacking ``ctx``): the
-    # shared steps are blocks.save_merged / query_side; the exchanges differ.
     @staticmethod
     def backward(ctx, grad_out):
-        q, kv, out, lse, _ = ctx.saved_tensors
-        group, plan, kernel, dtype = ctx.group, ctx.plan, ctx.kernel, ctx.dtype
-        world, rank = get_pg_size(group), get_pg_rank(group)
-        n_kv = kv.shape[2] // 2
-        side, factors = query_side(ctx, grad_out, q, kv[:, :, :n_kv], out, lse)
+        saved = Saved.of(ctx)
+        side, factors = query_side(ctx, grad_out, saved)
+        kv, n_kv, world, rank = saved.kv, saved.kv.shape[2] // 2, saved.world, saved.rank
         dkv = torch.zeros(kv.shape, device=kv.device, dtype=side.dq.dtype)
         dkv_exchange = None
         for step in range(world):
-            exchange = ring_exchange(kv, group, tag=1) if step + 1 < world else None
-            part = plan.part((rank - step) % world, rank)
-            gk, gv = block_grads(part, side, KeyValues(*kv.split(n_kv, dim=2)), kernel, factors)
+            exchange = ring_exchange(kv, saved.group, tag=1) if step + 1 < world else None
+            part = saved.plan.part((rank - step) % world, rank)
+            source = KeyValues(*kv.split(n_kv, dim=2))
+            gk, gv = block_grads(part, side, source, saved.kernel, factors)
             if dkv_exchange is not None:  # the gradient buffer arrives while computing
                 dkv = dkv_exchange.wait()
             dk_src, dv_src = dkv.split(n_kv, dim=2)
             add_rows(dk_src, part.k_rows, gk, factors.dk)
             add_rows(dv_src, part.k_rows, gv, factors.dv)
-            dkv_exchange = ring_exchange(dkv, group, tag=2)
+            dkv_exchange = ring_exchange(dkv, saved.group, tag=2)
             if exchange is not None:
                 kv = exchange.wait()
         dk, dv = dkv_exchange.wait().split(n_kv, dim=2)  # after C hops: this rank's own
-        dq, dk, dv = (x.to(dtype) for x in (side.dq, dk, dv))
+        dq, dk, dv = (x.to(saved.dtype) for x in (side.dq, dk, dv))
         return dq, dk, dv, None, None, None, ctx.sink_grad

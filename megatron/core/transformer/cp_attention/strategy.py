@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron.core.transformer.cp_attention.blocks import Kernel
+from megatron.core.transformer.cp_attention.kernels import Kernel
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,23 @@
 """Packed sequences on the kernels: each sequence attended on its own, forward and backward.
 
-``varlen_forward`` / ``varlen_backward`` take [t, n, d] tensors with cumulative sequence
-lengths. CUDA half precision uses ``aten._flash_attention_forward`` with cumulative lengths
-where the installed torch has it (detected at run time; if it raises, a warning and this
-process falls back); otherwise a loop over sequences with the dense kernel of ``kernels``.
+``varlen_forward`` / ``varlen_backward`` take [t, n, d] tensors with the sequences' cumulative
+lengths (``SeqLens``). CUDA half precision uses ``aten._flash_attention_forward`` with
+cumulative lengths where the installed torch has it (detected at run time; if it raises, a
+warning and this process falls back); otherwise a loop over sequences with the dense kernel
+of ``kernels``.
 """
 
+import dataclasses
 import functools
 import math
 import warnings
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Tuple
 
 import torch
 
 from megatron.core.transformer.cp_attention.kernel_choice import resolve_kernel
 from megatron.core.transformer.cp_attention.kernels import (
+    Kernel,
     acc_dtype,
     attention_backward,
     attention_forward,
@@ -28,34 +31,38 @@ from megatron.core.transformer.cp_attention.kernels import (
 )
 
 
+class SeqLens(NamedTuple):
+    """Packed sequences: query rows cu_q[i]:cu_q[i+1] and key rows cu_k[i]:cu_k[i+1] form
+    sequence i (int tensors, on the tensors' device for the flash op); the longest of each."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+
 def varlen_forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
+    lengths: SeqLens,
     causal: bool,
-    scale: float,
-    kernel: Optional[str] = None,
-    window: Optional[int] = None,
-    softcap: Optional[float] = None,
+    kernel: Kernel,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Attention of packed sequences: query rows cu_q[i]:cu_q[i+1] see key rows
-    cu_k[i]:cu_k[i+1] only (bottom-right causal within each sequence when ``causal``; with
-    ``window``, as in ``attention_forward``, within each sequence; ``softcap`` as there:
-    sequence by sequence on the "math" kernel).
+    """Attention of packed sequences: each sequence's query rows see its key rows only
+    (bottom-right causal within each sequence when ``causal``; ``kernel``'s window and
+    soft-cap as in ``attention_forward``, within each sequence: the soft-cap sequence by
+    sequence on the "math" kernel).
 
     ``query`` [t_q, n_q, d], ``key``/``value`` [t_k, n_kv, d]; returns ``out`` [t_q, n_q, d]
     and float32 ``lse`` [n_q, t_q]. Rows outside every sequence get out = 0, lse = -inf.
     """
-    name = resolve_kernel(kernel, query, window is not None)
-    lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    if softcap is None and _use_varlen(query, cu_seqlens_q):
+    kernel = _resolved(kernel, query)
+    if kernel.softcap is None and _use_varlen(query, lengths.cu_q):
         result = _guarded_varlen(
-            _flash_varlen_forward, query, key, value, *lengths, causal, scale, window
-        )
+            _flash_varlen_forward, query, key, value, *lengths, causal, kernel.scale,
+            kernel.window,
+        )  # fmt: skip
         if result is not None:
             return result
     out = query.new_zeros(query.shape)
@@ -65,25 +72,17 @@ def varlen_forward(
         device=query.device,
         dtype=acc_dtype(query.dtype),
     )
-    for (q0, q1), (k0, k1) in _segments(cu_seqlens_q, cu_seqlens_k):
+    for (q0, q1), (k0, k1) in _segments(lengths):
         if q1 == q0:
             continue
-        o, lse_blk = attention_forward(
-            query[q0:q1].unsqueeze(0),
-            key[k0:k1].unsqueeze(0),
-            value[k0:k1].unsqueeze(0),
-            causal,
-            scale,
-            name,
-            window=window,
-            softcap=softcap,
-        )
+        blocks = (x.unsqueeze(0) for x in (query[q0:q1], key[k0:k1], value[k0:k1]))
+        o, lse_blk = attention_forward(*blocks, causal, kernel)
         out[q0:q1], lse[:, q0:q1] = o[0], lse_blk[0]
     return out, lse
 
 
-# varlen_forward / varlen_backward take the dense pair's arguments (``kernels``) plus the
-# cumulative lengths, in the same order: their signatures repeat by design.
+# The dense backward's arguments (``kernels.attention_backward``) with the sequences' lengths
+# instead of a layout: the two signatures repeat by design.
 def varlen_backward(
     grad_out: torch.Tensor,
     query: torch.Tensor,
@@ -91,49 +90,42 @@ def varlen_backward(
     value: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
+    lengths: SeqLens,
     causal: bool,
-    scale: float,
-    kernel: Optional[str] = None,
-    window: Optional[int] = None,
-    softcap: Optional[float] = None,
+    kernel: Kernel,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of ``varlen_forward``; dk/dv float32 where summed over sequences or groups."""
-    name = resolve_kernel(kernel, query, window is not None)
-    lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    if softcap is None and _use_varlen(query, cu_seqlens_q):
+    kernel = _resolved(kernel, query)
+    if kernel.softcap is None and _use_varlen(query, lengths.cu_q):
         grads = _guarded_varlen(
             _flash_varlen_backward, grad_out, query, key, value, out, lse, *lengths, causal,
-            scale, window,
+            kernel.scale, kernel.window,
         )  # fmt: skip
         if grads is not None:
             return grads
     dq = torch.zeros_like(query)
     dk = torch.zeros(key.shape, device=key.device, dtype=acc_dtype(key.dtype))
     dv = torch.zeros(value.shape, device=value.device, dtype=acc_dtype(value.dtype))
-    for (q0, q1), (k0, k1) in _segments(cu_seqlens_q, cu_seqlens_k):
+    for (q0, q1), (k0, k1) in _segments(lengths):
         if q1 == q0 or k1 == k0:
             continue
+        rows = (grad_out[q0:q1], query[q0:q1], key[k0:k1], value[k0:k1], out[q0:q1])
         g = attention_backward(
-            grad_out[q0:q1].unsqueeze(0),
-            query[q0:q1].unsqueeze(0),
-            key[k0:k1].unsqueeze(0),
-            value[k0:k1].unsqueeze(0),
-            out[q0:q1].unsqueeze(0),
-            lse[:, q0:q1].unsqueeze(0),
-            causal,
-            scale,
-            name,
-            window=window,
-            softcap=softcap,
+            *(x.unsqueeze(0) for x in rows), lse[:, q0:q1].unsqueeze(0), causal, kernel
         )
         dq[q0:q1] = g[0][0]
         dk[k0:k1] += g[1][0].to(dk.dtype)
         dv[k0:k1] += g[2][0].to(dv.dtype)
     return dq, dk, dv
+
+
+def _resolved(kernel: Kernel, query: torch.Tensor) -> Kernel:
+    """``kernel`` with its name resolved for ``query`` once, not once per sequence (a
+    soft-capped one stays "math", as in ``attention_forward``)."""
+    name = resolve_kernel(kernel.name, query, kernel.window is not None)
+    if name == kernel.name or kernel.softcap is not None:
+        return kernel
+    return dataclasses.replace(kernel, name=name)
 
 
 @functools.lru_cache(maxsize=None)
@@ -147,8 +139,8 @@ def varlen_available() -> bool:
     )
 
 
-def _segments(cu_q: torch.Tensor, cu_k: torch.Tensor) -> List[Tuple[Tuple[int, int], ...]]:
-    q, k = cu_q.tolist(), cu_k.tolist()
+def _segments(lengths: SeqLens) -> List[Tuple[Tuple[int, int], ...]]:
+    q, k = lengths.cu_q.tolist(), lengths.cu_k.tolist()
     return [((q[i], q[i + 1]), (k[i], k[i + 1])) for i in range(len(q) - 1)]
 
 

@@ -21,7 +21,7 @@ are drawn in full per global expert from (seed, the expert's global name), so ev
 starts from the same adapters.
 """
 
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,8 @@ from megatron.core.tensor_parallel.mappings import (
     all_reduce_with_summed_grad,
 )
 from megatron.core.transformer.lora_init import adapter_init_method, adapter_seed
-from megatron.core.transformer.moe.grouped_gemm import use_grouped_mm
+from megatron.core.transformer.moe.experts import strided_shard
+from megatron.core.transformer.moe.grouped_gemm import ExpertRows, grouped_linear, use_grouped_mm
 
 PROJECTIONS = ("linear_fc1", "linear_fc2")
 
@@ -87,22 +88,22 @@ class ExpertLoRAAdapter(torch.nn.Module):
         self.linear_in = _Stacked(torch.stack(a_parts).to(**kind), a_split + 1, 1)
         self.linear_out = _Stacked(torch.stack(b_parts).to(**kind), b_split[0] + 1, b_split[1])
 
-    def forward(self, x: torch.Tensor, sizes: List[int]) -> torch.Tensor:
-        """The adapters' output for rows ``x`` grouped by local expert (``sizes`` rows each),
+    def forward(self, x: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
+        """The adapters' output for rows ``x`` grouped by local expert (``rows``),
         in ``x``'s dtype: [N, out'] (fc1: this rank's output columns; fc2: the full output,
         this rank's partial sum)."""
         a, b = self.linear_in.weight, self.linear_out.weight
         h = x.to(a.dtype)
         if self.dropout_position == "pre" and self.dropout > 0:
             h = F.dropout(h, p=self.dropout, training=self.training)
-        h = per_expert_linear(h, a, sizes)
+        h = grouped_linear(h, a.transpose(1, 2), rows, _grouped_mm_applies(h, a))
         etp = get_pg_size(self.group)
         if etp > 1:
             if self.proj == "linear_fc1":
                 h = all_gather_last_dim_from_tensor_parallel_region(h, self.group)
             else:
                 h = all_reduce_with_summed_grad(h, self.group)
-        y = per_expert_linear(h, b, sizes) * self.scale
+        y = grouped_linear(h, b.transpose(1, 2), rows, _grouped_mm_applies(h, b)) * self.scale
         if self.dropout_position == "post" and self.dropout > 0:
             y = F.dropout(y, p=self.dropout, training=self.training)
         if self.proj == "linear_fc2" and etp > 1:  # this rank's rows of the output
@@ -125,29 +126,9 @@ class WithExpertAdapters:
         return self.experts.adapted_forward(hidden, tokens_per_expert, probs, self.adapters)
 
 
-def per_expert_linear(x: torch.Tensor, weights: torch.Tensor, sizes: List[int]) -> torch.Tensor:
-    """Rows of expert i (``sizes[i]`` each, in order) times ``weights[i]``^T [out, in]:
-    one grouped GEMM on CUDA for bf16, else one product per expert."""
-    if _grouped_mm_applies(x, weights):
-        offsets = torch.tensor(sizes, device=x.device).cumsum(0).to(torch.int32)
-        return torch._grouped_mm(x, weights.transpose(1, 2), offs=offsets)
-    parts = [F.linear(xi, w) for xi, w in zip(torch.split(x, sizes), weights)]
-    if not parts:
-        return x.new_zeros(x.shape[0], weights.shape[1])
-    return torch.cat(parts, dim=0)
-
-
 def _grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     """The experts' rule, and 16-byte aligned rows (an adapter's rank need not be)."""
     return use_grouped_mm(x, w) and all(n % 8 == 0 for n in w.shape[1:])
-
-
-def strided_shard(full: torch.Tensor, dim: int, stride: int, size: int, rank: int) -> torch.Tensor:
-    """Blocks rank, rank + size, ... of ``size * stride`` blocks along ``dim``."""
-    if size == 1:
-        return full
-    blocks = full.chunk(size * stride, dim=dim)
-    return torch.cat(blocks[rank::size], dim=dim)
 
 
 def expert_adapters_of(experts) -> Optional[torch.nn.ModuleDict]:

@@ -20,7 +20,7 @@ and ``weight2.view(E_local, F, h)[i]`` (= W2_g^T); on a CUDA device with bf16 we
 grouped GEMM (``torch._grouped_mm``) per projection, else one product per expert.
 """
 
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +29,7 @@ from megatron.core.fp8.grouped import Fp8Experts, fp8_grouped_linear
 from megatron.core.fusions.fused_bias_geglu import gated_unit
 from megatron.core.process_groups_config import ProcessGroupCollection, get_pg_rank, get_pg_size
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.moe.grouped_gemm import use_grouped_mm
+from megatron.core.transformer.moe.grouped_gemm import ExpertRows, grouped_linear, use_grouped_mm
 from megatron.core.transformer.moe.parallel import moe_groups_of
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -140,30 +140,32 @@ class _LocalExperts(MegatronModule):
         the tensor or a view of it (writing it writes the parameter)."""
         raise NotImplementedError
 
-    def project(self, proj: str, x: torch.Tensor, sizes: List[int]) -> torch.Tensor:
-        """``proj`` of every local expert on its rows of ``x`` (``sizes[i]`` rows each)."""
-        parts = [F.linear(xi, self.local_expert_weight(i, proj))
-                 for i, xi in enumerate(torch.split(x, sizes))]  # fmt: skip
-        return torch.cat(parts, dim=0)
+    def project(self, proj: str, x: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
+        """``proj`` of every local expert on its rows of ``x``: one product per expert."""
+        weights = [self.local_expert_weight(i, proj).t() for i in range(self.num_local_experts)]
+        return grouped_linear(x, weights, rows, grouped=False)
 
     def adapted_forward(self, x, tokens_per_expert, probs, adapters) -> Tuple[torch.Tensor, None]:
         """The forward with LoRA adapters ({proj: ``ExpertLoRAAdapter``}, ``moe.expert_lora``)
-        added to the outputs of fc1 and fc2, each expert's rows through its own adapter; the
-        expert biases (``add_bias_linear``) as in ``forward``."""
-        sizes = [int(n) for n in tokens_per_expert.tolist()]
-        counts = torch.tensor(sizes, device=x.device, dtype=torch.long)
-        hidden = self.project("linear_fc1", x, sizes)
-        if "linear_fc1" in adapters:
-            hidden = hidden + adapters["linear_fc1"](x, sizes)
-        hidden = _add_bias(hidden, self._stacked_bias("linear_fc1"), counts)
-        hidden = _activate(self.config, hidden, probs)
-        out = self.project("linear_fc2", hidden, sizes)
-        if "linear_fc2" in adapters:
-            out = out + adapters["linear_fc2"](hidden, sizes)
-        bias = self._stacked_bias("linear_fc2")
-        return _add_bias(out, bias, counts, probs, self.adds_fc2_bias), None
+        added to the outputs of fc1 and fc2, each expert's rows through its own adapter."""
+        return self.expert_forward(x, ExpertRows(tokens_per_expert, x.device), probs, adapters)
 
-    def _stacked_bias(self, proj: str) -> Optional[torch.Tensor]:
+    def expert_forward(self, x, rows: ExpertRows, probs, adapters) -> Tuple[torch.Tensor, None]:
+        """Every local expert on its rows of ``x``: fc1 (plus its adapter's term where
+        ``adapters`` has one), the fc1 biases, the activation times the routing weights, fc2
+        (plus its adapter's term), the fc2 biases (``add_bias_linear``) times the weights."""
+        hidden = self.project("linear_fc1", x, rows)
+        if "linear_fc1" in adapters:
+            hidden = hidden + adapters["linear_fc1"](x, rows)
+        hidden = _add_bias(hidden, self.stacked_bias("linear_fc1"), rows.counts)
+        hidden = _activate(self.config, hidden, probs)
+        out = self.project("linear_fc2", hidden, rows)
+        if "linear_fc2" in adapters:
+            out = out + adapters["linear_fc2"](hidden, rows)
+        bias = self.stacked_bias("linear_fc2")
+        return _add_bias(out, bias, rows.counts, probs, self.adds_fc2_bias), None
+
+    def stacked_bias(self, proj: str) -> Optional[torch.Tensor]:
         """The local experts' ``proj`` biases [E_local, out] (None without biases)."""
         rows = [self.local_expert_bias(i, proj) for i in range(self.num_local_experts)]
         return None if not rows or rows[0] is None else torch.stack(rows)
@@ -180,7 +182,7 @@ class _LocalExperts(MegatronModule):
                 shape = list(target.shape)
                 shape[dim] *= etp
                 full = full_weight(proj, self.first_expert + i, tuple(shape))
-                target.copy_(_split(full, dim, stride, self.tp_group))
+                target.copy_(strided_shard(full, dim, stride, etp, get_pg_rank(self.tp_group)))
 
 
 class SequentialMLP(_LocalExperts):
@@ -288,36 +290,17 @@ class GroupedMLP(_LocalExperts):
             sizes = [int(n) for n in tokens_per_expert.tolist()]
             weights = [(a.t(), b.t()) for a, b in zip(w1, w2)]
             return _fp8_experts(self, x, sizes, permuted_probs, weights)
-        if use_grouped_mm(x, w1):
-            counts = tokens_per_expert.to(x.device)
-            offsets = torch.cumsum(counts, 0).to(torch.int32)
-            hidden = _add_bias(torch._grouped_mm(x, w1, offs=offsets), self.bias1, counts)
-            hidden = _activate(self.config, hidden, permuted_probs)
-            out = torch._grouped_mm(hidden, w2, offs=offsets)
-            return _add_bias(out, self.bias2, counts, permuted_probs, self.adds_fc2_bias), None
-        sizes = [int(n) for n in tokens_per_expert.tolist()]
-        outputs = []
-        for i, (xi, pi) in enumerate(
-            zip(torch.split(x, sizes), torch.split(permuted_probs, sizes))
-        ):
-            hidden = xi @ w1[i] if self.bias1 is None else xi @ w1[i] + self.bias1[i]
-            out = _activate(self.config, hidden, pi) @ w2[i]
-            if self.bias2 is not None:
-                weight = pi.unsqueeze(-1).to(out.dtype)
-                out = out + _fc2_bias(weight, self.bias2[i], self.adds_fc2_bias)
-            outputs.append(out)
-        if not outputs:
-            return x, None
-        return torch.cat(outputs, dim=0), None
+        return self.expert_forward(x, ExpertRows(tokens_per_expert, x.device), permuted_probs, {})
 
-    def project(self, proj: str, x: torch.Tensor, sizes: List[int]) -> torch.Tensor:
-        """``proj`` of every local expert on its rows: one grouped GEMM where ``forward``
-        uses one, else one product per expert."""
+    def project(self, proj: str, x: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
+        """``proj`` of every local expert on its rows: one grouped GEMM on CUDA for bf16
+        (``use_grouped_mm``), else one product per expert."""
         stacked = self.expert_w1() if proj == "linear_fc1" else self.expert_w2()
-        if use_grouped_mm(x, stacked):
-            offsets = torch.tensor(sizes, device=x.device).cumsum(0).to(torch.int32)
-            return torch._grouped_mm(x, stacked, offs=offsets)
-        return super().project(proj, x, sizes)
+        return grouped_linear(x, stacked, rows, use_grouped_mm(x, stacked))
+
+    def stacked_bias(self, proj: str) -> Optional[torch.Tensor]:
+        """``bias1`` / ``bias2`` (None without ``add_bias_linear``)."""
+        return self.bias1 if proj == "linear_fc1" else self.bias2
 
     def local_expert_weight(self, i: int, proj: str) -> torch.Tensor:
         """Local expert ``i``'s ``proj`` weight [out, in]: a transposed view of its block of
@@ -328,7 +311,7 @@ class GroupedMLP(_LocalExperts):
     def local_expert_bias(self, i: int, proj: str) -> Optional[torch.Tensor]:
         """Local expert ``i``'s ``proj`` bias [out] (a view of ``bias1`` / ``bias2``; None
         without ``add_bias_linear``)."""
-        stacked = self.bias1 if proj == "linear_fc1" else self.bias2
+        stacked = self.stacked_bias(proj)
         return None if stacked is None else stacked[i]
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
@@ -397,11 +380,10 @@ def _mark_expert(
     param.allreduce = False
 
 
-def _split(full: torch.Tensor, dim: int, stride: int, group) -> torch.Tensor:
-    """This expert-TP rank's shard: ``full`` cut along ``dim`` into size * stride blocks,
-    blocks rank, rank + size, ... kept (the strided split of the dense layers)."""
-    size, rank = get_pg_size(group), get_pg_rank(group)
+def strided_shard(full: torch.Tensor, dim: int, stride: int, size: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of ``size``: ``full`` cut along ``dim`` into size * stride
+    blocks, blocks rank, rank + size, ... kept (the strided split of the dense layers)."""
     if size == 1:
         return full
-    block = full.shape[dim] // (size * stride)
-    return torch.cat(torch.split(full, block, dim=dim)[rank::size], dim=dim)
+    blocks = full.chunk(size * stride, dim=dim)
+    return torch.cat(blocks[rank::size], dim=dim)
