@@ -429,6 +429,8 @@ def forward_step(
         config.timers("forward-compute", log_level=2).start()
     if getattr(config, "num_moe_experts", None) or getattr(config, "mtp_num_layers", None):
         set_router_loss_scale(config, _loss_cp_group(cp_group, cp_group_size), num_microbatches)
+    if is_first_microbatch:
+        _set_is_first_microbatch(model)
     unwrap = not isinstance(input_tensor, list)
     get_attr_wrapped_model(model, "set_input_tensor")(
         input_tensor if not unwrap else [input_tensor]
@@ -463,6 +465,15 @@ def forward_step(
     if config.timers is not None:
         config.timers("forward-compute").stop()
     return (output_tensor, num_tokens) if unwrap else ([output_tensor], num_tokens)
+
+
+def _set_is_first_microbatch(model) -> None:
+    """megatron-core's ``model.set_is_first_microbatch()``, through wrappers without it
+    (DDP); nothing for a model without it."""
+    while not hasattr(model, "set_is_first_microbatch") and hasattr(model, "module"):
+        model = model.module
+    if hasattr(model, "set_is_first_microbatch"):
+        model.set_is_first_microbatch()
 
 
 def forward_step_calc_loss(
