@@ -106,16 +106,6 @@ def _operands(tensors, amax, dtype, margin, transposed_too, fp8_to_transpose):
 _fused_operands = jit_fuser(_operands)
 
 
-def quantize(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """cast_fp8(clamp(tensor * scale)) (computed in float32, round to nearest even)."""
-    return (_fused_cast if _compiled_here(tensor) else _cast)(tensor.detach(), scale, dtype)
-
-
-def transposed(q: torch.Tensor) -> torch.Tensor:
-    """``q.t().contiguous()`` of a 2-D FP8 tensor (compiled on CUDA: a tiled transpose)."""
-    return _fused_transpose(q) if _compiled_here(q) else q.t().contiguous()
-
-
 def _compiled_here(tensor: torch.Tensor) -> bool:
     """Run the ``jit_fuser`` version: on CUDA, outside a graph being compiled."""
     return tensor.is_cuda and not torch.compiler.is_compiling()
@@ -124,14 +114,6 @@ def _compiled_here(tensor: torch.Tensor) -> bool:
 def _cast(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     bound = torch.finfo(dtype).max
     return (tensor.float() * scale).clamp(-bound, bound).to(dtype)
-
-
-def _transpose(q: torch.Tensor) -> torch.Tensor:
-    return q.t().contiguous()
-
-
-_fused_cast = jit_fuser(_cast)
-_fused_transpose = jit_fuser(_transpose)
 
 
 def scaled_mm(
