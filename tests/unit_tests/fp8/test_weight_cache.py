@@ -210,3 +210,27 @@ def test_load_state_dict_refills_the_cache():
     state = {k: v * 2 if torch.is_tensor(v) else v for k, v in model.state_dict().items()}
     model.load_state_dict(state)
     assert model.fc1.is_first_microbatch is True and model.experts.is_first_microbatch is True
+
+
+@pytest.mark.slow
+def test_compiled_cached_steps_are_bitwise_the_eager_uncached_ones(monkeypatch):
+    """The FP8 linears traced whole (``fullgraph=True``, backend "aot_eager": the trainer's
+    ``--compile`` traces them into the layer graphs): no graph break, 2 graphs per linear
+    (fill, reuse) over 3 steps, the steps bitwise the eager uncached ones."""
+    import torch._dynamo.testing
+
+    with monkeypatch.context() as patch:
+        _uncached(patch)
+        plain = _train(grouped=True, steps=3)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    build = _Model.__init__
+
+    def compiled(self, grouped):
+        build(self, grouped)
+        for linear in (self.fc1, self.fc2):
+            linear.compile(backend=counter, fullgraph=True)
+
+    monkeypatch.setattr(_Model, "__init__", compiled)
+    assert _equal(_train(grouped=True, steps=3), plain)
+    assert counter.frame_count == 4
