@@ -10,10 +10,10 @@ call it on the first microbatch of each model chunk). The cache is also refilled
 empty, after any ``torch.optim`` optimizer step (a global step hook marks every cache
 stale: megatron's optimizers step a torch optimizer, then copy into the model weights through
 ``.data``, which no version counter sees), after ``load_state_dict`` and, run eagerly, when a
-weight's ``_version`` moved (an in-place write). Under ``torch.compile`` only the flag is
-read (a version is a runtime value: comparing it would break the graph), so a graph holds
-two variants per module, fill and reuse. The kept operands are bitwise those a call would
-compute: the same amax (MAX-reduced over the same ranks), scale and cast.
+weight's ``_version`` moved (an in-place write) or it got new storage. Under ``torch.compile``
+only the flag is read (a version is a runtime value: comparing it would break the graph), so
+a graph holds two variants per module, fill and reuse. The kept operands are bitwise those a
+call would compute: the same amax (MAX-reduced over the same ranks), scale and cast.
 """
 
 import weakref
@@ -70,10 +70,11 @@ def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 
 def _versions(weights: Sequence[torch.Tensor]) -> Optional[tuple]:
-    """The weights' version counters; None under ``torch.compile`` (not read there)."""
+    """The weights' version counters and data pointers (a weight given new storage, as
+    ``param.data = ...`` or ``module.to`` do); None under ``torch.compile`` (not read there)."""
     if torch.compiler.is_compiling():
         return None
-    return tuple(w._version for w in weights)
+    return tuple((w._version, w.data_ptr()) for w in weights)
 
 
 def _moved(module: torch.nn.Module, weights: Sequence[torch.Tensor]) -> bool:

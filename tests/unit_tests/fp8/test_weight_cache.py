@@ -234,3 +234,24 @@ def test_compiled_cached_steps_are_bitwise_the_eager_uncached_ones(monkeypatch):
     monkeypatch.setattr(_Model, "__init__", compiled)
     assert _equal(_train(grouped=True, steps=3), plain)
     assert counter.frame_count == 4
+
+
+@pytest.mark.parametrize("write", ["in place", "new storage"])
+def test_an_eager_call_refills_after_a_weight_write(write):
+    """No optimizer, no flag: a weight written in place (its ``_version``) or given new
+    storage (``.data =``, which no version counter records) is cast again."""
+    model = _Model(grouped=True)
+    model.set_is_first_microbatch()
+    x = _microbatches(0)[0]
+    model(x)
+    with torch.no_grad():
+        if write == "in place":
+            model.fc2.weight.mul_(3)
+            model.experts.weight1.mul_(3)
+        else:
+            model.fc2.weight.data = model.fc2.weight.data * 3
+            model.experts.weight1.data = model.experts.weight1.data * 3
+    got = model(x)
+    for module in (model.fc1, model.fc2, model.experts):
+        module.is_first_microbatch = None
+    assert torch.equal(got, model(x))
