@@ -255,3 +255,24 @@ def test_an_eager_call_refills_after_a_weight_write(write):
     for module in (model.fc1, model.fc2, model.experts):
         module.is_first_microbatch = None
     assert torch.equal(got, model(x))
+
+
+@pytest.mark.parametrize(
+    "first_val_step, forward_only", [(False, True), (True, True), (False, False)]
+)
+def test_first_val_step_decides_in_forward_only_runs(first_val_step, forward_only):
+    """megatron-core's ``check_first_val_step``: a forward-only run with ``first_val_step``
+    False does not set ``is_first_microbatch`` (a training run always does)."""
+    model = _Model(grouped=False)
+    get_forward_backward_func()(
+        forward_step_func=_forward_step,
+        data_iterator=iter(_microbatches(0)),
+        model=model,
+        num_microbatches=MICROBATCHES,
+        seq_length=sum(COUNTS),
+        micro_batch_size=1,
+        forward_only=forward_only,
+        first_val_step=first_val_step,
+    )
+    set_once = first_val_step or not forward_only
+    assert model.fc1.is_first_microbatch is (False if set_once else None)
