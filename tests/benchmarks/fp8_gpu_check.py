@@ -218,7 +218,11 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     check_linear()
     check_fused_casts()
-    check_cached_compiled()
+    try:
+        check_cached_compiled()
+    except Exception:  # noqa: BLE001 - reported, the curves still run
+        traceback.print_exc()
+        print("# FP8 weight cache: FAILED (above)", flush=True)
     losses = curves(args.iters)
     if args.json:
         with open(args.json, "w") as handle:
