@@ -10,7 +10,10 @@ else in the input's precision from the saved high-precision X); dL/db = sum of G
 precision. The communication of dL/dX is that of the high-precision linear
 (``tensor_parallel.layers``). Data parallelism splits no tensor of one GEMM (each replica
 runs whole microbatches) and the weight is cast from the full model parameter after the
-distributed optimizer's all-gather, so neither needs a reduction.
+distributed optimizer's all-gather, so neither needs a reduction. A module that caches
+(``fp8.cache``, ``is_first_microbatch`` not None) passes W's FP8 operands kept from the
+step's first microbatch (``fp8_weight_operands``): then only X's amax is taken and reduced,
+and the backward uses the kept FP8 W^T.
 """
 
 import dataclasses
