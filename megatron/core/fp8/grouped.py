@@ -80,7 +80,9 @@ def expert_weight_operands(weights: Sequence[torch.Tensor], experts: Fp8Experts)
     n = len(weights)
     fwd, _ = scaling.fp8_dtypes(experts.fmt)
     amax = experts.global_amax(_amaxes(weights).reshape(1, n)).reshape(n)
-    q_w, w_t, scales = scaling.operands(weights, amax, fwd, experts.margin, tuple(range(n)))
+    q_w, w_t, scales = scaling.operands(
+        weights, amax, fwd, experts.margin, tuple(range(n)), experts=True
+    )
     return tuple(q_w), tuple(w_t), scales
 
 
@@ -97,11 +99,13 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         if kept:  # the weights' operands kept by the module: X's amaxes alone
             q_w, w_t, s_w = kept[:n], kept[n : 2 * n], kept[2 * n]
             amax = experts.global_amax(_amaxes(xs).reshape(1, n)).reshape(n)
-            q_x, _, s_x = scaling.operands(xs, amax, fwd, experts.margin)
+            q_x, _, s_x = scaling.operands(xs, amax, fwd, experts.margin, experts=True)
         else:  # X's and W's amaxes in one collective
             amax = torch.cat([_amaxes(xs), _amaxes(weights)]).reshape(2, n)
             amax = experts.global_amax(amax).reshape(2 * n)
-            casts, _, scales = scaling.operands((*xs, *weights), amax, fwd, experts.margin)
+            casts, _, scales = scaling.operands(
+                (*xs, *weights), amax, fwd, experts.margin, experts=True
+            )
             q_x, q_w, w_t, (s_x, s_w) = casts[:n], casts[n:], (), scales.reshape(2, n)
         outs = [_mm(a, b.t(), sa, sb, x.dtype) for a, b, sa, sb in zip(q_x, q_w, s_x, s_w)]
         saved_x = q_x if experts.wgrad else xs  # the FP8 or the high-precision X, not both
@@ -129,6 +133,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
             experts.margin,
             transposed_too=tuple(range(n)) if experts.wgrad else (),
             fp8_to_transpose=to_transpose,
+            experts=True,
         )
         rest = iter(transposes)  # G_i^T (wgrad), W_i^T (not kept), X_i^T (wgrad)
         g_t = [next(rest) for _ in range(n)] if experts.wgrad else None
