@@ -79,10 +79,12 @@ def check_fused_casts() -> None:
                 ref = scaling._cast(t, scaling.scale_from_amax(amax, fp8, 0), fp8)
                 amaxes = torch.stack([amax / 4, amax * 3, torch.zeros_like(amax)])  # 1st clamps
                 other = t[:7, :5].contiguous()
-                got = scaling.operands((t, t * 2, other), amaxes, fp8, 1, (0, 2), (ref,))
-                want = scaling._operands((t, t * 2, other), amaxes, fp8, 1, (0, 2), (ref,))
-                for a, b in zip([*got[0], *got[1], got[2]], [*want[0], *want[1], want[2]]):
-                    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), "operands differ"
+                args = ((t, t * 2, other), amaxes, fp8, 1, (0, 2), (ref,))
+                want = scaling._operands(*args)
+                for experts in (False, True):  # the dense linears' and the experts' graphs
+                    got = scaling.operands(*args, experts=experts)
+                    for a, b in zip([*got[0], *got[1], got[2]], [*want[0], *want[1], want[2]]):
+                        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), "differ"
     zero = torch.zeros(64, 64, device="cuda", dtype=torch.bfloat16)
     assert float(scaling.local_amax(zero)) == 0.0
     print("# compiled FP8 casts: bitwise the eager ones", flush=True)
