@@ -13,7 +13,7 @@ rowwise scales only on CUDA, so each expert is one ``torch._scaled_mm``.
 """
 
 from dataclasses import dataclass
-from typing import Any, List, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -56,11 +56,34 @@ class Fp8Experts:
 
 
 def fp8_grouped_linear(
-    x: torch.Tensor, sizes: Sequence[int], weights: List[torch.Tensor], experts: Fp8Experts
+    x: torch.Tensor,
+    sizes: Sequence[int],
+    weights: List[torch.Tensor],
+    experts: Fp8Experts,
+    weight_operands: Optional[Tuple] = None,
 ) -> torch.Tensor:
     """[sum(sizes), in] rows grouped by local expert -> [sum(sizes), out], expert i's rows
-    times W_i^T (``weights[i]`` [out, in]) in FP8."""
-    return Fp8GroupedLinearFunction.apply(x, tuple(int(n) for n in sizes), experts, *weights)
+    times W_i^T (``weights[i]`` [out, in]) in FP8; ``weight_operands``: the weights' kept
+    (FP8 W_i, FP8 W_i^T, scales) (``expert_weight_operands``; None: cast here)."""
+    kept = (
+        ()
+        if weight_operands is None
+        else (*weight_operands[0], *weight_operands[1], weight_operands[2])
+    )
+    sizes = tuple(int(n) for n in sizes)
+    return Fp8GroupedLinearFunction.apply(x, sizes, experts, len(weights), *weights, *kept)
+
+
+def expert_weight_operands(weights: Sequence[torch.Tensor], experts: Fp8Experts) -> Tuple:
+    """(FP8 W_i, FP8 W_i^T, the [E_local] scales) of the local experts' ``weights``, amaxes
+    MAX-reduced over ``experts.group`` (what the forward would compute)."""
+    n = len(weights)
+    fwd, _ = scaling.fp8_dtypes(experts.fmt)
+    amax = experts.global_amax(_amaxes(weights).reshape(1, n)).reshape(n)
+    q_w, w_t, scales = scaling.operands(
+        weights, amax, fwd, experts.margin, tuple(range(n)), experts=True
+    )
+    return tuple(q_w), tuple(w_t), scales
 
 
 class Fp8GroupedLinearFunction(torch.autograd.Function):
@@ -68,50 +91,70 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
     gradients in e5m2 for "hybrid", ``wgrad`` False: dL/dW_i in high precision)."""
 
     @staticmethod
-    def forward(ctx, x, sizes, experts, *weights):
+    def forward(ctx, x, sizes, experts, n, *weights_and_kept):
         """y_i = (x_i,q / s_x,i) (W_i,q / s_w,i)^T."""
         fwd, _ = scaling.fp8_dtypes(experts.fmt)
+        weights, kept = weights_and_kept[:n], weights_and_kept[n:]
         xs = torch.split(x, sizes)
-        amax = torch.stack(
-            [
-                torch.stack([scaling.local_amax(t) for t in xs]),
-                torch.stack([scaling.local_amax(w) for w in weights]),
-            ]
-        )
-        scales = scaling.scale_from_amax(experts.global_amax(amax), fwd, experts.margin)
-        q_x = [scaling.quantize(t, s, fwd) for t, s in zip(xs, scales[0])]
-        q_w = [scaling.quantize(w, s, fwd) for w, s in zip(weights, scales[1])]
-        outs = [
-            _mm(a, b.t(), sa, sb, x.dtype) for a, b, sa, sb in zip(q_x, q_w, scales[0], scales[1])
-        ]
+        if kept:  # the weights' operands kept by the module: X's amaxes alone
+            q_w, w_t, s_w = kept[:n], kept[n : 2 * n], kept[2 * n]
+            amax = experts.global_amax(_amaxes(xs).reshape(1, n)).reshape(n)
+            q_x, _, s_x = scaling.operands(xs, amax, fwd, experts.margin, experts=True)
+        else:  # X's and W's amaxes in one collective
+            amax = torch.cat([_amaxes(xs), _amaxes(weights)]).reshape(2, n)
+            amax = experts.global_amax(amax).reshape(2 * n)
+            casts, _, scales = scaling.operands(
+                (*xs, *weights), amax, fwd, experts.margin, experts=True
+            )
+            q_x, q_w, w_t, (s_x, s_w) = casts[:n], casts[n:], (), scales.reshape(2, n)
+        outs = [_mm(a, b.t(), sa, sb, x.dtype) for a, b, sa, sb in zip(q_x, q_w, s_x, s_w)]
         saved_x = q_x if experts.wgrad else xs  # the FP8 or the high-precision X, not both
-        ctx.save_for_backward(scales, *saved_x, *q_w)
+        ctx.save_for_backward(s_x, s_w, *saved_x, *(w_t or q_w))
         ctx.sizes, ctx.experts, ctx.dtypes = sizes, experts, (x.dtype, weights[0].dtype)
+        ctx.kept_transposes = bool(w_t)
         return torch.cat(outs) if outs else x.new_zeros(0, 0)
 
     @staticmethod
     def backward(ctx, grad_output):
         """dL/dx_i = G_i W_i, dL/dW_i = G_i^T x_i."""
         experts, n = ctx.experts, len(ctx.sizes)
-        scales, *saved = ctx.saved_tensors
-        saved_x, q_w = saved[:n], saved[n:]  # the FP8 X with ``wgrad``, else the high one
+        s_x, s_w, *saved = ctx.saved_tensors
+        saved_x, saved_w = saved[:n], saved[n:]  # X: FP8 with ``wgrad``; W^T if kept, else W
         _, grad_dtype = scaling.fp8_dtypes(experts.fmt)
         gs = torch.split(grad_output, ctx.sizes)
-        amax = torch.stack([scaling.local_amax(g) for g in gs]).reshape(1, n)
-        s_g = scaling.scale_from_amax(experts.global_amax(amax), grad_dtype, experts.margin)[0]
-        q_g = [scaling.quantize(g, s, grad_dtype) for g, s in zip(gs, s_g)]
+        amax = experts.global_amax(_amaxes(gs).reshape(1, n)).reshape(n)
+        to_transpose = ([] if ctx.kept_transposes else list(saved_w)) + (
+            list(saved_x) if experts.wgrad else []
+        )
+        q_g, transposes, s_g = scaling.operands(
+            gs,
+            amax,
+            grad_dtype,
+            experts.margin,
+            transposed_too=tuple(range(n)) if experts.wgrad else (),
+            fp8_to_transpose=to_transpose,
+            experts=True,
+        )
+        rest = iter(transposes)  # G_i^T (wgrad), W_i^T (not kept), X_i^T (wgrad)
+        g_t = [next(rest) for _ in range(n)] if experts.wgrad else None
+        w_t = saved_w if ctx.kept_transposes else [next(rest) for _ in range(n)]
         x_dtype, w_dtype = ctx.dtypes
         grad_x = torch.cat(
-            [_mm(g, _cols(w), sg, sw, x_dtype) for g, w, sg, sw in zip(q_g, q_w, s_g, scales[1])]
+            [_mm(g, wt.t(), sg, sw, x_dtype) for g, wt, sg, sw in zip(q_g, w_t, s_g, s_w)]
         )
         if experts.wgrad:
+            x_t = [next(rest) for _ in range(n)]
             grad_w = [
-                _mm(_cols(g).t(), _cols(xq), sg, sx, w_dtype)
-                for g, xq, sg, sx in zip(q_g, saved_x, s_g, scales[0])
+                _mm(gt, xt.t(), sg, sx, w_dtype) for gt, xt, sg, sx in zip(g_t, x_t, s_g, s_x)
             ]
         else:
             grad_w = [g.t().matmul(xh).to(w_dtype) for g, xh in zip(gs, saved_x)]
-        return (grad_x, None, None, *grad_w)
+        return (grad_x, None, None, None, *grad_w, *([None] * (len(ctx.needs_input_grad) - 4 - n)))
+
+
+def _amaxes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The local amax of each tensor, a float32 vector."""
+    return torch.stack([scaling.local_amax(t) for t in tensors])
 
 
 def _mm(a, b, a_scale, b_scale, out_dtype) -> torch.Tensor:
@@ -119,8 +162,3 @@ def _mm(a, b, a_scale, b_scale, out_dtype) -> torch.Tensor:
     if a.shape[0] == 0 or a.shape[1] == 0:
         return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
     return scaling.scaled_mm(a, b, a_scale, b_scale, out_dtype)
-
-
-def _cols(q: torch.Tensor) -> torch.Tensor:
-    """A 2-D FP8 tensor as the column-major operand ``scaled_mm`` takes without a copy."""
-    return scaling.transposed(q).t() if q.numel() else q

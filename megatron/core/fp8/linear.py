@@ -10,7 +10,10 @@ else in the input's precision from the saved high-precision X); dL/db = sum of G
 precision. The communication of dL/dX is that of the high-precision linear
 (``tensor_parallel.layers``). Data parallelism splits no tensor of one GEMM (each replica
 runs whole microbatches) and the weight is cast from the full model parameter after the
-distributed optimizer's all-gather, so neither needs a reduction.
+distributed optimizer's all-gather, so neither needs a reduction. A module that caches
+(``fp8.cache``, ``is_first_microbatch`` not None) passes W's FP8 operands kept from the
+step's first microbatch (``fp8_weight_operands``): then only X's amax is taken and reduced,
+and the backward uses the kept FP8 W^T.
 """
 
 import dataclasses
@@ -25,6 +28,7 @@ from megatron.core.communication import (
     start_reduce_scatter_along_first_dim,
 )
 from megatron.core.fp8 import scaling
+from megatron.core.fp8.cache import cached_operands
 from megatron.core.process_groups_config import resolve_group
 
 
@@ -59,49 +63,76 @@ def fp8_linear(
     flags: Tuple[bool, bool, bool],
     tp_group: Any,
     gemm: Fp8Gemm,
+    weight_operands: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """``linear_with_grad_accumulation_and_async_allreduce`` with FP8 GEMMs (module
     docstring): ``flags`` (gradient_accumulation_fusion, allreduce_dgrad,
     sequence_parallel) as the high-precision linear runs them (``tensor_parallel.layers.
     _linear_flags``: none of the communication on a group of one rank, the fusion only where
-    ``weight.main_grad`` is to be written), ``tp_group`` resolved. Traced by ``torch.compile``
-    (the trainer's ``--compile``), the backward returns the weight gradient for DDP's hook to
-    add into ``main_grad``, as without ``gradient_accumulation_fusion``: a traced
-    autograd.Function may not write a tensor from outside its graph."""
+    ``weight.main_grad`` is to be written), ``tp_group`` resolved; ``weight_operands``: the
+    weight's kept (FP8 W, FP8 W^T, scale) (``fp8_weight_operands``; None: cast here). Traced by
+    ``torch.compile`` (the trainer's ``--compile``), the backward returns the weight gradient
+    for DDP's hook to add into ``main_grad``, as without ``gradient_accumulation_fusion``: a
+    traced autograd.Function may not write a tensor from outside its graph."""
     if flags[0] and torch.compiler.is_compiling():
         flags = (False, *flags[1:])
-    return Fp8LinearFunction.apply(input, weight, bias, flags, tp_group, gemm)
+    q_w, w_t, s_w = weight_operands if weight_operands is not None else (None, None, None)
+    return Fp8LinearFunction.apply(input, weight, bias, flags, tp_group, gemm, q_w, w_t, s_w)
+
+
+def fp8_weight_operands(
+    module: torch.nn.Module, weight: torch.Tensor, tp_group: Any, gemm: Fp8Gemm
+) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``module``'s kept (FP8 W, FP8 W^T, scale) of its own ``weight`` (``fp8.cache``): None
+    when it does not cache or ``weight`` is another tensor. The amax is MAX-reduced over TP
+    alone (CP holds the same weight: its MAX changes nothing)."""
+    if weight is not getattr(module, "weight", None):
+        return None
+
+    def fill():
+        amax = scaling.reduce_amax(scaling.local_amax(weight).reshape(1), (tp_group,))
+        dtype, _ = scaling.fp8_dtypes(gemm.fmt)
+        (q_w,), (w_t,), scale = scaling.operands((weight,), amax, dtype, gemm.margin, (0,))
+        return q_w, w_t, scale[0]
+
+    return cached_operands(module, (weight,), fill)
 
 
 class Fp8LinearFunction(torch.autograd.Function):
     """Autograd of ``fp8_linear`` (module docstring)."""
 
     @staticmethod
-    def forward(ctx, input, weight, bias, flags, tp_group, gemm):
-        """Y = (X_q / s_x) (W_q / s_w)^T + b."""
+    def forward(ctx, input, weight, bias, flags, tp_group, gemm, q_w, w_t, s_w):
+        """Y = (X_q / s_x) (W_q / s_w)^T + b (W's operands given, or cast here with X's)."""
         fusion, allreduce_dgrad, sequence_parallel = flags
         total = all_gather_along_first_dim(input, tp_group) if sequence_parallel else input
         x2d = total.reshape(-1, total.shape[-1])
         groups = gemm.activation_groups(tp_group)
         fwd_dtype, _ = scaling.fp8_dtypes(gemm.fmt)
-        amax = torch.stack([scaling.local_amax(x2d), scaling.local_amax(weight)])
-        amax = scaling.reduce_amax(amax, groups)
-        (q_x, q_w), _, scales = scaling.operands((x2d, weight), amax, fwd_dtype, gemm.margin)
-        s_x, s_w = scales.unbind()
+        if q_w is None:
+            amax = torch.stack([scaling.local_amax(x2d), scaling.local_amax(weight)])
+            amax = scaling.reduce_amax(amax, groups)
+            (q_x, q_w), _, scales = scaling.operands((x2d, weight), amax, fwd_dtype, gemm.margin)
+            s_x, s_w = scales.unbind()
+        else:
+            amax = scaling.reduce_amax(scaling.local_amax(x2d).reshape(1), groups)
+            (q_x,), _, scales = scaling.operands((x2d,), amax, fwd_dtype, gemm.margin)
+            s_x = scales[0]
         out = scaling.scaled_mm(q_x, q_w.t(), s_x, s_w, input.dtype, fast_accum=True)
         if bias is not None:
             out = out + bias
         high_x = None if gemm.wgrad or not ctx.needs_input_grad[1] else x2d
         fp8_wgrad = gemm.wgrad and ctx.needs_input_grad[1]  # else the FP8 X is not needed
-        ctx.save_for_backward(q_x if fp8_wgrad else None, q_w, s_x, s_w, high_x, weight)
+        saved_w = (None, w_t) if w_t is not None else (q_w, None)  # W^T or W to transpose
+        ctx.save_for_backward(q_x if fp8_wgrad else None, *saved_w, s_x, s_w, high_x, weight)
         ctx.flags, ctx.tp_group, ctx.gemm, ctx.has_bias = flags, tp_group, gemm, bias is not None
-        ctx.input_dtype = input.dtype
+        ctx.input_dtype, ctx.in_features = input.dtype, weight.shape[1]
         return out.view(*total.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_output):
         """dL/dX, dL/dW, dL/db (module docstring)."""
-        q_x, q_w, s_x, s_w, high_x, weight = ctx.saved_tensors
+        q_x, q_w, w_t, s_x, s_w, high_x, weight = ctx.saved_tensors
         fusion, allreduce_dgrad, sequence_parallel = ctx.flags
         gemm, group = ctx.gemm, ctx.tp_group
         _, grad_dtype = scaling.fp8_dtypes(gemm.fmt)
@@ -116,13 +147,15 @@ class Fp8LinearFunction(torch.autograd.Function):
             grad_dtype,
             gemm.margin,
             transposed_too=(0,) if fp8_wgrad else (),
-            fp8_to_transpose=(q_w, q_x) if fp8_wgrad else (q_w,),
+            fp8_to_transpose=[t for t in (q_w, q_x if fp8_wgrad else None) if t is not None],
         )
         s_g = s_g[0]
-        q_g_t, w_t, x_t = transposes if fp8_wgrad else (None, transposes[0], None)
-        w_cols = w_t.t()  # W as the column-major operand
-        grad_input = scaling.scaled_mm(q_g, w_cols, s_g, s_w, ctx.input_dtype)
-        grad_input = grad_input.view(*grad_output.shape[:-1], q_w.shape[1])
+        rest = iter(transposes)  # G^T (fp8_wgrad), W^T (not kept), X^T (fp8_wgrad)
+        q_g_t = next(rest) if fp8_wgrad else None
+        w_t = next(rest) if w_t is None else w_t
+        x_t = next(rest) if fp8_wgrad else None
+        grad_input = scaling.scaled_mm(q_g, w_t.t(), s_g, s_w, ctx.input_dtype)
+        grad_input = grad_input.view(*grad_output.shape[:-1], ctx.in_features)
         pending = None
         if allreduce_dgrad:
             pending = start_all_reduce(grad_input, group, overwrite_input=True)
@@ -135,7 +168,7 @@ class Fp8LinearFunction(torch.autograd.Function):
             grad_bias = g2d.sum(dim=0)
         if pending is not None:
             grad_input = pending.wait()
-        return grad_input, grad_weight, grad_bias, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def _weight_grad(q_g_t, s_g, g2d, x_t, s_x, high_x, weight, fusion) -> torch.Tensor:

@@ -82,17 +82,20 @@ def operands(
     margin: int,
     transposed_too: Sequence[int] = (),
     fp8_to_transpose: Sequence[torch.Tensor] = (),
+    experts: bool = False,
 ) -> Tuple[List[torch.Tensor], List[torch.Tensor], torch.Tensor]:
     """The FP8 GEMM operands of one autograd step, in one call (one compiled graph on CUDA,
     so that a linear pays the Python cost of one call, not of ten small kernels): the scales
     ``scale_from_amax(amax)`` (``amax`` the global amaxes, one per tensor), ``tensors`` cast
     with them, the transposed FP8 copies of ``tensors[i]`` for i in ``transposed_too`` and of
-    the FP8 tensors ``fp8_to_transpose``. Returns (casts, transposes, scales)."""
+    the FP8 tensors ``fp8_to_transpose``. Returns (casts, transposes, scales). ``experts``:
+    compiled as a second function (dynamo keeps one cache per function: the experts' lists,
+    one tensor per expert with token counts that change, then do not take the dense linears'
+    entries up to the recompile limit)."""
+    args = (tensors, amax, dtype, margin, tuple(transposed_too), fp8_to_transpose)
     if tensors and _compiled_here(tensors[0]):
-        return _fused_operands(
-            tensors, amax, dtype, margin, tuple(transposed_too), fp8_to_transpose
-        )
-    return _operands(tensors, amax, dtype, margin, tuple(transposed_too), fp8_to_transpose)
+        return (_fused_expert_operands if experts else _fused_operands)(*args)
+    return _operands(*args)
 
 
 def _operands(tensors, amax, dtype, margin, transposed_too, fp8_to_transpose):
@@ -103,17 +106,12 @@ def _operands(tensors, amax, dtype, margin, transposed_too, fp8_to_transpose):
     return casts, transposes, scales
 
 
+def _expert_operands(*args):
+    return _operands(*args)
+
+
 _fused_operands = jit_fuser(_operands)
-
-
-def quantize(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """cast_fp8(clamp(tensor * scale)) (computed in float32, round to nearest even)."""
-    return (_fused_cast if _compiled_here(tensor) else _cast)(tensor.detach(), scale, dtype)
-
-
-def transposed(q: torch.Tensor) -> torch.Tensor:
-    """``q.t().contiguous()`` of a 2-D FP8 tensor (compiled on CUDA: a tiled transpose)."""
-    return _fused_transpose(q) if _compiled_here(q) else q.t().contiguous()
+_fused_expert_operands = jit_fuser(_expert_operands)
 
 
 def _compiled_here(tensor: torch.Tensor) -> bool:
@@ -124,14 +122,6 @@ def _compiled_here(tensor: torch.Tensor) -> bool:
 def _cast(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     bound = torch.finfo(dtype).max
     return (tensor.float() * scale).clamp(-bound, bound).to(dtype)
-
-
-def _transpose(q: torch.Tensor) -> torch.Tensor:
-    return q.t().contiguous()
-
-
-_fused_cast = jit_fuser(_cast)
-_fused_transpose = jit_fuser(_transpose)
 
 
 def scaled_mm(

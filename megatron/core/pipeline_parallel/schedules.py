@@ -112,6 +112,7 @@ def _schedule(pipelined: bool, interleaved: bool = False):
                 micro_batch_size=micro_batch_size,
                 adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
             )
+            run.first_val_step = first_val_step
             if not interleaved and len(run.models) != 1:
                 raise ScheduleArgumentError(
                     f"{loop.__name__}: model must be one module (or a list of one), got a list "
@@ -429,6 +430,8 @@ def forward_step(
         config.timers("forward-compute", log_level=2).start()
     if getattr(config, "num_moe_experts", None) or getattr(config, "mtp_num_layers", None):
         set_router_loss_scale(config, _loss_cp_group(cp_group, cp_group_size), num_microbatches)
+    if is_first_microbatch:
+        _set_is_first_microbatch(model)
     unwrap = not isinstance(input_tensor, list)
     get_attr_wrapped_model(model, "set_input_tensor")(
         input_tensor if not unwrap else [input_tensor]
@@ -463,6 +466,23 @@ def forward_step(
     if config.timers is not None:
         config.timers("forward-compute").stop()
     return (output_tensor, num_tokens) if unwrap else ([output_tensor], num_tokens)
+
+
+def check_first_val_step(first_val_step: Optional[bool], forward_only: bool, cond: bool) -> bool:
+    """``is_first_microbatch`` of a microbatch (``cond``: the first of its chunk): in a
+    forward-only run with ``first_val_step`` given, ``first_val_step and cond``."""
+    if first_val_step is not None and forward_only:
+        return first_val_step and cond
+    return cond
+
+
+def _set_is_first_microbatch(model) -> None:
+    """megatron-core's ``model.set_is_first_microbatch()``, through wrappers without it
+    (DDP); nothing for a model without it."""
+    while not hasattr(model, "set_is_first_microbatch") and hasattr(model, "module"):
+        model = model.module
+    if hasattr(model, "set_is_first_microbatch"):
+        model.set_is_first_microbatch()
 
 
 def forward_step_calc_loss(
@@ -739,6 +759,7 @@ class _Run:
         self.num_tokens = torch.zeros((), dtype=torch.float64, device=comm_device())
         self.count_checks = DeferredCountChecks()
         self._microbatches_run = [0] * len(self.models)
+        self.first_val_step: Optional[bool] = None
         if self.config.timers is not None:
             self.config.timers("forward-backward", log_level=1).start()
 
@@ -774,7 +795,9 @@ class _Run:
                 self.config,
                 self.cp_size,
                 self.collect_non_loss_data,
-                is_first_microbatch=self._microbatches_run[chunk] == 0,
+                is_first_microbatch=check_first_val_step(
+                    self.first_val_step, self.forward_only, self._microbatches_run[chunk] == 0
+                ),
                 current_microbatch=microbatch,
                 vp_stage=vp_stage,
                 is_last_stage=is_last_stage,

@@ -41,7 +41,8 @@ from megatron.core.communication import (
     start_reduce_scatter_along_first_dim,
 )
 from megatron.core.device import comm_device
-from megatron.core.fp8.linear import Fp8Gemm, fp8_linear
+from megatron.core.fp8.cache import init_weight_cache
+from megatron.core.fp8.linear import Fp8Gemm, fp8_linear, fp8_weight_operands
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.process_groups_config import get_pg_rank, get_pg_size, resolve_group
 from megatron.core.tensor_parallel.grad_accumulation_fusion import (
@@ -271,6 +272,8 @@ class _ParallelLinear(torch.nn.Module):
         # FP8 GEMMs with ``config.fp8`` (``megatron.core.fp8``); None keeps this layer in
         # high precision (the output layer, LoRA adapters)
         self.fp8_gemm: Optional[Fp8Gemm] = Fp8Gemm.from_config(config)
+        if self.fp8_gemm is not None:
+            init_weight_cache(self)  # the FP8 weight kept across microbatches (fp8.cache)
         _register_extra_state_default(self)
 
     def _new_weight(
@@ -314,7 +317,9 @@ class _ParallelLinear(torch.nn.Module):
                 sequence_parallel,
                 self.tp_group,
             )
-            return fp8_linear(input_, weight, bias, flags, self.tp_group, self.fp8_gemm)
+            gemm, group = self.fp8_gemm, self.tp_group
+            kept = fp8_weight_operands(self, weight, group, gemm)
+            return fp8_linear(input_, weight, bias, flags, group, gemm, kept)
         return linear_with_grad_accumulation_and_async_allreduce(
             input_,
             weight,

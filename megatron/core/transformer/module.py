@@ -36,6 +36,16 @@ class MegatronModule(torch.nn.Module):
         """The module's ``state_dict`` (megatron-core's name for it)."""
         return self.state_dict(prefix=prefix, keep_vars=keep_vars)
 
+    def set_is_first_microbatch(self) -> None:
+        """With ``config.fp8``: ``is_first_microbatch = True`` on every submodule that has it
+        (the FP8 layers then cast their weights again and keep them for the step's other
+        microbatches, ``megatron.core.fp8.cache``)."""
+        if getattr(self.config, "fp8", None) is None:
+            return
+        for module in self.modules():
+            if hasattr(module, "is_first_microbatch"):
+                module.is_first_microbatch = True
+
 
 def param_is_not_shared(param: torch.nn.Parameter) -> bool:
     """False for the last stage's copy of tied word embeddings (``param.shared = True``),

@@ -25,7 +25,8 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from megatron.core.fp8.grouped import Fp8Experts, fp8_grouped_linear
+from megatron.core.fp8.cache import cached_operands, init_weight_cache
+from megatron.core.fp8.grouped import Fp8Experts, expert_weight_operands, fp8_grouped_linear
 from megatron.core.fusions.fused_bias_geglu import gated_unit
 from megatron.core.process_groups_config import ProcessGroupCollection, get_pg_rank, get_pg_size
 from megatron.core.transformer.module import MegatronModule
@@ -111,6 +112,8 @@ class _LocalExperts(MegatronModule):
         self.tp_group, self.ep_group = self.groups.expt_tp, self.groups.ep
         # FP8 GEMMs with ``config.fp8`` (``megatron.core.fp8.grouped``), else None
         self.fp8_experts = Fp8Experts.from_config(config, self.groups.tp_cp, self.first_expert)
+        if self.fp8_experts is not None:
+            init_weight_cache(self)  # the FP8 weights kept across microbatches (fp8.cache)
         if config.add_bias_linear and self.fp8_experts is not None:
             raise NotImplementedError(
                 f"add_bias_linear=True with fp8={config.fp8!r}: the FP8 expert GEMMs have no "
@@ -363,10 +366,16 @@ def _mark_fc2_bias(bias: Optional[torch.Tensor], adds: bool) -> None:
 
 
 def _fp8_experts(experts: _LocalExperts, x, sizes, probs, weights) -> Tuple[torch.Tensor, None]:
-    """Both projections of every local expert in FP8; ``weights``: (W1_i, W2_i) [out, in]."""
-    hidden = fp8_grouped_linear(x, sizes, [w for w, _ in weights], experts.fp8_experts)
-    hidden = _activate(experts.config, hidden, probs)
-    return fp8_grouped_linear(hidden, sizes, [w for _, w in weights], experts.fp8_experts), None
+    """Both projections of every local expert in FP8; ``weights``: (W1_i, W2_i) [out, in]
+    (their FP8 operands kept across microbatches, ``fp8.cache``)."""
+    fc1, fc2, fp8 = [w for w, _ in weights], [w for _, w in weights], experts.fp8_experts
+
+    def fill():
+        return expert_weight_operands(fc1, fp8), expert_weight_operands(fc2, fp8)
+
+    kept1, kept2 = cached_operands(experts, fc1 + fc2, fill) or (None, None)
+    hidden = _activate(experts.config, fp8_grouped_linear(x, sizes, fc1, fp8, kept1), probs)
+    return fp8_grouped_linear(hidden, sizes, fc2, fp8, kept2), None
 
 
 def _mark_expert(
