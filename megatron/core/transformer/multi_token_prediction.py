@@ -38,7 +38,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.parallel_groups import cp_group_of, pp_rank_of, tp_group_of
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
-from megatron.core.transformer.transformer_block import build_layers
+from megatron.core.transformer.transformer_block import build_layers, full_recompute_spans
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.utils import get_pg_rank, get_pg_size, shard_per_token_tensor
@@ -380,15 +380,16 @@ class MultiTokenPredictionLayer(MegatronModule):
         return self._depth(hidden_states, embedded, layer_kwargs), input_ids, position_ids
 
     def _depth(self, hidden_states: Tensor, embedded: Tensor, layer_kwargs: dict) -> Tensor:
-        """h_k from h_{k-1} and the embeddings of the tokens k ahead (full recomputation:
-        one checkpoint)."""
-        if self.config.recompute_granularity == "full" and self.training:
-            if torch.is_grad_enabled():
+        """h_k from h_{k-1} and the embeddings of the tokens k ahead; under full
+        recomputation the depth is one layer of ``full_recompute_spans`` (one checkpoint
+        with either method, as the decoder's first layer)."""
+        ((_, _, checkpointed),) = full_recompute_spans(self.config, self.training, 1)
+        if checkpointed:
 
-                def run(hidden: Tensor, decoder_input: Tensor) -> Tensor:
-                    return self._project_and_run(hidden, decoder_input, layer_kwargs)
+            def run(hidden: Tensor, decoder_input: Tensor) -> Tensor:
+                return self._project_and_run(hidden, decoder_input, layer_kwargs)
 
-                return tensor_parallel.checkpoint(run, False, hidden_states, embedded)
+            return tensor_parallel.checkpoint(run, False, hidden_states, embedded)
         return self._project_and_run(hidden_states, embedded, layer_kwargs)
 
     def _project_and_run(self, hidden: Tensor, embedded: Tensor, layer_kwargs: dict) -> Tensor:
