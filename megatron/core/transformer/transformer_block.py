@@ -3,7 +3,7 @@ stage, built from a layer spec."""
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -176,7 +176,7 @@ class TransformerBlock(MegatronModule):
 
     def _layers_run(
         self, start: int, end: int, context: Optional[torch.Tensor], layer_kwargs: dict
-    ):
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
         """A function running layers [start, end) on the hidden states (one checkpoint's
         body under full recomputation)."""
 
