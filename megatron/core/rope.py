@@ -41,9 +41,11 @@ class RotaryEmbedding(torch.nn.Module):
     """RoPE angles (megatron-core 0.16.1's constructor). ``rope_scaling``: Llama 3.x frequency
     scaling by ``rope_scaling_factor`` (``llama3_scaled_inv_freq``). ``mscale``: a cos/sin
     scale (YaRN's), None for none; with one, ``forward`` returns (angles, mscale), as
-    megatron-core's ``YarnRotaryEmbedding`` does."""
+    megatron-core's ``YarnRotaryEmbedding`` does. ``cached_angles``: the last length's angles
+    kept on the activations' device (GPTModel's and ``MLASelfAttention``'s)."""
 
     mscale: Optional[float] = None
+    _angles_cache: Optional[tuple] = None  # (key, (angles on the device, cos/sin scale))
 
     def __init__(
         self,
@@ -94,6 +96,29 @@ class RotaryEmbedding(torch.nn.Module):
             emb = torch.cat((freqs, freqs), dim=-1)
         emb = emb[:, None, None, :]
         return emb if self.mscale is None else (emb, self.mscale)
+
+    def cached_angles(
+        self,
+        max_seq_len: int,
+        device: torch.device,
+        cp_group: Optional[dist.ProcessGroup] = None,
+    ) -> Tuple[Tensor, float]:
+        """(``forward``'s angles of this CP rank's positions on ``device``, cos/sin scale (1.0
+        without one)). The last call's are kept, keyed by length, CP size and rank and device:
+        built on the host and copied to the device once, not once per layer and microbatch.
+        After changing the frequencies or ``seq_len_interpolation_factor``: ``clear_cache``."""
+        cp_group = self.cp_group if cp_group is None else cp_group
+        key = (max_seq_len, get_pg_size(cp_group), get_pg_rank(cp_group), device)
+        cached = self._angles_cache
+        if cached is None or cached[0] != key:
+            angles = self(max_seq_len, cp_group=cp_group)
+            angles, mscale = angles if isinstance(angles, tuple) else (angles, 1.0)
+            self._angles_cache = cached = (key, (angles.to(device), mscale))
+        return cached[1]
+
+    def clear_cache(self) -> None:
+        """Forget the angles ``cached_angles`` kept."""
+        self._angles_cache = None
 
 
 class YarnRotaryEmbedding(RotaryEmbedding):

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.device import comm_device
-from megatron.core.process_groups_config import ProcessGroupCollection, get_pg_rank
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.rope import RotaryEmbedding, YarnRotaryEmbedding, rotate, yarn_get_mscale
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -216,16 +216,10 @@ class MLASelfAttention(MegatronModule):
 
     def _angles(self, seq_local: int, device: torch.device) -> Tuple[torch.Tensor, float]:
         """(angles [s_local, 1, 1, dim] of this CP rank's positions on ``device``, cos/sin
-        scale), the last length's kept, so the angles are copied to the device once."""
+        scale): the embedding's ``cached_angles`` (copied to the device once per length)."""
         cp_group = self._cp_group.get()
-        cp = get_pg_size(cp_group)
-        key = (seq_local, cp, get_pg_rank(cp_group), device)
-        cached = getattr(self, "_angles_cache", None)
-        if cached is None or cached[0] != key:
-            angles = self.rotary_pos_emb(seq_local * cp, cp_group=cp_group)
-            angles, mscale = angles if isinstance(angles, tuple) else (angles, 1.0)
-            self._angles_cache = cached = (key, (angles.to(device), mscale))
-        return cached[1]
+        length = seq_local * get_pg_size(cp_group)
+        return self.rotary_pos_emb.cached_angles(length, device, cp_group)
 
     @staticmethod
     def _rope(t: torch.Tensor, angles: torch.Tensor, mscale: float) -> torch.Tensor:

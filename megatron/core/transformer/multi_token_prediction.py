@@ -38,7 +38,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.parallel_groups import cp_group_of, pp_rank_of, tp_group_of
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
-from megatron.core.transformer.transformer_block import build_layers
+from megatron.core.transformer.transformer_block import build_layers, full_recompute_spans
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.utils import get_pg_rank, get_pg_size, shard_per_token_tensor
@@ -253,6 +253,28 @@ class SequenceRoll:
         return whole.t()
 
 
+# megatron-core's forward arguments the MTP layer and block refuse when not None, with
+# what is supported instead.
+UNSUPPORTED_FORWARD_ARGUMENTS = {
+    "context": "cross-attention is not implemented",
+    "context_mask": "cross-attention is not implemented",
+    "rotary_pos_cos": "the fused-rope cos/sin tables are not implemented; pass rotary_pos_emb",
+    "rotary_pos_sin": "the fused-rope cos/sin tables are not implemented; pass rotary_pos_emb",
+}
+
+
+def refuse_unsupported_arguments(owner: str, **arguments: Optional[Tensor]) -> None:
+    """Refuse, naming ``owner`` and the argument, a non-None value of an argument of
+    ``UNSUPPORTED_FORWARD_ARGUMENTS`` (SPEC section 8: never silently dropped)."""
+    for name, value in arguments.items():
+        if value is not None:
+            got = f"a tensor of shape {tuple(value.shape)}" if torch.is_tensor(value) else value
+            raise NotImplementedError(
+                f"{owner}: {name} is not supported ({UNSUPPORTED_FORWARD_ARGUMENTS[name]}); "
+                f"got {got!s}, expected None"
+            )
+
+
 class MultiTokenPredictionLayer(MegatronModule):
     """One MTP depth: ``enorm``, ``hnorm``, ``eh_proj`` (column-parallel 2h -> h, gathered
     over TP, then scattered over the sequence under SP), ``transformer_layer`` (global layer
@@ -302,7 +324,8 @@ class MultiTokenPredictionLayer(MegatronModule):
         # ``track_moe_metrics(mtp_num_layers=...)``).
         self.final_layernorm = build_module(submodules.layer_norm, **norm)
 
-    # megatron-core 0.16.1's signature (``context`` and the fused-rope arguments unused).
+    # megatron-core 0.16.1's signature; ``context``, ``context_mask``, ``rotary_pos_cos`` and
+    # ``rotary_pos_sin`` are refused unless None (``refuse_unsupported_arguments``).
     def forward(
         self,
         input_ids: Tensor,
@@ -328,8 +351,18 @@ class MultiTokenPredictionLayer(MegatronModule):
         ahead (``roll``: the shift in global order; built from ``packed_seq_params`` and
         this layer's CP group when None). ``padding_mask``: already this depth's, sharded
         like the hidden states (for a MoE ``transformer_layer``)."""
-        if context is not None:
-            raise NotImplementedError("MultiTokenPredictionLayer: context is not supported")
+        refuse_unsupported_arguments(
+            "MultiTokenPredictionLayer",
+            context=context,
+            context_mask=context_mask,
+            rotary_pos_cos=rotary_pos_cos,
+            rotary_pos_sin=rotary_pos_sin,
+        )
+        if not callable(embedding):
+            raise ValueError(
+                f"MultiTokenPredictionLayer: embedding={embedding!r}; expected the model's "
+                "embedding (called with input_ids and position_ids)"
+            )
         if roll is None:
             roll = SequenceRoll(input_ids.shape[-1], self.cp_group, packed_seq_params)
         input_ids, position_ids = roll(input_ids, 1), roll(position_ids, 1)
@@ -347,15 +380,16 @@ class MultiTokenPredictionLayer(MegatronModule):
         return self._depth(hidden_states, embedded, layer_kwargs), input_ids, position_ids
 
     def _depth(self, hidden_states: Tensor, embedded: Tensor, layer_kwargs: dict) -> Tensor:
-        """h_k from h_{k-1} and the embeddings of the tokens k ahead (full recomputation:
-        one checkpoint)."""
-        if self.config.recompute_granularity == "full" and self.training:
-            if torch.is_grad_enabled():
+        """h_k from h_{k-1} and the embeddings of the tokens k ahead; under full
+        recomputation the depth is one layer of ``full_recompute_spans`` (one checkpoint
+        with either method, as the decoder's first layer)."""
+        ((_, _, checkpointed),) = full_recompute_spans(self.config, self.training, 1)
+        if checkpointed:
 
-                def run(hidden: Tensor, decoder_input: Tensor) -> Tensor:
-                    return self._project_and_run(hidden, decoder_input, layer_kwargs)
+            def run(hidden: Tensor, decoder_input: Tensor) -> Tensor:
+                return self._project_and_run(hidden, decoder_input, layer_kwargs)
 
-                return tensor_parallel.checkpoint(run, False, hidden_states, embedded)
+            return tensor_parallel.checkpoint(run, False, hidden_states, embedded)
         return self._project_and_run(hidden_states, embedded, layer_kwargs)
 
     def _project_and_run(self, hidden: Tensor, embedded: Tensor, layer_kwargs: dict) -> Tensor:
@@ -410,7 +444,8 @@ class MultiTokenPredictionBlock(MegatronModule):
             )
         return sharded
 
-    # megatron-core 0.16.1's signature, passed on to every layer.
+    # megatron-core 0.16.1's signature, passed on to every layer (the arguments
+    # ``refuse_unsupported_arguments`` names refused unless None).
     def forward(
         self,
         input_ids: Tensor,
@@ -437,6 +472,13 @@ class MultiTokenPredictionBlock(MegatronModule):
         ``packed_seq_params`` and the layers' CP group) shifts the ids, positions and
         ``padding_mask`` ([b, s_local], True = padding; rolled-in positions are not padding,
         as megatron-core rolls it) in global order."""
+        refuse_unsupported_arguments(
+            "MultiTokenPredictionBlock",
+            context=context,
+            context_mask=context_mask,
+            rotary_pos_cos=rotary_pos_cos,
+            rotary_pos_sin=rotary_pos_sin,
+        )
         if roll is None:
             roll = SequenceRoll(input_ids.shape[-1], self.layers[0].cp_group, packed_seq_params)
         outputs = [hidden_states]

@@ -3,7 +3,7 @@ stage, built from a layer spec."""
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -49,6 +49,24 @@ def build_layers(
     )
 
 
+def full_recompute_spans(
+    config: TransformerConfig, training: bool, count: int
+) -> List[Tuple[int, int, bool]]:
+    """Layers [0, count) as runs (start, end, checkpointed) under ``recompute_granularity=
+    "full"`` in training with autograd on ("uniform": groups of ``recompute_num_layers``, one
+    checkpoint each; "block": the first ``recompute_num_layers`` one checkpoint each, the rest
+    one run); otherwise one run, not checkpointed. Used by ``TransformerBlock`` and by each
+    MTP depth (one layer)."""
+    full = config.recompute_granularity == "full" and training and torch.is_grad_enabled()
+    if not full or count == 0:
+        return [(0, count, False)]
+    step = config.recompute_num_layers
+    if config.recompute_method == "uniform":
+        return [(start, min(start + step, count), True) for start in range(0, count, step)]
+    spans = [(index, index + 1, True) for index in range(min(step, count))]
+    return spans + ([(step, count, False)] if step < count else [])
+
+
 class TransformerBlock(MegatronModule):
     """Layers [offset, offset + L / (PP * V)) of the model on [s, b, h]; ``final_layernorm``
     when ``post_process and post_layer_norm``. ``spec`` is a layer spec (repeated for every
@@ -58,10 +76,11 @@ class TransformerBlock(MegatronModule):
     ``pp_rank`` (an extra) is handed to the layers, overriding ``pg_collection.pp``.
 
     ``recompute_granularity="full"`` (training with autograd on): the layers run under
-    ``tensor_parallel.checkpoint`` -- "uniform": groups of ``recompute_num_layers`` layers,
-    one checkpoint each; "block": the first ``recompute_num_layers`` layers of this chunk,
-    one checkpoint per layer, the rest as usual. Only each checkpoint's input is kept; the
-    backward reruns it with the forward's RNG states (same dropout masks).
+    ``tensor_parallel.checkpoint`` in the runs of ``full_recompute_spans`` -- "uniform":
+    groups of ``recompute_num_layers`` layers, one checkpoint each; "block": the first
+    ``recompute_num_layers`` layers of this chunk, one checkpoint per layer, the rest as
+    usual. Only each checkpoint's input is kept; the backward reruns it with the forward's
+    RNG states (same dropout masks).
     """
 
     def __init__(
@@ -143,51 +162,31 @@ class TransformerBlock(MegatronModule):
             sequence_len_offset=sequence_len_offset,
             padding_mask=padding_mask,
         )
-        full_recompute = (
-            self.config.recompute_granularity == "full"
-            and self.training
-            and torch.is_grad_enabled()
-        )
+        spans = full_recompute_spans(self.config, self.training, len(self.layers))
         with rng:
-            if full_recompute:
-                hidden_states = self._checkpointed_forward(hidden_states, context, layer_kwargs)
-            else:
-                for layer in self.layers:
-                    hidden_states, context = layer(hidden_states, context=context, **layer_kwargs)
+            for start, end, checkpointed in spans:
+                run = self._layers_run(start, end, context, layer_kwargs)
+                if checkpointed:
+                    hidden_states = tensor_parallel.checkpoint(run, False, hidden_states)
+                else:
+                    hidden_states = run(hidden_states)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states
 
-    def _checkpointed_forward(
-        self, hidden_states: torch.Tensor, context: Optional[torch.Tensor], layer_kwargs: dict
-    ) -> torch.Tensor:
-        """The layers under full recomputation (see the class docstring)."""
+    def _layers_run(
+        self, start: int, end: int, context: Optional[torch.Tensor], layer_kwargs: dict
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A function running layers [start, end) on the hidden states (one checkpoint's
+        body under full recomputation)."""
 
-        def run(start: int, end: int):
-            def forward(hidden: torch.Tensor) -> torch.Tensor:
-                ctx = context
-                for layer in self.layers[start:end]:
-                    hidden, ctx = layer(hidden, context=ctx, **layer_kwargs)
-                return hidden
+        def forward(hidden: torch.Tensor) -> torch.Tensor:
+            ctx = context
+            for layer in self.layers[start:end]:
+                hidden, ctx = layer(hidden, context=ctx, **layer_kwargs)
+            return hidden
 
-            return forward
-
-        count = len(self.layers)
-        step = self.config.recompute_num_layers
-        if self.config.recompute_method == "uniform":
-            for start in range(0, count, step):
-                hidden_states = tensor_parallel.checkpoint(
-                    run(start, start + step), False, hidden_states
-                )
-        else:  # "block"
-            for index in range(count):
-                if index < step:
-                    hidden_states = tensor_parallel.checkpoint(
-                        run(index, index + 1), False, hidden_states
-                    )
-                else:
-                    hidden_states = run(index, index + 1)(hidden_states)
-        return hidden_states
+        return forward
 
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None

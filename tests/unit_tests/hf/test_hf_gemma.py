@@ -206,8 +206,8 @@ def test_the_local_rope_base_and_the_global_scaling_are_needed():
                 model.local_rotary_pos_emb = scaled
                 err = rel_error(model(ids, positions), ref_logits)
                 assert err > 1e-3, f"the local RoPE base went unnoticed ({err:.2e})"
-                del model.local_rotary_pos_emb, model._local_rotary_pos_emb_cache
-                model._rotary_pos_emb_cache = None
+                del model.local_rotary_pos_emb
+                scaled.clear_cache()  # the angles cached with the scaling
                 scaled.seq_len_interpolation_factor = None
                 err = rel_error(model(ids, positions), ref_logits)
             assert err > 1e-3, f"the global layers' RoPE scaling went unnoticed ({err:.2e})"

@@ -196,6 +196,61 @@ def test_recompute_settings_checked(overrides, error, match):
 
 
 @pytest.mark.world(1)
+@pytest.mark.parametrize(
+    "method, step, count, spans",
+    [
+        ("uniform", 1, 3, [(0, 1, True), (1, 2, True), (2, 3, True)]),
+        ("uniform", 3, 4, [(0, 3, True), (3, 4, True)]),
+        ("uniform", 2, 1, [(0, 1, True)]),
+        ("block", 2, 4, [(0, 1, True), (1, 2, True), (2, 4, False)]),
+        ("block", 3, 2, [(0, 1, True), (1, 2, True)]),
+        ("block", 1, 1, [(0, 1, True)]),
+    ],
+)
+def test_full_recompute_spans(method, step, count, spans):
+    """The runs of layers and which are checkpoints, written once for the decoder and the MTP
+    depths; one plain run outside training, without autograd, or without "full"."""
+    from megatron.core.transformer.transformer_block import full_recompute_spans
+
+    full = dict(recompute_granularity="full", recompute_method=method, recompute_num_layers=step)
+    config = _config(**full)
+    assert full_recompute_spans(config, True, count) == spans
+    assert full_recompute_spans(config, False, count) == [(0, count, False)]
+    with torch.no_grad():
+        assert full_recompute_spans(config, True, count) == [(0, count, False)]
+    selective = _config(recompute_granularity="selective")
+    assert full_recompute_spans(selective, True, count) == [(0, count, False)]
+
+
+@pytest.mark.world(1)
+@pytest.mark.parametrize("method", ["uniform", "block"])
+def test_full_recompute_checkpoints_the_decoder_and_each_mtp_depth(method, monkeypatch):
+    """Two decoder layers and two MTP depths, ``recompute_num_layers=1``: one checkpoint per
+    decoder layer ("uniform") or the first one ("block"), and one per MTP depth either way;
+    none in eval mode."""
+    from tests.unit_tests.models import test_multi_token_prediction as mtp_test
+
+    calls = []
+    original = tensor_parallel.checkpoint
+
+    def spy(function, distribute, *args):
+        calls.append(len(args))  # 1: a decoder run (hidden), 2: an MTP depth (hidden, embedded)
+        return original(function, distribute, *args)
+
+    monkeypatch.setattr(tensor_parallel, "checkpoint", spy)
+    full = dict(recompute_granularity="full", recompute_method=method, recompute_num_layers=1)
+    config = mtp_test._config(**full)
+    model = mtp_test._model(config, ProcessGroupCollection())
+    rows = mtp_test.batch()
+    model(rows["tokens"], None, labels=rows["labels"], loss_mask=rows["loss_mask"]).sum()
+    assert sorted(calls) == ([1, 1] if method == "uniform" else [1]) + [2, 2]
+    calls.clear()
+    model.eval()
+    model(rows["tokens"], None, labels=rows["labels"], loss_mask=rows["loss_mask"])
+    assert calls == []
+
+
+@pytest.mark.world(1)
 def test_checkpoint_without_output_is_importable_with_megatron_semantics():
     """A norm checkpointed without output: the output's storage is freed after the discard and
     refilled when the hook tensor's gradient is computed; gradients equal the plain run."""

@@ -119,47 +119,33 @@ class RotaryAngles:
         self, input_ids, decoder_input, packed_seq_params, name: str = "rotary_pos_emb"
     ) -> Tensor:
         """RoPE angles [s_local, 1, 1, r] of this rank's positions, on the activations'
-        device. Unpacked rows reuse the angles of the last call with the same length, CP
-        rank and device (built on the host, copied to the device once instead of once per
-        layer and microbatch); packed rows take each document's own positions."""
+        device (YaRN's cos/sin scale is applied by the attention, from the config). Unpacked
+        rows take the embedding's ``cached_angles`` (the last length's kept on the device);
+        packed rows take each document's own positions."""
         cp_group = self._cp_group.get()
         total = self._global_seq_length(input_ids, decoder_input, cp_group)
         hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
         device = hidden.device
+        embedding = getattr(self, name)
         if packed_seq_params is not None:  # angles of the positions within each document
-            angles = self._angles(name, total, packed_seq=True, cp_group=cp_group)
+            angles = embedding(total, packed_seq=True, cp_group=cp_group)
+            angles = angles[0] if isinstance(angles, tuple) else angles
             positions = positions_in_documents(packed_seq_params, total, cp_group)
             return angles[positions.to(angles.device)].to(device)
-        key = (total, get_pg_size(cp_group), get_pg_rank(cp_group), device)
-        cached = getattr(self, f"_{name}_cache", None)
-        if cached is None or cached[0] != key:
-            angles = self._angles(name, total, packed_seq=False, cp_group=cp_group)
-            cached = (key, angles.to(device))
-            setattr(self, f"_{name}_cache", cached)
-        return cached[1]
-
-    def _angles(self, name: str, total: int, **kwargs) -> Tensor:
-        """The angles of rotary embedding ``name`` (YaRN's come with their cos/sin scale,
-        which the attention applies: ``Attention`` reads it from the config)."""
-        angles = getattr(self, name)(total, **kwargs)
-        return angles[0] if isinstance(angles, tuple) else angles
+        return embedding.cached_angles(total, device, cp_group)[0]
 
     def _rotary_angles_from(
         self, inference_context, decoder_input, name: str = "rotary_pos_emb"
     ) -> Tensor:
         """RoPE angles of the positions [offset, offset + s) a cached forward runs (the
-        table for the context's whole length is built once per device and kept); s is the
+        table for the context's whole length: the embedding's ``cached_angles``); s is the
         whole sequence, TP times this rank's part under sequence parallelism."""
         hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
-        key = (inference_context.max_sequence_length, hidden.device)
-        cached = getattr(self, f"_inference_{name}", None)
-        if cached is None or cached[0] != key:
-            table = self._angles(name, key[0], packed_seq=False, cp_group=None)
-            cached = (key, table.to(hidden.device))
-            setattr(self, f"_inference_{name}", cached)
+        length = inference_context.max_sequence_length
+        table = getattr(self, name).cached_angles(length, hidden.device)[0]
         offset = inference_context.sequence_len_offset
         sp = get_pg_size(self.tp_group) if self.config.sequence_parallel else 1
-        return cached[1][offset : offset + hidden.shape[0] * sp]
+        return table[offset : offset + hidden.shape[0] * sp]
 
     def _global_seq_length(self, input_ids, decoder_input, cp_group) -> int:
         """The whole sequence's length s from this rank's inputs (for RoPE)."""
