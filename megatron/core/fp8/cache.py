@@ -14,6 +14,12 @@ weight's ``_version`` moved (an in-place write) or it got new storage. Under ``t
 only the flag is read (a version is a runtime value: comparing it would break the graph), so
 a graph holds two variants per module, fill and reuse. The kept operands are bitwise those a
 call would compute: the same amax (MAX-reduced over the same ranks), scale and cast.
+
+Traced by ``torch.compile`` the cache is not used (``CACHE_WHEN_COMPILED`` False): on an H200
+(torch 2.11, inductor) dynamo stopped with an AssertionError tracing ``Fp8LinearFunction``
+with the kept operands as inputs inside the trainer's compiled layers (it passes on the CPU
+with inductor and aot_eager). A compiled linear then casts its weight at every call, as
+before the cache; eager FP8 runs use it.
 """
 
 import weakref
@@ -21,6 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+CACHE_WHEN_COMPILED = False  # module docstring; tests/benchmarks/fp8_gpu_check.py turns it on
 _MODULES: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 _STEP_HOOK: list = []
 
@@ -45,7 +52,7 @@ def cached_operands(
     not cache (``is_first_microbatch`` None), else its cache, refilled with ``fill()`` where
     the module docstring says."""
     flag = getattr(module, "is_first_microbatch", None)
-    if flag is None:
+    if flag is None or (torch.compiler.is_compiling() and not CACHE_WHEN_COMPILED):
         return None
     if flag or module.fp8_weight_cache is None or _moved(module, weights):
         module.fp8_weight_cache = fill()

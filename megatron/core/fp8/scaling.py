@@ -70,8 +70,11 @@ def reduce_amax(amaxes: torch.Tensor, groups: Iterable[Optional[object]]) -> tor
 
 
 def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, margin: int) -> torch.Tensor:
-    """s = fp8_max / amax / 2**margin in float32; 1 where amax is 0 or s is not finite."""
-    scale = torch.finfo(dtype).max / amax / float(2**margin)
+    """s = fp8_max / amax / 2**margin in float32; 1 where amax is 0 or s is not finite. The
+    quotient is taken in float64 and rounded once: the correctly rounded float32 quotient,
+    the same from an eager kernel and a compiled one (Triton's float32 division is not
+    correctly rounded)."""
+    scale = (torch.finfo(dtype).max / amax.double()).float() / float(2**margin)
     return torch.where((amax > 0) & torch.isfinite(scale), scale, torch.ones_like(scale))
 
 
