@@ -14,6 +14,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import megatron.core.transformer.moe.experts as experts
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.lora import LoRAConfig, apply_lora
 
 pytestmark = pytest.mark.world(1)
 # 20 rows over 4 experts, split 8 ways (empty and one-row experts included)
@@ -22,17 +23,28 @@ SPLITS = [[3, 0, 9, 8], [1, 5, 7, 7], [0, 0, 10, 10], [6, 6, 4, 4], [1, 1, 1, 17
 
 
 def _experts(kind: str, monkeypatch):
-    dtype = torch.bfloat16 if kind == "grouped-gemm" else torch.float32
+    """``kind``: sequential, grouped-loop or grouped-gemm, the latter with FP8 experts
+    (``-fp8``) or LoRA adapters (``-lora``), both of which read the counts on the host."""
+    dtype = torch.bfloat16 if kind.startswith("grouped-gemm") else torch.float32
+    fp8 = dict(fp8="hybrid", fp8_recipe="tensorwise") if kind.endswith("-fp8") else {}
     config = TransformerConfig(
         num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=4,
-        moe_ffn_hidden_size=8, add_bias_linear=True, gated_linear_unit=True, params_dtype=dtype,
+        moe_ffn_hidden_size=8, add_bias_linear=not fp8, gated_linear_unit=True, params_dtype=dtype,
+        **fp8,
     )  # fmt: skip
     module = (experts.SequentialMLP if kind == "sequential" else experts.GroupedMLP)(4, config)
+    assert (module.fp8_experts is not None) == bool(fp8)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in module.parameters():
             param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
-    if kind == "grouped-gemm":
+    if kind.endswith("-lora"):
+        holder = torch.nn.Module()
+        holder.mlp = torch.nn.Module()
+        holder.mlp.experts = module
+        lora = LoRAConfig(dim=4, alpha=8.0, lora_B_init_method="xavier", seed=5, params_dtype=dtype)
+        assert len(apply_lora(holder, lora)) == 8
+    if kind.startswith("grouped-gemm"):
         monkeypatch.setattr(experts, "use_grouped_mm", lambda x, w: True)
     return module, dtype
 
@@ -43,10 +55,13 @@ def _step(module, x, counts, probs):
     module.zero_grad()
     out, _ = module(x, torch.tensor(counts), probs)
     out.backward(torch.linspace(-1, 1, out.numel()).view_as(out).to(out.dtype))
-    return [out.detach(), x.grad, probs.grad] + [p.grad.clone() for p in module.parameters()]
+    grads = [p.grad.clone() for p in module.parameters() if p.requires_grad]
+    return [out.detach(), x.grad, probs.grad] + grads
 
 
-@pytest.mark.parametrize("kind", ["sequential", "grouped-loop", "grouped-gemm"])
+@pytest.mark.parametrize(
+    "kind", ["sequential", "grouped-loop", "grouped-gemm", "grouped-gemm-fp8", "grouped-gemm-lora"]
+)
 def test_the_experts_compile_once_for_every_split_with_the_eager_results(kind, monkeypatch):
     module, dtype = _experts(kind, monkeypatch)
     counter = CompileCounterWithBackend("aot_eager")
