@@ -164,7 +164,9 @@ def computed_fields(config: TrainingConfig) -> dict:
 def compile_layers(gpt: GPTModel) -> None:
     """``torch.compile`` every transformer layer of ``gpt`` in place: norms, RoPE, the
     activation and the residual adds between the GEMMs become fused kernels; the linear
-    layers and core attention stay eager (``keep_eager``). One graph is reused by all layers
+    layers and core attention stay eager (``keep_eager``), and so do the MoE experts' paths
+    that read the tokens per expert on the host (``experts._eager_if_counts_on_host``: traced,
+    they recompiled for every split of the tokens). One graph is reused by all layers
     (dynamo's cache limit is raised to the layer count so that none falls back to eager)."""
     import torch._dynamo
 

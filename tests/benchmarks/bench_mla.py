@@ -62,8 +62,8 @@ term of every layer; ``active_params`` = all parameters with the routed experts 
 Variants (``--trainer-variants``): ``trainer`` (eager), ``trainer-mha`` (the same model with
 plain multi-head attention of 128 channels instead of MLA: the MLA cost in the trainer, and a
 run that needs none of the new flags) and, opt-in, ``-compile`` of either (the trainer's
-``--compile``; with MoE, dynamo recompiles the experts' forward for each new split of tokens
-over the experts until its recompile limit: slow, and most of the time is compilation).
+``--compile``; the MoE experts compile once whatever the split of tokens over the experts:
+docs/moe.md).
 
 Each variant runs in its own ``try``: one that fails prints ``FAILED`` and the others go on.
 On a machine with a 10-minute limit per command, run ``--part layer`` and ``--part trainer``

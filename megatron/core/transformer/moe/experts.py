@@ -18,8 +18,12 @@ matrix product per expert. ``GroupedMLP``: ``weight1`` [h, E_local F1] and ``wei
 [E_local F, h], expert i's matrices being ``weight1.view(E_local, h, F1)[i]`` (= W1_g^T)
 and ``weight2.view(E_local, F, h)[i]`` (= W2_g^T); on a CUDA device with bf16 weights one
 grouped GEMM (``torch._grouped_mm``) per projection, else one product per expert.
+
+Under ``torch.compile`` (the trainer's ``--compile``) the experts compile once whatever the
+split of the tokens over the experts: see ``_eager_if_counts_on_host``.
 """
 
+import functools
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -37,6 +41,30 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 FullWeight = Callable[[str, int, tuple], torch.Tensor]
 """(``"linear_fc1"`` | ``"linear_fc2"``, global expert index, full shape) -> the full
 float32 weight of that expert (the model's seeded initialization)."""
+
+
+def _eager_if_counts_on_host(forward: Callable) -> Callable:
+    """The experts' ``forward(x, tokens_per_expert, probs)``, run outside ``torch.compile``'s
+    graph (``torch.compiler.disable``) when it reads the token count of every expert on the
+    host (``counts_on_host``: the per-expert loop, ``SequentialMLP``, the FP8 experts).
+
+    Traced, those counts become Python ints that dynamo guards on: a new split of the tokens
+    recompiled the forward (after a change the counts turn symbolic, but an expert with 0 or
+    1 tokens is specialized again), until dynamo's recompile limit. The loop's GEMMs are
+    one eager kernel per expert either way; only its activation loses fusion. The grouped
+    GEMM (``torch._grouped_mm``, CUDA bf16, the fast path) takes the counts as a device
+    tensor (``offs``): it stays in the graph, compiled once, its activation fused between
+    the two GEMMs, with no host sync."""
+    eager = torch.compiler.disable(forward)
+
+    @functools.wraps(forward)
+    def run(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        args = (permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        if self.counts_on_host(permuted_local_hidden_states):
+            return eager(self, *args)
+        return forward(self, *args)
+
+    return run
 
 
 class _ExpertLinear(torch.nn.Module):
@@ -143,11 +171,17 @@ class _LocalExperts(MegatronModule):
         the tensor or a view of it (writing it writes the parameter)."""
         raise NotImplementedError
 
+    def counts_on_host(self, x: torch.Tensor) -> bool:
+        """Whether ``forward`` on rows ``x`` reads the tokens per expert on the host (then it
+        runs eagerly under ``torch.compile``: ``_eager_if_counts_on_host``)."""
+        return True
+
     def project(self, proj: str, x: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
         """``proj`` of every local expert on its rows of ``x``: one product per expert."""
         weights = [self.local_expert_weight(i, proj).t() for i in range(self.num_local_experts)]
         return grouped_linear(x, weights, rows, grouped=False)
 
+    @torch.compiler.disable  # the adapters take the counts on the host: _eager_if_counts_on_host
     def adapted_forward(self, x, tokens_per_expert, probs, adapters) -> Tuple[torch.Tensor, None]:
         """The forward with LoRA adapters ({proj: ``ExpertLoRAAdapter``}, ``moe.expert_lora``)
         added to the outputs of fc1 and fc2, each expert's rows through its own adapter."""
@@ -206,6 +240,7 @@ class SequentialMLP(_LocalExperts):
             expert.adds_fc2_bias = self.adds_fc2_bias
             _mark_fc2_bias(expert.linear_fc2.bias, self.adds_fc2_bias)
 
+    @_eager_if_counts_on_host
     def forward(
         self,
         permuted_local_hidden_states: torch.Tensor,
@@ -280,6 +315,11 @@ class GroupedMLP(_LocalExperts):
         """[E_local, F, h]: expert i's W2^T shard."""
         return self.weight2.view(self.num_local_experts, self.ffn, self.config.hidden_size)
 
+    def counts_on_host(self, x: torch.Tensor) -> bool:
+        """All but the grouped GEMM path (no FP8, ``use_grouped_mm``)."""
+        return self.fp8_experts is not None or not use_grouped_mm(x, self.weight1)
+
+    @_eager_if_counts_on_host
     def forward(
         self,
         permuted_local_hidden_states: torch.Tensor,
