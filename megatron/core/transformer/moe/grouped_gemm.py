@@ -3,8 +3,7 @@ to compute per-expert products: when they run as one grouped GEMM (``torch._grou
 instead of one product per expert, the rows grouped by expert (``ExpertRows``, built once per
 forward) and the product itself (``grouped_linear``)."""
 
-import functools
-from typing import List, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 
@@ -22,23 +21,34 @@ def use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
 class ExpertRows:
     """Rows grouped by local expert (``tokens_per_expert`` [E_local] rows each, in order):
     ``sizes`` on the host (one synchronization, for the loops), ``counts`` and the grouped
-    GEMM's cumulative int32 ``offsets`` on ``device``; each built once, when first read."""
+    GEMM's cumulative int32 ``offsets`` on ``device``; each built once, when first read
+    (plain attributes, not ``functools.cached_property``, whose lock ``torch.compile`` cannot
+    trace: it split the grouped GEMM path's graph in three)."""
 
     def __init__(self, tokens_per_expert: torch.Tensor, device: torch.device) -> None:
         self.tokens_per_expert = tokens_per_expert
         self.device = device
+        self._sizes: Optional[List[int]] = None
+        self._counts: Optional[torch.Tensor] = None
+        self._offsets: Optional[torch.Tensor] = None
 
-    @functools.cached_property
+    @property
     def sizes(self) -> List[int]:
-        return [int(n) for n in self.tokens_per_expert.tolist()]
+        if self._sizes is None:
+            self._sizes = [int(n) for n in self.tokens_per_expert.tolist()]
+        return self._sizes
 
-    @functools.cached_property
+    @property
     def counts(self) -> torch.Tensor:
-        return self.tokens_per_expert.to(self.device)
+        if self._counts is None:
+            self._counts = self.tokens_per_expert.to(self.device)
+        return self._counts
 
-    @functools.cached_property
+    @property
     def offsets(self) -> torch.Tensor:
-        return torch.cumsum(self.counts, 0).to(torch.int32)
+        if self._offsets is None:
+            self._offsets = torch.cumsum(self.counts, 0).to(torch.int32)
+        return self._offsets
 
 
 def grouped_linear(
