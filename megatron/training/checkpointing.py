@@ -359,9 +359,12 @@ def resolve_checkpoint(
 
 def _check_keys(directory: Path, missing, unexpected, skipped: Tuple[str, ...]) -> None:
     """Every rank: refuse keys the model asked for that the checkpoint lacks (any rank's)
-    and checkpoint keys nothing asked for, except the parts deliberately not loaded."""
+    and checkpoint keys nothing asked for, except the parts deliberately not loaded and
+    modules' ``_extra_state`` objects (no weights: megatron-core's linears store None there,
+    Transformer Engine's its FP8 scaling state, which this package does not use; a
+    checkpoint written by megatron-core has them for modules this package has not)."""
     unexpected = set().union(*all_gather_object(sorted(unexpected), world_group()))
-    dropped = sorted(k for k in missing if not k.startswith(skipped))
+    dropped = sorted(k for k in missing if not k.startswith(skipped) and not _extra_state(k))
     problems = []
     if unexpected:
         problems.append(f"the model asks for {_few(unexpected)}, which the checkpoint lacks")
@@ -374,6 +377,11 @@ def _check_keys(directory: Path, missing, unexpected, skipped: Tuple[str, ...]) 
         raise dist_checkpointing.CheckpointingException(
             f"--load: checkpoint {directory} does not fit this model: {'; '.join(problems)}"
         )
+
+
+def _extra_state(key: str) -> bool:
+    """A module's ``_extra_state`` object (``...linear_fc1._extra_state/shard_0_1``)."""
+    return key.rpartition("/")[0].endswith("._extra_state") or key.endswith("._extra_state")
 
 
 def _few(keys, limit: int = 6) -> str:
