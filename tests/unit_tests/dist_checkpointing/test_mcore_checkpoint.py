@@ -174,6 +174,47 @@ def test_megatron_core_deepseek_checkpoint_loads_and_computes_the_same(saved):
         assert (grads[name] - grad).abs().max() <= 2e-6 * grad.abs().max() + 1e-15, name
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("tp, ep", [(2, 1), (1, 2)], ids=["tp2", "ep2"])
+def test_a_two_rank_megatron_core_checkpoint_loads_at_one_process(saved, tmp_path, tp, ep):
+    """Saved by megatron-core on 2 ranks (TP 2: each weight split, fc1's gate and up halves
+    split separately; EP 2: two experts per rank), loaded into one process: every tensor
+    equals megatron-core's (TP 2: the one-process run's weights, which ``use_cpu_initialization``
+    gives at any TP; EP 2: each rank's tensors, by global expert index)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["OMP_NUM_THREADS"] = "1"
+    (tmp_path / "ckpt").mkdir()
+    launch = ["-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    launch += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+    args = [str(SCRIPT), json.dumps(CONFIG), "ckpt", "result.pt", str(tp), str(ep)]
+    run = subprocess.run(
+        [os.environ["MCORE_PYTHON"], *launch, *args],
+        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    expected = saved[1]["state"]
+    if ep > 1:  # rank 0's replicas are the stored ones
+        ranks = [torch.load(tmp_path / f"result.pt.rank{r}", weights_only=True) for r in (1, 0)]
+        expected = {**ranks[0], **ranks[1]}
+    model = ours()
+    loaded, missing, unexpected = dist_checkpointing.load(
+        model.sharded_state_dict(), str(tmp_path / "ckpt"), strict="return_all"
+    )
+    assert not unexpected and all(_extra_state(k) for k in missing)
+    model.load_state_dict(loaded)
+    mine = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    assert set(mine) == set(expected)
+    for name, value in expected.items():
+        assert torch.equal(mine[name], value), name
+
+
 FLAGS = """--num-layers 2 --hidden-size 16 --num-attention-heads 2 --ffn-hidden-size 24
 --multi-latent-attention --q-lora-rank 8 --kv-lora-rank 6 --qk-head-dim 4
 --qk-pos-emb-head-dim 4 --v-head-dim 6 --rope-type yarn --rotary-base 10000

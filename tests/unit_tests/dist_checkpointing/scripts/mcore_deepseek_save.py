@@ -7,9 +7,12 @@ with megatron-core's ``dist_checkpointing.save`` and write what it computes on a
 
 (under ``torchrun`` for TP / EP > 1). ``CONFIG_JSON``: the ``MLATransformerConfig`` fields
 (the test's ``CONFIG``); the vocabulary and sequence length are ``vocab_size`` / ``seq_length``
-in it. ``RESULT_PT`` (rank 0): the parameters' values by name (``model.state_dict()``, global
-at TP = EP = 1 only), the logits, the per-token loss, the MTP loss and every parameter's
-gradient of the loss sum (global names; TP = EP = 1 only).
+in it. ``RESULT_PT``: the parameters' values by name (``model.state_dict()``), each decoder
+layer's output, the logits, the per-token loss, the MTP loss and every parameter's gradient of
+the loss sum. At TP or EP > 1 no forward (its MoE layer refuses TP without sequence
+parallelism, which its local (torch) norms refuse): the checkpoint (at TP > 1 with the
+one-process run's weights: ``use_cpu_initialization`` builds each whole weight from the seed),
+and at EP > 1 ``RESULT_PT.rank<r>``, each rank's tensors by global name.
 
 Without Transformer Engine, and on the CPU, megatron-core's local MLA needs shims (as
 ``tests/benchmarks/bench_mla.py``): its local ``DotProductAttention`` rejects the
@@ -108,7 +111,7 @@ def build(fields: dict, tp: int, ep: int):
         activation_func=torch.nn.functional.silu,
         tensor_model_parallel_size=tp,
         expert_model_parallel_size=ep,
-        sequence_parallel=tp > 1,
+        sequence_parallel=False,  # its local (torch) norms refuse sequence parallelism
         use_cpu_initialization=True,
         kv_channels=fields["v_head_dim"],  # the local core attention's context width (shim)
     )
@@ -120,6 +123,24 @@ def build(fields: dict, tp: int, ep: int):
     mtp = get_gpt_mtp_block_spec(config, block, use_transformer_engine=False)
     model = GPTModel(config, block, vocab, seq, position_embedding_type="rope", mtp_block_spec=mtp)
     return model.to(fields["params_dtype"]), vocab, seq
+
+
+def global_state(model, ep: int) -> dict:
+    """This rank's tensors by global name (local expert i is global expert
+    ``ep_rank * num_local + i``)."""
+    from megatron.core import parallel_state
+
+    local = model.config.num_moe_experts // ep
+    first = parallel_state.get_expert_model_parallel_rank() * local
+    out = {}
+    for name, value in model.state_dict().items():
+        if torch.is_tensor(value):
+            head, mark, tail = name.partition(".local_experts.")
+            if mark:
+                index, rest = tail.split(".", 1)
+                name = f"{head}{mark}{first + int(index)}.{rest}"
+            out[name] = value
+    return out
 
 
 def main() -> None:
@@ -146,6 +167,11 @@ def main() -> None:
             if name.endswith("expert_bias"):
                 b.uniform_(-0.2, 0.2)
     dist_checkpointing.save(model.sharded_state_dict(), ckpt)
+    if tp * ep > 1:  # no forward: its MoE refuses TP without sequence parallelism, which its
+        if tp == 1:  # local (torch) norms refuse; at EP > 1 each rank's weights, global names
+            torch.save(global_state(model, ep), f"{result}.rank{dist.get_rank()}")
+        dist.destroy_process_group()
+        return
 
     g = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, vocab, (2, seq), generator=g)
