@@ -192,7 +192,21 @@ def _check_resume(
             f"{where} holds model weights only (written by python -m megatron.training.hf "
             "import); pass --finetune (or --no-load-optim)"
         )
+    # not written by this trainer (no run record) and without optimizer state: e.g.
+    # megatron-core's dist_checkpointing.save of a model (an SGD run of ours may store none)
+    if load_optim and "run_settings" not in common and not _has_optimizer_state(directory):
+        raise ValueError(
+            f"{where} holds no optimizer state (model weights only: e.g. megatron-core's "
+            "dist_checkpointing.save of a model's sharded_state_dict); pass --finetune to "
+            "train its weights from iteration 0, or --no-load-optim"
+        )
     return optimizer_notes
+
+
+def _has_optimizer_state(directory: Path) -> bool:
+    """Whether the checkpoint stores any ``optimizer.*`` tensor."""
+    stored = dist_checkpointing.load_tensors_metadata(str(directory))
+    return any(key.startswith(OPTIMIZER_KEY_PREFIX) for key in stored)
 
 
 def _model_part(

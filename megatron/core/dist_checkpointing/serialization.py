@@ -46,6 +46,7 @@ from megatron.core.dist_checkpointing.dict_utils import (
     merge,
     nested_values,
 )
+from megatron.core.dist_checkpointing.load_aliases import read_aliases
 from megatron.core.dist_checkpointing.mapping import (
     CommonStateDict,
     LocalNonpersistentObject,
@@ -209,7 +210,7 @@ def load(
     apply_factories(sharded_state_dict)
     nonpersistent = _nonpersistent_values(sharded_state_dict)
     sharded, _ = _split_sharded(_drop_nonpersistent(sharded_state_dict))
-    pieces = _read_aliases(nested_values(sharded), stored_shapes, stored_objects)
+    pieces = read_aliases(nested_values(sharded), stored_shapes, stored_objects)
     unexpected = {
         _storage_key(p)
         for p in pieces
@@ -261,7 +262,8 @@ def load(
             return objects.get(x.unique_key, _SKIPPED)
         return x
 
-    result = _drop_skipped(dict_list_map_outplace(loaded_value, sharded))
+    loaded = dict_list_map_outplace(loaded_value, sharded)
+    result = _drop_skipped(_skip_partial_factories(loaded, with_factories))
     merge(common_state, result)
     merge(common_state, nonpersistent)
     apply_factory_merges(common_state, with_factories)
@@ -428,58 +430,32 @@ def _split_sharded(x: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     return sharded, common
 
 
+def _skip_partial_factories(loaded: Any, request: Any) -> Any:
+    """``loaded`` with the sub-dict of each factory that lost a piece (not in the checkpoint,
+    skipped by ``strict``) skipped whole: its ``merge_fn`` needs every piece."""
+    if isinstance(request, ShardedTensorFactory):
+        return _SKIPPED if _any_skipped(loaded) else loaded
+    if isinstance(request, dict) and isinstance(loaded, dict):
+        return {k: _skip_partial_factories(v, request.get(k)) for k, v in loaded.items()}
+    if isinstance(request, list) and isinstance(loaded, list) and len(request) == len(loaded):
+        return [_skip_partial_factories(v, r) for v, r in zip(loaded, request)]
+    return loaded
+
+
+def _any_skipped(x: Any) -> bool:
+    if isinstance(x, dict):
+        return any(_any_skipped(v) for v in x.values())
+    if isinstance(x, list):
+        return any(_any_skipped(v) for v in x)
+    return x is _SKIPPED
+
+
 def _drop_skipped(x: Any) -> Any:
     if isinstance(x, dict):
         return {k: _drop_skipped(v) for k, v in x.items() if v is not _SKIPPED}
     if isinstance(x, list):
         return [_drop_skipped(v) for v in x if v is not _SKIPPED]
     return x
-
-
-# Other names of the same tensors, tried when a requested key is not in the checkpoint
-# (any prefix). Transformer Engine's fused names: megatron-core's TE layer spec fuses the MLA
-# q / kv down-projection norms into the up projections. The pre-MLP norm: megatron-core's
-# local spec stores it as ``mlp.linear_fc1.layer_norm_*`` except in MLA layers, which have
-# no keys map (``pre_mlp_layernorm.*``); its TE spec the other way round for MoE layers.
-LOAD_ALIASES = (
-    ("self_attention.q_layernorm.weight", "self_attention.linear_q_up_proj.layer_norm_weight"),
-    ("self_attention.kv_layernorm.weight", "self_attention.linear_kv_up_proj.layer_norm_weight"),
-    ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
-    ("pre_mlp_layernorm.bias", "mlp.linear_fc1.layer_norm_bias"),
-    ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
-    ("mlp.linear_fc1.layer_norm_bias", "pre_mlp_layernorm.bias"),
-)
-
-
-def _read_aliases(values, stored_shapes: Dict[str, Any], stored_objects: Set[str]) -> List:
-    """The sharded pieces among ``values``; a requested tensor the checkpoint lacks under its
-    key is read from an alias (``LOAD_ALIASES``, any prefix) when the checkpoint has that
-    one, and an unstacked ShardedObject from the other grid position an unsharded object
-    has had (``_object_alias``)."""
-    pieces = [v for v in values if isinstance(v, ShardedBase)]
-    for piece in pieces:
-        if isinstance(piece, ShardedObject) and piece.unique_key not in stored_objects:
-            _object_alias(piece, stored_objects)
-        if not isinstance(piece, ShardedTensor) or piece.key in stored_shapes:
-            continue
-        for ours, theirs in LOAD_ALIASES:
-            alias = piece.key[: -len(ours)] + theirs
-            if piece.key.endswith(ours) and alias in stored_shapes:
-                piece.key = alias
-                break
-    return pieces
-
-
-def _object_alias(piece: ShardedObject, stored_objects: Set[str]) -> None:
-    """An object outside any grid is stored at shape (1,), offset (0,) by megatron-core
-    (``make_sharded_object_for_checkpoint``) and at shape (), offset () by this package
-    before it did the same: read whichever the checkpoint has."""
-    if tuple(piece.global_shape) not in ((1,), ()) or tuple(piece.global_offset) not in ((0,), ()):
-        return
-    for shape, offset, suffix in (((1,), (0,), "shard_0_1"), ((), (), "shard__")):
-        if f"{piece.key}/{suffix}" in stored_objects:
-            piece.global_shape, piece.global_offset = shape, offset
-            return
 
 
 def _storage_key(piece: ShardedBase) -> str:

@@ -244,3 +244,7 @@ def test_the_trainer_fine_tunes_from_it_in_megatrons_layout(saved, tmp_path, cap
     out = capsys.readouterr()
     assert code == 0, out.err[-2000:]
     assert f"loaded checkpoint of iteration 0 from {tmp_path / 'iter_0000010'}" in out.out
+    with fresh_layout():  # a resume: it has no optimizer state (before: a KeyError inside)
+        code = cli.main(FLAGS + ["--load", str(tmp_path), "--train-iters", "1"])
+    err = capsys.readouterr().err
+    assert code != 0 and "holds no optimizer state" in err and "pass --finetune" in err, err

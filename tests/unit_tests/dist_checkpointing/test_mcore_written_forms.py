@@ -92,3 +92,21 @@ def test_the_trainer_does_not_count_extra_states_as_dropped_weights(tmp_path):
         _check_keys(tmp_path, {"mtp.layers.0.eh_proj.weight"}, set(), ())
     with pytest.raises(CheckpointingException, match="asks for x._extra_state/shard_0_1"):
         _check_keys(tmp_path, set(), {"x._extra_state/shard_0_1"}, ())
+
+
+def test_the_trainer_refuses_to_resume_optimizer_state_a_foreign_checkpoint_lacks(tmp_path):
+    """A checkpoint not written by the trainer (no run record) without optimizer state, e.g.
+    megatron-core's save of a model: resuming it is refused naming --finetune (before: the
+    load failed inside the optimizer's merge); a trainer's checkpoint is not affected."""
+    from megatron.training.checkpointing import _check_resume
+
+    weight = ShardedTensor.from_rank_offsets("w", torch.ones(2))
+    dist_checkpointing.save({"w": weight}, str(tmp_path))
+
+    def check(common, finetune=False, load_optim=True):
+        return _check_resume(common, None, tmp_path, "--load x", finetune, load_optim, None, (0, 0))
+
+    with pytest.raises(ValueError, match="holds no optimizer state .* pass --finetune"):
+        check({})
+    assert check({}, finetune=True) == [] and check({}, load_optim=False) == []
+    assert check({"run_settings": {}}) == []  # ours (an SGD run may store no state)
