@@ -13,8 +13,7 @@ per rank"): two small planners that speak in boxes, and safe reading. DCP pickle
 ``.metadata``; we read it with an unpickler that admits only DCP's metadata classes (and the
 save-plan classes that megatron-core's planner stores there), torch dtypes/sizes/layouts and
 paths. DCP reads tensor data with ``torch.load(weights_only=True)`` already; byte entries we
-load with ``weights_only=True`` as well. Nothing else is
-unpickled.
+load with ``weights_only=True`` as well. Nothing else is unpickled.
 
 Integrity: after writing, each rank reads back the items of its own file (from the page
 cache) and records a CRC-32 of each item's stored bytes; ``save`` keeps them, with the CRC-32
@@ -371,35 +370,33 @@ class SafeFileSystemReader(FileSystemReader):
         planner.commit_tensor(item, target)
 
 
-_METADATA_CLASSES = (
-    {
-        ("torch.distributed.checkpoint.metadata", name)
-        for name in (
-            "Metadata",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "TensorProperties",
-            "MetadataIndex",
-            "StorageMeta",
-            "_MEM_FORMAT_ENCODING",
-        )
-    }
-    | {  # megatron-core's planner keeps every rank's save plan in the metadata (all_local_plans)
-        ("torch.distributed.checkpoint.planner", name)
-        for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")
-    }
-    | {
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("pathlib", "PurePosixPath"),
-        ("pathlib", "PureWindowsPath"),
-        ("collections", "OrderedDict"),
-    }
-)
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+# megatron-core's planner keeps every rank's save plan in the metadata (all_local_plans)
+_METADATA_CLASSES |= {
+    ("torch.distributed.checkpoint.planner", name)
+    for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
