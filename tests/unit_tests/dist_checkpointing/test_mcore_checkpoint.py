@@ -91,13 +91,21 @@ CONFIG = dict(
 )
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """megatron-core's checkpoint directory and what it computed."""
     where = tmp_path_factory.mktemp("mcore_deepseek")
     (where / "ckpt").mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["OMP_NUM_THREADS"] = "1"
+    env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     run = subprocess.run(
         [os.environ["MCORE_PYTHON"], str(SCRIPT), json.dumps(CONFIG), "ckpt", "result.pt"],
         cwd=str(where),
@@ -172,14 +180,6 @@ def test_megatron_core_deepseek_checkpoint_loads_and_computes_the_same(saved):
     for name, grad in theirs["grads"].items():
         # worst 1.7e-7 of the gradient's largest entry (its float32 cross-entropy backward)
         assert (grads[name] - grad).abs().max() <= 2e-6 * grad.abs().max() + 1e-15, name
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.parametrize("tp, ep", [(2, 1), (1, 2)], ids=["tp2", "ep2"])
