@@ -192,7 +192,21 @@ def _check_resume(
             f"{where} holds model weights only (written by python -m megatron.training.hf "
             "import); pass --finetune (or --no-load-optim)"
         )
+    # not written by this trainer (no run record) and without optimizer state: e.g.
+    # megatron-core's dist_checkpointing.save of a model (an SGD run of ours may store none)
+    if load_optim and "run_settings" not in common and not _has_optimizer_state(directory):
+        raise ValueError(
+            f"{where} holds no optimizer state (model weights only: e.g. megatron-core's "
+            "dist_checkpointing.save of a model's sharded_state_dict); pass --finetune to "
+            "train its weights from iteration 0, or --no-load-optim"
+        )
     return optimizer_notes
+
+
+def _has_optimizer_state(directory: Path) -> bool:
+    """Whether the checkpoint stores any ``optimizer.*`` tensor."""
+    stored = dist_checkpointing.load_tensors_metadata(str(directory))
+    return any(key.startswith(OPTIMIZER_KEY_PREFIX) for key in stored)
 
 
 def _model_part(
@@ -359,9 +373,12 @@ def resolve_checkpoint(
 
 def _check_keys(directory: Path, missing, unexpected, skipped: Tuple[str, ...]) -> None:
     """Every rank: refuse keys the model asked for that the checkpoint lacks (any rank's)
-    and checkpoint keys nothing asked for, except the parts deliberately not loaded."""
+    and checkpoint keys nothing asked for, except the parts deliberately not loaded and
+    modules' ``_extra_state`` objects (no weights: megatron-core's linears store None there,
+    Transformer Engine's its FP8 scaling state, which this package does not use; a
+    checkpoint written by megatron-core has them for modules this package has not)."""
     unexpected = set().union(*all_gather_object(sorted(unexpected), world_group()))
-    dropped = sorted(k for k in missing if not k.startswith(skipped))
+    dropped = sorted(k for k in missing if not k.startswith(skipped) and not _extra_state(k))
     problems = []
     if unexpected:
         problems.append(f"the model asks for {_few(unexpected)}, which the checkpoint lacks")
@@ -374,6 +391,11 @@ def _check_keys(directory: Path, missing, unexpected, skipped: Tuple[str, ...]) 
         raise dist_checkpointing.CheckpointingException(
             f"--load: checkpoint {directory} does not fit this model: {'; '.join(problems)}"
         )
+
+
+def _extra_state(key: str) -> bool:
+    """A module's ``_extra_state`` object (``...linear_fc1._extra_state/shard_0_1``)."""
+    return key.rpartition("/")[0].endswith("._extra_state") or key.endswith("._extra_state")
 
 
 def _few(keys, limit: int = 6) -> str:

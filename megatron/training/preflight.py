@@ -3,7 +3,7 @@ checkpoint recorded, every input path and every output path.
 
 ``adopt_checkpoint_settings``: ``--load`` of one of our checkpoints takes the model and data
 settings it recorded (the fields of ``kind=MODEL`` and ``kind=DATA``, ``--hf-model``, and
-for a resumed DPO run ``--seed``)
+for a resumed run ``--seed``, which draws its data)
 for every flag the command line leaves out (megatron's ``--use-checkpoint-args``, here the
 default), so resuming needs only ``--load``; a flag that contradicts the checkpoint is
 refused naming both values, one setting per line, as are optimizer settings the resume

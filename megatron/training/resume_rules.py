@@ -76,10 +76,11 @@ def compare_run_settings(
 
 
 def resumed_run_settings(saved: Dict[str, Any]) -> tuple:
-    """The run settings (``kind=RUN``) a resume keeps as data settings: a DPO run's
-    ``--seed`` (its generated pairs and its per-epoch shuffle of the pairs come from it,
-    docs/dpo.md); ``--load`` adopts it, and another value is refused by name."""
-    return ("seed",) if saved.get("dpo") else ()
+    """The run settings (``kind=RUN``) a resume keeps as data settings: ``--seed`` (the
+    generated samples or pairs and the per-epoch shuffle of a data file's records come from
+    it: SFT, pretraining and DPO alike); ``--load`` adopts it, and another value is refused
+    by name."""
+    return ("seed",) if "seed" in saved else ()
 
 
 # How a resume treats an optimizer setting (``kind=OPTIMIZER``) whose value differs from the

@@ -46,6 +46,7 @@ from megatron.core.dist_checkpointing.dict_utils import (
     merge,
     nested_values,
 )
+from megatron.core.dist_checkpointing.load_aliases import read_aliases
 from megatron.core.dist_checkpointing.mapping import (
     CommonStateDict,
     LocalNonpersistentObject,
@@ -209,7 +210,7 @@ def load(
     apply_factories(sharded_state_dict)
     nonpersistent = _nonpersistent_values(sharded_state_dict)
     sharded, _ = _split_sharded(_drop_nonpersistent(sharded_state_dict))
-    pieces = _read_aliases(nested_values(sharded), stored_shapes)
+    pieces = read_aliases(nested_values(sharded), stored_shapes, stored_objects)
     unexpected = {
         _storage_key(p)
         for p in pieces
@@ -261,7 +262,8 @@ def load(
             return objects.get(x.unique_key, _SKIPPED)
         return x
 
-    result = _drop_skipped(dict_list_map_outplace(loaded_value, sharded))
+    loaded = dict_list_map_outplace(loaded_value, sharded)
+    result = _drop_skipped(_skip_partial_factories(loaded, with_factories))
     merge(common_state, result)
     merge(common_state, nonpersistent)
     apply_factory_merges(common_state, with_factories)
@@ -429,32 +431,29 @@ def _split_sharded(x: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     return sharded, common
 
 
+def _skip_partial_factories(loaded: Any, request: Any) -> Any:
+    """``loaded`` with the sub-dict of each factory that lost a piece (not in the checkpoint,
+    skipped by ``strict``) skipped whole: its ``merge_fn`` needs every piece."""
+    if isinstance(request, ShardedTensorFactory):
+        return _SKIPPED if _any_skipped(loaded) else loaded
+    if isinstance(request, dict) and isinstance(loaded, dict):
+        return {k: _skip_partial_factories(v, request.get(k)) for k, v in loaded.items()}
+    if isinstance(request, list) and isinstance(loaded, list) and len(request) == len(loaded):
+        return [_skip_partial_factories(v, r) for v, r in zip(loaded, request)]
+    return loaded
+
+
+def _any_skipped(x: Any) -> bool:
+    if isinstance(x, dict):
+        return any(_any_skipped(v) for v in x.values())
+    if isinstance(x, list):
+        return any(_any_skipped(v) for v in x)
+    return x is _SKIPPED
+
+
 def _drop_skipped(x: Any) -> Any:
     """A copy of the nesting without the entries no storage piece was read into."""
     return _without(x, lambda v: v is _SKIPPED)
-
-
-# Transformer Engine's fused names (megatron-core's TE layer spec fuses the MLA q / kv
-# down-projection norms into the up projections) of tensors stored here under their own.
-LOAD_ALIASES = (
-    ("self_attention.q_layernorm.weight", "self_attention.linear_q_up_proj.layer_norm_weight"),
-    ("self_attention.kv_layernorm.weight", "self_attention.linear_kv_up_proj.layer_norm_weight"),
-)
-
-
-def _read_aliases(values, stored_shapes: Dict[str, Any]) -> List[ShardedBase]:
-    """The sharded pieces among ``values``; a requested tensor the checkpoint lacks under its
-    key is read from its Transformer Engine alias (``LOAD_ALIASES``, any prefix) when the
-    checkpoint has that one."""
-    pieces = [v for v in values if isinstance(v, ShardedBase)]
-    for piece in pieces:
-        if not isinstance(piece, ShardedTensor) or piece.key in stored_shapes:
-            continue
-        for ours, theirs in LOAD_ALIASES:
-            alias = piece.key[: -len(ours)] + theirs
-            if piece.key.endswith(ours) and alias in stored_shapes:
-                piece.key = alias
-    return pieces
 
 
 def _storage_key(piece: ShardedBase) -> str:

@@ -10,10 +10,10 @@ chunks were saved.
 What is ours (DCP's default planners take whole tensors, DTensors or torch ShardedTensors,
 none of which expresses "this box of that global tensor, possibly several boxes of one key
 per rank"): two small planners that speak in boxes, and safe reading. DCP pickles its
-``.metadata``; we read it with an unpickler that admits only DCP's metadata classes, torch
-dtypes/sizes/layouts and paths. DCP reads tensor data with ``torch.load(weights_only=True)``
-already; byte entries we load with ``weights_only=True`` as well. Nothing else is
-unpickled.
+``.metadata``; we read it with an unpickler that admits only DCP's metadata classes (and the
+save-plan classes that megatron-core's planner stores there), torch dtypes/sizes/layouts and
+paths. DCP reads tensor data with ``torch.load(weights_only=True)`` already; byte entries we
+load with ``weights_only=True`` as well. Nothing else is unpickled.
 
 Integrity: after writing, each rank reads back the items of its own file (from the page
 cache) and records a CRC-32 of each item's stored bytes; ``save`` keeps them, with the CRC-32
@@ -391,6 +391,11 @@ _METADATA_CLASSES = {
     ("pathlib", "PurePosixPath"),
     ("pathlib", "PureWindowsPath"),
     ("collections", "OrderedDict"),
+}
+# megatron-core's planner keeps every rank's save plan in the metadata (all_local_plans)
+_METADATA_CLASSES |= {
+    ("torch.distributed.checkpoint.planner", name)
+    for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")
 }
 
 

@@ -113,10 +113,11 @@ def make_sharded_object_for_checkpoint(
     replica_id: Union[None, int, Tuple[int, ...]] = None,
     **kwargs,
 ) -> ShardedObject:
-    """A ShardedObject at the prepended offsets' position (grid = their counts), written by
-    TP rank 0 of DP x CP rank 0 unless ``replica_id`` says otherwise. ``tp_group`` /
-    ``dp_cp_group`` may be given as keywords."""
-    sharded_offsets = tuple(sharded_offsets)
+    """A ShardedObject at the prepended offsets' position (grid = their counts; without
+    offsets shape (1,), offset (0,), as megatron-core), written by TP rank 0 of DP x CP rank 0
+    unless ``replica_id`` says otherwise. ``tp_group`` / ``dp_cp_group`` may be given as
+    keywords."""
+    sharded_offsets = tuple(sharded_offsets) or ((0, 0, 1),)
     if replica_id is None:
         replica_id = (
             0,

@@ -318,6 +318,21 @@ def test_unknown_keys_follow_the_strict_mode(tmp_path):
         dist_checkpointing.load(dict(extra), str(tmp_path), strict="sometimes")
 
 
+def test_a_factory_missing_a_piece_is_skipped_whole(tmp_path):
+    """With a lenient ``strict``, a factory whose pieces the checkpoint lacks (all, or one:
+    ``ghost.bottom``) is left out of the result and its keys returned as unexpected (before:
+    its merge raised a KeyError on the missing piece)."""
+    state = _state()
+    state["ghost"] = ShardedTensor.from_rank_offsets("ghost.top", torch.ones(2, 6))
+    dist_checkpointing.save(state, str(tmp_path))
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 6))}
+    request["ghost"] = _halves_factory("ghost", torch.zeros(4, 6))
+    request["absent"] = _halves_factory("absent", torch.zeros(4, 6))
+    loaded, _, unexpected = dist_checkpointing.load(request, str(tmp_path), strict="return_all")
+    assert not {"ghost", "absent"} & set(loaded) and torch.equal(loaded["w"], WEIGHT)
+    assert unexpected == {"ghost.bottom", "absent.top", "absent.bottom"}
+
+
 @pytest.mark.parametrize(
     "call, message",
     [

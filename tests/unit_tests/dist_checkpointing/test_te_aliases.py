@@ -1,7 +1,7 @@
 """Transformer Engine's fused names accepted when loading: megatron-core's TE layer spec
 stores the MLA q / kv down-projection norms as ``linear_q_up_proj.layer_norm_weight`` /
 ``linear_kv_up_proj.layer_norm_weight``; a checkpoint saved under those names loads into our
-``q_layernorm`` / ``kv_layernorm`` (``serialization.LOAD_ALIASES``)."""
+``q_layernorm`` / ``kv_layernorm`` (``load_aliases.LOAD_ALIASES``)."""
 
 import pytest
 import torch

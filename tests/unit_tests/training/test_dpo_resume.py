@@ -196,7 +196,8 @@ def test_a_resume_keeps_the_seed_of_its_generated_pairs(tmp_path, monkeypatch, c
     with pytest.raises(ValueError, match="--seed 7 when saved, 1234 now"):
         _run(train_iters=2, load=str(tmp_path), **NO_VALIDATION)
     compare_run_settings({"dpo": True, "seed": 7}, {"dpo": True, "seed": 8}, tmp_path, True)
-    compare_run_settings({"dpo": False, "seed": 7}, {"dpo": False, "seed": 8}, tmp_path)
+    with pytest.raises(ValueError, match="--seed 7 when saved, 8 now"):  # SFT too now
+        compare_run_settings({"dpo": False, "seed": 7}, {"dpo": False, "seed": 8}, tmp_path)
 
 
 @pytest.mark.world(1)

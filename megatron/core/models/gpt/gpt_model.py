@@ -426,7 +426,8 @@ class GPTModel(RotaryAngles, MegatronModule):
           ``embedding.word_embeddings.weight`` with replica id (1, ...): never written
           twice, loaded from the embedding.
         - the MTP stage's copy of the word embeddings (``mtp.layers.<k>.*`` are whole on
-          the last stage) likewise, with replica id (1, ...)
+          the last stage) likewise, with replica id (1, ...);
+        - no ``output_layer._extra_state`` (megatron-core drops it: always empty).
 
         Groups: TP is the model's; DP x CP from ``metadata["dp_cp_group"]``, else
         ``pg_collection.dp_cp``, else ``parallel_state``'s (MPU fallback), else one rank.
@@ -438,6 +439,7 @@ class GPTModel(RotaryAngles, MegatronModule):
         if metadata.get("dp_cp_group") is None and self.pg_collection is not None:
             metadata["dp_cp_group"] = getattr(self.pg_collection, "dp_cp", None)
         sharded = module_sharded_state_dict(self, prefix, sharded_offsets, metadata)
+        sharded.pop(f"{prefix}output_layer._extra_state", None)  # megatron-core stores none
         output_key = f"{prefix}output_layer.weight"
         if self.share_embeddings_and_output_weights and not self.pre_process:
             if output_key in sharded:

@@ -1,0 +1,250 @@
+"""A whole checkpoint written by megatron-core 0.16.1 itself loads here (issue 39): a small
+DeepSeek-V3-style ``GPTModel`` (MLA with q LoRA and YaRN, a dense layer then a MoE layer with
+a shared expert, sigmoid group-limited routing with an expert bias, one MoE MTP depth) built
+from megatron-core's local spec and saved by its ``dist_checkpointing.save``
+(``scripts/mcore_deepseek_save.py``, run by ``MCORE_PYTHON``). Our ``GPTModel`` of the same
+config loads it with our ``dist_checkpointing.load`` and reproduces megatron-core's numbers on
+a fixed batch.
+
+Float64. What loading gives is exact: every tensor equals megatron-core's. The computation:
+the first layer (MLA + dense MLP) equals megatron-core's within 3.5e-18; the MoE layer and the
+logits within 1e-10, because megatron-core takes the sigmoid routing scores in float32
+(``torch.sigmoid(logits.float())`` whatever ``moe_router_dtype``); its cross-entropy is float32
+as well (``vocab_parallel_cross_entropy`` casts the logits), so its loss and MTP loss match
+ours to float32 precision (1.1e-7 relative), our loss a float64 cross-entropy of its logits
+within 4e-11, and the gradients (its float32 cross-entropy backward) within 1.7e-7 of each
+gradient's largest entry. Measured values beside each check.
+"""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core import dist_checkpointing
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_mtp_block_spec,
+)
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+from megatron.core.transformer.transformer_config import MLATransformerConfig
+from megatron.training.checkpointing import _extra_state
+from tests.unit_tests.dist_utils import fresh_layout
+
+pytestmark = [
+    pytest.mark.world(1),
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not os.environ.get("MCORE_PYTHON"),
+        reason="MCORE_PYTHON (an interpreter with megatron-core 0.16.1) not set",
+    ),
+]
+SCRIPT = Path(__file__).parent / "scripts" / "mcore_deepseek_save.py"
+CONFIG = dict(
+    num_layers=2,
+    hidden_size=16,
+    num_attention_heads=2,
+    ffn_hidden_size=24,
+    q_lora_rank=8,
+    kv_lora_rank=6,
+    qk_head_dim=4,
+    qk_pos_emb_head_dim=4,
+    v_head_dim=6,
+    rope_type="yarn",
+    rotary_base=10000,
+    rotary_scaling_factor=4.0,
+    original_max_position_embeddings=4,
+    mscale=1.0,
+    mscale_all_dim=1.0,
+    beta_fast=32,
+    beta_slow=1,
+    layernorm_epsilon=1e-6,
+    normalization="RMSNorm",
+    qk_layernorm=True,
+    add_bias_linear=False,
+    gated_linear_unit=True,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    params_dtype="float64",
+    num_moe_experts=4,
+    moe_layer_freq=[0, 1],
+    moe_ffn_hidden_size=8,
+    moe_shared_expert_intermediate_size=8,
+    moe_router_topk=2,
+    moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True,
+    moe_router_topk_scaling_factor=2.5,
+    moe_router_num_groups=2,
+    moe_router_group_topk=1,
+    moe_router_dtype="fp64",
+    moe_token_dispatcher_type="allgather",  # its alltoall dispatcher needs CUDA streams
+    mtp_num_layers=1,
+    mtp_loss_scaling_factor=0.1,
+    vocab_size=64,
+    seq_length=8,
+)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """megatron-core's checkpoint directory and what it computed."""
+    where = tmp_path_factory.mktemp("mcore_deepseek")
+    (where / "ckpt").mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    run = subprocess.run(
+        [os.environ["MCORE_PYTHON"], str(SCRIPT), json.dumps(CONFIG), "ckpt", "result.pt"],
+        cwd=str(where),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return where / "ckpt", torch.load(where / "result.pt", weights_only=True)
+
+
+def ours() -> GPTModel:
+    fields = dict(CONFIG)
+    vocab, seq = fields.pop("vocab_size"), fields.pop("seq_length")
+    fields["params_dtype"] = getattr(torch, fields["params_dtype"])
+    config = MLATransformerConfig(**fields, activation_func=F.silu)
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=False, normalization="RMSNorm"
+    )
+    mtp = get_gpt_mtp_block_spec(config, block, use_transformer_engine=False)
+    torch.manual_seed(0)
+    return GPTModel(
+        config, block, vocab, seq, position_embedding_type="rope", mtp_block_spec=mtp,
+        pg_collection=ProcessGroupCollection(),
+    )  # fmt: skip
+
+
+def test_megatron_core_deepseek_checkpoint_loads_and_computes_the_same(saved):
+    directory, theirs = saved
+    assert theirs["version"] == "0.16.1"
+    model = ours()
+    request = model.sharded_state_dict()
+    loaded, missing, unexpected = dist_checkpointing.load(
+        request, str(directory), strict="return_all"
+    )
+    assert not unexpected
+    # what ours has no module for: the extra states (None) of megatron-core's per-expert
+    # linears and of the down projections (ours: one expert weight; ReplicatedLinear)
+    assert missing and all(_extra_state(k) for k in missing), sorted(missing)
+    assert any("linear_q_down_proj" in k for k in missing)
+    model.load_state_dict(loaded)
+    mine = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    assert set(mine) == set(theirs["state"])
+    for name, value in theirs["state"].items():
+        assert torch.equal(mine[name], value), name
+    assert theirs["state"]["decoder.layers.1.mlp.router.expert_bias"].abs().min() > 0
+
+    tokens, labels = theirs["tokens"], theirs["labels"]
+    calls, hidden = [], {}
+    model.output_layer.register_forward_hook(lambda m, i, o: calls.append(o[0].detach()))
+    for i, layer in enumerate(model.decoder.layers):
+        layer.register_forward_hook(lambda m, a, o, i=i: hidden.__setitem__(i, o[0].detach()))
+    MTPLossLoggingHelper.clean_loss_in_tracker()
+    loss = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None, labels=labels)
+    loss.sum().backward()
+
+    assert (hidden[0] - theirs["hidden"]["decoder.0"]).abs().max() < 1e-15  # measured 3.5e-18
+    assert (hidden[1] - theirs["hidden"]["decoder.1"]).abs().max() < 1e-9  # 3.0e-11
+    logits = calls[-1].transpose(0, 1)  # the main logits, after the depth's (as megatron-core)
+    assert (logits - theirs["logits"]).abs().max() < 1e-9  # 9.6e-11
+    exact = F.cross_entropy(
+        theirs["logits"].flatten(0, 1), labels.flatten(), reduction="none"
+    ).view_as(loss)
+    assert (loss.detach() - exact).abs().max() < 1e-9  # 3.9e-11
+    assert torch.allclose(loss.detach().float(), theirs["loss"], rtol=5e-7, atol=0)  # 1.1e-7
+    mtp = MTPLossLoggingHelper.tracker["values"]
+    assert torch.allclose(mtp.float(), theirs["mtp_loss"], rtol=5e-7, atol=0)  # 1.1e-7
+    MTPLossLoggingHelper.clean_loss_in_tracker()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert set(grads) == set(theirs["grads"])
+    for name, grad in theirs["grads"].items():
+        # worst 1.7e-7 of the gradient's largest entry (its float32 cross-entropy backward)
+        assert (grads[name] - grad).abs().max() <= 2e-6 * grad.abs().max() + 1e-15, name
+
+
+@pytest.mark.parametrize("tp, ep", [(2, 1), (1, 2)], ids=["tp2", "ep2"])
+def test_a_two_rank_megatron_core_checkpoint_loads_at_one_process(saved, tmp_path, tp, ep):
+    """Saved by megatron-core on 2 ranks (TP 2: each weight split, fc1's gate and up halves
+    split separately; EP 2: two experts per rank), loaded into one process: every tensor
+    equals megatron-core's (TP 2: the one-process run's weights, which ``use_cpu_initialization``
+    gives at any TP; EP 2: each rank's tensors, by global expert index)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["OMP_NUM_THREADS"] = "1"
+    (tmp_path / "ckpt").mkdir()
+    launch = ["-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    launch += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+    args = [str(SCRIPT), json.dumps(CONFIG), "ckpt", "result.pt", str(tp), str(ep)]
+    run = subprocess.run(
+        [os.environ["MCORE_PYTHON"], *launch, *args],
+        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    expected = saved[1]["state"]
+    if ep > 1:  # rank 0's replicas are the stored ones
+        ranks = [torch.load(tmp_path / f"result.pt.rank{r}", weights_only=True) for r in (1, 0)]
+        expected = {**ranks[0], **ranks[1]}
+    model = ours()
+    loaded, missing, unexpected = dist_checkpointing.load(
+        model.sharded_state_dict(), str(tmp_path / "ckpt"), strict="return_all"
+    )
+    assert not unexpected and all(_extra_state(k) for k in missing)
+    model.load_state_dict(loaded)
+    mine = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    assert set(mine) == set(expected)
+    for name, value in expected.items():
+        assert torch.equal(mine[name], value), name
+
+
+FLAGS = """--num-layers 2 --hidden-size 16 --num-attention-heads 2 --ffn-hidden-size 24
+--multi-latent-attention --q-lora-rank 8 --kv-lora-rank 6 --qk-head-dim 4
+--qk-pos-emb-head-dim 4 --v-head-dim 6 --rope-type yarn --rotary-base 10000
+--rotary-scaling-factor 4 --original-max-position-embeddings 4 --mscale 1 --mscale-all-dim 1
+--beta-fast 32 --beta-slow 1 --norm-epsilon 1e-6 --normalization RMSNorm --qk-layernorm
+--disable-bias-linear --swiglu --num-experts 4 --moe-layer-freq [0,1] --moe-ffn-hidden-size 8
+--moe-shared-expert-intermediate-size 8 --moe-router-topk 2 --moe-router-score-function sigmoid
+--moe-router-enable-expert-bias --moe-router-topk-scaling-factor 2.5 --moe-router-num-groups 2
+--moe-router-group-topk 1 --moe-token-dispatcher-type allgather --mtp-num-layers 1
+--vocab-size 64 --seq-length 8 --untie-embeddings-and-output-weights
+--position-embedding-type rope --global-batch-size 2 --micro-batch-size 2""".split()
+
+
+def test_the_trainer_fine_tunes_from_it_in_megatrons_layout(saved, tmp_path, capsys):
+    """``--load DIR --finetune`` with megatron's layout (``DIR/iter_0000010/`` and
+    ``latest_checkpointed_iteration.txt``): the weights load (before: refused, the extra
+    states of modules ours has not counted as dropped weights). A Megatron-LM training
+    checkpoint holds more (docs/checkpoints.md)."""
+    import shutil
+
+    from megatron.training import cli
+
+    shutil.copytree(saved[0], tmp_path / "iter_0000010")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("10")
+    with fresh_layout():
+        code = cli.main(FLAGS + ["--load", str(tmp_path), "--finetune", "--train-iters", "1"])
+    out = capsys.readouterr()
+    assert code == 0, out.err[-2000:]
+    assert f"loaded checkpoint of iteration 0 from {tmp_path / 'iter_0000010'}" in out.out
+    with fresh_layout():  # a resume: it has no optimizer state (before: a KeyError inside)
+        code = cli.main(FLAGS + ["--load", str(tmp_path), "--train-iters", "1"])
+    err = capsys.readouterr().err
+    assert code != 0 and "holds no optimizer state" in err and "pass --finetune" in err, err

@@ -1,0 +1,112 @@
+"""The forms of a checkpoint written by megatron-core 0.16.1 that loading here accepts, each
+checked without megatron-core (the whole checkpoint, written by megatron-core itself:
+``test_mcore_checkpoint.py``, slow):
+
+- its ``.metadata`` keeps every rank's save plan (``all_local_plans``: DCP's ``SavePlan``,
+  ``WriteItem``, ...), admitted by the metadata unpickler (before: refused);
+- an unstacked ``_extra_state`` object at shape (1,), offset (0,)
+  (``make_sharded_object_for_checkpoint``, now here too), and the old form of this package
+  (shape ()) still loads;
+- the pre-MLP norm under the other name (``pre_mlp_layernorm.weight`` in megatron-core's MLA
+  local spec, ``mlp.linear_fc1.layer_norm_weight`` here) loads;
+- no ``output_layer._extra_state`` (megatron-core's GPTModel drops it);
+- the trainer does not count unrequested ``_extra_state`` objects as dropped weights.
+"""
+
+import pickle
+
+import pytest
+import torch
+
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing import storage as ckpt_storage
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
+from tests.unit_tests.dist_checkpointing.test_te_aliases import _model
+
+pytestmark = pytest.mark.world(1)
+
+
+def _weights(model) -> dict:
+    return {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
+
+
+def test_metadata_with_megatron_core_save_plans_loads(tmp_path):
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+
+    weight = torch.arange(6.0).reshape(2, 3)
+    dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", weight)}, str(tmp_path))
+    path = tmp_path / ".metadata"
+    metadata = pickle.loads(path.read_bytes())
+    item = WriteItem(index=MetadataIndex("w", torch.Size([0, 0])), type=WriteItemType.SHARD)
+    metadata.all_local_plans = [SavePlan(items=[item], planner_data={"w": ("w",)})]
+    path.write_bytes(pickle.dumps(metadata))
+    (tmp_path / ckpt_storage.CHECKSUMS_FNAME).unlink()  # as megatron-core writes none
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3))}
+    assert torch.equal(dist_checkpointing.load(request, str(tmp_path))["w"], weight)
+
+
+def test_an_unstacked_object_has_megatron_cores_grid_and_both_forms_load(tmp_path):
+    piece = make_sharded_object_for_checkpoint(None, "layer.linear._extra_state")
+    assert piece.unique_key == "layer.linear._extra_state/shard_0_1"  # megatron-core's
+    for shape, offset in (((1,), (0,)), ((), ())):
+        where = tmp_path / f"form{len(shape)}"
+        where.mkdir()
+        stored = ShardedObject("x._extra_state", {"v": 3}, shape, offset, replica_id=0)
+        dist_checkpointing.save({"x": stored}, str(where))
+        for asked_shape, asked_offset in (((1,), (0,)), ((), ())):
+            asked = ShardedObject("x._extra_state", None, asked_shape, asked_offset)
+            assert dist_checkpointing.load({"x": asked}, str(where))["x"] == {"v": 3}
+    with pytest.raises(CheckpointingException, match="no 'y._extra_state/shard_0_1'"):
+        asked = ShardedObject("y._extra_state", None, (1,), (0,))
+        dist_checkpointing.load({"y": asked}, str(tmp_path / "form1"))
+
+
+def test_the_pre_mlp_norm_loads_from_either_name(tmp_path):
+    saved = _model(0)
+    state = saved.sharded_state_dict()
+    assert "output_layer._extra_state" not in state  # megatron-core's GPTModel drops it
+    ours = "decoder.layers.mlp.linear_fc1.layer_norm_weight"
+    assert state["decoder.layers.0.pre_mlp_layernorm.weight"].key == ours
+    state["decoder.layers.0.pre_mlp_layernorm.weight"].key = (
+        "decoder.layers.pre_mlp_layernorm.weight"
+    )
+    state["decoder.layers.1.pre_mlp_layernorm.weight"].key = (
+        "decoder.layers.pre_mlp_layernorm.weight"
+    )
+    dist_checkpointing.save(state, str(tmp_path))
+    assert ours not in dist_checkpointing.load_tensors_metadata(str(tmp_path))
+    fresh = _model(1)
+    fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(), str(tmp_path)))
+    for name, value in _weights(saved).items():
+        assert torch.equal(_weights(fresh)[name], value), name
+
+
+def test_the_trainer_does_not_count_extra_states_as_dropped_weights(tmp_path):
+    from megatron.training.checkpointing import _check_keys
+
+    _check_keys(tmp_path, {"mtp.layers.0.eh_proj._extra_state/shard_0_1"}, set(), ())
+    with pytest.raises(CheckpointingException, match="holds mtp.layers.0.eh_proj.weight"):
+        _check_keys(tmp_path, {"mtp.layers.0.eh_proj.weight"}, set(), ())
+    with pytest.raises(CheckpointingException, match="asks for x._extra_state/shard_0_1"):
+        _check_keys(tmp_path, set(), {"x._extra_state/shard_0_1"}, ())
+
+
+def test_the_trainer_refuses_to_resume_optimizer_state_a_foreign_checkpoint_lacks(tmp_path):
+    """A checkpoint not written by the trainer (no run record) without optimizer state, e.g.
+    megatron-core's save of a model: resuming it is refused naming --finetune (before: the
+    load failed inside the optimizer's merge); a trainer's checkpoint is not affected."""
+    from megatron.training.checkpointing import _check_resume
+
+    weight = ShardedTensor.from_rank_offsets("w", torch.ones(2))
+    dist_checkpointing.save({"w": weight}, str(tmp_path))
+
+    def check(common, finetune=False, load_optim=True):
+        return _check_resume(common, None, tmp_path, "--load x", finetune, load_optim, None, (0, 0))
+
+    with pytest.raises(ValueError, match="holds no optimizer state .* pass --finetune"):
+        check({})
+    assert check({}, finetune=True) == [] and check({}, load_optim=False) == []
+    assert check({"run_settings": {}}) == []  # ours (an SGD run may store no state)
