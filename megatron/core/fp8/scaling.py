@@ -95,10 +95,16 @@ def operands(
     compiled as a second function (dynamo keeps one cache per function: the experts' lists,
     one tensor per expert with token counts that change, then do not take the dense linears'
     entries up to the recompile limit)."""
-    args = (tensors, amax, dtype, margin, tuple(transposed_too), fp8_to_transpose)
     if tensors and _compiled_here(tensors[0]):
-        return (_fused_expert_operands if experts else _fused_operands)(*args)
-    return _operands(*args)
+        # Plain tensors without grad mode: dynamo guards on parameters' static shapes, on
+        # requires_grad, on a view's base and on the grad mode (the backward's calls), each
+        # a recompilation (eager FP8 runs hit the recompile limit of 8, then ran uncompiled).
+        fused = _fused_expert_operands if experts else _fused_operands
+        with torch.no_grad():
+            plain = [t.detach() for t in tensors]
+            fp8 = [q.detach() for q in fp8_to_transpose]
+            return fused(plain, amax.detach(), dtype, margin, tuple(transposed_too), fp8)
+    return _operands(tensors, amax, dtype, margin, tuple(transposed_too), fp8_to_transpose)
 
 
 def _operands(tensors, amax, dtype, margin, transposed_too, fp8_to_transpose):

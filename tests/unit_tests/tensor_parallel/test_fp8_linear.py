@@ -187,3 +187,33 @@ def test_a_compiled_fp8_linear_hands_its_weight_gradient_to_the_hook():
     assert torch.equal(layer.weight.main_grad, torch.zeros_like(layer.weight))
     torch.testing.assert_close(layer.weight.grad, eager.weight.grad, rtol=0, atol=0)
     torch.testing.assert_close(x.grad, x_eager.grad, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_the_compiled_casts_compile_once_per_call_shape_not_per_weight(monkeypatch):
+    """On CUDA an eager FP8 linear's casts are one compiled graph (``scaling.operands``);
+    dynamo guarded on each weight's static shape, requires_grad, a view's base and the grad
+    mode, so an eager FP8 model reached the recompile limit (8) and ran uncompiled. Here the
+    compiled path on the CPU (a counting backend): linears of 6 weight shapes, forward and
+    backward, twice: at most 3 graphs per kind of call (static, then each dim dynamic)."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    monkeypatch.setattr(
+        scaling, "_fused_operands", torch.compile(scaling._operands, backend=counter)
+    )
+    monkeypatch.setattr(scaling, "_compiled_here", lambda t: not torch.compiler.is_compiling())
+    config = _config()
+    try:
+        for _ in range(2):
+            for n_in, n_out in ((16, 24), (16, 48), (24, 16), (48, 16), (16, 40), (40, 16)):
+                layer = ColumnParallelLinear(
+                    n_in, n_out, config=config, init_method=torch.nn.init.normal_
+                )
+                layer(torch.randn(5, 3, n_in, requires_grad=True))[0].sum().backward()
+    finally:
+        torch._dynamo.reset()
+    assert counter.frame_count <= 6, f"{counter.frame_count} compilations"  # 3 a kind: static,
+    # then each dim dynamic
