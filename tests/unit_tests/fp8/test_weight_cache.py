@@ -212,19 +212,15 @@ def test_load_state_dict_refills_the_cache():
     assert model.fc1.is_first_microbatch is True and model.experts.is_first_microbatch is True
 
 
-@pytest.mark.slow
-def test_compiled_cached_steps_are_bitwise_the_eager_uncached_ones(monkeypatch):
-    """The FP8 linears traced whole (``fullgraph=True``, backend "aot_eager": the trainer's
-    ``--compile`` traces them into the layer graphs), the cache switched on under compile
-    (``CACHE_WHEN_COMPILED``): no graph break, 2 graphs per linear (fill, reuse) over 3 steps,
-    the steps bitwise the eager uncached ones."""
+def _compiled_against_uncached(monkeypatch, steps: int) -> int:
+    """Train with the FP8 linears traced whole (``fullgraph=True``, backend "aot_eager": the
+    trainer's ``--compile`` traces them into the layer graphs); assert the steps are bitwise
+    the eager uncached ones; return how many graphs were compiled."""
     import torch._dynamo.testing
-
-    monkeypatch.setattr(cache, "CACHE_WHEN_COMPILED", True)
 
     with monkeypatch.context() as patch:
         _uncached(patch)
-        plain = _train(grouped=True, steps=3)
+        plain = _train(grouped=True, steps=steps)
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     build = _Model.__init__
@@ -235,32 +231,24 @@ def test_compiled_cached_steps_are_bitwise_the_eager_uncached_ones(monkeypatch):
             linear.compile(backend=counter, fullgraph=True)
 
     monkeypatch.setattr(_Model, "__init__", compiled)
-    assert _equal(_train(grouped=True, steps=3), plain)
-    assert counter.frame_count == 4
+    assert _equal(_train(grouped=True, steps=steps), plain)
+    return counter.frame_count
+
+
+@pytest.mark.slow
+def test_compiled_cached_steps_are_bitwise_the_eager_uncached_ones(monkeypatch):
+    """The cache switched on under compile (``CACHE_WHEN_COMPILED``): no graph break, 2
+    graphs per linear (fill, reuse) over 3 steps, the steps bitwise the eager uncached ones."""
+    monkeypatch.setattr(cache, "CACHE_WHEN_COMPILED", True)
+    assert _compiled_against_uncached(monkeypatch, steps=3) == 4
 
 
 @pytest.mark.slow
 def test_a_compiled_linear_casts_its_weight_at_every_call_by_default(monkeypatch):
     """``CACHE_WHEN_COMPILED`` False (the default): traced, the linears do not use the cache
-    (one graph per linear, no fill/reuse variants), a weight amax per call; the steps bitwise
-    the eager uncached ones."""
-    import torch._dynamo.testing
-
-    with monkeypatch.context() as patch:
-        _uncached(patch)
-        plain = _train(grouped=True, steps=2)
-    torch._dynamo.reset()
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-    build = _Model.__init__
-
-    def compiled(self, grouped):
-        build(self, grouped)
-        for linear in (self.fc1, self.fc2):
-            linear.compile(backend=counter, fullgraph=True)
-
-    monkeypatch.setattr(_Model, "__init__", compiled)
-    assert _equal(_train(grouped=True, steps=2), plain)
-    assert counter.frame_count == 2  # 4 with the cache: a fill and a reuse graph per linear
+    (one graph per linear, no fill/reuse variants); the steps bitwise the eager uncached
+    ones."""
+    assert _compiled_against_uncached(monkeypatch, steps=2) == 2  # 4 with the cache
 
 
 @pytest.mark.parametrize("write", ["in place", "new storage"])
