@@ -35,7 +35,7 @@ from megatron.core.fusions.fused_bias_geglu import gated_unit
 from megatron.core.process_groups_config import ProcessGroupCollection, get_pg_rank, get_pg_size
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.grouped_gemm import ExpertRows, grouped_linear, use_grouped_mm
-from megatron.core.transformer.moe.parallel import moe_groups_of
+from megatron.core.transformer.moe.parallel import moe_groups_of, strided_shard
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 FullWeight = Callable[[str, int, tuple], torch.Tensor]
@@ -427,12 +427,3 @@ def _mark_expert(
     param.partition_dim = partition_dim
     param.partition_stride = stride
     param.allreduce = False
-
-
-def strided_shard(full: torch.Tensor, dim: int, stride: int, size: int, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s shard of ``size``: ``full`` cut along ``dim`` into size * stride
-    blocks, blocks rank, rank + size, ... kept (the strided split of the dense layers)."""
-    if size == 1:
-        return full
-    blocks = full.chunk(size * stride, dim=dim)
-    return torch.cat(blocks[rank::size], dim=dim)
