@@ -29,7 +29,7 @@ def test_a_resume_keeps_the_seed_of_its_generated_data(tmp_path, monkeypatch, ca
     straight = _losses(TrainingConfig(**TINY, train_iters=2, seed=7))
     first = _losses(TrainingConfig(**TINY, train_iters=1, seed=7, save=str(tmp_path)))
     reached = []
-    monkeypatch.setattr(cli, "_run", lambda config: reached.append(config) or 0)
+    monkeypatch.setattr(cli, "_run", lambda config, dpo_source=None: reached.append(config) or 0)
     command = ["--load", str(tmp_path), "--train-iters", "2", "--global-batch-size", "2"]
     command += ["--micro-batch-size", "2"]  # the model's settings: adopted from the checkpoint
     assert cli.main(command) == 0
