@@ -32,7 +32,11 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_mtp_block_spec,
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+from megatron.core.transformer.multi_token_prediction import (
+    MTPLossAutoScaler,
+    MTPLossLoggingHelper,
+)
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.training.checkpointing import _extra_state
 from tests.unit_tests.dist_utils import fresh_layout
@@ -160,6 +164,8 @@ def test_megatron_core_deepseek_checkpoint_loads_and_computes_the_same(saved):
     for i, layer in enumerate(model.decoder.layers):
         layer.register_forward_hook(lambda m, a, o, i=i: hidden.__setitem__(i, o[0].detach()))
     MTPLossLoggingHelper.clean_loss_in_tracker()
+    for scaler in (MTPLossAutoScaler, MoEAuxLossAutoScaler):  # megatron-core's default scale
+        scaler.set_loss_scale(torch.tensor(1.0))  # (a test before may have left another)
     loss = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None, labels=labels)
     loss.sum().backward()
 
