@@ -63,6 +63,8 @@ def describe_value(value: Any) -> str:
     """A short description of an argument's value for an error message."""
     if torch.is_tensor(value):
         return f"a tensor of shape {tuple(value.shape)}"
+    if type(value).__repr__ is object.__repr__:  # no repr of its own: its class says more
+        return f"a {type(value).__name__}"
     text = repr(value)
     text = text if len(text) <= 80 else text[:77] + "..."
     return f"{text} ({type(value).__name__})"

@@ -113,6 +113,13 @@ def test_cached_attention_refuses_what_it_cannot_apply(modules, argument):
         _call(modules, "SelfAttention", inference_context=context, **{argument: value})
 
 
+def test_mla_refuses_a_kv_cache_naming_its_class(modules):
+    """An object without a repr of its own is described by its class."""
+    match = r"^MLASelfAttention: inference_context is not supported \(.+\); got a "
+    with pytest.raises(NotImplementedError, match=match + r"StaticInferenceContext, expected"):
+        _call(modules, "MLASelfAttention", inference_params=StaticInferenceContext(BATCH, SEQ))
+
+
 def test_unknown_layer_keyword_is_an_error(modules):
     """The layer no longer swallows unknown keywords (a misspelt argument was dropped)."""
     with pytest.raises(TypeError, match="rotary_pos_embedding"):
