@@ -12,6 +12,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
@@ -118,6 +120,21 @@ def test_mla_refuses_a_kv_cache_naming_its_class(modules):
     match = r"^MLASelfAttention: inference_context is not supported \(.+\); got a "
     with pytest.raises(NotImplementedError, match=match + r"StaticInferenceContext, expected"):
         _call(modules, "MLASelfAttention", inference_params=StaticInferenceContext(BATCH, SEQ))
+
+
+@pytest.mark.parametrize("mask_type", ["no_mask", "padding_causal", "arbitrary"])
+def test_attention_mask_types_it_cannot_compute_are_refused(modules, mask_type):
+    """Bidirectional or arbitrary masks were computed as causal: refused at build time and
+    as a forward override; causal and padding (the GPT's causal mask) are accepted."""
+    core = modules["SelfAttention"].core_attention
+    match = rf"^DotProductAttention: attn_mask_type=AttnMaskType\.{mask_type} is not supported"
+    with pytest.raises(NotImplementedError, match=match):
+        DotProductAttention(core.config, 1, AttnMaskType[mask_type], "self")
+    q = torch.zeros(SEQ, BATCH, 2, 4, dtype=torch.float64)
+    with pytest.raises(NotImplementedError, match=match):
+        core(q, q, q, None, attn_mask_type=AttnMaskType[mask_type])
+    for accepted in (AttnMaskType.causal, AttnMaskType.padding):
+        assert torch.equal(core(q, q, q, None, attn_mask_type=accepted), core(q, q, q, None))
 
 
 def test_unknown_layer_keyword_is_an_error(modules):
