@@ -25,6 +25,7 @@ from megatron.core.transformer.parallel_groups import (
     hierarchical_cp_groups_of,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import refuse_unsupported_arguments
 
 
 class DotProductAttention(MegatronModule):
@@ -118,8 +119,7 @@ class DotProductAttention(MegatronModule):
         """
         if attn_mask_type is not None:
             check_attn_mask_type(attn_mask_type)
-        if attention_bias is not None:
-            raise NotImplementedError("DotProductAttention: attention_bias is not supported")
+        refuse_unsupported_arguments("DotProductAttention", attention_bias=attention_bias)
         context = attention_with_kernel(
             query,
             key,

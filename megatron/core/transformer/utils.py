@@ -56,6 +56,9 @@ UNSUPPORTED_FORWARD_ARGUMENTS = {
     "rotary_pos_cos_sin": "flashinfer's fused rope (dynamic inference) is not implemented",
     "sequence_len_offset": "it is the KV cache's offset: pass inference_context, whose "
     "sequence_len_offset is used",
+    "attention_bias": "the attention is causal by global position, with no additive bias",
+    "per_token_scale": "scaling the activations by per-token router probabilities (the MoE "
+    "experts' option) is not implemented in the MLP",
 }
 
 

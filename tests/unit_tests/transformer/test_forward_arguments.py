@@ -58,6 +58,7 @@ def modules():
         "TransformerLayer": layer,
         "SelfAttention": layer.self_attention,
         "MLASelfAttention": mla.layers[0].self_attention,
+        "MLP": layer.mlp,
     }
 
 
@@ -95,6 +96,8 @@ REFUSED = [
     ("MLASelfAttention", "position_ids", "MLASelfAttention"),
     ("MLASelfAttention", "sequence_len_offset", "MLASelfAttention"),
     ("MLASelfAttention", "attention_bias", "MLASelfAttention"),
+    ("SelfAttention", "attention_bias", "DotProductAttention"),
+    ("MLP", "per_token_scale", "MLP"),
 ]
 
 
