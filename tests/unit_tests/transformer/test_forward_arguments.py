@@ -1,6 +1,7 @@
-"""megatron-core's forward arguments of the transformer layer, block, attention and
-multi-latent attention are honoured or refused by name (SPEC section 8), never accepted and
-dropped: each refusal names the class, the argument and the value's kind;
+"""megatron-core's forward arguments of the GPT model, transformer block and layer, attention,
+multi-latent attention, core attention and MLP are honoured or refused by name (SPEC section
+8), never accepted and dropped: each refusal names the class, the argument and the value's
+kind; attention mask types other than causal/padding are refused;
 ``inference_params`` reaches the KV cache; a ``sequence_len_offset`` equal to the cache's
 offset is accepted and leaves the output unchanged, another one is refused."""
 
