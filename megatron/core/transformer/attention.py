@@ -25,6 +25,7 @@ from megatron.core.transformer.parallel_groups import tp_group_of
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.torch_norm import WholeProjectionRMSNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import refuse_unsupported_arguments
 from megatron.core.utils import get_pg_size
 
 
@@ -105,16 +106,27 @@ class Attention(MegatronModule):
 
         ``rotary_pos_emb`` [s_local, 1, 1, r] rotates queries and keys (RoPE); a
         ``LayerAngles`` gives this layer's (its ``local`` ones for a sliding-window layer).
+        ``sequence_len_offset`` (with ``inference_context`` only) must equal the context's
+        ``sequence_len_offset``, the KV cache's offset this forward uses. Cross-attention
+        and the fused-rope cos/sin tables are refused by name.
         """
         inference_context = inference_context if inference_context is not None else inference_params
-        for name, value in (
-            ("key_value_states", key_value_states),
-            ("rotary_pos_cos", rotary_pos_cos),
-            ("rotary_pos_sin", rotary_pos_sin),
-            ("rotary_pos_cos_sin", rotary_pos_cos_sin),
-        ):
-            if value is not None:
-                raise NotImplementedError(f"{type(self).__name__}: {name} is not supported")
+        owner = type(self).__name__
+        refuse_unsupported_arguments(
+            owner,
+            key_value_states=key_value_states,
+            rotary_pos_cos=rotary_pos_cos,
+            rotary_pos_sin=rotary_pos_sin,
+            rotary_pos_cos_sin=rotary_pos_cos_sin,
+        )
+        check_sequence_len_offset(owner, sequence_len_offset, inference_context)
+        if inference_context is not None:
+            refuse_unsupported_arguments(
+                owner,
+                _CACHED_REASONS,
+                attention_bias=attention_bias,
+                packed_seq_params=packed_seq_params,
+            )
         query, key, value = self.get_query_key_value_tensors(hidden_states)
         if isinstance(rotary_pos_emb, LayerAngles):
             rotary_pos_emb = rotary_pos_emb.of_layer(self.window_layer)
@@ -180,6 +192,32 @@ class Attention(MegatronModule):
             q, k, v, attn_mask=mask, is_causal=causal, scale=kernel.scale
         )
         return out.permute(2, 0, 1, 3).reshape(s, out.shape[0], -1)
+
+
+# Not implemented with a KV cache (``inference_context``).
+_CACHED_REASONS = {
+    "attention_bias": "the KV-cache path takes no attention bias",
+    "packed_seq_params": "packed sequences with a KV cache are not implemented; generate one "
+    "sequence per batch row",
+}
+
+
+def check_sequence_len_offset(owner: str, offset, inference_context) -> None:
+    """Accept ``sequence_len_offset`` (an int, or a tensor of one offset per sequence) only
+    where it is the KV cache's offset: with ``inference_context`` and equal to its
+    ``sequence_len_offset``; refuse it otherwise, naming ``owner``."""
+    if offset is None:
+        return
+    if inference_context is None:
+        refuse_unsupported_arguments(owner, sequence_len_offset=offset)
+    cached = inference_context.sequence_len_offset
+    values = offset.flatten().tolist() if torch.is_tensor(offset) else [offset]
+    if any(value != cached for value in values):
+        raise ValueError(
+            f"{owner}: sequence_len_offset={values if torch.is_tensor(offset) else offset!r} "
+            f"disagrees with inference_context.sequence_len_offset={cached}; expected None or "
+            f"{cached} (the KV cache's offset, which this forward uses)"
+        )
 
 
 def layer_cp_comm_type(cp_comm_type, config: TransformerConfig, layer_number: int):

@@ -25,6 +25,7 @@ from megatron.core.transformer.parallel_groups import (
     hierarchical_cp_groups_of,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import refuse_unsupported_arguments
 
 
 class DotProductAttention(MegatronModule):
@@ -64,7 +65,7 @@ class DotProductAttention(MegatronModule):
                 f"DotProductAttention: attention_type={attention_type!r}; only 'self'"
             )
         self.layer_number = max(1, layer_number)
-        self.attn_mask_type = attn_mask_type
+        self.attn_mask_type = check_attn_mask_type(attn_mask_type)
         self.cp_comm_type = cp_comm_type
         self.pg_collection = pg_collection
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -113,10 +114,12 @@ class DotProductAttention(MegatronModule):
     ) -> torch.Tensor:
         """query [s_local, b, np, d], key/value [s_local, b, ng, d] -> [s_local, b, np * d].
 
-        ``attention_mask`` is ignored: the mask is causal by global position.
+        ``attention_mask`` is ignored: the mask is causal by global position (an
+        ``attn_mask_type`` other than causal or padding is refused).
         """
-        if attention_bias is not None:
-            raise NotImplementedError("DotProductAttention: attention_bias is not supported")
+        if attn_mask_type is not None:
+            check_attn_mask_type(attn_mask_type)
+        refuse_unsupported_arguments("DotProductAttention", attention_bias=attention_bias)
         context = attention_with_kernel(
             query,
             key,
@@ -149,6 +152,20 @@ class DotProductAttention(MegatronModule):
         if self.cp_comm_type == "a2a+p2p" and self.config.context_parallel_size == 1:
             return "all_gather"
         return self.cp_comm_type or "all_gather"
+
+
+def check_attn_mask_type(attn_mask_type: AttnMaskType) -> AttnMaskType:
+    """``attn_mask_type`` when this core computes it: causal, or padding (megatron-core's
+    ``SelfAttention`` default, whose mask is the causal one GPT passes); the others
+    (bidirectional, arbitrary masks) are refused by name."""
+    if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding):
+        got = attn_mask_type if isinstance(attn_mask_type, AttnMaskType) else repr(attn_mask_type)
+        raise NotImplementedError(
+            f"DotProductAttention: attn_mask_type={got} is not supported (the "
+            "attention is causal by global position); expected AttnMaskType.causal or "
+            "AttnMaskType.padding"
+        )
+    return attn_mask_type
 
 
 def _sinks(config: TransformerConfig) -> Optional[torch.Tensor]:

@@ -29,8 +29,8 @@ assert tuple(AttnBackend.__members__) == config_rules.ATTENTION_BACKENDS
 
 
 class AttnMaskType(enum.Enum):
-    """How attention is masked; this core implements ``causal`` (and ``padding``/``no_mask``
-    specs are accepted: the GPT is always causal)."""
+    """How attention is masked; this core implements ``causal`` (``padding`` specs are
+    accepted: the GPT is always causal; the others are refused by ``DotProductAttention``)."""
 
     padding = 1
     causal = 2

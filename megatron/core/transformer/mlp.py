@@ -20,6 +20,7 @@ from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
 from megatron.core.transformer.module import MegatronModule, output_projection, parallel_linear
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import refuse_unsupported_arguments
 
 
 @dataclass
@@ -83,8 +84,7 @@ class MLP(MegatronModule):
         self, hidden_states: torch.Tensor, per_token_scale=None, **kwargs
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """[s, b, h] -> (fc2 output [s, b, h], fc2 bias)."""
-        if per_token_scale is not None:
-            raise NotImplementedError("MLP: per_token_scale is not supported")
+        refuse_unsupported_arguments("MLP", per_token_scale=per_token_scale)
         intermediate, bias = self.linear_fc1(hidden_states)
         if self.config.bias_activation_fusion:  # one compiled pass (fusions/)
             fused = bias_swiglu_impl if self.config.gated_linear_unit else bias_gelu_impl

@@ -36,6 +36,7 @@ from megatron.core.transformer.module import MegatronModule, output_projection, 
 from megatron.core.transformer.parallel_groups import ResolvedGroup, cp_group_of, tp_group_of
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import MLATransformerConfig
+from megatron.core.transformer.utils import refuse_unsupported_arguments
 from megatron.core.utils import get_pg_size
 
 
@@ -76,6 +77,21 @@ class ReplicatedLinear(MegatronModule):
     def forward(self, input_: torch.Tensor) -> Tuple[torch.Tensor, None]:
         """(x W^T, no bias)."""
         return F.linear(input_, self.weight), None
+
+
+# MLASelfAttention.forward's refused arguments whose reason differs from
+# ``UNSUPPORTED_FORWARD_ARGUMENTS``'.
+_MLA_REASONS = {
+    "inference_context": "multi-latent attention has no KV cache",
+    "rotary_pos_emb": "multi-latent attention applies its own rope (config.rope_type)",
+    "rotary_pos_cos": "multi-latent attention applies its own rope (config.rope_type)",
+    "rotary_pos_sin": "multi-latent attention applies its own rope (config.rope_type)",
+    "rotary_pos_cos_sin": "multi-latent attention applies its own rope (config.rope_type)",
+    "attention_bias": "multi-latent attention takes no attention bias",
+    "packed_seq_params": "packed sequences are not implemented for multi-latent attention",
+    "position_ids": "multi-latent attention's rope positions are the sequence positions",
+    "sequence_len_offset": "multi-latent attention has no KV cache",
+}
 
 
 class MLASelfAttention(MegatronModule):
@@ -274,20 +290,30 @@ class MLASelfAttention(MegatronModule):
         rotary_pos_cos_sin=None,
         attention_bias: Optional[torch.Tensor] = None,
         packed_seq_params=None,
+        position_ids: Optional[torch.Tensor] = None,
         sequence_len_offset: Optional[int] = None,
         *,
         inference_params=None,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """[s, b, h] -> (output [s, b, h], linear_proj bias); rope is applied here (the
-        passed ``rotary_pos_emb`` is not used)."""
-        for name, value in (
-            ("key_value_states", key_value_states),
-            ("inference_context", inference_context or inference_params),
-            ("packed_seq_params", packed_seq_params),
-            ("attention_bias", attention_bias),
-        ):
-            if value is not None:
-                raise NotImplementedError(f"MLASelfAttention: {name} is not supported")
+        """[s, b, h] -> (output [s, b, h], linear_proj bias); rope is applied here, by
+        sequence position. Every other argument of megatron-core's must be None (refused by
+        name otherwise)."""
+        refuse_unsupported_arguments(
+            "MLASelfAttention",
+            _MLA_REASONS,
+            key_value_states=key_value_states,
+            inference_context=(
+                inference_context if inference_context is not None else inference_params
+            ),
+            rotary_pos_emb=rotary_pos_emb,
+            rotary_pos_cos=rotary_pos_cos,
+            rotary_pos_sin=rotary_pos_sin,
+            rotary_pos_cos_sin=rotary_pos_cos_sin,
+            attention_bias=attention_bias,
+            packed_seq_params=packed_seq_params,
+            position_ids=position_ids,
+            sequence_len_offset=sequence_len_offset,
+        )
         query, key, value = self.get_query_key_value_tensors(hidden_states)
         context = self._attention(query, key, value, attention_mask)
         return self.linear_proj(context)

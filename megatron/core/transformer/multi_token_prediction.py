@@ -41,6 +41,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import build_layers, full_recompute_spans
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from megatron.core.transformer.utils import refuse_unsupported_arguments
 from megatron.core.utils import get_pg_rank, get_pg_size, shard_per_token_tensor
 
 
@@ -251,28 +252,6 @@ class SequenceRoll:
         whole = parts.new_zeros((self.total,) + tuple(parts.shape[1:]))
         whole[self.gathered.to(parts.device)] = parts
         return whole.t()
-
-
-# megatron-core's forward arguments the MTP layer and block refuse when not None, with
-# what is supported instead.
-UNSUPPORTED_FORWARD_ARGUMENTS = {
-    "context": "cross-attention is not implemented",
-    "context_mask": "cross-attention is not implemented",
-    "rotary_pos_cos": "the fused-rope cos/sin tables are not implemented; pass rotary_pos_emb",
-    "rotary_pos_sin": "the fused-rope cos/sin tables are not implemented; pass rotary_pos_emb",
-}
-
-
-def refuse_unsupported_arguments(owner: str, **arguments: Optional[Tensor]) -> None:
-    """Refuse, naming ``owner`` and the argument, a non-None value of an argument of
-    ``UNSUPPORTED_FORWARD_ARGUMENTS`` (SPEC section 8: never silently dropped)."""
-    for name, value in arguments.items():
-        if value is not None:
-            got = f"a tensor of shape {tuple(value.shape)}" if torch.is_tensor(value) else value
-            raise NotImplementedError(
-                f"{owner}: {name} is not supported ({UNSUPPORTED_FORWARD_ARGUMENTS[name]}); "
-                f"got {got!s}, expected None"
-            )
 
 
 class MultiTokenPredictionLayer(MegatronModule):

@@ -17,6 +17,7 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     layers_per_virtual_stage,
 )
+from megatron.core.transformer.utils import refuse_unsupported_arguments
 
 
 @dataclass
@@ -138,7 +139,13 @@ class TransformerBlock(MegatronModule):
         dynamic_inference_decode_only: Optional[bool] = None,
     ) -> torch.Tensor:
         """Run the layers (then the final norm) on [s, b, h] (s sharded over CP, and over TP
-        under sequence parallelism)."""
+        under sequence parallelism). ``context`` and ``context_mask`` (cross-attention) are
+        refused unless None; ``inference_params`` is the deprecated name of
+        ``inference_context``; ``dynamic_inference_decode_only`` (megatron-core's CUDA-graph
+        key) changes nothing, as there."""
+        refuse_unsupported_arguments("TransformerBlock", context=context, context_mask=context_mask)
+        if inference_context is None:
+            inference_context = inference_params
         if not self.pre_process:
             hidden_states = self.input_tensor
         dropout_active = self.training and any(

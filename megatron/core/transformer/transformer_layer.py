@@ -14,6 +14,7 @@ from megatron.core.transformer.moe.moe_layer import BaseMoELayer
 from megatron.core.transformer.parallel_groups import pp_rank_of, tp_group_of
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module, get_module
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import refuse_unsupported_arguments
 
 
 @dataclass
@@ -116,9 +117,18 @@ class TransformerLayer(MegatronModule):
         packed_seq_params=None,
         sequence_len_offset: Optional[torch.Tensor] = None,
         padding_mask: Optional[torch.Tensor] = None,
-        **kwargs,
+        *,
+        inference_params=None,
+        dynamic_inference_decode_only: Optional[bool] = None,
     ):
-        """Returns (hidden_states, context), as megatron-core's layer does."""
+        """Returns (hidden_states, context), as megatron-core's layer does. ``context`` and
+        ``context_mask`` (cross-attention) are refused unless None; ``inference_params`` is
+        the deprecated name of ``inference_context``; ``dynamic_inference_decode_only``
+        (megatron-core's CUDA-graph key) changes nothing, as there; ``padding_mask`` is read
+        by a MoE MLP only."""
+        refuse_unsupported_arguments("TransformerLayer", context=context, context_mask=context_mask)
+        if inference_context is None:
+            inference_context = inference_params
         fused = self.config.bias_dropout_fusion
         recompute = self._recompute_modules()
         normed, norm_ckpt = self._norm(self.input_layernorm, hidden_states, recompute)

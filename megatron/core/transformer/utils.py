@@ -45,6 +45,49 @@ def openai_gelu(x: torch.Tensor) -> torch.Tensor:
     return gelu_impl(x)
 
 
+# megatron-core forward arguments this core does not implement, with what is supported
+# instead: refused by ``refuse_unsupported_arguments`` when not None (SPEC section 8).
+UNSUPPORTED_FORWARD_ARGUMENTS = {
+    "context": "cross-attention is not implemented",
+    "context_mask": "cross-attention is not implemented",
+    "key_value_states": "cross-attention is not implemented",
+    "rotary_pos_cos": "the fused-rope cos/sin tables are not implemented; pass rotary_pos_emb",
+    "rotary_pos_sin": "the fused-rope cos/sin tables are not implemented; pass rotary_pos_emb",
+    "rotary_pos_cos_sin": "flashinfer's fused rope (dynamic inference) is not implemented",
+    "sequence_len_offset": "it is the KV cache's offset: pass inference_context, whose "
+    "sequence_len_offset is used",
+    "attention_bias": "the attention is causal by global position, with no additive bias",
+    "per_token_scale": "scaling the activations by per-token router probabilities (the MoE "
+    "experts' option) is not implemented in the MLP",
+}
+
+
+def describe_value(value: Any) -> str:
+    """A short description of an argument's value for an error message."""
+    if torch.is_tensor(value):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if type(value).__repr__ is object.__repr__:  # no repr of its own: its class says more
+        return f"a {type(value).__name__}"
+    text = repr(value)
+    text = text if len(text) <= 80 else text[:77] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def refuse_unsupported_arguments(
+    owner: str, reasons: Optional[Dict[str, str]] = None, /, **arguments: Any
+) -> None:
+    """Refuse, naming ``owner``, the argument and its value, a non-None value of an argument
+    that is not implemented (SPEC section 8: never silently dropped); the reason is
+    ``reasons``' entry, else ``UNSUPPORTED_FORWARD_ARGUMENTS``'."""
+    for name, value in arguments.items():
+        if value is not None:
+            reason = (reasons or {}).get(name) or UNSUPPORTED_FORWARD_ARGUMENTS[name]
+            raise NotImplementedError(
+                f"{owner}: {name} is not supported ({reason}); got {describe_value(value)}, "
+                "expected None"
+            )
+
+
 def sharded_state_dict_default(
     module: torch.nn.Module,
     prefix: str = "",
