@@ -5,7 +5,7 @@ The per-expert paths read the token counts on the host; traced, every new split 
 with 0 or 1 tokens in particular) recompiled the experts' forward until dynamo's recompile
 limit. They now run eagerly inside the compiled layer (``_eager_if_counts_on_host``); the
 grouped GEMM path (``torch._grouped_mm``, which runs on the CPU for these shapes) stays in the
-graph."""
+graph. The routers of all layers share one compilation (their tracker filing is eager)."""
 
 import pytest
 import torch
