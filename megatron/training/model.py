@@ -166,8 +166,11 @@ def compile_layers(gpt: GPTModel) -> None:
     activation and the residual adds between the GEMMs become fused kernels; the linear
     layers and core attention stay eager (``keep_eager``), and so do the MoE experts' paths
     that read the tokens per expert on the host (``experts._eager_if_counts_on_host``: traced,
-    they recompiled for every split of the tokens). One graph is reused by all layers
-    (dynamo's cache limit is raised to the layer count so that none falls back to eager)."""
+    they recompiled for every split of the tokens). The layers share their compilations (the
+    router files its losses under its layer number eagerly: ``router._file_in_tracker``);
+    dynamo's cache limit is still raised with the layer count, a margin for what else may
+    differ between layers (dense and MoE layers, a first call) so that none falls back to
+    eager."""
     import torch._dynamo
 
     layers = list(gpt.decoder.layers)

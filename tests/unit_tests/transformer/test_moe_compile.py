@@ -5,7 +5,7 @@ The per-expert paths read the token counts on the host; traced, every new split 
 with 0 or 1 tokens in particular) recompiled the experts' forward until dynamo's recompile
 limit. They now run eagerly inside the compiled layer (``_eager_if_counts_on_host``); the
 grouped GEMM path (``torch._grouped_mm``, which runs on the CPU for these shapes) stays in the
-graph."""
+graph. The routers of all layers share one compilation (their tracker filing is eager)."""
 
 import pytest
 import torch
@@ -152,3 +152,78 @@ def test_the_moe_layer_compiles_once_whatever_the_routing(kind, monkeypatch):
         torch._dynamo.reset()
         moe_utils.clear_aux_losses_tracker()
     assert frames[-1] <= frames[0] + 1, f"compilations after each split: {frames}"
+
+
+class _Routed(torch.nn.Module):
+    """A router and its deferred losses attached to the probabilities (as ``MoELayer``)."""
+
+    def __init__(self, router):
+        super().__init__()
+        self.router = router
+
+    def forward(self, x):
+        probs, _ = self.router(x)
+        return self.router.attach_deferred_losses(probs)
+
+
+@pytest.mark.parametrize(
+    "deferred, kinds, coeffs",
+    [
+        (True, "aux_loss", 0.1),  # the MoE layer's path
+        pytest.param(
+            False, ["aux_loss", "seq_aux_loss"], [0.1, 0.01], marks=pytest.mark.slow
+        ),  # the router's own (``routing``)
+    ],
+)
+def test_the_routers_of_all_layers_share_one_compilation_with_the_eager_metrics(
+    deferred, kinds, coeffs
+):
+    """Routers of layers 1-3 (load-balancing and z losses), each compiled as the trainer
+    compiles its layers: the first layer's compilations serve the others (dynamo guarded on
+    the layer number and on the tracker's entries: each layer recompiled), and the tracked
+    losses and counts and every gradient equal the eager routers' bit for bit."""
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    config = TransformerConfig(
+        num_layers=3, hidden_size=8, num_attention_heads=2, num_moe_experts=4,
+        moe_router_topk=2, moe_router_load_balancing_type=kinds, moe_aux_loss_coeff=coeffs,
+        moe_z_loss_coeff=0.001, add_bias_linear=False,
+    )  # fmt: skip
+    layers = []
+    for number in (1, 2, 3):
+        torch.manual_seed(number)
+        router = TopKRouter(config)
+        router.set_layer_number(number)
+        router.defer_router_losses = deferred
+        layers.append(_Routed(router))
+    x = torch.randn(5, 2, 8, generator=torch.Generator().manual_seed(0))
+
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def step(modules):
+        moe_utils.reset_aux_losses_tracker()
+        results, frames = [], []
+        for module in modules:
+            xi = x.detach().requires_grad_()
+            module.zero_grad()
+            out = module(xi)
+            out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+            results += [out.detach(), xi.grad, module.router.weight.grad.clone()]
+            frames.append(counter.frame_count)
+        tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+        return results + [tracker[name]["values"].clone() for name in sorted(tracker)], frames
+
+    compiled = [torch.compile(layer, backend=counter) for layer in layers]
+    torch._dynamo.reset()
+    try:
+        eager, _ = step(layers)
+        losses = 2 + isinstance(kinds, list)  # load balancing, z (and sequence load balancing)
+        assert len(eager) == 9 + 1 + losses  # and tokens_per_expert
+        traced, frames = step(compiled)
+        assert frames[0] == frames[-1], f"compilations after each layer: {frames}"
+        for i, (a, b) in enumerate(zip(eager, traced)):
+            assert torch.equal(a, b), i
+    finally:
+        torch._dynamo.reset()
+        moe_utils.reset_aux_losses_tracker()

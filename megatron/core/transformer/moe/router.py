@@ -158,8 +158,7 @@ class TopKRouter(Router):
             if self.defer_router_losses:
                 self._deferred = (logits, routing_map, pad, valid)
             else:
-                self._count_dispatched(routing_map, valid)
-                probs = self._attach_router_losses(probs, logits, routing_map, pad)
+                probs = self._attach_and_track(probs, logits, routing_map, pad, valid)
         return probs, routing_map
 
     def attach_deferred_losses(self, output: torch.Tensor) -> torch.Tensor:
@@ -169,8 +168,16 @@ class TopKRouter(Router):
             return output
         logits, routing_map, pad, valid = self._deferred
         self._deferred = None
-        self._count_dispatched(routing_map, valid)
-        return self._attach_router_losses(output, logits, routing_map, pad)
+        return self._attach_and_track(output, logits, routing_map, pad, valid)
+
+    def _attach_and_track(self, activation, logits, routing_map, pad, valid) -> torch.Tensor:
+        """Count the dispatch, attach the router losses to ``activation``, then file the
+        counts and losses in the tracker (``_file_in_tracker``, eager)."""
+        counts = self._count_dispatched(routing_map, valid)
+        tracked = []
+        activation = self._attach_router_losses(activation, logits, routing_map, pad, tracked)
+        _file_in_tracker(self, counts, tracked)
+        return activation
 
     def apply_z_loss(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         """Attach this shard's part of z_m = c sum lse^2 / T_m to the logits (T_m counted
@@ -182,11 +189,15 @@ class TopKRouter(Router):
         counts = moe_utils.micro_batch_token_counts(
             routing_map, None if pad is None else ~pad, self.groups.tp_cp
         )
-        return self._attach_z_loss(logits, logits, pad, counts)
+        tracked = []
+        logits = self._attach_z_loss(logits, logits, pad, counts, tracked)
+        _file_in_tracker(self, None, tracked)
+        return logits
 
-    def _attach_router_losses(self, probs, logits, routing_map, pad) -> torch.Tensor:
+    def _attach_router_losses(self, probs, logits, routing_map, pad, tracked) -> torch.Tensor:
         """Attach the configured load-balancing losses and the z-loss (each shard's part)
-        to ``probs``; T_m and n_e come from one ``micro_batch_token_counts`` call."""
+        to ``probs``; T_m and n_e come from one ``micro_batch_token_counts`` call. Each
+        attached loss is appended to ``tracked`` as (name, loss, coefficient)."""
         aux_coeff = self.get_aux_loss_coeff("aux_loss")
         seq_coeff = self.get_aux_loss_coeff("seq_aux_loss")
         if not (aux_coeff or seq_coeff or self.config.moe_z_loss_coeff):
@@ -210,22 +221,22 @@ class TopKRouter(Router):
             )
             weight = moe_utils.router_loss_token_weight(self.config, counts)
             probs = MoEAuxLossAutoScaler.apply(probs, aux * _weight(weight, aux))
-            self._track("load_balancing_loss", aux, aux_coeff)
+            tracked.append(("load_balancing_loss", aux, aux_coeff))
         if seq_coeff:
             seq_aux = self._seq_aux_loss(scores, routing_map, valid, seq_coeff)
             weight = moe_utils.router_loss_token_weight(self.config, counts)
             probs = MoEAuxLossAutoScaler.apply(probs, seq_aux * _weight(weight, seq_aux))
-            self._track("seq_load_balancing_loss", seq_aux, seq_coeff)
+            tracked.append(("seq_load_balancing_loss", seq_aux, seq_coeff))
         if self.config.moe_z_loss_coeff:
-            probs = self._attach_z_loss(probs, logits, pad, counts)
+            probs = self._attach_z_loss(probs, logits, pad, counts, tracked)
         return probs
 
-    def _attach_z_loss(self, activation, logits, pad, counts) -> torch.Tensor:
+    def _attach_z_loss(self, activation, logits, pad, counts, tracked) -> torch.Tensor:
         z_loss = moe_utils.z_loss_func(
             logits, self.config.moe_z_loss_coeff, padding_mask=pad, num_tokens=counts.tokens
         )
         weight = moe_utils.router_loss_token_weight(self.config, counts)
-        self._track("z_loss", z_loss, self.config.moe_z_loss_coeff)
+        tracked.append(("z_loss", z_loss, self.config.moe_z_loss_coeff))
         return MoEAuxLossAutoScaler.apply(activation, z_loss * _weight(weight, z_loss))
 
     def _seq_aux_loss(self, scores, aux_map, valid, coeff):
@@ -249,29 +260,15 @@ class TopKRouter(Router):
         per_seq_loss = (total[:, :-1].to(scores.dtype) * sums).sum(dim=1) / seq_tokens**2
         return per_seq_loss.sum() * experts * coeff / (self.topk * batch)
 
-    def _count_dispatched(self, routing_map: torch.Tensor, valid) -> None:
-        """Valid tokens per expert of the dispatch map: the expert-bias update's counts and
-        the logged load."""
+    def _count_dispatched(self, routing_map: torch.Tensor, valid) -> torch.Tensor:
+        """Valid tokens per expert of the dispatch map [E] (int64): added to the expert-bias
+        update's counts here; the logged load (``_file_in_tracker``)."""
         chosen = routing_map if valid is None else routing_map & valid.unsqueeze(-1)
         counts = chosen.sum(dim=0, dtype=torch.int64)
         if self.enable_expert_bias:
             with torch.no_grad():
                 self.local_tokens_per_expert += counts.to(self.local_tokens_per_expert.device)
-        moe_utils.save_tokens_per_expert(
-            counts, self.layer_number, self._tracked_layers(), self.groups.tp_cp, self.groups.dp
-        )
-
-    def _track(self, name: str, loss: torch.Tensor, coeff: float) -> None:
-        """Track ``loss / coeff`` (megatron-core's logged value: the loss without its
-        coefficient; ``coeff`` is nonzero, the loss is only attached then)."""
-        moe_utils.save_to_aux_losses_tracker(
-            name,
-            loss / coeff,
-            self.layer_number,
-            self._tracked_layers(),
-            reduce_group=self.groups.tp_cp,
-            avg_group=self.groups.dp,
-        )
+        return counts
 
     def _tracked_layers(self) -> int:
         """The tracker's layer count: the decoder's layers, then the MTP depths' (as
@@ -281,7 +278,23 @@ class TopKRouter(Router):
     def _apply_expert_bias(self, routing_map: torch.Tensor, padding_mask=None) -> None:
         """Add the dispatch map's valid-token counts to ``local_tokens_per_expert``."""
         valid = None if padding_mask is None else ~padding_mask.reshape(-1)
-        self._count_dispatched(routing_map, valid)
+        _file_in_tracker(self, self._count_dispatched(routing_map, valid), [])
+
+
+@torch.compiler.disable
+def _file_in_tracker(router: TopKRouter, counts: Optional[torch.Tensor], losses: list) -> None:
+    """Add a router's dispatch ``counts`` (None: none) and its ``losses`` ((name, loss,
+    coefficient): the loss / coefficient, megatron-core's logged value) to the tracker under
+    its layer number. Eager under ``torch.compile``: traced, dynamo guarded on the layer
+    number (a Python int) and on the tracker's entries, so each layer recompiled."""
+    layers, tp_cp, dp = router._tracked_layers(), router.groups.tp_cp, router.groups.dp
+    if counts is not None:
+        moe_utils.save_tokens_per_expert(counts, router.layer_number, layers, tp_cp, dp)
+    for name, loss, coeff in losses:
+        loss = loss / coeff
+        moe_utils.save_to_aux_losses_tracker(
+            name, loss, router.layer_number, layers, reduce_group=tp_cp, avg_group=dp
+        )
 
 
 def _weight(weight, like: torch.Tensor):
