@@ -215,5 +215,5 @@ def test_the_compiled_casts_compile_once_per_call_shape_not_per_weight(monkeypat
                 layer(torch.randn(5, 3, n_in, requires_grad=True))[0].sum().backward()
     finally:
         torch._dynamo.reset()
-    assert counter.frame_count <= 6, f"{counter.frame_count} compilations"  # 3 a kind: static,
-    # then each dim dynamic
+    # 3 a kind: static, then each dim dynamic; at least 1: the path still reaches the function
+    assert 1 <= counter.frame_count <= 6, f"{counter.frame_count} compilations"
