@@ -23,6 +23,7 @@ def _losses(config: TrainingConfig):
         return [r["loss"] for r in pretrain(config).records]
 
 
+@pytest.mark.slow  # 5 tiny pretrain runs, ~2.5 s: over the default run's share
 def test_a_resume_keeps_the_seed_of_its_generated_data(tmp_path, capsys, no_training):
     from megatron.training import cli
 
