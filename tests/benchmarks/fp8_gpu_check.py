@@ -13,8 +13,9 @@
    ``tests/unit_tests/fp8/test_weight_cache.py``'s model and steps: 3 SGD steps of 4
    microbatches of bf16 FP8 linears and FP8 GroupedMLP experts, the linears compiled
    (inductor, as ``--compile`` traces them), the experts eager and cached, bitwise equal to
-   the eager uncached steps (gradients and weights): with the cache traced into the linears'
-   graphs (``CACHE_WHEN_COMPILED``: 2 graphs per linear, fill and reuse) and as shipped (1).
+   the eager uncached steps (gradients and weights): as shipped (1 graph per linear), and with
+   the cache traced into the linears' graphs (``CACHE_WHEN_COMPILED``: 2 graphs per linear,
+   fill and reuse; not bitwise on the H200 in session 13, why it is off).
 
 The script exits non-zero naming the checks and runs that failed (after writing ``--json``).
 4. The trainer's loss curves, ``--bf16`` against ``--bf16 --fp8-format hybrid --fp8-recipe
@@ -102,13 +103,12 @@ def check_fused_casts() -> None:
     print("# compiled FP8 casts: bitwise the eager ones", flush=True)
 
 
-def check_cached_compiled(device: str = "cuda", backend: str = "inductor") -> None:
+def _cache_against_uncached(traced: bool, graphs: int, device: str, backend: str) -> None:
     """The FP8 weight cache (``megatron.core.fp8.cache``) through the unit test's model and
     steps (``test_weight_cache.py``) in bf16 at sizes that are not multiples of 16, the
-    linears compiled as the trainer's ``--compile`` traces them, the experts eager and cached:
-    with the cache traced into the linears' graphs (``CACHE_WHEN_COMPILED``, 2 graphs per
-    linear: fill, reuse), and as shipped (not traced, 1 graph per linear), bitwise the eager
-    uncached steps."""
+    linears compiled as the trainer's ``--compile`` traces them, the experts eager and cached,
+    ``traced``: ``CACHE_WHEN_COMPILED`` (restored after): bitwise the eager uncached steps,
+    ``graphs`` graphs for the 2 linears."""
     import pytest
 
     from megatron.core.fp8 import cache
@@ -116,13 +116,22 @@ def check_cached_compiled(device: str = "cuda", backend: str = "inductor") -> No
 
     model = dict(device=device, dtype=torch.bfloat16, shape=Shape(48, 80, 40, (37, 0, 58)))
     model["bias"] = False  # an inductor-compiled bias-gradient sum may add in another order
-    for traced, graphs in ((True, 4), (False, 2)):
-        with pytest.MonkeyPatch.context() as patch:  # restores CACHE_WHEN_COMPILED
-            patch.setattr(cache, "CACHE_WHEN_COMPILED", traced)
-            count = _compiled_against_uncached(patch, 3, backend, **model)
-        name = "cache traced" if traced else "as shipped"
-        assert count == graphs, f"{name}: {count} graphs for 2 compiled FP8 linears, not {graphs}"
-        print(f"# FP8 weight cache, {name}: bitwise the eager uncached steps", flush=True)
+    with pytest.MonkeyPatch.context() as patch:  # restores CACHE_WHEN_COMPILED
+        patch.setattr(cache, "CACHE_WHEN_COMPILED", traced)
+        count = _compiled_against_uncached(patch, 3, backend, **model)
+    assert count == graphs, f"{count} graphs for 2 compiled FP8 linears, not {graphs}"
+    name = "traced into the linears' graphs" if traced else "as shipped"
+    print(f"# FP8 weight cache {name}: bitwise the eager uncached steps", flush=True)
+
+
+def check_cache_as_shipped(device: str = "cuda", backend: str = "inductor") -> None:
+    """The default: compiled linears cast their weights at every call (1 graph each)."""
+    _cache_against_uncached(False, 2, device, backend)
+
+
+def check_cache_traced(device: str = "cuda", backend: str = "inductor") -> None:
+    """``CACHE_WHEN_COMPILED``: 2 graphs per linear (fill, reuse)."""
+    _cache_against_uncached(True, 4, device, backend)
 
 
 def curves(iters: int) -> tuple:
@@ -173,7 +182,8 @@ def main() -> None:
         raise SystemExit("fp8_gpu_check.py needs a CUDA GPU")
     print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     failed = []
-    for check in (check_linear, check_fused_casts, check_cached_compiled):
+    checks = (check_linear, check_fused_casts, check_cache_as_shipped, check_cache_traced)
+    for check in checks:
         try:
             check()
         except Exception:  # noqa: BLE001 - reported, the other checks still run
