@@ -24,15 +24,9 @@ layers of DeepSeek-V2-Lite's shape.
   machine with no registry: copy its package folder, ``site-packages/megatron``, 17 MB, pure
   Python for this layer, numpy and packaging its only other needs, into a folder DIR that
   travels, and pass ``--mcore-path DIR``). Without Transformer Engine 0.16.1's local MLA does not
-  build as shipped; the child applies two shims (``mcore_worker``): its local
-  ``DotProductAttention`` does not take the ``k_channels`` / ``v_channels`` that
-  ``MLASelfAttention`` passes (TypeError; a subclass drops them: the local core attention
-  reads the context width from ``kv_channels``, set to ``v_head_dim``), and its module flag
-  ``HAVE_TE`` is True whenever the TE extension module imports, which it does without TE
-  (``TELinear`` then a placeholder, ``isinstance`` fails; the flag is set from whether
-  ``transformer_engine`` is installed). On the CPU (smoke test only) three more: the YaRN
-  table and the default causal mask are made on ``"cuda"`` (a CPU current device, an explicit
-  mask) and the CUDA RNG tracker (a no-op fork: no dropout).
+  build as shipped, nor run on the CPU (smoke test only): the child applies the shims of
+  ``mcore_shims.py`` (which says what and why; shared with the megatron-core checkpoint test's
+  save script) and passes the causal mask explicitly (its default is made on ``"cuda"``).
 
 Every variant starts from the same weights (each parameter drawn N(0, 0.02) from a generator
 seeded by its name, norms 1) and the same input, so ``out`` / ``dx`` (the output and the
@@ -71,7 +65,6 @@ as two commands.
 """
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math
@@ -387,42 +380,14 @@ def mcore_child(args, names: List[str]) -> Dict[str, dict]:
     return {n: {"error": f"{python}: {why}"[:400]} for n in names}
 
 
-def _mcore_shims(cpu: bool) -> List[str]:
-    """Let megatron-core 0.16.1's local MLA build without Transformer Engine (and, ``cpu``,
-    run on the CPU); returns what was changed (module docstring)."""
-    import importlib.util
-
-    from megatron.core.transformer import dot_product_attention as dpa
-    from megatron.core.transformer import multi_latent_attention as mla
-
-    done = []
-    have_te = importlib.util.find_spec("transformer_engine") is not None
-    if mla.HAVE_TE != have_te:
-        mla.HAVE_TE = have_te
-        done.append(f"multi_latent_attention.HAVE_TE -> {have_te}")
-    if cpu:
-        torch.cuda.current_device = lambda: torch.device("cpu")
-
-        class NoRng:
-            def fork(self, *a, **k):
-                return contextlib.nullcontext()
-
-        dpa.tensor_parallel = argparse.Namespace(get_cuda_rng_tracker=NoRng)
-        done += ["torch.cuda.current_device -> cpu", "DotProductAttention rng fork -> no-op"]
-    return done
-
-
 def build_mcore(c: MLAShape, device, dtype, rope_fusion: bool = False) -> torch.nn.Module:
     """megatron-core 0.16.1's local-spec ``MLASelfAttention``, its core attention without the
     ``k_channels`` / ``v_channels`` arguments its local ``DotProductAttention`` rejects."""
+    from mcore_shims import local_core_attention
+
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
     from megatron.core.transformer.transformer_config import MLATransformerConfig
-
-    class LocalCoreAttention(DotProductAttention):
-        def __init__(self, *a, k_channels=None, v_channels=None, **k) -> None:
-            super().__init__(*a, **k)
 
     config = MLATransformerConfig(
         num_layers=1,
@@ -436,7 +401,8 @@ def build_mcore(c: MLAShape, device, dtype, rope_fusion: bool = False) -> torch.
         multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm"
     )
     attention = spec.submodules.self_attention
-    submodules = dataclasses.replace(attention.submodules, core_attention=LocalCoreAttention)
+    core = local_core_attention()
+    submodules = dataclasses.replace(attention.submodules, core_attention=core)
     layer = MLASelfAttention(config, submodules, layer_number=1, **attention.params).to(device)
     init_by_name(layer)
     return layer
@@ -456,7 +422,9 @@ def mcore_worker(args) -> None:
         where = os.path.dirname(megatron.core.__file__)
         raise SystemExit(f"not megatron-core (set MCORE_PYTHON / --mcore-path): {where}") from error
     device, dtype, c = setup(args)
-    shims = _mcore_shims(args.cpu)
+    from mcore_shims import apply_shims
+
+    shims = apply_shims(args.cpu)
     if not args.cpu:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 

@@ -245,17 +245,14 @@ def _export_into(
                 directory, dict.fromkeys(mine), stored, adapter_full, arch, writing
             )
             ours = merge_adapters(ours, adapters, lora) if writing else ours
-        if writing:
-            shapes = hf_shapes(arch, sources, full_shapes)
-            for key, tensor in scatter_to_hf(ours, sources, shapes).items():
-                writer.add(key, tensor.to(DTYPES[dtype]))
         copies = _mtp_copies_of(arch, sources)
+        shared = {}
         if copies:  # the depth's copies of the embeddings and the output head
-            shared = dict.fromkeys(set(copies.values()))
-            ours = _read_our_tensors(directory, shared, stored, full_shapes, arch, writing)
-            for key, name in copies.items():
-                if writing:
-                    writer.add(key, ours[name].to(DTYPES[dtype]))
+            names = dict.fromkeys(set(copies.values()))
+            shared = _read_our_tensors(directory, names, stored, full_shapes, arch, writing)
+        if writing:
+            for key, tensor in unit_hf_tensors(arch, sources, ours, shared, full_shapes).items():
+                writer.add(key, tensor.to(DTYPES[dtype]))
     if writing:
         writer.finish()
         config = hf_config_for_export(arch, original, dtype)
@@ -266,6 +263,20 @@ def _export_into(
             sidecars = _sidecar_files(Path(source))  # a run started from --hf-model
         for name, text in (sidecars or {}).items():
             (staging / name).write_text(text)
+
+
+def unit_hf_tensors(
+    arch: HFArchitecture,
+    sources: Dict[str, Any],
+    ours: Dict[str, torch.Tensor],
+    shared: Dict[str, torch.Tensor],
+    full_shapes: Dict[str, tuple],
+) -> Dict[str, torch.Tensor]:
+    """What the export writes for one unit, in order: its tensors ``ours`` under HuggingFace's
+    keys, then an MTP depth's copies of the shared tensors (``shared``: {our name: tensor})."""
+    hf = scatter_to_hf(ours, sources, hf_shapes(arch, sources, full_shapes))
+    hf.update({key: shared[name] for key, name in _mtp_copies_of(arch, sources).items()})
+    return hf
 
 
 def mtp_units(arch: HFArchitecture) -> List[Dict[str, Any]]:

@@ -40,6 +40,7 @@ from megatron.core.transformer.multi_token_prediction import (
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.training.checkpointing import _extra_state
 from tests.unit_tests.dist_utils import fresh_layout
+from tests.unit_tests.launch import free_port
 
 pytestmark = [
     pytest.mark.world(1),
@@ -95,12 +96,16 @@ CONFIG = dict(
 )
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _run_mcore(where: Path, *command: str) -> None:
+    """Run ``MCORE_PYTHON command`` in ``where`` (this repository off its path); assert it
+    succeeded."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    run = subprocess.run(
+        [os.environ["MCORE_PYTHON"], *command],
+        cwd=str(where), env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -108,17 +113,7 @@ def saved(tmp_path_factory):
     """megatron-core's checkpoint directory and what it computed."""
     where = tmp_path_factory.mktemp("mcore_deepseek")
     (where / "ckpt").mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    run = subprocess.run(
-        [os.environ["MCORE_PYTHON"], str(SCRIPT), json.dumps(CONFIG), "ckpt", "result.pt"],
-        cwd=str(where),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    _run_mcore(where, str(SCRIPT), json.dumps(CONFIG), "ckpt", "result.pt")
     return where / "ckpt", torch.load(where / "result.pt", weights_only=True)
 
 
@@ -194,17 +189,11 @@ def test_a_two_rank_megatron_core_checkpoint_loads_at_one_process(saved, tmp_pat
     split separately; EP 2: two experts per rank), loaded into one process: every tensor
     equals megatron-core's (TP 2: the one-process run's weights, which ``use_cpu_initialization``
     gives at any TP; EP 2: each rank's tensors, by global expert index)."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["OMP_NUM_THREADS"] = "1"
     (tmp_path / "ckpt").mkdir()
     launch = ["-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    launch += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+    launch += ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     args = [str(SCRIPT), json.dumps(CONFIG), "ckpt", "result.pt", str(tp), str(ep)]
-    run = subprocess.run(
-        [os.environ["MCORE_PYTHON"], *launch, *args],
-        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    _run_mcore(tmp_path, *launch, *args)
     expected = saved[1]["state"]
     if ep > 1:  # rank 0's replicas are the stored ones
         ranks = [torch.load(tmp_path / f"result.pt.rank{r}", weights_only=True) for r in (1, 0)]

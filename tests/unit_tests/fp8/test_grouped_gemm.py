@@ -8,20 +8,12 @@ import pytest
 import torch
 
 from megatron.core.fp8.grouped import Fp8Experts, expert_weight_operands, fp8_grouped_linear
+from tests.unit_tests.fp8.fp8_reference import dequantized
 
 pytestmark = pytest.mark.world(1)
 
 SIZES = [6, 0, 9]
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-
-
-def _dequantized(t: torch.Tensor, dtype: torch.dtype, margin: int) -> torch.Tensor:
-    """t's FP8 value in float64: q = cast(clamp(t * s)), q / s."""
-    amax = t.detach().abs().max().double() if t.numel() else torch.zeros((), dtype=torch.double)
-    top = torch.finfo(dtype).max
-    scale = (top / amax / 2**margin).float() if amax > 0 else torch.ones(())
-    q = (t.detach().float() * scale).clamp(-top, top).to(dtype)
-    return q.double() / scale.double()
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -45,8 +37,8 @@ def test_grouped_gemm_is_the_float64_product_of_the_dequantized_operands(fmt, ma
     start = 0
     for i, n in enumerate(SIZES):
         rows = slice(start, start + n)
-        xq, wq = _dequantized(x[rows], E4M3, margin), _dequantized(weights[i], E4M3, margin)
-        gq = _dequantized(g[rows], grad_dtype, margin)
+        xq, wq = dequantized(x[rows], E4M3, margin), dequantized(weights[i], E4M3, margin)
+        gq = dequantized(g[rows], grad_dtype, margin)
         _close(y[rows], xq @ wq.t())
         _close(x.grad[rows], gq @ wq)
         high_x = x[rows].detach().double()

@@ -5,6 +5,8 @@ weight's amax is taken once per step, not once per microbatch; every refresh (th
 ``set_is_first_microbatch``, the optimizer-step hook, the eager version check) alone keeps the
 steps bitwise, and without any the second step differs (negative control)."""
 
+from typing import NamedTuple, Optional, Tuple
+
 import pytest
 import torch
 from torch.nn import Parameter
@@ -21,7 +23,7 @@ from tests.unit_tests.transformer.test_mixed_precision import _one_process_step
 pytestmark = pytest.mark.world(1)
 
 FP8 = dict(fp8="hybrid", fp8_recipe="tensorwise")
-COUNTS = [5, 0, 7]  # tokens per expert (one expert gets none)
+COUNTS = (5, 0, 7)  # tokens per expert (one expert gets none)
 MICROBATCHES = 4
 
 
@@ -73,20 +75,45 @@ def test_each_weight_amax_once_per_step_with_the_cache(cached, monkeypatch):
 # ----------------------------------------------------------------------------- experts
 
 
-class _Model(MegatronModule):
-    """An FP8 column- and row-parallel linear, then FP8 experts (sequential or grouped)."""
+class Shape(NamedTuple):
+    """The experts model's sizes: hidden, the linears' width, the experts' width, tokens per
+    expert."""
 
-    def __init__(self, grouped: bool) -> None:
+    hidden: int = 16
+    ffn: int = 24
+    expert_ffn: int = 8
+    counts: Tuple[int, ...] = COUNTS
+
+
+SHAPE = Shape()
+
+
+class _Model(MegatronModule):
+    """An FP8 column- and row-parallel linear, then FP8 experts (sequential or grouped), in
+    ``dtype`` on ``device``; ``bias``: fc1's (a compiled bias-gradient sum may add in another
+    order: none where inductor compiles)."""
+
+    def __init__(
+        self,
+        grouped: bool,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        shape: Shape = SHAPE,
+        bias: bool = True,
+    ) -> None:
         config = TransformerConfig(
-            num_layers=1, hidden_size=16, num_attention_heads=2, num_moe_experts=3,
-            moe_ffn_hidden_size=8, add_bias_linear=False, gated_linear_unit=True, **FP8,
+            num_layers=1, hidden_size=shape.hidden, num_attention_heads=2, num_moe_experts=3,
+            moe_ffn_hidden_size=shape.expert_ffn, add_bias_linear=False, gated_linear_unit=True,
+            params_dtype=dtype, use_cpu_initialization=True, **FP8,
         )  # fmt: skip
         super().__init__(config)
+        self.shape = shape
         torch.manual_seed(0)
         init = lambda weight: torch.nn.init.normal_(weight, std=0.3)  # noqa: E731
-        self.fc1 = ColumnParallelLinear(16, 24, config=config, init_method=init, bias=True)
+        hidden, ffn = shape.hidden, shape.ffn
+        self.fc1 = ColumnParallelLinear(hidden, ffn, config=config, init_method=init, bias=bias)
         self.fc2 = RowParallelLinear(
-            24, 16, config=config, init_method=init, bias=False, input_is_parallel=True,
+            ffn, hidden, config=config, init_method=init, bias=False, input_is_parallel=True,
             skip_bias_add=False,
         )  # fmt: skip
         kind = experts.GroupedMLP if grouped else experts.SequentialMLP
@@ -94,6 +121,7 @@ class _Model(MegatronModule):
         with torch.no_grad():
             for param in self.experts.parameters():
                 param.copy_(torch.randn(param.shape) * 0.3)
+        self.to(device)
 
     def set_input_tensor(self, tensor) -> None:
         pass
@@ -102,33 +130,40 @@ class _Model(MegatronModule):
         h, _ = self.fc1(x)
         h, _ = self.fc2(torch.tanh(h))
         probs = torch.sigmoid(h[:, 0])
-        out, _ = self.experts(h, torch.tensor(COUNTS), probs)
+        out, _ = self.experts(h, torch.tensor(self.shape.counts), probs)
         return out
 
 
-def _microbatches(step: int) -> list:
+def _microbatches(step: int, model: Optional[_Model] = None) -> list:
+    """The step's microbatches, [tokens, hidden] in ``model``'s dtype, on its device."""
+    shape = SHAPE if model is None else model.shape
+    like = torch.empty(()) if model is None else model.fc2.weight
     generator = torch.Generator().manual_seed(step)
-    return [torch.randn(sum(COUNTS), 16, generator=generator) for _ in range(MICROBATCHES)]
+    rows = sum(shape.counts)
+    return [
+        torch.randn(rows, shape.hidden, generator=generator).to(like) for _ in range(MICROBATCHES)
+    ]
 
 
 def _forward_step(data_iterator, model):
     out = model(next(data_iterator))
-    return out, lambda output: (output.square().mean(), {})
+    return out, lambda output: (output.float().square().mean(), {})
 
 
-def _train(grouped: bool, steps: int = 2) -> list:
-    """Per step: every parameter's gradient, and the parameters after the SGD step."""
-    model = _Model(grouped)
+def _train(grouped: bool, steps: int = 2, **options) -> list:
+    """Per step: every parameter's gradient, and the parameters after the SGD step;
+    ``options``: ``_Model``'s."""
+    model = _Model(grouped, **options)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     trace = []
     for step in range(steps):
         optimizer.zero_grad()
         get_forward_backward_func()(
             forward_step_func=_forward_step,
-            data_iterator=iter(_microbatches(step)),
+            data_iterator=iter(_microbatches(step, model)),
             model=model,
             num_microbatches=MICROBATCHES,
-            seq_length=sum(COUNTS),
+            seq_length=sum(model.shape.counts),
             micro_batch_size=1,
         )
         grads = [p.grad.clone() for p in model.parameters()]
@@ -212,26 +247,33 @@ def test_load_state_dict_refills_the_cache():
     assert model.fc1.is_first_microbatch is True and model.experts.is_first_microbatch is True
 
 
-def _compiled_against_uncached(monkeypatch, steps: int) -> int:
-    """Train with the FP8 linears traced whole (``fullgraph=True``, backend "aot_eager": the
-    trainer's ``--compile`` traces them into the layer graphs); assert the steps are bitwise
-    the eager uncached ones; return how many graphs were compiled."""
+def _compiled_against_uncached(
+    monkeypatch, steps: int, backend: str = "aot_eager", **options
+) -> int:
+    """Train with the FP8 linears traced whole (``fullgraph=True``; ``backend`` "aot_eager",
+    or inductor on a GPU: the trainer's ``--compile`` traces them into the layer graphs), the
+    grouped experts eager; assert the steps are bitwise the eager uncached ones; return how
+    many graphs were compiled. ``options``: ``_Model``'s."""
     import torch._dynamo.testing
 
     with monkeypatch.context() as patch:
         _uncached(patch)
-        plain = _train(grouped=True, steps=steps)
+        plain = _train(True, steps, **options)
     torch._dynamo.reset()
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
     build = _Model.__init__
 
-    def compiled(self, grouped):
-        build(self, grouped)
+    def compiled(self, grouped, **kwargs):
+        build(self, grouped, **kwargs)
         for linear in (self.fc1, self.fc2):
             linear.compile(backend=counter, fullgraph=True)
 
     monkeypatch.setattr(_Model, "__init__", compiled)
-    assert _equal(_train(grouped=True, steps=steps), plain)
+    try:
+        traced = _train(True, steps, **options)
+    finally:
+        torch._dynamo.reset()
+    assert _equal(traced, plain), "the compiled steps differ from the eager uncached ones"
     return counter.frame_count
 
 

@@ -10,11 +10,10 @@ import pytest
 import torch
 
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.training.hf.checkpoint import _mtp_copies_of, mtp_units
+from megatron.training.hf.checkpoint import mtp_units, unit_hf_tensors
 from megatron.training.hf.family import HFArchitecture
-from megatron.training.hf.scatter import scatter_to_hf
 from megatron.training.hf.weights import (
-    hf_shapes,
+    SafetensorsReader,
     mtp_parameter_sources,
     our_full_shapes,
     read_rows,
@@ -60,38 +59,30 @@ def _ours():
     return {name: param.detach().clone() for name, param in reference_names(model)}
 
 
-class _Tensors:
-    """The reader interface ``read_rows`` takes, over tensors in memory."""
+def _exported(ours, directory):
+    """The HuggingFace tensors the export writes for the MTP depths (``unit_hf_tensors``, as
+    ``_export_into`` writes them), saved as ``model.safetensors`` in ``directory`` and read
+    back with the import's reader."""
+    from safetensors.torch import save_file
 
-    def __init__(self, tensors):
-        self.tensors = tensors
-
-    def shape(self, key):
-        return tuple(self.tensors[key].shape)
-
-    def read(self, key, index):
-        return self.tensors[key][index].clone()
-
-    def file_of(self, key):
-        return "memory"
-
-
-def _exported(ours):
-    """The HuggingFace tensors the export writes for the MTP depths (``_export_into``'s
-    steps for each MTP unit: its tensors scattered, then its copies of the shared ones)."""
     hf = {}
     for unit in mtp_units(ARCH):
-        shapes = hf_shapes(ARCH, unit, our_full_shapes(ARCH))
-        hf.update(scatter_to_hf({name: ours[name] for name in unit}, unit, shapes))
-        hf.update({key: ours[name].clone() for key, name in _mtp_copies_of(ARCH, unit).items()})
-    return hf
+        mine = {name: ours[name] for name in unit}
+        written = unit_hf_tensors(ARCH, unit, mine, ours, our_full_shapes(ARCH))
+        hf.update({key: tensor.contiguous().clone() for key, tensor in written.items()})
+    save_file(hf, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return SafetensorsReader(directory)
 
 
-def test_mtp_export_has_deepseek_v3_names_and_imports_back():
+def _read(reader, key):
+    return reader.read(key, (slice(None),) * len(reader.shape(key)))
+
+
+def test_mtp_export_has_deepseek_v3_names_and_imports_back(tmp_path):
     """Every key of depths 0 and 1 (layers 2 and 3), eh_proj's [e; h] columns as ours, the
     copies equal to the shared tensors, and what the import reads back exact."""
     ours = _ours()
-    hf = _exported(ours)
+    reader = _exported(ours, tmp_path)
     per_layer = [
         "enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
         "embed_tokens.weight", "shared_head.head.weight", "input_layernorm.weight",
@@ -99,20 +90,27 @@ def test_mtp_export_has_deepseek_v3_names_and_imports_back():
         "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
         "mlp.up_proj.weight", "mlp.down_proj.weight",
     ]  # fmt: skip
-    assert set(hf) == {f"model.layers.{layer}.{name}" for layer in (2, 3) for name in per_layer}
-    assert torch.equal(hf["model.layers.3.eh_proj.weight"], ours["mtp.layers.1.eh_proj.weight"])
-    assert hf["model.layers.2.eh_proj.weight"].shape == (HIDDEN, 2 * HIDDEN)
+    assert set(reader.keys()) == {
+        f"model.layers.{layer}.{name}" for layer in (2, 3) for name in per_layer
+    }
     assert torch.equal(
-        hf["model.layers.2.shared_head.norm.weight"], ours["mtp.layers.0.final_layernorm.weight"]
+        _read(reader, "model.layers.3.eh_proj.weight"), ours["mtp.layers.1.eh_proj.weight"]
     )
-    assert torch.equal(hf["model.layers.2.shared_head.head.weight"], ours["output_layer.weight"])
+    assert reader.shape("model.layers.2.eh_proj.weight") == (HIDDEN, 2 * HIDDEN)
     assert torch.equal(
-        hf["model.layers.3.embed_tokens.weight"], ours["embedding.word_embeddings.weight"]
+        _read(reader, "model.layers.2.shared_head.norm.weight"),
+        ours["mtp.layers.0.final_layernorm.weight"],
+    )
+    assert torch.equal(
+        _read(reader, "model.layers.2.shared_head.head.weight"), ours["output_layer.weight"]
+    )
+    assert torch.equal(
+        _read(reader, "model.layers.3.embed_tokens.weight"),
+        ours["embedding.word_embeddings.weight"],
     )
     sources = mtp_parameter_sources(ARCH)
     mtp = {name for name in ours if name.startswith("mtp.")}
     assert set(sources) == mtp
-    reader = _Tensors(hf)
     for name in mtp:
         back = read_rows(reader, sources[name], [(0, ours[name].shape[0])], None)
         assert torch.equal(back, ours[name]), name

@@ -1,6 +1,7 @@
 """One cache of rotary angles: ``RotaryEmbedding.cached_angles`` (``core/rope.py``) keeps the
 last length's angles on the device; GPTModel (training and cached-inference forwards) and
-``MLASelfAttention`` read their embedding's instead of keeping caches of their own."""
+``MLASelfAttention`` read their embedding's instead of keeping caches of their own (MLA's:
+``test_mla_parity.py``, ``test_mla_rotates_with_megatron_cores_rotary_embedding``)."""
 
 from types import SimpleNamespace
 
@@ -79,27 +80,3 @@ def test_gpt_model_reads_its_embeddings_cache():
     context = SimpleNamespace(max_sequence_length=8, sequence_len_offset=3)
     got = model._rotary_angles_from(context, torch.zeros(2, 1, 16))
     assert torch.equal(got, angles[3:5]) and calls == [8]
-
-
-def test_mla_reads_its_embeddings_cache():
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
-
-    config = MLATransformerConfig(
-        num_layers=1,
-        hidden_size=16,
-        num_attention_heads=2,
-        ffn_hidden_size=32,
-        q_lora_rank=None,
-        kv_lora_rank=8,
-        qk_head_dim=8,
-        qk_pos_emb_head_dim=4,
-        v_head_dim=8,
-        rope_type="rope",
-        attention_dropout=0.0,
-    )
-    spec = get_gpt_layer_local_spec(multi_latent_attention=True)
-    model = GPTModel(config, spec, 32, 16, pg_collection=ProcessGroupCollection())
-    attention = model.decoder.layers[0].self_attention
-    angles, _ = attention._angles(6, CPU)
-    assert attention.rotary_pos_emb.cached_angles(6, CPU)[0] is angles
-    assert "_angles_cache" not in vars(attention)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from megatron.core.fp8 import scaling
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
+from tests.unit_tests.fp8.fp8_reference import dequantized
 
 pytestmark = pytest.mark.world(1)
 
@@ -21,12 +22,6 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 def _config(**changes) -> TransformerConfig:
     base = dict(num_layers=1, hidden_size=16, num_attention_heads=2)
     return TransformerConfig(**{**base, "fp8": "hybrid", "fp8_recipe": "tensorwise", **changes})
-
-
-def _fake_quant(t: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> torch.Tensor:
-    """t rounded to its FP8 value, written out: q = cast(t * s), value q / s."""
-    scale = torch.finfo(dtype).max / t.abs().max().float() / 2**margin
-    return (t.float() * scale).to(dtype).float() / scale
 
 
 def _run(layer_cls, config, **kwargs):
@@ -44,8 +39,8 @@ def _run(layer_cls, config, **kwargs):
 def test_forward_and_gradients_are_the_dequantized_products(fmt, grad_dtype, margin):
     config = _config(fp8=fmt, fp8_margin=margin)
     layer, x, y, g = _run(ColumnParallelLinear, config, bias=True)
-    xq, wq = _fake_quant(x.detach(), E4M3, margin), _fake_quant(layer.weight.detach(), E4M3, margin)
-    gq = _fake_quant(g, grad_dtype, margin).reshape(-1, 24)
+    xq, wq = (dequantized(t, E4M3, margin, torch.float32) for t in (x, layer.weight))
+    gq = dequantized(g, grad_dtype, margin, torch.float32).reshape(-1, 24)
     torch.testing.assert_close(y, F.linear(xq, wq, layer.bias), rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(x.grad.reshape(-1, 16), gq @ wq, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(layer.weight.grad, gq.t() @ xq.reshape(-1, 16), rtol=1e-6, atol=1e-5)
@@ -215,5 +210,5 @@ def test_the_compiled_casts_compile_once_per_call_shape_not_per_weight(monkeypat
                 layer(torch.randn(5, 3, n_in, requires_grad=True))[0].sum().backward()
     finally:
         torch._dynamo.reset()
-    assert counter.frame_count <= 6, f"{counter.frame_count} compilations"  # 3 a kind: static,
-    # then each dim dynamic
+    # 3 a kind: static, then each dim dynamic; at least 1: the path still reaches the function
+    assert 1 <= counter.frame_count <= 6, f"{counter.frame_count} compilations"

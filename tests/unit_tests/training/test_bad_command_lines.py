@@ -30,14 +30,6 @@ LLAMA_MOE = [
 ]  # fmt: skip
 
 
-@pytest.fixture
-def no_training(monkeypatch):
-    """``main`` refuses or reaches ``_run``, which here only records that it was reached."""
-    reached = []
-    monkeypatch.setattr(cli, "_run", lambda config, _source=None: reached.append(config) or 0)
-    return reached
-
-
 def _refused(capsys, *argv: str) -> str:
     """The one line ``main(argv)`` is refused with (exit 2, before training)."""
     with pytest.raises(SystemExit) as stopped:

@@ -11,9 +11,7 @@ from megatron.training import cli
 from tests.unit_tests.training import test_bad_command_lines as command_lines
 
 pytestmark = pytest.mark.world(1)
-# the command-line tests' fixture (``main`` reaching ``_run`` only records it) and refusal
-no_training = command_lines.no_training
-_refused = command_lines._refused
+_refused = command_lines._refused  # the command-line tests' refusal (exit 2, one line)
 POLICY = dict(
     model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, vocab_size=64, rms_norm_eps=1e-5,

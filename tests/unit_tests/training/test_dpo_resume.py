@@ -177,7 +177,7 @@ def test_a_dpo_run_resumed_at_another_layout_follows_the_uninterrupted_run():
 
 
 @pytest.mark.world(1)
-def test_a_resume_keeps_the_seed_of_its_generated_pairs(tmp_path, monkeypatch, capsys):
+def test_a_resume_keeps_the_seed_of_its_generated_pairs(tmp_path, capsys, no_training):
     """The generated pairs (and a file's per-epoch shuffle) come from --seed: the command
     line's --load adopts the recorded one, another --seed is refused naming both values (the
     command line, exit 2, and the trainer); --finetune starts new data, any seed."""
@@ -185,10 +185,8 @@ def test_a_resume_keeps_the_seed_of_its_generated_pairs(tmp_path, monkeypatch, c
     from megatron.training.resume_rules import compare_run_settings
 
     _run(train_iters=1, save=str(tmp_path), seed=7, **NO_VALIDATION)
-    reached = []
-    monkeypatch.setattr(cli, "_run", lambda config, _source=None: reached.append(config) or 0)
     assert cli.main(["--load", str(tmp_path), "--train-iters", "2", "--lr", "0.01"]) == 0
-    assert reached[0].seed == 7 and reached[0].dpo
+    assert no_training[0].seed == 7 and no_training[0].dpo
     with pytest.raises(SystemExit) as refused:
         cli.main(["--load", str(tmp_path), "--train-iters", "2", "--lr", "0.01", "--seed", "8"])
     err = capsys.readouterr().err

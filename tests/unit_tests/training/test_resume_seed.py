@@ -23,18 +23,17 @@ def _losses(config: TrainingConfig):
         return [r["loss"] for r in pretrain(config).records]
 
 
-def test_a_resume_keeps_the_seed_of_its_generated_data(tmp_path, monkeypatch, capsys):
+@pytest.mark.slow  # 5 tiny pretrain runs, ~2.5 s: over the default run's share
+def test_a_resume_keeps_the_seed_of_its_generated_data(tmp_path, capsys, no_training):
     from megatron.training import cli
 
     straight = _losses(TrainingConfig(**TINY, train_iters=2, seed=7))
     first = _losses(TrainingConfig(**TINY, train_iters=1, seed=7, save=str(tmp_path)))
-    reached = []
-    monkeypatch.setattr(cli, "_run", lambda config, dpo_source=None: reached.append(config) or 0)
     command = ["--load", str(tmp_path), "--train-iters", "2", "--global-batch-size", "2"]
     command += ["--micro-batch-size", "2"]  # the model's settings: adopted from the checkpoint
     assert cli.main(command) == 0
-    assert reached[0].seed == 7  # adopted: the resumed step trains on the saved seed's data
-    resumed = _losses(dataclasses.replace(reached[0], progress=False))
+    assert no_training[0].seed == 7  # adopted: the resumed step trains on the saved seed's data
+    resumed = _losses(dataclasses.replace(no_training[0], progress=False))
     assert first + resumed == straight
     other_seed = _losses(TrainingConfig(**TINY, train_iters=2, seed=1234))
     assert other_seed[1] != straight[1]  # the seed draws the data: the check above can fail

@@ -96,14 +96,12 @@ def test_the_run_header_names_the_mtp_depths():
 
 
 @pytest.mark.world(1)
-def test_mtp_flags_on_the_command_line(monkeypatch):
+def test_mtp_flags_on_the_command_line(no_training):
     """megatron's spellings reach the config (and TransformerConfig through its library
     field)."""
-    reached = []
-    monkeypatch.setattr(cli, "_run", lambda config, _source=None: reached.append(config) or 0)
     argv = ["--mtp-num-layers", "3", "--mtp-loss-scaling-factor", "0.25", "--train-iters", "1"]
     assert cli.main(argv) == 0
-    assert reached[0].mtp_num_layers == 3 and reached[0].mtp_loss_scaling_factor == 0.25
+    assert no_training[0].mtp_num_layers == 3 and no_training[0].mtp_loss_scaling_factor == 0.25
 
 
 @pytest.mark.slow

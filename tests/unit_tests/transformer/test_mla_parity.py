@@ -461,7 +461,8 @@ def test_yarn_rotary_embedding_matches_transformers():
 def test_mla_rotates_with_megatron_cores_rotary_embedding(rope_type):
     """MLASelfAttention holds megatron-core's ``rotary_pos_emb`` (``RotaryEmbedding``, or
     ``YarnRotaryEmbedding`` with its cos/sin scale) and rotates with its angles: one
-    implementation of the rope tables."""
+    implementation of the rope tables, read from its cache (``cached_angles``), none of its
+    own."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
         YarnRotaryEmbedding,
@@ -478,6 +479,8 @@ def test_mla_rotates_with_megatron_cores_rotary_embedding(rope_type):
     angles, mscale = attention._angles(SEQ, torch.device("cpu"))
     assert torch.equal(angles, expected[0]) and mscale == expected[1]
     assert (mscale != 1.0) == (rope_type == "yarn")
+    assert held.cached_angles(SEQ, torch.device("cpu"))[0] is angles
+    assert "_angles_cache" not in vars(attention)
 
 
 @pytest.mark.world(1)

@@ -59,8 +59,18 @@ def _step(module, x, counts, probs):
     return [out.detach(), x.grad, probs.grad] + grads
 
 
+_SLOW = pytest.mark.slow  # the file cost ~3 s of the default run (measured): one case stays
+
+
 @pytest.mark.parametrize(
-    "kind", ["sequential", "grouped-loop", "grouped-gemm", "grouped-gemm-fp8", "grouped-gemm-lora"]
+    "kind",
+    [
+        pytest.param("sequential", marks=_SLOW),
+        "grouped-loop",
+        pytest.param("grouped-gemm", marks=_SLOW),
+        pytest.param("grouped-gemm-fp8", marks=_SLOW),
+        pytest.param("grouped-gemm-lora", marks=_SLOW),
+    ],
 )
 def test_the_experts_compile_once_for_every_split_with_the_eager_results(kind, monkeypatch):
     module, dtype = _experts(kind, monkeypatch)

@@ -14,66 +14,25 @@ parallelism, which its local (torch) norms refuse): the checkpoint (at TP > 1 wi
 one-process run's weights: ``use_cpu_initialization`` builds each whole weight from the seed),
 and at EP > 1 ``RESULT_PT.rank<r>``, each rank's tensors by global name.
 
-Without Transformer Engine, and on the CPU, megatron-core's local MLA needs shims (as
-``tests/benchmarks/bench_mla.py``): its local ``DotProductAttention`` rejects the
-``k_channels`` / ``v_channels`` that ``MLASelfAttention`` passes (a subclass drops them; the
-core attention reads the context width from ``kv_channels`` = ``v_head_dim``);
-``multi_latent_attention.HAVE_TE`` is True whenever TE's extension module imports, which it
-does without TE (set from whether ``transformer_engine`` is installed); its YaRN table, the
-router's and MTP's trackers are made on ``torch.cuda.current_device()`` (the CPU here); the
-dropout RNG fork is a no-op (no dropout); its router's gating reads
-``moe_utils.te_general_gemm``, defined only when TE imports (set to None: the plain matmul);
-the causal mask is passed explicitly (its default is made on "cuda"); its alltoall token
-dispatcher makes CUDA streams (the allgather one is used). Its ``dist_checkpointing.save``
-calls ``torch.cuda.synchronize`` (a no-op here) and, in its writer processes, ``psutil`` for a
-debug log line: megatron-core 0.16.1 does not declare psutil, and without it the writer raises
-in a child process and the save hangs (the memory reading is 0 here).
+Without Transformer Engine, and on the CPU, megatron-core's local MLA needs shims
+(``tests/benchmarks/mcore_shims.py``, shared with ``bench_mla.py``); the causal mask is passed
+explicitly (its default is made on "cuda") and the allgather token dispatcher is used (its
+alltoall one makes CUDA streams).
 """
 
-import contextlib
 import dataclasses
-import importlib.util
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-
-def shims() -> None:
-    """Let the local MLA build without TE and the model run on the CPU (module docstring)."""
-    from megatron.core.transformer import dot_product_attention as dpa
-    from megatron.core.transformer import multi_latent_attention as mla
-
-    mla.HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    torch.cuda.synchronize = lambda *a, **k: None
-
-    class NoRng:
-        def fork(self, *a, **k):
-            return contextlib.nullcontext()
-
-    dpa.tensor_parallel.get_cuda_rng_tracker = NoRng
-    from megatron.core.transformer.moe import moe_utils
-
-    moe_utils.get_cuda_rng_tracker = NoRng
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if not filesystem_async.HAVE_PSUTIL:
-        filesystem_async._process_memory = lambda: 0
-
-
-def local_core_attention():
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    class LocalCoreAttention(DotProductAttention):
-        def __init__(self, *a, k_channels=None, v_channels=None, **k) -> None:
-            super().__init__(*a, **k)
-
-    return LocalCoreAttention
+# tests/benchmarks (megatron-core and torch only), not the repository root: its megatron
+# would be imported instead of megatron-core's
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+from mcore_shims import apply_shims, local_core_attention  # noqa: E402
 
 
 def swap_core_attention(spec, core):
@@ -152,7 +111,7 @@ def main() -> None:
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     dist.init_process_group("gloo")
-    shims()
+    apply_shims(cpu=True)
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
