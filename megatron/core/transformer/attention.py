@@ -70,7 +70,7 @@ class Attention(MegatronModule):
         self.window_layer = is_window_layer(
             config.window_size, config.window_attn_skip_freq, layer_number
         )
-        self.mscale = yarn_cos_sin_scale(config)  # YaRN's cos/sin scale (1 without)
+        self.mscale = config_yarn_cos_sin_scale(config)  # YaRN's cos/sin scale (1 without)
         self.core_attention = build_module(
             submodules.core_attention,
             config=config,
@@ -167,14 +167,13 @@ def layer_cp_comm_type(cp_comm_type, config: TransformerConfig, layer_number: in
     return cp_comm_type
 
 
-def yarn_cos_sin_scale(config: TransformerConfig) -> float:
+def config_yarn_cos_sin_scale(config: TransformerConfig) -> float:
     """YaRN's cos/sin scale mscale(factor, yarn_mscale) / mscale(factor, yarn_mscale_all_dim)
     when the config has YaRN fields (``GPTModel(position_embedding_type="yarn")``), else 1."""
     factor = config.yarn_rotary_scaling_factor
     if factor is None:
         return 1.0
-    mscale = config.yarn_mscale if config.yarn_mscale is not None else 1.0
-    return rope.yarn_cos_sin_scale(factor, mscale, config.yarn_mscale_all_dim or 0.0)
+    return rope.yarn_cos_sin_scale(factor, *rope.yarn_config_mscales(config))
 
 
 def _explicit_attention(query, keys, values, kernel: Kernel, sinks) -> torch.Tensor:
