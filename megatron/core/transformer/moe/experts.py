@@ -33,9 +33,10 @@ from megatron.core.fp8.cache import cached_operands, init_weight_cache
 from megatron.core.fp8.grouped import Fp8Experts, expert_weight_operands, fp8_grouped_linear
 from megatron.core.fusions.fused_bias_geglu import gated_unit
 from megatron.core.process_groups_config import ProcessGroupCollection, get_pg_rank, get_pg_size
+from megatron.core.tensor_parallel.utils import strided_shard
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.grouped_gemm import ExpertRows, grouped_linear, use_grouped_mm
-from megatron.core.transformer.moe.parallel import moe_groups_of, strided_shard
+from megatron.core.transformer.moe.parallel import moe_groups_of
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 FullWeight = Callable[[str, int, tuple], torch.Tensor]
