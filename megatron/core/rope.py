@@ -290,6 +290,13 @@ def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(scale) + 1.0
 
 
+def yarn_config_mscales(config) -> Tuple[float, float]:
+    """(``yarn_mscale``, ``yarn_mscale_all_dim``) of a TransformerConfig, None read as YaRN's
+    defaults 1.0 and 0.0."""
+    mscale = config.yarn_mscale if config.yarn_mscale is not None else 1.0
+    return mscale, config.yarn_mscale_all_dim or 0.0
+
+
 def yarn_cos_sin_scale(scale: float, mscale: float, mscale_all_dim: float) -> float:
     """YaRN's cos/sin scale: mscale(scale, mscale) / mscale(scale, mscale_all_dim)."""
     return yarn_get_mscale(scale, mscale) / yarn_get_mscale(scale, mscale_all_dim)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from megatron.core import dist_checkpointing
 from megatron.core.communication import all_gather_object, broadcast_object, world_group
+from megatron.core.dist_checkpointing import storage
 from megatron.core.dist_checkpointing.core import CONFIG_FNAME
 from megatron.training.checkpoint_layout import (  # noqa: F401 - the front's names
     OPTIMIZER_KEY_PREFIX,
@@ -187,26 +188,26 @@ def _check_resume(
             f"{where} is at iteration {saved_iteration}, beyond --train-iters {train_iters}; "
             "raise --train-iters, or pass --finetune to train its weights from iteration 0"
         )
-    if common.get("model_only") and load_optim:
+    if load_optim and _model_only(common, directory):
         raise ValueError(
-            f"{where} holds model weights only (written by python -m megatron.training.hf "
-            "import); pass --finetune (or --no-load-optim)"
-        )
-    # not written by this trainer (no run record) and without optimizer state: e.g.
-    # megatron-core's dist_checkpointing.save of a model (an SGD run of ours may store none)
-    if load_optim and "run_settings" not in common and not _has_optimizer_state(directory):
-        raise ValueError(
-            f"{where} holds no optimizer state (model weights only: e.g. megatron-core's "
-            "dist_checkpointing.save of a model's sharded_state_dict); pass --finetune to "
-            "train its weights from iteration 0, or --no-load-optim"
+            f"{where} holds no optimizer state (model weights only: written by python -m "
+            "megatron.training.hf import, or megatron-core's dist_checkpointing.save of a "
+            "model's sharded_state_dict); pass --finetune to train its weights from iteration "
+            "0, or --no-load-optim"
         )
     return optimizer_notes
 
 
-def _has_optimizer_state(directory: Path) -> bool:
-    """Whether the checkpoint stores any ``optimizer.*`` tensor."""
-    stored = dist_checkpointing.load_tensors_metadata(str(directory))
-    return any(key.startswith(OPTIMIZER_KEY_PREFIX) for key in stored)
+def _model_only(common: Dict[str, Any], directory: Path) -> bool:
+    """Whether the checkpoint holds model weights only: marked so (``hf import``), or not
+    written by this trainer (no run record; an SGD run of ours may store no state) and
+    without any stored ``optimizer.*`` tensor (the stored keys read only then)."""
+    if common.get("model_only"):
+        return True
+    if "run_settings" in common:
+        return False
+    stored = storage.stored_tensor_shapes(storage.read_metadata(directory))
+    return not any(key.startswith(OPTIMIZER_KEY_PREFIX) for key in stored)
 
 
 def _model_part(

@@ -77,13 +77,23 @@ def fp8_grouped_linear(
 def expert_weight_operands(weights: Sequence[torch.Tensor], experts: Fp8Experts) -> Tuple:
     """(FP8 W_i, FP8 W_i^T, the [E_local] scales) of the local experts' ``weights``, amaxes
     MAX-reduced over ``experts.group`` (what the forward would compute)."""
-    n = len(weights)
+    return expert_weights_operands([weights], experts)[0]
+
+
+def expert_weights_operands(
+    weight_lists: Sequence[Sequence[torch.Tensor]], experts: Fp8Experts
+) -> List[Tuple]:
+    """``expert_weight_operands`` of each list (fc1's, fc2's), the amaxes of all of them
+    MAX-reduced in one collective."""
     fwd, _ = scaling.fp8_dtypes(experts.fmt)
-    amax = experts.global_amax(_amaxes(weights).reshape(1, n)).reshape(n)
-    q_w, w_t, scales = scaling.operands(
-        weights, amax, fwd, experts.margin, tuple(range(n)), experts=True
-    )
-    return tuple(q_w), tuple(w_t), scales
+    operands = []
+    for weights, amax in zip(weight_lists, _global_amaxes(experts, *weight_lists)):
+        n = len(weights)
+        q_w, w_t, scales = scaling.operands(
+            weights, amax, fwd, experts.margin, tuple(range(n)), experts=True
+        )
+        operands.append((tuple(q_w), tuple(w_t), scales))
+    return operands
 
 
 class Fp8GroupedLinearFunction(torch.autograd.Function):
@@ -98,11 +108,10 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         xs = torch.split(x, sizes)
         if kept:  # the weights' operands kept by the module: X's amaxes alone
             q_w, w_t, s_w = kept[:n], kept[n : 2 * n], kept[2 * n]
-            amax = experts.global_amax(_amaxes(xs).reshape(1, n)).reshape(n)
+            amax = _global_amaxes(experts, xs)[0]
             q_x, _, s_x = scaling.operands(xs, amax, fwd, experts.margin, experts=True)
         else:  # X's and W's amaxes in one collective
-            amax = torch.cat([_amaxes(xs), _amaxes(weights)]).reshape(2, n)
-            amax = experts.global_amax(amax).reshape(2 * n)
+            amax = _global_amaxes(experts, xs, weights).reshape(2 * n)
             casts, _, scales = scaling.operands(
                 (*xs, *weights), amax, fwd, experts.margin, experts=True
             )
@@ -122,7 +131,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         saved_x, saved_w = saved[:n], saved[n:]  # X: FP8 with ``wgrad``; W^T if kept, else W
         _, grad_dtype = scaling.fp8_dtypes(experts.fmt)
         gs = torch.split(grad_output, ctx.sizes)
-        amax = experts.global_amax(_amaxes(gs).reshape(1, n)).reshape(n)
+        amax = _global_amaxes(experts, gs)[0]
         to_transpose = ([] if ctx.kept_transposes else list(saved_w)) + (
             list(saved_x) if experts.wgrad else []
         )
@@ -150,6 +159,12 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         else:
             grad_w = [g.t().matmul(xh).to(w_dtype) for g, xh in zip(gs, saved_x)]
         return (grad_x, None, None, None, *grad_w, *([None] * (len(ctx.needs_input_grad) - 4 - n)))
+
+
+def _global_amaxes(experts: Fp8Experts, *groups: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[len(groups), E_local]: each group's (one tensor per local expert) amaxes, MAX-reduced
+    over ``experts.group`` in one collective (row k: group k)."""
+    return experts.global_amax(torch.stack([_amaxes(tensors) for tensors in groups]))
 
 
 def _amaxes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -111,8 +111,8 @@ def _schedule(pipelined: bool, interleaved: bool = False):
                 seq_length=seq_length,
                 micro_batch_size=micro_batch_size,
                 adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
+                first_val_step=first_val_step,
             )
-            run.first_val_step = first_val_step
             if not interleaved and len(run.models) != 1:
                 raise ScheduleArgumentError(
                     f"{loop.__name__}: model must be one module (or a list of one), got a list "
@@ -479,10 +479,11 @@ def check_first_val_step(first_val_step: Optional[bool], forward_only: bool, con
 def _set_is_first_microbatch(model) -> None:
     """megatron-core's ``model.set_is_first_microbatch()``, through wrappers without it
     (DDP); nothing for a model without it."""
-    while not hasattr(model, "set_is_first_microbatch") and hasattr(model, "module"):
-        model = model.module
-    if hasattr(model, "set_is_first_microbatch"):
-        model.set_is_first_microbatch()
+    try:
+        set_first = get_attr_wrapped_model(model, "set_is_first_microbatch")
+    except RuntimeError:  # no module on the ``.module`` chain has it
+        return
+    set_first()
 
 
 def forward_step_calc_loss(
@@ -728,6 +729,7 @@ class _Run:
         seq_length=None,
         micro_batch_size=None,
         adjust_tensor_shapes_fn=None,
+        first_val_step=None,
     ) -> None:
         self.models = list(model) if isinstance(model, (list, tuple)) else [model]
         if not self.models or not all(isinstance(m, torch.nn.Module) for m in self.models):
@@ -759,7 +761,7 @@ class _Run:
         self.num_tokens = torch.zeros((), dtype=torch.float64, device=comm_device())
         self.count_checks = DeferredCountChecks()
         self._microbatches_run = [0] * len(self.models)
-        self.first_val_step: Optional[bool] = None
+        self.first_val_step: Optional[bool] = first_val_step
         if self.config.timers is not None:
             self.config.timers("forward-backward", log_level=1).start()
 

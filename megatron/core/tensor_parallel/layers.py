@@ -56,7 +56,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from megatron.core.tensor_parallel.utils import VocabUtility, divide
+from megatron.core.tensor_parallel.utils import VocabUtility, strided_shard
 
 _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {
     "tensor_model_parallel": False,
@@ -629,10 +629,8 @@ def _initialize_from_full_weight(
     master = torch.empty(full_shape, dtype=torch.float32)
     init_method(master)
     master = master.to(dtype=weight.dtype)
-    block = divide(weight.shape[partition_dim], stride)
-    mine = torch.split(master, block, dim=partition_dim)[rank::world_size]
     with torch.no_grad():
-        weight.copy_(torch.cat(mine, dim=partition_dim))
+        weight.copy_(strided_shard(master, partition_dim, stride, world_size, rank))
     return master
 
 

@@ -28,6 +28,16 @@ def split_tensor_along_last_dim(
     return list(chunks)
 
 
+def strided_shard(full: torch.Tensor, dim: int, stride: int, size: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of ``size``: ``full`` cut along ``dim`` into size * stride
+    blocks, blocks rank, rank + size, ... kept (megatron-core's strided split of a
+    parameter with ``partition_stride``; ``full`` itself for size 1)."""
+    if size == 1:
+        return full
+    blocks = full.chunk(size * stride, dim=dim)
+    return torch.cat(blocks[rank::size], dim=dim)
+
+
 def split_tensor_into_1d_equal_chunks(
     tensor: torch.Tensor, new_buffer: bool = False, tp_group: Optional[dist.ProcessGroup] = None
 ) -> torch.Tensor:

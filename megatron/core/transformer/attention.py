@@ -6,7 +6,6 @@ groups one after another: megatron-core's layout, so a TP rank's slice of the fu
 whole query groups.
 """
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
@@ -72,7 +71,7 @@ class Attention(MegatronModule):
         self.window_layer = is_window_layer(
             config.window_size, config.window_attn_skip_freq, layer_number
         )
-        self.mscale = yarn_cos_sin_scale(config)  # YaRN's cos/sin scale (1 without)
+        self.mscale = config_yarn_cos_sin_scale(config)  # YaRN's cos/sin scale (1 without)
         self.core_attention = build_module(
             submodules.core_attention,
             config=config,
@@ -165,33 +164,8 @@ class Attention(MegatronModule):
                 "inference_context with context_parallel_size > 1; generate at CP = 1"
             )
         keys, values = inference_context.store(self.layer_number, key, value)
-        s, total = query.shape[0], keys.shape[0]
-        window = self.core_attention.window_size
-        sinks = self.core_attention.softmax_offset
-        kernel = self.core_attention.attention_kernel
-        if sinks is not None or kernel.softcap is not None:
-            return _explicit_attention(query, keys, values, kernel, sinks)
-        windowed = window is not None and window[0] >= 0 and total > window[0] + 1
-        mask, causal = None, False
-        if windowed or (s > 1 and total > s):  # a chunk after cached tokens, or a window
-            positions = torch.arange(total - s, total, device=query.device)[:, None]
-            seen = torch.arange(total, device=query.device)[None, :]
-            mask = seen <= positions
-            if windowed:
-                mask &= positions - seen <= window[0]
-        elif s > 1:  # the prompt: plain causal attention
-            causal = True
-        per_group = query.shape[2] // keys.shape[2]
-        q = query.permute(1, 2, 0, 3)
-        k = keys.permute(1, 2, 0, 3)
-        v = values.permute(1, 2, 0, 3)
-        if per_group > 1:  # grouped-query attention: each key/value head serves per_group
-            k = k.repeat_interleave(per_group, dim=1)
-            v = v.repeat_interleave(per_group, dim=1)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, scale=kernel.scale
-        )
-        return out.permute(2, 0, 1, 3).reshape(s, out.shape[0], -1)
+        core = self.core_attention
+        return _explicit_attention(query, keys, values, core.attention_kernel, core.softmax_offset)
 
 
 # Not implemented with a KV cache (``inference_context``).
@@ -231,24 +205,20 @@ def layer_cp_comm_type(cp_comm_type, config: TransformerConfig, layer_number: in
     return cp_comm_type
 
 
-def yarn_cos_sin_scale(config: TransformerConfig) -> float:
+def config_yarn_cos_sin_scale(config: TransformerConfig) -> float:
     """YaRN's cos/sin scale mscale(factor, yarn_mscale) / mscale(factor, yarn_mscale_all_dim)
     when the config has YaRN fields (``GPTModel(position_embedding_type="yarn")``), else 1."""
     factor = config.yarn_rotary_scaling_factor
     if factor is None:
         return 1.0
-    mscale = config.yarn_mscale if config.yarn_mscale is not None else 1.0
-    return rope.yarn_cos_sin_scale(factor, mscale, config.yarn_mscale_all_dim or 0.0)
+    return rope.yarn_cos_sin_scale(factor, *rope.yarn_config_mscales(config))
 
 
 def _explicit_attention(query, keys, values, kernel: Kernel, sinks) -> torch.Tensor:
-    """The cached forward with soft-capped scores or attention sinks, on the core attention's
-    own maths: the "math" kernel with the core attention's options (``kernel``: scale,
-    window, soft-cap), a bottom-right causal block (query i of s at position total - s + i),
-    then the sinks joined to its output and LSE (``cp_attention.sinks``). Q [s, b, np, d],
-    K/V [total, b, ng, d] -> [s, b, np * d]."""
-    if kernel.name != "math":
-        kernel = dataclasses.replace(kernel, name="math")
+    """The cached forward on the core attention's own kernel and options (``kernel``: scale,
+    window, soft-cap): a bottom-right causal block (query i of s at position total - s + i),
+    grouped-query attention by the kernel, then the sinks joined to its output and LSE
+    (``cp_attention.sinks``). Q [s, b, np, d], K/V [total, b, ng, d] -> [s, b, np * d]."""
     out, lse = attention_forward(query, keys, values, True, kernel, layout="sbnd")
     if sinks is not None:
         out = sink_forward(out, lse, sinks)[0].to(query.dtype)

@@ -1,6 +1,5 @@
 """Core attention: softmax(scale * Q K^T + causal mask) V, exact under context parallelism."""
 
-import dataclasses
 import math
 import warnings
 from typing import Optional
@@ -89,16 +88,14 @@ class DotProductAttention(MegatronModule):
             self.softmax_offset = sinks
         else:
             self.register_buffer("softmax_offset", sinks, persistent=False)
-        self._window = check_window_size(
+        window = check_window_size(
             self.window_size,
             self._comm,
             0 if self._comm == "a2a+p2p" else config.context_parallel_size,
         )
         kernel = kernel_for_backend(config.attention_backend)
         # the kernel options of every call, the soft-cap checked here, once
-        self.attention_kernel = Kernel(
-            kernel, softmax_scale, self._window, config.attn_logit_softcapping
-        )
+        self.attention_kernel = Kernel(kernel, softmax_scale, window, config.attn_logit_softcapping)
         resolve = hierarchical_cp_groups_of if self._comm == "a2a+p2p" else cp_group_of
         self._cp_groups = ResolvedGroup(resolve, pg_collection, config)  # fails here if mismatched
 
@@ -131,21 +128,6 @@ class DotProductAttention(MegatronModule):
             softmax_offset=self.softmax_offset,
         )
         return context.reshape(context.shape[0], context.shape[1], -1)
-
-    @property
-    def kernel(self) -> str:
-        """The attention kernel's name (``kernels``'; "auto": by the tensors)."""
-        return self.attention_kernel.name
-
-    @property
-    def softcap(self) -> Optional[float]:
-        """The logit soft-cap (``config.attn_logit_softcapping``; None: none); setting it
-        rebuilds (and checks) the kernel options."""
-        return self.attention_kernel.softcap
-
-    @softcap.setter
-    def softcap(self, value: Optional[float]) -> None:
-        self.attention_kernel = dataclasses.replace(self.attention_kernel, softcap=value)
 
     def _comm_type(self) -> str:
         """``cp_comm_type`` (None: all_gather); a2a+p2p at CP = 1 is plain attention."""

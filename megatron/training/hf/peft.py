@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from megatron.core.config_rules import lora_attention_names, lora_module_names
+from megatron.core.tensor_parallel.utils import strided_shard
 from megatron.core.transformer.lora import LoRAConfig
 from megatron.training.hf.family import HFArchitecture, Source
 from megatron.training.hf.weights import layer_sources, our_full_shapes
@@ -323,7 +324,6 @@ def _expert_keys(arch: HFArchitecture, layers: List[str]) -> Dict[Tuple[str, str
 
 def _load_expert_adapter(adapter, full: Dict[str, torch.Tensor]) -> None:
     """Copy this rank's experts' (and expert-TP shards') A and B out of ``full``."""
-    from megatron.core.transformer.moe.expert_lora import strided_shard
 
     group = adapter.group
     size, rank = (1, 0) if group is None else (group.size(), group.rank())
@@ -408,8 +408,8 @@ def _tp_slice(full: torch.Tensor, param: torch.Tensor, layer: torch.nn.Module) -
         return full
     group = getattr(layer, "tp_group", None)
     size, rank = (1, 0) if group is None else (group.size(), group.rank())
-    blocks = full.chunk(size * getattr(param, "partition_stride", 1), dim=param.partition_dim)
-    return torch.cat(blocks[rank::size], dim=param.partition_dim)
+    stride = getattr(param, "partition_stride", 1)
+    return strided_shard(full, param.partition_dim, stride, size, rank)
 
 
 def lora_settings_of_peft(directory, arch: HFArchitecture) -> Dict[str, Any]:

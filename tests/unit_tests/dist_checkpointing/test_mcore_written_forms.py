@@ -110,3 +110,23 @@ def test_the_trainer_refuses_to_resume_optimizer_state_a_foreign_checkpoint_lack
         check({})
     assert check({}, finetune=True) == [] and check({}, load_optim=False) == []
     assert check({"run_settings": {}}) == []  # ours (an SGD run may store no state)
+
+
+def test_a_model_only_checkpoint_is_refused_by_one_rule(tmp_path, monkeypatch):
+    """``hf import``'s model-only mark and a foreign checkpoint without optimizer state are
+    one refusal, one message; with the mark (or a run record) the stored keys are not read."""
+    from megatron.training import checkpointing
+
+    weight = ShardedTensor.from_rank_offsets("w", torch.ones(2))
+    dist_checkpointing.save({"w": weight}, str(tmp_path))
+    reads, read = [], ckpt_storage.read_metadata
+    monkeypatch.setattr(ckpt_storage, "read_metadata", lambda d: reads.append(d) or read(d))
+
+    def message(common):
+        with pytest.raises(ValueError) as info:
+            checkpointing._check_resume(common, None, tmp_path, "W", False, True, None, (0, 0))
+        return str(info.value)
+
+    marked = message({"model_only": True})
+    assert not reads and marked == message({}) and reads == [tmp_path]
+    assert "holds no optimizer state" in marked and "hf import" in marked

@@ -225,6 +225,26 @@ def test_expert_weight_amaxes_once_per_step(grouped, monkeypatch):
     assert len(calls) == weights, calls
 
 
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "sequential"])
+def test_the_experts_cache_fill_reduces_its_amaxes_in_one_collective(grouped, monkeypatch):
+    """Filling the experts' cache MAX-reduces fc1's and fc2's weight amaxes together: one
+    ``reduce_amax`` more than a microbatch that reads the cache (the experts' alone)."""
+    model = _Model(grouped)
+    x = _microbatches(0)[0]
+    with torch.no_grad():
+        model(x)  # fc1, fc2 of the model (dense FP8 linears) cast once, uncached
+    calls, reduce = [], scaling.reduce_amax
+    monkeypatch.setattr(scaling, "reduce_amax", lambda *a: calls.append(a) or reduce(*a))
+    counts = []
+    for first in (True, False):
+        model.experts.is_first_microbatch = first
+        calls.clear()
+        with torch.no_grad():
+            model.experts(x, torch.tensor(COUNTS), torch.ones(sum(COUNTS)))
+        counts.append(len(calls))
+    assert counts[0] - counts[1] == 1, counts
+
+
 def test_set_is_first_microbatch_only_with_fp8():
     model = _Model(grouped=True)
     model.config.fp8 = None

@@ -80,3 +80,24 @@ def test_gpt_model_reads_its_embeddings_cache():
     context = SimpleNamespace(max_sequence_length=8, sequence_len_offset=3)
     got = model._rotary_angles_from(context, torch.zeros(2, 1, 16))
     assert torch.equal(got, angles[3:5]) and calls == [8]
+
+
+def test_packed_rows_index_the_same_cache():
+    """Packed (THD) rows take each document's positions of the cached table: built once over
+    forwards (and the slot an unpacked forward of that length reads), not per forward."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    model = _gpt()
+    table = model.rotary_pos_emb(8)
+    calls = _counting(model.rotary_pos_emb)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    hidden = torch.zeros(8, 1, 16)
+    first = model._rotary_angles(None, hidden, packed)
+    second = model._rotary_angles(None, hidden, packed)
+    expected = table[torch.tensor([0, 1, 2, 0, 1, 2, 3, 4])]
+    assert torch.equal(first, expected) and torch.equal(second, expected)
+    assert (
+        calls == [8]
+        and model._rotary_angles(None, hidden, None) is model.rotary_pos_emb._angles_cache[1][0]
+    )

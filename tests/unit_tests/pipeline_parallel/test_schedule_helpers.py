@@ -237,3 +237,24 @@ def test_schedules_keep_their_names_and_docs_around_the_shared_signature():
     assert len({str(inspect.signature(func)) for func in funcs}) == 1
     assert len({func.__doc__ for func in funcs}) == 3
     assert schedules.get_forward_backward_func(pp_size=2, vp_size=2) is funcs[2]
+
+
+@pytest.mark.world(1)
+def test_set_is_first_microbatch_follows_the_module_chain():
+    """megatron-core's ``set_is_first_microbatch`` is found through ``.module`` wrappers
+    (DDP); a model without it anywhere on the chain is left alone."""
+    calls = []
+
+    class Inner(torch.nn.Module):
+        def set_is_first_microbatch(self):
+            calls.append(self)
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    inner = Inner()
+    schedules._set_is_first_microbatch(Wrapper(Wrapper(inner)))
+    schedules._set_is_first_microbatch(Wrapper(torch.nn.Linear(1, 1)))
+    assert calls == [inner]

@@ -16,12 +16,14 @@ pytestmark = pytest.mark.world(1)
 S, B, NQ, NKV, D, CAP = 10, 1, 4, 2, 8, 1.5
 
 
-def _reference(q, k, v, window, documents, sinks=None):
+def _reference(q, k, v, window, documents, sinks=None, cap=CAP):
     """[s, b, n, d] float64 autograd reference (``sinks``: one more score column per head,
-    the sink logit, dropped after the softmax)."""
+    the sink logit, dropped after the softmax; ``cap`` None: no soft-cap)."""
     qh, kh, vh = (x.permute(1, 2, 0, 3) for x in (q, k, v))
     kh, vh = (x.repeat_interleave(NQ // NKV, dim=1) for x in (kh, vh))
-    scores = torch.tanh((qh @ kh.transpose(-1, -2)) / math.sqrt(D) / CAP) * CAP
+    scores = (qh @ kh.transpose(-1, -2)) / math.sqrt(D)
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
     i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
     allowed = (j <= i) & (documents[:, None] == documents[None, :])
     if window is not None:
@@ -198,35 +200,43 @@ def test_the_cached_forward_with_sinks_and_soft_caps_equals_the_full_forward():
 
 
 @pytest.mark.parametrize("features", [
-    dict(softmax_type="learnable", attn_logit_softcapping=0.5, window_size=(2, 0)),
-    dict(attn_logit_softcapping=0.5), dict(softmax_type="learnable"),
+    dict(softmax_type="learnable", attn_logit_softcapping=CAP, window_size=(2, 0)),
+    dict(attn_logit_softcapping=CAP), dict(softmax_type="learnable"),
 ], ids=["both-window", "softcap", "sinks"])  # fmt: skip
-def test_the_cached_attention_with_sinks_or_soft_caps_is_the_core_attentions_maths(features):
-    """One implementation: the cached forward of a prompt with sinks or a soft-cap computes
-    what the core attention (the "math" kernel, the sinks joined to its output and LSE) does,
-    to the bit in float32, not a second formula that agrees up to rounding."""
+def test_the_cached_attention_with_sinks_or_soft_caps_equals_the_reference(features):
+    """The cached forward of a prompt with sinks, a soft-cap and a window (and the full
+    forward) equal the independent autograd reference ``_reference`` (float64)."""
     from megatron.core.inference.contexts import StaticInferenceContext
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.attention import SelfAttention
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
     config = TransformerConfig(
-        num_layers=1, hidden_size=16, num_attention_heads=4, num_query_groups=2,
-        attention_backend="unfused", attention_dropout=0.0, **features,
+        num_layers=1, hidden_size=16, num_attention_heads=NQ, num_query_groups=NKV,
+        kv_channels=D, attention_backend="unfused", attention_dropout=0.0,
+        params_dtype=torch.float64, **features,
     )  # fmt: skip
     spec = get_gpt_layer_local_spec().submodules.self_attention
     attention = SelfAttention(config, spec.submodules, 1, AttnMaskType.causal)
     torch.manual_seed(0)
     for param in attention.parameters():
         torch.nn.init.normal_(param, std=0.5)
-    assert isinstance(attention.core_attention, DotProductAttention)
-    x = torch.randn(7, 1, 16, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(S, B, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    window = features.get("window_size", (None,))[0]
+    sinks = attention.core_attention.softmax_offset
     with torch.no_grad():
         full, _ = attention(x, None)
-        cached, _ = attention(x, None, inference_context=StaticInferenceContext(1, 7))
-    assert torch.equal(cached, full)
+        cached, _ = attention(x, None, inference_context=StaticInferenceContext(B, S))
+        q, k, v = attention.get_query_key_value_tensors(x)
+        cap = features.get("attn_logit_softcapping")
+        context = _reference(q, k, v, window, torch.zeros(S), sinks, cap)
+        expected, _ = attention.linear_proj(context.reshape(S, B, -1))
+        plain = _reference(q, k, v, None, torch.zeros(S), None, None)
+        plain, _ = attention.linear_proj(plain.reshape(S, B, -1))
+    assert (plain - expected).abs().max() > 1e-3  # the features bite
+    for got in (cached, full):
+        assert torch.allclose(got, expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -267,7 +277,7 @@ def test_the_softcap_is_checked_once_when_the_layer_is_built_not_per_call(monkey
     checked there; its forward and backward check it no more (they did per call, and the
     kernels per block)."""
     from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.cp_attention import api, kernels
+    from megatron.core.transformer.cp_attention import kernels
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
@@ -277,11 +287,8 @@ def test_the_softcap_is_checked_once_when_the_layer_is_built_not_per_call(monkey
     )  # fmt: skip
     attention = DotProductAttention(config, 1, AttnMaskType.causal, "self")
     checks = []
-    for module, name in [(api, "softcap_kernel"), (kernels, "softcap_kernel"),
-                         (kernels, "_check_softcap")]:  # fmt: skip
-        if hasattr(module, name):
-            check = getattr(module, name)
-            monkeypatch.setattr(module, name, lambda *a, _c=check: checks.append(a) or _c(*a))
+    check = kernels.softcap_kernel
+    monkeypatch.setattr(kernels, "softcap_kernel", lambda *a: checks.append(a) or check(*a))
     q, k, v = _inputs()
     for _ in range(2):
         attention(q, k, v, None).sum().backward()

@@ -8,8 +8,12 @@ import torch
 from torch import Tensor
 
 from megatron.core.context_parallel import thd_document_positions, thd_partitioned_indices
-from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-from megatron.core.rope import LayerAngles
+from megatron.core.rope import (
+    LayerAngles,
+    RotaryEmbedding,
+    YarnRotaryEmbedding,
+    yarn_config_mscales,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_rank, get_pg_size
 
@@ -43,16 +47,15 @@ def check_yarn_fields(config: TransformerConfig, position_embedding_type: str) -
         )
 
 
-def yarn_embedding(config: TransformerConfig, rotary_percent: float, rotary_base) -> Any:
+def yarn_embedding(
+    config: TransformerConfig, rotary_percent: float, rotary_base
+) -> YarnRotaryEmbedding:
     """The YaRN rotary embedding of the config's yarn_* fields (megatron-core's names)."""
-    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
-        YarnRotaryEmbedding,
-    )
-
     if rotary_percent < 1.0:
         raise NotImplementedError(
             "GPTModel: position_embedding_type='yarn' with rotary_percent < 1"
         )
+    mscale, mscale_all_dim = yarn_config_mscales(config)
     return YarnRotaryEmbedding(
         config.kv_channels,
         rotary_interleaved=config.rotary_interleaved,
@@ -61,8 +64,8 @@ def yarn_embedding(config: TransformerConfig, rotary_percent: float, rotary_base
         original_max_position_embeddings=config.yarn_original_max_position_embeddings,
         beta_fast=config.yarn_beta_fast,
         beta_slow=config.yarn_beta_slow,
-        mscale=config.yarn_mscale if config.yarn_mscale is not None else 1.0,
-        mscale_all_dim=config.yarn_mscale_all_dim or 0.0,
+        mscale=mscale,
+        mscale_all_dim=mscale_all_dim,
         correction_range_round_to_int=config.yarn_correction_range_round_to_int,
     )
 
@@ -119,19 +122,18 @@ class RotaryAngles:
         self, input_ids, decoder_input, packed_seq_params, name: str = "rotary_pos_emb"
     ) -> Tensor:
         """RoPE angles [s_local, 1, 1, r] of this rank's positions, on the activations'
-        device (YaRN's cos/sin scale is applied by the attention, from the config). Unpacked
-        rows take the embedding's ``cached_angles`` (the last length's kept on the device);
-        packed rows take each document's own positions."""
+        device (YaRN's cos/sin scale is applied by the attention, from the config), from the
+        embedding's ``cached_angles`` (the last length's table kept on the device): unpacked
+        rows take this CP rank's positions, packed rows index the whole table by each
+        document's own positions. Training and cached inference share that one cache slot."""
         cp_group = self._cp_group.get()
         total = self._global_seq_length(input_ids, decoder_input, cp_group)
         hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
         device = hidden.device
         embedding = getattr(self, name)
         if packed_seq_params is not None:  # angles of the positions within each document
-            angles = embedding(total, packed_seq=True, cp_group=cp_group)
-            angles = angles[0] if isinstance(angles, tuple) else angles
             positions = positions_in_documents(packed_seq_params, total, cp_group)
-            return angles[positions.to(angles.device)].to(device)
+            return embedding.cached_angles(total, device)[0][positions.to(device)]
         return embedding.cached_angles(total, device, cp_group)[0]
 
     def _rotary_angles_from(

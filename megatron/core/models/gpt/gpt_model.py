@@ -32,6 +32,7 @@ from megatron.core.models.gpt.gpt_embeddings_utils import (
     yarn_embedding,
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.utils import strided_shard
 from megatron.core.transformer.module import MegatronModule, leave_as_allocated
 from megatron.core.transformer.multi_token_prediction import (
     MultiTokenPredictionBlock,
@@ -619,9 +620,8 @@ def tp_shard(full: Tensor, param: Tensor, tp_size: int, tp_rank: int) -> Tensor:
     split); the whole tensor for a parameter not split over TP."""
     if not getattr(param, "tensor_model_parallel", False) or tp_size == 1:
         return full
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
-    block = full.shape[dim] // (tp_size * stride)
-    return torch.cat(torch.split(full, block, dim=dim)[tp_rank::tp_size], dim=dim)
+    stride = getattr(param, "partition_stride", 1)
+    return strided_shard(full, param.partition_dim, stride, tp_size, tp_rank)
 
 
 def _full_shape(param: Tensor, tp_size: int) -> List[int]:

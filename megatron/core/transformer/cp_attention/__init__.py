@@ -45,14 +45,13 @@ from megatron.core.transformer.cp_attention.kernel_choice import (
     check_backend_window,
     kernel_for_backend,
 )
-from megatron.core.transformer.cp_attention.kernels import Kernel, softcap_kernel
+from megatron.core.transformer.cp_attention.kernels import Kernel
 
 __all__ = [
     "context_parallel_attention",
     "attention_with_kernel",
     "Kernel",
     "check_window_size",
-    "softcap_kernel",
     "check_backend_window",
     "kernel_for_backend",
 ]

@@ -31,9 +31,9 @@ from megatron.core.tensor_parallel.mappings import (
     all_gather_last_dim_from_tensor_parallel_region,
     all_reduce_with_summed_grad,
 )
+from megatron.core.tensor_parallel.utils import strided_shard
 from megatron.core.transformer.lora_init import adapter_init_method, adapter_seed
 from megatron.core.transformer.moe.grouped_gemm import ExpertRows, grouped_linear, use_grouped_mm
-from megatron.core.transformer.moe.parallel import strided_shard
 
 PROJECTIONS = ("linear_fc1", "linear_fc2")
 

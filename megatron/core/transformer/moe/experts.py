@@ -30,12 +30,13 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.fp8.cache import cached_operands, init_weight_cache
-from megatron.core.fp8.grouped import Fp8Experts, expert_weight_operands, fp8_grouped_linear
+from megatron.core.fp8.grouped import Fp8Experts, expert_weights_operands, fp8_grouped_linear
 from megatron.core.fusions.fused_bias_geglu import gated_unit
 from megatron.core.process_groups_config import ProcessGroupCollection, get_pg_rank, get_pg_size
+from megatron.core.tensor_parallel.utils import strided_shard
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.grouped_gemm import ExpertRows, grouped_linear, use_grouped_mm
-from megatron.core.transformer.moe.parallel import moe_groups_of, strided_shard
+from megatron.core.transformer.moe.parallel import moe_groups_of
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 FullWeight = Callable[[str, int, tuple], torch.Tensor]
@@ -411,7 +412,7 @@ def _fp8_experts(experts: _LocalExperts, x, sizes, probs, weights) -> Tuple[torc
     fc1, fc2, fp8 = [w for w, _ in weights], [w for _, w in weights], experts.fp8_experts
 
     def fill():
-        return expert_weight_operands(fc1, fp8), expert_weight_operands(fc2, fp8)
+        return tuple(expert_weights_operands([fc1, fc2], fp8))  # one amax collective
 
     kept1, kept2 = cached_operands(experts, fc1 + fc2, fill) or (None, None)
     hidden = _activate(experts.config, fp8_grouped_linear(x, sizes, fc1, fp8, kept1), probs)

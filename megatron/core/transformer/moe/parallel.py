@@ -13,7 +13,6 @@
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 from megatron.core.process_groups_config import ProcessGroupCollection, get_pg_size, resolve_group
@@ -65,12 +64,3 @@ def get_default_pg_collection() -> ProcessGroupCollection:
     return ProcessGroupCollection.use_mpu_process_groups(
         ["ep", "expt_tp", "tp_ep", "expt_dp", "tp", "cp", "tp_cp", "dp", "tp_dp_cp", "pp"]
     )
-
-
-def strided_shard(full: torch.Tensor, dim: int, stride: int, size: int, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s shard of ``size``: ``full`` cut along ``dim`` into size * stride
-    blocks, blocks rank, rank + size, ... kept (the strided split of the dense layers)."""
-    if size == 1:
-        return full
-    blocks = full.chunk(size * stride, dim=dim)
-    return torch.cat(blocks[rank::size], dim=dim)
