@@ -7,8 +7,9 @@ checked without megatron-core (the whole checkpoint, written by megatron-core it
 - an unstacked ``_extra_state`` object at shape (1,), offset (0,)
   (``make_sharded_object_for_checkpoint``, now here too), and the old form of this package
   (shape ()) still loads;
-- the pre-MLP norm under the other name (``pre_mlp_layernorm.weight`` in megatron-core's MLA
-  local spec, ``mlp.linear_fc1.layer_norm_weight`` here) loads;
+- the pre-MLP norm under the other name (``mlp.linear_fc1.layer_norm_weight``: where this
+  package stored an MLA layer's before it used megatron-core's ``pre_mlp_layernorm.weight``)
+  loads;
 - no ``output_layer._extra_state`` (megatron-core's GPTModel drops it);
 - the trainer does not count unrequested ``_extra_state`` objects as dropped weights.
 """
@@ -68,14 +69,12 @@ def test_the_pre_mlp_norm_loads_from_either_name(tmp_path):
     saved = _model(0)
     state = saved.sharded_state_dict()
     assert "output_layer._extra_state" not in state  # megatron-core's GPTModel drops it
-    ours = "decoder.layers.mlp.linear_fc1.layer_norm_weight"
+    ours = "decoder.layers.pre_mlp_layernorm.weight"  # megatron-core's MLA layer's
     assert state["decoder.layers.0.pre_mlp_layernorm.weight"].key == ours
-    state["decoder.layers.0.pre_mlp_layernorm.weight"].key = (
-        "decoder.layers.pre_mlp_layernorm.weight"
-    )
-    state["decoder.layers.1.pre_mlp_layernorm.weight"].key = (
-        "decoder.layers.pre_mlp_layernorm.weight"
-    )
+    for layer in (0, 1):  # as this package wrote it before
+        state[f"decoder.layers.{layer}.pre_mlp_layernorm.weight"].key = (
+            "decoder.layers.mlp.linear_fc1.layer_norm_weight"
+        )
     dist_checkpointing.save(state, str(tmp_path))
     assert ours not in dist_checkpointing.load_tensors_metadata(str(tmp_path))
     fresh = _model(1)
