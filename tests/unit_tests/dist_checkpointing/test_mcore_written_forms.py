@@ -14,7 +14,9 @@ checked without megatron-core (the whole checkpoint, written by megatron-core it
 - the trainer does not count unrequested ``_extra_state`` objects as dropped weights.
 """
 
+import json
 import pickle
+import zlib
 
 import pytest
 import torch
@@ -63,6 +65,67 @@ def test_an_unstacked_object_has_megatron_cores_grid_and_both_forms_load(tmp_pat
     with pytest.raises(CheckpointingException, match="no 'y._extra_state/shard_0_1'"):
         asked = ShardedObject("y._extra_state", None, (1,), (0,))
         dist_checkpointing.load({"y": asked}, str(tmp_path / "form1"))
+
+
+def _stored_payload(directory, key: str):
+    """What the DCP byte entry ``key`` holds (``torch.save``'d), as written."""
+    import torch.distributed.checkpoint as dcp
+
+    planner = ckpt_storage._BoxLoadPlanner([], [key])
+    reader = ckpt_storage.SafeFileSystemReader(str(directory))
+    dcp.load({}, storage_reader=reader, planner=planner, no_dist=True)
+    return planner.loaded_objects[key]
+
+
+def _bare_object_writer(monkeypatch):
+    """Save as this package did before: a ShardedObject's bare data, no ``object_form``."""
+    checked, write = ckpt_storage.serialize_checked, ckpt_storage.write_checksums
+
+    def bare(obj, what):
+        listed = what.startswith("ShardedObject") and isinstance(obj, list)
+        return checked(obj[0] if listed else obj, what)
+
+    def old_checksums(directory, items, files):
+        write(directory, items, files)
+        path = directory / ckpt_storage.CHECKSUMS_FNAME
+        record = json.loads(path.read_text())
+        body = {k: record[k] for k in ("algorithm", "files", "items")}
+        path.write_text(
+            json.dumps(dict(body, self_crc32=zlib.crc32(ckpt_storage._canonical(body))))
+        )
+
+    monkeypatch.setattr(ckpt_storage, "serialize_checked", bare)
+    monkeypatch.setattr(ckpt_storage, "write_checksums", old_checksums)
+
+
+def test_objects_are_stored_in_megatron_cores_form_and_the_old_form_still_loads(
+    tmp_path, monkeypatch
+):
+    """A ShardedObject is stored as ``torch.save([data])``, megatron-core's torch_dist form
+    (before: the bare data, which megatron-core's loader cannot read: every GPT checkpoint
+    has ``_extra_state`` objects); a checkpoint of the old form (its checksums.json without
+    ``object_form``) and megatron-core's (no checksums.json) load; a payload not of the
+    recorded form is refused by name."""
+    piece = {"x": ShardedObject("x", {"v": 3}, (1,), (0,), replica_id=0)}
+    new, old, theirs = (tmp_path / name for name in ("new", "old", "theirs"))
+    for where in (new, old, theirs):
+        where.mkdir()
+    dist_checkpointing.save(piece, str(new))
+    dist_checkpointing.save(piece, str(theirs))
+    (theirs / ckpt_storage.CHECKSUMS_FNAME).unlink()
+    with monkeypatch.context() as patch:
+        _bare_object_writer(patch)
+        dist_checkpointing.save(piece, str(old))
+    assert _stored_payload(new, "x/shard_0_1") == [{"v": 3}]
+    assert _stored_payload(old, "x/shard_0_1") == {"v": 3}
+    for where in (new, old, theirs):
+        asked = {"x": ShardedObject("x", None, (1,), (0,))}
+        assert dist_checkpointing.load(asked, str(where))["x"] == {"v": 3}, where
+    # the old payload without checksums.json (so read as megatron-core's form): refused
+    (new / "__0_0.distcp").write_bytes((old / "__0_0.distcp").read_bytes())
+    (new / ckpt_storage.CHECKSUMS_FNAME).unlink()
+    with pytest.raises(CheckpointingException, match="a list of one object; got dict"):
+        dist_checkpointing.load({"x": ShardedObject("x", None, (1,), (0,))}, str(new))
 
 
 def test_the_pre_mlp_norm_loads_from_either_name(tmp_path):
