@@ -143,3 +143,51 @@ def test_a_checkpoint_with_the_old_names_still_loads(case, tmp_path):
     for (name, a), b in zip(saved.state_dict().items(), fresh.state_dict().values()):
         if torch.is_tensor(a):
             assert torch.equal(a, b), name
+
+
+def _old_layer_keys(original):
+    """``TransformerLayer.sharded_state_dict`` storing the pre-MLP norm as this package did
+    before: ``pre_mlp_layernorm.*`` in MoE layers, ``mlp.linear_fc1.layer_norm_*`` in MLA
+    dense layers."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    def sharded_state_dict(self, prefix="", *args, **kwargs):
+        out = original(self, prefix, *args, **kwargs)
+        fused, own = "mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."
+        mla = isinstance(self.self_attention, MLASelfAttention)
+        renames = {fused: own} if self.is_moe_layer else {own: fused} if mla else {}
+        for piece in nested_values(out):  # (within a layer these names are its norm's only)
+            for new, old in renames.items():
+                piece.key = piece.key.replace(new, old, 1)
+        return out
+
+    return sharded_state_dict
+
+
+@pytest.mark.slow
+def test_the_trainer_resumes_a_moe_checkpoint_written_with_the_old_names(tmp_path):
+    """A MoE run's checkpoint written before (the pre-MLP norms as ``pre_mlp_layernorm.*``,
+    optimizer state included) resumes: the losses equal the uninterrupted run's bitwise."""
+    from unittest import mock
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from megatron.training import TrainingConfig
+    from megatron.training.training import pretrain
+    from tests.unit_tests.dist_utils import fresh_layout
+
+    moe = dict(num_experts=4, disable_bias_linear=True, num_layers=2, hidden_size=16)
+    moe.update(seq_length=16, global_batch_size=4, progress=False)
+
+    def run(**changes):
+        with fresh_layout():
+            return [r["loss"] for r in pretrain(TrainingConfig(**moe, **changes)).records]
+
+    straight = run(train_iters=4)
+    old = _old_layer_keys(TransformerLayer.sharded_state_dict)
+    with mock.patch.object(TransformerLayer, "sharded_state_dict", old):
+        assert run(train_iters=2, save=str(tmp_path), save_interval=2) == straight[:2]
+    stored = dist_checkpointing.load_tensors_metadata(str(tmp_path / "iter_0000002"))
+    assert "decoder.layers.pre_mlp_layernorm.weight" in stored
+    assert not any("linear_fc1.layer_norm" in k for k in stored)
+    assert run(train_iters=4, load=str(tmp_path)) == straight[2:]
