@@ -392,7 +392,8 @@ def storage_location(
     block of non-homogeneous layers (``transformer_block.non_homogeneous_layers``: dense and
     MoE layers mixed, or any ``moe_layer_freq`` list) stores each layer on its own, under
     ``decoder.layers.<L>.`` without the layer axis: that key is used when ``stored`` (the
-    checkpoint's keys) has it."""
+    checkpoint's keys) has it; a norm the checkpoint stores under another name (one written
+    before the pre-MLP norm took megatron-core's name: ``load_aliases``) under that one."""
     parts = name.split(".")
     if parts[:2] == ["mtp", "layers"] and parts[3:4] == ["transformer_layer"]:
         return _mtp_storage_location(parts, arch, stored)
