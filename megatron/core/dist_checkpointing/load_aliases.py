@@ -2,15 +2,17 @@
 megatron-core or Transformer Engine, or by an older version of this package); ``load`` reads a
 piece from its alias only when the checkpoint lacks the piece's own key."""
 
-from typing import Any, Dict, List, Set
+from typing import Any, Collection, Dict, List, Optional, Set
 
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedTensor
 
 # Other names of the same tensors, tried when a requested key is not in the checkpoint
 # (any prefix). Transformer Engine's fused names: megatron-core's TE layer spec fuses the MLA
 # q / kv down-projection norms into the up projections. The pre-MLP norm: megatron-core's
-# local spec stores it as ``mlp.linear_fc1.layer_norm_*`` except in MLA layers, which have
-# no keys map (``pre_mlp_layernorm.*``); its TE spec the other way round for MoE layers.
+# local spec (and this package since it used megatron-core's names) stores it as
+# ``mlp.linear_fc1.layer_norm_*`` except in MLA layers, which have no keys map
+# (``pre_mlp_layernorm.*``); its TE spec the other way round for MoE layers, and this package
+# before for MoE layers and MLA dense layers.
 LOAD_ALIASES = (
     ("self_attention.q_layernorm.weight", "self_attention.linear_q_up_proj.layer_norm_weight"),
     ("self_attention.kv_layernorm.weight", "self_attention.linear_kv_up_proj.layer_norm_weight"),
@@ -32,12 +34,18 @@ def read_aliases(values, stored_shapes: Dict[str, Any], stored_objects: Set[str]
             _object_alias(piece, stored_objects)
         if not isinstance(piece, ShardedTensor) or piece.key in stored_shapes:
             continue
-        for ours, theirs in LOAD_ALIASES:
-            alias = piece.key[: -len(ours)] + theirs
-            if piece.key.endswith(ours) and alias in stored_shapes:
-                piece.key = alias
-                break
+        piece.key = stored_alias(piece.key, stored_shapes) or piece.key
     return pieces
+
+
+def stored_alias(key: str, stored: Collection[str]) -> Optional[str]:
+    """The first alias of ``key`` (``LOAD_ALIASES``, any prefix) that ``stored`` holds, else
+    None."""
+    for ours, theirs in LOAD_ALIASES:
+        alias = key[: -len(ours)] + theirs
+        if key.endswith(ours) and alias in stored:
+            return alias
+    return None
 
 
 def _object_alias(piece: ShardedObject, stored_objects: Set[str]) -> None:

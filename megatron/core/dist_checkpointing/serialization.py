@@ -485,8 +485,8 @@ def _pieces_to_write(pieces: List[ShardedBase]):
                 data = p.data[start:stop].reshape(shape)
                 boxes.append(storage.TensorBox(p.key, data, p.global_shape, offset))
         else:
-            objects[p.unique_key] = storage.serialize_checked(
-                p.data, f"ShardedObject {p.unique_key!r}"
+            objects[p.unique_key] = storage.serialize_checked(  # megatron-core's form
+                [p.data], f"ShardedObject {p.unique_key!r}"
             )
     return boxes, objects
 

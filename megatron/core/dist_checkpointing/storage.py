@@ -3,9 +3,11 @@
 Every main replica of a ``ShardedTensor`` is one DCP chunk (offsets = ``global_offset``,
 sizes = ``local_shape``) of the DCP tensor ``key`` of size ``global_shape``; every main
 replica of a ``ShardedObject`` is one DCP byte entry ``unique_key`` holding ``torch.save`` of
-its data. DCP writes one ``__<rank>_0.distcp`` file per rank and a ``.metadata`` file;
-resharding is DCP's: a rank asks for its box and DCP reads the overlapping parts of whatever
-chunks were saved.
+``[data]`` (megatron-core's torch_dist form, so that megatron-core reads it; ``checksums.json``
+says so with ``"object_form": "list"``; a checkpoint of this package without it holds
+``torch.save`` of the bare data, read as such). DCP writes one ``__<rank>_0.distcp`` file per
+rank and a ``.metadata`` file; resharding is DCP's: a rank asks for its box and DCP reads the
+overlapping parts of whatever chunks were saved.
 
 What is ours (DCP's default planners take whole tensors, DTensors or torch ShardedTensors,
 none of which expresses "this box of that global tensor, possibly several boxes of one key
@@ -64,6 +66,9 @@ from megatron.core.dist_checkpointing.core import CheckpointingException, _fsync
 DCP_METADATA_FNAME = ".metadata"
 CHECKSUMS_FNAME = "checksums.json"
 CHECKSUM_ALGORITHM = "crc32"
+# How a ShardedObject's data is stored (module docstring): in a one-element list, as
+# megatron-core does; recorded in checksums.json (absent: this package's older bare form).
+OBJECT_FORM = "list"
 
 # {file name: {str(offset): [length, crc32]}}: the stored bytes of each DCP item
 ItemChecksums = Dict[str, Dict[str, List[int]]]
@@ -130,7 +135,12 @@ def write_checksums(checkpoint_dir: Path, items: ItemChecksums, files: Dict[str,
     """Write ``checksums.json`` atomically: the CRC-32 of whole ``files`` and of every DCP
     item, and a CRC-32 of that content itself (so a damaged entry is not taken for a
     damaged shard)."""
-    body = {"algorithm": CHECKSUM_ALGORITHM, "files": files, "items": items}
+    body = {
+        "algorithm": CHECKSUM_ALGORITHM,
+        "files": files,
+        "items": items,
+        "object_form": OBJECT_FORM,
+    }
     record = dict(body, self_crc32=zlib.crc32(_canonical(body)))
     path = Path(checkpoint_dir) / CHECKSUMS_FNAME
     tmp = path.with_name(path.name + ".tmp")
@@ -151,6 +161,8 @@ def read_checksums(checkpoint_dir: Path) -> Optional[dict]:
     try:
         record = json.loads(path.read_bytes())
         body = {k: record[k] for k in ("algorithm", "files", "items")}
+        if "object_form" in record:
+            body["object_form"] = record["object_form"]
         intact = record["self_crc32"] == zlib.crc32(_canonical(body))
     except (ValueError, KeyError, TypeError) as err:
         raise CheckpointingException(
@@ -198,12 +210,26 @@ def read_pieces(
     checkpoint_dir: Path, boxes: Sequence[TensorBox], object_keys: Sequence[str]
 ) -> Dict[str, Any]:
     """Collective: fill ``boxes`` (the overlap with what was saved) and return the objects
-    stored under ``object_keys``, each loaded with ``torch.load(weights_only=True)``."""
+    stored under ``object_keys``, each loaded with ``torch.load(weights_only=True)`` (its
+    data: ``objects_listed``)."""
     planner = _BoxLoadPlanner(boxes, object_keys)
     reader = SafeFileSystemReader(str(checkpoint_dir))
     with _quiet_single_process(), _plain_errors("load"):
         dcp.load({}, storage_reader=reader, planner=planner, no_dist=not _distributed())
-    return planner.loaded_objects
+    if not objects_listed(reader.checksums):
+        return planner.loaded_objects
+    return {k: _unlisted(checkpoint_dir, k, v) for k, v in planner.loaded_objects.items()}
+
+
+def _unlisted(checkpoint_dir: Path, key: str, stored: Any) -> Any:
+    """The data of a ShardedObject stored in megatron-core's form, ``[data]``."""
+    if not isinstance(stored, list) or len(stored) != 1:
+        size = f" of {len(stored)}" if isinstance(stored, list) else ""
+        raise CheckpointingException(
+            f"{checkpoint_dir}: checkpoint object {key!r}: expected megatron-core's form, a "
+            f"list of one object; got {type(stored).__name__}{size}"
+        )
+    return stored[0]
 
 
 def safe_load_bytes(buffer: io.BytesIO, what: str) -> Any:
@@ -239,6 +265,13 @@ def _unpickler_reason(err: Exception) -> str:
     return "a type outside the tensors, numbers, strings and containers it admits"
 
 
+def objects_listed(checksums: Optional[dict]) -> bool:
+    """Whether the checkpoint of these ``checksums`` stores each ShardedObject's data in a
+    one-element list (megatron-core's form: its checkpoints, which have no checksums, and
+    ours since ``OBJECT_FORM``), not bare (this package's older checkpoints)."""
+    return checksums is None or checksums.get("object_form") == OBJECT_FORM
+
+
 def serialize_checked(obj: Any, what: str) -> bytes:
     """``torch.save`` bytes of ``obj``, after checking that ``safe_load_bytes`` can read them
     back (so that ``save`` never writes what ``load`` would refuse)."""
@@ -251,10 +284,17 @@ def serialize_checked(obj: Any, what: str) -> bytes:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointingException(
             f"{what}: cannot be saved, loading it would need objects that "
-            f"torch.load(weights_only=True) refuses ({reason}); got {type(obj).__name__}. "
+            f"torch.load(weights_only=True) refuses ({reason}); got {_type_name(obj)}. "
             "Save tensors, numbers, strings, and lists/tuples/dicts of these"
         ) from err
     return payload
+
+
+def _type_name(obj: Any) -> str:
+    """``obj``'s type; a one-element list (a ShardedObject's stored form) with its item's."""
+    if isinstance(obj, list) and len(obj) == 1:
+        return f"list of {type(obj[0]).__name__}"
+    return type(obj).__name__
 
 
 class SafeFileSystemReader(FileSystemReader):

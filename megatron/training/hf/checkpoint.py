@@ -27,6 +27,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.communication import barrier, world_group
 from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.dist_checkpointing.load_aliases import stored_alias
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.training import checkpointing
 from megatron.training.checkpointing import TRACKER_FILENAME, checkpoint_dir
@@ -377,8 +378,8 @@ def storage_key(
     """(dist_checkpointing key, layer index or None) of our one-chunk parameter ``name``:
     layers are stacked under ``decoder.layers.<name>``, norms renamed by the layer spec's
     ``sharded_state_dict_keys_map`` (megatron-core's storage names; ``moe_layer``: the MoE
-    layer spec's, which keeps the pre-MLP norm under its own name; ``mla``: multi-latent
-    attention's, which keeps the input norm under its own name)."""
+    layer spec's; ``mla``: multi-latent attention's, which keeps both norms under their own
+    names)."""
     parts = name.split(".")
     if parts[:2] != ["decoder", "layers"]:
         return name, None
@@ -402,10 +403,11 @@ def storage_location(
     block of non-homogeneous layers (``transformer_block.non_homogeneous_layers``: dense and
     MoE layers mixed, or any ``moe_layer_freq`` list) stores each layer on its own, under
     ``decoder.layers.<L>.`` without the layer axis: that key is used when ``stored`` (the
-    checkpoint's keys) has it."""
+    checkpoint's keys) has it; a norm the checkpoint stores under another name (one written
+    before the pre-MLP norm took megatron-core's name: ``load_aliases``) under that one."""
     parts = name.split(".")
     if parts[:2] == ["mtp", "layers"] and parts[3:4] == ["transformer_layer"]:
-        return _mtp_storage_location(parts, arch)
+        return _mtp_storage_location(parts, arch, stored)
     if parts[:2] != ["decoder", "layers"]:
         return name, (), ()
     layer = int(parts[2])
@@ -417,14 +419,26 @@ def storage_location(
         key, _ = storage_key(name, moe_layer, arch.multi_latent_attention)
         leading, sizes = (layer,), (arch.num_layers,)
     separate = key.replace("decoder.layers.", f"decoder.layers.{layer}.", 1)
-    if separate in stored:
-        return separate, leading[1:], sizes[1:]
+    for candidate, at, outer in ((separate, leading[1:], sizes[1:]), (key, leading, sizes)):
+        found = _stored_name(candidate, stored)
+        if found:
+            return found, at, outer
     return key, leading, sizes
 
 
-def _mtp_storage_location(parts: List[str], arch: HFArchitecture) -> "tuple[str, tuple, tuple]":
+def _stored_name(key: str, stored: Collection[str]) -> Optional[str]:
+    """``key`` when ``stored`` has it, else its alias there (a checkpoint written by this
+    package before it used megatron-core's names for the pre-MLP norm, or by megatron-core's
+    TE spec: ``load_aliases.LOAD_ALIASES``), else None."""
+    return key if key in stored else stored_alias(key, stored)
+
+
+def _mtp_storage_location(
+    parts: List[str], arch: HFArchitecture, stored: Collection[str]
+) -> "tuple[str, tuple, tuple]":
     """``storage_location`` of an MTP depth's layer parameter: the layer's own keys (its
-    spec's keys map), a routed expert's weight on the global expert axis."""
+    spec's keys map, or the alias ``stored`` has), a routed expert's weight on the global
+    expert axis."""
     head, rest = ".".join(parts[:4]), parts[4:]
     if rest[:3] == ["mlp", "experts", "local_experts"]:
         key = f"{head}.mlp.experts.experts.{'.'.join(rest[4:])}"
@@ -433,7 +447,8 @@ def _mtp_storage_location(parts: List[str], arch: HFArchitecture) -> "tuple[str,
     key, _ = storage_key(
         "decoder.layers.0." + ".".join(rest), moe_layer, arch.multi_latent_attention
     )
-    return f"{head}.{key[len('decoder.layers.'):]}", (), ()
+    key = f"{head}.{key[len('decoder.layers.'):]}"
+    return _stored_name(key, stored) or key, (), ()
 
 
 def _read_our_tensors(directory, sources, stored, full_shapes, arch, requesting: bool):

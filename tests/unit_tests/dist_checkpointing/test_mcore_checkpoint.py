@@ -4,7 +4,8 @@ a shared expert, sigmoid group-limited routing with an expert bias, one MoE MTP 
 from megatron-core's local spec and saved by its ``dist_checkpointing.save``
 (``scripts/mcore_deepseek_save.py``, run by ``MCORE_PYTHON``). Our ``GPTModel`` of the same
 config loads it with our ``dist_checkpointing.load`` and reproduces megatron-core's numbers on
-a fixed batch.
+a fixed batch. The mirror: megatron-core loads a checkpoint of ours of that model
+(``scripts/mcore_deepseek_load.py``) and reproduces our logits.
 
 Float64. What loading gives is exact: every tensor equals megatron-core's. The computation:
 the first layer (MLA + dense MLP) equals megatron-core's within 3.5e-18; the MoE layer and the
@@ -133,6 +134,22 @@ def ours() -> GPTModel:
     )  # fmt: skip
 
 
+def run_batch(model: GPTModel, theirs: dict) -> tuple:
+    """Our forward on megatron-core's fixed batch: each decoder layer's output, the main
+    logits [b, s, v] (the output layer's last call, after the MTP depth's, as megatron-core)
+    and the per-token loss."""
+    tokens, labels = theirs["tokens"], theirs["labels"]
+    calls, hidden = [], {}
+    model.output_layer.register_forward_hook(lambda m, i, o: calls.append(o[0].detach()))
+    for i, layer in enumerate(model.decoder.layers):
+        layer.register_forward_hook(lambda m, a, o, i=i: hidden.__setitem__(i, o[0].detach()))
+    MTPLossLoggingHelper.clean_loss_in_tracker()
+    for scaler in (MTPLossAutoScaler, MoEAuxLossAutoScaler):  # megatron-core's default scale
+        scaler.set_loss_scale(torch.tensor(1.0))  # (a test before may have left another)
+    loss = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None, labels=labels)
+    return hidden, calls[-1].transpose(0, 1), loss
+
+
 def test_megatron_core_deepseek_checkpoint_loads_and_computes_the_same(saved):
     directory, theirs = saved
     assert theirs["version"] == "0.16.1"
@@ -153,20 +170,12 @@ def test_megatron_core_deepseek_checkpoint_loads_and_computes_the_same(saved):
         assert torch.equal(mine[name], value), name
     assert theirs["state"]["decoder.layers.1.mlp.router.expert_bias"].abs().min() > 0
 
-    tokens, labels = theirs["tokens"], theirs["labels"]
-    calls, hidden = [], {}
-    model.output_layer.register_forward_hook(lambda m, i, o: calls.append(o[0].detach()))
-    for i, layer in enumerate(model.decoder.layers):
-        layer.register_forward_hook(lambda m, a, o, i=i: hidden.__setitem__(i, o[0].detach()))
-    MTPLossLoggingHelper.clean_loss_in_tracker()
-    for scaler in (MTPLossAutoScaler, MoEAuxLossAutoScaler):  # megatron-core's default scale
-        scaler.set_loss_scale(torch.tensor(1.0))  # (a test before may have left another)
-    loss = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None, labels=labels)
+    labels = theirs["labels"]
+    hidden, logits, loss = run_batch(model, theirs)
     loss.sum().backward()
 
     assert (hidden[0] - theirs["hidden"]["decoder.0"]).abs().max() < 1e-15  # measured 3.5e-18
     assert (hidden[1] - theirs["hidden"]["decoder.1"]).abs().max() < 1e-9  # 3.0e-11
-    logits = calls[-1].transpose(0, 1)  # the main logits, after the depth's (as megatron-core)
     assert (logits - theirs["logits"]).abs().max() < 1e-9  # 9.6e-11
     exact = F.cross_entropy(
         theirs["logits"].flatten(0, 1), labels.flatten(), reduction="none"
@@ -208,6 +217,43 @@ def test_a_two_rank_megatron_core_checkpoint_loads_at_one_process(saved, tmp_pat
     assert set(mine) == set(expected)
     for name, value in expected.items():
         assert torch.equal(mine[name], value), name
+
+
+def test_megatron_core_loads_a_checkpoint_of_ours_and_computes_the_same(tmp_path):
+    """The mirror: our DeepSeek-style model saved by our ``dist_checkpointing.save`` loads
+    into megatron-core's (its ``dist_checkpointing.load``, ``scripts/mcore_deepseek_load.py``):
+    every tensor megatron-core asks for is stored under its key (before: the pre-MLP norms of
+    the MLA dense layer, the MoE layer and the MTP depth were not), every weight equals ours
+    and its logits and loss on a fixed batch equal ours (float64)."""
+    torch.manual_seed(1)
+    model = ours()
+    with torch.no_grad():  # non-trivial norms and expert biases, so that loading them matters
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.uniform_(-0.2, 0.2)
+    (tmp_path / "ckpt").mkdir()
+    dist_checkpointing.save(model.sharded_state_dict(), str(tmp_path / "ckpt"))
+    script = SCRIPT.parent / "mcore_deepseek_load.py"
+    _run_mcore(tmp_path, str(script), json.dumps(CONFIG), "ckpt", "result.pt")
+    theirs = torch.load(tmp_path / "result.pt", weights_only=True)
+    # megatron-core asks for the extra states (None) of modules ours has not; nothing else
+    assert theirs["unexpected"] and all(_extra_state(k) for k in theirs["unexpected"])
+    assert all(_extra_state(k) for k in theirs["missing"] + theirs["not_loaded"])
+    mine = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    assert set(mine) == set(theirs["state"])
+    for name, value in theirs["state"].items():  # its expert bias: float32 whatever the dtype
+        assert torch.equal(mine[name].to(value.dtype), value), name
+    assert mine["decoder.layers.1.mlp.router.expert_bias"].abs().min() > 0
+
+    hidden, logits, loss = run_batch(model, theirs)
+    assert (hidden[0] - theirs["hidden"]["decoder.0"]).abs().max() < 1e-15  # measured 3.5e-18
+    assert (hidden[1] - theirs["hidden"]["decoder.1"]).abs().max() < 1e-9  # 2.6e-11
+    assert (logits - theirs["logits"]).abs().max() < 1e-9  # 1.7e-10
+    assert torch.allclose(loss.detach().float(), theirs["loss"], rtol=5e-7, atol=0)  # 1.2e-7
+    MTPLossLoggingHelper.clean_loss_in_tracker()
 
 
 FLAGS = """--num-layers 2 --hidden-size 16 --num-attention-heads 2 --ffn-hidden-size 24

@@ -7,13 +7,16 @@ checked without megatron-core (the whole checkpoint, written by megatron-core it
 - an unstacked ``_extra_state`` object at shape (1,), offset (0,)
   (``make_sharded_object_for_checkpoint``, now here too), and the old form of this package
   (shape ()) still loads;
-- the pre-MLP norm under the other name (``pre_mlp_layernorm.weight`` in megatron-core's MLA
-  local spec, ``mlp.linear_fc1.layer_norm_weight`` here) loads;
+- the pre-MLP norm under the other name (``mlp.linear_fc1.layer_norm_weight``: where this
+  package stored an MLA layer's before it used megatron-core's ``pre_mlp_layernorm.weight``)
+  loads;
 - no ``output_layer._extra_state`` (megatron-core's GPTModel drops it);
 - the trainer does not count unrequested ``_extra_state`` objects as dropped weights.
 """
 
+import json
 import pickle
+import zlib
 
 import pytest
 import torch
@@ -64,18 +67,77 @@ def test_an_unstacked_object_has_megatron_cores_grid_and_both_forms_load(tmp_pat
         dist_checkpointing.load({"y": asked}, str(tmp_path / "form1"))
 
 
+def _stored_payload(directory, key: str):
+    """What the DCP byte entry ``key`` holds (``torch.save``'d), as written."""
+    import torch.distributed.checkpoint as dcp
+
+    planner = ckpt_storage._BoxLoadPlanner([], [key])
+    reader = ckpt_storage.SafeFileSystemReader(str(directory))
+    dcp.load({}, storage_reader=reader, planner=planner, no_dist=True)
+    return planner.loaded_objects[key]
+
+
+def _bare_object_writer(monkeypatch):
+    """Save as this package did before: a ShardedObject's bare data, no ``object_form``."""
+    checked, write = ckpt_storage.serialize_checked, ckpt_storage.write_checksums
+
+    def bare(obj, what):
+        listed = what.startswith("ShardedObject") and isinstance(obj, list)
+        return checked(obj[0] if listed else obj, what)
+
+    def old_checksums(directory, items, files):
+        write(directory, items, files)
+        path = directory / ckpt_storage.CHECKSUMS_FNAME
+        record = json.loads(path.read_text())
+        body = {k: record[k] for k in ("algorithm", "files", "items")}
+        path.write_text(
+            json.dumps(dict(body, self_crc32=zlib.crc32(ckpt_storage._canonical(body))))
+        )
+
+    monkeypatch.setattr(ckpt_storage, "serialize_checked", bare)
+    monkeypatch.setattr(ckpt_storage, "write_checksums", old_checksums)
+
+
+def test_objects_are_stored_in_megatron_cores_form_and_the_old_form_still_loads(
+    tmp_path, monkeypatch
+):
+    """A ShardedObject is stored as ``torch.save([data])``, megatron-core's torch_dist form
+    (before: the bare data, which megatron-core's loader cannot read: every GPT checkpoint
+    has ``_extra_state`` objects); a checkpoint of the old form (its checksums.json without
+    ``object_form``) and megatron-core's (no checksums.json) load; a payload not of the
+    recorded form is refused by name."""
+    piece = {"x": ShardedObject("x", {"v": 3}, (1,), (0,), replica_id=0)}
+    new, old, theirs = (tmp_path / name for name in ("new", "old", "theirs"))
+    for where in (new, old, theirs):
+        where.mkdir()
+    dist_checkpointing.save(piece, str(new))
+    dist_checkpointing.save(piece, str(theirs))
+    (theirs / ckpt_storage.CHECKSUMS_FNAME).unlink()
+    with monkeypatch.context() as patch:
+        _bare_object_writer(patch)
+        dist_checkpointing.save(piece, str(old))
+    assert _stored_payload(new, "x/shard_0_1") == [{"v": 3}]
+    assert _stored_payload(old, "x/shard_0_1") == {"v": 3}
+    for where in (new, old, theirs):
+        asked = {"x": ShardedObject("x", None, (1,), (0,))}
+        assert dist_checkpointing.load(asked, str(where))["x"] == {"v": 3}, where
+    # the old payload without checksums.json (so read as megatron-core's form): refused
+    (new / "__0_0.distcp").write_bytes((old / "__0_0.distcp").read_bytes())
+    (new / ckpt_storage.CHECKSUMS_FNAME).unlink()
+    with pytest.raises(CheckpointingException, match="a list of one object; got dict"):
+        dist_checkpointing.load({"x": ShardedObject("x", None, (1,), (0,))}, str(new))
+
+
 def test_the_pre_mlp_norm_loads_from_either_name(tmp_path):
     saved = _model(0)
     state = saved.sharded_state_dict()
     assert "output_layer._extra_state" not in state  # megatron-core's GPTModel drops it
-    ours = "decoder.layers.mlp.linear_fc1.layer_norm_weight"
+    ours = "decoder.layers.pre_mlp_layernorm.weight"  # megatron-core's MLA layer's
     assert state["decoder.layers.0.pre_mlp_layernorm.weight"].key == ours
-    state["decoder.layers.0.pre_mlp_layernorm.weight"].key = (
-        "decoder.layers.pre_mlp_layernorm.weight"
-    )
-    state["decoder.layers.1.pre_mlp_layernorm.weight"].key = (
-        "decoder.layers.pre_mlp_layernorm.weight"
-    )
+    for layer in (0, 1):  # as this package wrote it before
+        state[f"decoder.layers.{layer}.pre_mlp_layernorm.weight"].key = (
+            "decoder.layers.mlp.linear_fc1.layer_norm_weight"
+        )
     dist_checkpointing.save(state, str(tmp_path))
     assert ours not in dist_checkpointing.load_tensors_metadata(str(tmp_path))
     fresh = _model(1)

@@ -97,7 +97,7 @@ def get_gpt_layer_local_spec(
             pre_mlp_layernorm=WrappedTorchNorm,
             mlp=_mlp_spec(num_experts, moe_grouped_gemm),
             mlp_bda=get_bias_dropout_add,
-            sharded_state_dict_keys_map=_keys_map(num_experts, multi_latent_attention),
+            sharded_state_dict_keys_map=_keys_map(multi_latent_attention),
         ),
     )
 
@@ -164,18 +164,16 @@ def _mlp_spec(num_experts: Optional[int], moe_grouped_gemm: bool) -> ModuleSpec:
     )
 
 
-def _keys_map(num_experts: Optional[int], multi_latent_attention: bool = False) -> dict:
-    """Storage keys of the norms (megatron-core's local spec: the pre-MLP norm is stored
-    under the MLP's fc1 for dense layers only; the input norm under linear_qkv, which
-    multi-latent attention has not)."""
-    keys = (
-        {}
-        if multi_latent_attention
-        else {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
-    )
-    if num_experts is None:
-        keys["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
-    return keys
+def _keys_map(multi_latent_attention: bool) -> dict:
+    """Storage keys of the norms, megatron-core's local spec's: without multi-latent
+    attention the input norm under linear_qkv and the pre-MLP norm under the MLP's fc1 (MoE
+    layers too); MLA layers (dense or MoE) keep both under their own names."""
+    if multi_latent_attention:
+        return {}
+    return {
+        "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+        "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+    }
 
 
 def get_gpt_decoder_layer_specs(

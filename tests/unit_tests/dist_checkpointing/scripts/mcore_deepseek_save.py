@@ -102,35 +102,22 @@ def global_state(model, ep: int) -> dict:
     return out
 
 
-def main() -> None:
-    fields = json.loads(sys.argv[1])
-    ckpt, result = sys.argv[2], sys.argv[3]
-    tp, ep = (int(sys.argv[4]), int(sys.argv[5])) if len(sys.argv) > 5 else (1, 1)
+def setup(tp: int = 1, ep: int = 1) -> None:
+    """One gloo process group (or torchrun's), the shims, megatron-core's parallel state."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29611")
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     dist.init_process_group("gloo")
     apply_shims(cpu=True)
-    from megatron.core import dist_checkpointing, parallel_state
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+    from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(tp, expert_model_parallel_size=ep)
-    torch.manual_seed(1234)
-    model, vocab, seq = build(fields, tp, ep)
-    with torch.no_grad():  # non-trivial norms and expert biases, so that loading them matters
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-        for name, b in model.named_buffers():
-            if name.endswith("expert_bias"):
-                b.uniform_(-0.2, 0.2)
-    dist_checkpointing.save(model.sharded_state_dict(), ckpt)
-    if tp * ep > 1:  # no forward: its MoE refuses TP without sequence parallelism, which its
-        if tp == 1:  # local (torch) norms refuse; at EP > 1 each rank's weights, global names
-            torch.save(global_state(model, ep), f"{result}.rank{dist.get_rank()}")
-        dist.destroy_process_group()
-        return
+
+
+def compute(model, vocab: int, seq: int) -> dict:
+    """What ``model`` computes on the fixed batch (the module docstring's ``RESULT_PT``)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     g = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, vocab, (2, seq), generator=g)
@@ -154,19 +141,44 @@ def main() -> None:
     logits = calls[-1].transpose(0, 1)  # [s, b, v] -> [b, s, v]
     loss.sum().backward()
     tracker = MTPLossLoggingHelper.tracker
+    return {
+        "tokens": tokens,
+        "labels": labels,
+        "logits": logits.detach(),
+        "loss": loss.detach(),
+        "mtp_loss": tracker["values"].detach().clone(),
+        "hidden": hidden,
+        "state": {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)},
+        "state_keys": list(model.state_dict()),
+        "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+        "version": __import__("megatron.core.package_info").core.package_info.__version__,
+    }
+
+
+def main() -> None:
+    fields = json.loads(sys.argv[1])
+    ckpt, result = sys.argv[2], sys.argv[3]
+    tp, ep = (int(sys.argv[4]), int(sys.argv[5])) if len(sys.argv) > 5 else (1, 1)
+    setup(tp, ep)
+    from megatron.core import dist_checkpointing
+
+    torch.manual_seed(1234)
+    model, vocab, seq = build(fields, tp, ep)
+    with torch.no_grad():  # non-trivial norms and expert biases, so that loading them matters
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.uniform_(-0.2, 0.2)
+    dist_checkpointing.save(model.sharded_state_dict(), ckpt)
+    if tp * ep > 1:  # no forward: its MoE refuses TP without sequence parallelism, which its
+        if tp == 1:  # local (torch) norms refuse; at EP > 1 each rank's weights, global names
+            torch.save(global_state(model, ep), f"{result}.rank{dist.get_rank()}")
+        dist.destroy_process_group()
+        return
+    out = compute(model, vocab, seq)
     if dist.get_rank() == 0:
-        out = {
-            "tokens": tokens,
-            "labels": labels,
-            "logits": logits.detach(),
-            "loss": loss.detach(),
-            "mtp_loss": tracker["values"].detach().clone(),
-            "hidden": hidden,
-            "state": {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)},
-            "state_keys": list(model.state_dict()),
-            "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
-            "version": __import__("megatron.core.package_info").core.package_info.__version__,
-        }
         torch.save(out, result)
     dist.barrier()
     dist.destroy_process_group()
