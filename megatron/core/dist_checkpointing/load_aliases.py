@@ -2,6 +2,7 @@
 megatron-core or Transformer Engine, or by an older version of this package); ``load`` reads a
 piece from its alias only when the checkpoint lacks the piece's own key."""
 
+from dataclasses import replace
 from typing import Any, Collection, Dict, List, Optional, Set
 
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedTensor
@@ -54,7 +55,7 @@ def _object_alias(piece: ShardedObject, stored_objects: Set[str]) -> None:
     before it did the same: read whichever the checkpoint has."""
     if tuple(piece.global_shape) not in ((1,), ()) or tuple(piece.global_offset) not in ((0,), ()):
         return
-    for shape, offset, suffix in (((1,), (0,), "shard_0_1"), ((), (), "shard__")):
-        if f"{piece.key}/{suffix}" in stored_objects:
+    for shape, offset in (((1,), (0,)), ((), ())):
+        if replace(piece, global_shape=shape, global_offset=offset).unique_key in stored_objects:
             piece.global_shape, piece.global_offset = shape, offset
             return

@@ -444,10 +444,8 @@ def _skip_partial_factories(loaded: Any, request: Any) -> Any:
 
 
 def _any_skipped(x: Any) -> bool:
-    if isinstance(x, dict):
-        return any(_any_skipped(v) for v in x.values())
-    if isinstance(x, list):
-        return any(_any_skipped(v) for v in x)
+    if isinstance(x, (dict, list)):
+        return any(v is _SKIPPED for v in nested_values(x))
     return x is _SKIPPED
 
 
