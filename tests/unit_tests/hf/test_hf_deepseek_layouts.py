@@ -218,7 +218,9 @@ def _peft_reference(name: str, directory, adapters: dict, lora) -> dict:
     from megatron.training.hf.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, peft_config, to_peft
     from tests.unit_tests.hf.test_hf_deepseek import VOCAB, _batch, _build, _patches
 
-    hf = _build(name, directory)
+    # transformers' copy saved to a folder of this rank's: both ranks saving into the shared
+    # ``directory`` raced with the other rank reading it (a half-written config.json)
+    hf = _build(name, directory.parent / f"hf{dist.get_rank()}")
     arch, _ = read_hf_config(directory)
     tensors, modules = to_peft(adapters, arch, lora)
     folder = directory.parent / f"adapter{dist.get_rank()}"
