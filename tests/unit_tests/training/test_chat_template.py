@@ -403,15 +403,12 @@ def test_harmony_field_the_template_never_writes_is_not_refused(tmp_path):
     assert ids == ref_ids and mask == ref_mask
 
 
-def test_harmony_date_is_the_same_in_every_render_of_a_conversation(tmp_path, monkeypatch):
-    """strftime_now is read once per conversation: a clock that moves between the renders
-    (midnight during a run) gives the first date everywhere, not a refusal or a wrong mask."""
+def _tick_a_day_per_read(monkeypatch) -> None:
+    """A clock that moves a day each time the template reads it (midnight during a run)."""
     import datetime as real
 
     from megatron.core.tokenizers import chat_template
 
-    _save(tmp_path, HARMONY_PLAIN, eos="<|return|>", special=HARMONY_SPECIAL)
-    tok = load_hf_tokenizer(str(tmp_path))
     days = iter(range(1, 28))
 
     class _Ticking(real.datetime):
@@ -420,6 +417,15 @@ def test_harmony_date_is_the_same_in_every_render_of_a_conversation(tmp_path, mo
             return real.datetime(2026, 2, next(days), 23, 59)
 
     monkeypatch.setattr(chat_template.datetime, "datetime", _Ticking)
+
+
+def test_harmony_date_is_the_same_in_every_render_of_a_conversation(tmp_path, monkeypatch):
+    """strftime_now is read once per conversation: a clock that moves between the renders
+    (midnight during a run) gives the first date everywhere, not a refusal or a wrong mask."""
+
+    _save(tmp_path, HARMONY_PLAIN, eos="<|return|>", special=HARMONY_SPECIAL)
+    tok = load_hf_tokenizer(str(tmp_path))
+    _tick_a_day_per_read(monkeypatch)
     ids, mask = tokenize_conversation(tok, CONVERSATIONS[1])
     assert "Current date: 2026-02-01\n" in tok.detokenize(ids)
     assert _trained(tok, ids, mask) == "<|channel|>final<|message|>the lazy dog<|return|>"
@@ -450,21 +456,11 @@ def test_dpo_conversational_pair_with_harmony_reads_one_date(tmp_path, monkeypat
     """DPO's conversational pairs render the prompt and prompt + completion separately and
     train from where they differ: a clock that moves between the two renders (midnight)
     trained the whole conversation from the date on; now both have one date."""
-    import datetime as real
-
-    from megatron.core.tokenizers import chat_template
     from megatron.training.preference_data import tokenize_pair
 
     _save(tmp_path, HARMONY_PLAIN, eos="<|return|>", special=HARMONY_SPECIAL)
     tok = load_hf_tokenizer(str(tmp_path))
-    days = iter(range(1, 28))
-
-    class _Ticking(real.datetime):
-        @classmethod
-        def now(cls, tz=None):
-            return real.datetime(2026, 2, next(days), 23, 59)
-
-    monkeypatch.setattr(chat_template.datetime, "datetime", _Ticking)
+    _tick_a_day_per_read(monkeypatch)
     record = {
         "prompt": CONVERSATIONS[1][:1],
         "chosen": [{"role": "assistant", "content": "the lazy dog"}],
