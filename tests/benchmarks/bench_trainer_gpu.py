@@ -29,7 +29,9 @@ Variants:
   per step (the same 32768 policy tokens; the reference's forward on top).
   ``ours-fp8``: ``--fp8-format hybrid --fp8-recipe tensorwise`` (FP8 GEMMs in the attention
   and MLP linears, every scale from the global amax; docs/fp8.md), ``ours-fp8-compile`` with
-  ``--compile`` (issue 41: at least 1.07x ``ours-compile``).
+  ``--compile`` (issue 41: at least 1.07x ``ours-compile``); ``ours-fp8-compile-cached`` /
+  ``-uncached``: with the FP8 weight cache traced into the compiled layers or not
+  (``fp8.cache.CACHE_WHEN_COMPILED``; without the suffix, as shipped).
 - ``bare-fp8-compiled``: the bare loop under ``torch.compile`` with torchao's float8 training
   (``convert_to_float8_training``, the "tensorwise" recipe, every linear but the output
   head), when torchao is installed (issue 41: ``ours-fp8-compile`` at least as fast).
@@ -38,7 +40,8 @@ Each variant runs ``--warmup`` untimed steps then ``--steps`` timed ones; the tr
 steps are its own ``iteration_time_s`` (data, schedule, optimizer, logging). tokens/s =
 32768 / median step; model TFLOP/s = tokens/s x (6 P + 6 L h s) (P all parameters, causal
 attention counted half, the issue's formula); peak = ``torch.cuda.max_memory_allocated``
-during the variant. ``--profile`` adds a ``torch.profiler`` table of one ``ours`` step.
+during the variant. ``--profile V ...`` adds a ``torch.profiler`` table of two steps of each
+variant V and its GPU kernel time by kind.
 """
 
 import argparse
@@ -264,11 +267,17 @@ def run_ours(c: Shape, args, variant: str, warmup: int, steps: int):
             return dataclasses.replace(original(config, layout), **FUSION_FIELDS)
 
         trainer_model.transformer_config_from = with_fusions
+    from megatron.core.fp8 import cache
+
+    traced_cache = cache.CACHE_WHEN_COMPILED
+    if "cached" in variant:  # "-cached" / "-uncached": the weight cache traced or not
+        cache.CACHE_WHEN_COMPILED = "uncached" not in variant
     run_args = argparse.Namespace(**{**vars(args), "warmup": warmup, "steps": steps})
     try:
         return pretrain(trainer_config(c, run_args, **extra))
     finally:
         trainer_model.transformer_config_from = original
+        cache.CACHE_WHEN_COMPILED = traced_cache
 
 
 def time_ours(c: Shape, args, variant: str) -> Dict:
@@ -306,8 +315,34 @@ def profile_ours(c: Shape, args, variant: str) -> str:
         finally:
             loop.logged_loss = original
     times = ", ".join(f"{r['iteration_time_s'] * 1e3:.1f}" for r in result.records)
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=45)
-    return f"profile of {variant} (2 iterations; iteration ms: {times})\n{table}"
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=60)
+    kinds = _kernel_kinds(prof)
+    return f"profile of {variant} (2 iterations; iteration ms: {times})\n{kinds}\n{table}"
+
+
+KERNEL_KINDS = (
+    ("fp8 gemm", ("e4m3", "e5m2", "_qrtst", "_qqtst", "_qrtss", "_qqtss")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
+    ("attention", ("flash", "fmha", "attention", "cudnn")),
+    ("nccl", ("nccl",)),
+    ("triton", ("triton",)),
+)
+
+
+def _kernel_kinds(prof) -> str:
+    """The GPU kernels' time by kind (the first kind whose words a kernel's name holds)."""
+    from torch.autograd import DeviceType
+
+    totals: Dict[str, float] = {}
+    for event in prof.events():
+        name = event.name.lower()
+        if event.device_type != DeviceType.CUDA or name.startswith(("profilerstep", "## ")):
+            continue  # annotations, not kernels
+        kind = next((k for k, words in KERNEL_KINDS if any(w in name for w in words)), "other")
+        totals[kind] = totals.get(kind, 0.0) + event.device_time_total / 1e3
+    rows = sorted(totals.items(), key=lambda kv: -kv[1])
+    kinds = ", ".join(f"{k} {v:.1f}" for k, v in rows)
+    return f"GPU kernel ms: {sum(totals.values()):.1f} ({kinds})"
 
 
 # ----------------------------------------------------------------------------- main
@@ -324,7 +359,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--seq", type=int, default=8192)
-    parser.add_argument("--profile", default=None, metavar="VARIANT", help="profile it")
+    parser.add_argument("--profile", nargs="*", default=[], metavar="VARIANT", help="profile them")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -373,8 +408,8 @@ def main() -> None:
             f"{max(out['times']) * 1e3:.1f}) | {tokens / t:,.0f} | "
             f"{tokens / t * flops_per_token / 1e12:.0f} | {out['peak_gib']:.1f} |"
         )
-    if args.profile:
-        print(profile_ours(c, args, args.profile))
+    for variant in args.profile:
+        print(profile_ours(c, args, variant), flush=True)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"args": vars(args), "params": params, "results": results}, handle)

@@ -29,7 +29,7 @@ from megatron.core.communication import (
 )
 from megatron.core.fp8 import scaling
 from megatron.core.fp8.cache import cached_operands
-from megatron.core.process_groups_config import resolve_group
+from megatron.core.process_groups_config import get_pg_size, resolve_group
 
 
 @dataclass(frozen=True)
@@ -70,14 +70,21 @@ def fp8_linear(
     sequence_parallel) as the high-precision linear runs them (``tensor_parallel.layers.
     _linear_flags``: none of the communication on a group of one rank, the fusion only where
     ``weight.main_grad`` is to be written), ``tp_group`` resolved; ``weight_operands``: the
-    weight's kept (FP8 W, FP8 W^T, scale) (``fp8_weight_operands``; None: cast here). Traced by
+    weight's kept (FP8 W, FP8 W^T, scale) (``fp8_weight_operands``; None: cast here). The
+    autograd function sees the input's rows ([s * b, h]: under sequence parallelism the
+    all-gather along s is one along the rows); reshaped outside it, no symbolic size is an
+    output of its traced forward (torch 2.11's dynamo specialized such a size to a constant
+    and stopped with an AssertionError once a dimension was dynamic). Traced by
     ``torch.compile`` (the trainer's ``--compile``), the backward returns the weight gradient
     for DDP's hook to add into ``main_grad``, as without ``gradient_accumulation_fusion``: a
     traced autograd.Function may not write a tensor from outside its graph."""
     if flags[0] and torch.compiler.is_compiling():
         flags = (False, *flags[1:])
     q_w, w_t, s_w = weight_operands if weight_operands is not None else (None, None, None)
-    return Fp8LinearFunction.apply(input, weight, bias, flags, tp_group, gemm, q_w, w_t, s_w)
+    rows = input.reshape(-1, input.shape[-1])
+    out = Fp8LinearFunction.apply(rows, weight, bias, flags, tp_group, gemm, q_w, w_t, s_w)
+    gathered = input.shape[0] * get_pg_size(tp_group) if flags[2] else input.shape[0]
+    return out.view(gathered, *input.shape[1:-1], weight.shape[0])
 
 
 def fp8_weight_operands(
@@ -105,8 +112,7 @@ class Fp8LinearFunction(torch.autograd.Function):
     def forward(ctx, input, weight, bias, flags, tp_group, gemm, q_w, w_t, s_w):
         """Y = (X_q / s_x) (W_q / s_w)^T + b (W's operands given, or cast here with X's)."""
         fusion, allreduce_dgrad, sequence_parallel = flags
-        total = all_gather_along_first_dim(input, tp_group) if sequence_parallel else input
-        x2d = total.reshape(-1, total.shape[-1])
+        x2d = all_gather_along_first_dim(input, tp_group) if sequence_parallel else input
         groups = gemm.activation_groups(tp_group)
         fwd_dtype, _ = scaling.fp8_dtypes(gemm.fmt)
         if q_w is None:
@@ -126,8 +132,8 @@ class Fp8LinearFunction(torch.autograd.Function):
         saved_w = (None, w_t) if w_t is not None else (q_w, None)  # W^T or W to transpose
         ctx.save_for_backward(q_x if fp8_wgrad else None, *saved_w, s_x, s_w, high_x, weight)
         ctx.flags, ctx.tp_group, ctx.gemm, ctx.has_bias = flags, tp_group, gemm, bias is not None
-        ctx.input_dtype, ctx.in_features = input.dtype, weight.shape[1]
-        return out.view(*total.shape[:-1], weight.shape[0])
+        ctx.input_dtype = input.dtype
+        return out
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -136,13 +142,12 @@ class Fp8LinearFunction(torch.autograd.Function):
         fusion, allreduce_dgrad, sequence_parallel = ctx.flags
         gemm, group = ctx.gemm, ctx.tp_group
         _, grad_dtype = scaling.fp8_dtypes(gemm.fmt)
-        g2d = grad_output.reshape(-1, grad_output.shape[-1])
         amax = scaling.reduce_amax(
-            scaling.local_amax(g2d).reshape(1), gemm.activation_groups(group)
+            scaling.local_amax(grad_output).reshape(1), gemm.activation_groups(group)
         )
         fp8_wgrad = ctx.needs_input_grad[1] and high_x is None
         (q_g,), transposes, s_g = scaling.operands(
-            (g2d,),
+            (grad_output,),
             amax,
             grad_dtype,
             gemm.margin,
@@ -155,7 +160,6 @@ class Fp8LinearFunction(torch.autograd.Function):
         w_t = next(rest) if w_t is None else w_t
         x_t = next(rest) if fp8_wgrad else None
         grad_input = scaling.scaled_mm(q_g, w_t.t(), s_g, s_w, ctx.input_dtype)
-        grad_input = grad_input.view(*grad_output.shape[:-1], ctx.in_features)
         pending = None
         if allreduce_dgrad:
             pending = start_all_reduce(grad_input, group, overwrite_input=True)
@@ -163,9 +167,9 @@ class Fp8LinearFunction(torch.autograd.Function):
             pending = start_reduce_scatter_along_first_dim(grad_input, group, overwrite_input=True)
         grad_weight = grad_bias = None
         if ctx.needs_input_grad[1]:
-            grad_weight = _weight_grad(q_g_t, s_g, g2d, x_t, s_x, high_x, weight, fusion)
+            grad_weight = _weight_grad(q_g_t, s_g, grad_output, x_t, s_x, high_x, weight, fusion)
         if ctx.has_bias:
-            grad_bias = g2d.sum(dim=0)
+            grad_bias = grad_output.sum(dim=0)
         if pending is not None:
             grad_input = pending.wait()
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
