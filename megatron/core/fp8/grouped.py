@@ -98,26 +98,35 @@ def expert_weights_operands(
 
 class Fp8GroupedLinearFunction(torch.autograd.Function):
     """Autograd of ``fp8_grouped_linear`` (the dense linear's math per expert: e4m3 forward,
-    gradients in e5m2 for "hybrid", ``wgrad`` False: dL/dW_i in high precision)."""
+    gradients in e5m2 for "hybrid", ``wgrad`` False: dL/dW_i in high precision).
+
+    The activations (X, and G in the backward) are cast as ONE tensor of rows, each row with
+    its expert's scale (``scaling.cast_rows``; per-expert amaxes from the row maxima): the
+    cast is bitwise the per-expert casts (the same float32 products), and its compiled
+    kernel sees one tensor whose row count changes, not one tensor per expert (a list of 128
+    tensors whose token counts change recompiled at every call, 15 s each, up to dynamo's
+    limit). The per-expert GEMM operands are row slices of it; the transposes the weight
+    gradient needs are taken per expert."""
 
     @staticmethod
     def forward(ctx, x, sizes, experts, n, *weights_and_kept):
         """y_i = (x_i,q / s_x,i) (W_i,q / s_w,i)^T."""
         fwd, _ = scaling.fp8_dtypes(experts.fmt)
         weights, kept = weights_and_kept[:n], weights_and_kept[n:]
-        xs = torch.split(x, sizes)
+        rows = _expert_of_rows(sizes, x.device)
         if kept:  # the weights' operands kept by the module: X's amaxes alone
             q_w, w_t, s_w = kept[:n], kept[n : 2 * n], kept[2 * n]
-            amax = _global_amaxes(experts, xs)[0]
-            q_x, _, s_x = scaling.operands(xs, amax, fwd, experts.margin, experts=True)
+            amax_x = experts.global_amax(_row_amaxes(x, rows, n)[None])[0]
         else:  # X's and W's amaxes in one collective
-            amax = _global_amaxes(experts, xs, weights).reshape(2 * n)
-            casts, _, scales = scaling.operands(
-                (*xs, *weights), amax, fwd, experts.margin, experts=True
+            amax_x, amax_w = experts.global_amax(
+                torch.stack([_row_amaxes(x, rows, n), _amaxes(weights)])
             )
-            q_x, q_w, w_t, (s_x, s_w) = casts[:n], casts[n:], (), scales.reshape(2, n)
+            q_w, _, s_w = scaling.operands(weights, amax_w, fwd, experts.margin, experts=True)
+            w_t = ()
+        s_x = scaling.scale_from_amax(amax_x, fwd, experts.margin)
+        q_x = torch.split(scaling.cast_rows(x, s_x, rows, fwd), sizes)
         outs = [_mm(a, b.t(), sa, sb, x.dtype) for a, b, sa, sb in zip(q_x, q_w, s_x, s_w)]
-        saved_x = q_x if experts.wgrad else xs  # the FP8 or the high-precision X, not both
+        saved_x = q_x if experts.wgrad else torch.split(x, sizes)  # FP8 or high precision
         ctx.save_for_backward(s_x, s_w, *saved_x, *(w_t or q_w))
         ctx.sizes, ctx.experts, ctx.dtypes = sizes, experts, (x.dtype, weights[0].dtype)
         ctx.kept_transposes = bool(w_t)
@@ -126,39 +135,45 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         """dL/dx_i = G_i W_i, dL/dW_i = G_i^T x_i."""
-        experts, n = ctx.experts, len(ctx.sizes)
+        experts, sizes, n = ctx.experts, ctx.sizes, len(ctx.sizes)
         s_x, s_w, *saved = ctx.saved_tensors
         saved_x, saved_w = saved[:n], saved[n:]  # X: FP8 with ``wgrad``; W^T if kept, else W
         _, grad_dtype = scaling.fp8_dtypes(experts.fmt)
-        gs = torch.split(grad_output, ctx.sizes)
-        amax = _global_amaxes(experts, gs)[0]
-        to_transpose = ([] if ctx.kept_transposes else list(saved_w)) + (
-            list(saved_x) if experts.wgrad else []
-        )
-        q_g, transposes, s_g = scaling.operands(
-            gs,
-            amax,
-            grad_dtype,
-            experts.margin,
-            transposed_too=tuple(range(n)) if experts.wgrad else (),
-            fp8_to_transpose=to_transpose,
-            experts=True,
-        )
-        rest = iter(transposes)  # G_i^T (wgrad), W_i^T (not kept), X_i^T (wgrad)
-        g_t = [next(rest) for _ in range(n)] if experts.wgrad else None
-        w_t = saved_w if ctx.kept_transposes else [next(rest) for _ in range(n)]
+        rows = _expert_of_rows(sizes, grad_output.device)
+        amax = experts.global_amax(_row_amaxes(grad_output, rows, n)[None])[0]
+        s_g = scaling.scale_from_amax(amax, grad_dtype, experts.margin)
+        q_g = torch.split(scaling.cast_rows(grad_output, s_g, rows, grad_dtype), sizes)
+        w_t = saved_w if ctx.kept_transposes else [w.t().contiguous() for w in saved_w]
         x_dtype, w_dtype = ctx.dtypes
         grad_x = torch.cat(
             [_mm(g, wt.t(), sg, sw, x_dtype) for g, wt, sg, sw in zip(q_g, w_t, s_g, s_w)]
         )
         if experts.wgrad:
-            x_t = [next(rest) for _ in range(n)]
             grad_w = [
-                _mm(gt, xt.t(), sg, sx, w_dtype) for gt, xt, sg, sx in zip(g_t, x_t, s_g, s_x)
+                _mm(g.t().contiguous(), xq, sg, sx, w_dtype)
+                for g, xq, sg, sx in zip(q_g, saved_x, s_g, s_x)
             ]
         else:
+            gs = torch.split(grad_output, sizes)
             grad_w = [g.t().matmul(xh).to(w_dtype) for g, xh in zip(gs, saved_x)]
         return (grad_x, None, None, None, *grad_w, *([None] * (len(ctx.needs_input_grad) - 4 - n)))
+
+
+def _expert_of_rows(sizes: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The local expert of each row (``sizes[i]`` rows of expert i, in order)."""
+    counts = torch.tensor(sizes, dtype=torch.long).to(device, non_blocking=True)
+    experts = torch.arange(len(sizes), device=device)
+    return torch.repeat_interleave(experts, counts, output_size=sum(sizes))
+
+
+def _row_amaxes(x: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """[n]: the max |x| over each expert's rows (0 for an expert with none): the maximum of
+    its rows' maxima, exactly each expert's ``local_amax``."""
+    out = torch.zeros(n, dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return out
+    row_max = torch.linalg.vector_norm(x.detach(), ord=float("inf"), dim=1).float()
+    return out.scatter_reduce_(0, rows, row_max, reduce="amax")
 
 
 def _global_amaxes(experts: Fp8Experts, *groups: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -92,9 +92,9 @@ def operands(
     ``scale_from_amax(amax)`` (``amax`` the global amaxes, one per tensor), ``tensors`` cast
     with them, the transposed FP8 copies of ``tensors[i]`` for i in ``transposed_too`` and of
     the FP8 tensors ``fp8_to_transpose``. Returns (casts, transposes, scales). ``experts``:
-    compiled as a second function (dynamo keeps one cache per function: the experts' lists,
-    one tensor per expert with token counts that change, then do not take the dense linears'
-    entries up to the recompile limit)."""
+    compiled as a second function (dynamo keeps one cache per function: the experts' weight
+    lists, one tensor per expert, then do not take the dense linears' entries; the experts'
+    activations, whose token counts change, are cast by ``cast_rows``)."""
     if tensors and _compiled_here(tensors[0]):
         # Plain tensors without grad mode: dynamo guards on parameters' static shapes, on
         # requires_grad, on a view's base and on the grad mode (the backward's calls), each
@@ -105,6 +105,23 @@ def operands(
             fp8 = [q.detach() for q in fp8_to_transpose]
             return fused(plain, amax.detach(), dtype, margin, tuple(transposed_too), fp8)
     return _operands(tensors, amax, dtype, margin, tuple(transposed_too), fp8_to_transpose)
+
+
+def cast_rows(
+    tensor: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``tensor`` [T, k] cast to ``dtype`` row by row, row r with ``scales[rows[r]]``: the
+    float32 products of casting each group of rows with its own scale, so bitwise those
+    casts (the experts' activations, one scale per expert). Compiled on CUDA as
+    ``operands``; its one tensor's row count is the only size that changes."""
+    if tensor.numel() and _compiled_here(tensor):
+        with torch.no_grad():
+            return _fused_cast_rows(tensor.detach(), scales.detach(), rows, dtype)
+    return _cast_rows(tensor.detach(), scales, rows, dtype)
+
+
+def _cast_rows(tensor, scales, rows, dtype):
+    return _cast(tensor, scales[rows].unsqueeze(1), dtype)
 
 
 def _operands(tensors, amax, dtype, margin, transposed_too, fp8_to_transpose):
@@ -121,6 +138,7 @@ def _expert_operands(*args):
 
 _fused_operands = jit_fuser(_operands)
 _fused_expert_operands = jit_fuser(_expert_operands)
+_fused_cast_rows = jit_fuser(_cast_rows)
 
 
 def _compiled_here(tensor: torch.Tensor) -> bool:
