@@ -299,17 +299,17 @@ def _compiled_against_uncached(
 
 @pytest.mark.slow
 def test_compiled_cached_steps_are_bitwise_the_eager_uncached_ones(monkeypatch):
-    """The cache switched on under compile (``CACHE_WHEN_COMPILED``): no graph break, 2
+    """The cache under compile (``CACHE_WHEN_COMPILED``, the default): no graph break, 2
     graphs per linear (fill, reuse) over 3 steps, the steps bitwise the eager uncached ones."""
-    monkeypatch.setattr(cache, "CACHE_WHEN_COMPILED", True)
+    assert cache.CACHE_WHEN_COMPILED
     assert _compiled_against_uncached(monkeypatch, steps=3) == 4
 
 
 @pytest.mark.slow
-def test_a_compiled_linear_casts_its_weight_at_every_call_by_default(monkeypatch):
-    """``CACHE_WHEN_COMPILED`` False (the default): traced, the linears do not use the cache
-    (one graph per linear, no fill/reuse variants); the steps bitwise the eager uncached
-    ones."""
+def test_a_compiled_linear_without_the_cache_casts_its_weight_at_every_call(monkeypatch):
+    """``CACHE_WHEN_COMPILED`` False: traced, the linears do not use the cache (one graph
+    per linear, no fill/reuse variants); the steps bitwise the eager uncached ones."""
+    monkeypatch.setattr(cache, "CACHE_WHEN_COMPILED", False)
     assert _compiled_against_uncached(monkeypatch, steps=2) == 2  # 4 with the cache
 
 
