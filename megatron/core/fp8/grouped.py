@@ -9,7 +9,8 @@ micro-batch are spread over (or gathered within) that group only when the expert
 (expert TP x EP) lie inside it, which ``megatron.core.fp8.config`` requires; then the amaxes,
 the FP8 operands and the result are those of one process. Written by hand: megatron-core's
 FP8 experts come from Transformer Engine (not available); ``torch._scaled_grouped_mm`` takes
-rowwise scales only on CUDA, so each expert is one ``torch._scaled_mm``.
+e4m3 operands only (not "hybrid"'s e5m2 gradients), so each expert is one
+``torch._scaled_mm`` (launch-bound on a GPU: docs/fp8.md "FP8 experts").
 """
 
 from dataclasses import dataclass
