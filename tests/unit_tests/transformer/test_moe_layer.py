@@ -220,6 +220,27 @@ def test_expert_bias_update_after_the_step_changes_routing():
     moe_utils.clear_aux_losses_tracker()
 
 
+def test_the_expert_bias_stays_float32_in_a_bf16_model():
+    """megatron-core keeps the expert bias in float32 whatever the model's dtype: a bf16
+    model (Float16Module's ``.bfloat16()``) still takes an update of 1e-3 on a bias of 0.5,
+    which bf16 (spacing 2**-8 there) would round away."""
+    config = _config(
+        params_dtype=torch.float32,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=1e-3,
+    )
+    model = _gpt(config).bfloat16()
+    router = model.decoder.layers[0].mlp.router
+    assert router.expert_bias.dtype == torch.float32
+    assert router.gating(torch.zeros(2, 16, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    router.expert_bias.fill_(0.5)
+    router.local_tokens_per_expert.copy_(torch.tensor([1, 2, 4, 5]))
+    _update_router_expert_bias([model], None)
+    assert router.expert_bias.tolist() == pytest.approx([0.501, 0.501, 0.499, 0.499], abs=1e-6)
+    assert model.state_dict()["decoder.layers.0.mlp.router.expert_bias"].dtype == torch.float32
+
+
 def test_block_spec_mixes_dense_and_moe_layers():
     config = _config(num_layers=4, moe_layer_freq=[1, 0, 0, 1])
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)

@@ -111,6 +111,19 @@ class TopKRouter(Router):
             self.local_tokens_per_expert = None
             self.expert_bias = None
 
+    def _apply(self, fn, recurse: bool = True):
+        """``nn.Module._apply`` (``.to``, ``.cuda``, ``.bfloat16``, Float16Module's cast), the
+        expert bias kept in its own dtype (float32, float64 in a float64 model) on the new
+        device: megatron-core keeps it in float32 whatever the model's dtype (its router
+        casts it back before each forward, load and save); in bf16 a bias past 0.25 would
+        round an update of 1e-3 away."""
+        bias = self.expert_bias
+        module = super()._apply(fn, recurse)
+        moved = self.expert_bias
+        if bias is not None and moved.dtype != bias.dtype:
+            self._buffers["expert_bias"] = bias.to(moved.device)
+        return module
+
     def is_aux_loss_enabled(self) -> bool:
         """Whether any load-balancing loss has a nonzero coefficient."""
         return any(self.get_aux_loss_coeff(kind) for kind in ("aux_loss", "seq_aux_loss"))
