@@ -241,6 +241,7 @@ def layer_variants(names: List[str], shape: dict, args, device) -> Dict[str, dic
             )
         except Exception as error:  # noqa: BLE001 - reported per variant
             out[name] = {"error": f"{type(error).__name__}: {error}"[:300]}
+        print(f"# {name}: {out[name]}", flush=True)  # as it goes (a killed run shows these)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return out

@@ -29,7 +29,7 @@ from megatron.core.communication import (
 )
 from megatron.core.fp8 import scaling
 from megatron.core.fp8.cache import cached_operands
-from megatron.core.process_groups_config import get_pg_size, resolve_group
+from megatron.core.process_groups_config import resolve_group
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,7 @@ def fp8_linear(
     q_w, w_t, s_w = weight_operands if weight_operands is not None else (None, None, None)
     rows = input.reshape(-1, input.shape[-1])
     out = Fp8LinearFunction.apply(rows, weight, bias, flags, tp_group, gemm, q_w, w_t, s_w)
-    gathered = input.shape[0] * get_pg_size(tp_group) if flags[2] else input.shape[0]
-    return out.view(gathered, *input.shape[1:-1], weight.shape[0])
+    return out.view(-1, *input.shape[1:-1], weight.shape[0])  # dim 0 gathered under SP
 
 
 def fp8_weight_operands(
