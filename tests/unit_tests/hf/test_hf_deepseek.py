@@ -241,6 +241,35 @@ def test_import_export_gives_back_the_original_tensors(tmp_path):
     assert json.loads((out / "config.json").read_text())["model_type"] == "deepseek_v3"
 
 
+def test_generate_with_multi_latent_attention_takes_transformers_greedy_tokens(tmp_path):
+    """``megatron.training.generate`` on an MLA model (no key/value cache: each step runs the
+    whole sequence so far) picks, at every step, the token transformers' float64 forward of
+    the same sequence ranks first, each by a margin rounding cannot cross."""
+    from megatron.training.generate import generate
+
+    hf = _build("v3", tmp_path)
+    ours, _ = model_from_hf(tmp_path, params_dtype=torch.float64)
+    ours.eval()
+    prompt, new = [3, 17, 2, 5, 29, 8], 6
+    tokens = generate([ours], prompt, new, vocab_size=VOCAB)
+    patches, _ = _patches("v3")
+    for patch in patches:
+        patch.start()
+    try:
+        sequence = list(prompt)
+        for token in tokens:
+            with torch.no_grad():
+                last = hf(input_ids=torch.tensor([sequence])).logits[0, -1]
+            top = last.topk(2).values
+            assert float(top[0] - top[1]) > 1e-6, "a near tie makes the comparison meaningless"
+            assert token == int(last.argmax()), (tokens, sequence)
+            sequence.append(token)
+    finally:
+        for patch in reversed(patches):
+            patch.stop()
+    assert len(tokens) == new
+
+
 def test_negative_control_each_routing_rule_shows_in_the_logits(tmp_path):
     """The V3 comparison would catch each routing rule left out: group-limited selection,
     the expert bias on the selection, the routed scaling factor, the sigmoid scores."""
