@@ -14,12 +14,17 @@ import torch
 
 def jit_fuser(function: Callable) -> Callable:
     """``torch.compile(function)``, created on the first call and compiled then, once per
-    input signature (shapes that change are then compiled as dynamic)."""
+    input signature (shapes that change are then compiled as dynamic). Called inside a
+    graph being compiled (``torch.compile`` of a layer), ``function`` is traced into that
+    graph and the lazy compiled function is not read: a graph that read it while unset
+    guarded on it and was compiled again once an eager call had set it."""
     compiled = None
 
     @functools.wraps(function)
     def fused(*args, **kwargs):
         nonlocal compiled
+        if torch.compiler.is_compiling():
+            return function(*args, **kwargs)
         if compiled is None:
             compiled = torch.compile(function)
         return compiled(*args, **kwargs)
