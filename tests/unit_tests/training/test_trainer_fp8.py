@@ -47,6 +47,15 @@ def test_bad_fp8_flags_are_refused_naming_the_flag(changes, world, message):
         validate_config(TrainingConfig(**changes), world)
 
 
+@pytest.mark.world(1)
+def test_an_fp8_moe_run_warns_that_its_experts_are_slow(capsys):
+    moe = dict(num_experts=4, disable_bias_linear=True, moe_grouped_gemm=True)
+    for flags in (moe, dict(FP8, **moe), FP8):
+        pretrain(TrainingConfig(train_iters=1, progress=False, **flags))
+        warned = capsys.readouterr().out.count("warning: --fp8-format with --num-experts")
+        assert warned == (flags == dict(FP8, **moe)), flags
+
+
 @pytest.mark.slow  # two trainer runs (~1 s together)
 @pytest.mark.world(1)
 def test_an_fp8_run_learns_close_to_fp32_but_not_equal():
