@@ -40,6 +40,9 @@ from megatron.core.transformer.multi_token_prediction import (
 )
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.training.checkpointing import _extra_state
+from tests.unit_tests.dist_checkpointing.scripts.nontrivial import (
+    nontrivial_norms_and_expert_biases,
+)
 from tests.unit_tests.dist_utils import fresh_layout
 from tests.unit_tests.launch import free_port
 
@@ -227,13 +230,7 @@ def test_megatron_core_loads_a_checkpoint_of_ours_and_computes_the_same(tmp_path
     and its logits and loss on a fixed batch equal ours (float64)."""
     torch.manual_seed(1)
     model = ours()
-    with torch.no_grad():  # non-trivial norms and expert biases, so that loading them matters
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-        for name, b in model.named_buffers():
-            if name.endswith("expert_bias"):
-                b.uniform_(-0.2, 0.2)
+    nontrivial_norms_and_expert_biases(model)  # so that loading them matters
     (tmp_path / "ckpt").mkdir()
     dist_checkpointing.save(model.sharded_state_dict(), str(tmp_path / "ckpt"))
     script = SCRIPT.parent / "mcore_deepseek_load.py"

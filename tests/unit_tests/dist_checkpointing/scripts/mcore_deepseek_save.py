@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from nontrivial import nontrivial_norms_and_expert_biases  # noqa: E402
 
 # tests/benchmarks (megatron-core and torch only), not the repository root: its megatron
 # would be imported instead of megatron-core's
@@ -164,13 +165,7 @@ def main() -> None:
 
     torch.manual_seed(1234)
     model, vocab, seq = build(fields, tp, ep)
-    with torch.no_grad():  # non-trivial norms and expert biases, so that loading them matters
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-        for name, b in model.named_buffers():
-            if name.endswith("expert_bias"):
-                b.uniform_(-0.2, 0.2)
+    nontrivial_norms_and_expert_biases(model)  # so that loading them matters
     dist_checkpointing.save(model.sharded_state_dict(), ckpt)
     if tp * ep > 1:  # no forward: its MoE refuses TP without sequence parallelism, which its
         if tp == 1:  # local (torch) norms refuse; at EP > 1 each rank's weights, global names
