@@ -128,7 +128,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         q_x = torch.split(scaling.cast_rows(x, s_x, rows, fwd), sizes)
         outs = [_mm(a, b.t(), sa, sb, x.dtype) for a, b, sa, sb in zip(q_x, q_w, s_x, s_w)]
         saved_x = q_x if experts.wgrad else torch.split(x, sizes)  # FP8 or high precision
-        ctx.save_for_backward(s_x, s_w, *saved_x, *(w_t or q_w))
+        ctx.save_for_backward(rows, s_x, s_w, *saved_x, *(w_t or q_w))
         ctx.sizes, ctx.experts, ctx.dtypes = sizes, experts, (x.dtype, weights[0].dtype)
         ctx.kept_transposes = bool(w_t)
         return torch.cat(outs) if outs else x.new_zeros(0, 0)
@@ -137,10 +137,9 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
     def backward(ctx, grad_output):
         """dL/dx_i = G_i W_i, dL/dW_i = G_i^T x_i."""
         experts, sizes, n = ctx.experts, ctx.sizes, len(ctx.sizes)
-        s_x, s_w, *saved = ctx.saved_tensors
+        rows, s_x, s_w, *saved = ctx.saved_tensors
         saved_x, saved_w = saved[:n], saved[n:]  # X: FP8 with ``wgrad``; W^T if kept, else W
         _, grad_dtype = scaling.fp8_dtypes(experts.fmt)
-        rows = _expert_of_rows(sizes, grad_output.device)
         amax = experts.global_amax(_row_amaxes(grad_output, rows, n)[None])[0]
         s_g = scaling.scale_from_amax(amax, grad_dtype, experts.margin)
         q_g = torch.split(scaling.cast_rows(grad_output, s_g, rows, grad_dtype), sizes)
