@@ -98,9 +98,7 @@ def generate(
     Float16Module wrappers allowed); ``vocab_size``: the tokenizer's vocabulary (padded rows
     never chosen). Collective over the model's TP x PP (x DP) ranks. Under sequence
     parallelism (a MoE model at TP > 1) each forward's tokens are padded to a multiple of TP
-    after the real ones, which causal attention keeps from changing them. A model whose
-    attention keeps no key/value cache (multi-latent attention) runs every step on the whole
-    sequence so far: the same tokens, one full forward per new token."""
+    after the real ones, which causal attention keeps from changing them."""
     import torch
 
     from megatron.core.inference.contexts import StaticInferenceContext
@@ -113,19 +111,15 @@ def generate(
     device = next(chunk.parameters()).device
     multiple = _sequence_multiple(chunk)
     generator = torch.Generator().manual_seed(sampling.seed)
-    context = None
-    if not _unwrap(chunk).config.multi_latent_attention:  # MLA keeps no key/value cache
-        context = StaticInferenceContext(1, len(prompt) + max_new_tokens + multiple)
+    context = StaticInferenceContext(1, len(prompt) + max_new_tokens + multiple)
     step = list(prompt)
     out: List[int] = []
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            offset = 0 if context is None else context.sequence_len_offset
-            tokens, positions = _padded(step, offset, multiple, device)
+            tokens, positions = _padded(step, context.sequence_len_offset, multiple, device)
             logits = _forward(chunk, tokens, positions, context, pg_collection)
-            if context is not None:
-                context.increment_sequence_len_offset(len(step))
-                context.enable_decode_mode()
+            context.increment_sequence_len_offset(len(step))
+            context.enable_decode_mode()
             token = torch.zeros(1, dtype=torch.long, device=device)
             if logits is not None:
                 last = logits[0, len(step) - 1, :vocab_size].float()
@@ -134,7 +128,7 @@ def generate(
             out.append(int(token.item()))
             if out[-1] in stops:
                 break
-            step = [out[-1]] if context is not None else [*prompt, *out]
+            step = [out[-1]]
     return out
 
 
@@ -159,7 +153,7 @@ def _padded(ids: List[int], offset: int, multiple: int, device) -> Tuple[Any, An
 
 
 def _forward(chunk, tokens, positions, context, pg_collection) -> Optional[torch.Tensor]:
-    """One forward through the pipeline (cached unless ``context`` is None): logits
+    """One cached forward through the pipeline (``context``: the KV cache): logits
     [b, s, V] on the last stage (None elsewhere). Stage p receives the hidden states
     [s, b, h] from stage p - 1."""
     from megatron.core.model_parallel_config import ModelParallelConfig

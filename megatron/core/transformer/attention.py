@@ -137,7 +137,7 @@ class Attention(MegatronModule):
             query = apply_rotary_pos_emb(query, q_emb, config=self.config, mscale=self.mscale)
             key = apply_rotary_pos_emb(key, k_emb, config=self.config, mscale=self.mscale)
         if inference_context is not None:
-            return self.linear_proj(self._cached_attention(query, key, value, inference_context))
+            return self.linear_proj(cached_attention(self, query, key, value, inference_context))
 
         def core_attention(q, k, v, mask):
             return self.core_attention(
@@ -153,20 +153,6 @@ class Attention(MegatronModule):
         context = attend(self, core_attention, query, key, value, attention_mask)
         return self.linear_proj(context)
 
-    def _cached_attention(self, query, key, value, inference_context) -> torch.Tensor:
-        """Attention of the new queries [s, b, np, d] over every key cached so far (the
-        new ones stored first): query i at position o + i (o = the context's
-        ``sequence_len_offset``) sees positions <= o + i, within this layer's window when
-        set, with the attention sinks when the core attention has them. Context parallelism
-        does not apply (one rank holds the whole sequence)."""
-        if self.config.context_parallel_size > 1:
-            raise NotImplementedError(
-                "inference_context with context_parallel_size > 1; generate at CP = 1"
-            )
-        keys, values = inference_context.store(self.layer_number, key, value)
-        core = self.core_attention
-        return _explicit_attention(query, keys, values, core.attention_kernel, core.softmax_offset)
-
 
 # Not implemented with a KV cache (``inference_context``).
 _CACHED_REASONS = {
@@ -174,6 +160,22 @@ _CACHED_REASONS = {
     "packed_seq_params": "packed sequences with a KV cache are not implemented; generate one "
     "sequence per batch row",
 }
+
+
+def cached_attention(module: torch.nn.Module, query, key, value, inference_context) -> torch.Tensor:
+    """Attention of the new queries [s, b, np, d] over every key cached so far in
+    ``module``'s layer (the new keys and values stored first): query i at position o + i
+    (o = the context's ``sequence_len_offset``) sees positions <= o + i, within the window
+    of ``module.core_attention`` when set, with its attention sinks when it has them.
+    Context parallelism does not apply (one rank holds the whole sequence). Used by
+    ``Attention`` and ``MLASelfAttention``; -> [s, b, np * d]."""
+    if module.config.context_parallel_size > 1:
+        raise NotImplementedError(
+            "inference_context with context_parallel_size > 1; generate at CP = 1"
+        )
+    keys, values = inference_context.store(module.layer_number, key, value)
+    core = module.core_attention
+    return _explicit_attention(query, keys, values, core.attention_kernel, core.softmax_offset)
 
 
 def check_sequence_len_offset(owner: str, offset, inference_context) -> None:

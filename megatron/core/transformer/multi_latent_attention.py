@@ -29,7 +29,12 @@ from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
-from megatron.core.transformer.attention import attend, layer_cp_comm_type
+from megatron.core.transformer.attention import (
+    attend,
+    cached_attention,
+    check_sequence_len_offset,
+    layer_cp_comm_type,
+)
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule, output_projection, parallel_linear
@@ -82,7 +87,6 @@ class ReplicatedLinear(MegatronModule):
 # MLASelfAttention.forward's refused arguments whose reason differs from
 # ``UNSUPPORTED_FORWARD_ARGUMENTS``'.
 _MLA_REASONS = {
-    "inference_context": "multi-latent attention has no KV cache",
     "rotary_pos_emb": "multi-latent attention applies its own rope (config.rope_type)",
     "rotary_pos_cos": "multi-latent attention applies its own rope (config.rope_type)",
     "rotary_pos_sin": "multi-latent attention applies its own rope (config.rope_type)",
@@ -90,7 +94,6 @@ _MLA_REASONS = {
     "attention_bias": "multi-latent attention takes no attention bias",
     "packed_seq_params": "packed sequences are not implemented for multi-latent attention",
     "position_ids": "multi-latent attention's rope positions are the sequence positions",
-    "sequence_len_offset": "multi-latent attention has no KV cache",
 }
 
 
@@ -230,9 +233,19 @@ class MLASelfAttention(MegatronModule):
                 dim, config.rotary_percent, rotary_base=config.rotary_base
             )
 
-    def _angles(self, seq_local: int, device: torch.device) -> Tuple[torch.Tensor, float]:
+    def _angles(
+        self, seq_local: int, device: torch.device, inference_context=None
+    ) -> Tuple[torch.Tensor, float]:
         """(angles [s_local, 1, 1, dim] of this CP rank's positions on ``device``, cos/sin
-        scale): the embedding's ``cached_angles`` (copied to the device once per length)."""
+        scale): the embedding's ``cached_angles`` (copied to the device once per length).
+        A cached forward's positions are [offset, offset + s) of the context (the table of
+        its whole length, built once per generation)."""
+        if inference_context is not None:
+            offset = inference_context.sequence_len_offset
+            table, mscale = self.rotary_pos_emb.cached_angles(
+                inference_context.max_sequence_length, device
+            )
+            return table[offset : offset + seq_local], mscale
         cp_group = self._cp_group.get()
         length = seq_local * get_pg_size(cp_group)
         return self.rotary_pos_emb.cached_angles(length, device, cp_group)
@@ -250,10 +263,28 @@ class MLASelfAttention(MegatronModule):
         return copy_to_tensor_model_parallel_region(k_pe, group=self.tp_group)
 
     def get_query_key_value_tensors(
-        self, hidden_states: torch.Tensor
+        self,
+        hidden_states: torch.Tensor,
+        key_value_states: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+        inference_context=None,
+        *,
+        inference_params=None,
     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q and K [s, b, np/TP, qk_head_dim + qk_pos_emb_head_dim], V [s, b, np/TP,
-        v_head_dim]; s is this CP rank's whole part (gathered over TP under SP)."""
+        v_head_dim]; s is this CP rank's whole part (gathered over TP under SP), rotated at
+        the positions of ``inference_context``'s offset when given (megatron-core's
+        signature; the other arguments are refused unless None)."""
+        refuse_unsupported_arguments(
+            "MLASelfAttention",
+            _MLA_REASONS,
+            key_value_states=key_value_states,
+            position_ids=position_ids,
+            packed_seq_params=packed_seq_params,
+        )
+        if inference_context is None:
+            inference_context = inference_params
         config = self.config
         x = hidden_states
         if config.sequence_parallel and get_pg_size(self.tp_group) > 1:
@@ -271,7 +302,7 @@ class MLASelfAttention(MegatronModule):
         kv, _ = self.linear_kv_up_proj(self.kv_layernorm(kv_c))
         kv = kv.view(s, b, self.heads, config.qk_head_dim + config.v_head_dim)
         k_nope, value = kv.split([config.qk_head_dim, config.v_head_dim], dim=-1)
-        angles, mscale = self._angles(s, q.device)
+        angles, mscale = self._angles(s, q.device, inference_context)
         q_pe = self._rope(q_pe, angles, mscale)
         k_pe = self._rope(self._shared_rope_key(k_pe).unsqueeze(2), angles, mscale)
         query = torch.cat((q_nope, q_pe), dim=-1)
@@ -296,15 +327,16 @@ class MLASelfAttention(MegatronModule):
         inference_params=None,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """[s, b, h] -> (output [s, b, h], linear_proj bias); rope is applied here, by
-        sequence position. Every other argument of megatron-core's must be None (refused by
+        sequence position. With ``inference_context`` (a ``StaticInferenceContext``) the
+        keys and values join its cache and the queries attend over everything cached (as
+        ``Attention``'s cache: K and V per head after the up projection, V zero-padded to
+        K's head dim). Every other argument of megatron-core's must be None (refused by
         name otherwise)."""
+        inference_context = inference_context if inference_context is not None else inference_params
         refuse_unsupported_arguments(
             "MLASelfAttention",
             _MLA_REASONS,
             key_value_states=key_value_states,
-            inference_context=(
-                inference_context if inference_context is not None else inference_params
-            ),
             rotary_pos_emb=rotary_pos_emb,
             rotary_pos_cos=rotary_pos_cos,
             rotary_pos_sin=rotary_pos_sin,
@@ -312,25 +344,36 @@ class MLASelfAttention(MegatronModule):
             attention_bias=attention_bias,
             packed_seq_params=packed_seq_params,
             position_ids=position_ids,
-            sequence_len_offset=sequence_len_offset,
         )
-        query, key, value = self.get_query_key_value_tensors(hidden_states)
-        context = self._attention(query, key, value, attention_mask)
-        return self.linear_proj(context)
+        check_sequence_len_offset("MLASelfAttention", sequence_len_offset, inference_context)
+        query, key, value = self.get_query_key_value_tensors(
+            hidden_states, inference_context=inference_context
+        )
+        dv = value.shape[-1]
+        query, key, value = self._one_head_dim(query, key, value)
+        if inference_context is not None:
+            context = cached_attention(self, query, key, value, inference_context)
+        else:
 
-    def _attention(self, query, key, value, attention_mask) -> torch.Tensor:
-        """Core attention with V zero-padded to Q/K's head dim (or Q and K to V's): the CP
-        paths take one head dim; the padding adds nothing to scores or outputs. Selective
-        recompute of ``core_attn`` as ``Attention``."""
+            def core_attention(q, k, v, mask):
+                return self.core_attention(q, k, v, mask, attn_mask_type=self.attn_mask_type)
+
+            # selective recompute of ``core_attn`` as ``Attention``
+            context = attend(self, core_attention, query, key, value, attention_mask)
+        return self.linear_proj(self._value_part(context, dv))
+
+    @staticmethod
+    def _one_head_dim(query, key, value) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """V zero-padded to Q/K's head dim (or Q and K to V's): the attention kernels (and
+        the CP paths) take one head dim; the padding adds nothing to scores or outputs."""
         dq, dv = query.shape[-1], value.shape[-1]
         if dv < dq:
             value = F.pad(value, (0, dq - dv))
         elif dq < dv:
             query, key = F.pad(query, (0, dv - dq)), F.pad(key, (0, dv - dq))
+        return query, key, value
 
-        def core_attention(q, k, v, mask):
-            return self.core_attention(q, k, v, mask, attn_mask_type=self.attn_mask_type)
-
-        context = attend(self, core_attention, query, key, value, attention_mask)
+    def _value_part(self, context: torch.Tensor, dv: int) -> torch.Tensor:
+        """[s, b, np * d] of the padded heads -> [s, b, np * dv] (each head's first dv)."""
         s, b = context.shape[:2]
         return context.view(s, b, self.heads, -1)[..., :dv].reshape(s, b, self.heads * dv)

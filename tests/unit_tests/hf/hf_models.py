@@ -326,6 +326,19 @@ QWEN2_MOE_CONFIG = dict(
     shared_expert_intermediate_size=40,
     mlp_only_layers=[0],
 )
+# DeepSeek-V3: multi-latent attention (q LoRA, yarn), layer 0 dense, layer 1 MoE (sigmoid
+# routing, expert bias, 2 groups of 2, top-2 of the best group, a shared expert)
+DEEPSEEK_V3_CONFIG = dict(
+    model_type="deepseek_v3", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+    moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8,
+    qk_rope_head_dim=4, v_head_dim=8, first_k_dense_replace=1, n_routed_experts=4,
+    num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+    routed_scaling_factor=2.5, max_position_embeddings=64, rms_norm_eps=1e-6,
+    rope_theta=10000.0, tie_word_embeddings=False,
+    rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=16,
+                      beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+)  # fmt: skip
 # Gemma 2: a window of 3 keys on layer 1 (shorter than the prompts), both soft-caps
 GEMMA2_CONFIG = dict(
     LLAMA_CONFIG, model_type="gemma2", head_dim=16, sliding_window=3, query_pre_attn_scalar=24,

@@ -242,9 +242,10 @@ def test_import_export_gives_back_the_original_tensors(tmp_path):
 
 
 def test_generate_with_multi_latent_attention_takes_transformers_greedy_tokens(tmp_path):
-    """``megatron.training.generate`` on an MLA model (no key/value cache: each step runs the
-    whole sequence so far) picks, at every step, the token transformers' float64 forward of
-    the same sequence ranks first, each by a margin rounding cannot cross."""
+    """``megatron.training.generate`` on an MLA model (with its key/value cache: the prompt in
+    one forward, then one token per forward) picks, at every step, the token transformers'
+    float64 forward of the same sequence ranks first, each by a margin rounding cannot
+    cross."""
     from megatron.training.generate import generate
 
     hf = _build("v3", tmp_path)
@@ -268,6 +269,30 @@ def test_generate_with_multi_latent_attention_takes_transformers_greedy_tokens(t
         for patch in reversed(patches):
             patch.stop()
     assert len(tokens) == new
+
+
+@pytest.mark.parametrize("name", ["v3", "v2_lite"])
+def test_the_cached_forward_equals_the_full_forward(name, tmp_path):
+    """Multi-latent attention's key/value cache (q LoRA and yarn in v3, neither in v2_lite):
+    a prompt in one cached forward, a chunk after it, then one token per forward give, at
+    every position, the logits of the full forward without a cache (float64). The cache is
+    twice the sequence, so its rope table is longer than the full forward's."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    _build(name, tmp_path)
+    ours, _ = model_from_hf(tmp_path, params_dtype=torch.float64)
+    ours.eval()
+    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = ours(ids, None, None)
+        context = StaticInferenceContext(1, 2 * SEQ)
+        steps = []
+        for start, stop in [(0, 3), (3, 5)] + [(i, i + 1) for i in range(5, SEQ)]:
+            positions = torch.arange(start, stop)[None]
+            steps.append(ours(ids[:, start:stop], positions, None, inference_context=context))
+            context.increment_sequence_len_offset(stop - start)
+    assert len(context.key_value_memory_dict) == BASE["num_hidden_layers"]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-12, atol=1e-12)
 
 
 def test_negative_control_each_routing_rule_shows_in_the_logits(tmp_path):

@@ -4,10 +4,11 @@
   it, then one token per forward give, at every position, the logits of the full forward
   without a cache.
 - Greedy tokens equal transformers' ``generate(do_sample=False)`` on the same HuggingFace
-  model (Llama with grouped-query attention and RoPE; GPT-2 with learned positions), with a
-  margin guard: each chosen token leads the runner-up by more than rounding could move.
-- The command line at TP 2, PP 2 and TP 2 x PP 2 prints the one-process tokens; with a seed,
-  sampling is reproducible; padded vocabulary rows are never chosen.
+  model (Llama with grouped-query attention and RoPE; GPT-2 with learned positions; Gemma 2
+  and 3; DeepSeek-V3's multi-latent attention and MoE), with a margin guard: each chosen
+  token leads the runner-up by more than rounding could move.
+- The command line at TP 2 x PP 2 prints the one-process tokens (Llama, DeepSeek-V3); with a
+  seed, sampling is reproducible; padded vocabulary rows are never chosen.
 """
 
 import contextlib
@@ -21,6 +22,7 @@ from megatron.training.generate import Sampling, _choose, generate, main
 from megatron.training.hf import model_from_hf
 from tests.unit_tests.dist_utils import fresh_layout, rel_error, reset_layout
 from tests.unit_tests.hf.hf_models import (
+    DEEPSEEK_V3_CONFIG,
     GEMMA2_CONFIG,
     GEMMA3_CONFIG,
     GPT2_CONFIG,
@@ -34,9 +36,10 @@ PROMPT = [3, 17, 42, 5, 99, 8]
 NEW = 8
 # std 0.5: logits spread enough that greedy choices are far from ties
 STD = 0.5
-# the families, and Gemma's windows, soft-caps and local RoPE base through the cache
-CONFIGS = [LLAMA_CONFIG, GPT2_CONFIG, GEMMA2_CONFIG, GEMMA3_CONFIG]
-IDS = ["llama", "gpt2", "gemma2", "gemma3"]
+# the families, Gemma's windows, soft-caps and local RoPE base, and multi-latent attention
+# (DeepSeek-V3) through the cache
+CONFIGS = [LLAMA_CONFIG, GPT2_CONFIG, GEMMA2_CONFIG, GEMMA3_CONFIG, DEEPSEEK_V3_CONFIG]
+IDS = ["llama", "gpt2", "gemma2", "gemma3", "deepseek_v3"]
 
 
 @pytest.mark.world(1)
@@ -117,8 +120,11 @@ def _cli(path, *extra) -> str:
 
 
 @pytest.mark.world(4)
-def test_greedy_tokens_are_the_same_at_every_layout():
-    """TP 2 x PP 2 (this launch's 4 ranks) prints the one-process model's greedy tokens."""
+@pytest.mark.parametrize("config", [LLAMA_CONFIG, DEEPSEEK_V3_CONFIG], ids=["llama", "deepseek_v3"])
+def test_greedy_tokens_are_the_same_at_every_layout(config):
+    """TP 2 x PP 2 (this launch's 4 ranks) prints the one-process model's greedy tokens
+    (DeepSeek-V3: multi-latent attention's cache split by heads over TP, its MoE layer under
+    sequence parallelism)."""
     import tempfile
     from pathlib import Path
 
@@ -128,7 +134,7 @@ def test_greedy_tokens_are_the_same_at_every_layout():
     dist.broadcast_object_list(shared, src=0)
     path = Path(shared[0]) / "m"
     if dist.get_rank() == 0:
-        write_random_hf_model(path, LLAMA_CONFIG, std=STD)
+        write_random_hf_model(path, config, std=STD)
     dist.barrier()
     reset_layout()  # the one-process model: no parallel_state groups left by earlier tests
     model, _ = model_from_hf(path)

@@ -119,11 +119,13 @@ def test_cached_attention_refuses_what_it_cannot_apply(modules, argument):
         _call(modules, "SelfAttention", inference_context=context, **{argument: value})
 
 
-def test_mla_refuses_a_kv_cache_naming_its_class(modules):
-    """An object without a repr of its own is described by its class."""
-    match = r"^MLASelfAttention: inference_context is not supported \(.+\); got a "
-    with pytest.raises(NotImplementedError, match=match + r"StaticInferenceContext, expected"):
-        _call(modules, "MLASelfAttention", inference_params=StaticInferenceContext(BATCH, SEQ))
+def test_a_refused_value_without_a_repr_of_its_own_is_described_by_its_class(modules):
+    class Unprintable:
+        pass
+
+    match = r"^MLASelfAttention: packed_seq_params is not supported \(.+\); got a "
+    with pytest.raises(NotImplementedError, match=match + r"Unprintable, expected None$"):
+        _call(modules, "MLASelfAttention", packed_seq_params=Unprintable())
 
 
 @pytest.mark.parametrize("mask_type", ["no_mask", "padding_causal", "arbitrary"])
@@ -147,7 +149,7 @@ def test_unknown_layer_keyword_is_an_error(modules):
         _call(modules, "TransformerLayer", rotary_pos_embedding=TENSOR)
 
 
-@pytest.mark.parametrize("name", ["TransformerBlock", "TransformerLayer"])
+@pytest.mark.parametrize("name", ["TransformerBlock", "TransformerLayer", "MLASelfAttention"])
 def test_inference_params_reaches_the_kv_cache(modules, name):
     """The deprecated ``inference_params`` is the cache, as ``inference_context`` is: same
     output, keys and values stored."""
@@ -167,10 +169,11 @@ def test_inference_params_reaches_the_kv_cache(modules, name):
     )
 
 
-def test_sequence_len_offset_is_the_cache_offset(modules):
+@pytest.mark.parametrize("name", ["SelfAttention", "MLASelfAttention"])
+def test_sequence_len_offset_is_the_cache_offset(modules, name):
     """Equal to the context's offset (an int, or one per sequence): accepted, same output;
     another offset: refused naming both."""
-    attention = modules["SelfAttention"]
+    attention = modules[name]
     hidden = _hidden()
     outputs = []
     with torch.no_grad():
@@ -184,7 +187,7 @@ def test_sequence_len_offset_is_the_cache_offset(modules):
                 )[0]
             )
         assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
-        match = r"SelfAttention: sequence_len_offset=\[0, 2\] disagrees with inference_context"
+        match = rf"^{name}: sequence_len_offset=\[0, 2\] disagrees with inference_context"
         with pytest.raises(
             ValueError, match=match + r"\.sequence_len_offset=0; expected None or 0"
         ):

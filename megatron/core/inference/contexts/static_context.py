@@ -56,8 +56,9 @@ class StaticInferenceContext:
     def store(
         self, layer_number: int, key: torch.Tensor, value: torch.Tensor
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Put ``key``/``value`` [s, b, g, d] at the current offset of layer
-        ``layer_number``'s cache; the layer's keys and values for every position so far."""
+        """Put ``key`` / ``value`` [s, b, g, d_k] / [s, b, g, d_v] at the current offset of
+        layer ``layer_number``'s cache; the layer's keys and values for every position so
+        far."""
         s, b = key.shape[:2]
         end = self.sequence_len_offset + s
         if end > self.max_sequence_length or b > self.max_batch_size:
@@ -66,9 +67,14 @@ class StaticInferenceContext:
                 f"{self.max_sequence_length} / max_batch_size {self.max_batch_size}"
             )
         cache = self.key_value_memory_dict.get(layer_number)
-        if cache is None or cache[0].shape[1:] != (self.max_batch_size, *key.shape[2:]):
-            shape = (self.max_sequence_length, self.max_batch_size, *key.shape[2:])
-            cache = (key.new_zeros(shape), value.new_zeros(shape))
+        if cache is None or any(
+            kept.shape[1:] != (self.max_batch_size, *new.shape[2:])
+            for kept, new in zip(cache, (key, value))
+        ):
+            cache = tuple(
+                new.new_zeros(self.max_sequence_length, self.max_batch_size, *new.shape[2:])
+                for new in (key, value)
+            )
             self.key_value_memory_dict[layer_number] = cache
         keys, values = cache
         keys[self.sequence_len_offset : end, :b] = key
