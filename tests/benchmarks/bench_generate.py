@@ -1,10 +1,12 @@
 """Decoding speed of ``megatron.training.generate`` with the key/value cache, against the
 same model recomputing the whole sequence for every new token (no cache), in one launch.
 
-    python tests/benchmarks/bench_generate.py [--layers 16 --hidden 2048 ...] [--cpu]
+    python tests/benchmarks/bench_generate.py [--layers 16 --hidden 2048 ...] [--mla] [--cpu]
 
 The model: the 1.1B Llama-style model of ``bench_trainer_gpu.py`` (random weights, bf16 on
-a GPU; ``--cpu`` a tiny float32 one). A prompt of ``--prompt`` tokens, ``--new`` tokens
+a GPU; ``--cpu`` a tiny float32 one); ``--mla``: its attention multi-latent instead
+(DeepSeek-V2-Lite's dims: kv_lora_rank 512, q/k head dim 128 + 64 rope, v head dim 128, no
+q LoRA, plain rope). A prompt of ``--prompt`` tokens, ``--new`` tokens
 decoded greedily; tokens/s = new tokens / wall time of the whole generation (prefill
 included), median of ``--repeats``. The tokens are compared (in float32 they agree; in bf16
 the two attention orders round differently, so a near tie of a random model may flip).
@@ -20,11 +22,17 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.training.generate import generate
 
 
 def build(args, device) -> torch.nn.Module:
-    config = TransformerConfig(
+    mla = {}
+    if args.mla:
+        mla = dict(q_lora_rank=None, rope_type="rope")
+        if args.cpu:
+            mla.update(kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8)
+    config = (MLATransformerConfig if args.mla else TransformerConfig)(
         num_layers=args.layers,
         hidden_size=args.hidden,
         num_attention_heads=args.heads,
@@ -39,10 +47,11 @@ def build(args, device) -> torch.nn.Module:
         bf16=not args.cpu,
         params_dtype=torch.float32 if args.cpu else torch.bfloat16,
         use_cpu_initialization=True,
+        **mla,
     )
     model = GPTModel(
         config,
-        get_gpt_layer_local_spec(normalization="RMSNorm"),
+        get_gpt_layer_local_spec(normalization="RMSNorm", multi_latent_attention=args.mla),
         args.vocab,
         args.prompt + args.new,
         position_embedding_type="rope",
@@ -78,11 +87,14 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--mla", action="store_true", help="multi-latent attention")
     parser.add_argument("--cpu", action="store_true", help="a tiny float32 model on the CPU")
     args = parser.parse_args()
     if args.cpu:
         args.layers, args.hidden, args.heads, args.groups, args.ffn = 2, 64, 4, 2, 128
         args.vocab, args.prompt, args.new = 256, 32, 16
+    if args.mla:  # every head has its own keys (num_query_groups is not MLA's)
+        args.groups = args.heads
     device = torch.device("cpu" if args.cpu else "cuda")
     model = build(args, device)
     prompt = torch.randint(
