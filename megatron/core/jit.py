@@ -7,14 +7,17 @@ never runs the function (``--help``, an export, generation without the fused pat
 not pay at import time."""
 
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 
-def jit_fuser(function: Callable) -> Callable:
-    """``torch.compile(function)``, created on the first call and compiled then, once per
-    input signature (shapes that change are then compiled as dynamic). Called inside a
+def jit_fuser(function: Callable, *, dynamic: Optional[bool] = None) -> Callable:
+    """``torch.compile(function, dynamic=dynamic)``, created on the first call and compiled
+    then, once per input signature (``dynamic`` None: shapes that change are then compiled
+    as dynamic; True: dynamic from the first call, for a function called at many shapes,
+    whose shape-specialized first graphs would spend dynamo's recompile limit of 8 graphs
+    per function, after which its new signatures run eagerly). Called inside a
     graph being compiled (``torch.compile`` of a layer), ``function`` is traced into that
     graph and the lazy compiled function is not read: a graph that read it while unset
     guarded on it and was compiled again once an eager call had set it."""
@@ -26,7 +29,7 @@ def jit_fuser(function: Callable) -> Callable:
         if torch.compiler.is_compiling():
             return function(*args, **kwargs)
         if compiled is None:
-            compiled = torch.compile(function)
+            compiled = torch.compile(function, dynamic=dynamic)
         return compiled(*args, **kwargs)
 
     return fused

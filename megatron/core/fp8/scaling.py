@@ -136,9 +136,13 @@ def _expert_operands(*args):
     return _operands(*args)
 
 
-_fused_operands = jit_fuser(_operands)
-_fused_expert_operands = jit_fuser(_expert_operands)
-_fused_cast_rows = jit_fuser(_cast_rows)
+# Dynamic from the first call: every FP8 linear calls these at its own shapes, and the
+# structural variants (the format, which operands are transposed) already take several of
+# dynamo's 8 graphs per function (a dense float32 model: 7 with shape-specialized first
+# graphs, 3 dynamic).
+_fused_operands = jit_fuser(_operands, dynamic=True)
+_fused_expert_operands = jit_fuser(_expert_operands, dynamic=True)
+_fused_cast_rows = jit_fuser(_cast_rows, dynamic=True)
 
 
 def _compiled_here(tensor: torch.Tensor) -> bool:

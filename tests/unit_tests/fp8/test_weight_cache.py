@@ -353,3 +353,38 @@ def test_first_val_step_decides_in_forward_only_runs(first_val_step, forward_onl
     )
     set_once = first_val_step or not forward_only
     assert model.fc1.is_first_microbatch is (False if set_once else None)
+
+
+# ----------------------------------------------------------------------------- compiled casts
+
+
+@pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic", "shape-specialized"])
+def test_the_compiled_casts_of_a_training_run_fit_dynamos_recompile_limit(dynamic, monkeypatch):
+    """The casts compiled on CUDA (``scaling.operands``), run here on the CPU through dynamo
+    (its eager backend, counting graphs): two iterations of the trainer's FP8 GPT compile 4
+    graphs of the cast function (the structural variants), under dynamo's limit of 8 per
+    function past which every new signature would run eagerly. Shape-specialized first
+    graphs (``jit_fuser``'s default, the negative control) take 7 of the 8."""
+    import torch._dynamo.testing
+
+    from megatron.core import jit
+    from megatron.training.cli import main
+
+    counter = torch._dynamo.testing.CompileCounter()
+    compile_ = torch.compile
+
+    def counting(fn, dynamic=None):
+        return compile_(fn, backend=counter, dynamic=dynamic)
+
+    monkeypatch.setattr(torch, "compile", counting)
+    monkeypatch.setattr(scaling, "_compiled_here", lambda t: not torch.compiler.is_compiling())
+    fused = jit.jit_fuser(scaling._operands, dynamic=dynamic)
+    monkeypatch.setattr(scaling, "_fused_operands", fused)
+    torch._dynamo.reset()
+    try:
+        assert main(["--train-iters", "2", "--fp8-format", "hybrid", "--fp8-recipe",
+                     "tensorwise", "--num-layers", "2", "--hidden-size", "64",
+                     "--num-attention-heads", "4"]) == 0  # fmt: skip
+    finally:
+        torch._dynamo.reset()
+    assert counter.frame_count == (4 if dynamic else 7), counter.frame_count
