@@ -121,6 +121,8 @@ def attention_forward(
         out, lse = spec.window_forward(q, k, v, scale, window)
     elif route == "split":
         out, lse = _split_forward(q, k, v, scale, spec)
+    elif route == "unmasked":
+        out, lse = spec.forward(q, k, v, False, scale)
     else:
         out, lse = spec.forward(q, k, v, causal, scale)
     return _from_heads_first(out, layout), lse
@@ -160,6 +162,8 @@ def attention_backward(
         grads = spec.window_backward(do, q, k_exp, v_exp, o, lse, scale, window)
     elif route == "split":
         grads = _split_backward(do, q, k_exp, v_exp, o, lse, scale, spec)
+    elif route == "unmasked":
+        grads = spec.backward(do, q, k_exp, v_exp, o, lse, False, scale)
     else:
         grads = spec.backward(do, q, k_exp, v_exp, o, lse, causal, scale)
     dq, dk, dv = grads
@@ -171,15 +175,19 @@ def attention_backward(
 def _route(spec, causal: bool, kernel: Kernel, s_q: int, s_k: int, device) -> str:
     """How a non-empty block runs, decided once for its forward and its backward:
     ``"softcap"`` (soft-capped scores: the explicit maths, the kernel being "math"),
-    ``"window"`` (the kernel's sliding-window op), ``"split"`` (causal with s_q < s_k on a
-    kernel whose own causal mask is top-left: a mask-free prefix plus a square causal block,
-    merged by LSE) or ``"plain"`` (the kernel's own op)."""
+    ``"window"`` (the kernel's sliding-window op), ``"unmasked"`` (causal with one query:
+    bottom-right, it is the last position and sees every key, so the kernel runs without a
+    mask: a decoding step's one call), ``"split"`` (causal with s_q < s_k on a kernel whose
+    own causal mask is top-left: a mask-free prefix plus a square causal block, merged by
+    LSE) or ``"plain"`` (the kernel's own op)."""
     if kernel.window is not None:
         _check_window(spec, causal, kernel.window)
     if kernel.softcap is not None:
         return "softcap"
     if kernel.window is not None:
         return "window"
+    if causal and s_q == 1:
+        return "unmasked"
     if causal and s_q < s_k and not bottom_right_causal(spec, device):
         return "split"
     return "plain"
