@@ -359,8 +359,9 @@ def test_bad_arguments_are_named():
 def test_kernel_causal_is_bottom_right(s_q, s_k, kernel):
     """A causal block with s_q < s_k means the queries are the last s_q positions; the CPU
     kernel's own is_causal is top-left for s_q != s_k, so the rectangle is split and merged
-    (one query, a decoding step's, sees every key: one call without a mask); the explicit "math" kernel (the CUDA fallback for float64 and odd head dimensions) masks
-    bottom-right itself. Negative control: the plain top-left call differs."""
+    (one query, a decoding step's, sees every key: one call without a mask); the explicit
+    "math" kernel (the CUDA fallback for float64 and odd head dimensions) masks bottom-right
+    itself. Negative control: the plain top-left call differs."""
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(2, s_q, 3, 8, generator=gen, dtype=torch.float64)
     k, v, dout = (
