@@ -154,17 +154,21 @@ def write_checksums(checkpoint_dir: Path, items: ItemChecksums, files: Dict[str,
 
 def read_checksums(checkpoint_dir: Path) -> Optional[dict]:
     """The checkpoint's ``checksums.json`` (None when it has none: another writer's
-    checkpoint); a clear error naming the file when it is damaged."""
+    checkpoint); a clear error naming the file when it is damaged. The self CRC-32 covers
+    every field but itself, whichever the writer had (``object_form`` came later; a later
+    version's fields verify too). An ``object_form`` this version does not know (a later
+    version's) is refused by name rather than read as another form."""
     path = Path(checkpoint_dir) / CHECKSUMS_FNAME
     if not path.exists():
         return None
     try:
         record = json.loads(path.read_bytes())
-        body = {k: record[k] for k in ("algorithm", "files", "items")}
-        if "object_form" in record:
-            body["object_form"] = record["object_form"]
+        body = {k: v for k, v in record.items() if k != "self_crc32"}
+        missing = [k for k in ("algorithm", "files", "items", "self_crc32") if k not in record]
+        if missing:
+            raise KeyError(", ".join(missing))
         intact = record["self_crc32"] == zlib.crc32(_canonical(body))
-    except (ValueError, KeyError, TypeError) as err:
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise CheckpointingException(
             f"{path}: damaged ({type(err).__name__}: {err}); expected the JSON object with "
             "'algorithm', 'files', 'items', 'self_crc32' that save writes"
@@ -177,6 +181,12 @@ def read_checksums(checkpoint_dir: Path) -> Optional[dict]:
     if body["algorithm"] != CHECKSUM_ALGORITHM:
         raise CheckpointingException(
             f"{path}: algorithm {body['algorithm']!r}; expected {CHECKSUM_ALGORITHM!r}"
+        )
+    if body.get("object_form", OBJECT_FORM) != OBJECT_FORM:
+        raise CheckpointingException(
+            f"{path}: object_form {body['object_form']!r}, written by a later version of "
+            f"this package; this one reads {OBJECT_FORM!r} (or none: its older checkpoints): "
+            "load it with the version that saved it"
         )
     return body
 

@@ -192,3 +192,36 @@ def test_a_model_only_checkpoint_is_refused_by_one_rule(tmp_path, monkeypatch):
     marked = message({"model_only": True})
     assert not reads and marked == message({}) and reads == [tmp_path]
     assert "holds no optimizer state" in marked and "hf import" in marked
+
+
+def _rewrite_checksums(directory, change, reseal: bool = True) -> None:
+    """Apply ``change`` to the checkpoint's checksums.json record, its self CRC-32 recomputed
+    over every other field (as a writer of that record would), or left (``reseal`` False)."""
+    path = directory / ckpt_storage.CHECKSUMS_FNAME
+    record = json.loads(path.read_text())
+    change(record)
+    if reseal:
+        body = {k: v for k, v in record.items() if k != "self_crc32"}
+        record["self_crc32"] = zlib.crc32(ckpt_storage._canonical(body))
+    path.write_text(json.dumps(record))
+
+
+def test_a_later_versions_checksums_fields_verify_and_an_unknown_object_form_is_refused(
+    tmp_path,
+):
+    """A field a later version adds to checksums.json (covered by its self CRC-32) loads: the
+    CRC covers every field (before: only the fields this version knew, so such a checkpoint
+    read as damaged); the field changed after the save is still damage; an object form this
+    version does not know is refused by name, not read as the bare form."""
+    piece = {"x": ShardedObject("x", {"v": 3}, (1,), (0,), replica_id=0)}
+    dist_checkpointing.save(piece, str(tmp_path))
+    asked = {"x": ShardedObject("x", None, (1,), (0,))}
+    _rewrite_checksums(tmp_path, lambda r: r.update(layout_format=2))
+    assert dist_checkpointing.load(asked, str(tmp_path))["x"] == {"v": 3}
+    _rewrite_checksums(tmp_path, lambda r: r.update(layout_format=3), reseal=False)
+    with pytest.raises(CheckpointingException, match="does not match its own CRC-32"):
+        dist_checkpointing.load(asked, str(tmp_path))
+    _rewrite_checksums(tmp_path, lambda r: r.update(layout_format=2, object_form="dict"))
+    match = r"object_form 'dict', written by a later version of this package; this one reads"
+    with pytest.raises(CheckpointingException, match=match):
+        dist_checkpointing.load(asked, str(tmp_path))
