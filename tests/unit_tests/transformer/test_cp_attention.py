@@ -386,6 +386,33 @@ def test_kernel_causal_is_bottom_right(s_q, s_k, kernel):
 
 
 @pytest.mark.world(1)
+@pytest.mark.parametrize("kernel", [None, "math"], ids=["cpu", "math"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["float64", "bf16"])
+def test_one_query_with_grouped_heads_attends_without_expanded_keys(kernel, dtype, monkeypatch):
+    """A decoding step (one query, causal, bottom-right: it sees every key) with grouped-query
+    heads (6 query heads over 2 key/value heads) runs each group's query heads as queries of
+    their key head: the same output, LSE and gradients (dk, dv float32 sums, as with expanded
+    keys) as the float64 oracle of expanded keys, without ``expand_kv``'s copy of the keys."""
+    gen = torch.Generator().manual_seed(6)
+    q, dout = (torch.randn(2, 1, 6, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, 9, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    qr, kr, vr = (x.transpose(1, 2).requires_grad_(True) for x in (q, k, v))
+    scores = qr @ kr.repeat_interleave(3, 1).transpose(-1, -2) * 0.3
+    expected = (torch.softmax(scores, -1) @ vr.repeat_interleave(3, 1)).transpose(1, 2)
+    ref_grads = torch.autograd.grad((expected * dout).sum(), (qr, kr, vr))
+    monkeypatch.setattr(fk, "expand_kv", lambda *a: pytest.fail("keys expanded"))
+    q, k, v, dout = (x.to(dtype) for x in (q, k, v, dout))
+    out, lse = fk.attention_forward(q, k, v, True, fk.Kernel(kernel, 0.3))
+    grads = fk.attention_backward(dout, q, k, v, out, lse, True, fk.Kernel(kernel, 0.3))
+    tol = 1e-12 if dtype == torch.float64 else 2e-2
+    assert out.dtype == dtype and torch.allclose(out.double(), expected, atol=tol)
+    assert torch.allclose(lse.double(), torch.logsumexp(scores, -1), atol=tol)
+    assert grads[0].dtype == dtype and grads[1].dtype == grads[2].dtype == fk.acc_dtype(dtype)
+    for g, r in zip(grads, ref_grads):
+        assert torch.allclose(g.double(), r.transpose(1, 2), atol=tol)
+
+
+@pytest.mark.world(1)
 def test_merge_ignores_rows_without_keys():
     """A block whose rows have no keys reports LSE = +inf on flash kernels; merging it must
     leave the running result unchanged (and rows with no keys anywhere stay 0, not NaN).

@@ -113,6 +113,9 @@ def attention_forward(
         )
         return query.new_zeros(query.shape), lse
     route = _route(spec, causal, kernel, s_q, s_k, query.device)
+    if route == "unmasked":
+        out, lse = _unmasked_forward(q, k, v, kernel.scale, spec)
+        return _from_heads_first(out, layout), lse
     k, v = expand_kv(k, v, n_q)
     scale, window = kernel.scale, kernel.window
     if route == "softcap":
@@ -121,8 +124,6 @@ def attention_forward(
         out, lse = spec.window_forward(q, k, v, scale, window)
     elif route == "split":
         out, lse = _split_forward(q, k, v, scale, spec)
-    elif route == "unmasked":
-        out, lse = spec.forward(q, k, v, False, scale)
     else:
         out, lse = spec.forward(q, k, v, causal, scale)
     return _from_heads_first(out, layout), lse
@@ -154,6 +155,9 @@ def attention_backward(
     do, q, k, v, o = (_heads_first(x, layout) for x in tensors)
     n_q, n_kv = q.shape[1], k.shape[1]
     route = _route(spec, causal, kernel, q.shape[2], k.shape[2], query.device)
+    if route == "unmasked":
+        grads = _unmasked_backward(do, q, k, v, o, lse, kernel.scale, spec)
+        return tuple(_from_heads_first(x, layout) for x in grads)
     k_exp, v_exp = expand_kv(k, v, n_q)
     scale, window = kernel.scale, kernel.window
     if route == "softcap":
@@ -162,8 +166,6 @@ def attention_backward(
         grads = spec.window_backward(do, q, k_exp, v_exp, o, lse, scale, window)
     elif route == "split":
         grads = _split_backward(do, q, k_exp, v_exp, o, lse, scale, spec)
-    elif route == "unmasked":
-        grads = spec.backward(do, q, k_exp, v_exp, o, lse, False, scale)
     else:
         grads = spec.backward(do, q, k_exp, v_exp, o, lse, causal, scale)
     dq, dk, dv = grads
@@ -541,6 +543,36 @@ _SPECS = {
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _unmasked_forward(q, k, v, scale, spec: KernelSpec):
+    """A causal block of one query ([b, n, s, d] tensors, s_q = 1): bottom-right, the query
+    is the last position and sees every key, so one call without a mask. Grouped-query
+    heads need no expanded keys: the g = n_q / n_kv query heads of each key/value head run
+    as g queries of that head (a decoding step does not copy its whole cache per layer)."""
+    b, n_q, s_q, d = q.shape
+    n_kv = k.shape[1]
+    out, lse = spec.forward(_fold_heads(q, n_kv), k, v, False, scale)
+    return out.reshape(b, n_q, s_q, out.shape[-1]), lse.reshape(b, n_q, s_q)
+
+
+def _unmasked_backward(do, q, k, v, o, lse, scale, spec: KernelSpec):
+    """The backward of ``_unmasked_forward``: dk and dv come out with the key heads (float32
+    under grouped-query attention, as ``sum_groups``' sums)."""
+    n_kv = k.shape[1]
+    do_, q_, o_ = (_fold_heads(x, n_kv) for x in (do, q, o))
+    lse_ = lse.reshape(lse.shape[0], n_kv, -1)
+    dq, dk, dv = spec.backward(do_, q_, k, v, o_, lse_, False, scale)
+    if n_kv != q.shape[1]:
+        dk, dv = dk.to(acc_dtype(dk.dtype)), dv.to(acc_dtype(dv.dtype))
+    return dq.reshape(q.shape), dk, dv
+
+
+def _fold_heads(x: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """[b, n_q, s, d] -> [b, n_kv, (n_q / n_kv) s, d]: query heads h = j g + i (key head j,
+    as ``expand_kv`` pairs them) become rows of key head j."""
+    b, n_q, s, d = x.shape
+    return x.reshape(b, n_kv, (n_q // n_kv) * s, d)
 
 
 def _split_forward(q, k, v, scale, spec: KernelSpec):
