@@ -211,16 +211,20 @@ def rotate(t: Tensor, freqs: Tensor, interleaved: bool, mscale: float) -> Tensor
     rotate(x1, x2) = (-x2, x1) over halves (``interleaved``: over even/odd channels);
     cos and sin are scaled by ``mscale``; channels beyond r pass through."""
     rot_dim = freqs.shape[-1]
-    rotated, passed = t[..., :rot_dim], t[..., rot_dim:]
-    cos = (torch.cos(freqs) * mscale).to(t.dtype)
-    sin = (torch.sin(freqs) * mscale).to(t.dtype)
+    whole = rot_dim == t.shape[-1]  # no channels pass through: no slice, no final copy
+    rotated = t if whole else t[..., :rot_dim]
+    cos, sin = torch.cos(freqs), torch.sin(freqs)
+    if mscale != 1.0:
+        cos, sin = cos * mscale, sin * mscale
+    cos, sin = cos.to(t.dtype), sin.to(t.dtype)
     if interleaved:
         x1, x2 = rotated[..., 0::2], rotated[..., 1::2]
         half_turn = torch.stack((-x2, x1), dim=-1).flatten(-2)
     else:
         x1, x2 = rotated.chunk(2, dim=-1)
         half_turn = torch.cat((-x2, x1), dim=-1)
-    return torch.cat((rotated * cos + half_turn * sin, passed), dim=-1)
+    out = rotated * cos + half_turn * sin  # (contiguous, as the concatenation was)
+    return out.contiguous() if whole else torch.cat((out, t[..., rot_dim:]), dim=-1)
 
 
 @functools.lru_cache(maxsize=None)
