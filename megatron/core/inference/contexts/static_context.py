@@ -5,7 +5,8 @@
 ``GPTModel.forward(..., inference_context=ctx)`` on tokens at positions
 [``sequence_len_offset``, ``sequence_len_offset`` + s) stores each layer's keys and values
 at those positions (``key_value_memory_dict[layer_number]`` = (keys, values), each
-[max_sequence_length, b, groups / TP, head dim]) and attends over everything cached so far;
+[max_sequence_length, b, groups / TP, head dim]; multi-latent attention's: heads / TP, its
+values zero-padded to the keys' head dim) and attends over everything cached so far;
 the caller then advances ``sequence_len_offset`` by s (``increment_sequence_len_offset``).
 """
 
