@@ -29,7 +29,8 @@ def jit_fuser(function: Callable, *, dynamic: Optional[bool] = None) -> Callable
         if torch.compiler.is_compiling():
             return function(*args, **kwargs)
         if compiled is None:
-            compiled = torch.compile(function, dynamic=dynamic)
+            options = {} if dynamic is None else {"dynamic": dynamic}
+            compiled = torch.compile(function, **options)
         return compiled(*args, **kwargs)
 
     return fused
