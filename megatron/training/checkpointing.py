@@ -188,6 +188,13 @@ def _check_resume(
             f"{where} is at iteration {saved_iteration}, beyond --train-iters {train_iters}; "
             "raise --train-iters, or pass --finetune to train its weights from iteration 0"
         )
+    if not finetune and "args" in common and "run_settings" not in common:
+        raise ValueError(
+            f"{where} was written by Megatron-LM's trainer (its common.pt holds Megatron-LM's "
+            "args, not this trainer's run record): its optimizer, scheduler and RNG states are "
+            "in Megatron-LM's own layouts and are not read here; pass --finetune to train its "
+            "model weights from iteration 0 (the model flags must describe its model)"
+        )
     if load_optim and _model_only(common, directory):
         raise ValueError(
             f"{where} holds no optimizer state (model weights only: written by python -m "

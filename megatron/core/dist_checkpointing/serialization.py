@@ -20,7 +20,6 @@ points and share every helper below (splitting sharded from common values, the p
 boxes, the agreement and coverage checks); the file format lives in ``storage.py``.
 """
 
-import io
 import logging
 import os
 import zlib
@@ -283,7 +282,7 @@ def load_common_state_dict(checkpoint_dir: Union[str, Path]) -> StateDict:
     storage.verify_bytes(
         checkpoint_dir, COMMON_FNAME, payload, storage.read_checksums(checkpoint_dir)
     )
-    return storage.safe_load_bytes(io.BytesIO(payload), str(path))
+    return storage.load_common_bytes(payload, str(path))
 
 
 def load_tensors_metadata(

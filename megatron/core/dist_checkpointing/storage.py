@@ -23,6 +23,7 @@ of ``common.pt`` and ``.metadata``, in ``checksums.json``. Our reader reads each
 itself, checks the CRC before unpickling anything, and names the file on a mismatch.
 """
 
+import argparse
 import contextlib
 import dataclasses
 import inspect
@@ -250,17 +251,71 @@ def safe_load_bytes(buffer: io.BytesIO, what: str) -> Any:
     try:
         return torch.load(buffer, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        raise CheckpointingException(
-            f"{what}: refused, it holds a pickled object that loading would have to run "
-            f"({_unpickler_reason(err)}). This loader never unpickles arbitrary objects "
-            "(torch.load(weights_only=True) only); save tensors, numbers, strings, and "
-            "lists/tuples/dicts of these instead"
-        ) from None
+        raise _refusal(what, _unpickler_reason(err)) from None
     except (RuntimeError, EOFError, ValueError) as err:
         raise CheckpointingException(
             f"{what}: not a readable torch.save payload ({type(err).__name__}: "
             f"{str(err).strip().splitlines()[0] if str(err).strip() else ''})"
         ) from None
+
+
+def load_common_bytes(payload: bytes, what: str) -> Any:
+    """``common.pt``'s state (``safe_load_bytes``), also when written by Megatron-LM's
+    trainer, whose common state holds ``args``: an ``argparse.Namespace`` with megatron
+    enums (``AttnBackend``, ``ModelType``, ...) in it. Those are admitted, and only those: the
+    namespace as itself (a plain record of attributes), each ``megatron.*`` global as a
+    ``SavedValue`` naming it (nothing of megatron is imported or run). Any other global is
+    refused as ``safe_load_bytes`` refuses it."""
+    try:
+        return safe_load_bytes(io.BytesIO(payload), what)
+    except CheckpointingException:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(payload))
+        refused = [name for name in names if not _admitted_in_args(name)]
+        if not names:
+            raise
+        if refused:
+            raise _refusal(what, "globals " + ", ".join(refused)) from None
+    admitted = [argparse.Namespace] + [
+        (_saved_value_class(name), name) for name in names if name.startswith("megatron.")
+    ]
+    with torch.serialization.safe_globals(admitted):
+        return safe_load_bytes(io.BytesIO(payload), what)
+
+
+class SavedValue:
+    """A value of a megatron class in a Megatron-LM trainer's ``args`` (an enum member,
+    mostly), kept as its class's name and the arguments it was pickled with."""
+
+    qualified_name = "megatron"
+
+    def __init__(self, *arguments: Any) -> None:
+        self.arguments = arguments
+
+    def __repr__(self) -> str:
+        return f"{self.qualified_name}{self.arguments!r}"
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, SavedValue) and (self.qualified_name, self.arguments) == (
+            other.qualified_name,
+            other.arguments,
+        )
+
+
+def _saved_value_class(name: str) -> type:
+    return type(name.rsplit(".", 1)[-1], (SavedValue,), {"qualified_name": name})
+
+
+def _admitted_in_args(name: str) -> bool:
+    return name == "argparse.Namespace" or name.startswith("megatron.")
+
+
+def _refusal(what: str, reason: str) -> CheckpointingException:
+    return CheckpointingException(
+        f"{what}: refused, it holds a pickled object that loading would have to run "
+        f"({reason}). This loader never unpickles arbitrary objects "
+        "(torch.load(weights_only=True) only); save tensors, numbers, strings, and "
+        "lists/tuples/dicts of these instead"
+    )
 
 
 def _unpickler_reason(err: Exception) -> str:

@@ -286,3 +286,52 @@ def test_the_trainer_fine_tunes_from_it_in_megatrons_layout(saved, tmp_path, cap
         code = cli.main(FLAGS + ["--load", str(tmp_path), "--train-iters", "1"])
     err = capsys.readouterr().err
     assert code != 0 and "holds no optimizer state" in err and "pass --finetune" in err, err
+
+
+# The common state Megatron-LM's trainer saves beside the model (``generate_state_dict``):
+# its ``args`` (an argparse.Namespace holding megatron-core enums and torch dtypes), the
+# checkpoint version, the iteration, the FLOPs so far and the scheduler's state.
+MEGATRON_LM_COMMON = """
+import argparse, sys, torch
+from megatron.core.enums import ModelType
+from megatron.core.transformer.enums import AttnBackend
+args = argparse.Namespace(num_layers=2, hidden_size=16, params_dtype=torch.float64,
+                          model_type=ModelType.encoder_or_decoder,
+                          attention_backend=AttnBackend.auto, data_path=["corpus"])
+torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 10,
+            "num_floating_point_operations_so_far": 1.5e12,
+            "opt_param_scheduler": {"max_lr": 1e-4, "num_steps": 20}}, sys.argv[1])
+"""
+
+
+def test_the_trainer_fine_tunes_from_a_megatron_lm_training_checkpoint(saved, tmp_path, capsys):
+    """megatron-core's checkpoint with the common state Megatron-LM's trainer writes (its
+    ``args`` pickled by megatron-core's interpreter, enums included): ``--finetune`` loads
+    its weights, the args read as a namespace with stand-ins for the enums (before: the whole
+    checkpoint refused, common.pt "holds a pickled object ... argparse.Namespace"); a resume
+    is refused naming Megatron-LM and ``--finetune``."""
+    import argparse
+    import shutil
+
+    from megatron.core.dist_checkpointing.storage import SavedValue
+    from megatron.training import cli
+
+    checkpoint = tmp_path / "iter_0000010"
+    shutil.copytree(saved[0], checkpoint)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("10")
+    _run_mcore(tmp_path, "-c", MEGATRON_LM_COMMON, str(checkpoint / "common.pt"))
+    common = dist_checkpointing.load_common_state_dict(str(checkpoint))
+    args = common["args"]
+    assert isinstance(args, argparse.Namespace) and args.params_dtype == torch.float64
+    assert isinstance(args.attention_backend, SavedValue)
+    assert args.attention_backend.qualified_name == "megatron.core.transformer.enums.AttnBackend"
+    with fresh_layout():
+        code = cli.main(FLAGS + ["--load", str(tmp_path), "--finetune", "--train-iters", "1"])
+    out = capsys.readouterr()
+    assert code == 0, out.err[-2000:]
+    assert f"loaded checkpoint of iteration 10 from {checkpoint}" in out.out
+    assert "model weights only; training starts at iteration 0" in out.out
+    with fresh_layout():
+        code = cli.main(FLAGS + ["--load", str(tmp_path), "--train-iters", "20"])
+    err = capsys.readouterr().err
+    assert code != 0 and "written by Megatron-LM's trainer" in err and "--finetune" in err, err

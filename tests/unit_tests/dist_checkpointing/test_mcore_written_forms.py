@@ -225,3 +225,36 @@ def test_a_later_versions_checksums_fields_verify_and_an_unknown_object_form_is_
     match = r"object_form 'dict', written by a later version of this package; this one reads"
     with pytest.raises(CheckpointingException, match=match):
         dist_checkpointing.load(asked, str(tmp_path))
+
+
+def test_a_megatron_lm_trainers_args_read_and_other_pickled_objects_are_refused(tmp_path):
+    """common.pt as Megatron-LM's trainer writes it: its ``args`` namespace reads, each
+    megatron enum in it as a ``SavedValue`` naming its class and value (nothing of megatron
+    imported or run; the enums here are this package's, pickled under megatron-core's names);
+    a payload with any other global (``os.system`` beside the args) is refused naming it."""
+    import argparse
+    import os
+
+    from megatron.core.dist_checkpointing.storage import SavedValue
+    from megatron.core.enums import ModelType
+    from megatron.core.transformer.enums import AttnBackend
+
+    dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, tmp_path)
+    (tmp_path / ckpt_storage.CHECKSUMS_FNAME).unlink()  # Megatron-LM writes none
+    args = argparse.Namespace(hidden_size=16, params_dtype=torch.bfloat16,
+                              model_type=ModelType.encoder_or_decoder,
+                              attention_backend=AttnBackend.auto)  # fmt: skip
+    torch.save({"args": args, "iteration": 10}, tmp_path / "common.pt")
+    common = dist_checkpointing.load_common_state_dict(str(tmp_path))
+    loaded = common["args"]
+    assert common["iteration"] == 10 and isinstance(loaded, argparse.Namespace)
+    assert loaded.hidden_size == 16 and loaded.params_dtype == torch.bfloat16
+    backend = loaded.attention_backend
+    assert isinstance(backend, SavedValue) and not isinstance(backend, AttnBackend)
+    assert backend.qualified_name == "megatron.core.transformer.enums.AttnBackend"
+    assert backend.arguments == (AttnBackend.auto.value,)
+    torch.save({"args": args, "hook": os.system}, tmp_path / "common.pt")
+    with pytest.raises(
+        CheckpointingException, match=r"common.pt: refused, .*\(globals \w+\.system\)"
+    ):
+        dist_checkpointing.load_common_state_dict(str(tmp_path))
