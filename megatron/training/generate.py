@@ -91,6 +91,7 @@ def generate(
     sampling: Optional[Sampling] = None,
     eos_id: Union[int, Collection[int], None] = None,
     pg_collection=None,
+    cuda_graph: bool = False,
 ) -> List[int]:
     """The new token ids after ``prompt`` (a list of ids): at most ``max_new_tokens``,
     stopping after ``eos_id`` (an id, or a collection of ids any of which stops, as
@@ -98,7 +99,10 @@ def generate(
     Float16Module wrappers allowed); ``vocab_size``: the tokenizer's vocabulary (padded rows
     never chosen). Collective over the model's TP x PP (x DP) ranks. Under sequence
     parallelism (a MoE model at TP > 1) each forward's tokens are padded to a multiple of TP
-    after the real ones, which causal attention keeps from changing them."""
+    after the real ones, which causal attention keeps from changing them. ``cuda_graph``
+    (one CUDA GPU, TP = PP = 1, no routed experts, sliding windows, soft-capping or sinks):
+    after the prompt, each decoding step replays one captured CUDA graph
+    (``_GraphedDecoding``) instead of launching its kernels from Python."""
     import torch
 
     from megatron.core.inference.contexts import StaticInferenceContext
@@ -112,12 +116,18 @@ def generate(
     multiple = _sequence_multiple(chunk)
     generator = torch.Generator().manual_seed(sampling.seed)
     context = StaticInferenceContext(1, len(prompt) + max_new_tokens + multiple)
+    if cuda_graph:
+        _check_graphable(chunk, device, pg_collection)
+    graphed = None
     step = list(prompt)
     out: List[int] = []
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            tokens, positions = _padded(step, context.sequence_len_offset, multiple, device)
-            logits = _forward(chunk, tokens, positions, context, pg_collection)
+            if graphed is not None:
+                logits = graphed(step[0])
+            else:
+                tokens, positions = _padded(step, context.sequence_len_offset, multiple, device)
+                logits = _forward(chunk, tokens, positions, context, pg_collection)
             context.increment_sequence_len_offset(len(step))
             context.enable_decode_mode()
             token = torch.zeros(1, dtype=torch.long, device=device)
@@ -129,7 +139,78 @@ def generate(
             if out[-1] in stops:
                 break
             step = [out[-1]]
+            if cuda_graph and graphed is None:
+                graphed = _GraphedDecoding(chunk, context, device)
     return out
+
+
+class _GraphedDecoding:
+    """One decoding step (a token at the cache's offset) as a CUDA graph: the context keeps
+    its offset on the device (``enable_static_decode``: static shapes); the first step runs
+    eagerly on a side stream (the warm-up CUDA graphs need: allocations, kernel choices), the
+    second is captured, and every step from then on replays it, its token and position
+    copied into the graph's input tensors. Written here because ``torch.compile``'s CUDA
+    graphs would need the model traced without a graph break; the capture needs none."""
+
+    def __init__(self, chunk: torch.nn.Module, context, device) -> None:
+        import torch
+
+        context.enable_static_decode(device)
+        self.chunk, self.context = chunk, context
+        self.tokens = torch.zeros(1, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(1, 1, dtype=torch.long, device=device)
+        self.graph = None
+        self.logits = None
+        self.warmed_up = False
+
+    def __call__(self, token: int) -> torch.Tensor:
+        import torch
+
+        self.tokens.fill_(token)
+        self.positions.copy_(self.context.static_offset.view(1, 1))
+        if not self.warmed_up:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                logits = self._forward()
+            torch.cuda.current_stream().wait_stream(side)
+            self.warmed_up = True
+            return logits
+        if self.graph is None:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self._forward()
+        self.graph.replay()
+        return self.logits
+
+    def _forward(self) -> torch.Tensor:
+        return self.chunk(
+            self.tokens, self.positions, inference_context=self.context, runtime_gather_output=True
+        )
+
+
+def _check_graphable(chunk, device, pg_collection) -> None:
+    """Refuse, naming the reason, a model or layout whose decoding step cannot be one
+    captured CUDA graph: not on CUDA, TP or PP > 1 (collectives), routed experts (their
+    token counts go to the host), or attention with a window, soft-capping or sinks (the
+    static step's masked attention has none)."""
+    config = _unwrap(chunk).config
+    reasons = []
+    if device.type != "cuda":
+        reasons.append(f"the model is on {device.type}, not a CUDA GPU")
+    for name in ("tp", "pp"):
+        group = None if pg_collection is None else getattr(pg_collection, name, None)
+        if group is not None and group.size() > 1:
+            reasons.append(f"{name.upper()} = {group.size()} (one GPU only)")
+    if getattr(config, "num_moe_experts", None):
+        reasons.append("routed experts (their token counts are read on the host)")
+    for name in ("window_size", "attn_logit_softcapping"):
+        if getattr(config, name, None) is not None:
+            reasons.append(f"{name} (not in the static step's attention)")
+    if getattr(config, "softmax_type", "vanilla") != "vanilla":
+        reasons.append(f"softmax_type {config.softmax_type!r} (attention sinks)")
+    if reasons:
+        raise UsageError("--enable-cuda-graph: " + "; ".join(reasons))
 
 
 def _sequence_multiple(chunk) -> int:
@@ -294,6 +375,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="tensor-parallel size inside each expert (default: --tp)",
     )
     layout.add_argument("--bf16", action="store_true", help="bf16 weights and activations")
+    decoding.add_argument(
+        "--enable-cuda-graph",
+        action="store_true",
+        help="replay each decoding step as one captured CUDA graph (one GPU, TP = PP = 1; "
+        "no routed experts, sliding windows, soft-capping or sinks)",
+    )
     layout.add_argument("--distributed-backend", choices=("auto", "gloo", "nccl"), default="auto")
     return parser
 
@@ -351,7 +438,10 @@ def run(args: argparse.Namespace) -> List[str]:
     completions = []
     with loaded_model(args, config) as (model, groups, config):
         for ids in prompts:
-            new = generate(model, ids, args.max_new_tokens, vocab, sampling, stops, groups)
+            new = generate(
+                model, ids, args.max_new_tokens, vocab, sampling, stops, groups,
+                cuda_graph=args.enable_cuda_graph,
+            )  # fmt: skip
             if codec is None:
                 completions.append(" ".join(str(i) for i in new))
             else:

@@ -1,15 +1,17 @@
-"""Decoding speed of ``megatron.training.generate`` with the key/value cache, against the
+"""Decoding speed of ``megatron.training.generate`` with the key/value cache (eager, and on a
+GPU with each decoding step one captured CUDA graph: ``--enable-cuda-graph``), against the
 same model recomputing the whole sequence for every new token (no cache), in one launch.
 
-    python tests/benchmarks/bench_generate.py [--layers 16 --hidden 2048 ...] [--mla] [--cpu]
+    python tests/benchmarks/bench_generate.py [--layers 16 ...] [--mla] [--fp32] [--cpu]
 
 The model: the 1.1B Llama-style model of ``bench_trainer_gpu.py`` (random weights, bf16 on
 a GPU; ``--cpu`` a tiny float32 one); ``--mla``: its attention multi-latent instead
 (DeepSeek-V2-Lite's dims: kv_lora_rank 512, q/k head dim 128 + 64 rope, v head dim 128, no
 q LoRA, plain rope). A prompt of ``--prompt`` tokens, ``--new`` tokens
 decoded greedily; tokens/s = new tokens / wall time of the whole generation (prefill
-included), median of ``--repeats``. The tokens are compared (in float32 they agree; in bf16
-the two attention orders round differently, so a near tie of a random model may flip).
+included), median of ``--repeats``. The tokens are compared with the eager cache's (in
+float32 they agree; in bf16 the attention orders round differently, so a near tie of a random
+model may flip); ``--fp32``: the model in float32 on the GPU too.
 """
 
 import argparse
@@ -44,8 +46,8 @@ def build(args, device) -> torch.nn.Module:
         add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        bf16=not args.cpu,
-        params_dtype=torch.float32 if args.cpu else torch.bfloat16,
+        bf16=not (args.cpu or args.fp32),
+        params_dtype=torch.float32 if args.cpu or args.fp32 else torch.bfloat16,
         use_cpu_initialization=True,
         **mla,
     )
@@ -58,7 +60,7 @@ def build(args, device) -> torch.nn.Module:
         share_embeddings_and_output_weights=False,
         seed=1,
     )
-    model = model if args.cpu else Float16Module(config, model)
+    model = model if args.cpu or args.fp32 else Float16Module(config, model)
     return model.to(device).eval()
 
 
@@ -88,6 +90,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--mla", action="store_true", help="multi-latent attention")
+    parser.add_argument("--fp32", action="store_true", help="float32 on the GPU too")
     parser.add_argument("--cpu", action="store_true", help="a tiny float32 model on the CPU")
     args = parser.parse_args()
     if args.cpu:
@@ -103,10 +106,12 @@ def main() -> None:
     prompt = prompt.tolist()
     sync = (lambda: None) if args.cpu else torch.cuda.synchronize
     results = {}
-    for name, run in (
-        ("kv-cache", lambda: generate([model], prompt, args.new, args.vocab)),
-        ("no-cache", lambda: without_cache(model, prompt, args.new, args.vocab)),
-    ):
+    variants = [("kv-cache", lambda: generate([model], prompt, args.new, args.vocab))]
+    if not args.cpu:
+        graphed = lambda: generate([model], prompt, args.new, args.vocab, cuda_graph=True)  # noqa
+        variants.append(("kv-cache-graph", graphed))
+    variants.append(("no-cache", lambda: without_cache(model, prompt, args.new, args.vocab)))
+    for name, run in variants:
         times, tokens = [], None
         for _ in range(args.repeats + 1):  # the first is a warm-up
             sync()
@@ -116,14 +121,14 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         results[name] = (statistics.median(times[1:]), tokens)
         print(f"# {name}: {args.new / results[name][0]:,.1f} tokens/s", flush=True)
-    a, b = results["kv-cache"][1], results["no-cache"][1]
-    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-    same = "yes" if first is None else f"no, from token {first} (bf16 rounding of a near tie)"
-    print("| variant | tokens/s | speed-up |\n| --- | ---: | ---: |")
-    base = results["no-cache"][0]
-    for name, (t, _) in results.items():
-        print(f"| {name} | {args.new / t:,.1f} | {base / t:.2f}x |")
-    print(f"same tokens: {same}")
+    print(
+        "| variant | tokens/s | speed-up | same tokens as kv-cache |\n| --- | ---: | ---: | --- |"
+    )
+    base, reference = results["no-cache"][0], results["kv-cache"][1]
+    for name, (t, tokens) in results.items():
+        first = next((i for i, (x, y) in enumerate(zip(tokens, reference)) if x != y), None)
+        same = "yes" if first is None else f"no, from token {first}"
+        print(f"| {name} | {args.new / t:,.1f} | {base / t:.2f}x | {same} |")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 
 from megatron.core import rope, tensor_parallel
 from megatron.core.config_rules import is_window_layer
@@ -175,7 +176,33 @@ def cached_attention(module: torch.nn.Module, query, key, value, inference_conte
         )
     keys, values = inference_context.store(module.layer_number, key, value)
     core = module.core_attention
+    offset = getattr(inference_context, "static_offset", None)
+    if offset is not None:
+        return _attention_up_to(query, keys, values, offset, core.attention_kernel, core)
     return _explicit_attention(query, keys, values, core.attention_kernel, core.softmax_offset)
+
+
+def _attention_up_to(query, keys, values, offset, kernel: Kernel, core) -> torch.Tensor:
+    """A decoding step of static shapes (``StaticInferenceContext.enable_static_decode``): the
+    one query [1, b, np, d] attends over the whole buffers [max_len, b, ng, d], keys past
+    ``offset`` (a device tensor) masked out, so that the step can be captured as a CUDA graph.
+    PyTorch's attention with a boolean mask (the kernels of ``cp_attention`` take no mask);
+    each key head's query heads run as its queries (no expanded keys). Sliding windows, logit
+    soft-capping and attention sinks are refused by name."""
+    for name, value in (("window_size", kernel.window), ("attn_logit_softcapping",
+                        kernel.softcap), ("softmax_type", core.softmax_offset)):  # fmt: skip
+        if value is not None:
+            raise NotImplementedError(
+                f"a decoding step of static shapes (enable_static_decode) with {name}: not "
+                "implemented; decode without it (no --enable-cuda-graph)"
+            )
+    b, n_q, d = query.shape[1:]
+    n_kv = keys.shape[2]
+    q = query.permute(1, 2, 0, 3).reshape(b, n_kv, n_q // n_kv, d)
+    k, v = (x.permute(1, 2, 0, 3) for x in (keys, values))
+    visible = (torch.arange(k.shape[2], device=k.device) <= offset)[None, :]  # [1, max_len]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=kernel.scale)
+    return out.reshape(b, n_q * v.shape[-1]).unsqueeze(0)
 
 
 def check_sequence_len_offset(owner: str, offset, inference_context) -> None:

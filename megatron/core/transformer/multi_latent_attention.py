@@ -41,7 +41,7 @@ from megatron.core.transformer.module import MegatronModule, output_projection, 
 from megatron.core.transformer.parallel_groups import ResolvedGroup, cp_group_of, tp_group_of
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import MLATransformerConfig
-from megatron.core.transformer.utils import refuse_unsupported_arguments
+from megatron.core.transformer.utils import offset_rows, refuse_unsupported_arguments
 from megatron.core.utils import get_pg_size
 
 
@@ -241,11 +241,10 @@ class MLASelfAttention(MegatronModule):
         A cached forward's positions are [offset, offset + s) of the context (the table of
         its whole length, built once per generation)."""
         if inference_context is not None:
-            offset = inference_context.sequence_len_offset
             table, mscale = self.rotary_pos_emb.cached_angles(
                 inference_context.max_sequence_length, device
             )
-            return table[offset : offset + seq_local], mscale
+            return offset_rows(inference_context, table, seq_local), mscale
         cp_group = self._cp_group.get()
         length = seq_local * get_pg_size(cp_group)
         return self.rotary_pos_emb.cached_angles(length, device, cp_group)

@@ -307,3 +307,24 @@ def _tp_group(metadata: Optional[dict]) -> Optional[dist.ProcessGroup]:
 def _dp_cp_group(metadata: Optional[dict]) -> Optional[dist.ProcessGroup]:
     """``metadata["dp_cp_group"]``, else the MPU fallback (``resolve_group``)."""
     return resolve_group("dp_cp", (metadata or {}).get("dp_cp_group"))
+
+
+def offset_rows(context: Any, table: torch.Tensor, length: int) -> torch.Tensor:
+    """Rows [offset, offset + ``length``) of ``table`` (a row per position of a cached
+    forward's context, e.g. the RoPE angles), for any context with megatron-core's
+    ``sequence_len_offset``: a slice, or the row gathered at the device offset after
+    ``StaticInferenceContext.enable_static_decode`` (its ``static_offset``)."""
+    static = getattr(context, "static_offset", None)
+    if static is None:
+        return table[context.sequence_len_offset : context.sequence_len_offset + length]
+    check_one_token_per_forward(length)
+    return table.index_select(0, static)
+
+
+def check_one_token_per_forward(length: int) -> None:
+    """A forward after ``StaticInferenceContext.enable_static_decode`` runs one token."""
+    if length != 1:
+        raise ValueError(
+            f"StaticInferenceContext: {length} tokens in a forward after "
+            "enable_static_decode; expected one token per forward"
+        )

@@ -64,6 +64,58 @@ def test_the_cached_forward_equals_the_full_forward(tmp_path, config):
 
 
 @pytest.mark.world(1)
+@pytest.mark.parametrize(
+    "config", [LLAMA_CONFIG, GPT2_CONFIG, DEEPSEEK_V3_CONFIG], ids=["llama", "gpt2", "deepseek_v3"]
+)
+def test_static_decoding_steps_equal_the_full_forward(tmp_path, config):
+    """The decoding step of static shapes that ``--enable-cuda-graph`` captures
+    (``enable_static_decode``: the offset on the device, keys written at it, attention over
+    the whole buffer masked past it, RoPE angles gathered at it), run eagerly here: after a
+    cached prompt, one token per forward gives the full forward's logits; the cache is longer
+    than the sequence, so the mask matters (without it the zero keys past the offset would
+    take part)."""
+    path = write_random_hf_model(tmp_path / "m", config, std=STD)
+    model, _ = model_from_hf(path)
+    model.eval()
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        full = model(ids, torch.arange(len(PROMPT))[None])
+        context = StaticInferenceContext(1, 2 * len(PROMPT))
+        steps = [model(ids[:, :3], torch.arange(3)[None], inference_context=context)]
+        context.increment_sequence_len_offset(3)
+        context.enable_static_decode(torch.device("cpu"))
+        for i in range(3, len(PROMPT)):
+            steps.append(model(ids[:, i : i + 1], torch.tensor([[i]]), inference_context=context))
+            context.increment_sequence_len_offset(1)
+        assert int(context.static_offset) == context.sequence_len_offset == len(PROMPT)
+        with pytest.raises(ValueError, match="2 tokens in a forward after enable_static_decode"):
+            model(ids[:, :2], torch.arange(2)[None], inference_context=context)
+    assert rel_error(torch.cat(steps, dim=1), full) <= 1e-6
+
+
+@pytest.mark.world(1)
+def test_static_decoding_refuses_what_it_cannot_capture(tmp_path):
+    """Gemma 2's window and soft-caps in the static step, an empty cache, and
+    ``--enable-cuda-graph`` off a CUDA GPU are refused by name."""
+    from megatron.training.errors import UsageError
+
+    path = write_random_hf_model(tmp_path / "m", GEMMA2_CONFIG, std=STD)
+    model, _ = model_from_hf(path)
+    model.eval()
+    context = StaticInferenceContext(1, 8)
+    with pytest.raises(ValueError, match="the cache is empty; run the prompt through it first"):
+        context.enable_static_decode(torch.device("cpu"))
+    with torch.no_grad():
+        model(torch.tensor([PROMPT[:3]]), torch.arange(3)[None], inference_context=context)
+        context.increment_sequence_len_offset(3)
+        context.enable_static_decode(torch.device("cpu"))
+        with pytest.raises(NotImplementedError, match="static shapes .* with window_size"):
+            model(torch.tensor([[5]]), torch.tensor([[3]]), inference_context=context)
+    with pytest.raises(UsageError, match="--enable-cuda-graph: the model is on cpu, not a CUDA"):
+        generate([model], PROMPT, 2, vocab_size=128, cuda_graph=True)
+
+
+@pytest.mark.world(1)
 @pytest.mark.skipif(not HAVE_TRANSFORMERS, reason=SKIP_REASON)
 @pytest.mark.parametrize("config", CONFIGS, ids=IDS)
 def test_greedy_tokens_equal_transformers_generate(tmp_path, config):

@@ -8,11 +8,19 @@ at those positions (``key_value_memory_dict[layer_number]`` = (keys, values), ea
 [max_sequence_length, b, groups / TP, head dim]; multi-latent attention's: heads / TP, its
 values zero-padded to the keys' head dim) and attends over everything cached so far;
 the caller then advances ``sequence_len_offset`` by s (``increment_sequence_len_offset``).
+
+Ours beyond megatron-core's: ``enable_static_decode`` keeps the offset on the device too, so
+that a decoding step (one token) has the same shapes and reads its offset from memory at
+every position, and can be captured as a CUDA graph (``megatron.training.generate
+--enable-cuda-graph``): its keys and values are written at the device offset and it attends
+over the whole buffer, masked past the offset (``attention.cached_attention``).
 """
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
+
+from megatron.core.transformer.utils import check_one_token_per_forward
 
 
 class StaticInferenceContext:
@@ -30,6 +38,7 @@ class StaticInferenceContext:
         self.batch_size_offset = 0
         self.key_value_memory_dict: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         self.decode_mode = False
+        self.static_offset: Optional[torch.Tensor] = None  # enable_static_decode
 
     def is_static_batching(self) -> bool:
         return True
@@ -47,12 +56,26 @@ class StaticInferenceContext:
     def increment_sequence_len_offset(self, length: int) -> None:
         """Advance past ``length`` tokens just run."""
         self.sequence_len_offset += length
+        if self.static_offset is not None:
+            self.static_offset.add_(length)
+
+    def enable_static_decode(self, device: torch.device) -> None:
+        """(Ours) From now on every forward runs one token, and the offset is also the device
+        tensor ``static_offset`` [1], which ``store`` and ``offset_rows`` read instead of the
+        integer (module docstring). The prompt must already be in the cache."""
+        if not self.key_value_memory_dict:
+            raise ValueError(
+                "StaticInferenceContext.enable_static_decode: the cache is empty; run the "
+                "prompt through it first"
+            )
+        self.static_offset = torch.tensor([self.sequence_len_offset], device=device)
 
     def reset(self) -> None:
         """Forget every cached sequence (the buffers are kept for the next batch)."""
         self.sequence_len_offset = 0
         self.batch_size_offset = 0
         self.decode_mode = False
+        self.static_offset = None
 
     def store(
         self, layer_number: int, key: torch.Tensor, value: torch.Tensor
@@ -78,6 +101,11 @@ class StaticInferenceContext:
             )
             self.key_value_memory_dict[layer_number] = cache
         keys, values = cache
+        if self.static_offset is not None:  # the whole buffers: the caller masks past it
+            check_one_token_per_forward(s)
+            keys[:, :b].index_copy_(0, self.static_offset, key)
+            values[:, :b].index_copy_(0, self.static_offset, value)
+            return keys[:, :b], values[:, :b]
         keys[self.sequence_len_offset : end, :b] = key
         values[self.sequence_len_offset : end, :b] = value
         return keys[:end, :b], values[:end, :b]

@@ -15,6 +15,7 @@ from megatron.core.rope import (
     yarn_config_mscales,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import offset_rows
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 YARN_FIELDS = (
@@ -145,9 +146,8 @@ class RotaryAngles:
         hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
         length = inference_context.max_sequence_length
         table = getattr(self, name).cached_angles(length, hidden.device)[0]
-        offset = inference_context.sequence_len_offset
         sp = get_pg_size(self.tp_group) if self.config.sequence_parallel else 1
-        return table[offset : offset + hidden.shape[0] * sp]
+        return offset_rows(inference_context, table, hidden.shape[0] * sp)
 
     def _global_seq_length(self, input_ids, decoder_input, cp_group) -> int:
         """The whole sequence's length s from this rank's inputs (for RoPE)."""
