@@ -45,22 +45,36 @@ IDS = ["llama", "gpt2", "gemma2", "gemma3", "deepseek_v3"]
 @pytest.mark.world(1)
 @pytest.mark.parametrize("config", CONFIGS, ids=IDS)
 def test_the_cached_forward_equals_the_full_forward(tmp_path, config):
-    path = write_random_hf_model(tmp_path / "m", config, std=STD)
-    model, _ = model_from_hf(path)
-    model.eval()
-    ids = torch.tensor([PROMPT])
+    model, ids, full = _model_and_full_logits(tmp_path, config)
     with torch.no_grad():
-        full = model(ids, torch.arange(len(PROMPT))[None])
         context = StaticInferenceContext(1, len(PROMPT))
         steps = []
         for start, stop in ((0, 3), (3, 5)):  # the prompt (causal), then a chunk after it
             steps.append(model(ids[:, start:stop], torch.arange(start, stop)[None],
                                inference_context=context))  # fmt: skip
             context.increment_sequence_len_offset(stop - start)
-        for i in range(5, len(PROMPT)):  # then one token at a time
-            steps.append(model(ids[:, i : i + 1], torch.tensor([[i]]), inference_context=context))
-            context.increment_sequence_len_offset(1)
+        steps += _one_token_steps(model, ids, context, 5)  # then one token at a time
     assert rel_error(torch.cat(steps, dim=1), full) <= 1e-6
+
+
+def _model_and_full_logits(tmp_path, config):
+    """(the model of ``config`` with random weights, PROMPT's ids, their full forward's
+    logits)."""
+    path = write_random_hf_model(tmp_path / "m", config, std=STD)
+    model, _ = model_from_hf(path)
+    model.eval()
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        return model, ids, model(ids, torch.arange(len(PROMPT))[None])
+
+
+def _one_token_steps(model, ids, context, start: int) -> list:
+    """The logits of ids[start:], one cached forward per token."""
+    steps = []
+    for i in range(start, ids.shape[1]):
+        steps.append(model(ids[:, i : i + 1], torch.tensor([[i]]), inference_context=context))
+        context.increment_sequence_len_offset(1)
+    return steps
 
 
 @pytest.mark.world(1)
@@ -74,19 +88,13 @@ def test_static_decoding_steps_equal_the_full_forward(tmp_path, config):
     cached prompt, one token per forward gives the full forward's logits; the cache is longer
     than the sequence, so the mask matters (without it the zero keys past the offset would
     take part)."""
-    path = write_random_hf_model(tmp_path / "m", config, std=STD)
-    model, _ = model_from_hf(path)
-    model.eval()
-    ids = torch.tensor([PROMPT])
+    model, ids, full = _model_and_full_logits(tmp_path, config)
     with torch.no_grad():
-        full = model(ids, torch.arange(len(PROMPT))[None])
         context = StaticInferenceContext(1, 2 * len(PROMPT))
         steps = [model(ids[:, :3], torch.arange(3)[None], inference_context=context)]
         context.increment_sequence_len_offset(3)
         context.enable_static_decode(torch.device("cpu"))
-        for i in range(3, len(PROMPT)):
-            steps.append(model(ids[:, i : i + 1], torch.tensor([[i]]), inference_context=context))
-            context.increment_sequence_len_offset(1)
+        steps += _one_token_steps(model, ids, context, 3)
         assert int(context.static_offset) == context.sequence_len_offset == len(PROMPT)
         with pytest.raises(ValueError, match="2 tokens in a forward after enable_static_decode"):
             model(ids[:, :2], torch.arange(2)[None], inference_context=context)
