@@ -100,7 +100,7 @@ def generate(
     never chosen). Collective over the model's TP x PP (x DP) ranks. Under sequence
     parallelism (a MoE model at TP > 1) each forward's tokens are padded to a multiple of TP
     after the real ones, which causal attention keeps from changing them. ``cuda_graph``
-    (one CUDA GPU, TP = PP = 1, no routed experts, sliding windows, soft-capping or sinks):
+    (one CUDA GPU, TP = PP = 1, no routed experts):
     after the prompt, each decoding step replays one captured CUDA graph
     (``_GraphedDecoding``) instead of launching its kernels from Python."""
     import torch
@@ -192,8 +192,7 @@ class _GraphedDecoding:
 def _check_graphable(chunk, device, pg_collection) -> None:
     """Refuse, naming the reason, a model or layout whose decoding step cannot be one
     captured CUDA graph: not on CUDA, TP or PP > 1 (collectives), routed experts (their
-    token counts go to the host), or attention with a window, soft-capping or sinks (the
-    static step's masked attention has none)."""
+    token counts go to the host)."""
     config = _unwrap(chunk).config
     reasons = []
     if device.type != "cuda":
@@ -204,11 +203,6 @@ def _check_graphable(chunk, device, pg_collection) -> None:
             reasons.append(f"{name.upper()} = {group.size()} (one GPU only)")
     if getattr(config, "num_moe_experts", None):
         reasons.append("routed experts (their token counts are read on the host)")
-    for name in ("window_size", "attn_logit_softcapping"):
-        if getattr(config, name, None) is not None:
-            reasons.append(f"{name} (not in the static step's attention)")
-    if getattr(config, "softmax_type", "vanilla") != "vanilla":
-        reasons.append(f"softmax_type {config.softmax_type!r} (attention sinks)")
     if reasons:
         raise UsageError("--enable-cuda-graph: " + "; ".join(reasons))
 
@@ -378,8 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     decoding.add_argument(
         "--enable-cuda-graph",
         action="store_true",
-        help="replay each decoding step as one captured CUDA graph (one GPU, TP = PP = 1; "
-        "no routed experts, sliding windows, soft-capping or sinks)",
+        help="replay each decoding step as one captured CUDA graph (one GPU, TP = PP = 1, "
+        "no routed experts)",
     )
     layout.add_argument("--distributed-backend", choices=("auto", "gloo", "nccl"), default="auto")
     return parser

@@ -3,6 +3,7 @@ GPU with each decoding step one captured CUDA graph: ``--enable-cuda-graph``), a
 same model recomputing the whole sequence for every new token (no cache), in one launch.
 
     python tests/benchmarks/bench_generate.py [--layers 16 ...] [--mla] [--fp32] [--cpu]
+        [--window N] [--softcap C] [--sinks]
 
 The model: the 1.1B Llama-style model of ``bench_trainer_gpu.py`` (random weights, bf16 on
 a GPU; ``--cpu`` a tiny float32 one); ``--mla``: its attention multi-latent instead
@@ -11,7 +12,9 @@ q LoRA, plain rope). A prompt of ``--prompt`` tokens, ``--new`` tokens
 decoded greedily; tokens/s = new tokens / wall time of the whole generation (prefill
 included), median of ``--repeats``. The tokens are compared with the eager cache's (in
 float32 they agree; in bf16 the attention orders round differently, so a near tie of a random
-model may flip); ``--fp32``: the model in float32 on the GPU too.
+model may flip); ``--fp32``: the model in float32 on the GPU too. ``--window``, ``--softcap``,
+``--sinks``: a sliding window of N keys, attention logit soft-capping, learnable attention
+sinks (the explicit-scores path of the static decoding step).
 """
 
 import argparse
@@ -49,6 +52,9 @@ def build(args, device) -> torch.nn.Module:
         bf16=not (args.cpu or args.fp32),
         params_dtype=torch.float32 if args.cpu or args.fp32 else torch.bfloat16,
         use_cpu_initialization=True,
+        window_size=None if args.window is None else (args.window, 0),
+        attn_logit_softcapping=args.softcap,
+        softmax_type="learnable" if args.sinks else "vanilla",
         **mla,
     )
     model = GPTModel(
@@ -91,6 +97,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--mla", action="store_true", help="multi-latent attention")
     parser.add_argument("--fp32", action="store_true", help="float32 on the GPU too")
+    parser.add_argument("--window", type=int, help="a sliding window of N keys")
+    parser.add_argument("--softcap", type=float, help="attention logit soft-capping")
+    parser.add_argument("--sinks", action="store_true", help="learnable attention sinks")
     parser.add_argument("--cpu", action="store_true", help="a tiny float32 model on the CPU")
     args = parser.parse_args()
     if args.cpu:

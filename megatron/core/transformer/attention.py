@@ -16,7 +16,7 @@ from megatron.core import rope, tensor_parallel
 from megatron.core.config_rules import is_window_layer
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.rope import LayerAngles, apply_rotary_pos_emb
-from megatron.core.transformer.cp_attention.kernels import Kernel, attention_forward
+from megatron.core.transformer.cp_attention.kernels import Kernel, acc_dtype, attention_forward
 from megatron.core.transformer.cp_attention.sinks import sink_forward
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -185,24 +185,37 @@ def cached_attention(module: torch.nn.Module, query, key, value, inference_conte
 def _attention_up_to(query, keys, values, offset, kernel: Kernel, core) -> torch.Tensor:
     """A decoding step of static shapes (``StaticInferenceContext.enable_static_decode``): the
     one query [1, b, np, d] attends over the whole buffers [max_len, b, ng, d], keys past
-    ``offset`` (a device tensor) masked out, so that the step can be captured as a CUDA graph.
-    PyTorch's attention with a boolean mask (the kernels of ``cp_attention`` take no mask);
-    each key head's query heads run as its queries (no expanded keys). Sliding windows, logit
-    soft-capping and attention sinks are refused by name."""
-    for name, value in (("window_size", kernel.window), ("attn_logit_softcapping",
-                        kernel.softcap), ("softmax_type", core.softmax_offset)):  # fmt: skip
-        if value is not None:
-            raise NotImplementedError(
-                f"a decoding step of static shapes (enable_static_decode) with {name}: not "
-                "implemented; decode without it (no --enable-cuda-graph)"
-            )
+    ``offset`` (a device tensor) masked out, and those before the core attention's window,
+    so that the step can be captured as a CUDA graph. Each key head's query heads run as its
+    queries (no expanded keys). PyTorch's attention with a boolean mask (the kernels of
+    ``cp_attention`` take no mask); with logit soft-capping or attention sinks the scores
+    explicitly, at least in float32 (one query row per head: cheap), the sinks joined by
+    their LSE."""
     b, n_q, d = query.shape[1:]
-    n_kv = keys.shape[2]
+    n_kv, length = keys.shape[2], keys.shape[0]
     q = query.permute(1, 2, 0, 3).reshape(b, n_kv, n_q // n_kv, d)
     k, v = (x.permute(1, 2, 0, 3) for x in (keys, values))
-    visible = (torch.arange(k.shape[2], device=k.device) <= offset)[None, :]  # [1, max_len]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=kernel.scale)
-    return out.reshape(b, n_q * v.shape[-1]).unsqueeze(0)
+    position = torch.arange(length, device=k.device)
+    visible = position <= offset
+    if kernel.window is not None:  # keys offset - window .. offset, as attention_forward's
+        visible = visible & (position >= offset - kernel.window)
+    sinks = core.softmax_offset
+    if kernel.softcap is None and sinks is None:
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=visible[None, :], scale=kernel.scale
+        )
+        return out.reshape(b, n_q * v.shape[-1]).unsqueeze(0)
+    dtype = acc_dtype(query.dtype)
+    scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * kernel.scale
+    if kernel.softcap is not None:
+        scores = torch.tanh(scores / kernel.softcap) * kernel.softcap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [b, n_kv, g]
+    out = (torch.softmax(scores, dim=-1) @ v.to(dtype)).to(query.dtype)
+    out = out.reshape(1, b, n_q, v.shape[-1])
+    if sinks is not None:
+        out = sink_forward(out, lse.reshape(b, n_q, 1), sinks)[0].to(query.dtype)
+    return out.reshape(1, b, n_q * v.shape[-1])
 
 
 def check_sequence_len_offset(owner: str, offset, inference_context) -> None:

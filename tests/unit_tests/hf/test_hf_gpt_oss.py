@@ -355,6 +355,28 @@ def test_the_cached_forward_and_greedy_generation_equal_the_full_forward_and_tra
     assert ours == out.sequences[0, 6:].tolist()
 
 
+def test_static_decoding_steps_equal_the_full_forward(gpt_oss):
+    """The decoding step of static shapes that ``--enable-cuda-graph`` captures
+    (``enable_static_decode``), run eagerly: with the sinks, and the first layer's window of
+    5 over 12 tokens in a cache of 24 (masked past the offset and before the window), one
+    token per forward after the prompt gives the full forward's logits (float64)."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    model, _ = model_from_hf(gpt_oss, params_dtype=torch.float64)
+    model.eval()
+    ids = token_ids()[:1, :12]
+    with torch.no_grad():
+        full = model(ids, torch.arange(12)[None])
+        context = StaticInferenceContext(1, 24)
+        steps = [model(ids[:, :6], torch.arange(6)[None], inference_context=context)]
+        context.increment_sequence_len_offset(6)
+        context.enable_static_decode(torch.device("cpu"))
+        for i in range(6, 12):
+            steps.append(model(ids[:, i : i + 1], torch.tensor([[i]]), inference_context=context))
+            context.increment_sequence_len_offset(1)
+    assert rel_error(torch.cat(steps, dim=1), full) <= 1e-12
+
+
 @pytest.mark.slow
 def test_a_lora_run_exports_a_peft_adapter_and_a_merged_gpt_oss(tmp_path):
     """LoRA on the attention (the experts excluded) from --hf-model: the PEFT adapter on

@@ -78,16 +78,15 @@ def _one_token_steps(model, ids, context, start: int) -> list:
 
 
 @pytest.mark.world(1)
-@pytest.mark.parametrize(
-    "config", [LLAMA_CONFIG, GPT2_CONFIG, DEEPSEEK_V3_CONFIG], ids=["llama", "gpt2", "deepseek_v3"]
-)
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
 def test_static_decoding_steps_equal_the_full_forward(tmp_path, config):
     """The decoding step of static shapes that ``--enable-cuda-graph`` captures
     (``enable_static_decode``: the offset on the device, keys written at it, attention over
-    the whole buffer masked past it, RoPE angles gathered at it), run eagerly here: after a
-    cached prompt, one token per forward gives the full forward's logits; the cache is longer
-    than the sequence, so the mask matters (without it the zero keys past the offset would
-    take part)."""
+    the whole buffer masked past it and before a window, RoPE angles gathered at it; Gemma's
+    soft-caps in float32 scores), run eagerly here: after a cached prompt, one token per
+    forward gives the full forward's logits; the cache is longer than the sequence, so the
+    mask matters (without it the zero keys past the offset would take part). Attention sinks
+    (GPT-OSS): ``test_hf_gpt_oss.py``."""
     model, ids, full = _model_and_full_logits(tmp_path, config)
     with torch.no_grad():
         context = StaticInferenceContext(1, 2 * len(PROMPT))
@@ -103,22 +102,12 @@ def test_static_decoding_steps_equal_the_full_forward(tmp_path, config):
 
 @pytest.mark.world(1)
 def test_static_decoding_refuses_what_it_cannot_capture(tmp_path):
-    """Gemma 2's window and soft-caps in the static step, an empty cache, and
-    ``--enable-cuda-graph`` off a CUDA GPU are refused by name."""
+    """An empty cache, and ``--enable-cuda-graph`` off a CUDA GPU, are refused by name."""
     from megatron.training.errors import UsageError
 
-    path = write_random_hf_model(tmp_path / "m", GEMMA2_CONFIG, std=STD)
-    model, _ = model_from_hf(path)
-    model.eval()
-    context = StaticInferenceContext(1, 8)
+    model, _, _ = _model_and_full_logits(tmp_path, LLAMA_CONFIG)
     with pytest.raises(ValueError, match="the cache is empty; run the prompt through it first"):
-        context.enable_static_decode(torch.device("cpu"))
-    with torch.no_grad():
-        model(torch.tensor([PROMPT[:3]]), torch.arange(3)[None], inference_context=context)
-        context.increment_sequence_len_offset(3)
-        context.enable_static_decode(torch.device("cpu"))
-        with pytest.raises(NotImplementedError, match="static shapes .* with window_size"):
-            model(torch.tensor([[5]]), torch.tensor([[3]]), inference_context=context)
+        StaticInferenceContext(1, 8).enable_static_decode(torch.device("cpu"))
     with pytest.raises(UsageError, match="--enable-cuda-graph: the model is on cpu, not a CUDA"):
         generate([model], PROMPT, 2, vocab_size=128, cuda_graph=True)
 
