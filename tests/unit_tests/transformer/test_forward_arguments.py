@@ -52,6 +52,9 @@ def modules():
     mla = TransformerBlock(
         mla_config, get_gpt_layer_local_spec(multi_latent_attention=True), pg_collection=groups
     )
+    with torch.no_grad():  # a bare block leaves its weights as allocated (GPTModel fills them)
+        for param in mla.parameters():
+            param.normal_(0.0, 0.3)
     layer = model.decoder.layers[0]
     return {
         "GPTModel": model,
