@@ -178,19 +178,21 @@ def cached_attention(module: torch.nn.Module, query, key, value, inference_conte
     core = module.core_attention
     offset = getattr(inference_context, "static_offset", None)
     if offset is not None:
-        return _attention_up_to(query, keys, values, offset, core.attention_kernel, core)
+        return _attention_up_to(query, keys, values, offset, core)
     return _explicit_attention(query, keys, values, core.attention_kernel, core.softmax_offset)
 
 
-def _attention_up_to(query, keys, values, offset, kernel: Kernel, core) -> torch.Tensor:
+def _attention_up_to(query, keys, values, offset, core: torch.nn.Module) -> torch.Tensor:
     """A decoding step of static shapes (``StaticInferenceContext.enable_static_decode``): the
     one query [1, b, np, d] attends over the whole buffers [max_len, b, ng, d], keys past
-    ``offset`` (a device tensor) masked out, and those before the core attention's window,
+    ``offset`` (a device tensor) masked out, and those before the window of ``core`` (the
+    core attention, whose kernel options and sinks apply),
     so that the step can be captured as a CUDA graph. Each key head's query heads run as its
     queries (no expanded keys). PyTorch's attention with a boolean mask (the kernels of
     ``cp_attention`` take no mask); with logit soft-capping or attention sinks the scores
     explicitly, at least in float32 (one query row per head: cheap), the sinks joined by
     their LSE."""
+    kernel, sinks = core.attention_kernel, core.softmax_offset
     b, n_q, d = query.shape[1:]
     n_kv, length = keys.shape[2], keys.shape[0]
     q = query.permute(1, 2, 0, 3).reshape(b, n_kv, n_q // n_kv, d)
@@ -199,7 +201,6 @@ def _attention_up_to(query, keys, values, offset, kernel: Kernel, core) -> torch
     visible = position <= offset
     if kernel.window is not None:  # keys offset - window .. offset, as attention_forward's
         visible = visible & (position >= offset - kernel.window)
-    sinks = core.softmax_offset
     if kernel.softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=visible[None, :], scale=kernel.scale
@@ -210,8 +211,8 @@ def _attention_up_to(query, keys, values, offset, kernel: Kernel, core) -> torch
     if kernel.softcap is not None:
         scores = torch.tanh(scores / kernel.softcap) * kernel.softcap
     scores = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [b, n_kv, g]
-    out = (torch.softmax(scores, dim=-1) @ v.to(dtype)).to(query.dtype)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # [b, n_kv, g, 1]
+    out = (torch.exp(scores - lse) @ v.to(dtype)).to(query.dtype)
     out = out.reshape(1, b, n_q, v.shape[-1])
     if sinks is not None:
         out = sink_forward(out, lse.reshape(b, n_q, 1), sinks)[0].to(query.dtype)

@@ -341,12 +341,10 @@ class MLASelfAttention(MegatronModule):
             rotary_pos_sin=rotary_pos_sin,
             rotary_pos_cos_sin=rotary_pos_cos_sin,
             attention_bias=attention_bias,
-            packed_seq_params=packed_seq_params,
-            position_ids=position_ids,
         )
         check_sequence_len_offset("MLASelfAttention", sequence_len_offset, inference_context)
         query, key, value = self.get_query_key_value_tensors(
-            hidden_states, inference_context=inference_context
+            hidden_states, None, position_ids, packed_seq_params, inference_context
         )
         dv = value.shape[-1]
         query, key, value = self._one_head_dim(query, key, value)
